@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random-weight HF checkpoints of every supported architecture."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ["llama", "llama31", "mistral", "qwen2", "mixtral", "qwen2_moe"]
+
+
+def _config(arch: str, vocab: int):
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "llama31":
+        return LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                           rope_theta=500000.0)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=24)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 96}, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=None)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                              num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
+    raise ValueError(arch)
+
+
+def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+    from tierlm.models.demo import build_tokenizer
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch, len(tok) + 10), dtype=torch.float32)
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {a: build_checkpoint(a, root / a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints) -> Path:
+    return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints):
+    from transformers import AutoModelForCausalLM
+    return {a: AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval() for a, p in checkpoints.items()}
+
+
+KV_SMALL = 64 * 1024  # bytes: a handful of blocks for the tiny models, forces preemption

@@ -1,0 +1,12 @@
+"""tierlm: a multi-tenant LLM inference server.
+
+`from tierlm import LLM, SamplingParams` gives the offline engine with no server at all.
+"""
+from tierlm.config import EngineConfig
+from tierlm.engine.async_engine import AsyncEngine
+from tierlm.engine.llm import LLM
+from tierlm.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from tierlm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta"]
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""Small matplotlib helpers shared by the `tierlm bench` commands.
+
+Benchmarks write a PNG next to their JSON; these helpers keep those figures uniform (same size,
+grid, legend placement) and keep matplotlib details out of the benchmark code. The Agg backend is
+forced so plotting works on headless machines and never opens a window.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
+
+Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
+
+__all__ = ["line_plot", "panels_plot", "cdf_plot", "bar_plot"]
+
+
+def _save(fig: "plt.Figure", path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _draw_lines(ax: "plt.Axes", series: Series, xlabel: str, ylabel: str, logx: bool,
+                markers: bool) -> None:
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o" if markers else None, markersize=4, label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if series:
+        ax.legend(fontsize="small")
+
+
+def line_plot(path: str, series: Series, title: str, xlabel: str, ylabel: str,
+              logx: bool = False, markers: bool = True) -> str:
+    """One panel, one line per series label: `series[label] = (xs, ys)`. Returns `path`."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _draw_lines(ax, series, xlabel, ylabel, logx, markers)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def panels_plot(path: str, panels: Mapping[str, Series], title: str, xlabel: str, ylabel: str,
+                logx: bool = False, markers: bool = True, sharey: bool = False) -> str:
+    """Side-by-side panels (e.g. one per trace), each drawn like `line_plot`."""
+    n = max(len(panels), 1)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.5), sharey=sharey, squeeze=False)
+    for ax, (panel_title, series) in zip(axes[0], panels.items()):
+        _draw_lines(ax, series, xlabel, ylabel, logx, markers)
+        ax.set_title(panel_title)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def cdf_plot(path: str, samples: Mapping[str, Sequence[float]], title: str, xlabel: str,
+             logx: bool = False) -> str:
+    """Empirical CDF per label (latencies, lengths...). Empty sample lists are skipped."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in samples.items():
+        xs = sorted(values)
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction ≤ x")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title)
+    if samples:
+        ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def bar_plot(path: str, values: Mapping[str, float], title: str, ylabel: str) -> str:
+    """One bar per label (e.g. throughput per configuration)."""
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(values) + 2), 4.5))
+    labels = list(values)
+    ax.bar(range(len(labels)), [values[k] for k in labels])
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(title)
+    return _save(fig, path)

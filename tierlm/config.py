@@ -1,0 +1,59 @@
+"""Engine configuration: one place for every default."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class EngineConfig:
+    """Knobs named like vLLM's. `None` means "derive a sensible value when the model is known"."""
+
+    model: str | None = None  # checkpoint directory; None = the built-in demo model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the device KV pool
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"
+    served_model_name: str | None = None
+    load_progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+        return dev
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {self.block_size})")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes (got {self.kv_cache_memory})")
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """A share of free memory for KV: 80% of free GPU memory, or 25% of available RAM capped at 8 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 << 30
+    return int(min(avail * 0.25, 8 << 30))

@@ -1,0 +1,176 @@
+"""asyncio front of the engine: the model loop runs in its own thread, never on the event loop.
+
+Requests and aborts are handed to the engine thread through a queue and applied between
+steps, so only that thread ever mutates engine state; deltas come back to each request's
+asyncio.Queue via call_soon_threadsafe. Closing a `generate` iterator early aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+
+from tierlm.config import EngineConfig
+from tierlm.engine.engine import EngineStats, LLMEngine
+from tierlm.engine.outputs import StreamDelta
+from tierlm.errors import EngineDeadError
+from tierlm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+
+    @classmethod
+    def from_model(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # -- pass-throughs ---------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, continue_final_message=False):
+        return self.engine.apply_chat_template(messages, tools, add_generation_prompt, continue_final_message)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort whatever is still running and stop the engine thread."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 30)
+        self._thread = None
+
+    # -- requests --------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error ({self.dead}); restart the server")
+        if self._thread is None:
+            await self.start()
+        req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
+                                       cache_salt=cache_salt)
+        rid = req.request_id
+        if rid in self._streams:
+            from tierlm.errors import InvalidRequestError
+            raise InvalidRequestError(f"request id '{rid}' is already in use", param="request_id")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        self._post(("add", req, None))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._post(("abort", rid, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its KV blocks are free."""
+        fut: Future = Future()
+        self._post(("abort", request_id, fut))
+        await asyncio.wrap_future(fut)
+
+    def _post(self, msg) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _deliver(self, deltas: list) -> None:
+        for d in deltas:
+            rid, item = d if isinstance(d, tuple) else (d.request_id, d)
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    def _send(self, deltas: list) -> None:
+        if deltas and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, deltas)
+
+    def _drain_inbox(self) -> list:
+        out = []
+        while True:
+            try:
+                kind, arg, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+            try:
+                if kind == "add":
+                    self.engine.add(arg)
+                else:
+                    d = self.engine.abort(arg)
+                    if d is not None:
+                        out.append(d)
+                if fut is not None:
+                    fut.set_result(None)
+            except Exception as e:  # a bad add must fail that request only
+                if kind == "add":
+                    out.append((arg.request_id, e))
+                if fut is not None:
+                    fut.set_exception(e)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            self._send(self._drain_inbox())
+            if not eng.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self._send(eng.step())
+            except Exception as e:  # fail the requests in flight, keep serving new ones
+                log.exception("engine step failed; aborting the %d requests in flight", len(eng.requests))
+                err = EngineDeadError(f"internal engine error: {type(e).__name__}: {e}")
+                failed = []
+                for rid in list(eng.requests):
+                    eng.abort(rid)
+                    failed.append((rid, err))
+                self._send(failed)
+        # Shutting down: abort everything left so callers see a final delta.
+        self._send(self._drain_inbox())
+        self._send([eng.abort(rid) for rid in list(eng.requests)])

@@ -1,0 +1,77 @@
+"""Incremental detokenization with stop strings.
+
+Each new token is decoded inside a small window of preceding tokens, so leading spaces and
+multi-token characters come out right; text ending in U+FFFD (an unfinished UTF-8 sequence)
+is held until the rest arrives. Stop strings are searched across token boundaries, and the
+last len(longest stop)-1 characters are held back while streaming, so a stop string is never
+half-sent before it is recognised.
+"""
+from __future__ import annotations
+
+_CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        ctx = prompt_ids[-_CONTEXT:]
+        self.ids: list[int] = list(ctx)
+        self.prefix_offset = 0
+        self.read_offset = len(ctx)
+        self.text = ""
+        self.sent = 0
+        self.stop = stop
+        self.include_stop = include_stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.matched_stop: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str | None:
+        """Add one generated token; returns the stop string if one just completed."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return self._check_stop(start)
+        return None
+
+    def flush(self) -> None:
+        """At the end, emit whatever is still pending (even an unfinished character)."""
+        if self.matched_stop is None and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix):
+                start = len(self.text)
+                self.text += full[len(prefix):]
+                self._check_stop(start)
+            self.read_offset = len(self.ids)
+
+    def _check_stop(self, start: int) -> str | None:
+        if not self.stop:
+            return None
+        begin = max(0, start - self.hold)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, begin)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.matched_stop = s
+        return s
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet sent; while running, keep back what could still become a stop string."""
+        end = len(self.text) if finished or self.matched_stop else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out

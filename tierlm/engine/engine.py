@@ -1,0 +1,248 @@
+"""The synchronous engine core: admit requests, run steps, hand back deltas.
+
+`step()` is one scheduler decision + one model forward + sampling + detokenization. Both the
+offline `LLM` and the threaded `AsyncEngine` drive this same object, so there is one path.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tierlm.config import EngineConfig, default_kv_cache_memory
+from tierlm.engine.detokenizer import IncrementalDetokenizer
+from tierlm.engine.outputs import StreamDelta, TokenLogprob
+from tierlm.engine.request import Request, RequestStatus
+from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
+from tierlm.engine.sampler import Sampler
+from tierlm.engine.scheduler import Scheduler
+from tierlm.engine.tokenizer import load_tokenizer
+from tierlm.errors import InvalidRequestError, RequestTooLongError
+from tierlm.kv.block_pool import BlockPool
+from tierlm.kv.manager import KVCacheManager
+from tierlm.models.loader import load_model
+from tierlm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    last_step_tokens: int
+    last_step_seqs: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = config.resolve_device()
+        if config.model is None:
+            from tierlm.models.demo import ensure_demo_model
+            model_dir = ensure_demo_model()
+        else:
+            model_dir = Path(config.model)
+        self.model_dir = model_dir
+        self.model_name = config.served_model_name or (
+            "tierlm-demo" if config.model is None else model_dir.name)
+        self.tokenizer = load_tokenizer(model_dir)
+        torch.manual_seed(config.seed)
+        loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
+                            progress=config.load_progress)
+        self.args = loaded.args
+        self.dtype = loaded.dtype
+        self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
+        if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
+                        self.max_model_len, loaded.args.max_position_embeddings)
+        bs = config.block_size
+        per_block = kv_bytes_per_block(loaded, bs)
+        budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
+        self.kv = KVCacheManager(self.pool, bs, model_id=f"{self.model_name}:{self.dtype}")
+        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(loaded, num_blocks, bs)
+        self.sampler = Sampler(config.seed)
+        eos = set(loaded.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.logprobs: dict[str, list[TokenLogprob]] = {}
+        self._seq = itertools.count()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.steps = 0
+        self.last_step = (0, 0)
+        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
+                 self.model_name, self.device, str(self.dtype).replace("torch.", ""), num_blocks, bs,
+                 num_blocks * per_block / 2**20, self.max_model_len)
+
+    # -- admission -------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                     request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = self.tokenizer.encode(text)
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        elif isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        vocab = self.args.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}: it leaves no room for output; "
+                "shorten the prompt", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
+                f"({self.max_model_len}); lower max_tokens or shorten the prompt", param="max_tokens")
+        need = self.kv.blocks_needed(n + max_tokens)
+        if need > self.pool.num_blocks:
+            raise RequestTooLongError(
+                f"prompt + max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
+                "lower max_tokens or start the engine with more kv_cache_memory", param="max_tokens")
+        rid = request_id or uuid.uuid4().hex
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
+                       tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request id '{req.request_id}' is already in use", param="request_id")
+        self.requests[req.request_id] = req
+        self.detoks[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.skip_special_tokens,
+            req.params.include_stop_str_in_output)
+        if req.params.logprobs is not None:
+            self.logprobs[req.request_id] = []
+        self.scheduler.add(req)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, **kw) -> Request:
+        req = self.make_request(prompt, params, request_id, **kw)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> StreamDelta | None:
+        """Stop a request now and free its KV blocks; returns its final delta, or None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort", None)
+
+    # -- the step --------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StreamDelta]:
+        sched = self.scheduler.schedule()
+        self.steps += 1
+        self.last_step = (sched.num_tokens, len(sched.scheduled))
+        if not sched.scheduled:
+            return []
+        samplers, logits = self.runner.execute(sched)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens <= req.num_prompt_tokens:
+                self.prompt_tokens += n
+            self.kv.register_computed(req)
+        if not samplers:
+            return []
+        tokens, lps = self.sampler(logits, samplers)
+        now = time.monotonic()
+        deltas = []
+        for req, tok, lp in zip(samplers, tokens, lps):
+            deltas.append(self._on_token(req, tok, lp, now))
+        return deltas
+
+    def _on_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> StreamDelta:
+        req.append_token(tok)
+        self.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if lp is not None:
+            self.logprobs[req.request_id].append(lp)
+        p = req.params
+        detok = self.detoks[req.request_id]
+        if tok in req.eos_token_ids and not p.ignore_eos:
+            return self._finish(req, "stop", None, new_token=tok, lp=lp)
+        if tok in p.stop_token_ids:
+            return self._finish(req, "stop", tok, new_token=tok, lp=lp)
+        matched = detok.add(tok)
+        if matched is not None:
+            return self._finish(req, "stop", matched, new_token=tok, lp=lp)
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return self._finish(req, "length", None, new_token=tok, lp=lp)
+        return self._delta(req, detok.delta(False), [tok], lp, finished=False)
+
+    def _finish(self, req: Request, reason: str, stop_reason, new_token: int | None = None,
+                lp: TokenLogprob | None = None) -> StreamDelta:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.scheduler.remove(req)
+        detok = self.detoks.pop(req.request_id)
+        if reason != "stop" or isinstance(stop_reason, str):
+            detok.flush()
+        self.requests.pop(req.request_id, None)
+        self.logprobs.pop(req.request_id, None)
+        delta = self._delta(req, detok.delta(True), [] if new_token is None else [new_token], lp, finished=True)
+        delta.finish_reason, delta.stop_reason = reason, stop_reason
+        req.final_text = detok.text
+        return delta
+
+    def _delta(self, req: Request, text: str, toks: list[int], lp, finished: bool) -> StreamDelta:
+        return StreamDelta(
+            request_id=req.request_id, text=text, token_ids=toks, finished=finished,
+            logprobs=[lp] if lp is not None else None, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens)
+
+    # -- introspection ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_used, kv_blocks_total=self.pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens, steps=self.steps,
+            last_step_tokens=self.last_step[0], last_step_seqs=self.last_step[1])
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        from tierlm.engine.tokenizer import render_chat
+        return render_chat(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message)

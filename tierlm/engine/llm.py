@@ -1,0 +1,71 @@
+"""Offline batch inference, shaped like vLLM's `LLM` class."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from tierlm.config import EngineConfig
+from tierlm.engine.engine import LLMEngine
+from tierlm.engine.outputs import CompletionOutput, RequestOutput
+from tierlm.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=DIR).generate(prompts, params)` runs everything to completion in this thread."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | dict | Sequence[str | dict | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
+        # Validate every request before queueing any, so a bad one changes nothing.
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self._counter += 1
+            reqs.append(self.engine.make_request(p, sp, f"llm-{self._counter}",
+                                                 priority=priority[i] if priority else 0))
+        for r in reqs:
+            self.engine.add(r)
+        order = {r.request_id: i for i, r in enumerate(reqs)}
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        logprobs: dict[str, list] = {r.request_id: [] for r in reqs}
+        bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                if d.request_id not in order:
+                    continue
+                tokens[d.request_id].extend(d.token_ids)
+                if d.logprobs:
+                    logprobs[d.request_id].extend(d.logprobs)
+                if d.finished:
+                    r = reqs[order[d.request_id]]
+                    out = CompletionOutput(0, r.final_text, tokens[d.request_id], d.finish_reason, d.stop_reason,
+                                           logprobs[d.request_id] if r.params.logprobs is not None else None)
+                    results[order[d.request_id]] = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [out],
+                                                                 num_cached_tokens=d.num_cached_tokens)
+                    bar.update(1)
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, tools)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,57 @@
+"""What the engine hands back: streaming deltas and final per-request outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the top-N alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StreamDelta:
+    """New output of one request since the previous delta (what `AsyncEngine.generate` yields).
+
+    `text` never holds a partial UTF-8 character and never holds (part of) a matched stop
+    string. Counters are cumulative so the last delta carries the usage figures.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # matched stop string, or stop token id; None for EOS
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM-compatible field names)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -1,0 +1,88 @@
+"""Scheduler output -> flat tensors -> model forward -> logits of the tokens to sample.
+
+Owns the KV memory (allocated once: [2, num_blocks, block_size, kv_heads, head_dim] per layer)
+and the only code that knows how a step's tokens are laid out for attention.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierlm.engine.request import Request
+from tierlm.engine.scheduler import SchedulerOutput
+from tierlm.models.attention import AttentionMetadata, PrefillSeq
+from tierlm.models.loader import LoadedModel
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    a = loaded.args
+    elem = torch.empty((), dtype=loaded.dtype).element_size()
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.args = loaded.args
+        self.device = loaded.device
+        self.block_size = block_size
+        shape = (2, num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device)
+                          for _ in range(self.args.num_layers)]
+
+    def _block_ids(self, req: Request) -> np.ndarray:
+        return np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
+        """Run one step; returns the requests that produce a token now and their logits rows."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        logits_idx: list[int] = []
+        samplers: list[Request] = []
+        prefills: list[PrefillSeq] = []
+        dec_tables: list[np.ndarray] = []
+        dec_lens: list[int] = []
+        offset = 0
+        for req, n in sched.scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            ids.extend(req.all_token_ids[start:end])
+            table = self._block_ids(req)
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            used = -(-end // bs)
+            if n == 1:
+                dec_tables.append(table[:used])
+                dec_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(offset, offset + n, end,
+                                           torch.from_numpy(table[:used]).to(self.device)))
+            if end == req.num_tokens:
+                logits_idx.append(offset + n - 1)
+                samplers.append(req)
+            offset += n
+        if not ids:
+            return [], None
+        dev = self.device
+        dec_bt = dec_ln = None
+        if dec_tables:
+            width = max(len(t) for t in dec_tables)
+            padded = np.zeros((len(dec_tables), width), dtype=np.int64)
+            for i, t in enumerate(dec_tables):
+                padded[i, : len(t)] = t
+            dec_bt = torch.from_numpy(padded).to(dev)
+            dec_ln = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(dec_tables), decode_block_tables=dec_bt, decode_ctx_lens=dec_ln,
+            prefills=prefills, block_size=bs)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        if not samplers:
+            self.model(input_ids, pos_t, self.kv_caches, meta, logits_indices=torch.empty(0, dtype=torch.long, device=dev))
+            return [], None
+        idx = torch.tensor(logits_idx, dtype=torch.long, device=dev)
+        return samplers, self.model(input_ids, pos_t, self.kv_caches, meta, logits_indices=idx)

@@ -1,0 +1,107 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step is a mapping request -> number of new tokens to compute (vLLM v1's idea): a decode
+is 1, a prefill chunk is many, a prefix-cache hit just starts later. Budget order: running
+decodes, then running prefill chunks, then waiting requests, until the token budget or the
+sequence cap is spent. When KV blocks run out, the lowest-priority, latest-arrived running
+request is preempted (blocks freed, recomputed later), so the engine never deadlocks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tierlm.engine.request import Request, RequestStatus
+from tierlm.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    # Ordered: single-token entries (decodes) first, then multi-token prefill chunks.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.kv = kv
+        self.max_tokens = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and free its blocks (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def _preempt(self, out: SchedulerOutput) -> Request:
+        victim = max(self.running, key=Request.sort_key)
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+        out.preempted.append(victim)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_tokens
+        chosen: dict[Request, int] = {}
+        # 1) running requests: decodes first, then unfinished prefills, in priority order.
+        self.running.sort(key=Request.sort_key)
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if req not in self.running or budget <= 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self._preempt(out)
+                budget += chosen.pop(victim, 0)
+                if victim is req:
+                    break
+            if req in self.running:
+                chosen[req] = n
+                budget -= n
+        # 2) waiting requests, best priority first, while budget and sequence slots remain.
+        self.waiting.sort(key=Request.sort_key)
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            if req in out.preempted:
+                break  # do not re-admit what this step just evicted
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                self.kv.stats.queries += req.num_prompt_tokens
+                self.kv.stats.hits += num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen[req] = n
+            budget -= n
+        out.scheduled = sorted(chosen.items(), key=lambda kv: kv[1] > 1)
+        return out

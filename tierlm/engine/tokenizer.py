@@ -1,0 +1,37 @@
+"""Tokenizer loading and chat-template rendering (local files only)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tierlm.errors import ChatTemplateError, InvalidRequestError, ModelLoadError
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelLoadError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {model_dir}; "
+                             "save the tokenizer next to the weights with tokenizer.save_pretrained(dir)")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers raises many types here; all mean the same to a user
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Render messages through the tokenizer's chat template and tokenize the result."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(
+            "this model's tokenizer has no chat template, so chat requests cannot be rendered; "
+            "use a plain completion prompt or add a chat_template to tokenizer_config.json", param="messages")
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
+    except Exception as e:  # jinja errors: the template rejected these messages
+        raise InvalidRequestError(f"the chat template could not render these messages: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,120 @@
+"""The device KV block pool: reference counts and the block lifecycle.
+
+free -> in use (ref >= 1) -> cached (ref 0, full, hashed, evictable, still hit-able)
+     -> reused (ref back to >= 1) or evicted (handed to `on_evict`, e.g. demoted to host).
+Which cached block goes first is the eviction policy's call (kv/policies.py); the pool only
+guarantees that blocks in use are pinned and never chosen.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierlm.kv.policies import EvictionPolicy, make_policy
+from tierlm.kv.prefix_cache import BlockHash
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, policy: str | EvictionPolicy = "lru",
+                 on_evict: Callable[[KVBlock], None] | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block; raise kv_cache_memory")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.on_evict = on_evict
+        self._clock = 0
+        self._num_evictable = 0
+        self.evictions = 0
+
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now: truly free plus cached-but-unreferenced."""
+        return len(self._free) + self._num_evictable
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks with {self.num_free} free (scheduler bug)")
+        out = []
+        for _ in range(n):
+            if self._free:
+                blk = self.blocks[self._free.popleft()]
+            else:
+                blk = self._evict_one()
+            blk.ref_cnt = 1
+            out.append(blk)
+        return out
+
+    def _evict_one(self) -> KVBlock:
+        key = self.policy.victim()
+        if key is None:
+            raise RuntimeError("no evictable KV block although the pool counted one (policy bug)")
+        blk = self.cached.pop(key)
+        self.policy.remove(key)
+        self._num_evictable -= 1
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(blk)
+        blk.block_hash = None
+        return blk
+
+    def lookup(self, h: BlockHash) -> KVBlock | None:
+        return self.cached.get(h) if self.enable_caching else None
+
+    def acquire_cached(self, blk: KVBlock, parent: BlockHash | None) -> None:
+        """A request reuses a cached block (prefix hit)."""
+        self._clock += 1
+        if blk.ref_cnt == 0:
+            self._num_evictable -= 1
+        self.policy.access(blk.block_hash, parent, self._clock)
+        self.policy.pin(blk.block_hash)
+        blk.ref_cnt += 1
+
+    def register_full(self, blk: KVBlock, h: BlockHash, parent: BlockHash | None) -> None:
+        """A block just filled with computed K/V becomes hit-able under hash `h`."""
+        if not self.enable_caching or blk.block_hash is not None or h in self.cached:
+            return  # same content already cached by a concurrent request: keep that copy
+        blk.block_hash = h
+        self.cached[h] = blk
+        self._clock += 1
+        self.policy.access(h, parent, self._clock)
+        self.policy.pin(h)
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block; tail first so chains age from the end."""
+        for blk in reversed(blocks):
+            blk.ref_cnt -= 1
+            if blk.ref_cnt > 0:
+                continue
+            if blk.block_hash is not None:
+                self.policy.unpin(blk.block_hash)
+                self._num_evictable += 1
+            else:
+                self._free.append(blk.block_id)
+
+    def reset_cache(self) -> None:
+        """Forget every cached-but-unreferenced block (e.g. after weights change)."""
+        for h, blk in list(self.cached.items()):
+            if blk.ref_cnt == 0:
+                del self.cached[h]
+                self.policy.remove(h)
+                blk.block_hash = None
+                self._free.append(blk.block_id)
+        self._num_evictable = 0

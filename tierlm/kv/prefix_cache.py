@@ -1,0 +1,39 @@
+"""Chained block hashes that identify a full KV block by everything that determines it.
+
+A block's K/V depend on every token before it, so its key chains the parent's key, its own
+token ids and extra keys (model id, tenant cache salt). SHA-256 is used because a collision
+would silently serve another prompt's K/V (and, across tenants, leak it); Python's hash() is
+64-bit, seeded per process (useless for a shared Redis tier) and not collision-resistant.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def block_hash(parent: BlockHash | None, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    h = hashlib.sha256()
+    h.update(parent or b"\x00" * 32)
+    h.update(array("q", tokens).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def extra_key(model_id: str, cache_salt: str | None) -> bytes:
+    """Bytes mixed into every block hash: different salts never share a block."""
+    salt = cache_salt or ""
+    return f"{model_id}\x1f{len(salt)}:{salt}".encode()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, extra: bytes,
+                 known: list[BlockHash] | None = None) -> list[BlockHash]:
+    """Hashes of every full block of `tokens`, extending an already computed prefix `known`."""
+    out = list(known or [])
+    parent = out[-1] if out else None
+    for start in range(len(out) * block_size, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start:start + block_size], extra)
+        out.append(parent)
+    return out

@@ -1,0 +1,110 @@
+"""Paged attention: K/V live in fixed-size blocks; each sequence reads them via its block table.
+
+One step's batch is flat (no padding): decodes come first (one query token each) and are
+attended in one batched matmul over their gathered blocks; prefill chunks follow and are
+attended one sequence at a time with SDPA and a causal mask offset by the cached context.
+This is the only place that would grow a CUDA-specific kernel; the math is the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One prefill chunk: query tokens [q_start, q_end) of the flat batch, `ctx_len` keys in total."""
+
+    q_start: int
+    q_end: int
+    ctx_len: int
+    block_table: torch.Tensor  # [num_blocks] long, covering ctx_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
+    decode_ctx_lens: torch.Tensor | None  # [num_decodes] long: keys per decode incl. the new one
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    block_size: int = 16
+    # Cache of per-window decode masks, built once per step and shared by every layer.
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, max_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+        key = (max_len, window)
+        if key not in self._masks:
+            pos = torch.arange(max_len, device=device)[None, :]
+            lens = self.decode_ctx_lens[:, None]
+            allowed = pos < lens
+            if window is not None:
+                allowed &= pos > (lens - 1 - window)
+            self._masks[key] = allowed[:, None, None, :]  # [B, 1, 1, L]
+        return self._masks[key]
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter new keys/values into their slots. cache: [2, num_blocks, block_size, Hkv, D]."""
+    kc = cache[0].view(-1, *k.shape[1:])
+    vc = cache[1].view(-1, *v.shape[1:])
+    kc.index_copy_(0, slots, k)
+    vc.index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Returns [T, Hq, D]."""
+    write_kv(cache, k, v, meta.slot_mapping)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        bt = meta.decode_block_tables
+        L = bt.shape[1] * meta.block_size
+        kd = cache[0][bt].view(nd, L, Hkv, D).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vd = cache[1][bt].view(nd, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
+        qd = q[:nd].view(nd, Hkv, group, D)
+        scores = torch.matmul(qd, kd).float() * scale  # [B, Hkv, G, L]
+        mask = meta.decode_mask(L, window, q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out[:nd] = torch.matmul(probs, vd).reshape(nd, Hq, D)
+    for p in meta.prefills:
+        qs = q[p.q_start:p.q_end]
+        n = p.q_end - p.q_start
+        if p.ctx_len == n:
+            # Nothing cached before this chunk: attend to the new keys directly.
+            ks, vs = k[p.q_start:p.q_end], v[p.q_start:p.q_end]
+        else:
+            ks = cache[0][p.block_table].view(-1, Hkv, D)[: p.ctx_len]
+            vs = cache[1][p.block_table].view(-1, Hkv, D)[: p.ctx_len]
+        out[p.q_start:p.q_end] = _sdpa_causal(qs, ks, vs, scale, window)
+    return out
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over all k.shape[0] keys."""
+    n, L = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if n == L and window is None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        qpos = torch.arange(L - n, L, device=q.device)[:, None]
+        kpos = torch.arange(L, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)

@@ -1,0 +1,156 @@
+"""Model hyper-parameters read from a Hugging Face `config.json`, in one flat dataclass.
+
+Transformers 4.x and 5.x spell some fields differently (`rope_scaling` vs `rope_parameters`);
+this is the one place that knows both, so model code never looks at raw config dicts.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierlm.errors import ModelLoadError
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    hidden_act: str = "silu"
+    # Per-layer sliding window (None = full attention on that layer).
+    sliding_windows: list[int | None] = field(default_factory=list)
+    # Sparse MoE (num_experts == 0 means dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[bool] = field(default_factory=list)
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rtype = params.get("rope_type", params.get("type", "default"))
+        scaling = None if rtype == "default" else {**params, "rope_type": rtype}
+        return theta, scaling
+    scaling = cfg.get("rope_scaling")
+    if scaling:
+        scaling = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
+    """Turn a HF config dict into ModelArgs for a known architecture."""
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        theta, scaling = _rope(cfg)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        model_type = cfg.get("model_type", "")
+        window = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen2_moe"):
+            types = cfg.get("layer_types")
+            if not types:
+                use = cfg.get("use_sliding_window", False)
+                max_window_layers = cfg.get("max_window_layers", layers)
+                types = ["sliding_attention" if use and i >= max_window_layers else "full_attention" for i in range(layers)]
+            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+        elif model_type in ("mistral", "mixtral"):
+            windows = [int(window) if window else None] * layers
+        else:
+            windows = [None] * layers
+        args = ModelArgs(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 4 * hidden)),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in ("qwen2", "qwen2_moe"),
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_windows=windows,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_list(cfg.get("eos_token_id")),
+        )
+        if model_type == "mixtral":
+            args.num_experts = int(cfg["num_local_experts"])
+            args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
+            args.moe_intermediate_size = args.intermediate_size
+            args.norm_topk_prob = True
+            args.moe_layers = [True] * layers
+        elif model_type == "qwen2_moe":
+            args.num_experts = int(cfg["num_experts"])
+            args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
+            args.moe_intermediate_size = int(cfg["moe_intermediate_size"])
+            args.shared_expert_intermediate_size = int(cfg.get("shared_expert_intermediate_size", 0))
+            args.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+            step = int(cfg.get("decoder_sparse_step", 1))
+            only = set(cfg.get("mlp_only_layers") or [])
+            args.moe_layers = [(i not in only) and (i + 1) % step == 0 for i in range(layers)]
+        else:
+            args.moe_layers = [False] * layers
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e} for {architecture}; "
+                             "is it a complete Hugging Face config?") from None
+    if args.hidden_act not in ("silu", "swish"):
+        raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (only silu)")
+    if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3"):
+        raise ModelLoadError(
+            f"rope scaling type '{args.rope_scaling['rope_type']}' is not supported; "
+            "supported: default, linear, llama3")
+    return args
+
+
+def load_config_dict(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found: a model directory needs a Hugging Face config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); re-export the checkpoint") from None

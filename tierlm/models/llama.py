@@ -1,0 +1,74 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, and their MoE variants Mixtral/Qwen2-MoE).
+
+Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
+Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlm.models.attention import AttentionMetadata, paged_attention
+from tierlm.models.config import ModelArgs
+from tierlm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tierlm.models.moe import SparseMoE
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.scale = self.head_dim ** -0.5
+        self.window = args.sliding_windows[layer] if args.sliding_windows else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp: nn.Module = SparseMoE(args) if args.moe_layers[layer] else GatedMLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, positions, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Forward over a flat batch of new tokens; returns logits only where asked (sampled rows)."""
+
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(args, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, positions, self.rope, cache, meta)
+        if logits_indices is not None:
+            h = h[logits_indices]
+        return self.lm_head(self.norm(h)).float()

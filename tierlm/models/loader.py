@@ -1,0 +1,195 @@
+"""Load a local Hugging Face checkpoint directory into tierlm's fused modules.
+
+Reads config.json, single-file or sharded safetensors (model.safetensors.index.json),
+and generation_config.json. Never touches the network. Every failure names the file and
+what to do, because a half-loaded model would only fail later and more obscurely.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from tierlm.errors import ModelLoadError
+from tierlm.models.config import ModelArgs, load_config_dict, parse_config
+from tierlm.models.llama import CausalLM
+from tierlm.models.registry import ARCHITECTURES, resolve_architecture
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    args: ModelArgs
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: list[int]
+    generation_defaults: dict
+
+
+def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        chosen = _DTYPES.get(str(args.torch_dtype), torch.float32)
+        if chosen == torch.float16 and device.type == "cpu":
+            log.info("checkpoint is float16; using bfloat16 on CPU (faster, same range as float32)")
+            chosen = torch.bfloat16
+        return chosen
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype '{dtype}' is not supported; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is corrupt ({e}); re-export the checkpoint") from None
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors weights in {model_dir}; tierlm loads safetensors only "
+            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _target(name: str) -> tuple[str, object] | None:
+    """Map an HF tensor name to (tierlm parameter, where in it). None = ignore."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if "rotary_emb" in name:
+        return None
+    if m := _EXPERT.match(name):
+        layer, e, w = m.group(1), int(m.group(2)), m.group(3)
+        if w in ("w2", "down_proj"):
+            return f"{layer}.mlp.w2", ("expert", e, None)
+        return f"{layer}.mlp.w13", ("expert", e, 0 if w in ("w1", "gate_proj") else 1)
+    if m := _FUSED_EXPERT.match(name):
+        return f"{m.group(1)}.mlp.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", ("whole",)
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    name = name.replace(".mlp.gate.weight", ".mlp.gate.weight")
+    for proj, shard in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):
+        if f".self_attn.{proj}." in name:
+            return name.replace(proj, "qkv_proj"), ("qkv", shard)
+    for proj, shard in (("gate_proj", 0), ("up_proj", 1)):
+        if f".{proj}." in name:
+            return name.replace(proj, "gate_up_proj"), ("halves", shard)
+    return name, ("whole",)
+
+
+def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelArgs) -> None:
+    kind = where[0]
+    if kind == "whole":
+        dst = param
+    elif kind == "qkv":
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        start = [0, q, q + kv][where[1]]
+        dst = param.narrow(0, start, q if where[1] == 0 else kv)
+    elif kind == "halves":
+        half = param.shape[0] // 2
+        dst = param.narrow(0, where[1] * half, half)
+    else:  # expert
+        _, e, shard = where
+        dst = param[e]
+        if shard is not None:
+            half = dst.shape[0] // 2
+            dst = dst.narrow(0, shard * half, half)
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects {tuple(dst.shape)}; "
+                             "config.json does not match the weights")
+    dst.copy_(tensor)
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.dtype = "auto",
+               max_positions: int | None = None, progress: bool = True) -> LoadedModel:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
+    cfg = load_config_dict(model_dir)
+    arch = resolve_architecture(cfg)
+    args = parse_config(cfg, arch)
+    torch_dtype = resolve_dtype(dtype, args, device)
+    files = weight_files(model_dir)
+    max_positions = max_positions or args.max_position_embeddings
+    with torch.device("meta"):
+        model = ARCHITECTURES[arch](args, max_positions)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    from tierlm.models.layers import RotaryEmbedding
+    model.rope = RotaryEmbedding(args, max_positions).to(device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+               desc=f"Loading {model_dir.name}", disable=not progress)
+    with torch.no_grad():
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for name in st.keys():
+                        t = _target(name)
+                        if t is None:
+                            continue
+                        pname, where = t
+                        if pname not in params:
+                            if pname == "lm_head.weight" and args.tie_word_embeddings:
+                                continue
+                            raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
+                                                 "is config.json from the same checkpoint?")
+                        _copy(params[pname], where, st.get_tensor(name), args)
+                        loaded.add(pname)
+            except SafetensorError as e:
+                raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
+            except OSError as e:
+                raise ModelLoadError(f"cannot read {f} ({e})") from None
+            bar.update(f.stat().st_size)
+    bar.close()
+    missing = sorted(n for n in params if n not in loaded and not (n == "lm_head.weight" and args.tie_word_embeddings))
+    if missing:
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+                             "the weights are incomplete or belong to another model")
+    model.eval()
+    gen = _generation_config(model_dir)
+    eos = list(dict.fromkeys(args.eos_token_ids + _as_list(gen.get("eos_token_id"))))
+    return LoadedModel(model, args, torch_dtype, device, eos, gen)
+
+
+def _as_list(v) -> list[int]:
+    if v is None:
+        return []
+    return [int(v)] if isinstance(v, int) else [int(x) for x in v]
+
+
+def _generation_config(model_dir: Path) -> dict:
+    p = model_dir / "generation_config.json"
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; ignoring it", p)
+        return {}

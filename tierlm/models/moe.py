@@ -1,0 +1,64 @@
+"""Sparse mixture-of-experts blocks: top-k routing, experts run only on their tokens.
+
+Tokens are grouped by expert (one sort), so each routed expert does one matmul over exactly
+the tokens sent to it; experts nobody chose cost nothing. Expert weights are stacked
+([E, 2I, H] and [E, H, I]) so loading and a future fused kernel see one tensor per layer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from tierlm.models.config import ModelArgs
+from tierlm.models.layers import GatedMLP
+
+
+class SparseMoE(nn.Module):
+    """Top-k router + grouped experts, optionally with a sigmoid-gated shared expert (Qwen2-MoE)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.num_experts, self.top_k, self.inter = E, args.num_experts_per_tok, I
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, I))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(H, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        # Mixtral keeps routing weights in float32 when scaling expert outputs; Qwen2-MoE casts
+        # them to the activation dtype first. Matching each keeps outputs bit-close to reference.
+        self.weights_in_fp32 = args.model_type == "mixtral"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_in_fp32:
+            weights = weights.to(x.dtype)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        w_sorted = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            idx = token_of[start:start + c]
+            h = F.linear(x[idx], self.w13[e])
+            gate, up = h.split(self.inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])
+            y = y * w_sorted[start:start + c, None]
+            out.index_add_(0, idx, y.to(x.dtype))
+            start += c
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,23 @@
+"""Which Hugging Face architectures tierlm serves, and the module class for each."""
+from __future__ import annotations
+
+from tierlm.errors import ModelLoadError
+from tierlm.models.llama import CausalLM
+
+ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
+    "Qwen2MoeForCausalLM": CausalLM,
+}
+
+
+def resolve_architecture(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return a
+    raise ModelLoadError(
+        f"unsupported model architecture {archs or '(none listed in config.json)'}; "
+        f"tierlm supports: {', '.join(sorted(ARCHITECTURES))}")

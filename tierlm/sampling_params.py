@@ -1,0 +1,85 @@
+"""Per-request sampling settings, shaped like vLLM's so its users feel at home."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierlm.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
+    `stop` strings are excluded from the returned text; `stop_token_ids` end the request
+    like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        """Reject nonsense early, naming the field, so nothing half-runs."""
+
+        def bad(field_name: str, why: str) -> None:
+            raise InvalidRequestError(f"sampling parameter '{field_name}' {why}", param=field_name)
+
+        if self.n != 1:
+            bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1 (got {self.max_tokens})")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100] (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1] (got {self.top_p})")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            bad("top_k", f"must be an integer (got {self.top_k!r})")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1] (got {self.min_p})")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10] (got {self.repetition_penalty})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2] (got {self.presence_penalty})")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2] (got {self.frequency_penalty})")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            bad("stop", "entries must be non-empty strings")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "entries must be non-negative integers")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer (got {self.seed!r})")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

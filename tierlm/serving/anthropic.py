@@ -1,0 +1,398 @@
+"""Anthropic Messages API: /v1/messages and /v1/messages/count_tokens.
+
+Translation rules (the parts the API leaves to the server):
+- consecutive turns of the same role are merged, their text joined by a blank line; text
+  blocks within one turn are joined by a newline;
+- a final assistant turn is a prefill: the prompt ends inside that turn and the answer (only
+  the new text) continues it;
+- tool_result blocks become `tool` messages and assistant tool_use blocks become `tool_calls`,
+  the shapes Hugging Face chat templates render;
+- tool_choice `any` / `tool` start the assistant turn with `<tool_call>` (and the tool's name)
+  because nothing else can make an unconstrained model call a tool; `none` leaves tools out.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tierlm.serving import tools as toolcalls
+from tierlm.serving.errors import APIError, InternalError, InvalidRequest, anthropic_error_body
+from tierlm.serving.generation import (
+    ChatPrompt,
+    EngineStream,
+    Generation,
+    output_budget,
+    render_chat,
+    sampling_params,
+)
+from tierlm.serving.protocol_anthropic import (
+    ConversationBody,
+    CountTokensRequest,
+    DocumentBlock,
+    ImageBlock,
+    MessageResponse,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    TextContent,
+    ThinkingBlock,
+    TokenCount,
+    ToolResultBlock,
+    ToolUseBlock,
+    ToolUseContent,
+    Usage,
+)
+from tierlm.serving.sse import EventStreamResponse, sse_event
+from tierlm.serving.state import server_state
+from tierlm.serving.validation import parse_request
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("tierlm.serving")
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    state = server_state(request)
+    context = state.admit(request)
+    body = await parse_request(request, MessagesRequest, state.max_body_bytes)
+    engine = state.models.get(body.model)
+    prompt = build_prompt(engine, body)
+    max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
+    params = sampling_params(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k if body.top_k else None,
+        stop=body.stop_sequences,
+    )
+    stream = EngineStream(engine, body.model, prompt.token_ids, params, context, state.inflight)
+    first = await stream.open(request)
+    message_id = "msg_" + uuid.uuid4().hex[:24]
+    if body.stream:
+        num_prompt = first.num_prompt_tokens or len(prompt.token_ids)
+        events = message_events(
+            stream, prompt, body.model, message_id, context.request_id, num_prompt, first.num_cached_tokens
+        )
+        return EventStreamResponse(events, on_close=stream.close)
+    result = await stream.collect(request)
+    return JSONResponse(message_response(result, prompt, body.model, message_id).model_dump())
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    state = server_state(request)
+    state.admit(request)
+    body = await parse_request(request, CountTokensRequest, state.max_body_bytes)
+    engine = state.models.get(body.model)
+    return JSONResponse(TokenCount(input_tokens=len(build_prompt(engine, body).token_ids)).model_dump())
+
+
+# ---- request → prompt ------------------------------------------------------------------
+
+
+def build_prompt(engine: "AsyncEngine", body: ConversationBody) -> ChatPrompt:
+    _refuse_non_text(body, body.model)
+    messages = template_messages(body)
+    prefill = messages[-1]["role"] == "assistant"
+    choice = body.tool_choice.type if body.tool_choice else "auto"
+    template_tools = None
+    parse_tools = False
+    forced = ""
+    if body.tools and choice != "none":
+        chat_template = getattr(engine.tokenizer, "chat_template", None)
+        if not toolcalls.template_supports_tools(chat_template):
+            raise InvalidRequest(
+                f"tools: the chat template of model '{body.model}' does not support tools; "
+                "remove 'tools' or serve a model whose template renders them",
+                param="tools",
+            )
+        template_tools = toolcalls.anthropic_tools_to_template(body.tools)
+        parse_tools = toolcalls.template_uses_hermes_calls(chat_template)
+        if choice in ("any", "tool") and parse_tools:
+            if prefill:
+                raise InvalidRequest(
+                    f"tool_choice '{choice}' cannot be combined with an assistant prefill; "
+                    "drop the final assistant message or use tool_choice 'auto'",
+                    param="tool_choice",
+                )
+            forced = toolcalls.forced_call_prefix(body.tool_choice.name if choice == "tool" else None)
+            messages.append({"role": "assistant", "content": forced})
+            prefill = True
+    token_ids = render_chat(engine, body.model, messages, tools=template_tools, continue_final_message=prefill)
+    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
+
+
+def _refuse_non_text(body: ConversationBody, model: str) -> None:
+    """Image/document blocks are refused up front, naming the block (models are text-only)."""
+    for i, message in enumerate(body.messages):
+        for j, block in enumerate(message.blocks()):
+            nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
+            if isinstance(block, (ImageBlock, DocumentBlock)) or any(isinstance(b, ImageBlock) for b in nested):
+                kind = "document" if isinstance(block, DocumentBlock) else "image"
+                raise InvalidRequest(
+                    f"messages.{i}.content.{j}: model '{model}' is text-only and cannot read {kind} "
+                    f"blocks; send the content as text",
+                    param=f"messages.{i}.content.{j}",
+                )
+
+
+def system_text(system: str | list[TextBlock] | None) -> str | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system or None
+    return "\n".join(block.text for block in system) or None
+
+
+def template_messages(body: ConversationBody) -> list[dict[str, Any]]:
+    """Anthropic turns → Hugging Face chat-template messages."""
+    turns: list[tuple[str, list[Any]]] = []
+    for message in body.messages:
+        if turns and turns[-1][0] == message.role:
+            turns[-1][1].append(_TURN_BREAK)
+            turns[-1][1].extend(message.blocks())
+        else:
+            turns.append((message.role, message.blocks()))
+    out: list[dict[str, Any]] = []
+    system = system_text(body.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    for index, (role, blocks) in enumerate(turns):
+        if role == "user":
+            out.extend(_user_turn(blocks, index))
+        else:
+            out.append(_assistant_turn(blocks, index, final=index == len(turns) - 1))
+    return out
+
+
+_TURN_BREAK = object()  # where two same-role messages were merged
+
+
+def _join_text(blocks: list[Any]) -> str:
+    text = ""
+    previous: Any = None
+    for block in blocks:
+        if block is _TURN_BREAK:
+            previous = _TURN_BREAK
+            continue
+        if isinstance(block, TextBlock):
+            if text:
+                text += "\n\n" if previous is _TURN_BREAK else "\n"
+            text += block.text
+            previous = block
+    return text
+
+
+def _user_turn(blocks: list[Any], index: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for block in blocks:
+        if isinstance(block, ToolUseBlock):
+            raise InvalidRequest(
+                f"messages.{index}: tool_use blocks belong in assistant messages, not user messages",
+                param="messages",
+            )
+        if isinstance(block, ToolResultBlock):
+            messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)})
+    text = _join_text(blocks)
+    if text:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+def _tool_result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        text = "\n".join(b.text for b in content if isinstance(b, TextBlock))
+    return f"Error: {text}" if block.is_error else text
+
+
+def _assistant_turn(blocks: list[Any], index: int, final: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": _join_text(blocks)}
+    calls = []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            raise InvalidRequest(
+                f"messages.{index}: tool_result blocks belong in user messages, not assistant messages",
+                param="messages",
+            )
+        if isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}})
+        elif isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
+            continue  # tierlm models do not think; earlier thinking is not re-rendered
+    if calls:
+        if final:
+            raise InvalidRequest(
+                f"messages.{index}: the final assistant message ends in tool_use; add a user message "
+                "with the matching tool_result blocks",
+                param="messages",
+            )
+        message["tool_calls"] = calls
+    elif final and not message["content"]:
+        raise InvalidRequest(
+            f"messages.{index}.content: a final assistant message (prefill) needs text to continue",
+            param=f"messages.{index}.content",
+        )
+    return message
+
+
+# ---- generation → response ---------------------------------------------------------------
+
+
+def stop_details(result: Generation, has_tool_calls: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) in Anthropic's terms."""
+    if has_tool_calls:
+        return "tool_use", None
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(result.stop_reason, str):
+        return "stop_sequence", result.stop_reason
+    return "end_turn", None
+
+
+def usage_of(num_prompt: int, num_cached: int, num_output: int) -> Usage:
+    return Usage(
+        input_tokens=num_prompt - num_cached,
+        output_tokens=num_output,
+        cache_creation_input_tokens=0,
+        cache_read_input_tokens=num_cached,
+    )
+
+
+def message_response(result: Generation, prompt: ChatPrompt, model: str, message_id: str) -> MessageResponse:
+    content: list[TextContent | ToolUseContent] = []
+    calls: list[toolcalls.ParsedToolCall] = []
+    text = result.text
+    if prompt.parse_tools:
+        parsed = toolcalls.parse_tool_calls(prompt.forced_prefix + result.text)
+        text, calls = parsed.text, parsed.tool_calls
+    if text:
+        content.append(TextContent(text=text))
+    content.extend(ToolUseContent(id=c.id, name=c.name, input=c.arguments) for c in calls)
+    stop_reason, stop_sequence = stop_details(result, bool(calls))
+    return MessageResponse(
+        id=message_id,
+        content=content,
+        model=model,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=usage_of(result.num_prompt_tokens, result.num_cached_tokens, result.num_output_tokens),
+    )
+
+
+class _Blocks:
+    """Content-block bookkeeping for a stream: indices from 0, one block open at a time."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open_type: str | None = None
+        self.pinged = False
+
+    def text(self, text: str) -> list[bytes]:
+        frames = []
+        if self.open_type != "text":
+            frames += self.close()
+            frames += self._start({"type": "text", "text": ""})
+        frames.append(sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": self.count - 1,
+            "delta": {"type": "text_delta", "text": text},
+        }))
+        return frames
+
+    def tool_use(self, call: toolcalls.ParsedToolCall) -> list[bytes]:
+        frames = self.close()
+        frames += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        frames.append(sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": self.count - 1,
+            "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)},
+        }))
+        return frames + self.close()
+
+    def close(self) -> list[bytes]:
+        if self.open_type is None:
+            return []
+        self.open_type = None
+        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})]
+
+    def ping(self) -> list[bytes]:
+        if self.pinged:
+            return []
+        self.pinged = True
+        return [sse_event("ping", {"type": "ping"})]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        self.open_type = block["type"]
+        self.count += 1
+        frames = [sse_event("content_block_start", {
+            "type": "content_block_start", "index": self.count - 1, "content_block": block,
+        })]
+        return frames + self.ping()
+
+
+async def message_events(
+    stream: EngineStream,
+    prompt: ChatPrompt,
+    model: str,
+    message_id: str,
+    request_id: str,
+    num_prompt: int,
+    num_cached: int,
+) -> AsyncIterator[bytes]:
+    """message_start → (content_block_start, ping, deltas, content_block_stop)* →
+    message_delta → message_stop; a failure mid-stream becomes an `error` event."""
+    yield sse_event("message_start", {
+        "type": "message_start",
+        "message": {
+            "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+            "stop_reason": None, "stop_sequence": None,
+            "usage": usage_of(num_prompt, num_cached, 0).model_dump(),
+        },
+    })
+    blocks = _Blocks()
+    filter_ = toolcalls.ToolCallStreamFilter() if prompt.parse_tools else None
+    if filter_ is not None and prompt.forced_prefix:
+        filter_.feed(prompt.forced_prefix)
+    result = Generation()
+    try:
+        async for delta in stream.deltas():
+            result.add(delta)
+            text = filter_.feed(delta.text) if filter_ is not None else delta.text
+            if text:
+                for frame in blocks.text(text):
+                    yield frame
+        calls: list[toolcalls.ParsedToolCall] = []
+        if filter_ is not None:
+            rest, calls = filter_.finish()
+            if rest:
+                for frame in blocks.text(rest):
+                    yield frame
+        for call in calls:
+            for frame in blocks.tool_use(call):
+                yield frame
+        for frame in blocks.close() + blocks.ping():
+            yield frame
+        stop_reason, stop_sequence = stop_details(result, bool(calls))
+        yield sse_event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": usage_of(result.num_prompt_tokens, result.num_cached_tokens, result.num_output_tokens).model_dump(),
+        })
+        yield sse_event("message_stop", {"type": "message_stop"})
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else InternalError("internal error while streaming")
+        if not isinstance(exc, APIError):
+            logger.exception("error while streaming %s", request_id)
+        yield sse_event("error", anthropic_error_body(error, request_id))

@@ -1,0 +1,204 @@
+"""The ASGI app: routes of both APIs, health probes, error handling, engine lifecycle.
+
+Error handling is layered so that no client ever sees a stack trace or a 5xx for its own
+mistake: `APIError`s render in the route's API shape; Starlette's routing errors (404/405)
+and FastAPI validation errors are converted to `APIError`s; and `RequestIdMiddleware`, which
+wraps everything, turns anything else into a 500 `api_error` carrying the request id.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tierlm.serving import anthropic, openai
+from tierlm.serving.auth import Authenticator
+from tierlm.serving.errors import (
+    APIError,
+    InternalError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    api_style_for,
+    error_body,
+    error_json_bytes,
+)
+from tierlm.serving.models import ModelRegistry
+from tierlm.serving.state import ServerState, request_id_of, server_state
+from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("tierlm.serving")
+
+
+def build_app(
+    engines: dict[str, "AsyncEngine"],
+    auth: Authenticator,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    manage_engines: bool = True,
+) -> FastAPI:
+    """An app serving `engines` (name → engine) behind `auth`.
+
+    With `manage_engines` the app's lifespan starts the engines and shuts them down; pass
+    False when the caller owns their lifecycle. Either way, requests still in flight when the
+    app shuts down (after the server's graceful-shutdown timeout) are aborted.
+    """
+    state = ServerState(models=ModelRegistry(engines), auth=auth, max_body_bytes=max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engines:
+            await state.models.start()
+        state.models.started = True
+        try:
+            yield
+        finally:
+            if len(state.inflight):
+                logger.warning("aborting %d request(s) still in flight at shutdown", len(state.inflight))
+            await state.inflight.abort_all()
+            if manage_engines:
+                await state.models.shutdown()
+            state.models.started = False
+
+    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.tierlm = state
+    app.include_router(anthropic.router)
+    app.include_router(openai.router)
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+# ---- routes --------------------------------------------------------------------------
+
+
+async def list_models(request: Request) -> Response:
+    state = server_state(request)
+    state.admit(request)
+    data = [state.models.describe(name) for name in state.models.names]
+    return JSONResponse({
+        "object": "list",
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    })
+
+
+async def get_model(request: Request, model_id: str) -> Response:
+    state = server_state(request)
+    state.admit(request)
+    return JSONResponse(state.models.describe(model_id))
+
+
+async def health() -> Response:
+    """Liveness: the process answers. Never needs auth."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: every model's engine is started."""
+    models = server_state(request).models
+    if not models.started:
+        return JSONResponse({"status": "loading", "models": models.names}, status_code=503)
+    return JSONResponse({"status": "ready", "models": models.names})
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+def error_response(request: Request, err: APIError) -> Response:
+    style = api_style_for(request.url.path, request.headers)
+    return JSONResponse(
+        error_body(err, style, request_id_of(request)),
+        status_code=err.status_for(style),
+        headers=err.headers,
+    )
+
+
+async def _api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(request, exc)
+
+
+async def _http_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    method, path = request.method, request.url.path
+    err: APIError
+    if exc.status_code == 404:
+        err = NotFound(f"no such route: {method} {path}")
+    elif exc.status_code == 405:
+        err = MethodNotAllowed(f"{method} is not allowed on {path}")
+    elif exc.status_code < 500:
+        err = InvalidRequest(str(exc.detail))
+        err.status = exc.status_code
+    else:
+        err = InternalError("internal error")
+    return error_response(request, err)
+
+
+async def _validation_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
+    message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request"))
+    return error_response(request, InvalidRequest(message, param=where or None))
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (request-id / x-request-id headers) and is the last line of
+    defence: an exception nobody handled becomes a 500 `api_error` without a trace."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = "req_" + uuid.uuid4().hex[:24]
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = MutableHeaders(scope=message)
+                headers["request-id"] = request_id
+                headers["x-request-id"] = request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("unhandled error in request %s %s", request_id, scope.get("path"))
+            if started:
+                return  # the client already has a response; nothing more can be said
+            style = api_style_for(scope.get("path", ""), Headers(scope=scope))
+            err = InternalError(f"internal server error; quote request id {request_id} when reporting it")
+            body = error_json_bytes(err, style, request_id)
+            await send_with_id({
+                "type": "http.response.start",
+                "status": err.status_for(style),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            })
+            await send_with_id({"type": "http.response.body", "body": body})

@@ -1,0 +1,143 @@
+"""API keys and the per-request context every route passes down to the engine.
+
+Keys are never stored in clear: the keys file holds SHA-256 digests, one key per line,
+
+    # key-id  sha256:<hex digest of the key>      (this one is the key "sk-example")
+    alice     sha256:f2d4b279b82ad92867af5878fe7482caebdd7b75499868d0362a6e63ff51f046
+
+and a presented key is hashed and compared with every stored digest in constant time, so
+neither the file nor response timing reveals keys. Print a line for a new key with
+`echo -n "$KEY" | python -m tierlm.serving.auth alice`.
+
+Tenancy (a later issue) maps `api_key_id` to a tenant and fills `tenant_id`, `priority` and
+`cache_salt`; routes already pass those fields to `AsyncEngine.generate`.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol
+
+from tierlm.serving.errors import AuthenticationFailed
+
+logger = logging.getLogger("tierlm.serving")
+
+_HASH_PREFIX = "sha256:"
+
+
+@dataclass
+class RequestContext:
+    """Who is asking, decided once at admission and read by everything downstream."""
+
+    request_id: str
+    api_key_id: str | None = None
+    tenant_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Authenticator(Protocol):
+    """Decides which key (if any) a request carries; raises `AuthenticationFailed` if none."""
+
+    def authenticate(self, headers: Mapping[str, str]) -> str | None: ...
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key from `x-api-key` (Anthropic) or `Authorization: Bearer` (OpenAI)."""
+    key = headers.get("x-api-key")
+    if key:
+        return key.strip()
+    authorization = headers.get("authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return None
+
+
+class NoAuth:
+    """--no-auth: every request is accepted (local use only)."""
+
+    def authenticate(self, headers: Mapping[str, str]) -> str | None:
+        return None
+
+
+class ApiKeyAuth:
+    """Accepts requests whose key hashes to one of the stored digests."""
+
+    def __init__(self, digests: Mapping[str, str]) -> None:
+        """`digests` maps key id → hex SHA-256 of the key."""
+        if not digests:
+            raise ValueError("no API keys given; add keys to the keys file or use --no-auth")
+        self._digests = [(key_id, bytes.fromhex(d)) for key_id, d in digests.items()]
+
+    @classmethod
+    def from_keys(cls, keys: Mapping[str, str]) -> "ApiKeyAuth":
+        """Key id → clear-text key (for tests and programmatic use)."""
+        return cls({key_id: hash_key(key) for key_id, key in keys.items()})
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ApiKeyAuth":
+        return cls(load_keys_file(path))
+
+    def authenticate(self, headers: Mapping[str, str]) -> str | None:
+        key = presented_key(headers)
+        if key is None:
+            raise AuthenticationFailed(
+                "no API key: send it in the x-api-key header or as 'Authorization: Bearer <key>'",
+                code="missing_api_key",
+            )
+        digest = hashlib.sha256(key.encode()).digest()
+        match: str | None = None
+        for key_id, stored in self._digests:  # no early exit: timing must not depend on position
+            if hmac.compare_digest(digest, stored):
+                match = key_id
+        if match is None:
+            raise AuthenticationFailed("invalid API key")
+        return match
+
+
+def load_keys_file(path: str | Path) -> dict[str, str]:
+    """Parse a keys file into key id → hex digest, naming the line of any mistake."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
+    digests: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = line.split()
+        if len(fields) != 2 or not fields[1].startswith(_HASH_PREFIX):
+            raise ValueError(
+                f"{path}:{lineno}: expected '<key-id> sha256:<hex digest>'; make a line with "
+                f"`echo -n \"$KEY\" | python -m tierlm.serving.auth <key-id>`"
+            )
+        key_id, digest = fields[0], fields[1][len(_HASH_PREFIX):].lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{path}:{lineno}: '{fields[1]}' is not a SHA-256 hex digest (64 hex digits)")
+        if key_id in digests:
+            raise ValueError(f"{path}:{lineno}: key id '{key_id}' appears twice; ids must be unique")
+        digests[key_id] = digest
+    if not digests:
+        raise ValueError(f"{path}: no API keys found; add '<key-id> sha256:<hex digest>' lines")
+    return digests
+
+
+def keys_file_line(key_id: str, key: str) -> str:
+    return f"{key_id} {_HASH_PREFIX}{hash_key(key)}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: echo -n \"$KEY\" | python -m tierlm.serving.auth KEY_ID")
+    print(keys_file_line(sys.argv[1], sys.stdin.read()))

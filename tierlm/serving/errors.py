@@ -1,0 +1,187 @@
+"""API errors and their two wire shapes (Anthropic and OpenAI).
+
+Every failure a client can see is an `APIError` subclass carrying its HTTP status, the
+Anthropic error type, the OpenAI error type/code and (when there is one) the offending field.
+Handlers render it in the shape the route's API expects, so the SDKs raise their own exception
+classes (`anthropic.BadRequestError`, `openai.NotFoundError`, ...). Anything that is not an
+`APIError` is a server bug: it becomes a 500 `api_error` with the request id and no trace.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal
+
+from tierlm.errors import (
+    ChatTemplateError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestTooLongError,
+)
+
+logger = logging.getLogger("tierlm.serving")
+
+ApiStyle = Literal["anthropic", "openai"]
+
+# Routes whose errors use OpenAI's shape; everything else speaks Anthropic's, except the shared
+# /v1/models routes, which follow the client (see `api_style_for`).
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class APIError(Exception):
+    """A client-visible error. Subclasses fix the status and the type names of both APIs."""
+
+    status: int = 500
+    anthropic_type: str = "api_error"
+    openai_type: str = "server_error"
+    openai_status: int | None = None  # when OpenAI clients expect a different status
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.headers = dict(headers or {})
+
+    def status_for(self, style: ApiStyle) -> int:
+        if style == "openai" and self.openai_status is not None:
+            return self.openai_status
+        return self.status
+
+
+class InvalidRequest(APIError):
+    status = 400
+    anthropic_type = "invalid_request_error"
+    openai_type = "invalid_request_error"
+
+
+class MethodNotAllowed(InvalidRequest):
+    status = 405
+
+
+class AuthenticationFailed(APIError):
+    status = 401
+    anthropic_type = "authentication_error"
+    openai_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(APIError):
+    status = 403
+    anthropic_type = "permission_error"
+    openai_type = "permission_error"
+
+
+class NotFound(APIError):
+    status = 404
+    anthropic_type = "not_found_error"
+    openai_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class RequestTooLarge(APIError):
+    status = 413
+    anthropic_type = "request_too_large"
+    openai_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class RateLimited(APIError):
+    """429; `retry_after` seconds is sent as the retry-after header both SDKs honour."""
+
+    status = 429
+    anthropic_type = "rate_limit_error"
+    openai_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("retry-after", str(max(1, round(retry_after))))
+
+
+class InternalError(APIError):
+    status = 500
+    anthropic_type = "api_error"
+    openai_type = "server_error"
+
+
+class Overloaded(APIError):
+    """Anthropic's 529; OpenAI clients know overload as 503."""
+
+    status = 529
+    anthropic_type = "overloaded_error"
+    openai_type = "server_error"
+    openai_status = 503
+    default_code = "overloaded"
+
+
+def from_engine_error(exc: BaseException, model: str) -> APIError:
+    """Map an engine exception to the API error a client should see.
+
+    Engine validation errors are the client's fault (400, naming the field); a dead engine is
+    the server's (500), and says so, because retrying will not help until a restart.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestTooLongError):
+        return InvalidRequest(str(exc), param=exc.param or "max_tokens")
+    if isinstance(exc, ChatTemplateError):
+        return InvalidRequest(str(exc), param=exc.param or "messages")
+    if isinstance(exc, InvalidRequestError):
+        return InvalidRequest(str(exc), param=exc.param)
+    if isinstance(exc, EngineDeadError):
+        return InternalError(
+            f"the engine serving model '{model}' has stopped after an internal error; "
+            "the server must be restarted"
+        )
+    logger.exception("unexpected engine error for model %s", model, exc_info=exc)
+    return InternalError(f"internal error while generating with model '{model}'")
+
+
+def api_style_for(path: str, headers: Any) -> ApiStyle:
+    """Which error shape a request expects: by route, and for shared routes by the client.
+
+    `/v1/models` is served to both SDKs; the Anthropic SDK always sends `anthropic-version`.
+    """
+    if path in OPENAI_PATHS:
+        return "openai"
+    if path.startswith("/v1/models") and "anthropic-version" not in headers:
+        return "openai"
+    return "anthropic"
+
+
+def anthropic_error_body(err: APIError, request_id: str | None) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": err.anthropic_type, "message": err.message},
+        "request_id": request_id,
+    }
+
+
+def openai_error_body(err: APIError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.openai_type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def error_body(err: APIError, style: ApiStyle, request_id: str | None) -> dict[str, Any]:
+    if style == "openai":
+        return openai_error_body(err)
+    return anthropic_error_body(err, request_id)
+
+
+def error_json_bytes(err: APIError, style: ApiStyle, request_id: str | None) -> bytes:
+    return json.dumps(error_body(err, style, request_id)).encode()

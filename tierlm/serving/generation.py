@@ -1,0 +1,303 @@
+"""Where the serving layer talks to an engine: prompts in, deltas out, cleanup guaranteed.
+
+Both API adapters translate their bodies into (prompt token ids, SamplingParams, context)
+and hand them to `EngineStream`, which
+
+- fetches the first delta before the HTTP response starts, because the engine reports
+  requests that can never run (too long, bad parameters) only then, and only before a 200
+  is sent can they still become a 400;
+- watches for the client going away while waiting, so an abandoned request is aborted at
+  once instead of generating to the end;
+- always aborts the engine request on close (idempotent), so KV blocks are freed whatever
+  ended the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from tierlm.engine.outputs import StreamDelta, TokenLogprob
+from tierlm.errors import TierlmError
+from tierlm.sampling_params import SamplingParams
+from tierlm.serving.auth import RequestContext
+from tierlm.serving.errors import APIError, InternalError, InvalidRequest, Overloaded, from_engine_error
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("tierlm.serving")
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(APIError):
+    """The client went away; nobody reads this response (499 only shows up in logs)."""
+
+    status = 499
+    anthropic_type = "client_disconnected"
+    openai_type = "client_disconnected"
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered conversation and how to read the answer."""
+
+    token_ids: list[int]
+    forced_prefix: str = ""  # assistant text tierlm put in front of the answer (tool calls)
+    parse_tools: bool = False
+
+
+def render_chat(
+    engine: "AsyncEngine",
+    model: str,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Chat messages → prompt token ids through the model's own chat template.
+
+    Everything a template can fail on comes from the request (roles out of order, a message
+    shape it does not know), so failures are 400s that name `messages`.
+    """
+    try:
+        return engine.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message,
+        )
+    except TierlmError as exc:
+        raise from_engine_error(exc, model) from None
+    except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...
+        raise InvalidRequest(
+            f"the chat template of model '{model}' cannot render these messages: {exc}",
+            param="messages",
+        ) from None
+
+
+def output_budget(
+    engine: "AsyncEngine",
+    model: str,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    field_name: str = "max_tokens",
+    prompt_field: str = "messages",
+) -> int:
+    """The max_tokens to run with, or a 400 if prompt + output cannot fit the context."""
+    context = int(engine.max_model_len)
+    if num_prompt_tokens >= context:
+        raise InvalidRequest(
+            f"prompt is {num_prompt_tokens} tokens, but model '{model}' has a context of "
+            f"{context} tokens; shorten the prompt",
+            param=prompt_field,
+        )
+    room = context - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise InvalidRequest(
+            f"{field_name}: prompt ({num_prompt_tokens} tokens) + {field_name} ({max_tokens}) exceeds "
+            f"model '{model}''s context of {context} tokens; set {field_name} to at most {room}",
+            param=field_name,
+        )
+    return max_tokens
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    """SamplingParams from already-validated fields; a rejection still names the field."""
+    try:
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    except TierlmError as exc:
+        raise from_engine_error(exc, "") from None
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (and raising ClientDisconnected) if the client leaves.
+
+    Only valid once the request body has been read: after that, the next ASGI message a
+    server can deliver is `http.disconnect`.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work, return_exceptions=True)
+        watcher.cancel()
+    if work.cancelled():
+        raise ClientDisconnected("client disconnected")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@dataclass
+class Generation:
+    """A finished request's output, accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.finished else self.stop_reason
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.num_output_tokens = delta.num_output_tokens
+
+
+class InflightRequests:
+    """Live engine streams, so shutdown can abort whatever outlived the grace period."""
+
+    def __init__(self) -> None:
+        self._streams: set[EngineStream] = set()
+
+    def add(self, stream: "EngineStream") -> None:
+        self._streams.add(stream)
+
+    def discard(self, stream: "EngineStream") -> None:
+        self._streams.discard(stream)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def abort_all(self) -> None:
+        for stream in list(self._streams):
+            await stream.close()
+
+
+class EngineStream:
+    """One engine request from first delta to guaranteed cleanup."""
+
+    def __init__(
+        self,
+        engine: "AsyncEngine",
+        model: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        context: RequestContext,
+        inflight: InflightRequests,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.context = context
+        self._inflight = inflight
+        self._iterator: AsyncIterator[StreamDelta] | None = None
+        self._first: StreamDelta | None = None
+        self._closed = False
+        self.finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.context.request_id
+
+    async def open(self, request: Request) -> StreamDelta:
+        """Start generating and wait for the first delta (client errors surface here)."""
+        ctx = self.context
+        self._iterator = aiter(
+            self.engine.generate(
+                self.prompt_token_ids,
+                self.params,
+                ctx.request_id,
+                priority=ctx.priority,
+                tenant_id=ctx.tenant_id,
+                cache_salt=ctx.cache_salt,
+            )
+        )
+        self._inflight.add(self)
+        try:
+            self._first = await until_disconnect(request, self._next())
+        except BaseException:
+            await self.close()
+            raise
+        return self._first
+
+    async def _next(self) -> StreamDelta:
+        assert self._iterator is not None
+        try:
+            delta = await anext(self._iterator)
+        except StopAsyncIteration:
+            raise InternalError(f"engine for model '{self.model}' ended a request without output") from None
+        except (APIError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise from_engine_error(exc, self.model) from None
+        if delta.finish_reason == "abort":
+            self.finished = True
+            raise Overloaded(
+                f"request aborted by the engine for model '{self.model}' (server shutting down "
+                "or overloaded); retry later"
+            )
+        self.finished = delta.finished
+        return delta
+
+    async def deltas(self) -> AsyncIterator[StreamDelta]:
+        """All deltas, starting with the one `open` fetched. Errors arrive as APIError."""
+        if self._first is None:
+            raise RuntimeError("EngineStream.open() must be called first")
+        delta: StreamDelta = self._first
+        yield delta
+        while not delta.finished:
+            delta = await self._next()
+            yield delta
+
+    async def collect(self, request: Request) -> Generation:
+        """Run to completion (non-streaming), aborting if the client disconnects."""
+
+        async def run() -> Generation:
+            result = Generation()
+            async for delta in self.deltas():
+                result.add(delta)
+            return result
+
+        try:
+            return await until_disconnect(request, run())
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort (if unfinished) and release the engine request. Safe to call repeatedly."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inflight.discard(self)
+        with anyio.CancelScope(shield=True):
+            iterator, self._iterator = self._iterator, None
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    logger.exception("closing the engine stream of %s failed", self.request_id)
+            if not self.finished:
+                try:
+                    await self.engine.abort(self.request_id)
+                except Exception:
+                    logger.exception("aborting %s failed", self.request_id)

@@ -1,0 +1,355 @@
+"""OpenAI API: /v1/chat/completions and /v1/completions.
+
+`developer` messages are rendered as `system` (chat templates predate that role); assistant
+`tool_calls` arguments are decoded from their JSON text because templates render dicts.
+tool_choice `required` / a named function start the answer with `<tool_call>`, as on the
+Anthropic side.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tierlm.engine.outputs import TokenLogprob
+from tierlm.serving import tools as toolcalls
+from tierlm.serving.errors import APIError, InternalError, InvalidRequest, openai_error_body
+from tierlm.serving.generation import (
+    ChatPrompt,
+    EngineStream,
+    Generation,
+    output_budget,
+    render_chat,
+    sampling_params,
+)
+from tierlm.serving.protocol_openai import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    FunctionCall,
+    ImagePart,
+    NamedToolChoice,
+    ResponseMessage,
+    ResponseToolCall,
+    Usage,
+)
+from tierlm.serving.sse import EventStreamResponse, sse_data
+from tierlm.serving.state import server_state
+from tierlm.serving.validation import parse_request
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("tierlm.serving")
+
+router = APIRouter()
+
+
+def _common_sampling(body: Any, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    return dict(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=body.stops(),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    context = state.admit(request)
+    body = await parse_request(request, ChatCompletionRequest, state.max_body_bytes)
+    engine = state.models.get(body.model)
+    prompt = build_chat_prompt(engine, body)
+    limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(**_common_sampling(body, max_tokens, top_n))
+    stream = EngineStream(engine, body.model, prompt.token_ids, params, context, state.inflight)
+    await stream.open(request)
+    completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = chat_chunks(stream, engine, prompt, body.model, completion_id, top_n, include_usage)
+        return EventStreamResponse(chunks, on_close=stream.close)
+    result = await stream.collect(request)
+    return JSONResponse(chat_response(result, engine, prompt, body.model, completion_id, top_n).model_dump())
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    context = state.admit(request)
+    body = await parse_request(request, CompletionRequest, state.max_body_bytes)
+    engine = state.models.get(body.model)
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
+    prompt_ids = completion_prompt_ids(engine, body)
+    max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
+    params = sampling_params(**_common_sampling(body, max_tokens, body.logprobs))
+    stream = EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)
+    await stream.open(request)
+    completion_id = "cmpl-" + uuid.uuid4().hex[:24]
+    echo = _prompt_text(engine, body) if body.echo else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = completion_chunks(stream, engine, body.model, completion_id, echo, body.logprobs, include_usage)
+        return EventStreamResponse(chunks, on_close=stream.close)
+    result = await stream.collect(request)
+    choice = CompletionChoice(
+        text=echo + result.text,
+        finish_reason=_finish_reason(result, has_tool_calls=False),
+        logprobs=legacy_logprobs(engine, result.logprobs, body.logprobs, 0) if body.logprobs is not None else None,
+    )
+    return JSONResponse(Completion(
+        id=completion_id, created=int(time.time()), model=body.model, choices=[choice], usage=usage_of(result),
+    ).model_dump())
+
+
+# ---- request → prompt ------------------------------------------------------------------
+
+
+def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
+    messages = [_template_message(m, i, body.model) for i, m in enumerate(body.messages)]
+    choice = body.tool_choice or "auto"
+    template_tools = None
+    parse_tools = False
+    forced = ""
+    if body.tools and choice != "none":
+        chat_template = getattr(engine.tokenizer, "chat_template", None)
+        if not toolcalls.template_supports_tools(chat_template):
+            raise InvalidRequest(
+                f"the chat template of model '{body.model}' does not support tools; remove 'tools'",
+                param="tools",
+            )
+        template_tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        parse_tools = toolcalls.template_uses_hermes_calls(chat_template)
+        if parse_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            forced = toolcalls.forced_call_prefix(name)
+            messages.append({"role": "assistant", "content": forced})
+    token_ids = render_chat(engine, body.model, messages, tools=template_tools, continue_final_message=bool(forced))
+    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
+
+
+def _template_message(message: ChatMessage, index: int, model: str) -> dict[str, Any]:
+    if isinstance(message.content, list):
+        for j, part in enumerate(message.content):
+            if isinstance(part, ImagePart):
+                raise InvalidRequest(
+                    f"messages.{index}.content.{j}: model '{model}' is text-only and cannot read images; "
+                    "send text parts only",
+                    param=f"messages.{index}.content.{j}",
+                )
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments, index, k)}}
+            for k, call in enumerate(message.tool_calls)
+        ]
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str, index: int, k: int) -> Any:
+    where = f"messages.{index}.tool_calls.{k}.function.arguments"
+    try:
+        return json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError):
+        raise InvalidRequest(f"{where}: must be a JSON object encoded as a string", param=where) from None
+
+
+def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:
+    if isinstance(body.prompt, str):
+        return list(engine.encode(body.prompt))
+    vocab = len(engine.tokenizer)
+    bad = [t for t in body.prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(
+            f"prompt: token ids must be in [0, {vocab}) for model '{body.model}'; got {bad[:5]}",
+            param="prompt",
+        )
+    return list(body.prompt)
+
+
+def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:
+    return body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(body.prompt)
+
+
+# ---- generation → response ---------------------------------------------------------------
+
+
+def usage_of(result: Generation) -> Usage:
+    return Usage(
+        prompt_tokens=result.num_prompt_tokens,
+        completion_tokens=result.num_output_tokens,
+        total_tokens=result.num_prompt_tokens + result.num_output_tokens,
+        prompt_tokens_details={"cached_tokens": result.num_cached_tokens},
+    )
+
+
+def _finish_reason(result: Generation, has_tool_calls: bool) -> str:
+    if has_tool_calls:
+        return "tool_calls"
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _token_text(engine: "AsyncEngine", token_id: int) -> str:
+    return engine.tokenizer.decode([token_id])
+
+
+def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(engine, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:top_n]]}
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int, offset: int) -> dict[str, Any]:
+    """The Completions API's column-wise logprobs; `offset` is where this text starts."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        text = _token_text(engine, lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        tops.append({_token_text(engine, t): v for t, v in lp.top[:top_n]} if top_n else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _split_tools(prompt: ChatPrompt, text: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
+    if not prompt.parse_tools:
+        return text, []
+    parsed = toolcalls.parse_tool_calls(prompt.forced_prefix + text, id_prefix="call_")
+    return parsed.text, parsed.tool_calls
+
+
+def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolCall]:
+    return [ResponseToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
+            for c in calls]
+
+
+def chat_response(result: Generation, engine: "AsyncEngine", prompt: ChatPrompt, model: str,
+                  completion_id: str, top_n: int | None) -> ChatCompletion:
+    text, calls = _split_tools(prompt, result.text)
+    message = ResponseMessage(content=text if (text or not calls) else None,
+                              tool_calls=_tool_calls_out(calls) or None)
+    choice = ChatChoice(
+        message=message,
+        finish_reason=_finish_reason(result, bool(calls)),
+        logprobs=chat_logprobs(engine, result.logprobs, top_n) if top_n is not None else None,
+    )
+    return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=[choice],
+                          usage=usage_of(result))
+
+
+async def chat_chunks(stream: EngineStream, engine: "AsyncEngine", prompt: ChatPrompt, model: str,
+                      completion_id: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return sse_data(data)
+
+    filter_ = toolcalls.ToolCallStreamFilter(id_prefix="call_") if prompt.parse_tools else None
+    if filter_ is not None and prompt.forced_prefix:
+        filter_.feed(prompt.forced_prefix)
+    result = Generation()
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for delta in stream.deltas():
+            result.add(delta)
+            text = filter_.feed(delta.text) if filter_ is not None else delta.text
+            logprobs = chat_logprobs(engine, delta.logprobs or [], top_n) if top_n is not None else None
+            if text or (logprobs and logprobs["content"]):
+                yield chunk({"content": text}, logprobs=logprobs)
+        calls: list[toolcalls.ParsedToolCall] = []
+        if filter_ is not None:
+            rest, calls = filter_.finish()
+            if rest:
+                yield chunk({"content": rest})
+        for i, call in enumerate(_tool_calls_out(calls)):
+            yield chunk({"tool_calls": [{"index": i, **call.model_dump()}]})
+        yield chunk({}, finish=_finish_reason(result, bool(calls)))
+        if include_usage:
+            yield sse_data({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [], "usage": usage_of(result).model_dump()})
+    except Exception as exc:
+        yield _error_frame(exc, stream.request_id)
+    yield sse_data("[DONE]")
+
+
+async def completion_chunks(stream: EngineStream, engine: "AsyncEngine", model: str, completion_id: str,
+                            echo: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": completion_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return sse_data(data)
+
+    result = Generation()
+    offset = len(echo)
+    try:
+        if echo:
+            yield chunk(echo)
+        async for delta in stream.deltas():
+            result.add(delta)
+            logprobs = legacy_logprobs(engine, delta.logprobs or [], top_n, offset) if top_n is not None else None
+            offset += len(delta.text)
+            if delta.text or logprobs:
+                yield chunk(delta.text, logprobs=logprobs)
+        yield chunk("", finish=_finish_reason(result, False))
+        if include_usage:
+            yield sse_data({"id": completion_id, "object": "text_completion", "created": created,
+                            "model": model, "choices": [], "usage": usage_of(result).model_dump()})
+    except Exception as exc:
+        yield _error_frame(exc, stream.request_id)
+    yield sse_data("[DONE]")
+
+
+def _error_frame(exc: Exception, request_id: str) -> bytes:
+    if not isinstance(exc, APIError):
+        logger.exception("error while streaming %s", request_id, exc_info=exc)
+        exc = InternalError("internal error while streaming")
+    return sse_data(openai_error_body(exc))

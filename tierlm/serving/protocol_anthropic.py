@@ -1,0 +1,255 @@
+"""Pydantic bodies of the Anthropic Messages API (requests and responses).
+
+Unknown top-level fields are ignored rather than rejected, so newer SDKs that send fields
+tierlm does not know yet (service_tier, speed, ...) keep working; known fields are validated
+strictly and errors name the field.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _non_empty_text(value: str) -> str:
+    if value == "":
+        raise ValueError("text must not be empty")
+    return value
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # accepted; prefix caching is automatic here
+    citations: Any = None
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, value: str) -> str:
+        return _non_empty_text(value)
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class DocumentBlock(_Body):
+    type: Literal["document"]
+    source: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ThinkingBlock(_Body):
+    """Echoed back by clients that replay earlier turns; tierlm never produces thinking."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Body):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    Union[
+        TextBlock,
+        ImageBlock,
+        DocumentBlock,
+        ToolUseBlock,
+        ToolResultBlock,
+        ThinkingBlock,
+        RedactedThinkingBlock,
+    ],
+    Field(discriminator="type"),
+]
+
+
+def _check_content(value: Any) -> Any:
+    """Runs before type validation so the message says what content may be."""
+    if isinstance(value, str):
+        if value == "":
+            raise ValueError("content must not be empty")
+    elif isinstance(value, list):
+        if not value:
+            raise ValueError("content must contain at least one block")
+    else:
+        raise ValueError("content must be a string or a list of content blocks")
+    return value
+
+
+class InputMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        return _check_content(value)
+
+    def blocks(self) -> list[Any]:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+class Tool(_Body):
+    """A client-side (custom) tool; rendered through the chat template as a function."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _TOOL_NAME.match(value):
+            raise ValueError("tool names must be 1-128 characters of letters, digits, '_' or '-'")
+        return value
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_for_tool(self) -> "ToolChoice":
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs the tool's 'name'")
+        return self
+
+
+class Metadata(_Body):
+    user_id: str | None = None
+
+
+class ConversationBody(_Body):
+    """What both /v1/messages and /v1/messages/count_tokens render into a prompt."""
+
+    model: str = Field(min_length=1)
+    messages: list[InputMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value: list[InputMessage]) -> list[InputMessage]:
+        if not value:
+            raise ValueError("messages must contain at least one message")
+        return value
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_shape(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (str, list)):
+            raise ValueError("system must be a string or a list of text blocks")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        tools = info.data.get("tools") or []
+        if choice is not None and choice.type in ("any", "tool") and not tools:
+            raise ValueError(f"tool_choice '{choice.type}' needs a non-empty 'tools' list")
+        if choice is not None and choice.type == "tool":
+            names = [t.name for t in tools]
+            if choice.name not in names:
+                raise ValueError(f"tool_choice names tool '{choice.name}', which is not in tools {names}")
+        return choice
+
+
+class MessagesRequest(ConversationBody):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: Metadata | None = None
+    stream: bool = False
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty_stops(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(s == "" for s in value):
+            raise ValueError("stop sequences must not be empty strings")
+        return value
+
+
+class CountTokensRequest(ConversationBody):
+    pass
+
+
+# ---- responses -------------------------------------------------------------------------
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
+
+
+class TextContent(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseContent(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class Usage(BaseModel):
+    """Token counts. input + cache_creation + cache_read = the prompt's length.
+
+    Prefix-cache hits are reported as `cache_read_input_tokens`. tierlm caches every prompt
+    automatically (no `cache_control` needed), so nothing is billed as a cache write and
+    `cache_creation_input_tokens` is always 0.
+    """
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[TextContent | ToolUseContent]
+    model: str
+    stop_reason: StopReason | None
+    stop_sequence: str | None = None
+    usage: Usage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int

@@ -1,0 +1,176 @@
+"""Turning raw request bodies into pydantic models, with 400s that name the field.
+
+Bodies are read and parsed here rather than by FastAPI so that every failure mode (too big,
+not JSON, not an object, wrong types) ends up as one of our error shapes with a message that
+points at the exact JSON path, e.g. `messages.0.content: must not be empty`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from tierlm.serving.errors import InvalidRequest, RequestTooLarge
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's own Messages API limit
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing (413) as soon as it is known to exceed `limit` bytes.
+
+    The Content-Length header is checked first so a huge upload is refused without reading
+    it; chunked bodies are counted as they arrive.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidRequest(f"invalid content-length header: {declared!r}") from None
+        if size > limit:
+            raise _too_large(size, limit)
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise _too_large(received, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> RequestTooLarge:
+    return RequestTooLarge(
+        f"request body is {size} bytes, over this server's limit of {limit} bytes; "
+        "send a shorter request (or start the server with a larger --max-body-bytes)"
+    )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Strict JSON (no NaN/Infinity), and the top level must be an object."""
+    if not body.strip():
+        raise InvalidRequest("request body is empty; send a JSON object")
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8 JSON") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(
+            f"request body must be a JSON object, got {_json_type(data)}"
+        )
+    return data
+
+
+def validate_body(model: type[M], data: dict[str, Any]) -> M:
+    """Validate parsed JSON against `model` (strict types: "5" is not an integer)."""
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        raise validation_error_to_api(exc, data) from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
+
+
+async def parse_request(request: Request, model: type[M], limit: int) -> M:
+    return validate_body(model, parse_json_object(await read_body(request, limit)))
+
+
+def validation_error_to_api(exc: ValidationError, data: Any) -> InvalidRequest:
+    """The most specific pydantic error, as a 400 naming its JSON path in the request."""
+    errors = exc.errors(include_url=False)
+    # Smart unions (str | list[...]) report one error per member; the deepest one is the
+    # member the client evidently meant.
+    best = max(errors, key=lambda e: len(e["loc"]))
+    path = json_path(best["loc"], data)
+    if best["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        path = f"{path}.type" if path else "type"
+    message = _clean_message(best)
+    # Union members repeat one mistake at the enclosing field; mention only other places.
+    others = sorted(
+        p for p in {json_path(e["loc"], data) for e in errors}
+        if p != path and not _is_ancestor(p, path)
+    )
+    if others:
+        message += f" (also check: {', '.join(p or '<body>' for p in others[:5])})"
+    return InvalidRequest(f"{path}: {message}" if path else message, param=path or None)
+
+
+def _is_ancestor(candidate: str, path: str) -> bool:
+    return candidate == "" or path.startswith(candidate + ".")
+
+
+def json_path(loc: tuple[Any, ...], data: Any) -> str:
+    """Map a pydantic error location onto the client's JSON, dropping union/tag labels.
+
+    Pydantic locations contain labels that are not in the JSON (`'str'`, `'list[...]'`,
+    discriminator values like `'text'`). Walking the actual input tells them apart: a label
+    is kept only if it indexes the current object, or names a missing field at the end.
+    """
+    parts: list[str] = []
+    current: Any = data
+    for i, item in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(current, list) and isinstance(item, int):
+            parts.append(str(item))
+            current = current[item] if 0 <= item < len(current) else None
+        elif isinstance(current, dict) and isinstance(item, str):
+            tag_values = {current.get("type"), current.get("role")}
+            if item in tag_values and not last and not _is_field_path(loc, i, current):
+                continue  # a discriminator label, not a key
+            if item in current:
+                parts.append(item)
+                current = current[item]
+            elif last:
+                parts.append(item)  # a required field that is missing
+                current = None
+        # anything else is a union-member label: skip it
+    return ".".join(parts)
+
+
+def _is_field_path(loc: tuple[Any, ...], i: int, current: dict[str, Any]) -> bool:
+    """Whether loc[i] (equal to a tag value) is really the key of that name.
+
+    When a block `{"type": "text", "text": ...}` fails, pydantic reports `(..., 'text', 'text')`:
+    the tag label followed by the field. The label comes first exactly when the next item is
+    also a key of the same object (or the same name again).
+    """
+    nxt = loc[i + 1] if i + 1 < len(loc) else None
+    return not (isinstance(nxt, str) and (nxt in current or nxt == loc[i]))
+
+
+def _clean_message(error: Any) -> str:
+    msg = str(error["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    if error["type"] == "missing":
+        return "field required"
+    if error["type"] == "extra_forbidden":
+        return "unknown field; remove it"
+    return msg[:1].lower() + msg[1:]
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if value is None:
+        return "null"
+    return type(value).__name__
