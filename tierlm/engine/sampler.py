@@ -52,6 +52,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.default_generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)

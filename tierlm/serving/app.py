@@ -66,8 +66,8 @@ def build_app(
             yield
         finally:
             if len(state.inflight):
-                logger.warning("aborting %d request(s) still in flight at shutdown", len(state.inflight))
-            await state.inflight.abort_all()
+                logger.warning("releasing %d request(s) still in flight at shutdown", len(state.inflight))
+            await state.inflight.close_all()
             if manage_engines:
                 await state.models.shutdown()
             state.models.started = False
@@ -115,8 +115,11 @@ async def health() -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Readiness: every model's engine is started."""
-    models = server_state(request).models
+    """Readiness: every model's engine is started and the server is not shutting down."""
+    state = server_state(request)
+    models = state.models
+    if state.draining:
+        return JSONResponse({"status": "draining", "models": models.names}, status_code=503)
     if not models.started:
         return JSONResponse({"status": "loading", "models": models.names}, status_code=503)
     return JSONResponse({"status": "ready", "models": models.names})

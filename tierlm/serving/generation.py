@@ -34,6 +34,8 @@ logger = logging.getLogger("tierlm.serving")
 
 T = TypeVar("T")
 
+ABORT_TIMEOUT_S = 10.0
+
 
 class ClientDisconnected(APIError):
     """The client went away; nobody reads this response (499 only shows up in logs)."""
@@ -172,7 +174,7 @@ class Generation:
 
 
 class InflightRequests:
-    """Live engine streams, so shutdown can abort whatever outlived the grace period."""
+    """Live engine streams, so shutdown can stop whatever outlives the grace period."""
 
     def __init__(self) -> None:
         self._streams: set[EngineStream] = set()
@@ -187,6 +189,11 @@ class InflightRequests:
         return len(self._streams)
 
     async def abort_all(self) -> None:
+        """Abort in the engine: each stream then ends normally, telling its client why."""
+        await asyncio.gather(*(stream.abort() for stream in list(self._streams)))
+
+    async def close_all(self) -> None:
+        """Last resort once the server stopped serving: release everything left."""
         for stream in list(self._streams):
             await stream.close()
 
@@ -252,8 +259,8 @@ class EngineStream:
         if delta.finish_reason == "abort":
             self.finished = True
             raise Overloaded(
-                f"request aborted by the engine for model '{self.model}' (server shutting down "
-                "or overloaded); retry later"
+                f"request aborted by the engine for model '{self.model}' (the server is shutting "
+                "down or overloaded); retry it"
             )
         self.finished = delta.finished
         return delta
@@ -282,6 +289,14 @@ class EngineStream:
         finally:
             await self.close()
 
+    async def abort(self) -> None:
+        """Ask the engine to stop this request; its stream then ends with an `abort` delta."""
+        if not self.finished:
+            try:
+                await asyncio.wait_for(self.engine.abort(self.request_id), ABORT_TIMEOUT_S)
+            except Exception:
+                logger.exception("aborting %s failed", self.request_id)
+
     async def close(self) -> None:
         """Abort (if unfinished) and release the engine request. Safe to call repeatedly."""
         if self._closed:
@@ -296,8 +311,4 @@ class EngineStream:
                     await aclose()
                 except Exception:
                     logger.exception("closing the engine stream of %s failed", self.request_id)
-            if not self.finished:
-                try:
-                    await self.engine.abort(self.request_id)
-                except Exception:
-                    logger.exception("aborting %s failed", self.request_id)
+            await self.abort()  # returns once the KV blocks are free

@@ -46,7 +46,7 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

@@ -1,14 +1,20 @@
 """What every route needs from the server: models, auth, limits, in-flight requests."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from tierlm.serving.auth import Authenticator, RequestContext
+from tierlm.serving.errors import Overloaded
 from tierlm.serving.generation import InflightRequests
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger("tierlm.serving")
 
 
 @dataclass
@@ -17,11 +23,29 @@ class ServerState:
     auth: Authenticator
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     inflight: InflightRequests = field(default_factory=InflightRequests)
+    draining: bool = False
 
     def admit(self, request: Request) -> RequestContext:
         """Authenticate and build the request's context (tenancy will extend this step)."""
+        if self.draining:
+            raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id)
+
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work, give in-flight requests `timeout` seconds, then abort the rest.
+
+        Aborted requests end normally with an error telling the client to retry (an `error`
+        event for streams), rather than a connection cut mid-answer.
+        """
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while len(self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if len(self.inflight):
+            logger.warning("aborting %d request(s) still running after %.1fs", len(self.inflight), timeout)
+            await self.inflight.abort_all()
 
 
 def server_state(request: Request) -> ServerState:

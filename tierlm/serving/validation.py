@@ -59,9 +59,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not body.strip():
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
+        text = body.decode("utf-8")
     except UnicodeDecodeError:
-        raise InvalidRequest("request body is not valid UTF-8 JSON") from None
+        raise InvalidRequest("request body is not valid UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply") from None
     except ValueError as exc:

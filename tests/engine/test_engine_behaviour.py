@@ -1,0 +1,221 @@
+"""Engine behaviour: errors, seeded sampling, stop strings, UTF-8 streaming, no leaked blocks."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tierlm import LLM, SamplingParams
+from tierlm.engine.detokenizer import IncrementalDetokenizer
+from tierlm.errors import ChatTemplateError, ModelLoadError, RequestTooLongError
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=256,
+               max_num_batched_tokens=32, block_size=8, load_progress=False)
+
+
+def test_prompt_beyond_max_model_len_is_rejected_and_changes_nothing(llm):
+    with pytest.raises(RequestTooLongError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 300})
+    with pytest.raises(RequestTooLongError, match="max_tokens"):
+        llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=100))
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+def test_request_larger_than_whole_pool_is_rejected(llama_dir):
+    small = LLM(str(llama_dir), dtype="float32", kv_cache_memory=16 * 1024, max_model_len=512, block_size=8,
+                load_progress=False)
+    with pytest.raises(RequestTooLongError, match="whole pool"):
+        small.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=300))
+
+
+def test_bad_batch_is_rejected_whole(llm):
+    with pytest.raises(RequestTooLongError):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5] * 400}])
+    assert not llm.engine.has_unfinished()
+
+
+def test_unknown_architecture_lists_supported(tmp_path, llama_dir):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(d), load_progress=False)
+    for arch in ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"):
+        assert arch in str(e.value)
+
+
+def test_missing_and_corrupt_safetensors(tmp_path, llama_dir):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        LLM(str(d), load_progress=False)
+    shutil.copy(llama_dir / "model.safetensors", d / "model.safetensors")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        LLM(str(d), load_progress=False)
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)  # garbage header
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        LLM(str(d), load_progress=False)
+
+
+def test_sharded_checkpoint_loads_same_outputs(tmp_path, llama_dir, llm):
+    from transformers import AutoModelForCausalLM
+    d = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(llama_dir)).save_pretrained(str(d), max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (llama_dir / f).exists():
+            shutil.copy(llama_dir / f, d / f)
+    assert (d / "model.safetensors.index.json").is_file()
+    sharded = LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert sharded.generate("hello there", p)[0].outputs[0].token_ids == llm.generate("hello there", p)[0].outputs[0].token_ids
+
+
+def test_chat_without_template_is_a_clear_error(tmp_path, llama_dir):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    m = LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        m.chat([{"role": "user", "content": "hi"}])
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True))
+    ids = out[0].prompt_token_ids
+    assert llm.tokenizer.decode(ids).startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = llm.generate(["once upon", "a time"], p)
+    b = llm.generate(["once upon", "a time"], p)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    c = llm.generate(["once upon"], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    d = llm.generate(["once upon"], SamplingParams(max_tokens=16, temperature=1.0, seed=100, ignore_eos=True))
+    assert c[0].outputs[0].token_ids != d[0].outputs[0].token_ids
+
+
+def test_top_k_one_equals_greedy_and_penalties_change_output(llm):
+    greedy = llm.generate("abc", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    topk1 = llm.generate("abc", SamplingParams(max_tokens=12, temperature=0.8, top_k=1, seed=3, ignore_eos=True))[0].outputs[0]
+    assert greedy.token_ids == topk1.token_ids
+    pen = llm.generate("abc", SamplingParams(max_tokens=12, temperature=0, repetition_penalty=5.0,
+                                             frequency_penalty=2.0, ignore_eos=True))[0].outputs[0]
+    assert len(set(pen.token_ids)) >= len(set(greedy.token_ids))
+    assert pen.token_ids != greedy.token_ids or len(set(greedy.token_ids)) == 12
+
+
+def test_logprobs_top_n(llm):
+    out = llm.generate("abc", SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0][0] == tok  # greedy picks the most likely token
+        assert abs(lp.top[0][1] - lp.logprob) < 1e-6 and lp.logprob <= 0
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    base = llm.generate("xyz", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop_at = base.token_ids[3]
+    out = llm.generate("xyz", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                             ignore_eos=True))[0].outputs[0]
+    first = base.token_ids.index(stop_at)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert base.finish_reason == "length" and len(base.token_ids) == 10
+
+
+def test_stop_string_is_found_and_excluded(llm):
+    base = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0]
+    text = base.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert stop not in out.text
+
+
+class _Tok:
+    """A tokenizer whose tokens are single bytes, so every multi-byte character is split."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_stop_split_across_tokens_and_utf8_whole():
+    text = "héllo 世界 🚀 wörld END tail"
+    ids = list(text.encode())
+    d = IncrementalDetokenizer(_Tok(), [], stop=["END"])
+    streamed = []
+    stopped = None
+    for t in ids:
+        stopped = d.add(t)
+        piece = d.delta(stopped is not None)
+        assert "\ufffd" not in piece
+        streamed.append(piece)
+        if stopped:
+            break
+    assert stopped == "END"
+    assert "".join(streamed) == "héllo 世界 🚀 wörld "
+    # Without stops every prefix streamed is valid UTF-8 and the total is exact.
+    d = IncrementalDetokenizer(_Tok(), [], stop=[])
+    parts = []
+    for t in ids:
+        d.add(t)
+        parts.append(d.delta(False))
+    d.flush()
+    parts.append(d.delta(True))
+    assert "".join(parts) == text and all("\ufffd" not in p for p in parts)
+
+
+def test_multibyte_stream_through_engine_is_whole(llm):
+    """Real tokenizer: streamed deltas concatenate to the final text, never with broken chars."""
+    eng = llm.engine
+    req = eng.add_request("你好 🚀", SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True))
+    parts = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            parts.append(d.text)
+    assert "".join(parts) == req.final_text
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_no_leaked_blocks_after_random_finishes_and_aborts(llm, data):
+    eng = llm.engine
+    rng = random.Random(data.draw(st.integers(0, 10_000)))
+    n = data.draw(st.integers(1, 10))
+    live: list[str] = []
+    for step in range(60):
+        if len(live) < n and rng.random() < 0.5:
+            L = rng.randint(1, 90)
+            r = eng.add_request({"prompt_token_ids": [rng.randrange(5, 600) for _ in range(L)]},
+                                SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 1.0]),
+                                               ignore_eos=True, seed=rng.randint(0, 9)),
+                                priority=rng.randint(0, 2))
+            live.append(r.request_id)
+        if live and rng.random() < 0.2:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        for d in eng.step():
+            if d.finished and d.request_id in live:
+                live.remove(d.request_id)
+    for rid in list(live):
+        eng.abort(rid)
+    assert not eng.has_unfinished()
+    assert eng.pool.num_used == 0
+    assert sum(b.ref_cnt for b in eng.pool.blocks) == 0

@@ -1,0 +1,258 @@
+"""The Anthropic Messages API over real HTTP, against the scripted engine."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.serving.fakes import API_KEY, SMALL_BODY_LIMIT, parse_sse
+
+MODEL = "fake-model"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather for a city",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+@pytest.fixture
+def client(fake_server, fake):
+    with httpx.Client(base_url=fake_server.url, timeout=30,
+                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}) as c:
+        yield c
+
+
+def body(**fields):
+    return {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi there"}], **fields}
+
+
+def test_message_shape_and_request_id(client, fake):
+    r = client.post("/v1/messages", json=body(), headers={"anthropic-version": "2099-01-01", "x-unknown": "1"})
+    assert r.status_code == 200
+    msg = r.json()
+    assert msg["id"].startswith("msg_") and msg["type"] == "message" and msg["role"] == "assistant"
+    assert msg["content"] == [{"type": "text", "text": fake.reply("")}]
+    assert msg["model"] == MODEL and msg["stop_reason"] == "end_turn" and msg["stop_sequence"] is None
+    assert r.headers["request-id"].startswith("req_")
+    usage = msg["usage"]
+    prompt_len = len(fake.calls[-1].prompt_token_ids)
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == prompt_len
+    assert usage["output_tokens"] == len(fake.encode(fake.reply(""))) + 1  # + EOS
+
+
+def test_prefix_cache_hits_are_cache_reads(client, fake):
+    long_prompt = "Repeat after me: " + "lorem ipsum " * 20
+    first = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long_prompt}])).json()
+    second = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long_prompt}])).json()
+    prompt_len = len(fake.calls[-1].prompt_token_ids)
+    assert first["usage"]["cache_read_input_tokens"] == 0
+    assert second["usage"]["cache_read_input_tokens"] > 0
+    u = second["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt_len and u["cache_creation_input_tokens"] == 0
+
+
+def test_sampling_fields_reach_the_engine(client, fake):
+    client.post("/v1/messages", json=body(temperature=0.5, top_p=0.9, top_k=7, max_tokens=9,
+                                          metadata={"user_id": "u-1"}))
+    params = fake.calls[-1].params
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.5, 0.9, 7, 9)
+    assert fake.calls[-1].request_id.startswith("req_")
+
+
+def test_max_tokens_stop(client, fake):
+    msg = client.post("/v1/messages", json=body(max_tokens=3)).json()
+    assert msg["stop_reason"] == "max_tokens" and msg["usage"]["output_tokens"] == 3
+
+
+def test_stop_sequence_is_reported_and_excluded(client, fake):
+    fake.reply = lambda prompt: "alpha beta STOP gamma"
+    msg = client.post("/v1/messages", json=body(stop_sequences=["never", "STOP"])).json()
+    assert msg["content"][0]["text"] == "alpha beta "
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
+
+
+def test_prefill_continues_the_assistant_turn(client, fake):
+    fake.reply = lambda prompt: "B) Helios"
+    msg = client.post("/v1/messages", json=body(messages=[
+        {"role": "user", "content": "Greek name for the Sun? (A) Sol (B) Helios"},
+        {"role": "assistant", "content": "The answer is ("},
+    ])).json()
+    assert fake.calls[-1].prompt_text.endswith("<|im_start|>assistant\nThe answer is (")
+    assert msg["content"][0]["text"] == "B) Helios"
+
+
+def test_same_role_turns_merge_and_system_blocks_join(client, fake):
+    client.post("/v1/messages", json=body(
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        messages=[{"role": "user", "content": "first"},
+                  {"role": "user", "content": [{"type": "text", "text": "second"}, {"type": "text", "text": "third"}]}],
+    ))
+    prompt = fake.calls[-1].prompt_text
+    assert "<|im_start|>system\nBe brief.\nBe kind.<|im_end|>" in prompt
+    assert "<|im_start|>user\nfirst\n\nsecond\nthird<|im_end|>" in prompt
+    assert prompt.count("<|im_start|>user") == 1
+
+
+def test_streaming_event_sequence(client, fake):
+    fake.reply = lambda prompt: "one two three"
+    r = client.post("/v1/messages", json=body(stream=True))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["request-id"].startswith("req_")
+    frames = parse_sse(r.text)
+    for event, data in frames:
+        assert event == data["type"]
+    names = [e for e, _ in frames]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    start = frames[0][1]["message"]
+    assert start["id"].startswith("msg_") and start["content"] == [] and start["stop_reason"] is None
+    assert frames[1][1]["index"] == 0 and frames[1][1]["content_block"] == {"type": "text", "text": ""}
+    text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta")
+    assert text == "one two three"
+    delta = frames[-2][1]
+    assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == len(fake.encode("one two three")) + 1
+
+
+def test_streaming_stop_sequence(client, fake):
+    fake.reply = lambda prompt: "alpha beta STOP gamma"
+    frames = parse_sse(client.post("/v1/messages", json=body(stream=True, stop_sequences=["STOP"])).text)
+    text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta")
+    assert text == "alpha beta "
+    assert frames[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "STOP"}
+
+
+def test_tool_use_non_streaming(client, fake):
+    fake.reply = lambda prompt: "Let me look that up.\n" + CALL
+    msg = client.post("/v1/messages", json=body(tools=[WEATHER_TOOL])).json()
+    assert "get_weather" in fake.calls[-1].prompt_text and "# Tools" in fake.calls[-1].prompt_text
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["content"][0] == {"type": "text", "text": "Let me look that up."}
+    call = msg["content"][1]
+    assert call["type"] == "tool_use" and call["id"].startswith("toolu_")
+    assert (call["name"], call["input"]) == ("get_weather", {"city": "Paris"})
+
+
+def test_tool_use_streaming(client, fake):
+    fake.reply = lambda prompt: "Checking.\n" + CALL
+    frames = parse_sse(client.post("/v1/messages", json=body(tools=[WEATHER_TOOL], stream=True)).text)
+    starts = [d for e, d in frames if e == "content_block_start"]
+    assert [s["index"] for s in starts] == [0, 1]
+    assert starts[0]["content_block"]["type"] == "text"
+    assert starts[1]["content_block"]["type"] == "tool_use" and starts[1]["content_block"]["name"] == "get_weather"
+    text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta" and d["index"] == 0)
+    assert "<tool_call>" not in text and text.strip() == "Checking."
+    partial = "".join(d["delta"]["partial_json"] for e, d in frames
+                      if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == {"city": "Paris"}
+    assert [d["index"] for e, d in frames if e == "content_block_stop"] == [0, 1]
+    assert frames[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_tool_choice_tool_starts_the_call(client, fake):
+    fake.reply = lambda prompt: '{"city": "Oslo"}}\n</tool_call>'
+    msg = client.post("/v1/messages", json=body(tools=[WEATHER_TOOL],
+                                                tool_choice={"type": "tool", "name": "get_weather"})).json()
+    assert fake.calls[-1].prompt_text.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["content"] == [{"type": "tool_use", "id": msg["content"][0]["id"], "name": "get_weather",
+                               "input": {"city": "Oslo"}}]
+
+
+def test_tool_choice_none_hides_tools(client, fake):
+    fake.reply = lambda prompt: CALL
+    msg = client.post("/v1/messages", json=body(tools=[WEATHER_TOOL], tool_choice={"type": "none"})).json()
+    assert "# Tools" not in fake.calls[-1].prompt_text
+    assert msg["stop_reason"] == "end_turn" and msg["content"][0]["type"] == "text"
+
+
+def test_tool_results_are_rendered(client, fake):
+    client.post("/v1/messages", json=body(tools=[WEATHER_TOOL], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21C"}]},
+    ]))
+    prompt = fake.calls[-1].prompt_text
+    assert '"arguments": {"city": "Paris"}' in prompt
+    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
+
+
+def test_count_tokens_matches_the_rendered_prompt(client, fake):
+    b = body(system="Be brief.")
+    count = client.post("/v1/messages/count_tokens", json={k: b[k] for k in ("model", "messages", "system")})
+    assert count.status_code == 200
+    client.post("/v1/messages", json=b)
+    assert count.json() == {"input_tokens": len(fake.calls[-1].prompt_token_ids)}
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def error_of(r: httpx.Response, status: int, kind: str) -> str:
+    assert r.status_code == status, r.text
+    data = r.json()
+    assert data["type"] == "error" and data["error"]["type"] == kind
+    assert data["request_id"] == r.headers["request-id"]
+    return data["error"]["message"]
+
+
+def test_image_blocks_are_refused_clearly(client):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    r = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, image]}]))
+    message = error_of(r, 400, "invalid_request_error")
+    assert "messages.0.content.1" in message and "text-only" in message
+
+
+def test_unknown_model_is_404(client):
+    message = error_of(client.post("/v1/messages", json=body(model="nope")), 404, "not_found_error")
+    assert "nope" in message and MODEL in message
+
+
+def test_authentication(fake_server, fake):
+    url = fake_server.url + "/v1/messages"
+    assert "x-api-key" in error_of(httpx.post(url, json=body()), 401, "authentication_error")
+    error_of(httpx.post(url, json=body(), headers={"x-api-key": "wrong"}), 401, "authentication_error")
+    assert httpx.post(url, json=body(), headers={"authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_body_over_the_limit_is_413(client):
+    huge = "x" * (SMALL_BODY_LIMIT + 10)
+    error_of(client.post("/v1/messages", json=body(messages=[{"role": "user", "content": huge}])),
+             413, "request_too_large")
+
+
+def test_max_tokens_beyond_context_names_the_field(client, fake):
+    message = error_of(client.post("/v1/messages", json=body(max_tokens=fake.max_model_len)), 400,
+                       "invalid_request_error")
+    assert message.startswith("max_tokens:") and "context" in message
+
+
+def test_prompt_beyond_context(client, fake):
+    long = "word " * (fake.max_model_len + 10)
+    message = error_of(client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long}])),
+                       400, "invalid_request_error")
+    assert "prompt" in message
+
+
+def test_malformed_json_and_wrong_method(client):
+    r = client.post("/v1/messages", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert "not valid JSON" in error_of(r, 400, "invalid_request_error")
+    r = client.get("/v1/messages")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_failure_mid_stream_is_an_error_event(client, fake):
+    fake.fail_after = 3
+    frames = parse_sse(client.post("/v1/messages", json=body(stream=True)).text)
+    assert frames[0][0] == "message_start"
+    event, data = frames[-1]
+    assert event == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
+    assert "message_stop" not in [e for e, _ in frames]
+
+
+def test_engine_failure_before_output_is_500_without_trace(client, fake):
+    fake.fail_after = 0
+    message = error_of(client.post("/v1/messages", json=body()), 500, "api_error")
+    assert "Traceback" not in message and "restart" in message

@@ -1,0 +1,61 @@
+"""Hermes tool-call parsing, whole and streamed."""
+from __future__ import annotations
+
+import pytest
+
+from tierlm.serving.tools import ToolCallStreamFilter, forced_call_prefix, parse_tool_calls
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_parses_prose_then_calls():
+    out = parse_tool_calls("Let me check.\n" + CALL + CALL.replace("Paris", "Rome"))
+    assert out.text == "Let me check."
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert out.tool_calls[0].id.startswith("toolu_") and out.tool_calls[0].id != out.tool_calls[1].id
+
+
+def test_unclosed_final_call_and_string_arguments():
+    out = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", {"x": 1})]
+
+
+@pytest.mark.parametrize("text", [
+    "no calls here", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+])
+def test_unparseable_output_stays_text(text):
+    out = parse_tool_calls(text)
+    assert out.text == text and out.tool_calls == []
+
+
+def stream_through(pieces: list[str]) -> tuple[str, list]:
+    f = ToolCallStreamFilter()
+    shown = "".join(f.feed(p) for p in pieces)
+    rest, calls = f.finish()
+    return shown + rest, calls
+
+
+def test_stream_filter_passes_text_and_buffers_the_call():
+    text = "Sure: " + CALL
+    for size in (1, 3, 7, len(text)):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        shown, calls = stream_through(pieces)
+        assert shown == "Sure: "
+        assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_stream_filter_releases_false_alarms():
+    shown, calls = stream_through(["a <tool", "_ca", "t> b"])
+    assert shown == "a <tool_cat> b" and calls == []
+    shown, calls = stream_through(["x <tool_call>{broken"])
+    assert shown == "x <tool_call>{broken" and calls == []
+    shown, calls = stream_through(["ends with <too"])
+    assert shown == "ends with <too"
+
+
+def test_forced_prefix_completes_into_a_call():
+    prefix = forced_call_prefix("get_weather")
+    out = parse_tool_calls(prefix + '{"city": "Oslo"}}\n</tool_call>')
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", {"city": "Oslo"})]

@@ -1,0 +1,140 @@
+"""Request bodies → pydantic models: every rejection is a 400 naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from tierlm.serving.errors import APIError, InvalidRequest
+from tierlm.serving.protocol_anthropic import CountTokensRequest, MessagesRequest
+from tierlm.serving.protocol_openai import ChatCompletionRequest, CompletionRequest
+from tierlm.serving.validation import json_path, parse_json_object, validate_body
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def anthropic(**fields):
+    return {"model": "m", "max_tokens": 8, "messages": USER, **fields}
+
+
+def rejected(model, body) -> APIError:
+    with pytest.raises(InvalidRequest) as info:
+        validate_body(model, body)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (anthropic(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (anthropic(max_tokens="8"), "max_tokens", "integer"),
+    (anthropic(max_tokens=8.0), "max_tokens", "integer"),
+    (anthropic(max_tokens=True), "max_tokens", "integer"),
+    (anthropic(messages=[]), "messages", "at least one message"),
+    (anthropic(messages=[{"role": "user", "content": ""}]), "messages.0.content", "must not be empty"),
+    (anthropic(messages=[{"role": "user", "content": []}]), "messages.0.content", "at least one block"),
+    (anthropic(messages=[{"role": "user", "content": 5}]), "messages.0.content", "string or a list"),
+    (anthropic(messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]),
+     "messages.0.content.0.text", "must not be empty"),
+    (anthropic(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": 3}]}]),
+     "messages.0.content.0.cache_control", "dictionary"),
+    (anthropic(messages=[{"role": "user", "content": [{"type": "video"}]}]), "messages.0.content.0.type", "video"),
+    (anthropic(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]),
+     "messages.0.content.0.tool_use_id", "field required"),
+    (anthropic(messages=[{"role": "system", "content": "x"}]), "messages.0.role", "'user' or 'assistant'"),
+    (anthropic(messages=[{"content": "x"}]), "messages.0.role", "field required"),
+    (anthropic(stop_sequences=["ok", ""]), "stop_sequences", "empty"),
+    (anthropic(temperature=1.5), "temperature", "less than or equal to 1"),
+    (anthropic(top_p=0), "top_p", "greater than 0"),
+    (anthropic(top_k=-1), "top_k", "greater than or equal to 0"),
+    (anthropic(system=7), "system", "string or a list"),
+    (anthropic(system=[{"type": "text"}]), "system.0.text", "field required"),
+    (anthropic(tool_choice={"type": "any"}), "tool_choice", "non-empty 'tools'"),
+    (anthropic(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "tool", "name": "g"}),
+     "tool_choice", "not in tools"),
+    (anthropic(tools=[{"name": "bad name!", "input_schema": {}}]), "tools.0.name", "letters, digits"),
+    (anthropic(stream="yes"), "stream", "boolean"),
+    ({"max_tokens": 8, "messages": USER}, "model", "field required"),
+])
+def test_anthropic_rejections_name_the_field(body, param, words):
+    err = rejected(MessagesRequest, body)
+    assert err.param == param
+    assert err.message.startswith(f"{param}: ")
+    assert words in err.message
+
+
+def test_anthropic_accepts_the_documented_shapes():
+    body = validate_body(MessagesRequest, anthropic(
+        system=[{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+        ],
+        tools=[{"name": "w", "description": "weather", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "auto"}, temperature=0, top_k=5, metadata={"user_id": "u1"},
+        stop_sequences=["\n\n"], unknown_future_field={"ignored": True},
+    ))
+    assert body.temperature == 0.0 and body.tools[0].name == "w"
+
+
+def test_count_tokens_needs_no_max_tokens():
+    assert validate_body(CountTokensRequest, {"model": "m", "messages": USER}).model == "m"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": "m", "messages": []}, "messages", "at least one message"),
+    ({"model": "m", "messages": [{"role": "user", "content": ""}]}, "messages.0.content", "must not be empty"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages.0.content", "required"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+     "messages.0.content.0.text", "string"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.image_url.url", "field required"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'system'"),
+    ({"model": "m", "messages": USER, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"model": "m", "messages": USER, "max_completion_tokens": -5}, "max_completion_tokens", "greater"),
+    ({"model": "m", "messages": USER, "n": 2}, "n", "only n=1"),
+    ({"model": "m", "messages": USER, "stop": ""}, "stop", "empty"),
+    ({"model": "m", "messages": USER, "stop": ["a", ""]}, "stop", "empty"),
+    ({"model": "m", "messages": USER, "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"model": "m", "messages": USER, "top_logprobs": 3}, "top_logprobs", "logprobs set to true"),
+    ({"model": "m", "messages": USER, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"model": "m", "messages": USER, "response_format": {"type": "json_object"}}, "response_format.type", "'text'"),
+    ({"model": "m", "messages": USER, "tool_choice": "required"}, "tool_choice", "non-empty 'tools'"),
+])
+def test_openai_chat_rejections_name_the_field(body, param, words):
+    err = rejected(ChatCompletionRequest, body)
+    assert err.param == param, err.message
+    assert words in err.message
+
+
+def test_openai_stream_options_need_stream():
+    err = rejected(ChatCompletionRequest, {"model": "m", "messages": USER, "stream_options": {"include_usage": True}})
+    assert "stream_options" in err.message
+
+
+@pytest.mark.parametrize("prompt, expected", [("hello", "hello"), ([1, 2, 3], [1, 2, 3]), (["hello"], "hello"),
+                                              ([[4, 5]], [4, 5])])
+def test_completion_prompt_forms(prompt, expected):
+    assert validate_body(CompletionRequest, {"model": "m", "prompt": prompt}).prompt == expected
+
+
+@pytest.mark.parametrize("prompt, words", [("", "empty"), ([], "empty"), (["a", "b"], "batched prompts"),
+                                           ([1, "a"], "string or a list of token ids"), (5, "string or a list")])
+def test_completion_prompt_rejections(prompt, words):
+    err = rejected(CompletionRequest, {"model": "m", "prompt": prompt})
+    assert err.param == "prompt" and words in err.message
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"", "empty"), (b"{", "not valid JSON"), (b"[1, 2]", "an array"), (b'"x"', "a string"),
+    (b'{"a": NaN}', "not valid JSON"), (b"\xff\xfe", "UTF-8"), (b"[" * 100_000 + b"]" * 100_000, "nested"),
+], ids=["empty", "truncated", "array", "string", "nan", "not-utf8", "deep"])
+def test_body_must_be_a_json_object(raw, words):
+    with pytest.raises(InvalidRequest) as info:
+        parse_json_object(raw)
+    assert words in info.value.message
+
+
+def test_json_path_skips_union_labels():
+    data = {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}
+    loc = ("messages", 0, "content", "list[tagged-union[A,B]]", 0, "text", "text")
+    assert json_path(loc, data) == "messages.0.content.0.text"
+    assert json_path(("messages", 0, "content", "str"), data) == "messages.0.content"

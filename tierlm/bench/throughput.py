@@ -1,0 +1,194 @@
+"""`tierlm bench throughput`: offline output-token throughput, tierlm vs transformers, same run.
+
+Both run the same requests on the same weights, dtype and thread count; the result is the
+ratio. Also measures batch-1 decode speed against the memory-bandwidth bound
+(model bytes / measured read bandwidth), the ceiling for single-stream decode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BENCH_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                   intermediate_size=4864, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True, rope_theta=1000000.0)
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    hf_batch: int
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(name: str, vocab: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    if name == "uniform":
+        prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(32)]
+        return Workload(name, prompts, [128] * 32, hf_batch=32)
+    if name == "mixed":
+        lens = [rng.randint(32, 512) for _ in range(64)]
+        outs = [rng.randint(16, 256) for _ in range(64)]
+        return Workload(name, [[rng.randrange(100, vocab) for _ in range(L)] for L in lens], outs, hf_batch=16)
+    if name == "tiny":  # for tests and smoke runs
+        prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(8, 40))] for _ in range(6)]
+        return Workload(name, prompts, [rng.randint(4, 12) for _ in range(6)], hf_batch=3)
+    raise ValueError(f"unknown workload '{name}'; use uniform, mixed or tiny")
+
+
+def ensure_bench_model(path: Path) -> Path:
+    """The 0.5B-shaped random-weight Llama (bf16) used by the speed benchmarks."""
+    if (path / "config.json").is_file():
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tierlm.models.demo import build_tokenizer
+    log.info("building the 0.5B-shaped benchmark model in %s (random weights, once)", path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**BENCH_SHAPE, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(path))
+    return path
+
+
+def run_tierlm(model_dir: str, wl: Workload, dtype: str, **engine_kw) -> dict:
+    from tierlm import LLM, SamplingParams
+    llm = LLM(model_dir, dtype=dtype, load_progress=False, **engine_kw)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
+    llm.generate([{"prompt_token_ids": wl.prompts[0][:8]}], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params)
+    dt = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == wl.output_tokens, (produced, wl.output_tokens)
+    del llm
+    return {"seconds": dt, "output_tokens": produced, "output_tok_per_s": produced / dt}
+
+
+def run_transformers(model_dir: str, wl: Workload, torch_dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    pad = 0
+    produced = 0
+    t0 = None
+    with torch.inference_mode():
+        model.generate(torch.tensor([wl.prompts[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        t0 = time.perf_counter()
+        for i in range(0, len(wl.prompts), wl.hf_batch):
+            batch = wl.prompts[i:i + wl.hf_batch]
+            n_out = max(wl.output_lens[i:i + wl.hf_batch])
+            width = max(len(p) for p in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(batch):  # left padding
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
+                           pad_token_id=pad)
+            # Only each request's own output length counts as useful output.
+            produced += sum(wl.output_lens[i:i + wl.hf_batch])
+    dt = time.perf_counter() - t0
+    del model
+    return {"seconds": dt, "output_tokens": produced, "output_tok_per_s": produced / dt}
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Measured memory read bandwidth in bytes/s (sum over a large buffer, best of reps)."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def batch1_decode(model_dir: str, dtype: str, n: int = 64) -> dict:
+    from tierlm import LLM, SamplingParams
+    from transformers import AutoModelForCausalLM
+    prompt = list(range(100, 116))
+    llm = LLM(model_dir, dtype=dtype, load_progress=False, kv_cache_memory=256 << 20)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, ignore_eos=True))
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
+    ours = n / (time.perf_counter() - t)
+    model_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        t = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        theirs = n / (time.perf_counter() - t)
+    del hf
+    bw = read_bandwidth()
+    bound = bw / model_bytes
+    return {"tierlm_tok_per_s": ours, "transformers_tok_per_s": theirs, "ratio": ours / theirs,
+            "model_bytes": model_bytes, "read_bandwidth_gb_s": bw / 1e9, "bandwidth_bound_tok_per_s": bound,
+            "tierlm_share_of_bound": ours / bound}
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
+    dtype = args.dtype
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    threads = torch.get_num_threads()
+    result = {"model": model_dir, "dtype": dtype, "threads": threads, "workloads": {}}
+    for name in args.workload:
+        wl = make_workload(name, vocab)
+        print(f"[{name}] {len(wl.prompts)} requests, {wl.output_tokens} output tokens", flush=True)
+        ours = run_tierlm(model_dir, wl, dtype, max_num_seqs=max(64, len(wl.prompts)),
+                          kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
+        print(f"  tierlm:       {ours['output_tok_per_s']:8.1f} output tok/s ({ours['seconds']:.1f} s)", flush=True)
+        theirs = run_transformers(model_dir, wl, torch_dtype)
+        print(f"  transformers: {theirs['output_tok_per_s']:8.1f} output tok/s ({theirs['seconds']:.1f} s)", flush=True)
+        ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
+        print(f"  ratio tierlm/transformers: {ratio:.2f}x", flush=True)
+        result["workloads"][name] = {"tierlm": ours, "transformers": theirs, "ratio": ratio}
+    if args.batch1:
+        b1 = batch1_decode(model_dir, dtype)
+        print(f"[batch-1 decode] tierlm {b1['tierlm_tok_per_s']:.1f} tok/s, transformers {b1['transformers_tok_per_s']:.1f}"
+              f" tok/s, bandwidth bound {b1['bandwidth_bound_tok_per_s']:.1f} tok/s "
+              f"({b1['read_bandwidth_gb_s']:.1f} GB/s)", flush=True)
+        result["batch1_decode"] = b1
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        from tierlm.bench.plots import bar_plot
+        values = {f"{n}\n{who}": w[who]["output_tok_per_s"]
+                  for n, w in result["workloads"].items() for who in ("tierlm", "transformers")}
+        bar_plot(args.plot, values, title="Output-token throughput (same run, same weights)", ylabel="output tok/s")
+    return result
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("throughput", help="offline throughput: tierlm vs transformers in the same run")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the 0.5B-shaped random-weight Llama)")
+    p.add_argument("--bench-model-dir", default=str(Path.home() / ".cache" / "tierlm" / "models" / "bench-llama-0.5b"))
+    p.add_argument("--workload", action="append", choices=["uniform", "mixed", "tiny"], default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=lambda a: (setattr(a, "workload", a.workload or ["uniform"]), run(a)) and 0)

@@ -1,0 +1,107 @@
+"""`tierlm serve | generate | bench ...` — one entry point, subcommands in their own modules."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: built-in demo model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the device KV pool")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tierlm import AsyncEngine, SamplingParams
+    from tierlm.errors import TierlmError
+    from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
+
+    if args.model is None:
+        print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
+    try:
+        engine = AsyncEngine.from_model(args.model, **engine_kwargs(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed if args.temperature > 0 else None)
+    except TierlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+            async for d in engine.generate(prompt, params):
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+                if d.finished:
+                    sys.stdout.write("\n")
+                    print(f"[{d.num_output_tokens} tokens, finish_reason={d.finish_reason}]", file=sys.stderr)
+        finally:
+            await engine.shutdown()
+
+    try:
+        asyncio.run(run())
+    except TierlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierlm", description="tierlm: multi-tenant LLM inference server")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    _add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.set_defaults(func=_generate)
+
+    try:
+        from tierlm.serving.cli import add_serve_parser
+        add_serve_parser(sub)
+    except ImportError:  # serving layer not installed in this build
+        pass
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON + PNG, ratios against a peer in the same run)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    from tierlm.bench import throughput
+    throughput.add_cli(bsub)
+    for mod in ("cache", "serve", "sweep"):
+        try:
+            m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
+        except ImportError:
+            continue
+        if hasattr(m, "add_cli"):
+            m.add_cli(bsub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

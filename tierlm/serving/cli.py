@@ -1,0 +1,117 @@
+"""`tierlm serve`: the HTTP server from the command line.
+
+    tierlm serve                                  # the built-in demo model, on 127.0.0.1:8000
+    tierlm serve /models/qwen --port 9000 --api-keys keys.txt
+    tierlm serve --model small=/models/a --model big=/models/b --host 0.0.0.0 --api-keys keys.txt
+
+Without --api-keys the server only starts without auth on a loopback host (or with an
+explicit --no-auth), and says so loudly: an open port with no keys serves anyone.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from typing import Any
+
+from tierlm.cli import _add_engine_args, engine_kwargs
+from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger("tierlm.serving")
+
+NO_AUTH_BANNER = (
+    "\n" + "!" * 78 + "\n"
+    "!!  AUTHENTICATION IS OFF: anyone who can reach {where} can use this server.\n"
+    "!!  Use --api-keys FILE for anything but local experiments.\n" + "!" * 78 + "\n"
+)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve models over HTTP (Anthropic Messages + OpenAI APIs)",
+        conflict_handler="resolve",  # our --model (NAME=DIR, repeatable) replaces the engine one
+    )
+    _add_engine_args(p)
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=DIR",
+                   help="serve DIR under the name NAME (repeat for several models, each with its own engine)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument("--api-keys", metavar="FILE", default=None,
+                      help="file of '<key-id> sha256:<hex>' lines (see `python -m tierlm.serving.auth`)")
+    auth.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local use only)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 request_too_large")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def parse_model_specs(model_dir: str | None, specs: list[str]) -> dict[str, str | None]:
+    """NAME → checkpoint dir (None: the demo model; its name comes from the engine)."""
+    models: dict[str, str | None] = {}
+    if model_dir is not None or not specs:
+        models[""] = model_dir  # named after the engine's model_name once loaded
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model expects NAME=DIR, got '{spec}'")
+        if name in models:
+            raise ValueError(f"model name '{name}' is given twice; names must be unique")
+        models[name] = path
+    return models
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.errors import TierlmError
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import ApiKeyAuth, Authenticator, NoAuth
+    from tierlm.serving.server import make_server
+
+    try:
+        specs = parse_model_specs(args.model_dir, args.models)
+        auth: Authenticator
+        if args.api_keys:
+            auth = ApiKeyAuth.from_file(args.api_keys)
+        elif args.no_auth or _is_loopback(args.host):
+            auth = NoAuth()
+        else:
+            raise ValueError(f"refusing to serve {args.host} without API keys; pass --api-keys FILE "
+                             "(or --no-auth if this network is trusted)")
+        engines: dict[str, AsyncEngine] = {}
+        for name, path in specs.items():
+            engine = AsyncEngine.from_model(path, **engine_kwargs(args))
+            name = name or engine.model_name
+            if name in engines:
+                raise ValueError(f"two models are named '{name}'; name them with --model NAME=DIR")
+            engines[name] = engine
+            if path is None:
+                from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
+                logger.warning(RANDOM_WEIGHTS_NOTICE)
+    except (TierlmError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    if isinstance(auth, NoAuth):
+        logger.warning(NO_AUTH_BANNER.format(where=f"{args.host}:{args.port}"))
+    logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, args.port)
+    app = build_app(engines, auth, max_body_bytes=args.max_body_bytes)
+    server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                         log_level=str(getattr(args, "log_level", "info")).lower())
+    server.run()  # returns after SIGTERM/SIGINT and a graceful shutdown
+    return 0

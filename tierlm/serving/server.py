@@ -1,0 +1,42 @@
+"""Running the app under uvicorn with a graceful shutdown that tells clients what happened.
+
+uvicorn alone, on SIGTERM, stops accepting connections, waits for open ones and finally
+cancels them, which cuts streams off mid-answer. `GracefulServer` first drains the app
+(`ServerState.drain`): requests get `shutdown_timeout` seconds to finish, then are aborted in
+the engine so each ends with a proper error (an SSE `error` event, or a 529) before uvicorn's
+own, slightly later, deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import uvicorn
+
+from tierlm.serving.state import ServerState
+
+# Time for aborted streams to send their final error frame before uvicorn cancels them.
+FLUSH_GRACE_S = 3.0
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._drain_task = asyncio.create_task(self.state.drain(self.shutdown_timeout))
+        await super().shutdown(sockets)
+        if not self._drain_task.done():
+            self._drain_task.cancel()
+
+
+def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
+                log_level: str = "info") -> GracefulServer:
+    """A server for an app from `build_app`; run it with `.run()` (or `.run(sockets=[...])`)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout + FLUSH_GRACE_S)
+    return GracefulServer(config, app.state.tierlm, shutdown_timeout)
