@@ -65,3 +65,56 @@ def hf_models(checkpoints):
 
 
 KV_SMALL = 64 * 1024  # bytes: a handful of blocks for the tiny models, forces preemption
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server on 127.0.0.1 (random port) that a test can stop and restart."""
+
+    def __init__(self, tmp: Path) -> None:
+        import shutil as _sh
+        exe = _sh.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
+        self.exe, self.tmp, self.port = exe, tmp, _free_port()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import subprocess
+        import time
+        import redis
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.tmp)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                if client.ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()

@@ -24,6 +24,13 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"
+    # Lower KV tiers (all off by default). Capacities: bytes (int), "2GiB", or "1000 blocks".
+    kv_host_capacity: int | str | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_capacity: int | str | None = None
+    kv_remote: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    kv_tier_policy: str = "lru"
+    kv_remote_write_through: bool = True
     served_model_name: str | None = None
     load_progress: bool = True
     extra: dict = field(default_factory=dict)

@@ -24,7 +24,8 @@ from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, RequestTooLongError
 from tierlm.kv.block_pool import BlockPool
-from tierlm.kv.manager import KVCacheManager
+from tierlm.kv.manager import BlockIO, KVCacheManager
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, TieredStore, parse_capacity
 from tierlm.models.loader import load_model
 from tierlm.sampling_params import SamplingParams
 
@@ -45,6 +46,45 @@ class EngineStats:
     steps: int
     last_step_tokens: int
     last_step_seqs: int
+    kv_evictions: int = 0
+    kv_promoted_blocks: int = 0
+    kv_promoted_bytes: int = 0
+    kv_demoted_blocks: int = 0
+    kv_demoted_bytes: int = 0
+    kv_tiers: dict | None = None  # per lower tier: hits, misses, stores, evictions, promotions, bytes, corrupt, errors
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of prompt tokens served from the cache (any tier)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def model_identity(model_dir: Path, dtype: torch.dtype) -> str:
+    """Mixed into every block hash: engines share cached K/V only for the same weights and dtype."""
+    import hashlib
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json", "model.safetensors"):
+        p = model_dir / name
+        if p.is_file():
+            digest.update(name.encode())
+            digest.update(p.read_bytes() if p.suffix == ".json" else str(p.stat().st_size).encode())
+    return f"{model_dir.name}:{str(dtype).replace('torch.', '')}:{digest.hexdigest()[:16]}"
+
+
+def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device) -> TieredStore | None:
+    """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
+    tiers: list = []
+    host = parse_capacity(config.kv_host_capacity, block_bytes)
+    if host > 0:
+        tiers.append(HostTier(host, config.kv_tier_policy, pin=device.type == "cuda"))
+    if config.kv_disk_dir:
+        disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else 1 << 20
+        tiers.append(DiskTier(config.kv_disk_dir, disk, config.kv_tier_policy))
+    if config.kv_remote:
+        if not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
+        tiers.append(RedisTier(config.kv_remote))
+    return TieredStore(tiers, config.kv_remote_write_through) if tiers else None
 
 
 class LLMEngine:
@@ -78,9 +118,11 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
-        self.kv = KVCacheManager(self.pool, bs, model_id=f"{self.model_name}:{self.dtype}")
-        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(loaded, num_blocks, bs)
+        self.store = build_tiers(config, per_block, self.device)
+        self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype), store=self.store,
+                                 io=BlockIO(self.runner.read_block, self.runner.write_block))
+        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         eos = set(loaded.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -230,7 +272,9 @@ class LLMEngine:
         return StreamDelta(
             request_id=req.request_id, text=text, token_ids=toks, finished=finished,
             logprobs=[lp] if lp is not None else None, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens)
+            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens,
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time)
 
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -240,7 +284,18 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens, steps=self.steps,
-            last_step_tokens=self.last_step[0], last_step_seqs=self.last_step[1])
+            last_step_tokens=self.last_step[0], last_step_seqs=self.last_step[1],
+            kv_evictions=self.pool.evictions, kv_promoted_blocks=self.kv.stats.promoted_blocks,
+            kv_promoted_bytes=self.kv.stats.promoted_bytes, kv_demoted_blocks=self.kv.stats.demoted_blocks,
+            kv_demoted_bytes=self.kv.stats.demoted_bytes,
+            kv_tiers=self.store.stats() if self.store is not None else None)
+
+    def offload_prefix_cache(self) -> int:
+        """Push every unreferenced cached device block down to the lower tiers (or drop it if none)."""
+        n = self.pool.evict_all()
+        if self.store is not None:
+            self.store.flush()
+        return n
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:

@@ -31,6 +31,10 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # Engine timestamps (time.monotonic() seconds) for queue / prefill / decode telemetry.
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 @dataclass

@@ -30,6 +30,15 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block's K/V for every layer, copied to host: [layers, 2, block_size, kv_heads, head_dim]."""
+        return torch.stack([c[:, block_id] for c in self.kv_caches]).to("cpu", copy=True)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        data = data.to(self.device, dtype=self.kv_caches[0].dtype, non_blocking=True)
+        for layer, c in enumerate(self.kv_caches):
+            c[:, block_id].copy_(data[layer])
+
     def _block_ids(self, req: Request) -> np.ndarray:
         return np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
 

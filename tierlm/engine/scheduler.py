@@ -86,10 +86,10 @@ class Scheduler:
             req = self.waiting[0]
             if req in out.preempted:
                 break  # do not re-admit what this step just evicted
-            cached = self.kv.find_cached_prefix(req)
-            num_cached = len(cached) * self.kv.block_size
+            hit = self.kv.find_cached_prefix(req)
+            num_cached = hit.num_blocks * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, n, cached):
+            if not self.kv.allocate(req, n, hit):
                 break
             self.waiting.pop(0)
             req.num_computed_tokens = num_cached

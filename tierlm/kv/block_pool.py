@@ -20,6 +20,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -72,15 +73,18 @@ class BlockPool:
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(blk)
-        blk.block_hash = None
+        blk.block_hash = blk.parent_hash = None
         return blk
 
     def lookup(self, h: BlockHash) -> KVBlock | None:
         return self.cached.get(h) if self.enable_caching else None
 
+    def tick(self) -> None:
+        """Advance the policies' logical clock: once per request lookup (what they were tuned on)."""
+        self._clock += 1
+
     def acquire_cached(self, blk: KVBlock, parent: BlockHash | None) -> None:
         """A request reuses a cached block (prefix hit)."""
-        self._clock += 1
         if blk.ref_cnt == 0:
             self._num_evictable -= 1
         self.policy.access(blk.block_hash, parent, self._clock)
@@ -92,8 +96,8 @@ class BlockPool:
         if not self.enable_caching or blk.block_hash is not None or h in self.cached:
             return  # same content already cached by a concurrent request: keep that copy
         blk.block_hash = h
+        blk.parent_hash = parent
         self.cached[h] = blk
-        self._clock += 1
         self.policy.access(h, parent, self._clock)
         self.policy.pin(h)
 
@@ -109,12 +113,21 @@ class BlockPool:
             else:
                 self._free.append(blk.block_id)
 
+    def evict_all(self) -> int:
+        """Evict every cached, unreferenced block (demoting it through `on_evict`); returns how many."""
+        n = 0
+        while self._num_evictable > 0:
+            blk = self._evict_one()
+            self._free.append(blk.block_id)
+            n += 1
+        return n
+
     def reset_cache(self) -> None:
         """Forget every cached-but-unreferenced block (e.g. after weights change)."""
         for h, blk in list(self.cached.items()):
             if blk.ref_cnt == 0:
                 del self.cached[h]
                 self.policy.remove(h)
-                blk.block_hash = None
+                blk.block_hash = blk.parent_hash = None
                 self._free.append(blk.block_id)
         self._num_evictable = 0

@@ -1,28 +1,66 @@
 """Per-request KV bookkeeping on top of the block pool: prefix hits, slot allocation, freeing.
 
 The scheduler asks two questions of it — "how much of this prompt is already cached?" and
-"can these new tokens get slots?" — and tells it when a request's blocks are done with.
+"can these new tokens get slots?" — and tells it when a request's blocks are done with. With
+lower tiers configured, the cached prefix continues past the device into host, disk and Redis:
+those blocks get fresh device blocks and their K/V is copied back in (promotion).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
 
 from tierlm.kv.block_pool import BlockPool, KVBlock
-from tierlm.kv.prefix_cache import chain_hashes, extra_key
+from tierlm.kv.prefix_cache import BlockHash, chain_hashes, extra_key
+from tierlm.kv.tiers import TieredStore
 
 
 @dataclass
 class CacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens served from cache
+    hits: int = 0  # prompt tokens served from cache (any tier)
+    device_hit_blocks: int = 0
+    promoted_blocks: int = 0
+    promoted_bytes: int = 0
+    demoted_blocks: int = 0
+    demoted_bytes: int = 0
+
+
+@dataclass
+class PrefixHit:
+    """The cached prefix of one request: device blocks, then blocks found in lower tiers."""
+
+    device: list[KVBlock] = field(default_factory=list)
+    lower: list[tuple[BlockHash, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.lower)
+
+
+@dataclass
+class BlockIO:
+    """How the manager reads and writes one device block's K/V (all layers), given by the runner."""
+
+    read: Callable[[int], torch.Tensor]
+    write: Callable[[int, torch.Tensor], None]
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, model_id: str) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, model_id: str,
+                 store: TieredStore | None = None, io: BlockIO | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.model_id = model_id
         self.stats = CacheStats()
+        self.store = store
+        self.io = io
+        if store is not None:
+            if io is None:
+                raise ValueError("lower KV tiers need block I/O from the runner")
+            pool.on_evict = self._demote
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -33,38 +71,61 @@ class KVCacheManager:
                                             extra_key(self.model_id, req.cache_salt), req.block_hashes)
         return req.block_hashes
 
-    def find_cached_prefix(self, req) -> list[KVBlock]:
-        """Longest run of leading full blocks already on the device (never the whole prompt:
+    def _demote(self, blk: KVBlock) -> None:
+        data = self.io.read(blk.block_id)
+        self.stats.demoted_blocks += 1
+        self.stats.demoted_bytes += data.numel() * data.element_size()
+        self.store.demote(blk.block_hash, blk.parent_hash, data)
+
+    def find_cached_prefix(self, req) -> PrefixHit:
+        """Longest run of leading full blocks cached in any tier (never the whole prompt:
         the last token must be computed to produce logits)."""
+        hit = PrefixHit()
         if not self.pool.enable_caching:
-            return []
+            return hit
+        self.pool.tick()
         hashes = self._hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
-        hit: list[KVBlock] = []
-        for h in hashes[:limit]:
-            blk = self.pool.lookup(h)
+        i = 0
+        while i < limit:
+            blk = self.pool.lookup(hashes[i])
             if blk is None:
                 break
-            hit.append(blk)
+            hit.device.append(blk)
+            i += 1
+        while self.store is not None and i < limit:
+            found = self.store.fetch(hashes[i])
+            if found is None:
+                break
+            hit.lower.append((hashes[i], found[1]))
+            i += 1
         return hit
 
-    def allocate(self, req, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
-        """Give `req` slots for `num_new_tokens` more tokens (after any `cached` prefix blocks).
+    def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Give `req` slots for `num_new_tokens` more tokens (after any cached prefix `hit`).
 
         Returns False, changing nothing, when the pool cannot supply them.
         """
-        cached = cached or []
-        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(req.blocks) - len(cached)
-        reviving = sum(1 for b in cached if b.ref_cnt == 0)  # cached blocks leave the free count
+        hit = hit or PrefixHit()
+        total = req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(req.blocks) - len(hit.device)
+        reviving = sum(1 for b in hit.device if b.ref_cnt == 0)  # cached blocks leave the free count
         if need + reviving > self.pool.num_free:
             return False
-        for i, blk in enumerate(cached):
+        for i, blk in enumerate(hit.device):
             self.pool.acquire_cached(blk, req.block_hashes[i - 1] if i else None)
-        req.blocks.extend(cached)
-        req.num_registered_blocks = max(req.num_registered_blocks, len(req.blocks))
+        req.blocks.extend(hit.device)
         if need > 0:
             req.blocks.extend(self.pool.allocate(need))
+        base = len(hit.device)
+        for j, (h, data) in enumerate(hit.lower):
+            blk = req.blocks[base + j]
+            self.io.write(blk.block_id, data)
+            self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None)
+            self.stats.promoted_blocks += 1
+            self.stats.promoted_bytes += data.numel() * data.element_size()
+        self.stats.device_hit_blocks += len(hit.device)
+        req.num_registered_blocks = max(req.num_registered_blocks, hit.num_blocks)
         return True
 
     def register_computed(self, req) -> None:
@@ -84,8 +145,10 @@ class KVCacheManager:
                 self.pool.acquire_cached(existing, parent)
                 self.pool.free([req.blocks[i]])
                 req.blocks[i] = existing
-            else:
-                self.pool.register_full(req.blocks[i], hashes[i], parent)
+                continue
+            self.pool.register_full(req.blocks[i], hashes[i], parent)
+            if self.store is not None and self.store.write_through:
+                self.store.write_remote(hashes[i], parent, self.io.read(req.blocks[i].block_id))
         req.num_registered_blocks = full
 
     def free(self, req) -> None:

@@ -1,0 +1,155 @@
+"""Prefix caching and the tiered KV cache against cold runs on a real tiny model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierlm import LLM, SamplingParams
+from tierlm.kv.prefix_cache import chain_hashes, extra_key
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, encode_block
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 600) for _ in range(n)]
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), dtype="float32", kv_cache_memory=kw.pop("kv_cache_memory", 4 << 20), block_size=8,
+               max_num_batched_tokens=64, load_progress=False, **kw)
+
+
+def _run(llm: LLM, prompt: list[int], params=GREEDY, **kw):
+    before = llm.engine.stats().prompt_tokens
+    out = llm.generate([{"prompt_token_ids": prompt}], params, **kw)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens, llm.engine.stats().prompt_tokens - before
+
+
+@pytest.fixture(scope="module")
+def cold_reference(llama_dir):
+    llm = _llm(llama_dir, enable_prefix_caching=False)
+    shared = _prompt(1, 70)
+    return shared, {k: _run(llm, shared + _prompt(k, 9))[0] for k in (2, 3)}
+
+
+def test_prefix_hit_same_tokens_fewer_computed(llama_dir, cold_reference):
+    shared, ref = cold_reference
+    llm = _llm(llama_dir)
+    t1, cached1, computed1 = _run(llm, shared + _prompt(2, 9))
+    t2, cached2, computed2 = _run(llm, shared + _prompt(3, 9))
+    assert t1 == ref[2] and t2 == ref[3]
+    assert cached1 == 0 and cached2 == 64  # 8 full blocks of the shared 70 tokens
+    assert computed2 == 79 - 64 < computed1
+    assert llm.engine.stats().prefix_cache_hits == 64
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "redis"])
+def test_prefix_demoted_and_promoted_back(tier, llama_dir, cold_reference, tmp_path, request):
+    shared, ref = cold_reference
+    kw = {"host": dict(kv_host_capacity="64 blocks"),
+          "disk": dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks"),
+          "redis": {}}[tier]
+    if tier == "redis":
+        kw = dict(kv_remote=request.getfixturevalue("redis_server").url)
+    llm = _llm(llama_dir, **kw)
+    _run(llm, shared + _prompt(2, 9))
+    assert llm.engine.offload_prefix_cache() > 0  # nothing cached on the device any more
+    assert llm.engine.pool.cached == {}
+    tokens, cached, computed = _run(llm, shared + _prompt(3, 9))
+    assert tokens == ref[3]
+    assert cached == 64 and computed == 15
+    stats = llm.engine.stats()
+    assert stats.kv_tiers[tier]["hits"] == 8 and stats.kv_promoted_blocks == 8
+
+
+def test_host_eviction_demotes_to_disk(llama_dir, cold_reference, tmp_path):
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_host_capacity="3 blocks", kv_disk_dir=str(tmp_path / "kv"))
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    tiers = llm.engine.stats().kv_tiers
+    assert tiers["host"]["evictions"] > 0 and tiers["disk"]["stores"] > 0
+    tokens, cached, _ = _run(llm, shared + _prompt(3, 9))
+    assert tokens == ref[3] and cached == 64
+    tiers = llm.engine.stats().kv_tiers
+    assert tiers["disk"]["hits"] > 0 and tiers["host"]["hits"] > 0
+
+
+def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
+    data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
+    h = b"\x01" * 32
+    assert torch.equal(decode_block(encode_block(data)).view(torch.uint8), data.view(torch.uint8))
+    for tier in (HostTier(4), DiskTier(tmp_path / "d", 4), RedisTier(redis_server.url)):
+        tier.put(h, None, data)
+        got = tier.get(h)
+        assert got is not None and got.dtype == data.dtype
+        assert torch.equal(got.view(torch.uint8), data.view(torch.uint8)), tier.name
+
+
+def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference, tmp_path):
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    disk = llm.engine.store.tiers[0]
+    hashes = chain_hashes(shared, 8, extra_key(llm.engine.kv.model_id, None))
+    path = disk.path(hashes[3])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF  # flip bits in the payload
+    path.write_bytes(bytes(raw))
+    tokens, cached, computed = _run(llm, shared + _prompt(3, 9))
+    assert tokens == ref[3]
+    assert cached == 24 and computed == 79 - 24  # blocks 0-2 hit; block 3 corrupt: recomputed from there
+    assert llm.engine.stats().kv_tiers["disk"]["corrupt"] == 1
+    assert not path.exists()
+    truncated = disk.path(hashes[5])
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    assert disk.get(hashes[5]) is None and disk.stats.corrupt == 2
+
+
+def test_redis_stopped_mid_run_degrades_to_misses(llama_dir, cold_reference, redis_server):
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_remote=redis_server.url)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    redis_server.stop()
+    tokens, cached, computed = _run(llm, shared + _prompt(3, 9))
+    assert tokens == ref[3] and cached == 0 and computed == 79
+    assert llm.engine.stats().kv_tiers["redis"]["errors"] >= 1
+    # And it keeps working: demotion while Redis is down is a dropped write, not an error.
+    llm.engine.offload_prefix_cache()
+    assert _run(llm, shared + _prompt(2, 9))[0] == ref[2]
+
+
+def test_two_engines_share_one_redis_tier(llama_dir, cold_reference, redis_server):
+    shared, ref = cold_reference
+    first = _llm(llama_dir, kv_remote=redis_server.url)
+    _run(first, shared + _prompt(2, 9))
+    first.engine.store.flush()  # write-through of computed blocks has landed
+    second = _llm(llama_dir, kv_remote=redis_server.url)
+    tokens, cached, computed = _run(second, shared + _prompt(3, 9))
+    assert tokens == ref[3] and cached == 64 and computed == 15
+    assert second.engine.stats().kv_tiers["redis"]["hits"] == 8
+
+
+def test_different_salts_never_share_blocks(llama_dir):
+    llm = _llm(llama_dir)
+    p = _prompt(9, 40)
+    eng = llm.engine
+
+    def run(salt):
+        r = eng.add_request({"prompt_token_ids": p}, GREEDY, cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        return r
+
+    a = run("tenant-a")
+    b = run("tenant-b")
+    c = run("tenant-a")
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0 and c.num_cached_tokens == 32
+    assert set(a.block_hashes).isdisjoint(b.block_hashes)
+    assert a.output_token_ids == b.output_token_ids == c.output_token_ids
