@@ -11,6 +11,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: built-in demo model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--compute-dtype", default="auto",
+                   help="auto (float32 on CPUs where its GEMMs are faster) | float32 | bfloat16 | float16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -20,7 +22,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+    return dict(device=args.device, dtype=args.dtype, compute_dtype=args.compute_dtype, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed)
 
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from tierlm.bench import throughput
     throughput.add_cli(bsub)
-    for mod in ("cache", "serve", "sweep"):
+    for mod in ("cache", "prefix", "serve", "sweep"):
         try:
             m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
         except ImportError:

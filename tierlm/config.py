@@ -15,7 +15,10 @@ class EngineConfig:
 
     model: str | None = None  # checkpoint directory; None = the built-in demo model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (weights as loaded, and the KV cache)
+    # "auto": float32 compute for bf16/fp16 weights on CPUs whose float32 GEMM is clearly faster
+    # (measured at start-up; KV cache stays in `dtype`); or force one of the dtypes.
+    compute_dtype: str | None = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64

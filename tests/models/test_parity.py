@@ -78,7 +78,7 @@ def test_greedy_batch_token_identical(arch, setting, checkpoints, hf_models, hf_
     llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=8 << 20, load_progress=False, **kw)
     if small:
         # Rebuild with a pool that holds ~2.5 of the 9 sequences at their final length.
-        per = kv_bytes_per_block(type("L", (), {"args": llm.engine.args, "dtype": torch.float32})(), kw["block_size"])
+        per = kv_bytes_per_block(llm.engine.args, torch.float32, kw["block_size"])
         llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=per * 24, load_progress=False, **kw)
     prompts = _prompts(9, hf_models[arch].config.vocab_size)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -89,3 +89,29 @@ def test_greedy_batch_token_identical(arch, setting, checkpoints, hf_models, hf_
     if small:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.pool.num_used == 0
+
+
+def test_bf16_weights_and_kv_with_float32_compute(checkpoints, hf_models):
+    """The CPU fast path: bf16 weights and KV cache, float32 arithmetic; close to HF on bf16 weights."""
+    llm = LLM(str(checkpoints["llama"]), dtype="bfloat16", compute_dtype="float32", kv_cache_memory=1 << 20,
+              load_progress=False)
+    assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert next(llm.engine.runner.model.parameters()).dtype == torch.float32
+    hf = hf_models["llama"]
+    ref_model = type(hf)(hf.config)
+    ref_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in hf.state_dict().items()})
+    cap = _Capture(llm.engine.sampler)
+    llm.engine.sampler = cap
+    prompt = _prompts(3, hf.config.vocab_size)[2]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    with torch.no_grad():
+        ref = ref_model.eval()(torch.tensor([prompt + out[0].outputs[0].token_ids])).logits[0]
+    ours = torch.cat([row for row, _ in cap.rows])
+    expect = ref[len(prompt) - 1: len(prompt) + 2]
+    assert (ours[0] - expect[0]).abs().max().item() < 1e-3  # prefill: identical weights, same math
+    assert (ours - expect).abs().max().item() < 5e-2  # decodes read a bf16-rounded KV cache
+    pure = LLM(str(checkpoints["llama"]), dtype="bfloat16", compute_dtype="bfloat16", kv_cache_memory=1 << 20,
+               load_progress=False)
+    assert next(pure.engine.runner.model.parameters()).dtype == torch.bfloat16
+    assert len(pure.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+               .outputs[0].token_ids) == 3

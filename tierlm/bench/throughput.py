@@ -68,6 +68,7 @@ def ensure_bench_model(path: Path) -> Path:
 
 
 def run_tierlm(model_dir: str, wl: Workload, dtype: str, **engine_kw) -> dict:
+    """Engine kwargs may include compute_dtype (auto | the dtype itself)."""
     from tierlm import LLM, SamplingParams
     llm = LLM(model_dir, dtype=dtype, load_progress=False, **engine_kw)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]

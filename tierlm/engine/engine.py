@@ -59,7 +59,7 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def model_identity(model_dir: Path, dtype: torch.dtype) -> str:
+def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     """Mixed into every block hash: engines share cached K/V only for the same weights and dtype."""
     import hashlib
     digest = hashlib.sha256()
@@ -68,7 +68,7 @@ def model_identity(model_dir: Path, dtype: torch.dtype) -> str:
         if p.is_file():
             digest.update(name.encode())
             digest.update(p.read_bytes() if p.suffix == ".json" else str(p.stat().st_size).encode())
-    return f"{model_dir.name}:{str(dtype).replace('torch.', '')}:{digest.hexdigest()[:16]}"
+    return f"{model_dir.name}:{dtype}:{kv_dtype}:{digest.hexdigest()[:16]}"
 
 
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device) -> TieredStore | None:
@@ -103,7 +103,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         torch.manual_seed(config.seed)
         loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
-                            progress=config.load_progress)
+                            progress=config.load_progress, compute_dtype=config.compute_dtype)
         self.args = loaded.args
         self.dtype = loaded.dtype
         self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
@@ -111,7 +111,7 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
                         self.max_model_len, loaded.args.max_position_embeddings)
         bs = config.block_size
-        per_block = kv_bytes_per_block(loaded, bs)
+        per_block = kv_bytes_per_block(loaded.args, loaded.kv_dtype, bs)
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -120,7 +120,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
         self.runner = ModelRunner(loaded, num_blocks, bs)
         self.store = build_tiers(config, per_block, self.device)
-        self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype), store=self.store,
+        self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype, loaded.kv_dtype), store=self.store,
                                  io=BlockIO(self.runner.read_block, self.runner.write_block))
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)

@@ -14,10 +14,10 @@ from tierlm.models.attention import AttentionMetadata, PrefillSeq
 from tierlm.models.loader import LoadedModel
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    a = loaded.args
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
+def kv_bytes_per_block(args, kv_dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
 
 
 class ModelRunner:
@@ -27,7 +27,7 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         shape = (2, num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=loaded.kv_dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
 
     def read_block(self, block_id: int) -> torch.Tensor:

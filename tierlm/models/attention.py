@@ -50,8 +50,8 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     """Scatter new keys/values into their slots. cache: [2, num_blocks, block_size, Hkv, D]."""
     kc = cache[0].view(-1, *k.shape[1:])
     vc = cache[1].view(-1, *v.shape[1:])
-    kc.index_copy_(0, slots, k)
-    vc.index_copy_(0, slots, v)
+    kc.index_copy_(0, slots, k.to(kc.dtype))
+    vc.index_copy_(0, slots, v.to(vc.dtype))
 
 
 def paged_attention(
@@ -73,8 +73,8 @@ def paged_attention(
     if nd:
         bt = meta.decode_block_tables
         L = bt.shape[1] * meta.block_size
-        kd = cache[0][bt].view(nd, L, Hkv, D).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        vd = cache[1][bt].view(nd, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
+        kd = cache[0][bt].to(q.dtype).view(nd, L, Hkv, D).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vd = cache[1][bt].to(q.dtype).view(nd, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
         qd = q[:nd].view(nd, Hkv, group, D)
         scores = torch.matmul(qd, kd).float() * scale  # [B, Hkv, G, L]
         mask = meta.decode_mask(L, window, q.device)
@@ -88,8 +88,8 @@ def paged_attention(
             # Nothing cached before this chunk: attend to the new keys directly.
             ks, vs = k[p.q_start:p.q_end], v[p.q_start:p.q_end]
         else:
-            ks = cache[0][p.block_table].view(-1, Hkv, D)[: p.ctx_len]
-            vs = cache[1][p.block_table].view(-1, Hkv, D)[: p.ctx_len]
+            ks = cache[0][p.block_table].view(-1, Hkv, D)[: p.ctx_len].to(q.dtype)
+            vs = cache[1][p.block_table].view(-1, Hkv, D)[: p.ctx_len].to(q.dtype)
         out[p.q_start:p.q_end] = _sdpa_causal(qs, ks, vs, scale, window)
     return out
 

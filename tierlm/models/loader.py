@@ -30,10 +30,68 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     model: CausalLM
     args: ModelArgs
-    dtype: torch.dtype
+    dtype: torch.dtype  # weights / activations (compute)
     device: torch.device
     eos_token_ids: list[int]
     generation_defaults: dict
+    kv_dtype: torch.dtype | None = None  # KV cache storage (the requested dtype)
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype is None:
+            self.kv_dtype = self.dtype
+
+
+_FP32_FASTER: dict[torch.dtype, bool] = {}
+
+
+def cpu_prefers_fp32(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies float32 matrices clearly faster than `dtype` ones.
+
+    On CPUs without AMX, PyTorch's bf16/fp16 GEMMs often run at about half the float32 rate,
+    so computing in float32 (weights upcast once, KV cache kept in `dtype`) is faster and no
+    less accurate. Measured once per process on a layer-sized GEMM rather than guessed.
+    """
+    if dtype not in _FP32_FASTER:
+        import time
+        import torch.nn.functional as F
+
+        def best(dt: torch.dtype) -> float:
+            x, w = torch.randn(128, 1024, dtype=dt), torch.randn(2048, 1024, dtype=dt)
+            F.linear(x, w)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                F.linear(x, w)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        _FP32_FASTER[dtype] = best(torch.float32) * 1.3 < best(dtype)
+    return _FP32_FASTER[dtype]
+
+
+def _available_ram() -> int:
+    import os
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def resolve_compute_dtype(compute: str | torch.dtype, dtype: torch.dtype, device: torch.device,
+                          weight_bytes: int = 0) -> torch.dtype:
+    if isinstance(compute, torch.dtype):
+        return compute
+    if compute == "auto":
+        upcast_bytes = weight_bytes * 4 // max(1, torch.empty((), dtype=dtype).element_size())
+        fits = upcast_bytes < 0.5 * _available_ram()
+        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fits and cpu_prefers_fp32(dtype):
+            log.info("this CPU runs float32 GEMMs faster than %s ones: computing in float32, KV cache in %s "
+                     "(set compute_dtype to force one)", dtype, dtype)
+            return torch.float32
+        return dtype
+    if compute not in _DTYPES:
+        raise ModelLoadError(f"compute_dtype '{compute}' is not supported; use auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[compute]
 
 
 def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.device) -> torch.dtype:
@@ -101,7 +159,8 @@ def _target(name: str) -> tuple[str, object] | None:
     return name, ("whole",)
 
 
-def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelArgs) -> None:
+def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelArgs,
+          round_to: torch.dtype | None = None) -> None:
     kind = where[0]
     if kind == "whole":
         dst = param
@@ -121,19 +180,23 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects {tuple(dst.shape)}; "
                              "config.json does not match the weights")
-    dst.copy_(tensor)
+    # Weights take the requested dtype's precision even when computed in a wider one.
+    dst.copy_(tensor.to(round_to) if round_to is not None else tensor)
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.dtype = "auto",
-               max_positions: int | None = None, progress: bool = True) -> LoadedModel:
+               max_positions: int | None = None, progress: bool = True,
+               compute_dtype: str | torch.dtype | None = None) -> LoadedModel:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
     cfg = load_config_dict(model_dir)
     arch = resolve_architecture(cfg)
     args = parse_config(cfg, arch)
-    torch_dtype = resolve_dtype(dtype, args, device)
+    kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
+    torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device,
+                                        sum(f.stat().st_size for f in files))
     max_positions = max_positions or args.max_position_embeddings
     with torch.device("meta"):
         model = ARCHITECTURES[arch](args, max_positions)
@@ -160,7 +223,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                                 continue
                             raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
                                                  "is config.json from the same checkpoint?")
-                        _copy(params[pname], where, st.get_tensor(name), args)
+                        _copy(params[pname], where, st.get_tensor(name), args,
+                              kv_dtype if kv_dtype != torch_dtype else None)
                         loaded.add(pname)
             except SafetensorError as e:
                 raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
@@ -175,7 +239,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     model.eval()
     gen = _generation_config(model_dir)
     eos = list(dict.fromkeys(args.eos_token_ids + _as_list(gen.get("eos_token_id"))))
-    return LoadedModel(model, args, torch_dtype, device, eos, gen)
+    return LoadedModel(model, args, torch_dtype, device, eos, gen, kv_dtype=kv_dtype)
 
 
 def _as_list(v) -> list[int]:
