@@ -35,7 +35,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.model is None:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
     try:
-        engine = AsyncEngine.from_model(args.model, **engine_kwargs(args))
+        kw = engine_kwargs(args)
+        kw["max_num_seqs"] = 1 if args.max_num_seqs == 64 else args.max_num_seqs  # one prompt: size KV for one
+        engine = AsyncEngine.from_model(args.model, **kw)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed if args.temperature > 0 else None)
     except TierlmError as e:

@@ -14,11 +14,14 @@ import time
 from pathlib import Path
 
 
-def _ttft(llm, prompt: list[int]) -> float:
+def _ttft(llm, prompt: list[int], cached: dict | None = None, key: str = "") -> float:
     from tierlm import SamplingParams
     t = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, ignore_eos=True))
-    return time.perf_counter() - t
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, ignore_eos=True))
+    dt = time.perf_counter() - t
+    if cached is not None:
+        cached.setdefault(key, []).append(out[0].num_cached_tokens)
+    return dt
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -37,24 +40,25 @@ def run(args: argparse.Namespace) -> dict:
 
     _ttft(llm, toks(32))  # warm-up
     rows = {"cold": [], "device": [], "host": [], "disk": []}
+    cached: dict[str, list[int]] = {}
     for i in range(args.repeats):
         prefix = toks(args.prefix_len)
-        rows["cold"].append(_ttft(llm, prefix + toks(args.suffix_len)))
-        rows["device"].append(_ttft(llm, prefix + toks(args.suffix_len)))
+        rows["cold"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "cold"))
+        rows["device"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "device"))
         llm.engine.offload_prefix_cache()  # now only the host tier has it
-        rows["host"].append(_ttft(llm, prefix + toks(args.suffix_len)))
+        rows["host"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "host"))
         host = llm.engine.store.tiers[0]
         llm.engine.offload_prefix_cache()
         for h in list(host.parents):  # push the host copies down to disk
             host._drop(h)
-        rows["disk"].append(_ttft(llm, prefix + toks(args.suffix_len)))
+        rows["disk"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "disk"))
         llm.engine.offload_prefix_cache()
         print(f"  repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()),
               flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {"model": model, "dtype": args.dtype, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
               "ttft_s": med, "speedup_vs_cold": {k: med["cold"] / med[k] for k in ("device", "host", "disk")},
-              "samples_s": rows}
+              "cached_tokens": cached, "samples_s": rows}
     for k, v in result["speedup_vs_cold"].items():
         print(f"TTFT with the {args.prefix_len}-token prefix on {k}: {med[k] * 1e3:.0f} ms, {v:.1f}x lower than cold "
               f"({med['cold'] * 1e3:.0f} ms)")

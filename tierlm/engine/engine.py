@@ -112,7 +112,9 @@ class LLMEngine:
                         self.max_model_len, loaded.args.max_position_embeddings)
         bs = config.block_size
         per_block = kv_bytes_per_block(loaded.args, loaded.kv_dtype, bs)
-        budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        # Default pool: a share of free memory, but no more than every sequence at full length needs.
+        budget = config.kv_cache_memory or min(default_kv_cache_memory(self.device),
+                                               config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")

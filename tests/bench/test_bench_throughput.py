@@ -1,0 +1,30 @@
+"""`tierlm bench throughput` and `bench prefix` run end to end at tiny scale and report sane ratios."""
+from __future__ import annotations
+
+import json
+
+from tierlm.cli import main
+
+
+def test_bench_throughput_tiny(llama_dir, tmp_path):
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", str(llama_dir), "--workload", "tiny", "--dtype", "float32",
+               "--kv-cache-memory", str(4 << 20), "--no-batch1", "--json", str(out), "--plot", str(tmp_path / "tp.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    wl = res["workloads"]["tiny"]
+    assert wl["tierlm"]["output_tokens"] == wl["transformers"]["output_tokens"] > 0
+    assert wl["ratio"] == wl["tierlm"]["output_tok_per_s"] / wl["transformers"]["output_tok_per_s"]
+    assert (tmp_path / "tp.png").stat().st_size > 1000
+
+
+def test_bench_prefix_tiny(llama_dir, tmp_path):
+    out = tmp_path / "px.json"
+    rc = main(["bench", "prefix", "--model", str(llama_dir), "--dtype", "float32", "--prefix-len", "200",
+               "--suffix-len", "8", "--repeats", "1", "--kv-cache-memory", str(4 << 20), "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["ttft_s"]) == {"cold", "device", "host", "disk"}
+    assert all(v > 0 for v in res["ttft_s"].values())
+    assert res["cached_tokens"]["cold"] == [0]
+    assert res["cached_tokens"]["device"] == res["cached_tokens"]["host"] == res["cached_tokens"]["disk"] == [192]
