@@ -47,10 +47,8 @@ def run(args: argparse.Namespace) -> dict:
         rows["device"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "device"))
         llm.engine.offload_prefix_cache()  # now only the host tier has it
         rows["host"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "host"))
-        host = llm.engine.store.tiers[0]
         llm.engine.offload_prefix_cache()
-        for h in list(host.parents):  # push the host copies down to disk
-            host._drop(h)
+        llm.engine.store.spill(0)  # push the host copies down to disk
         rows["disk"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "disk"))
         llm.engine.offload_prefix_cache()
         print(f"  repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()),

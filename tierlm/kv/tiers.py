@@ -366,6 +366,20 @@ class TieredStore:
             finally:
                 self._q.task_done()
 
+    def spill(self, level: int = 0) -> int:
+        """Move every block of tier `level` down to the next tier (benchmarks, draining a host)."""
+        tier = self.tiers[level]
+        moved = 0
+        with tier.lock:
+            for h in list(tier.parents):
+                data = tier._read(h)
+                parent = tier._drop(h)
+                if data is not None:
+                    self._enqueue(("put", h, parent, data, level + 1))
+                    moved += 1
+        self.flush()
+        return moved
+
     def flush(self) -> None:
         """Wait until every queued write has landed (tests, shutdown)."""
         self._q.join()
