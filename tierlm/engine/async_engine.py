@@ -111,6 +111,9 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free."""
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.abort(request_id)  # no loop running: nothing else touches the engine
+            return
         fut: Future = Future()
         self._post(("abort", request_id, fut))
         await asyncio.wrap_future(fut)

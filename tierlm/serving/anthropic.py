@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import APIRouter
@@ -38,10 +39,8 @@ from tierlm.serving.protocol_anthropic import (
     ImageBlock,
     MessageResponse,
     MessagesRequest,
-    RedactedThinkingBlock,
     TextBlock,
     TextContent,
-    ThinkingBlock,
     TokenCount,
     ToolResultBlock,
     ToolUseBlock,
@@ -101,7 +100,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 def build_prompt(engine: "AsyncEngine", body: ConversationBody) -> ChatPrompt:
-    _refuse_non_text(body, body.model)
+    check_blocks(body)
     messages = template_messages(body)
     prefill = messages[-1]["role"] == "assistant"
     choice = body.tool_choice.type if body.tool_choice else "auto"
@@ -132,18 +131,23 @@ def build_prompt(engine: "AsyncEngine", body: ConversationBody) -> ChatPrompt:
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
 
 
-def _refuse_non_text(body: ConversationBody, model: str) -> None:
-    """Image/document blocks are refused up front, naming the block (models are text-only)."""
+def check_blocks(body: ConversationBody) -> None:
+    """Refuse blocks the model cannot read or that sit in the wrong role, naming the block."""
     for i, message in enumerate(body.messages):
         for j, block in enumerate(message.blocks()):
+            where = f"messages.{i}.content.{j}"
             nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
             if isinstance(block, (ImageBlock, DocumentBlock)) or any(isinstance(b, ImageBlock) for b in nested):
                 kind = "document" if isinstance(block, DocumentBlock) else "image"
                 raise InvalidRequest(
-                    f"messages.{i}.content.{j}: model '{model}' is text-only and cannot read {kind} "
-                    f"blocks; send the content as text",
-                    param=f"messages.{i}.content.{j}",
+                    f"{where}: model '{body.model}' is text-only and cannot read {kind} blocks; "
+                    "send the content as text",
+                    param=where,
                 )
+            if isinstance(block, ToolUseBlock) and message.role == "user":
+                raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages", param=where)
+            if isinstance(block, ToolResultBlock) and message.role == "assistant":
+                raise InvalidRequest(f"{where}: tool_result blocks belong in user messages", param=where)
 
 
 def system_text(system: str | list[TextBlock] | None) -> str | None:
@@ -154,58 +158,65 @@ def system_text(system: str | list[TextBlock] | None) -> str | None:
     return "\n".join(block.text for block in system) or None
 
 
+@dataclass
+class _Turn:
+    """Consecutive same-role messages, merged; `first` is the index of the first of them."""
+
+    role: str
+    first: int
+    blocks: list[Any]
+
+
+_TURN_BREAK = object()  # marks where two same-role messages were merged
+
+
 def template_messages(body: ConversationBody) -> list[dict[str, Any]]:
     """Anthropic turns → Hugging Face chat-template messages."""
-    turns: list[tuple[str, list[Any]]] = []
-    for message in body.messages:
-        if turns and turns[-1][0] == message.role:
-            turns[-1][1].append(_TURN_BREAK)
-            turns[-1][1].extend(message.blocks())
+    turns: list[_Turn] = []
+    for i, message in enumerate(body.messages):
+        if turns and turns[-1].role == message.role:
+            turns[-1].blocks += [_TURN_BREAK, *message.blocks()]
         else:
-            turns.append((message.role, message.blocks()))
+            turns.append(_Turn(message.role, i, message.blocks()))
     out: list[dict[str, Any]] = []
     system = system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
-    for index, (role, blocks) in enumerate(turns):
-        if role == "user":
-            out.extend(_user_turn(blocks, index))
+    for turn in turns:
+        if turn.role == "user":
+            out.extend(_user_turn(turn))
         else:
-            out.append(_assistant_turn(blocks, index, final=index == len(turns) - 1))
+            out.append(_assistant_turn(turn, final=turn is turns[-1], last_index=len(body.messages) - 1))
     return out
-
-
-_TURN_BREAK = object()  # where two same-role messages were merged
 
 
 def _join_text(blocks: list[Any]) -> str:
     text = ""
-    previous: Any = None
+    after_break = False
     for block in blocks:
         if block is _TURN_BREAK:
-            previous = _TURN_BREAK
-            continue
-        if isinstance(block, TextBlock):
+            after_break = True
+        elif isinstance(block, TextBlock):
             if text:
-                text += "\n\n" if previous is _TURN_BREAK else "\n"
+                text += "\n\n" if after_break else "\n"
             text += block.text
-            previous = block
+            after_break = False
     return text
 
 
-def _user_turn(blocks: list[Any], index: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    for block in blocks:
-        if isinstance(block, ToolUseBlock):
-            raise InvalidRequest(
-                f"messages.{index}: tool_use blocks belong in assistant messages, not user messages",
-                param="messages",
-            )
-        if isinstance(block, ToolResultBlock):
-            messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)})
-    text = _join_text(blocks)
+def _user_turn(turn: _Turn) -> list[dict[str, Any]]:
+    """Tool results first (as `tool` messages, the order Anthropic requires), then the text."""
+    messages = [
+        {"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)}
+        for block in turn.blocks
+        if isinstance(block, ToolResultBlock)
+    ]
+    text = _join_text(turn.blocks)
     if text:
         messages.append({"role": "user", "content": text})
+    if not messages:
+        where = f"messages.{turn.first}"
+        raise InvalidRequest(f"{where}: a user message needs text or tool_result content", param=where)
     return messages
 
 
@@ -220,31 +231,27 @@ def _tool_result_text(block: ToolResultBlock) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def _assistant_turn(blocks: list[Any], index: int, final: bool) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": _join_text(blocks)}
-    calls = []
-    for block in blocks:
-        if isinstance(block, ToolResultBlock):
-            raise InvalidRequest(
-                f"messages.{index}: tool_result blocks belong in user messages, not assistant messages",
-                param="messages",
-            )
-        if isinstance(block, ToolUseBlock):
-            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}})
-        elif isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
-            continue  # tierlm models do not think; earlier thinking is not re-rendered
+def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]:
+    """Text plus `tool_calls`; thinking blocks are dropped (tierlm models do not think)."""
+    message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+        for b in turn.blocks
+        if isinstance(b, ToolUseBlock)
+    ]
+    where = f"messages.{last_index}"
+    if calls and final:
+        raise InvalidRequest(
+            f"{where}: the final assistant message ends in tool_use; add a user message with the "
+            "matching tool_result blocks",
+            param=where,
+        )
     if calls:
-        if final:
-            raise InvalidRequest(
-                f"messages.{index}: the final assistant message ends in tool_use; add a user message "
-                "with the matching tool_result blocks",
-                param="messages",
-            )
         message["tool_calls"] = calls
     elif final and not message["content"]:
         raise InvalidRequest(
-            f"messages.{index}.content: a final assistant message (prefill) needs text to continue",
-            param=f"messages.{index}.content",
+            f"{where}.content: a final assistant message (prefill) needs text to continue",
+            param=f"{where}.content",
         )
     return message
 

@@ -123,6 +123,14 @@ class Overloaded(APIError):
     default_code = "overloaded"
 
 
+class ClientDisconnected(APIError):
+    """The client went away; nobody reads this response (499 only shows up in logs)."""
+
+    status = 499
+    anthropic_type = "client_disconnected"
+    openai_type = "client_disconnected"
+
+
 def from_engine_error(exc: BaseException, model: str) -> APIError:
     """Map an engine exception to the API error a client should see.
 

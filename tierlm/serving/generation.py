@@ -25,7 +25,14 @@ from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
 from tierlm.sampling_params import SamplingParams
 from tierlm.serving.auth import RequestContext
-from tierlm.serving.errors import APIError, InternalError, InvalidRequest, Overloaded, from_engine_error
+from tierlm.serving.errors import (
+    APIError,
+    ClientDisconnected,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    from_engine_error,
+)
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -35,14 +42,6 @@ logger = logging.getLogger("tierlm.serving")
 T = TypeVar("T")
 
 ABORT_TIMEOUT_S = 10.0
-
-
-class ClientDisconnected(APIError):
-    """The client went away; nobody reads this response (499 only shows up in logs)."""
-
-    status = 499
-    anthropic_type = "client_disconnected"
-    openai_type = "client_disconnected"
 
 
 @dataclass
@@ -96,8 +95,8 @@ def output_budget(
     context = int(engine.max_model_len)
     if num_prompt_tokens >= context:
         raise InvalidRequest(
-            f"prompt is {num_prompt_tokens} tokens, but model '{model}' has a context of "
-            f"{context} tokens; shorten the prompt",
+            f"{prompt_field}: the prompt is {num_prompt_tokens} tokens, but model '{model}' has a "
+            f"context of {context} tokens; shorten the prompt",
             param=prompt_field,
         )
     room = context - num_prompt_tokens
@@ -106,7 +105,7 @@ def output_budget(
     if max_tokens > room:
         raise InvalidRequest(
             f"{field_name}: prompt ({num_prompt_tokens} tokens) + {field_name} ({max_tokens}) exceeds "
-            f"model '{model}''s context of {context} tokens; set {field_name} to at most {room}",
+            f"the context of model '{model}' ({context} tokens); set {field_name} to at most {room}",
             param=field_name,
         )
     return max_tokens
@@ -217,6 +216,7 @@ class EngineStream:
         self.context = context
         self._inflight = inflight
         self._iterator: AsyncIterator[StreamDelta] | None = None
+        self._observer: Any = None
         self._first: StreamDelta | None = None
         self._closed = False
         self.finished = False
@@ -228,6 +228,10 @@ class EngineStream:
     async def open(self, request: Request) -> StreamDelta:
         """Start generating and wait for the first delta (client errors surface here)."""
         ctx = self.context
+        # Telemetry's middleware leaves a per-request observer in the scope (see telemetry.py).
+        self._observer = request.scope.get("state", {}).get("telemetry")
+        if self._observer is not None:
+            self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id)
         self._iterator = aiter(
             self.engine.generate(
                 self.prompt_token_ids,
@@ -247,6 +251,17 @@ class EngineStream:
         return self._first
 
     async def _next(self) -> StreamDelta:
+        try:
+            delta = await self._engine_next()
+        except APIError as exc:
+            if self._observer is not None:
+                self._observer.on_error(exc)
+            raise
+        if self._observer is not None:
+            self._observer.on_delta(delta)
+        return delta
+
+    async def _engine_next(self) -> StreamDelta:
         assert self._iterator is not None
         try:
             delta = await anext(self._iterator)

@@ -160,11 +160,12 @@ class _SamplingFields(_Body):
             raise ValueError("logit_bias is not supported by tierlm; remove it")
         return value
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingFields":
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return value
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -10,9 +10,9 @@ import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from tierlm.serving.errors import InvalidRequest, RequestTooLarge
+from tierlm.serving.errors import ClientDisconnected, InvalidRequest, RequestTooLarge
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's own Messages API limit
 
@@ -35,11 +35,14 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise _too_large(size, limit)
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise _too_large(received, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise _too_large(received, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected("client disconnected while sending the request body") from None
     return b"".join(chunks)
 
 
@@ -134,11 +137,19 @@ def json_path(loc: tuple[Any, ...], data: Any) -> str:
             if item in current:
                 parts.append(item)
                 current = current[item]
-            elif last:
+            elif last and not _is_type_label(item):
                 parts.append(item)  # a required field that is missing
                 current = None
         # anything else is a union-member label: skip it
     return ".".join(parts)
+
+
+_TYPE_LABELS = {"str", "int", "float", "bool", "none", "bytes", "list", "dict"}
+
+
+def _is_type_label(item: str) -> bool:
+    """Union-member labels: builtin type names, `list[...]`-style names, model class names."""
+    return item in _TYPE_LABELS or "[" in item or item[:1].isupper()
 
 
 def _is_field_path(loc: tuple[Any, ...], i: int, current: dict[str, Any]) -> bool:

@@ -1,0 +1,61 @@
+"""API keys: the keys file, hashing, and how keys are presented."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tierlm.serving.auth import ApiKeyAuth, NoAuth, hash_key, keys_file_line, load_keys_file, presented_key
+from tierlm.serving.errors import AuthenticationFailed
+
+
+def test_keys_file_round_trip(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text(f"# tenants\n{keys_file_line('alice', 'sk-a')}\n\n{keys_file_line('bob', 'sk-b')}  # ops\n")
+    auth = ApiKeyAuth.from_file(path)
+    assert auth.authenticate({"x-api-key": "sk-a"}) == "alice"
+    assert auth.authenticate({"authorization": "Bearer sk-b"}) == "bob"
+    with pytest.raises(AuthenticationFailed):
+        auth.authenticate({"x-api-key": "sk-c"})
+    assert "sk-a" not in path.read_text()  # only digests are stored
+
+
+@pytest.mark.parametrize("content, words", [
+    ("alice sk-plaintext\n", "expected '<key-id> sha256:<hex digest>'"),
+    ("alice sha256:abc\n", "not a SHA-256 hex digest"),
+    (f"a sha256:{hash_key('x')}\na sha256:{hash_key('y')}\n", "appears twice"),
+    ("# nothing\n", "no API keys found"),
+])
+def test_bad_keys_files_name_the_line(tmp_path, content, words):
+    path = tmp_path / "keys.txt"
+    path.write_text(content)
+    with pytest.raises(ValueError) as info:
+        load_keys_file(path)
+    assert words in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_keys_file(tmp_path):
+    with pytest.raises(ValueError, match="cannot read API keys file"):
+        load_keys_file(tmp_path / "absent.txt")
+
+
+@pytest.mark.parametrize("headers, key", [
+    ({"x-api-key": "k1"}, "k1"), ({"authorization": "Bearer k2"}, "k2"), ({"authorization": "bearer  k3 "}, "k3"),
+    ({"authorization": "Basic abc"}, None), ({}, None), ({"x-api-key": ""}, None),
+])
+def test_presented_key(headers, key):
+    assert presented_key(headers) == key
+
+
+def test_missing_key_says_how_to_send_one():
+    with pytest.raises(AuthenticationFailed) as info:
+        ApiKeyAuth.from_keys({"a": "k"}).authenticate({})
+    assert "x-api-key" in info.value.message and "Bearer" in info.value.message
+    assert NoAuth().authenticate({}) is None
+
+
+def test_key_line_helper_module():
+    out = subprocess.run([sys.executable, "-m", "tierlm.serving.auth", "carol"], input="sk-c", text=True,
+                         capture_output=True, check=True).stdout.strip()
+    assert out == f"carol sha256:{hash_key('sk-c')}"
