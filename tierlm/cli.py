@@ -19,12 +19,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the device KV pool")
     p.add_argument("--seed", type=int, default=0)
+    kv = p.add_argument_group("KV cache tiers")
+    kv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="turn off automatic prefix caching")
+    kv.add_argument("--eviction-policy", default="lru", help="device pool eviction policy (see tierlm bench cache)")
+    kv.add_argument("--kv-host-capacity", default=None, help="host-memory tier size: '2GiB', '1000 blocks' or bytes")
+    kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given)")
+    kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes")
+    kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
+    kv.add_argument("--kv-tier-policy", default="lru", help="eviction policy of the lower tiers")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, compute_dtype=args.compute_dtype, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                enable_prefix_caching=args.prefix_caching, eviction_policy=args.eviction_policy,
+                kv_host_capacity=args.kv_host_capacity, kv_disk_dir=args.kv_disk_dir,
+                kv_disk_capacity=args.kv_disk_capacity, kv_remote=args.kv_remote, kv_tier_policy=args.kv_tier_policy)
 
 
 def _generate(args: argparse.Namespace) -> int:

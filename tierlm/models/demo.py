@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 RANDOM_WEIGHTS_NOTICE = (
     "tierlm is serving its built-in demo model: its weights are RANDOM, so its output is gibberish. "
     "Serve a real checkpoint with: tierlm serve /path/to/hf-model-dir")
@@ -102,9 +102,22 @@ def build_demo_model(out_dir: Path, kind: str = "moe", seed: int = 0) -> Path:
         model = LlamaForCausalLM(LlamaConfig(intermediate_size=768, **common))
     else:
         raise ValueError(f"unknown demo model kind '{kind}'; use 'moe' or 'dense'")
+    _favour_printable_tokens(model, tok)
     model.save_pretrained(str(out_dir))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(str(out_dir))
     return out_dir
+
+
+def _favour_printable_tokens(model, tok) -> None:
+    """Scale up the output rows of tokens that decode to whole printable text (and the EOS rows
+    down), so the random model's greedy text is readable gibberish rather than stray UTF-8 bytes."""
+    import torch
+    with torch.no_grad():
+        w = model.lm_head.weight
+        for tid in range(w.shape[0]):
+            text = tok.decode([tid]) if tid < len(tok) else ""
+            good = bool(text) and "\ufffd" not in text and text.isprintable() and tid not in tok.all_special_ids
+            w[tid] *= 4.0 if good else 0.25
 
 
 def ensure_demo_model(kind: str = "moe") -> Path:
