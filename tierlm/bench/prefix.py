@@ -27,7 +27,8 @@ def _ttft(llm, prompt: list[int], cached: dict | None = None, key: str = "") -> 
 def run(args: argparse.Namespace) -> dict:
     from tierlm import LLM
     from tierlm.bench.throughput import ensure_bench_model
-    model = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
+    from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR
+    model = args.model or str(ensure_bench_model(Path(args.bench_model_dir or DEFAULT_BENCH_MODEL_DIR)))
     rng = random.Random(0)
     tmp = tempfile.mkdtemp(prefix="tierlm-prefix-bench-")
     llm = LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> dict:
 def add_cli(sub) -> None:
     p = sub.add_parser("prefix", help="TTFT with a cached prefix on device / host / disk vs cold")
     p.add_argument("--model", default=None)
-    p.add_argument("--bench-model-dir", default=str(Path.home() / ".cache" / "tierlm" / "models" / "bench-llama-0.5b"))
+    p.add_argument("--bench-model-dir", default=None,
+                   help="where the 0.5B-shaped benchmark model is built (default: tierlm's cache)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prefix-len", type=int, default=2000)
     p.add_argument("--suffix-len", type=int, default=32)

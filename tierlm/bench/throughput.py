@@ -18,6 +18,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
+DEFAULT_BENCH_MODEL_DIR = Path.home() / ".cache" / "tierlm" / "models" / "bench-llama-0.5b-v2"
+
 BENCH_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                    intermediate_size=4864, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-6,
                    tie_word_embeddings=True, rope_theta=1000000.0)
@@ -58,7 +60,8 @@ def ensure_bench_model(path: Path) -> Path:
     from tierlm.models.demo import build_tokenizer
     log.info("building the 0.5B-shaped benchmark model in %s (random weights, once)", path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path)
+    tok = build_tokenizer(path, vocab_size=BENCH_SHAPE["vocab_size"])  # every id decodes to text
+    assert len(tok) <= BENCH_SHAPE["vocab_size"], len(tok)
     torch.manual_seed(0)
     cfg = LlamaConfig(**BENCH_SHAPE, bos_token_id=None, eos_token_id=2, pad_token_id=0)
     with torch.device("cpu"):
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
 def add_cli(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput: tierlm vs transformers in the same run")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the 0.5B-shaped random-weight Llama)")
-    p.add_argument("--bench-model-dir", default=str(Path.home() / ".cache" / "tierlm" / "models" / "bench-llama-0.5b"))
+    p.add_argument("--bench-model-dir", default=str(DEFAULT_BENCH_MODEL_DIR))
     p.add_argument("--workload", action="append", choices=["uniform", "mixed", "tiny"], default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)

@@ -63,6 +63,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("TIERLM_CACHE", Path.home() / ".cache" / "tierlm"))
 
 
+def _synthetic_corpus(vocab_size: int) -> list[str]:
+    """Deterministic pseudo-words, enough distinct ones for BPE to reach `vocab_size` merges
+    (the fixed corpus alone stops near 650): every id of a large vocabulary then decodes to text."""
+    if vocab_size <= 1024:
+        return []
+    import random
+    rng = random.Random(1234)
+    syll = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "sh", "ch", "qu", "ng"]
+    words = ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(vocab_size * 3)]
+    return [" ".join(words[i:i + 64]) for i in range(0, len(words), 64)]
+
+
 def build_tokenizer(out_dir: Path, vocab_size: int = 1024):
     """Byte-level BPE (covers every UTF-8 string) trained on a small fixed corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -73,7 +85,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 1024):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([_CORPUS] * 4 + _synthetic_corpus(vocab_size), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token=None)
     fast.chat_template = CHAT_TEMPLATE
