@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierlm.kv.policies import DEFAULT_POLICY
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -26,13 +28,13 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the device KV pool
     seed: int = 0
     enable_prefix_caching: bool = True
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_POLICY  # device pool; measured by `tierlm bench cache`
     # Lower KV tiers (all off by default). Capacities: bytes (int), "2GiB", or "1000 blocks".
     kv_host_capacity: int | str | None = None
     kv_disk_dir: str | None = None
     kv_disk_capacity: int | str | None = None
     kv_remote: str | None = None  # e.g. redis://127.0.0.1:6379/0
-    kv_tier_policy: str = "lru"
+    kv_tier_policy: str = DEFAULT_POLICY
     kv_remote_write_through: bool = True
     served_model_name: str | None = None
     load_progress: bool = True

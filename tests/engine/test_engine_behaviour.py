@@ -219,3 +219,33 @@ def test_no_leaked_blocks_after_random_finishes_and_aborts(llm, data):
     assert not eng.has_unfinished()
     assert eng.pool.num_used == 0
     assert sum(b.ref_cnt for b in eng.pool.blocks) == 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_shared_prefixes_under_eviction_pressure_leave_pool_consistent(llama_dir, data):
+    """Many requests share prefix blocks while the small pool evicts: refcounts, pins and the
+    evictable count stay consistent (every block free at the end, nothing pinned)."""
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=40 * 8 * 2 * 2 * 2 * 16 * 4, block_size=8,
+              max_num_batched_tokens=48, max_model_len=200, load_progress=False)
+    eng = llm.engine
+    rng = random.Random(data.draw(st.integers(0, 10_000)))
+    prefixes = [[rng.randrange(5, 600) for _ in range(rng.randint(8, 40))] for _ in range(3)]
+    live: list[str] = []
+    for step in range(80):
+        if len(live) < 6 and rng.random() < 0.6:
+            p = rng.choice(prefixes) + [rng.randrange(5, 600) for _ in range(rng.randint(0, 20))]
+            live.append(eng.add_request({"prompt_token_ids": p},
+                                        SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True)).request_id)
+        if live and rng.random() < 0.1:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        for d in eng.step():
+            if d.finished and d.request_id in live:
+                live.remove(d.request_id)
+    for rid in list(live):
+        eng.abort(rid)
+    pool = eng.pool
+    assert pool.num_used == 0 and all(b.ref_cnt == 0 for b in pool.blocks)
+    n_cached = len(pool.cached)
+    assert pool.evict_all() == n_cached  # every cached block is unpinned, so all can go
+    assert pool.num_free == pool.num_blocks and not pool.cached

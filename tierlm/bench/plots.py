@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
 Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
-__all__ = ["line_plot", "panels_plot", "cdf_plot", "bar_plot"]
+__all__ = ["Series", "Styles", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot"]
 
 
 def _save(fig: "plt.Figure", path: str) -> str:
@@ -28,10 +28,15 @@ def _save(fig: "plt.Figure", path: str) -> str:
     return path
 
 
+Styles = Mapping[str, Mapping[str, object]]
+
+
 def _draw_lines(ax: "plt.Axes", series: Series, xlabel: str, ylabel: str, logx: bool,
-                markers: bool) -> None:
+                markers: bool, styles: Styles | None = None) -> None:
     for label, (xs, ys) in series.items():
-        ax.plot(list(xs), list(ys), marker="o" if markers else None, markersize=4, label=label)
+        kw: dict[str, object] = {"marker": "o" if markers else None, "markersize": 4}
+        kw.update((styles or {}).get(label, {}))
+        ax.plot(list(xs), list(ys), label=label, **kw)
     if logx:
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
@@ -42,21 +47,25 @@ def _draw_lines(ax: "plt.Axes", series: Series, xlabel: str, ylabel: str, logx: 
 
 
 def line_plot(path: str, series: Series, title: str, xlabel: str, ylabel: str,
-              logx: bool = False, markers: bool = True) -> str:
-    """One panel, one line per series label: `series[label] = (xs, ys)`. Returns `path`."""
+              logx: bool = False, markers: bool = True, styles: Styles | None = None) -> str:
+    """One panel, one line per series label: `series[label] = (xs, ys)`. Returns `path`.
+
+    `styles[label]` holds extra matplotlib line kwargs, e.g. {"linestyle": "--"} for a bound.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    _draw_lines(ax, series, xlabel, ylabel, logx, markers)
+    _draw_lines(ax, series, xlabel, ylabel, logx, markers, styles)
     ax.set_title(title)
     return _save(fig, path)
 
 
 def panels_plot(path: str, panels: Mapping[str, Series], title: str, xlabel: str, ylabel: str,
-                logx: bool = False, markers: bool = True, sharey: bool = False) -> str:
+                logx: bool = False, markers: bool = True, sharey: bool = False,
+                styles: Styles | None = None) -> str:
     """Side-by-side panels (e.g. one per trace), each drawn like `line_plot`."""
     n = max(len(panels), 1)
     fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.5), sharey=sharey, squeeze=False)
     for ax, (panel_title, series) in zip(axes[0], panels.items()):
-        _draw_lines(ax, series, xlabel, ylabel, logx, markers)
+        _draw_lines(ax, series, xlabel, ylabel, logx, markers, styles)
         ax.set_title(panel_title)
     fig.suptitle(title)
     return _save(fig, path)
@@ -94,3 +103,18 @@ def bar_plot(path: str, values: Mapping[str, float], title: str, ylabel: str) ->
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_title(title)
     return _save(fig, path)
+
+
+def stacked_plot(path: str, panels: Mapping[str, tuple[str, Series]], title: str, xlabel: str,
+                 logx: bool = False, markers: bool = False) -> str:
+    """Panels stacked vertically on a shared x axis, each with its own y label:
+    `panels[panel_title] = (ylabel, series)` — e.g. throughput and latency over time."""
+    n = max(len(panels), 1)
+    fig, axes = plt.subplots(n, 1, figsize=(8, 3.2 * n), sharex=True, squeeze=False)
+    for ax, (panel_title, (ylabel, series)) in zip(axes[:, 0], panels.items()):
+        _draw_lines(ax, series, "", ylabel, logx, markers)
+        ax.set_title(panel_title, fontsize="medium")
+    axes[-1, 0].set_xlabel(xlabel)
+    fig.suptitle(title)
+    return _save(fig, path)
+

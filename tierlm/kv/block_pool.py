@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierlm.kv.policies import EvictionPolicy, make_policy
+from tierlm.kv.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from tierlm.kv.prefix_cache import BlockHash
 
 
@@ -24,7 +24,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, policy: str | EvictionPolicy = "lru",
+    def __init__(self, num_blocks: int, enable_caching: bool = True, policy: str | EvictionPolicy = DEFAULT_POLICY,
                  on_evict: Callable[[KVBlock], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise kv_cache_memory")
@@ -85,10 +85,10 @@ class BlockPool:
 
     def acquire_cached(self, blk: KVBlock, parent: BlockHash | None) -> None:
         """A request reuses a cached block (prefix hit)."""
-        if blk.ref_cnt == 0:
-            self._num_evictable -= 1
         self.policy.access(blk.block_hash, parent, self._clock)
-        self.policy.pin(blk.block_hash)
+        if blk.ref_cnt == 0:  # one pin per block in use, however many requests share it
+            self._num_evictable -= 1
+            self.policy.pin(blk.block_hash)
         blk.ref_cnt += 1
 
     def register_full(self, blk: KVBlock, h: BlockHash, parent: BlockHash | None) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.kv.policies import make_policy
+from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class HostTier(_CapacityTier):
 
     name = "host"
 
-    def __init__(self, capacity_blocks: int, policy: str = "lru", pin: bool = False) -> None:
+    def __init__(self, capacity_blocks: int, policy: str = DEFAULT_POLICY, pin: bool = False) -> None:
         super().__init__(capacity_blocks, policy)
         self.pin = pin
         self.data: dict[bytes, torch.Tensor] = {}
@@ -188,7 +188,7 @@ class DiskTier(_CapacityTier):
 
     name = "disk"
 
-    def __init__(self, root: str | Path, capacity_blocks: int, policy: str = "lru") -> None:
+    def __init__(self, root: str | Path, capacity_blocks: int, policy: str = DEFAULT_POLICY) -> None:
         super().__init__(capacity_blocks, policy)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,172 @@
+"""The offline cache simulator: exactness against a brute-force LRU, bounds, bench output, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierlm.bench.cache import (
+    add_cli,
+    infinite_hit_bound,
+    load_trace,
+    run_cache_bench,
+    simulate,
+)
+from tierlm.kv.policies import POLICIES
+
+TRACES = "/work/shared/traces"
+
+
+@st.composite
+def prefix_traces(draw: st.DrawFn) -> list[list[int]]:
+    """Requests are root-to-node paths of a random forest, so block ids chain like real hashes."""
+    n = draw(st.integers(1, 25))
+    parent: list[int | None] = [None]
+    for i in range(1, n):
+        parent.append(draw(st.one_of(st.none(), st.integers(0, i - 1))))
+
+    def path(i: int) -> list[int]:
+        out = []
+        node: int | None = i
+        while node is not None:
+            out.append(node)
+            node = parent[node]
+        return out[::-1]
+
+    return [path(i) for i in draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=30))]
+
+
+def brute_force_lru(trace: list[list[int]], capacity: int) -> int:
+    """The replay rule written as plainly as possible (lists and scans, O(n^2))."""
+    cache: dict[int, tuple[int, int | None]] = {}  # block -> (last access tick, parent)
+    hits = tick = 0
+    for blocks in trace:
+        h = 0
+        while h < len(blocks) and blocks[h] in cache:
+            h += 1
+        hits += h
+        pinned: list[int] = []
+        parent = None
+        for key in blocks:
+            if key not in cache and len(cache) >= capacity:
+                leaves = [k for k in cache if k not in pinned
+                          and all(p != k for _, p in cache.values())]
+                if not leaves:
+                    break
+                del cache[min(leaves, key=lambda k: cache[k][0])]
+            cache[key] = (tick, cache[key][1] if key in cache else parent)
+            pinned.append(key)
+            parent = key
+            tick += 1
+    return hits
+
+
+@settings(max_examples=150, deadline=None)
+@given(trace=prefix_traces(), capacity=st.integers(1, 12))
+def test_lru_matches_brute_force(trace: list[list[int]], capacity: int) -> None:
+    expected = brute_force_lru(trace, capacity)
+    assert simulate(trace, "lru", capacity, clock="block").hits == expected
+    # with one tick per request no two evictable leaves share a tick, so the order is the same
+    assert simulate(trace, "lru", capacity, clock="request").hits == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=prefix_traces(), capacity=st.integers(1, 12))
+def test_belady_beats_every_online_policy(trace: list[list[int]], capacity: int) -> None:
+    best = simulate(trace, "belady", capacity).hits
+    for name in POLICIES:
+        assert simulate(trace, name, capacity).hits <= best, name
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=prefix_traces())
+def test_infinite_capacity_reaches_the_prefix_bound(trace: list[list[int]]) -> None:
+    bound, refs = infinite_hit_bound(trace)
+    for name in POLICIES + ["belady"]:
+        r = simulate(trace, name, capacity=10**9)
+        assert (r.hits, r.refs) == (bound, refs), name
+
+
+def test_gittins_is_lru_until_it_has_learned() -> None:
+    trace = [[0, 1, 2], [0, 3], [4, 5], [0, 1, 6], [4, 7], [0, 3, 8], [9], [0, 1, 2], [4, 5]] * 3
+    for cap in (2, 3, 4, 6):
+        g = simulate(trace, "gittins", cap, refit_every=10**9, samples=10**6)
+        assert g.hits == simulate(trace, "lru", cap).hits
+
+
+def test_request_longer_than_cache_is_partially_cached() -> None:
+    r = simulate([[1, 2, 3, 4], [1, 2, 3, 4]], "lru", capacity=2)
+    assert (r.hits, r.refs) == (2, 8)
+
+
+def test_unknown_clock_is_rejected() -> None:
+    with pytest.raises(ValueError, match="clock"):
+        simulate([[1]], "lru", 1, clock="wall")
+
+
+@pytest.fixture()
+def tiny_trace(tmp_path) -> str:
+    path = tmp_path / "tiny.jsonl"
+    reqs = [[0, 1, 2], [0, 1, 3], [4, 5], [0, 1, 2, 6], [4, 5, 7], [0, 8], [0, 1, 3]] * 4
+    path.write_text("".join(
+        json.dumps({"timestamp": i, "input_length": 512 * len(r), "output_length": 1,
+                    "hash_ids": r}) + "\n" for i, r in enumerate(reqs)))
+    return str(path)
+
+
+def test_load_trace(tiny_trace: str, tmp_path) -> None:
+    t = load_trace(tiny_trace)
+    assert t.name == "tiny" and len(t.requests) == 28 and t.requests[0] == [0, 1, 2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_trace(str(bad))
+
+
+def test_run_cache_bench_writes_json_and_png(tiny_trace: str, tmp_path) -> None:
+    out_json, out_png = tmp_path / "r" / "cache.json", tmp_path / "r" / "cache.png"
+    out = run_cache_bench([tiny_trace], [2, 4], ["lru", "gittins"], str(out_json), str(out_png),
+                          quiet=True)
+    data = json.loads(out_json.read_text())
+    assert data == json.loads(json.dumps(out))
+    assert data["trace"] == ["tiny"] and os.path.getsize(out_png) > 0
+    rows = {(r["policy"], r["capacity"]): r for r in data["results"]}
+    assert set(rows) == {(p, c) for p in ("lru", "gittins", "belady") for c in (2, 4)}
+    for c in (2, 4):
+        lru, bel = rows[("lru", c)]["hit_rate"], rows[("belady", c)]["hit_rate"]
+        assert bel >= lru
+        if bel > lru:
+            assert rows[("lru", c)]["gap_closed_vs_lru"] == 0.0
+            assert rows[("belady", c)]["gap_closed_vs_lru"] == pytest.approx(1.0)
+
+
+def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser(prog="tierlm")
+    bench = parser.add_subparsers(dest="cmd").add_parser("bench").add_subparsers(dest="bench")
+    add_cli(bench)
+    out_json = tmp_path / "c.json"
+    args = parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--trace", tiny_trace,
+                              "--capacities", "2,3", "--policies", "lru,arc",
+                              "--json", str(out_json)])
+    assert args.capacities == [2, 3] and args.policies == ["lru", "arc"]
+    assert args.func(args) == 0
+    assert "belady" in capsys.readouterr().out
+    assert len(json.loads(out_json.read_text())["results"]) == 2 * 2 * 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", "x"])
+
+
+@pytest.mark.skipif(not os.path.exists(f"{TRACES}/synthetic_trace.jsonl"), reason="no traces")
+def test_real_traces_infinite_bounds() -> None:
+    """README: at most 36.6% (conversation) and 64.0% (synthetic) of references can hit."""
+    for name, expected in [("conversation_trace", 0.366), ("synthetic_trace", 0.640)]:
+        hits, refs = infinite_hit_bound(load_trace(f"{TRACES}/{name}.jsonl"))
+        assert round(hits / refs, 3) == expected
+    syn = load_trace(f"{TRACES}/synthetic_trace.jsonl")
+    r = simulate(syn, "lru", capacity=50_000)  # > 43,924 unique blocks: nothing is evicted
+    assert round(r.hit_rate, 3) == 0.640
