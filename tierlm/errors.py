@@ -31,3 +31,7 @@ class ChatTemplateError(InvalidRequestError):
 
 class EngineDeadError(TierlmError):
     """The engine loop stopped after an internal error; requests cannot be served."""
+
+
+class EngineStepError(TierlmError):
+    """One engine step failed: the requests in it were failed, the engine serves on (retry)."""

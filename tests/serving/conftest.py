@@ -1,10 +1,12 @@
-"""Servers for the serving tests, started once per session on 127.0.0.1 (free port).
+"""Servers for the serving tests, started once per session on 127.0.0.1 (free port). Both run
+the real `AsyncEngine`; neither fakes any part of the stack.
 
-- `fake_server`: the app over a scripted `FakeEngine` (model "fake-model"); use the `fake`
-  fixture to script replies for one test (it is reset around each test).
-- `demo_server`: the app over the real `AsyncEngine` with the built-in demo model (random
-  weights: gibberish text, real scheduling, paged KV and prefix cache); its engine is
-  `demo_engine`.
+- `scripted_server`: the scripted models of `scripted_model.py` (tiny real checkpoints whose
+  answers are set in their weights: known text, EOS where wanted, tool calls, endless
+  replies), one engine each (`scripted_engines`), for exact protocol assertions;
+  `requests_to(model)` records what one of those engines is asked.
+- `demo_server`: the built-in demo model (random weights: gibberish text, real scheduling,
+  paged KV and prefix cache); its engine is `demo_engine`.
 Both require the key `API_KEY` and cap bodies at `SMALL_BODY_LIMIT` bytes.
 """
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.serving.fakes import API_KEY, SMALL_BODY_LIMIT, FakeEngine, ServerThread
+from tests.serving.harness import API_KEY, SMALL_BODY_LIMIT, ServerThread, record_requests
+from tests.serving.scripted_model import ScriptedModel, build_scripted_model, serving_scripts
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
 
@@ -26,26 +29,30 @@ def demo_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def fake_engine(demo_tokenizer) -> FakeEngine:
-    return FakeEngine(demo_tokenizer)
+def scripted_models(demo_tokenizer, tmp_path_factory) -> dict[str, ScriptedModel]:
+    root = tmp_path_factory.mktemp("scripted")
+    return {name: build_scripted_model(root / name, scripts, demo_tokenizer)
+            for name, scripts in serving_scripts(demo_tokenizer).items()}
 
 
 @pytest.fixture(scope="session")
-def fake_server(fake_engine) -> Iterator[ServerThread]:
-    app = build_app({fake_engine.model_name: fake_engine}, ApiKeyAuth.from_keys({"alice": API_KEY}),
-                    max_body_bytes=SMALL_BODY_LIMIT)
+def scripted_engines(scripted_models) -> dict:
+    return {name: model.engine(name) for name, model in scripted_models.items()}
+
+
+@pytest.fixture(scope="session")
+def scripted_server(scripted_engines) -> Iterator[ServerThread]:
+    app = build_app(scripted_engines, ApiKeyAuth.from_keys({"alice": API_KEY}), max_body_bytes=SMALL_BODY_LIMIT)
     server = ServerThread(app).start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def fake(fake_engine, fake_server) -> Iterator[FakeEngine]:
-    fake_engine.reset()
-    fake_engine.started = True
-    yield fake_engine
-    fake_engine.reset()
-    fake_engine.started = True
+def requests_to(scripted_engines, monkeypatch):
+    """`requests_to(model)`: the requests that scripted model's engine admits from then on, as
+    the engine built them (prompt ids, SamplingParams, request id)."""
+    return lambda model: record_requests(scripted_engines[model], monkeypatch)
 
 
 @pytest.fixture(scope="session")

@@ -1,99 +1,135 @@
-"""The Anthropic Messages API over real HTTP, against the scripted engine."""
+"""The Anthropic Messages API over real HTTP, against the real engine running scripted models
+(tiny real checkpoints whose answers are known; see scripted_model.py)."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
 
-from tests.serving.fakes import API_KEY, SMALL_BODY_LIMIT, parse_sse
+from tests.serving.harness import (
+    API_KEY,
+    SMALL_BODY_LIMIT,
+    fail_after_steps,
+    parse_sse,
+    wait_until,
+)
+from tests.serving.scripted_model import (
+    FORCED_ANY_REPLY,
+    FORCED_REPLY,
+    PREFILL,
+    PREFILL_REPLY,
+    REPLY,
+    TEXT_MODEL,
+    TOOL_PROSE,
+    TOOLS_MODEL,
+    TOOLS_REPLY,
+)
 
-MODEL = "fake-model"
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+MODEL = TEXT_MODEL
 WEATHER_TOOL = {"name": "get_weather", "description": "Weather for a city",
                 "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
 @pytest.fixture
-def client(fake_server, fake):
-    with httpx.Client(base_url=fake_server.url, timeout=30,
+def client(scripted_server):
+    with httpx.Client(base_url=scripted_server.url, timeout=30,
                       headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}) as c:
         yield c
+
+
+@pytest.fixture
+def engine(scripted_engines):
+    return scripted_engines[MODEL]
+
+
+def prompt_text(engine, request) -> str:
+    return engine.tokenizer.decode(request.prompt_token_ids)
+
+
+def num_reply_tokens(scripted_models, model: str, reply: str) -> int:
+    return len(scripted_models[model].reply_tokens(reply))
 
 
 def body(**fields):
     return {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi there"}], **fields}
 
 
-def test_message_shape_and_request_id(client, fake):
+def test_message_shape_and_request_id(client, requests_to, scripted_models):
+    asked = requests_to(MODEL)
     r = client.post("/v1/messages", json=body(), headers={"anthropic-version": "2099-01-01", "x-unknown": "1"})
     assert r.status_code == 200
     msg = r.json()
     assert msg["id"].startswith("msg_") and msg["type"] == "message" and msg["role"] == "assistant"
-    assert msg["content"] == [{"type": "text", "text": fake.reply("")}]
+    assert msg["content"] == [{"type": "text", "text": REPLY}]
     assert msg["model"] == MODEL and msg["stop_reason"] == "end_turn" and msg["stop_sequence"] is None
     assert r.headers["request-id"].startswith("req_")
     usage = msg["usage"]
-    prompt_len = len(fake.calls[-1].prompt_token_ids)
+    prompt_len = len(asked[-1].prompt_token_ids)
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == prompt_len
-    assert usage["output_tokens"] == len(fake.encode(fake.reply(""))) + 1  # + EOS
+    assert usage["output_tokens"] == num_reply_tokens(scripted_models, MODEL, REPLY) + 1  # + EOS
 
 
-def test_prefix_cache_hits_are_cache_reads(client, fake):
-    long_prompt = "Repeat after me: " + "lorem ipsum " * 20
+def test_prefix_cache_hits_are_cache_reads(client, requests_to):
+    asked = requests_to(MODEL)
+    long_prompt = f"{uuid.uuid4().hex} Repeat after me: " + "lorem ipsum " * 20  # new to the cache
     first = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long_prompt}])).json()
     second = client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long_prompt}])).json()
-    prompt_len = len(fake.calls[-1].prompt_token_ids)
+    prompt_len = len(asked[-1].prompt_token_ids)
     assert first["usage"]["cache_read_input_tokens"] == 0
     assert second["usage"]["cache_read_input_tokens"] > 0
     u = second["usage"]
     assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt_len and u["cache_creation_input_tokens"] == 0
 
 
-def test_sampling_fields_reach_the_engine(client, fake):
+def test_sampling_fields_reach_the_engine(client, requests_to):
+    asked = requests_to(MODEL)
     client.post("/v1/messages", json=body(temperature=0.5, top_p=0.9, top_k=7, max_tokens=9,
                                           metadata={"user_id": "u-1"}))
-    params = fake.calls[-1].params
+    params = asked[-1].params
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.5, 0.9, 7, 9)
-    assert fake.calls[-1].request_id.startswith("req_")
+    assert asked[-1].request_id.startswith("req_")
 
 
-def test_max_tokens_stop(client, fake):
+def test_max_tokens_stop(client, engine, scripted_models):
     msg = client.post("/v1/messages", json=body(max_tokens=3)).json()
     assert msg["stop_reason"] == "max_tokens" and msg["usage"]["output_tokens"] == 3
+    first_three = scripted_models[MODEL].reply_tokens(REPLY)[:3]
+    assert msg["content"] == [{"type": "text", "text": engine.tokenizer.decode(first_three)}]
 
 
-def test_stop_sequence_is_reported_and_excluded(client, fake):
-    fake.reply = lambda prompt: "alpha beta STOP gamma"
+def test_stop_sequence_is_reported_and_excluded(client):
+    assert REPLY.startswith("alpha beta STOP")
     msg = client.post("/v1/messages", json=body(stop_sequences=["never", "STOP"])).json()
     assert msg["content"][0]["text"] == "alpha beta "
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
 
 
-def test_prefill_continues_the_assistant_turn(client, fake):
-    fake.reply = lambda prompt: "B) Helios"
+def test_prefill_continues_the_assistant_turn(client, engine, requests_to):
+    asked = requests_to(MODEL)
     msg = client.post("/v1/messages", json=body(messages=[
         {"role": "user", "content": "Greek name for the Sun? (A) Sol (B) Helios"},
-        {"role": "assistant", "content": "The answer is ("},
+        {"role": "assistant", "content": PREFILL},
     ])).json()
-    assert fake.calls[-1].prompt_text.endswith("<|im_start|>assistant\nThe answer is (")
-    assert msg["content"][0]["text"] == "B) Helios"
+    assert prompt_text(engine, asked[-1]).endswith("<|im_start|>assistant\nThe answer is (")
+    assert msg["content"][0]["text"] == PREFILL_REPLY == "B) Helios"
 
 
-def test_same_role_turns_merge_and_system_blocks_join(client, fake):
+def test_same_role_turns_merge_and_system_blocks_join(client, engine, requests_to):
+    asked = requests_to(MODEL)
     client.post("/v1/messages", json=body(
         system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
         messages=[{"role": "user", "content": "first"},
                   {"role": "user", "content": [{"type": "text", "text": "second"}, {"type": "text", "text": "third"}]}],
     ))
-    prompt = fake.calls[-1].prompt_text
+    prompt = prompt_text(engine, asked[-1])
     assert "<|im_start|>system\nBe brief.\nBe kind.<|im_end|>" in prompt
     assert "<|im_start|>user\nfirst\n\nsecond\nthird<|im_end|>" in prompt
     assert prompt.count("<|im_start|>user") == 1
 
 
-def test_streaming_event_sequence(client, fake):
-    fake.reply = lambda prompt: "one two three"
+def test_streaming_event_sequence(client, scripted_models):
     r = client.post("/v1/messages", json=body(stream=True))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["request-id"].startswith("req_")
@@ -108,40 +144,41 @@ def test_streaming_event_sequence(client, fake):
     assert start["id"].startswith("msg_") and start["content"] == [] and start["stop_reason"] is None
     assert frames[1][1]["index"] == 0 and frames[1][1]["content_block"] == {"type": "text", "text": ""}
     text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta")
-    assert text == "one two three"
+    assert text == REPLY
     delta = frames[-2][1]
     assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert delta["usage"]["output_tokens"] == len(fake.encode("one two three")) + 1
+    assert delta["usage"]["output_tokens"] == num_reply_tokens(scripted_models, MODEL, REPLY) + 1
 
 
-def test_streaming_stop_sequence(client, fake):
-    fake.reply = lambda prompt: "alpha beta STOP gamma"
+def test_streaming_stop_sequence(client):
     frames = parse_sse(client.post("/v1/messages", json=body(stream=True, stop_sequences=["STOP"])).text)
     text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta")
     assert text == "alpha beta "
     assert frames[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "STOP"}
 
 
-def test_tool_use_non_streaming(client, fake):
-    fake.reply = lambda prompt: "Let me look that up.\n" + CALL
-    msg = client.post("/v1/messages", json=body(tools=[WEATHER_TOOL])).json()
-    assert "get_weather" in fake.calls[-1].prompt_text and "# Tools" in fake.calls[-1].prompt_text
+def test_tool_use_non_streaming(client, scripted_engines, requests_to):
+    asked = requests_to(TOOLS_MODEL)
+    msg = client.post("/v1/messages", json=body(model=TOOLS_MODEL, tools=[WEATHER_TOOL])).json()
+    prompt = prompt_text(scripted_engines[TOOLS_MODEL], asked[-1])
+    assert "get_weather" in prompt and "# Tools" in prompt
     assert msg["stop_reason"] == "tool_use"
-    assert msg["content"][0] == {"type": "text", "text": "Let me look that up."}
+    assert msg["content"][0] == {"type": "text", "text": TOOL_PROSE}
     call = msg["content"][1]
     assert call["type"] == "tool_use" and call["id"].startswith("toolu_")
     assert (call["name"], call["input"]) == ("get_weather", {"city": "Paris"})
+    assert len(msg["content"]) == 2
 
 
-def test_tool_use_streaming(client, fake):
-    fake.reply = lambda prompt: "Checking.\n" + CALL
-    frames = parse_sse(client.post("/v1/messages", json=body(tools=[WEATHER_TOOL], stream=True)).text)
+def test_tool_use_streaming(client):
+    frames = parse_sse(client.post("/v1/messages", json=body(model=TOOLS_MODEL, tools=[WEATHER_TOOL],
+                                                             stream=True)).text)
     starts = [d for e, d in frames if e == "content_block_start"]
     assert [s["index"] for s in starts] == [0, 1]
     assert starts[0]["content_block"]["type"] == "text"
     assert starts[1]["content_block"]["type"] == "tool_use" and starts[1]["content_block"]["name"] == "get_weather"
     text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta" and d["index"] == 0)
-    assert "<tool_call>" not in text and text.strip() == "Checking."
+    assert "<tool_call>" not in text and text.strip() == TOOL_PROSE
     partial = "".join(d["delta"]["partial_json"] for e, d in frames
                       if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == {"city": "Paris"}
@@ -149,41 +186,70 @@ def test_tool_use_streaming(client, fake):
     assert frames[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
-def test_tool_choice_tool_starts_the_call(client, fake):
-    fake.reply = lambda prompt: '{"city": "Oslo"}}\n</tool_call>'
-    msg = client.post("/v1/messages", json=body(tools=[WEATHER_TOOL],
+def test_tool_choice_tool_starts_the_call(client, scripted_engines, requests_to):
+    asked = requests_to(TOOLS_MODEL)
+    msg = client.post("/v1/messages", json=body(model=TOOLS_MODEL, tools=[WEATHER_TOOL],
                                                 tool_choice={"type": "tool", "name": "get_weather"})).json()
-    assert fake.calls[-1].prompt_text.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    prompt = prompt_text(scripted_engines[TOOLS_MODEL], asked[-1])
+    assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert FORCED_REPLY.startswith('{"city": "Oslo"}}')  # what the model adds to the started call
     assert msg["stop_reason"] == "tool_use"
     assert msg["content"] == [{"type": "tool_use", "id": msg["content"][0]["id"], "name": "get_weather",
                                "input": {"city": "Oslo"}}]
 
 
-def test_tool_choice_none_hides_tools(client, fake):
-    fake.reply = lambda prompt: CALL
-    msg = client.post("/v1/messages", json=body(tools=[WEATHER_TOOL], tool_choice={"type": "none"})).json()
-    assert "# Tools" not in fake.calls[-1].prompt_text
-    assert msg["stop_reason"] == "end_turn" and msg["content"][0]["type"] == "text"
+def test_tool_choice_any_starts_a_call(client, scripted_engines, requests_to):
+    asked = requests_to(TOOLS_MODEL)
+    msg = client.post("/v1/messages", json=body(model=TOOLS_MODEL, tools=[WEATHER_TOOL],
+                                                tool_choice={"type": "any"})).json()
+    prompt = prompt_text(scripted_engines[TOOLS_MODEL], asked[-1])
+    assert prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert FORCED_ANY_REPLY.startswith('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["content"] == [{"type": "tool_use", "id": msg["content"][0]["id"], "name": "get_weather",
+                               "input": {"city": "Paris"}}]
 
 
-def test_tool_results_are_rendered(client, fake):
+def test_required_tool_call_cannot_follow_a_prefill(client, requests_to):
+    asked = requests_to(TOOLS_MODEL)
+    r = client.post("/v1/messages", json=body(model=TOOLS_MODEL, tools=[WEATHER_TOOL], tool_choice={"type": "any"},
+                                              messages=[{"role": "user", "content": "Weather?"},
+                                                        {"role": "assistant", "content": "Let me"}]))
+    message = error_of(r, 400, "invalid_request_error")
+    assert "tool_choice 'any'" in message and "prefill" in message
+    assert asked == []
+
+
+def test_tool_choice_none_hides_tools(client, scripted_engines, requests_to):
+    asked = requests_to(TOOLS_MODEL)
+    msg = client.post("/v1/messages", json=body(model=TOOLS_MODEL, tools=[WEATHER_TOOL],
+                                                tool_choice={"type": "none"})).json()
+    assert "# Tools" not in prompt_text(scripted_engines[TOOLS_MODEL], asked[-1])
+    # the model still writes a call, but with tools off it is plain text
+    assert msg["stop_reason"] == "end_turn" and msg["content"] == [{"type": "text", "text": TOOLS_REPLY}]
+
+
+def test_tool_results_are_rendered(client, engine, requests_to):
+    asked = requests_to(MODEL)
     client.post("/v1/messages", json=body(tools=[WEATHER_TOOL], messages=[
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                            "input": {"city": "Paris"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21C"}]},
     ]))
-    prompt = fake.calls[-1].prompt_text
+    prompt = prompt_text(engine, asked[-1])
     assert '"arguments": {"city": "Paris"}' in prompt
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
 
 
-def test_count_tokens_matches_the_rendered_prompt(client, fake):
+def test_count_tokens_matches_the_rendered_prompt(client, requests_to):
+    asked = requests_to(MODEL)
     b = body(system="Be brief.")
     count = client.post("/v1/messages/count_tokens", json={k: b[k] for k in ("model", "messages", "system")})
     assert count.status_code == 200
+    assert asked == []  # counting runs no generation
     client.post("/v1/messages", json=b)
-    assert count.json() == {"input_tokens": len(fake.calls[-1].prompt_token_ids)}
+    assert count.json() == {"input_tokens": len(asked[-1].prompt_token_ids)}
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -210,8 +276,8 @@ def test_unknown_model_is_404(client):
     assert "nope" in message and MODEL in message
 
 
-def test_authentication(fake_server, fake):
-    url = fake_server.url + "/v1/messages"
+def test_authentication(scripted_server):
+    url = scripted_server.url + "/v1/messages"
     assert "x-api-key" in error_of(httpx.post(url, json=body()), 401, "authentication_error")
     error_of(httpx.post(url, json=body(), headers={"x-api-key": "wrong"}), 401, "authentication_error")
     assert httpx.post(url, json=body(), headers={"authorization": f"Bearer {API_KEY}"}).status_code == 200
@@ -223,14 +289,14 @@ def test_body_over_the_limit_is_413(client):
              413, "request_too_large")
 
 
-def test_max_tokens_beyond_context_names_the_field(client, fake):
-    message = error_of(client.post("/v1/messages", json=body(max_tokens=fake.max_model_len)), 400,
+def test_max_tokens_beyond_context_names_the_field(client, engine):
+    message = error_of(client.post("/v1/messages", json=body(max_tokens=engine.max_model_len)), 400,
                        "invalid_request_error")
     assert message.startswith("max_tokens:") and "context" in message
 
 
-def test_prompt_beyond_context(client, fake):
-    long = "word " * (fake.max_model_len + 10)
+def test_prompt_beyond_context(client, engine):
+    long = "word " * (engine.max_model_len + 10)
     message = error_of(client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long}])),
                        400, "invalid_request_error")
     assert "prompt" in message
@@ -243,16 +309,21 @@ def test_malformed_json_and_wrong_method(client):
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_engine_failure_mid_stream_is_an_error_event(client, fake):
-    fake.fail_after = 3
+def test_engine_failure_mid_stream_is_an_error_event(client, engine, monkeypatch):
+    fail_after_steps(engine, monkeypatch, 3)  # prefill + 2 decodes, then the device faults
     frames = parse_sse(client.post("/v1/messages", json=body(stream=True)).text)
     assert frames[0][0] == "message_start"
+    assert any(e == "content_block_delta" for e, _ in frames)  # output had started
     event, data = frames[-1]
     assert event == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
     assert "message_stop" not in [e for e, _ in frames]
+    assert wait_until(lambda: engine.stats().kv_blocks_used == 0)
 
 
-def test_engine_failure_before_output_is_500_without_trace(client, fake):
-    fake.fail_after = 0
+def test_engine_failure_before_output_is_500_without_trace(client, engine, monkeypatch):
+    fail_after_steps(engine, monkeypatch, 0)
     message = error_of(client.post("/v1/messages", json=body()), 500, "api_error")
-    assert "Traceback" not in message and "restart" in message
+    assert "Traceback" not in message and "retry" in message
+    assert wait_until(lambda: engine.stats().kv_blocks_used == 0)
+    monkeypatch.undo()  # the fault is gone: the same engine serves the retry
+    assert client.post("/v1/messages", json=body()).status_code == 200

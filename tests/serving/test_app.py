@@ -1,10 +1,14 @@
 """App-level behaviour: several models, error shapes for every status, the last-resort 500."""
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
+from starlette.middleware import Middleware
 
-from tests.serving.fakes import API_KEY, FakeEngine, ServerThread
+from tests.serving.harness import API_KEY, ServerThread, fail_after_steps
+from tests.serving.scripted_model import Script, ScriptedModel, build_scripted_model, chat_prompt_ids
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import NoAuth
 from tierlm.serving.errors import (
@@ -24,13 +28,23 @@ from tierlm.serving.models import ModelRegistry
 
 
 @pytest.fixture(scope="module")
-def two_models(demo_tokenizer):
-    small, big = FakeEngine(demo_tokenizer, model_name="small"), FakeEngine(demo_tokenizer, model_name="big")
-    small.reply = lambda prompt: "from small"
-    big.reply = lambda prompt: "from big"
+def checkpoints(demo_tokenizer, tmp_path_factory) -> dict[str, ScriptedModel]:
+    """Two scripted models, each answering every chat prompt with its own name."""
+    root, chat = tmp_path_factory.mktemp("two-models"), chat_prompt_ids(demo_tokenizer)
+    return {name: build_scripted_model(root / name, [Script(chat, f"from {name}")], demo_tokenizer)
+            for name in ("small", "big")}
+
+
+@pytest.fixture(scope="module")
+def two_models(checkpoints):
+    small, big = checkpoints["small"].engine("small"), checkpoints["big"].engine("big")
     server = ServerThread(build_app({"small": small, "big": big}, NoAuth())).start()
     yield server, small, big
     server.stop()
+
+
+def engine_thread_alive(name: str) -> bool:
+    return any(t.name == f"tierlm-engine-{name}" and t.is_alive() for t in threading.enumerate())
 
 
 def ask(url: str, model: str) -> httpx.Response:
@@ -40,13 +54,18 @@ def ask(url: str, model: str) -> httpx.Response:
 
 def test_the_model_field_picks_the_engine(two_models):
     server, small, big = two_models
+    assert engine_thread_alive("small") and engine_thread_alive("big")  # the lifespan started both
+    before = small.stats().prompt_tokens, big.stats().prompt_tokens
     assert ask(server.url, "small").json()["content"][0]["text"] == "from small"
+    after_small = small.stats().prompt_tokens, big.stats().prompt_tokens
     assert ask(server.url, "big").json()["content"][0]["text"] == "from big"
-    assert len(small.calls) == 1 and len(big.calls) == 1
+    after_big = small.stats().prompt_tokens, big.stats().prompt_tokens
+    # each request ran on its own engine only
+    assert after_small[0] > before[0] and after_small[1] == before[1]
+    assert after_big[1] > after_small[1] and after_big[0] == after_small[0]
     missing = ask(server.url, "medium")
     assert missing.status_code == 404 and "small, big" in missing.json()["error"]["message"]
     assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["small", "big"]
-    assert small.started and big.started  # the lifespan started both
 
 
 def test_no_auth_accepts_requests_without_keys(two_models):
@@ -83,14 +102,14 @@ def test_error_style_follows_route_and_client():
     assert api_style_for("/v1/models", {}) == "openai"
 
 
-def test_unexpected_errors_are_500_without_trace(fake_server, monkeypatch):
-    registry: ModelRegistry = fake_server.app.state.tierlm.models
+def test_unexpected_errors_are_500_without_trace(scripted_server, monkeypatch):
+    registry: ModelRegistry = scripted_server.app.state.tierlm.models
 
     def broken(name: str) -> dict:
         raise RuntimeError("secret internals")
 
     monkeypatch.setattr(registry, "describe", broken)
-    r = httpx.get(fake_server.url + "/v1/models", headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"})
+    r = httpx.get(scripted_server.url + "/v1/models", headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"})
     assert r.status_code == 500
     data = r.json()
     assert data["error"]["type"] == "api_error" and data["request_id"] == r.headers["request-id"]
@@ -113,11 +132,10 @@ class Recorder:
         self.events.append(("error", error.status))
 
 
-def test_engine_streams_report_to_the_scope_observer(demo_tokenizer):
-    engine = FakeEngine(demo_tokenizer)
-    engine.reply = lambda prompt: "abc"
+def test_engine_streams_report_to_the_scope_observer(checkpoints, monkeypatch):
+    engine = checkpoints["small"].engine("observed")
     recorders: list[Recorder] = []
-    app = build_app({"fake-model": engine}, NoAuth())
+    app = build_app({"observed": engine}, NoAuth())
 
     class InstallRecorder:
         def __init__(self, inner) -> None:
@@ -129,16 +147,18 @@ def test_engine_streams_report_to_the_scope_observer(demo_tokenizer):
                 scope.setdefault("state", {})["telemetry"] = recorders[-1]
             await self.inner(scope, receive, send)
 
-    app.add_middleware(InstallRecorder)
+    # Innermost, so it replaces whatever observer the app's own telemetry middleware installed.
+    app.user_middleware.append(Middleware(InstallRecorder))
     server = ServerThread(app).start()
     try:
-        body = {"model": "fake-model", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
-        assert httpx.post(server.url + "/v1/messages", json=body).status_code == 200
-        engine.fail_after = 1
+        body = {"model": "observed", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(server.url + "/v1/messages", json=body).json()["content"][0]["text"] == "from small"
+        fail_after_steps(engine, monkeypatch, 1)  # the first token, then a device fault
         httpx.post(server.url + "/v1/messages", json={**body, "stream": True})
     finally:
         server.stop()
     ok, failed = recorders
-    assert ok.events[0] == ("request", "fake-model", 9, None)
-    assert [e[0] for e in ok.events[1:]] == ["delta"] * (len(engine.encode("abc")) + 1) and ok.events[-1][1]
-    assert failed.events[-1] == ("error", 500)
+    assert ok.events[0] == ("request", "observed", 20, None)
+    reply = checkpoints["small"].reply_tokens("from small")
+    assert [e[0] for e in ok.events[1:]] == ["delta"] * (len(reply) + 1) and ok.events[-1][1]
+    assert failed.events == [("request", "observed", 20, None), ("delta", False), ("error", 500)]

@@ -2,24 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import anthropic
 import httpx
 import pytest
 
-from tests.serving.fakes import API_KEY
+from tests.serving.harness import API_KEY, wait_until
 
 CLIENTS = 50
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.serving.fakes import API_KEY, SMALL_BODY_LIMIT
+from tests.serving.harness import API_KEY, SMALL_BODY_LIMIT
 
 GREEDY = {"temperature": 0}
 

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from tierlm.config import EngineConfig
 from tierlm.engine.engine import EngineStats, LLMEngine
 from tierlm.engine.outputs import StreamDelta
-from tierlm.errors import EngineDeadError
+from tierlm.errors import EngineDeadError, EngineStepError
 from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class AsyncEngine:
                 self._send(eng.step())
             except Exception as e:  # fail the requests in flight, keep serving new ones
                 log.exception("engine step failed; aborting the %d requests in flight", len(eng.requests))
-                err = EngineDeadError(f"internal engine error: {type(e).__name__}: {e}")
+                err = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
                 failed = []
                 for rid in list(eng.requests):
                     eng.abort(rid)

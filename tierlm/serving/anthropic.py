@@ -13,7 +13,6 @@ Translation rules (the parts the API leaves to the server):
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -23,13 +22,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tierlm.serving import tools as toolcalls
-from tierlm.serving.errors import APIError, InternalError, InvalidRequest, anthropic_error_body
+from tierlm.serving.errors import InvalidRequest, anthropic_error_body, stream_error
 from tierlm.serving.generation import (
     ChatPrompt,
     EngineStream,
     Generation,
+    StreamedAnswer,
+    chat_prompt,
     output_budget,
-    render_chat,
     sampling_params,
 )
 from tierlm.serving.protocol_anthropic import (
@@ -53,8 +53,6 @@ from tierlm.serving.validation import parse_request
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
-
-logger = logging.getLogger("tierlm.serving")
 
 router = APIRouter()
 
@@ -102,33 +100,17 @@ async def count_tokens(request: Request) -> Response:
 def build_prompt(engine: "AsyncEngine", body: ConversationBody) -> ChatPrompt:
     check_blocks(body)
     messages = template_messages(body)
-    prefill = messages[-1]["role"] == "assistant"
     choice = body.tool_choice.type if body.tool_choice else "auto"
-    template_tools = None
-    parse_tools = False
-    forced = ""
-    if body.tools and choice != "none":
-        chat_template = getattr(engine.tokenizer, "chat_template", None)
-        if not toolcalls.template_supports_tools(chat_template):
-            raise InvalidRequest(
-                f"tools: the chat template of model '{body.model}' does not support tools; "
-                "remove 'tools' or serve a model whose template renders them",
-                param="tools",
-            )
-        template_tools = toolcalls.anthropic_tools_to_template(body.tools)
-        parse_tools = toolcalls.template_uses_hermes_calls(chat_template)
-        if choice in ("any", "tool") and parse_tools:
-            if prefill:
-                raise InvalidRequest(
-                    f"tool_choice '{choice}' cannot be combined with an assistant prefill; "
-                    "drop the final assistant message or use tool_choice 'auto'",
-                    param="tool_choice",
-                )
-            forced = toolcalls.forced_call_prefix(body.tool_choice.name if choice == "tool" else None)
-            messages.append({"role": "assistant", "content": forced})
-            prefill = True
-    token_ids = render_chat(engine, body.model, messages, tools=template_tools, continue_final_message=prefill)
-    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
+    use_tools = bool(body.tools) and choice != "none"
+    return chat_prompt(
+        engine,
+        body.model,
+        messages,
+        tools=toolcalls.anthropic_tools_to_template(body.tools) if use_tools else None,
+        continue_final_message=messages[-1]["role"] == "assistant",
+        call_required_by=choice if choice in ("any", "tool") else None,
+        tool_name=body.tool_choice.name if choice == "tool" else None,
+    )
 
 
 def check_blocks(body: ConversationBody) -> None:
@@ -281,11 +263,7 @@ def usage_of(num_prompt: int, num_cached: int, num_output: int) -> Usage:
 
 def message_response(result: Generation, prompt: ChatPrompt, model: str, message_id: str) -> MessageResponse:
     content: list[TextContent | ToolUseContent] = []
-    calls: list[toolcalls.ParsedToolCall] = []
-    text = result.text
-    if prompt.parse_tools:
-        parsed = toolcalls.parse_tool_calls(prompt.forced_prefix + result.text)
-        text, calls = parsed.text, parsed.tool_calls
+    text, calls = prompt.split_tool_calls(result.text, id_prefix="toolu_")
     if text:
         content.append(TextContent(text=text))
     content.extend(ToolUseContent(id=c.id, name=c.name, input=c.arguments) for c in calls)
@@ -369,29 +347,19 @@ async def message_events(
         },
     })
     blocks = _Blocks()
-    filter_ = toolcalls.ToolCallStreamFilter() if prompt.parse_tools else None
-    if filter_ is not None and prompt.forced_prefix:
-        filter_.feed(prompt.forced_prefix)
-    result = Generation()
+    answer = StreamedAnswer(stream, prompt, id_prefix="toolu_")
     try:
-        async for delta in stream.deltas():
-            result.add(delta)
-            text = filter_.feed(delta.text) if filter_ is not None else delta.text
+        async for text, _ in answer.pieces():
             if text:
                 for frame in blocks.text(text):
                     yield frame
-        calls: list[toolcalls.ParsedToolCall] = []
-        if filter_ is not None:
-            rest, calls = filter_.finish()
-            if rest:
-                for frame in blocks.text(rest):
-                    yield frame
-        for call in calls:
+        for call in answer.calls:
             for frame in blocks.tool_use(call):
                 yield frame
         for frame in blocks.close() + blocks.ping():
             yield frame
-        stop_reason, stop_sequence = stop_details(result, bool(calls))
+        result = answer.result
+        stop_reason, stop_sequence = stop_details(result, bool(answer.calls))
         yield sse_event("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
@@ -399,7 +367,4 @@ async def message_events(
         })
         yield sse_event("message_stop", {"type": "message_stop"})
     except Exception as exc:
-        error = exc if isinstance(exc, APIError) else InternalError("internal error while streaming")
-        if not isinstance(exc, APIError):
-            logger.exception("error while streaming %s", request_id)
-        yield sse_event("error", anthropic_error_body(error, request_id))
+        yield sse_event("error", anthropic_error_body(stream_error(exc, request_id), request_id))

@@ -34,6 +34,7 @@ from tierlm.serving.errors import (
 )
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.state import ServerState, request_id_of, server_state
+from tierlm.serving.telemetry import Telemetry, TelemetryMiddleware
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -48,14 +49,18 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     manage_engines: bool = True,
+    telemetry: Telemetry | None = None,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
     With `manage_engines` the app's lifespan starts the engines and shuts them down; pass
     False when the caller owns their lifecycle. Either way, requests still in flight when the
     app shuts down (after the server's graceful-shutdown timeout) are aborted.
+    `telemetry` (default: metrics only, no tracing) serves GET /metrics and observes requests.
     """
     state = ServerState(models=ModelRegistry(engines), auth=auth, max_body_bytes=max_body_bytes)
+    telemetry = telemetry or Telemetry()
+    telemetry.watch(state.models.items)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -71,18 +76,22 @@ def build_app(
             if manage_engines:
                 await state.models.shutdown()
             state.models.started = False
+            telemetry.shutdown()
 
     app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tierlm = state
+    app.state.telemetry = telemetry
     app.include_router(anthropic.router)
     app.include_router(openai.router)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", telemetry.metrics_endpoint, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_middleware(TelemetryMiddleware, telemetry=telemetry)  # inside RequestIdMiddleware: reads its id
     app.add_middleware(RequestIdMiddleware)
     return app
 

@@ -48,6 +48,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="larger request bodies get 413 request_too_large")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (OTLP/HTTP) here, e.g. http://localhost:4318 (default: no tracing)")
+    p.add_argument("--request-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON line per finished request on stderr (logger tierlm.requests)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -82,8 +86,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.serving.app import build_app
     from tierlm.serving.auth import ApiKeyAuth, Authenticator, NoAuth
     from tierlm.serving.server import make_server
+    from tierlm.serving.telemetry import Telemetry, configure_request_log
 
     try:
+        # Built first so a bad --otlp-endpoint fails before minutes of model loading.
+        telemetry = Telemetry(otlp_endpoint=getattr(args, "otlp_endpoint", None),
+                              log_requests=getattr(args, "request_log", True))
         specs = parse_model_specs(args.model_dir, args.models)
         auth: Authenticator
         if args.api_keys:
@@ -110,7 +118,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if isinstance(auth, NoAuth):
         logger.warning(NO_AUTH_BANNER.format(where=f"{args.host}:{args.port}"))
     logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, args.port)
-    app = build_app(engines, auth, max_body_bytes=args.max_body_bytes)
+    if telemetry.log_requests:
+        configure_request_log()
+    if telemetry.tracer is not None:
+        logger.info("sending traces to %s", args.otlp_endpoint)
+    app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry)
     server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())
     server.run()  # returns after SIGTERM/SIGINT and a graceful shutdown

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from tierlm.errors import (
     ChatTemplateError,
     EngineDeadError,
+    EngineStepError,
     InvalidRequestError,
     RequestTooLongError,
 )
@@ -135,7 +136,7 @@ def from_engine_error(exc: BaseException, model: str) -> APIError:
     """Map an engine exception to the API error a client should see.
 
     Engine validation errors are the client's fault (400, naming the field); a dead engine is
-    the server's (500), and says so, because retrying will not help until a restart.
+    the server's (500) and says whether a retry can help (a failed step) or not (a dead engine).
     """
     if isinstance(exc, APIError):
         return exc
@@ -150,8 +151,25 @@ def from_engine_error(exc: BaseException, model: str) -> APIError:
             f"the engine serving model '{model}' has stopped after an internal error; "
             "the server must be restarted"
         )
+    if isinstance(exc, EngineStepError):
+        return InternalError(
+            f"the engine serving model '{model}' failed while running this request (the cause is in "
+            "the server log); the engine keeps serving, so retry the request"
+        )
     logger.exception("unexpected engine error for model %s", model, exc_info=exc)
     return InternalError(f"internal error while generating with model '{model}'")
+
+
+def stream_error(exc: BaseException, request_id: str) -> APIError:
+    """What a stream that already sent its 200 tells the client in its final error frame.
+
+    An `APIError` says itself; anything else is a server bug: logged with its trace here, and
+    sent as a bare 500 so the trace never reaches the client.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    logger.exception("error while streaming %s", request_id, exc_info=exc)
+    return InternalError("internal error while streaming")
 
 
 def api_style_for(path: str, headers: Any) -> ApiStyle:

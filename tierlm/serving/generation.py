@@ -24,6 +24,7 @@ from starlette.requests import Request
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
 from tierlm.sampling_params import SamplingParams
+from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import (
     APIError,
@@ -51,6 +52,55 @@ class ChatPrompt:
     token_ids: list[int]
     forced_prefix: str = ""  # assistant text tierlm put in front of the answer (tool calls)
     parse_tools: bool = False
+
+    def split_tool_calls(self, text: str, id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
+        """A finished answer as (prose, tool calls); calls only where the template's syntax is known."""
+        if not self.parse_tools:
+            return text, []
+        parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix)
+        return parsed.text, parsed.tool_calls
+
+
+def chat_prompt(
+    engine: "AsyncEngine",
+    model: str,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    call_required_by: str | None = None,
+    tool_name: str | None = None,
+) -> ChatPrompt:
+    """Render a conversation, with its tools (in chat-template form), for either API.
+
+    `tools` is None when the request has none or turned them off. `call_required_by` names the
+    tool_choice that demands a call (Anthropic `any`/`tool`, OpenAI `required`/a named one): with
+    a Hermes-style template the assistant turn is then started with `<tool_call>` (naming
+    `tool_name` if given), because nothing else can make an unconstrained model call a tool.
+    """
+    forced = ""
+    parse_tools = False
+    if tools:
+        chat_template = getattr(engine.tokenizer, "chat_template", None)
+        if not toolcalls.template_supports_tools(chat_template):
+            raise InvalidRequest(
+                f"tools: the chat template of model '{model}' does not support tools; "
+                "remove 'tools' or serve a model whose template renders them",
+                param="tools",
+            )
+        parse_tools = toolcalls.template_uses_hermes_calls(chat_template)
+        if call_required_by is not None and parse_tools:
+            if continue_final_message:
+                raise InvalidRequest(
+                    f"tool_choice '{call_required_by}' cannot be combined with an assistant prefill; "
+                    "drop the final assistant message or use tool_choice 'auto'",
+                    param="tool_choice",
+                )
+            forced = toolcalls.forced_call_prefix(tool_name)
+            messages = [*messages, {"role": "assistant", "content": forced}]
+            continue_final_message = True
+    token_ids = render_chat(engine, model, messages, tools=tools, continue_final_message=continue_final_message)
+    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
 
 
 def render_chat(
@@ -170,6 +220,32 @@ class Generation:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
+
+
+class StreamedAnswer:
+    """A streamed answer as a client may see it: the text as it comes, except that whatever may
+    be a tool call is held back, and parsed into `calls` at the end (streaming's counterpart of
+    `ChatPrompt.split_tool_calls`)."""
+
+    def __init__(self, stream: "EngineStream", prompt: ChatPrompt, id_prefix: str) -> None:
+        self._stream = stream
+        self._filter: toolcalls.ToolCallStreamFilter | None = None
+        if prompt.parse_tools:
+            self._filter = toolcalls.ToolCallStreamFilter(id_prefix=id_prefix)
+            self._filter.feed(prompt.forced_prefix)
+        self.result = Generation()
+        self.calls: list[toolcalls.ParsedToolCall] = []
+
+    async def pieces(self) -> AsyncIterator[tuple[str, StreamDelta | None]]:
+        """(text to show now, its delta) per delta; then, if held-back text turned out not to
+        be a call, (that text, None). Errors arrive as APIError."""
+        async for delta in self._stream.deltas():
+            self.result.add(delta)
+            yield (self._filter.feed(delta.text) if self._filter is not None else delta.text), delta
+        if self._filter is not None:
+            rest, self.calls = self._filter.finish()
+            if rest:
+                yield rest, None
 
 
 class InflightRequests:

@@ -8,9 +8,9 @@ Anthropic side.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import APIRouter
@@ -19,13 +19,14 @@ from starlette.responses import JSONResponse, Response
 
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.serving import tools as toolcalls
-from tierlm.serving.errors import APIError, InternalError, InvalidRequest, openai_error_body
+from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
 from tierlm.serving.generation import (
     ChatPrompt,
     EngineStream,
     Generation,
+    StreamedAnswer,
+    chat_prompt,
     output_budget,
-    render_chat,
     sampling_params,
 )
 from tierlm.serving.protocol_openai import (
@@ -49,8 +50,6 @@ from tierlm.serving.validation import parse_request
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
-
-logger = logging.getLogger("tierlm.serving")
 
 router = APIRouter()
 
@@ -130,24 +129,16 @@ async def completions(request: Request) -> Response:
 def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
     messages = [_template_message(m, i, body.model) for i, m in enumerate(body.messages)]
     choice = body.tool_choice or "auto"
-    template_tools = None
-    parse_tools = False
-    forced = ""
-    if body.tools and choice != "none":
-        chat_template = getattr(engine.tokenizer, "chat_template", None)
-        if not toolcalls.template_supports_tools(chat_template):
-            raise InvalidRequest(
-                f"the chat template of model '{body.model}' does not support tools; remove 'tools'",
-                param="tools",
-            )
-        template_tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        parse_tools = toolcalls.template_uses_hermes_calls(chat_template)
-        if parse_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
-            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            forced = toolcalls.forced_call_prefix(name)
-            messages.append({"role": "assistant", "content": forced})
-    token_ids = render_chat(engine, body.model, messages, tools=template_tools, continue_final_message=bool(forced))
-    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
+    use_tools = bool(body.tools) and choice != "none"
+    named = isinstance(choice, NamedToolChoice)
+    return chat_prompt(
+        engine,
+        body.model,
+        messages,
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
+        call_required_by="required" if choice == "required" or named else None,
+        tool_name=choice.function.name if named else None,
+    )
 
 
 def _template_message(message: ChatMessage, index: int, model: str) -> dict[str, Any]:
@@ -248,13 +239,6 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _split_tools(prompt: ChatPrompt, text: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
-    if not prompt.parse_tools:
-        return text, []
-    parsed = toolcalls.parse_tool_calls(prompt.forced_prefix + text, id_prefix="call_")
-    return parsed.text, parsed.tool_calls
-
-
 def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolCall]:
     return [ResponseToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
             for c in calls]
@@ -262,7 +246,7 @@ def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolC
 
 def chat_response(result: Generation, engine: "AsyncEngine", prompt: ChatPrompt, model: str,
                   completion_id: str, top_n: int | None) -> ChatCompletion:
-    text, calls = _split_tools(prompt, result.text)
+    text, calls = prompt.split_tool_calls(result.text, id_prefix="call_")
     message = ResponseMessage(content=text if (text or not calls) else None,
                               tool_calls=_tool_calls_out(calls) or None)
     choice = ChatChoice(
@@ -274,82 +258,69 @@ def chat_response(result: Generation, engine: "AsyncEngine", prompt: ChatPrompt,
                           usage=usage_of(result))
 
 
+@dataclass
+class _StreamFrames:
+    """The frames of one OpenAI stream, which all carry the same id, object, created and model."""
+
+    completion_id: str
+    object: str
+    model: str
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse_data({"id": self.completion_id, "object": self.object, "created": self.created,
+                         "model": self.model, "choices": choices, **extra})
+
+    def choice(self, finish: str | None = None, logprobs: Any = None, **fields: Any) -> bytes:
+        """A chunk of the one choice; `fields` are its `delta` (chat) or `text` (completions)."""
+        usage = {"usage": None} if self.include_usage else {}
+        return self._frame([{"index": 0, **fields, "finish_reason": finish, "logprobs": logprobs}], **usage)
+
+    def usage(self, result: Generation) -> bytes:
+        """The closing chunk of `stream_options.include_usage`: no choices, the usage."""
+        return self._frame([], usage=usage_of(result).model_dump())
+
+
 async def chat_chunks(stream: EngineStream, engine: "AsyncEngine", prompt: ChatPrompt, model: str,
                       completion_id: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
-    created = int(time.time())
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        data: dict[str, Any] = {
-            "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
-        }
-        if include_usage:
-            data["usage"] = None
-        return sse_data(data)
-
-    filter_ = toolcalls.ToolCallStreamFilter(id_prefix="call_") if prompt.parse_tools else None
-    if filter_ is not None and prompt.forced_prefix:
-        filter_.feed(prompt.forced_prefix)
-    result = Generation()
+    frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage)
+    answer = StreamedAnswer(stream, prompt, id_prefix="call_")
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for delta in stream.deltas():
-            result.add(delta)
-            text = filter_.feed(delta.text) if filter_ is not None else delta.text
-            logprobs = chat_logprobs(engine, delta.logprobs or [], top_n) if top_n is not None else None
+        yield frames.choice(delta={"role": "assistant", "content": ""})
+        async for text, delta in answer.pieces():
+            logprobs = None
+            if top_n is not None and delta is not None:
+                logprobs = chat_logprobs(engine, delta.logprobs or [], top_n)
             if text or (logprobs and logprobs["content"]):
-                yield chunk({"content": text}, logprobs=logprobs)
-        calls: list[toolcalls.ParsedToolCall] = []
-        if filter_ is not None:
-            rest, calls = filter_.finish()
-            if rest:
-                yield chunk({"content": rest})
-        for i, call in enumerate(_tool_calls_out(calls)):
-            yield chunk({"tool_calls": [{"index": i, **call.model_dump()}]})
-        yield chunk({}, finish=_finish_reason(result, bool(calls)))
+                yield frames.choice(delta={"content": text}, logprobs=logprobs)
+        for i, call in enumerate(_tool_calls_out(answer.calls)):
+            yield frames.choice(delta={"tool_calls": [{"index": i, **call.model_dump()}]})
+        yield frames.choice(delta={}, finish=_finish_reason(answer.result, bool(answer.calls)))
         if include_usage:
-            yield sse_data({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": usage_of(result).model_dump()})
+            yield frames.usage(answer.result)
     except Exception as exc:
-        yield _error_frame(exc, stream.request_id)
+        yield sse_data(openai_error_body(stream_error(exc, stream.request_id)))
     yield sse_data("[DONE]")
 
 
 async def completion_chunks(stream: EngineStream, engine: "AsyncEngine", model: str, completion_id: str,
                             echo: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
-    created = int(time.time())
-
-    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        data: dict[str, Any] = {
-            "id": completion_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
-        }
-        if include_usage:
-            data["usage"] = None
-        return sse_data(data)
-
+    frames = _StreamFrames(completion_id, "text_completion", model, include_usage)
     result = Generation()
     offset = len(echo)
     try:
         if echo:
-            yield chunk(echo)
+            yield frames.choice(text=echo)
         async for delta in stream.deltas():
             result.add(delta)
             logprobs = legacy_logprobs(engine, delta.logprobs or [], top_n, offset) if top_n is not None else None
             offset += len(delta.text)
             if delta.text or logprobs:
-                yield chunk(delta.text, logprobs=logprobs)
-        yield chunk("", finish=_finish_reason(result, False))
+                yield frames.choice(text=delta.text, logprobs=logprobs)
+        yield frames.choice(text="", finish=_finish_reason(result, False))
         if include_usage:
-            yield sse_data({"id": completion_id, "object": "text_completion", "created": created,
-                            "model": model, "choices": [], "usage": usage_of(result).model_dump()})
+            yield frames.usage(result)
     except Exception as exc:
-        yield _error_frame(exc, stream.request_id)
+        yield sse_data(openai_error_body(stream_error(exc, stream.request_id)))
     yield sse_data("[DONE]")
-
-
-def _error_frame(exc: Exception, request_id: str) -> bytes:
-    if not isinstance(exc, APIError):
-        logger.exception("error while streaming %s", request_id, exc_info=exc)
-        exc = InternalError("internal error while streaming")
-    return sse_data(openai_error_body(exc))
