@@ -194,28 +194,35 @@ def test_multibyte_stream_through_engine_is_whole(llm):
     assert "".join(parts) == req.final_text
 
 
+def _random_traffic(eng, rng: random.Random, make_request, max_live: int, steps: int, p_add: float,
+                    p_abort: float) -> None:
+    """Random arrivals, aborts and finishes over `steps` engine steps, then abort what is left."""
+    live: list[str] = []
+    for _ in range(steps):
+        if len(live) < max_live and rng.random() < p_add:
+            live.append(make_request().request_id)
+        if live and rng.random() < p_abort:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        for d in eng.step():
+            if d.finished and d.request_id in live:
+                live.remove(d.request_id)
+    for rid in live:
+        eng.abort(rid)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_no_leaked_blocks_after_random_finishes_and_aborts(llm, data):
     eng = llm.engine
     rng = random.Random(data.draw(st.integers(0, 10_000)))
-    n = data.draw(st.integers(1, 10))
-    live: list[str] = []
-    for step in range(60):
-        if len(live) < n and rng.random() < 0.5:
-            L = rng.randint(1, 90)
-            r = eng.add_request({"prompt_token_ids": [rng.randrange(5, 600) for _ in range(L)]},
-                                SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 1.0]),
-                                               ignore_eos=True, seed=rng.randint(0, 9)),
-                                priority=rng.randint(0, 2))
-            live.append(r.request_id)
-        if live and rng.random() < 0.2:
-            eng.abort(live.pop(rng.randrange(len(live))))
-        for d in eng.step():
-            if d.finished and d.request_id in live:
-                live.remove(d.request_id)
-    for rid in list(live):
-        eng.abort(rid)
+
+    def make():
+        return eng.add_request({"prompt_token_ids": [rng.randrange(5, 600) for _ in range(rng.randint(1, 90))]},
+                               SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 1.0]),
+                                              ignore_eos=True, seed=rng.randint(0, 9)),
+                               priority=rng.randint(0, 2))
+
+    _random_traffic(eng, rng, make, max_live=data.draw(st.integers(1, 10)), steps=60, p_add=0.5, p_abort=0.2)
     assert not eng.has_unfinished()
     assert eng.pool.num_used == 0
     assert sum(b.ref_cnt for b in eng.pool.blocks) == 0
@@ -231,19 +238,12 @@ def test_shared_prefixes_under_eviction_pressure_leave_pool_consistent(llama_dir
     eng = llm.engine
     rng = random.Random(data.draw(st.integers(0, 10_000)))
     prefixes = [[rng.randrange(5, 600) for _ in range(rng.randint(8, 40))] for _ in range(3)]
-    live: list[str] = []
-    for step in range(80):
-        if len(live) < 6 and rng.random() < 0.6:
-            p = rng.choice(prefixes) + [rng.randrange(5, 600) for _ in range(rng.randint(0, 20))]
-            live.append(eng.add_request({"prompt_token_ids": p},
-                                        SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True)).request_id)
-        if live and rng.random() < 0.1:
-            eng.abort(live.pop(rng.randrange(len(live))))
-        for d in eng.step():
-            if d.finished and d.request_id in live:
-                live.remove(d.request_id)
-    for rid in list(live):
-        eng.abort(rid)
+
+    def make():
+        p = rng.choice(prefixes) + [rng.randrange(5, 600) for _ in range(rng.randint(0, 20))]
+        return eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True))
+
+    _random_traffic(eng, rng, make, max_live=6, steps=80, p_add=0.6, p_abort=0.1)
     pool = eng.pool
     assert pool.num_used == 0 and all(b.ref_cnt == 0 for b in pool.blocks)
     n_cached = len(pool.cached)

@@ -155,12 +155,15 @@ def run(args: argparse.Namespace) -> dict:
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    if args.threads:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    result = {"model": model_dir, "dtype": dtype, "threads": threads, "workloads": {}}
+    result = {"model": model_dir, "dtype": dtype, "tierlm_compute_dtype": args.compute_dtype, "threads": threads,
+              "workloads": {}}
     for name in args.workload:
         wl = make_workload(name, vocab)
         print(f"[{name}] {len(wl.prompts)} requests, {wl.output_tokens} output tokens", flush=True)
-        ours = run_tierlm(model_dir, wl, dtype, max_num_seqs=max(64, len(wl.prompts)),
+        ours = run_tierlm(model_dir, wl, dtype, compute_dtype=args.compute_dtype, max_num_seqs=max(64, len(wl.prompts)),
                           kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
         print(f"  tierlm:       {ours['output_tok_per_s']:8.1f} output tok/s ({ours['seconds']:.1f} s)", flush=True)
         theirs = run_transformers(model_dir, wl, torch_dtype)
@@ -193,6 +196,8 @@ def add_cli(sub) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
+    p.add_argument("--compute-dtype", default="auto", help="tierlm's compute dtype (auto | bfloat16 | float32 ...)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: (setattr(a, "workload", a.workload or ["uniform"]), run(a)) and 0)
