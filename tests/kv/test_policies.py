@@ -12,6 +12,7 @@ from tierlm.kv.policies import (
     DEFAULT_POLICY,
     POLICIES,
     BeladyPolicy,
+    DuelPolicy,
     EvictionPolicy,
     GittinsPolicy,
     S3FIFOPolicy,
@@ -30,7 +31,7 @@ def touch(policy: EvictionPolicy, chain: list[str], now: int) -> None:
 
 
 def test_registry_and_default() -> None:
-    assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins"} <= set(POLICIES)
+    assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins", "duel"} <= set(POLICIES)
     assert "belady" not in POLICIES and DEFAULT_POLICY in POLICIES
     for name in POLICIES + ["belady"]:
         policy = make_policy(name)
@@ -172,6 +173,50 @@ def test_gittins_learns_that_partial_tails_are_worthless() -> None:
         p.remove(v)
         if not any(str(k).startswith("tail") for k in list(p._hist) if k in p):
             break
+
+
+def _duel_setup() -> DuelPolicy:
+    """A block referenced often long ago vs a recent one-shot block; Gittins has learned nothing.
+
+    Untrained Gittins (all indices 0) falls back to LRU and proposes "hot"; the reuse-rate
+    expert proposes "once" (seen once: rate 0). They disagree, so a duel is pending.
+    """
+    p = DuelPolicy(refit_every=10**9)
+    for t in range(5):
+        p.access("hot", None, t)
+    p.access("once", None, 10)
+    assert p.victim() == "hot"  # balance 0: Gittins is followed until the rate expert wins
+    assert len(p._duels) == 1
+    return p
+
+
+def test_duel_follows_the_rate_expert_after_it_wins() -> None:
+    p = _duel_setup()
+    p.access("hot", None, 11)  # Gittins' victim was needed first: the rate expert wins
+    assert p.balance == 1.0 and not p._duels and not p._duels_of
+    assert p.victim() == "once"
+
+
+def test_duel_sticks_with_gittins_after_it_wins() -> None:
+    p = _duel_setup()
+    p.access("once", None, 11)  # the rate expert's victim was needed first
+    assert p.balance == -1.0 and not p._duels and not p._duels_of
+    p.access("newer", None, 12)  # rate expert would now evict "newer" (seen once)
+    assert p.victim() == "hot"  # Gittins/LRU: hot is the least recent
+
+
+def test_duel_history_is_bounded() -> None:
+    p = DuelPolicy(refit_every=10**9, max_duels=4)
+    for t in range(50):
+        for _ in range(3):
+            p.access(f"hot{t}", None, t)
+        p.access(f"once{t}", None, t + 1)
+        v = p.victim()
+        assert v is not None
+        p.remove(v)
+    assert len(p._duels) <= 4
+    pending = sorted(d for ids in p._duels_of.values() for d in ids)
+    assert pending == sorted(d for d in p._duels for _ in range(2))
 
 
 ops = st.lists(
