@@ -21,6 +21,7 @@ class EngineConfig:
     # "auto": float32 compute for bf16/fp16 weights on CPUs whose float32 GEMM is clearly faster
     # (measured at start-up; KV cache stays in `dtype`); or force one of the dtypes.
     compute_dtype: str | None = "auto"
+    cpu_linear: str = "auto"  # auto | packed | plain: oneDNN-prepacked float32 weights on CPU when faster
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64

@@ -28,11 +28,15 @@ class _Capture:
         return self.sampler(logits, reqs)
 
 
+@pytest.mark.parametrize("cpu_linear", ["plain", "packed"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_and_decode_logits_match_transformers(arch, checkpoints, hf_models):
+def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, checkpoints, hf_models):
     hf = hf_models[arch]
     llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=20,
-              load_progress=False)
+              load_progress=False, cpu_linear=cpu_linear)
+    if cpu_linear == "packed":
+        from tierlm.models.cpu_linear import PackedLinear
+        assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, PackedLinear)
     cap = _Capture(llm.engine.sampler)
     llm.engine.sampler = cap
     prompt = _prompts(7, hf.config.vocab_size)[6]  # 64 tokens: 4 prefill chunks of <= 20
@@ -55,8 +59,8 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 SETTINGS = {
-    "block16": dict(block_size=16),
-    "chunked": dict(block_size=16, max_num_batched_tokens=24),
+    "block16": dict(block_size=16, cpu_linear="plain"),
+    "chunked": dict(block_size=16, max_num_batched_tokens=24, cpu_linear="packed"),
     "odd_block": dict(block_size=7, max_num_batched_tokens=40),
     "preempt": dict(block_size=8, max_num_batched_tokens=64, small_pool=True),
 }

@@ -103,7 +103,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         torch.manual_seed(config.seed)
         loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
-                            progress=config.load_progress, compute_dtype=config.compute_dtype)
+                            progress=config.load_progress, compute_dtype=config.compute_dtype,
+                            cpu_linear=config.cpu_linear)
         self.args = loaded.args
         self.dtype = loaded.dtype
         self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
