@@ -10,7 +10,7 @@ import torch
 
 from tierlm.engine.request import Request
 from tierlm.engine.scheduler import SchedulerOutput
-from tierlm.models.attention import AttentionMetadata, PrefillSeq
+from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from tierlm.models.loader import LoadedModel
 
 
@@ -42,6 +42,22 @@ class ModelRunner:
     def _block_ids(self, req: Request) -> np.ndarray:
         return np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
 
+    def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
+        """Split length-sorted decodes where padding to the group's longest would exceed ~50%."""
+        groups = []
+        start = 0
+        for i in range(1, len(tables) + 1):
+            if i < len(tables) and 2 * len(tables[i]) <= 3 * len(tables[start]) + 2:
+                continue  # still within ~1.5x of the group's shortest
+            width = len(tables[i - 1])
+            padded = np.zeros((i - start, width), dtype=np.int64)
+            for j, t in enumerate(tables[start:i]):
+                padded[j, : len(t)] = t
+            groups.append(DecodeGroup(start, i, torch.from_numpy(padded).to(self.device),
+                                      torch.tensor(lens[start:i], dtype=torch.long, device=self.device)))
+            start = i
+        return groups
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
         """Run one step; returns the requests that produce a token now and their logits rows."""
@@ -55,7 +71,9 @@ class ModelRunner:
         dec_tables: list[np.ndarray] = []
         dec_lens: list[int] = []
         offset = 0
-        for req, n in sched.scheduled:
+        # Decodes first, shortest context first, so similar lengths share a padded attention batch.
+        entries = sorted(sched.scheduled, key=lambda e: (e[1] > 1, e[0].num_computed_tokens if e[1] == 1 else 0))
+        for req, n in entries:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             ids.extend(req.all_token_ids[start:end])
             table = self._block_ids(req)
@@ -76,18 +94,9 @@ class ModelRunner:
         if not ids:
             return [], None
         dev = self.device
-        dec_bt = dec_ln = None
-        if dec_tables:
-            width = max(len(t) for t in dec_tables)
-            padded = np.zeros((len(dec_tables), width), dtype=np.int64)
-            for i, t in enumerate(dec_tables):
-                padded[i, : len(t)] = t
-            dec_bt = torch.from_numpy(padded).to(dev)
-            dec_ln = torch.tensor(dec_lens, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(dec_tables), decode_block_tables=dec_bt, decode_ctx_lens=dec_ln,
-            prefills=prefills, block_size=bs)
+            decode_groups=self._decode_groups(dec_tables, dec_lens), prefills=prefills, block_size=bs)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         if not samplers:

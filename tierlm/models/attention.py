@@ -1,8 +1,9 @@
 """Paged attention: K/V live in fixed-size blocks; each sequence reads them via its block table.
 
-One step's batch is flat (no padding): decodes come first (one query token each) and are
-attended in one batched matmul over their gathered blocks; prefill chunks follow and are
-attended one sequence at a time with SDPA and a causal mask offset by the cached context.
+One step's batch is flat (no padding): decodes come first (one query token each), sorted by
+context length and attended in a few batched matmuls over their gathered blocks (groups of
+similar length, so padding stays small); prefill chunks follow and are attended one sequence
+at a time with SDPA and a causal mask offset by the cached context.
 This is the only place that would grow a CUDA-specific kernel; the math is the same.
 """
 from __future__ import annotations
@@ -24,26 +25,32 @@ class PrefillSeq:
 
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
-    num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
-    decode_ctx_lens: torch.Tensor | None  # [num_decodes] long: keys per decode incl. the new one
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    block_size: int = 16
-    # Cache of per-window decode masks, built once per step and shared by every layer.
-    _masks: dict = field(default_factory=dict)
+class DecodeGroup:
+    """Decodes [start, end) of similar context length, attended in one padded batch."""
 
-    def decode_mask(self, max_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-        key = (max_len, window)
-        if key not in self._masks:
-            pos = torch.arange(max_len, device=device)[None, :]
-            lens = self.decode_ctx_lens[:, None]
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, max_blocks] long (padded with 0)
+    ctx_lens: torch.Tensor  # [end - start] long: keys per decode incl. the new one
+    _masks: dict = field(default_factory=dict)  # per sliding window, shared by every layer
+
+    def mask(self, max_len: int, window: int | None) -> torch.Tensor:
+        if window not in self._masks:
+            pos = torch.arange(max_len, device=self.ctx_lens.device)[None, :]
+            lens = self.ctx_lens[:, None]
             allowed = pos < lens
             if window is not None:
                 allowed &= pos > (lens - 1 - window)
-            self._masks[key] = allowed[:, None, None, :]  # [B, 1, 1, L]
-        return self._masks[key]
+            self._masks[window] = allowed[:, None, None, :]  # [B, 1, 1, L]
+        return self._masks[window]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # the first tokens of the batch
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    block_size: int = 16
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -69,18 +76,16 @@ def paged_attention(
     Hkv = k.shape[1]
     group = Hq // Hkv
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        bt = meta.decode_block_tables
+    for g in meta.decode_groups:
+        nd, bt = g.end - g.start, g.block_tables
         L = bt.shape[1] * meta.block_size
         kd = cache[0][bt].to(q.dtype).view(nd, L, Hkv, D).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
         vd = cache[1][bt].to(q.dtype).view(nd, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
-        qd = q[:nd].view(nd, Hkv, group, D)
+        qd = q[g.start:g.end].view(nd, Hkv, group, D)
         scores = torch.matmul(qd, kd).float() * scale  # [B, Hkv, G, L]
-        mask = meta.decode_mask(L, window, q.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~g.mask(L, window), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[:nd] = torch.matmul(probs, vd).reshape(nd, Hq, D)
+        out[g.start:g.end] = torch.matmul(probs, vd).reshape(nd, Hq, D)
     for p in meta.prefills:
         qs = q[p.q_start:p.q_end]
         n = p.q_end - p.q_start
