@@ -254,3 +254,20 @@ def test_victim_invariants_under_random_operations(name: str, program: list) -> 
                 assert v in ok
                 p.remove(v)
         assert len(p) == sum(1 for k in range(12) if k in p)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if n != "belady"])
+def test_long_chain_drains_completely_from_the_tail(name):
+    """A 300-block chain (most keys were leaves once, then got a child) is evicted tail first,
+    and victim() never answers None while an evictable block is left."""
+    pol = make_policy(name)
+    keys = list(range(300))
+    for i, k in enumerate(keys):
+        pol.access(k, keys[i - 1] if i else None, now=1)
+    order = []
+    while len(pol):
+        v = pol.victim()
+        assert v is not None, f"{name}: no victim with {len(pol)} evictable blocks left"
+        order.append(v)
+        pol.remove(v)
+    assert order == keys[::-1]

@@ -702,17 +702,19 @@ class GittinsPolicy(_LeafPolicy):
 
     def _sample(self) -> list[Hashable]:
         cands, is_cand = self._cands, self._is_candidate
-        if len(cands) <= self.samples:  # few left: purge stale entries and take them all
-            for key in [k for k in cands if not is_cand(k)]:
-                self._drop(key)
-            return list(cands)
-        pool = []
-        for key in self._rng.choices(cands, k=self.samples):
-            if is_cand(key):
-                pool.append(key)
-            else:
-                self._drop(key)  # pinned or got a child; _refresh re-adds it when that ends
-        return pool
+        while True:  # each round drops the stale keys it drew, so this ends
+            if len(cands) <= self.samples:  # few left: purge stale entries and take them all
+                for key in [k for k in cands if not is_cand(k)]:
+                    self._drop(key)
+                return list(cands)
+            pool = []
+            for key in self._rng.choices(cands, k=self.samples):
+                if is_cand(key):
+                    pool.append(key)
+                else:
+                    self._drop(key)  # pinned or got a child; _refresh re-adds it when that ends
+            if pool:
+                return pool
 
     def victim(self) -> Hashable | None:
         hist, index, now = self._hist, self._index, self._now
