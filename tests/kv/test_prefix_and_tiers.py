@@ -45,6 +45,7 @@ def test_prefix_hit_same_tokens_fewer_computed(llama_dir, cold_reference):
     assert cached1 == 0 and cached2 == 64  # 8 full blocks of the shared 70 tokens
     assert computed2 == 79 - 64 < computed1
     assert llm.engine.stats().prefix_cache_hits == 64
+    assert llm.engine.stats().kv_device_hit_blocks == 8
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])

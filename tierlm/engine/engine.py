@@ -47,6 +47,7 @@ class EngineStats:
     last_step_tokens: int
     last_step_seqs: int
     kv_evictions: int = 0
+    kv_device_hit_blocks: int = 0  # prefix blocks found on the device (lower tiers: kv_tiers)
     kv_promoted_blocks: int = 0
     kv_promoted_bytes: int = 0
     kv_demoted_blocks: int = 0
@@ -288,7 +289,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens, steps=self.steps,
             last_step_tokens=self.last_step[0], last_step_seqs=self.last_step[1],
-            kv_evictions=self.pool.evictions, kv_promoted_blocks=self.kv.stats.promoted_blocks,
+            kv_evictions=self.pool.evictions, kv_device_hit_blocks=self.kv.stats.device_hit_blocks,
+            kv_promoted_blocks=self.kv.stats.promoted_blocks,
             kv_promoted_bytes=self.kv.stats.promoted_bytes, kv_demoted_blocks=self.kv.stats.demoted_blocks,
             kv_demoted_bytes=self.kv.stats.demoted_bytes,
             kv_tiers=self.store.stats() if self.store is not None else None)
