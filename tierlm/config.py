@@ -39,6 +39,9 @@ class EngineConfig:
     kv_remote_write_through: bool = True
     served_model_name: str | None = None
     load_progress: bool = True
+    # One full-budget forward pass at start-up, so the first real steps do not pay for kernel
+    # selection and first-touch allocation (vLLM's profiling run plays the same role).
+    warmup: bool = True
     extra: dict = field(default_factory=dict)
 
     def resolve_device(self) -> torch.device:

@@ -249,3 +249,18 @@ def test_shared_prefixes_under_eviction_pressure_leave_pool_consistent(llama_dir
     n_cached = len(pool.cached)
     assert pool.evict_all() == n_cached  # every cached block is unpinned, so all can go
     assert pool.num_free == pool.num_blocks and not pool.cached
+
+
+def test_start_up_warm_up_leaves_pool_free_and_outputs_unchanged(llama_dir):
+    """The warm-up forward writes into free blocks only: nothing stays allocated or cached, and
+    the first requests produce exactly what an engine without warm-up produces."""
+    prompts = [{"prompt_token_ids": [7 + i, 9, 11, 13 + i] * (3 + i)} for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    cold = LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=256,
+               max_num_batched_tokens=32, block_size=8, load_progress=False, warmup=False)
+    warm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=256,
+               max_num_batched_tokens=32, block_size=8, load_progress=False)
+    assert warm.engine.pool.num_used == 0
+    got = [o.outputs[0].token_ids for o in warm.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in cold.generate(prompts, params)]
+    assert warm.engine.stats().prefix_cache_hits == 0

@@ -30,6 +30,30 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=loaded.kv_dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
 
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int, num_decodes: int) -> None:
+        """Run one prefill chunk of `num_tokens` and a batch of `num_decodes` decodes through the
+        model, writing K/V only into free blocks at the start of the pool (contents of free blocks
+        are never read), so the shapes of real steps find their kernels ready."""
+        bs = self.block_size
+        num_blocks = self.kv_caches[0].shape[1]
+        n = max(1, min(num_tokens, num_blocks * bs))
+        d = max(0, min(num_decodes, num_blocks * bs // 2))
+        dev = self.device
+        table = torch.arange(-(-n // bs), device=dev)
+        meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev),
+                                 prefills=[PrefillSeq(0, n, n, table)], block_size=bs)
+        self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), self.kv_caches, meta,
+                   logits_indices=torch.tensor([n - 1], device=dev))
+        if d:
+            # `d` decodes at position 1 of two-slot sequences packed into the first blocks.
+            slots = torch.arange(d, device=dev) * 2 + 1
+            tables = (slots // bs)[:, None]
+            group = DecodeGroup(0, d, tables, torch.full((d,), 2, dtype=torch.long, device=dev))
+            meta = AttentionMetadata(slot_mapping=slots, decode_groups=[group], block_size=bs)
+            self.model(torch.zeros(d, dtype=torch.long, device=dev), torch.ones(d, dtype=torch.long, device=dev),
+                       self.kv_caches, meta, logits_indices=torch.arange(d, device=dev))
+
     def read_block(self, block_id: int) -> torch.Tensor:
         """One block's K/V for every layer, copied to host: [layers, 2, block_size, kv_heads, head_dim]."""
         return torch.stack([c[:, block_id] for c in self.kv_caches]).to("cpu", copy=True)

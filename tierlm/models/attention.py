@@ -76,16 +76,17 @@ def paged_attention(
     Hkv = k.shape[1]
     group = Hq // Hkv
     out = torch.empty_like(q)
+    # Blocks as rows: one index_select per K and V gathers a sequence's blocks (several times
+    # faster than advanced indexing on CPU).
+    k_rows, v_rows = cache[0].view(cache.shape[1], -1), cache[1].view(cache.shape[1], -1)
     for g in meta.decode_groups:
-        nd, bt = g.end - g.start, g.block_tables
-        L = bt.shape[1] * meta.block_size
-        kd = cache[0][bt].to(q.dtype).view(nd, L, Hkv, D).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        vd = cache[1][bt].to(q.dtype).view(nd, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
-        qd = q[g.start:g.end].view(nd, Hkv, group, D)
-        scores = torch.matmul(qd, kd).float() * scale  # [B, Hkv, G, L]
-        scores = scores.masked_fill(~g.mask(L, window), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[g.start:g.end] = torch.matmul(probs, vd).reshape(nd, Hq, D)
+        nd, bt = g.end - g.start, g.block_tables.view(-1)
+        L = g.block_tables.shape[1] * meta.block_size
+        kd = k_rows.index_select(0, bt).view(nd, L, Hkv, D).to(q.dtype).transpose(1, 2)
+        vd = v_rows.index_select(0, bt).view(nd, L, Hkv, D).to(q.dtype).transpose(1, 2)
+        qd = q[g.start:g.end].view(nd, Hkv, group, D)  # a KV head's query heads, as a query "length"
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(L, window), scale=scale)
+        out[g.start:g.end] = o.reshape(nd, Hq, D)
     for p in meta.prefills:
         qs = q[p.q_start:p.q_end]
         n = p.q_end - p.q_start
@@ -93,10 +94,42 @@ def paged_attention(
             # Nothing cached before this chunk: attend to the new keys directly.
             ks, vs = k[p.q_start:p.q_end], v[p.q_start:p.q_end]
         else:
-            ks = cache[0][p.block_table].view(-1, Hkv, D)[: p.ctx_len].to(q.dtype)
-            vs = cache[1][p.block_table].view(-1, Hkv, D)[: p.ctx_len].to(q.dtype)
-        out[p.q_start:p.q_end] = _sdpa_causal(qs, ks, vs, scale, window)
+            ks = k_rows.index_select(0, p.block_table).view(-1, Hkv, D)[: p.ctx_len].to(q.dtype)
+            vs = v_rows.index_select(0, p.block_table).view(-1, Hkv, D)[: p.ctx_len].to(q.dtype)
+        out[p.q_start:p.q_end] = _causal_attention(qs, ks, vs, scale, window)
     return out
+
+
+# Above this many score elements the explicit-matrix path would allocate too much; SDPA's
+# blocked kernel takes over.
+_EXPLICIT_SCORES_MAX = 1 << 23
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int | None) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over all k.shape[0] keys.
+
+    For chunk-sized problems, two batched GEMMs over each KV head's whole query group are about
+    twice as fast on CPU as SDPA (whose GQA path falls back to per-head math); long contexts use
+    SDPA, which never materialises the full score matrix.
+    """
+    n, L = q.shape[0], k.shape[0]
+    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    if q.device.type != "cpu" or Hq * n * L > _EXPLICIT_SCORES_MAX:
+        return _sdpa_causal(q, k, v, scale, window)
+    G = Hq // Hkv
+    qg = q.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)  # rows: (head in group, pos)
+    qpos = torch.arange(L - n, L, device=q.device)[:, None]
+    kpos = torch.arange(L, device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    bias = torch.zeros(n, L, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    scores = torch.baddbmm(bias.repeat(G, 1).expand(Hkv, G * n, L), qg, k.transpose(0, 1).transpose(1, 2),
+                           alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G * n, D]
+    return o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:

@@ -25,14 +25,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = args.sliding_windows[layer] if args.sliding_windows else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -45,8 +45,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, positions, rope, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+    def forward(self, x, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -67,8 +67,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, h.dtype)
         for layer, cache in zip(self.layers, kv_caches):
-            h = layer(h, positions, self.rope, cache, meta)
+            h = layer(h, rope, cache, meta)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(self.norm(h)).float()
