@@ -16,6 +16,7 @@ from tierlm.kv.policies import (
     EvictionPolicy,
     GittinsPolicy,
     S3FIFOPolicy,
+    ShadowPolicy,
     TLPPolicy,
     gittins_index,
     make_policy,
@@ -31,7 +32,7 @@ def touch(policy: EvictionPolicy, chain: list[str], now: int) -> None:
 
 
 def test_registry_and_default() -> None:
-    assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins", "duel"} <= set(POLICIES)
+    assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins", "duel", "shadow"} <= set(POLICIES)
     assert "belady" not in POLICIES and DEFAULT_POLICY in POLICIES
     for name in POLICIES + ["belady"]:
         policy = make_policy(name)
@@ -271,3 +272,67 @@ def test_long_chain_drains_completely_from_the_tail(name):
         order.append(v)
         pol.remove(v)
     assert order == keys[::-1]
+
+
+def _replay(policy: EvictionPolicy, trace: list[list[str]], capacity: int) -> int:
+    """The simulator's loop (leading-run hits, pins, evict when full), one tick per block."""
+    hits = tick = 0
+    for blocks in trace:
+        h = 0
+        while h < len(blocks) and blocks[h] in policy:
+            h += 1
+        hits += h
+        parent, inserted = None, []
+        for key in blocks:
+            if key not in policy and len(policy) >= capacity:
+                v = policy.victim()
+                if v is None:
+                    break
+                policy.remove(v)
+            policy.pin(key)
+            policy.access(key, parent, tick)
+            inserted.append(key)
+            parent, tick = key, tick + 1
+        for key in inserted:
+            policy.unpin(key)
+    return hits
+
+
+def _hot_and_one_offs(n: int = 30) -> list[list[str]]:
+    """A two-block chain that returns every third request, between one-off chains."""
+    trace = []
+    for i in range(n):
+        trace += [["h0", "h1"], [f"x{i}", f"y{i}"], [f"z{i}"]]
+    return trace
+
+
+def test_shadow_starts_with_gittins_and_learns_the_capacity() -> None:
+    p = ShadowPolicy(refit_every=10**9)
+    assert p.follows == "gittins" and p.capacity is None
+    _replay(p, [["a", "b"], ["c"], ["d"]], capacity=3)
+    assert p.capacity == 3
+
+
+def test_shadow_switches_to_the_rate_expert_when_its_shadow_hits_more() -> None:
+    trace = _hot_and_one_offs()
+    lru_hits = _replay(make_policy("lru"), trace, capacity=3)
+    p = ShadowPolicy(refit_every=10**9)  # Gittins without a refit is LRU: h0/h1 never survive
+    hits = _replay(p, trace, capacity=3)
+    assert p.follows == "rate" and p.scores[1] > p.scores[0]
+    assert lru_hits == 0 and hits > 20  # the real cache followed: the hot chain now stays
+    # and a block never reused is evicted before the repeatedly reused one
+    assert p.victim() not in ("h0", "h1")
+
+
+def test_shadow_hits_follow_the_leading_run_rule() -> None:
+    """With no decay the Gittins (= LRU before any refit) shadow counts exactly LRU's hits."""
+    trace = [["a", "b", "c"], ["a", "d"], ["e", "b"], ["a", "b", "c"], ["e", "f"], ["a", "d"]] * 4
+    for cap in (2, 3, 4, 5):
+        p = ShadowPolicy(refit_every=10**9, window=1e15)
+        _replay(p, trace, cap)
+        assert p.scores[0] == pytest.approx(_replay(make_policy("lru"), trace, cap)), cap
+
+
+def test_shadow_rejects_bad_window() -> None:
+    with pytest.raises(ValueError, match="window"):
+        ShadowPolicy(window=0)

@@ -152,6 +152,8 @@ def batch1_decode(model_dir: str, dtype: str, n: int = 64) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
     dtype = args.dtype
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
@@ -165,14 +167,24 @@ def run(args: argparse.Namespace) -> dict:
     for name in args.workload:
         wl = make_workload(name, vocab)
         print(f"[{name}] {len(wl.prompts)} requests, {wl.output_tokens} output tokens", flush=True)
-        ours = run_tierlm(model_dir, wl, dtype, compute_dtype=args.compute_dtype, max_num_seqs=max(64, len(wl.prompts)),
-                          kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
-        print(f"  tierlm:       {ours['output_tok_per_s']:8.1f} output tok/s ({ours['seconds']:.1f} s)", flush=True)
-        theirs = run_transformers(model_dir, wl, torch_dtype)
-        print(f"  transformers: {theirs['output_tok_per_s']:8.1f} output tok/s ({theirs['seconds']:.1f} s)", flush=True)
+        ours_runs, theirs_runs = [], []
+        for rep in range(args.repeat):
+            # Alternate the two engines, so a slow spell on a shared machine hits both alike.
+            tag = f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+            ours_runs.append(run_tierlm(model_dir, wl, dtype, compute_dtype=args.compute_dtype,
+                                        max_num_seqs=max(64, len(wl.prompts)), kv_cache_memory=args.kv_cache_memory,
+                                        max_num_batched_tokens=args.max_num_batched_tokens))
+            print(f"  tierlm:       {ours_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
+                  f"({ours_runs[-1]['seconds']:.1f} s){tag}", flush=True)
+            theirs_runs.append(run_transformers(model_dir, wl, torch_dtype))
+            print(f"  transformers: {theirs_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
+                  f"({theirs_runs[-1]['seconds']:.1f} s){tag}", flush=True)
+        ours = dict(min(ours_runs, key=lambda r: r["seconds"]), runs_seconds=[r["seconds"] for r in ours_runs])
+        theirs = dict(min(theirs_runs, key=lambda r: r["seconds"]),
+                      runs_seconds=[r["seconds"] for r in theirs_runs])
         ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
-        print(f"  ratio tierlm/transformers: {ratio:.2f}x", flush=True)
-        result["workloads"][name] = {"tierlm": ours, "transformers": theirs, "ratio": ratio}
+        print(f"  ratio tierlm/transformers{' (best run of each)' if args.repeat > 1 else ''}: {ratio:.2f}x", flush=True)
+        result["workloads"][name] = {"tierlm": ours, "transformers": theirs, "ratio": ratio, "repeat": args.repeat}
     if args.batch1:
         b1 = batch1_decode(model_dir, dtype)
         print(f"[batch-1 decode] tierlm {b1['tierlm_tok_per_s']:.1f} tok/s, transformers {b1['transformers_tok_per_s']:.1f}"
@@ -198,6 +210,8 @@ def add_cli(sub) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each engine N times, alternating; report the best run of each (noisy machines)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
     p.add_argument("--compute-dtype", default="auto", help="tierlm's compute dtype (auto | bfloat16 | float32 ...)")
     p.add_argument("--json", required=True)

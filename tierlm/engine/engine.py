@@ -124,7 +124,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
         self.runner = ModelRunner(loaded, num_blocks, bs)
         if config.warmup:
-            self.runner.warm_up(self.max_num_batched_tokens, config.max_num_seqs)
+            self.runner.warm_up(min(self.max_num_batched_tokens, self.max_model_len), config.max_num_seqs)
         self.store = build_tiers(config, per_block, self.device)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype, loaded.kv_dtype), store=self.store,
                                  io=BlockIO(self.runner.read_block, self.runner.write_block))

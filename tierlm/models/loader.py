@@ -52,20 +52,13 @@ def cpu_prefers_fp32(dtype: torch.dtype) -> bool:
     less accurate. Measured once per process on a layer-sized GEMM rather than guessed.
     """
     if dtype not in _FP32_FASTER:
-        import time
         import torch.nn.functional as F
+        from tierlm.models.cpu_linear import time_ratio
 
-        def best(dt: torch.dtype) -> float:
-            x, w = torch.randn(128, 1024, dtype=dt), torch.randn(2048, 1024, dtype=dt)
-            F.linear(x, w)
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                F.linear(x, w)
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        _FP32_FASTER[dtype] = best(torch.float32) * 1.3 < best(dtype)
+        x, w = torch.randn(128, 1024), torch.randn(2048, 1024)
+        xd, wd = x.to(dtype), w.to(dtype)
+        with torch.inference_mode():
+            _FP32_FASTER[dtype] = time_ratio(lambda: F.linear(x, w), lambda: F.linear(xd, wd)) < 1 / 1.3
     return _FP32_FASTER[dtype]
 
 
