@@ -46,7 +46,7 @@ class ModelRunner:
         self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), self.kv_caches, meta,
                    logits_indices=torch.tensor([n - 1], device=dev))
         if d:
-            # `d` decodes at position 1 of two-slot sequences packed into the first blocks.
+            # `d` decodes at position 1, each attending to two keys of one of the first blocks.
             slots = torch.arange(d, device=dev) * 2 + 1
             tables = (slots // bs)[:, None]
             group = DecodeGroup(0, d, tables, torch.full((d,), 2, dtype=torch.long, device=dev))

@@ -110,7 +110,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """Causal attention of the last q.shape[0] positions over all k.shape[0] keys.
 
     For chunk-sized problems, two batched GEMMs over each KV head's whole query group are about
-    twice as fast on CPU as SDPA (whose GQA path falls back to per-head math); long contexts use
+    twice as fast on CPU as SDPA with a mask (measured at 128-512 tokens); long contexts use
     SDPA, which never materialises the full score matrix.
     """
     n, L = q.shape[0], k.shape[0]
