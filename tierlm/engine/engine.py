@@ -124,7 +124,11 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
         self.runner = ModelRunner(loaded, num_blocks, bs)
         if config.warmup:
-            self.runner.warm_up(min(self.max_num_batched_tokens, self.max_model_len), config.max_num_seqs)
+            t0 = time.monotonic()
+            warm_tokens = min(self.max_num_batched_tokens, self.max_model_len)
+            self.runner.warm_up(warm_tokens, config.max_num_seqs)
+            log.info("warm-up forward (%d prefill tokens, %d decode rows) took %.2f s (warmup=False skips it)",
+                     warm_tokens, config.max_num_seqs, time.monotonic() - t0)
         self.store = build_tiers(config, per_block, self.device)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype, loaded.kv_dtype), store=self.store,
                                  io=BlockIO(self.runner.read_block, self.runner.write_block))
