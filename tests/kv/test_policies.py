@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierlm.bench.cache import replay
 from tierlm.kv.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -275,27 +276,8 @@ def test_long_chain_drains_completely_from_the_tail(name):
 
 
 def _replay(policy: EvictionPolicy, trace: list[list[str]], capacity: int) -> int:
-    """The simulator's loop (leading-run hits, pins, evict when full), one tick per block."""
-    hits = tick = 0
-    for blocks in trace:
-        h = 0
-        while h < len(blocks) and blocks[h] in policy:
-            h += 1
-        hits += h
-        parent, inserted = None, []
-        for key in blocks:
-            if key not in policy and len(policy) >= capacity:
-                v = policy.victim()
-                if v is None:
-                    break
-                policy.remove(v)
-            policy.pin(key)
-            policy.access(key, parent, tick)
-            inserted.append(key)
-            parent, tick = key, tick + 1
-        for key in inserted:
-            policy.unpin(key)
-    return hits
+    """The simulator's own loop (one tick per block); hits only."""
+    return replay(policy, trace, capacity, clock="block")[0]
 
 
 def _hot_and_one_offs(n: int = 30) -> list[list[str]]:

@@ -25,9 +25,9 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
-from tierlm.kv.policies import POLICIES, make_policy
+from tierlm.kv.policies import POLICIES, EvictionPolicy, make_policy
 
 __all__ = [
     "Trace",
@@ -100,23 +100,17 @@ def infinite_hit_bound(trace: Trace | Sequence[Sequence[int]]) -> tuple[int, int
     return hits, refs
 
 
-def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity: int,
-             clock: str = "request", **policy_kwargs: object) -> SimResult:
-    """Replay `trace` through a fresh policy with room for `capacity` blocks.
+def replay(policy: EvictionPolicy, requests: Sequence[Sequence[Hashable]], capacity: int,
+           clock: str = "request") -> tuple[int, int]:
+    """Drive `policy` through `requests` with room for `capacity` blocks; returns (hits, refs).
 
-    `clock` is "request" (now = request index) or "block" (now = global block-reference index).
+    A request hits its longest run of leading cached blocks; then each of its blocks is pinned
+    and accessed (evicting a victim first when full) and unpinned when the request is done.
     """
-    if clock not in ("request", "block"):
-        raise ValueError(f"clock must be 'request' or 'block', got {clock!r}")
-    requests = _requests(trace)
-    policy = make_policy(policy_name, **policy_kwargs)
-    if policy_name == "belady":
-        policy.set_future([k for blocks in requests for k in blocks])  # type: ignore[attr-defined]
     per_block = clock == "block"
     contains, access, pin, unpin = policy.__contains__, policy.access, policy.pin, policy.unpin
     victim, remove = policy.victim, policy.remove
     hits = refs = tick = 0
-    t0 = time.perf_counter()
     for req_idx, blocks in enumerate(requests):
         n = len(blocks)
         refs += n
@@ -139,6 +133,23 @@ def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity:
             tick += 1
         for key in blocks[:inserted]:
             unpin(key)
+    return hits, refs
+
+
+def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity: int,
+             clock: str = "request", **policy_kwargs: object) -> SimResult:
+    """Replay `trace` through a fresh policy with room for `capacity` blocks.
+
+    `clock` is "request" (now = request index) or "block" (now = global block-reference index).
+    """
+    if clock not in ("request", "block"):
+        raise ValueError(f"clock must be 'request' or 'block', got {clock!r}")
+    requests = _requests(trace)
+    policy = make_policy(policy_name, **policy_kwargs)
+    if policy_name == "belady":
+        policy.set_future([k for blocks in requests for k in blocks])  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    hits, refs = replay(policy, requests, capacity, clock)
     return SimResult(policy=policy_name, capacity=capacity, hits=hits, refs=refs,
                      hit_rate=hits / refs if refs else 0.0,
                      seconds=time.perf_counter() - t0)
