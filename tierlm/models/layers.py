@@ -57,26 +57,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half's minus sign folded into the first half of sin, once, so rotating is a swap.
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin rows for a step's positions, [T, 1, D]: gathered once per step
         and shared by every layer."""
-        cos = self.cos[positions].to(dtype).unsqueeze(1)
-        sin = self.sin[positions].to(dtype).unsqueeze(1)
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's minus sign
-        return cos, sin
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
     @staticmethod
-    def apply(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (HF's rotate_half convention)."""
         cos, sin = tables
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(self.tables(positions, q.dtype), q, k)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        q, k = RotaryEmbedding.rotate(rope, q, k)
         o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(T, self.q_size))
 
