@@ -22,6 +22,9 @@ class EngineConfig:
     # (measured at start-up; KV cache stays in `dtype`); or force one of the dtypes.
     compute_dtype: str | None = "auto"
     cpu_linear: str = "auto"  # auto | packed | plain: oneDNN-prepacked float32 weights on CPU when faster
+    # tierlm's own CPU kernels (bf16-weight decode GEMM, paged decode attention), built with the
+    # system C compiler on first use; False = PyTorch ops only (TIERLM_CPU_KERNELS=0 does the same).
+    cpu_kernels: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64

@@ -28,12 +28,13 @@ class _Capture:
         return self.sampler(logits, reqs)
 
 
-@pytest.mark.parametrize("cpu_linear", ["plain", "packed"])
+# PyTorch ops only, and the fast CPU configuration (oneDNN-packed weights, tierlm's kernels).
+@pytest.mark.parametrize("cpu_linear,cpu_kernels", [("plain", False), ("packed", True)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, checkpoints, hf_models):
+def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, cpu_kernels, checkpoints, hf_models):
     hf = hf_models[arch]
     llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=20,
-              load_progress=False, cpu_linear=cpu_linear)
+              load_progress=False, cpu_linear=cpu_linear, cpu_kernels=cpu_kernels)
     if cpu_linear == "packed":
         from tierlm.models.cpu_linear import PackedLinear
         assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, PackedLinear)

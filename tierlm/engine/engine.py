@@ -105,7 +105,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
                             progress=config.load_progress, compute_dtype=config.compute_dtype,
-                            cpu_linear=config.cpu_linear)
+                            cpu_linear=config.cpu_linear, cpu_kernels=config.cpu_kernels)
         self.args = loaded.args
         self.dtype = loaded.dtype
         self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
@@ -122,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
-        self.runner = ModelRunner(loaded, num_blocks, bs)
+        self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels)
         if config.warmup:
             t0 = time.monotonic()
             warm_tokens = min(self.max_num_batched_tokens, self.max_model_len)

@@ -10,6 +10,7 @@ import torch
 
 from tierlm.engine.request import Request
 from tierlm.engine.scheduler import SchedulerOutput
+from tierlm.models import cpu_kernels as cpu_kernel_lib
 from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from tierlm.models.loader import LoadedModel
 
@@ -21,10 +22,13 @@ def kv_bytes_per_block(args, kv_dtype: torch.dtype, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cpu_kernels: bool = True) -> None:
         self.model = loaded.model
+        self.cpu_kernels = cpu_kernels
         self.args = loaded.args
         self.device = loaded.device
+        if cpu_kernels and self.device.type == "cpu":
+            cpu_kernel_lib.library()  # build/load now, not inside the first decode step
         self.block_size = block_size
         shape = (2, num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=loaded.kv_dtype, device=self.device)
@@ -50,7 +54,8 @@ class ModelRunner:
             slots = torch.arange(d, device=dev) * 2 + 1
             tables = (slots // bs)[:, None]
             group = DecodeGroup(0, d, tables, torch.full((d,), 2, dtype=torch.long, device=dev))
-            meta = AttentionMetadata(slot_mapping=slots, decode_groups=[group], block_size=bs)
+            meta = AttentionMetadata(slot_mapping=slots, decode_groups=[group], block_size=bs,
+                                     cpu_kernels=self.cpu_kernels)
             self.model(torch.zeros(d, dtype=torch.long, device=dev), torch.ones(d, dtype=torch.long, device=dev),
                        self.kv_caches, meta, logits_indices=torch.arange(d, device=dev))
 
@@ -120,7 +125,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            decode_groups=self._decode_groups(dec_tables, dec_lens), prefills=prefills, block_size=bs)
+            decode_groups=self._decode_groups(dec_tables, dec_lens), prefills=prefills, block_size=bs,
+            cpu_kernels=self.cpu_kernels)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         if not samplers:

@@ -4,7 +4,8 @@ One step's batch is flat (no padding): decodes come first (one query token each)
 context length and attended in a few batched matmuls over their gathered blocks (groups of
 similar length, so padding stays small); prefill chunks follow and are attended one sequence
 at a time with SDPA and a causal mask offset by the cached context.
-This is the only place that would grow a CUDA-specific kernel; the math is the same.
+On CPU, decodes go through tierlm's own kernel (cpu_kernels), which reads the paged K/V in place;
+the PyTorch path above is the fallback and the reference. A CUDA kernel would slot in the same way.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tierlm.models import cpu_kernels
 
 
 @dataclass
@@ -51,6 +54,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the first tokens of the batch
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
+    cpu_kernels: bool = True  # decode attention through tierlm's CPU kernel where it applies
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -79,7 +83,13 @@ def paged_attention(
     # Blocks as rows: one index_select per K and V gathers a sequence's blocks (several times
     # faster than advanced indexing on CPU).
     k_rows, v_rows = cache[0].view(cache.shape[1], -1), cache[1].view(cache.shape[1], -1)
+    use_kernel = meta.cpu_kernels and bool(meta.decode_groups) and cpu_kernels.decode_attention_supported(q, cache)
     for g in meta.decode_groups:
+        if use_kernel:
+            # tierlm's CPU kernel reads the paged (bf16) K/V in place: no gather, convert or mask.
+            out[g.start:g.end] = cpu_kernels.decode_attention(q[g.start:g.end], cache, g.block_tables,
+                                                              g.ctx_lens, scale, window)
+            continue
         nd, bt = g.end - g.start, g.block_tables.view(-1)
         L = g.block_tables.shape[1] * meta.block_size
         kd = k_rows.index_select(0, bt).view(nd, L, Hkv, D).to(q.dtype).transpose(1, 2)

@@ -76,7 +76,7 @@ def resolve_compute_dtype(compute: str | torch.dtype, dtype: torch.dtype, device
         return compute
     if compute == "auto":
         upcast_bytes = weight_bytes * 4 // max(1, torch.empty((), dtype=dtype).element_size())
-        fits = upcast_bytes < 0.5 * _available_ram()
+        fits = upcast_bytes + weight_bytes < 0.5 * _available_ram()  # float32 copy + bf16 decode copy
         if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fits and cpu_prefers_fp32(dtype):
             log.info("this CPU runs float32 GEMMs faster than %s ones: computing in float32, KV cache in %s "
                      "(set compute_dtype to force one)", dtype, dtype)
@@ -179,7 +179,8 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.dtype = "auto",
                max_positions: int | None = None, progress: bool = True,
-               compute_dtype: str | torch.dtype | None = None, cpu_linear: str = "auto") -> LoadedModel:
+               compute_dtype: str | torch.dtype | None = None, cpu_linear: str = "auto",
+               cpu_kernels: bool = True) -> LoadedModel:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
@@ -231,7 +232,11 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                              "the weights are incomplete or belong to another model")
     model.eval()
     if device.type == "cpu" and torch_dtype == torch.float32 and cpu_linear != "plain":
-        from tierlm.models.cpu_linear import pack_linears, packing_pays_off
+        from tierlm.models.cpu_linear import add_bf16_decode_path, pack_linears, packing_pays_off
+        if kv_dtype == torch.bfloat16 and cpu_linear == "auto" and cpu_kernels:
+            n = add_bf16_decode_path(model)
+            if n:
+                log.info("%d linear layers keep bf16 weights for decode batches (tierlm CPU kernel)", n)
         if cpu_linear == "packed" or packing_pays_off():
             log.info("packed %d linear layers for oneDNN (faster float32 GEMMs on this CPU)", pack_linears(model))
     gen = _generation_config(model_dir)

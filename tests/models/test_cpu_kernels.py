@@ -1,0 +1,135 @@
+"""tierlm's CPU kernels against PyTorch references: the bf16-weight GEMM, the paged decode
+attention (float32 and bf16 caches, GQA, sliding window, odd block size, a head size off the
+vector path), the engine with and without them, and a build that fails."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from tierlm import LLM, SamplingParams
+from tierlm.models import cpu_kernels
+from tierlm.models.cpu_linear import Bf16DecodeLinear, add_bf16_decode_path
+
+needs_lib = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: kernels unavailable")
+needs_gemm = pytest.mark.skipif(not cpu_kernels.has_gemm(), reason="bf16-weight GEMM needs AVX-512")
+
+
+@needs_gemm
+@pytest.mark.parametrize("m", [1, 3, 14, 15, 29, 40, 64])
+@pytest.mark.parametrize("k,n,bias", [(64, 33, False), (300, 77, True), (896, 1152, False)])
+def test_bf16_weight_gemm_matches_float64(m, k, n, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    y = cpu_kernels.gemm_bf16w(x, cpu_kernels.pack_bf16(w), n, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    # Same weights, float32 arithmetic: within the rounding bound of a k-term float32 sum.
+    bound = (k + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0))
+    assert y.shape == (m, n)
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_gemm
+def test_bf16_decode_linear_routes_by_batch_size(monkeypatch):
+    lin = torch.nn.Linear(96, 50, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
+    wrapped = Bf16DecodeLinear(lin, max_rows=8)
+    calls = []
+    real = cpu_kernels.gemm_bf16w
+    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 8, 9, 40):
+            x = torch.randn(rows, 96)
+            assert torch.allclose(wrapped(x), lin(x), atol=1e-5)
+        x3 = torch.randn(2, 3, 96)  # leading dims are flattened and restored
+        assert torch.allclose(wrapped(x3), lin(x3), atol=1e-5)
+    assert calls == [1, 8, 6]
+
+
+@needs_gemm
+def test_only_bf16_exact_float32_weights_are_wrapped():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    with torch.no_grad():
+        model[0].weight.copy_(model[0].weight.to(torch.bfloat16).float())
+        model[1].weight.add_(1e-4)  # no longer bf16-representable
+    assert add_bf16_decode_path(model) == 1
+    assert isinstance(model[0], Bf16DecodeLinear) and isinstance(model[1], torch.nn.Linear)
+
+
+def _reference_decode(q, cache, tables, lens, scale, window):
+    bs, hkv, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    g = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        L = int(lens[i])
+        k = cache[0][tables[i]].reshape(-1, hkv, d)[:L].float().repeat_interleave(g, 1)
+        v = cache[1][tables[i]].reshape(-1, hkv, d)[:L].float().repeat_interleave(g, 1)
+        s = torch.einsum("hd,lhd->hl", q[i].double(), k.double()) * scale
+        if window is not None:
+            s[:, : max(0, L - window)] = float("-inf")
+        out[i] = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v.double()).float()
+    return out
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(14, 2, 64, 16, None), (8, 8, 128, 16, 37), (6, 2, 16, 5, None),
+                                              (4, 1, 24, 7, 10), (34, 2, 32, 16, None)])
+def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
+    # (4, 1, 24): head size off the vector path; (34, 2): more query heads per KV head than it takes.
+    g = torch.Generator().manual_seed(hq * 100 + d + bs)
+    num_blocks, max_blocks = 64, 40
+    cache = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 2, bs, bs + 1, 57, 130, max_blocks * bs])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), hq, d, generator=g)
+    out = cpu_kernels.decode_attention(q, cache, tables, lens, d ** -0.5, window)
+    ref = _reference_decode(q, cache, tables, lens, d ** -0.5, window)
+    assert (out - ref).abs().max().item() < 2e-5
+
+
+def _greedy(llm, prompts, n):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@needs_gemm
+def test_bf16_engine_with_kernels_equals_pytorch_path(llama_dir):
+    """A bf16 checkpoint computed in float32: the kernels (bf16 weights, in-place bf16 KV reads)
+    give the PyTorch path's tokens for a concurrent batch, and logits within float32 rounding."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(200) for _ in range(L)] for L in (3, 17, 31, 1, 48, 9, 64, 25)]
+    kw = dict(dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    fast = LLM(str(llama_dir), **kw)
+    assert isinstance(fast.engine.runner.model.layers[0].mlp.down_proj, Bf16DecodeLinear)
+    slow = LLM(str(llama_dir), cpu_kernels=False, **kw)
+    assert not isinstance(slow.engine.runner.model.layers[0].mlp.down_proj, Bf16DecodeLinear)
+    assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
+    rows = {}
+    for name, llm in (("fast", fast), ("slow", slow)):
+        sampler, captured = llm.engine.sampler, []
+        llm.engine.sampler = lambda logits, reqs, s=sampler, c=captured: c.append(logits.clone()) or s(logits, reqs)
+        _greedy(llm, prompts[:4], 5)
+        rows[name] = torch.cat(captured)
+    assert (rows["fast"] - rows["slow"]).abs().max().item() < 1e-3
+
+
+def test_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog, llama_dir):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="tierlm.models.cpu_kernels"):
+        assert cpu_kernels.library() is None
+    assert "building tierlm's CPU kernels failed" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind
+    llm = LLM(str(llama_dir), dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    assert not isinstance(llm.engine.runner.model.layers[0].mlp.down_proj, Bf16DecodeLinear)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,0 +1,160 @@
+"""tierlm's own CPU kernels (csrc/cpu_kernels.c), built for this CPU on first use and called via ctypes.
+
+Why: on CPU a decode step is bound by streaming the weights and by attention's gather-and-convert
+passes, which PyTorch cannot fuse. The kernels read bf16 weights and a bf16 paged KV cache in
+place and compute in float32 (see the C file). They are compiled with the system C compiler
+(`-O3 -march=native -fopenmp`, about a second) into ~/.cache/tierlm/kernels, keyed by the source
+and this CPU's flags. Without a compiler, or with TIERLM_CPU_KERNELS=0, everything runs on the
+PyTorch paths instead: same results, just slower, and one log line says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TIERLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tierlm")
+    return Path(base) / "kernels"
+
+
+def _build() -> Path | None:
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if out.is_file():
+        return out
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: tierlm's CPU kernels are off (decode runs slower); "
+                    "install gcc to enable them")
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build into a temporary name, then rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if res.returncode != 0:
+            log.warning("building tierlm's CPU kernels failed, using the PyTorch paths instead:\n%s",
+                        res.stderr.strip()[-2000:])
+            return None
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None where it is disabled or cannot be built (logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("TIERLM_CPU_KERNELS", "1") == "0":
+        log.info("TIERLM_CPU_KERNELS=0: tierlm's CPU kernels are off")
+        return None
+    try:
+        path = _build()
+        if path is None:
+            return None
+        # Load PyTorch first: the kernels then bind to the OpenMP runtime it already loaded.
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("loading tierlm's CPU kernels failed (%s); using the PyTorch paths instead", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tierlm_pack_bf16.argtypes = [ptr, i64, i64, ptr]
+    lib.tierlm_pack_bf16.restype = None
+    lib.tierlm_gemm_bf16w.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr]
+    lib.tierlm_gemm_bf16w.restype = ctypes.c_int
+    lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr,
+                                            i64, ctypes.c_float, ptr]
+    lib.tierlm_decode_attention.restype = None
+    _lib = lib
+    return lib
+
+
+def has_gemm() -> bool:
+    lib = library()
+    return lib is not None and bool(lib.tierlm_has_gemm())
+
+
+# ---------------------------------------------------------------- bf16-weight GEMM
+
+GEMM_MAX_ROWS = 224  # the C row blocking's limit (16 blocks of 14)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weight -> the kernel's panel layout (int32 storage, 64-byte aligned rows)."""
+    lib = library()
+    assert lib is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(-(-n // 32) * k * 16 + 16, dtype=torch.int32)
+    # Align the panels to 64 bytes (the kernel uses aligned vector loads).
+    shift = (-out.data_ptr() % 64) // 4
+    packed = out[shift: shift + (out.numel() - 16)]
+    lib.tierlm_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] float32 @ W^T (+ bias) with W packed by pack_bf16; None if M is too large here."""
+    lib = library()
+    m, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(m * k, dtype=torch.float32)
+    rc = lib.tierlm_gemm_bf16w(x.data_ptr(), m, k, packed.data_ptr(), n,
+                               bias.data_ptr() if bias is not None else None, y.data_ptr(), scratch.data_ptr())
+    return y if rc == 0 else None
+
+
+# ---------------------------------------------------------------- paged decode attention
+
+def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype in (torch.float32, torch.bfloat16)
+            and cache.is_contiguous() and library() is not None)
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                     scale: float, window: int | None) -> torch.Tensor:
+    """q [B, Hq, D] float32, one token per sequence; cache [2, blocks, block_size, Hkv, D]."""
+    lib = library()
+    b, hq, d = q.shape
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty_like(q)
+    kc, vc = cache[0], cache[1]
+    lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
+                                int(cache.dtype == torch.bfloat16), cache.shape[2], tables.data_ptr(),
+                                tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr())
+    return out
