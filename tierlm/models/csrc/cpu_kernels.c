@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -201,59 +202,130 @@ static inline __m512 load16(const void *base, int is_bf16, int64_t idx) {
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
+/* r[t] lane i = M[t][i]  ->  r[i] lane t = M[t][i] (16x16 float transpose in registers). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+        r[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+        r[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+        r[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+        t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
+        t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+        r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
+    }
+}
+
+#define HG 8 /* query heads per register group */
+
+/* Walks a block table key by key without a division per key. */
+struct cursor {
+    int64_t block, offset;
+};
+
+static inline void key_rows(struct cursor *cur, int64_t n, const int64_t *table, int64_t block_size, int64_t hkv,
+                            int64_t h, int64_t d, int64_t *rows) {
+    for (int64_t t = 0; t < n; t++) {
+        rows[t] = ((table[cur->block] * block_size + cur->offset) * hkv + h) * d;
+        if (++cur->offset == block_size) {
+            cur->offset = 0;
+            cur->block++;
+        }
+    }
+}
+
 /* One (sequence, KV head) task for head_dim % 16 == 0, d <= 256 and at most 16 query heads per
- * KV head: scores by vector dot products, softmax and the V sum vectorised over 16 keys at a time. */
+ * KV head, in two passes over the keys. Pass 1: K is transposed in registers 16 keys at a time,
+ * so each query head's 16 scores are one vector of FMAs; scores go to `sc` and a running vector
+ * max. Pass 2: exp, a running vector sum, and the V sum with 8 heads' accumulators in registers.
+ * Horizontal reductions happen once per head, not once per key block: about 25% faster here than
+ * an online softmax with one dot product (and one horizontal sum) per key and head. */
 static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, const void *kc, const void *vc,
                           int is_bf16, int64_t block_size, const int64_t *table, int64_t hkv, int64_t h,
-                          int64_t start, int64_t len, float scale) {
-    int64_t nv = d / 16;
-    float vbuf[ACHUNK * 256] __attribute__((aligned(64)));
-    float sc[16][ACHUNK] __attribute__((aligned(64)));
-    float acc[16 * 256] __attribute__((aligned(64)));
-    float mx[16], sum[16];
-    for (int64_t j = 0; j < g; j++) {
-        mx[j] = -INFINITY;
-        sum[j] = 0.0f;
+                          int64_t start, int64_t len, float scale, float *sc) {
+    int64_t nv = d / 16, ng = (g + HG - 1) / HG, nk = len - start, ldsc = (nk + 15) / 16 * 16;
+    float kt[256 * ACHUNK] __attribute__((aligned(64)));    /* [d][16 keys] */
+    float q[2 * HG * 256] __attribute__((aligned(64)));     /* heads padded to a group with zeros */
+    float acc[2 * HG * 256] __attribute__((aligned(64)));
+    __m512 vmax[2 * HG], vsum[2 * HG];
+    memset(q, 0, (size_t)(ng * HG * d) * sizeof(float));
+    memcpy(q, qs, (size_t)(g * d) * sizeof(float));
+    memset(acc, 0, (size_t)(ng * HG * d) * sizeof(float));
+    for (int64_t j = 0; j < ng * HG; j++) {
+        vmax[j] = _mm512_set1_ps(-INFINITY);
+        vsum[j] = _mm512_setzero_ps();
     }
-    memset(acc, 0, (size_t)(g * d) * sizeof(float));
-    for (int64_t t0 = start; t0 < len; t0 += ACHUNK) {
-        int64_t n = len - t0 < ACHUNK ? len - t0 : ACHUNK;
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    struct cursor cur = {start / block_size, start % block_size};
+    for (int64_t t0 = 0; t0 < nk; t0 += ACHUNK) {
+        int64_t n = nk - t0 < ACHUNK ? nk - t0 : ACHUNK;
         __mmask16 live = (__mmask16)((1u << n) - 1);
-        for (int64_t t = 0; t < n; t++) {
-            int64_t pos = t0 + t;
-            int64_t row = ((table[pos / block_size] * block_size + pos % block_size) * hkv + h) * d;
-            __m512 kv[16];
-            for (int64_t c = 0; c < nv; c++) {
-                kv[c] = load16(kc, is_bf16, row + c * 16);
-                _mm512_store_ps(vbuf + t * d + c * 16, load16(vc, is_bf16, row + c * 16));
-            }
-            for (int64_t j = 0; j < g; j++) {
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs + j * d), kv[0]);
-                for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + j * d + c * 16), kv[c], a);
-                sc[j][t] = _mm512_reduce_add_ps(a) * scale;
-            }
+        int64_t rows[ACHUNK];
+        key_rows(&cur, n, table, block_size, hkv, h, d, rows);
+        for (int64_t c = 0; c < nv; c++) {
+            __m512 r[16];
+            for (int64_t t = 0; t < ACHUNK; t++) r[t] = t < n ? load16(kc, is_bf16, rows[t] + c * 16) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (c * 16 + i) * ACHUNK, r[i]);
         }
-        for (int64_t j = 0; j < g; j++) {
-            __m512 s = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), live, sc[j]);
-            float m = _mm512_reduce_max_ps(s);
-            m = m > mx[j] ? m : mx[j];
-            __m512 p = _mm512_maskz_mov_ps(live, exp512_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-            float corr = mx[j] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp512_nonpos(_mm512_set1_ps(mx[j] - m)));
-            sum[j] = sum[j] * corr + _mm512_reduce_add_ps(p);
-            mx[j] = m;
-            _mm512_store_ps(sc[j], p);
-            __m512 cv = _mm512_set1_ps(corr);
-            for (int64_t c = 0; c < nv; c++) {
-                __m512 a = _mm512_mul_ps(_mm512_load_ps(acc + j * d + c * 16), cv);
-                for (int64_t t = 0; t < n; t++)
-                    a = _mm512_fmadd_ps(_mm512_set1_ps(sc[j][t]), _mm512_load_ps(vbuf + t * d + c * 16), a);
-                _mm512_store_ps(acc + j * d + c * 16, a);
+        for (int64_t jb = 0; jb < ng * HG; jb += HG) {
+            __m512 sv[HG];
+            for (int jj = 0; jj < HG; jj++) sv[jj] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i++) {
+                __m512 k = _mm512_load_ps(kt + i * ACHUNK);
+                for (int jj = 0; jj < HG; jj++) sv[jj] = _mm512_fmadd_ps(_mm512_set1_ps(q[(jb + jj) * d + i]), k, sv[jj]);
+            }
+            for (int jj = 0; jj < HG && jb + jj < g; jj++) {
+                __m512 x = _mm512_mask_mul_ps(ninf, live, sv[jj], vscale);
+                vmax[jb + jj] = _mm512_max_ps(vmax[jb + jj], x);
+                _mm512_storeu_ps(sc + (jb + jj) * ldsc + t0, x);
             }
         }
     }
+    __m512 m[2 * HG];
+    for (int64_t j = 0; j < g; j++) m[j] = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[j]));
+    cur = (struct cursor){start / block_size, start % block_size};
+    for (int64_t t0 = 0; t0 < nk; t0 += ACHUNK) {
+        int64_t n = nk - t0 < ACHUNK ? nk - t0 : ACHUNK;
+        __mmask16 live = (__mmask16)((1u << n) - 1);
+        float pr[2 * HG][ACHUNK] __attribute__((aligned(64)));
+        for (int64_t j = 0; j < ng * HG; j++) {
+            __m512 p = j < g ? _mm512_maskz_mov_ps(live, exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sc + j * ldsc + t0), m[j])))
+                             : _mm512_setzero_ps();
+            vsum[j] = _mm512_add_ps(vsum[j], p);
+            _mm512_store_ps(pr[j], p);
+        }
+        int64_t rows[ACHUNK];
+        key_rows(&cur, n, table, block_size, hkv, h, d, rows);
+        for (int64_t c = 0; c < nv; c++)
+            for (int64_t jb = 0; jb < ng * HG; jb += HG) {
+                __m512 a[HG];
+                for (int jj = 0; jj < HG; jj++) a[jj] = _mm512_load_ps(acc + (jb + jj) * d + c * 16);
+                for (int64_t t = 0; t < n; t++) {
+                    __m512 v = load16(vc, is_bf16, rows[t] + c * 16);
+                    for (int jj = 0; jj < HG; jj++) a[jj] = _mm512_fmadd_ps(_mm512_set1_ps(pr[jb + jj][t]), v, a[jj]);
+                }
+                for (int jj = 0; jj < HG; jj++) _mm512_store_ps(acc + (jb + jj) * d + c * 16, a[jj]);
+            }
+    }
     for (int64_t j = 0; j < g; j++) {
-        __m512 inv = _mm512_set1_ps(sum[j] > 0.0f ? 1.0f / sum[j] : 0.0f);
-        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(os + j * d + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + j * d + c * 16), inv));
+        float total = _mm512_reduce_add_ps(vsum[j]);
+        __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+        for (int64_t c = 0; c < nv; c++)
+            _mm512_storeu_ps(os + j * d + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + j * d + c * 16), inv));
     }
 }
 #endif
@@ -273,8 +345,14 @@ void tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv
         int64_t len = lens[s], start = window > 0 && len > window ? len - window : 0;
 #ifdef __AVX512F__
         if (d % 16 == 0 && d <= 256 && g <= 16) {
-            attend_avx512(qs, os, g, d, kc, vc, is_bf16, block_size, tables + s * max_blocks, hkv, h, start, len, scale);
-            continue;
+            /* scores of all heads over all keys: at most 16 x max_model_len floats */
+            float *sc = malloc((size_t)(g * ((len - start + 15) / 16 * 16)) * sizeof(float));
+            if (sc) {
+                attend_avx512(qs, os, g, d, kc, vc, is_bf16, block_size, tables + s * max_blocks, hkv, h, start,
+                              len, scale, sc);
+                free(sc);
+                continue;
+            }
         }
 #endif
         float acc[g][d], mx[g], sum[g], sc[g][CHUNK], krow[d];
