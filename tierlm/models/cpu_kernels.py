@@ -90,12 +90,13 @@ def library() -> ctypes.CDLL | None:
         log.warning("loading tierlm's CPU kernels failed (%s); using the PyTorch paths instead", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tierlm_pack_bf16.argtypes = [ptr, i64, i64, ptr]
+    cint = ctypes.c_int
+    lib.tierlm_pack_bf16.argtypes = [ptr, i64, i64, ptr, cint]
     lib.tierlm_pack_bf16.restype = None
-    lib.tierlm_gemm_bf16w.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr]
+    lib.tierlm_gemm_bf16w.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, cint]
     lib.tierlm_gemm_bf16w.restype = ctypes.c_int
-    lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr,
-                                            i64, ctypes.c_float, ptr]
+    lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, ptr,
+                                            i64, ctypes.c_float, ptr, cint]
     lib.tierlm_decode_attention.restype = None
     _lib = lib
     return lib
@@ -108,9 +109,6 @@ def has_gemm() -> bool:
 
 # ---------------------------------------------------------------- bf16-weight GEMM
 
-GEMM_MAX_ROWS = 224  # the C row blocking's limit (16 blocks of 14)
-
-
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 weight -> the kernel's panel layout (int32 storage, 64-byte aligned rows)."""
     lib = library()
@@ -121,19 +119,20 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     # Align the panels to 64 bytes (the kernel uses aligned vector loads).
     shift = (-out.data_ptr() % 64) // 4
     packed = out[shift: shift + (out.numel() - 16)]
-    lib.tierlm_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())
+    lib.tierlm_pack_bf16(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
 def gemm_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [M, K] float32 @ W^T (+ bias) with W packed by pack_bf16; None if M is too large here."""
+    """x [M, K] float32 @ W^T (+ bias) with W packed by pack_bf16; None past the kernel's row limit (224)."""
     lib = library()
     m, k = x.shape
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(m * k, dtype=torch.float32)
     rc = lib.tierlm_gemm_bf16w(x.data_ptr(), m, k, packed.data_ptr(), n,
-                               bias.data_ptr() if bias is not None else None, y.data_ptr(), scratch.data_ptr())
+                               bias.data_ptr() if bias is not None else None, y.data_ptr(), scratch.data_ptr(),
+                               torch.get_num_threads())
     return y if rc == 0 else None
 
 
@@ -156,5 +155,6 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     kc, vc = cache[0], cache[1]
     lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
                                 int(cache.dtype == torch.bfloat16), cache.shape[2], tables.data_ptr(),
-                                tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr())
+                                tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr(),
+                                torch.get_num_threads())
     return out

@@ -9,7 +9,7 @@
  *    conversion pass, no padding mask.
  *
  * Threads come from the OpenMP runtime PyTorch already loaded (libgomp.so.1), so the kernels share
- * its pool instead of competing with it.
+ * its pool instead of competing with it; callers pass torch.get_num_threads() as `nthreads`.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,8 +18,6 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-
-int tierlm_kernels_abi(void) { return 1; }
 
 /* ---------------------------------------------------------------- bf16-weight GEMM */
 #define NR 32  /* output columns per packed panel: two 16-lane vectors */
@@ -37,9 +35,9 @@ int tierlm_has_gemm(void) {
 /* Packed layout: panel p (columns [32p, 32p+32)) is K consecutive 64-byte rows; 32-bit lane j of a
  * row holds column 32p+j in its low half and column 32p+16+j in its high half, so one load and one
  * shift / one mask give both float32 vectors. Columns past N are zero. */
-void tierlm_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint32_t *out) {
+void tierlm_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint32_t *out, int nthreads) {
     int64_t np = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < np; p++)
         for (int64_t k = 0; k < K; k++)
             for (int j = 0; j < 16; j++) {
@@ -97,7 +95,7 @@ static __mmask16 lane_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <
 /* x: [M, K] row-major float32; wp: tierlm_pack_bf16 output; y: [M, N]; xp: scratch of M*K floats.
  * Returns 0, or -1 when M is beyond what the row blocking supports (caller falls back). */
 int tierlm_gemm_bf16w(const float *x, int64_t M, int64_t K, const uint32_t *wp, int64_t N, const float *bias,
-                      float *y, float *xp) {
+                      float *y, float *xp, int nthreads) {
 #ifdef __AVX512F__
     int64_t nb = (M + MR_MAX - 1) / MR_MAX;
     if (M <= 0 || nb > 16) return -1;
@@ -108,7 +106,7 @@ int tierlm_gemm_bf16w(const float *x, int64_t M, int64_t K, const uint32_t *wp, 
         m0 += mrows[b];
     }
     int64_t np = (N + NR - 1) / NR;
-#pragma omp parallel
+#pragma omp parallel num_threads(nthreads)
     {
         /* x packed per K block, per row block, as [kc][rows]: contiguous broadcasts. */
 #pragma omp for schedule(static)
@@ -133,7 +131,7 @@ int tierlm_gemm_bf16w(const float *x, int64_t M, int64_t K, const uint32_t *wp, 
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)xp;
+    (void)x; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)xp; (void)nthreads;
     return -1;
 #endif
 }
@@ -335,9 +333,10 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
  * window > 0 keeps only the last `window` keys. out: [nd, hq, d] float32. */
 void tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv, int64_t d, const void *kc,
                              const void *vc, int is_bf16, int64_t block_size, const int64_t *tables,
-                             int64_t max_blocks, const int64_t *lens, int64_t window, float scale, float *out) {
+                             int64_t max_blocks, const int64_t *lens, int64_t window, float scale, float *out,
+                             int nthreads) {
     int64_t g = hq / hkv;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < nd * hkv; task++) {
         int64_t s = task / hkv, h = task % hkv;
         const float *qs = q + (s * hq + h * g) * d;
