@@ -21,7 +21,9 @@ class EngineConfig:
     # "auto": float32 compute for bf16/fp16 weights on CPUs whose float32 GEMM is clearly faster
     # (measured at start-up; KV cache stays in `dtype`); or force one of the dtypes.
     compute_dtype: str | None = "auto"
-    cpu_linear: str = "auto"  # auto | packed | plain: oneDNN-prepacked float32 weights on CPU when faster
+    # auto | packed | plain: oneDNN-prepacked float32 weights on CPU when faster; "auto" also keeps
+    # bf16 weights for decode batches (tierlm's bf16-weight kernel) when the checkpoint is bf16.
+    cpu_linear: str = "auto"
     # tierlm's own CPU kernels (bf16-weight decode GEMM, paged decode attention), built with the
     # system C compiler on first use; False = PyTorch ops only (TIERLM_CPU_KERNELS=0 does the same).
     cpu_kernels: bool = True
