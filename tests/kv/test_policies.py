@@ -13,6 +13,7 @@ from tierlm.kv.policies import (
     DEFAULT_POLICY,
     POLICIES,
     BeladyPolicy,
+    ChainPolicy,
     DuelPolicy,
     EvictionPolicy,
     GittinsPolicy,
@@ -33,7 +34,8 @@ def touch(policy: EvictionPolicy, chain: list[str], now: int) -> None:
 
 
 def test_registry_and_default() -> None:
-    assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins", "duel", "shadow"} <= set(POLICIES)
+    assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins", "duel", "shadow", "chain"} <= set(
+        POLICIES)
     assert "belady" not in POLICIES and DEFAULT_POLICY in POLICIES
     for name in POLICIES + ["belady"]:
         policy = make_policy(name)
@@ -219,6 +221,55 @@ def test_duel_history_is_bounded() -> None:
     assert len(p._duels) <= 4
     pending = sorted(d for ids in p._duels_of.values() for d in ids)
     assert pending == sorted(d for d in p._duels for _ in range(2))
+
+
+def _untrained_chain() -> ChainPolicy:
+    return ChainPolicy(refit_every=10**9)  # all Gittins indices 0: sampled LRU apart from the rule
+
+
+def test_chain_evicts_the_tail_a_later_turn_left_behind() -> None:
+    """Turn 2 re-reads turn 1's full blocks and continues past them: turn 1's last (partial)
+    block is on an abandoned branch and goes first, although LRU would pick an older chain."""
+    p = _untrained_chain()
+    for t in range(5):  # other conversations, least recently used; "sys" becomes a shared prefix
+        touch(p, ["sys", f"old{t}-0", f"old{t}-1"], t)
+    touch(p, ["sys", "a0", "a1", "a-part"], 5)  # turn 1; "a-part" is its partial last block
+    touch(p, ["sys", "a0", "a1", "b0", "b-part"], 6)  # turn 2 leaves "a-part" behind
+    assert not p.abandoned("a-part")  # turn 2 is still in progress: nothing is known yet
+    touch(p, ["sys", "new0"], 7)
+    assert p.abandoned("a-part")
+    assert not any(p.abandoned(k) for k in ["old0-1", "old4-1", "b-part", "new0", "a1"])
+    assert p.victim() == "a-part"
+    p.remove("a-part")
+    assert p.victim() == "old0-1"  # nothing else is abandoned: LRU order
+
+
+def test_chain_sees_a_branch_abandoned_at_an_ancestor_segment() -> None:
+    """Regenerate: turn 3 goes back to turn 1's prefix and never enters turn 2's segment."""
+    chains = [["sys", "a0", "a1"], ["sys", "a0", "a1", "b0", "b1"],  # turn 2: a new segment
+              ["sys", "a0", "a1", "c0"],  # turn 3 branches off "a1" again
+              ["sys", "x0"]]
+    p = _untrained_chain()
+    for t, chain in enumerate(chains):
+        touch(p, chain, t)
+    assert p.abandoned("b1") and not p.abandoned("c0") and not p.abandoned("x0")
+    assert p.victim() == "b1"
+    p.remove("b1")
+    assert p.victim() == "b0"  # the rest of the abandoned branch follows
+    q = ChainPolicy(refit_every=10**9, walk=0)  # own segment only: cannot see it
+    for t, chain in enumerate(chains):
+        touch(q, chain, t)
+    assert not q.abandoned("b1")
+
+
+def test_chain_ignores_passes_through_a_shared_prefix() -> None:
+    """Every request goes through the shared "sys" block into its own conversation; passing
+    through a prefix with more than `max_fan` child segments abandons nobody."""
+    p = _untrained_chain()
+    for t in range(6):
+        touch(p, ["sys", f"c{t}-0", f"c{t}-1"], t)
+    assert not any(p.abandoned(f"c{t}-1") for t in range(6))
+    assert p.victim() == "c0-1"  # plain (sampled) LRU order
 
 
 ops = st.lists(
