@@ -1,6 +1,6 @@
 """tierlm's CPU kernels against PyTorch references: the bf16-weight GEMM, the paged decode
-attention (float32 and bf16 caches, GQA, sliding window, odd block size, a head size off the
-vector path), the engine with and without them, and a build that fails."""
+attention (float32 and bf16 caches, GQA, sliding windows, odd block sizes; shapes off its vector
+path declined), the engine with and without them, and a build that fails."""
 from __future__ import annotations
 
 import logging
@@ -11,13 +11,13 @@ import torch
 
 from tierlm import LLM, SamplingParams
 from tierlm.models import cpu_kernels
+from tierlm.models.attention import AttentionMetadata, DecodeGroup, paged_attention
 from tierlm.models.cpu_linear import Bf16DecodeLinear, add_bf16_decode_path
 
-needs_lib = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: kernels unavailable")
-needs_gemm = pytest.mark.skipif(not cpu_kernels.has_gemm(), reason="bf16-weight GEMM needs AVX-512")
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.has_avx512(), reason="the kernels need AVX-512")
 
 
-@needs_gemm
+@needs_avx512
 @pytest.mark.parametrize("m", [1, 3, 14, 15, 29, 40, 64])
 @pytest.mark.parametrize("k,n,bias", [(64, 33, False), (300, 77, True), (896, 1152, False)])
 def test_bf16_weight_gemm_matches_float64(m, k, n, bias):
@@ -33,7 +33,7 @@ def test_bf16_weight_gemm_matches_float64(m, k, n, bias):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
-@needs_gemm
+@needs_avx512
 def test_bf16_decode_linear_routes_by_batch_size(monkeypatch):
     lin = torch.nn.Linear(96, 50, bias=True)
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_bf16_decode_linear_routes_by_batch_size(monkeypatch):
     assert calls == [1, 8, 6]
 
 
-@needs_gemm
+@needs_avx512
 def test_only_bf16_exact_float32_weights_are_wrapped():
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
     with torch.no_grad():
@@ -76,12 +76,11 @@ def _reference_decode(q, cache, tables, lens, scale, window):
     return out
 
 
-@needs_lib
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [(14, 2, 64, 16, None), (8, 8, 128, 16, 37), (6, 2, 16, 5, None),
-                                              (4, 1, 24, 7, 10), (34, 2, 32, 16, None)])
+                                              (32, 2, 256, 7, 10), (4, 4, 32, 16, 1)])
 def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
-    # (4, 1, 24): head size off the vector path; (34, 2): more query heads per KV head than it takes.
     g = torch.Generator().manual_seed(hq * 100 + d + bs)
     num_blocks, max_blocks = 64, 40
     cache = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(dtype)
@@ -93,13 +92,30 @@ def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
     assert (out - ref).abs().max().item() < 2e-5
 
 
+@needs_avx512
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 24), (34, 2, 32), (4, 2, 272)])
+def test_attention_shapes_off_the_vector_path_use_pytorch(hq, hkv, d):
+    """Head sizes that are not a multiple of 16 (or past 256) and more than 16 query heads per KV
+    head are declined, by the Python check and by the kernel itself; paged_attention then runs its
+    PyTorch path and still matches the reference."""
+    cache = torch.randn(2, 8, 4, hkv, d)
+    tables, lens, q = torch.tensor([[3, 1, 5]]), torch.tensor([10]), torch.randn(1, hq, d)
+    assert not cpu_kernels.decode_attention_supported(q, cache)
+    assert cpu_kernels.decode_attention(q, cache, tables, lens, 0.2, None) is None
+    meta = AttentionMetadata(slot_mapping=torch.tensor([tables[0, 2] * 4 + 1]), block_size=4,
+                             decode_groups=[DecodeGroup(0, 1, tables, lens)])
+    k, v = torch.randn(1, hkv, d), torch.randn(1, hkv, d)
+    out = paged_attention(q, k, v, cache, meta, 0.2)  # writes k, v at position 9 first
+    assert torch.allclose(out, _reference_decode(q, cache, tables, lens, 0.2, None), atol=1e-5)
+
+
 def _greedy(llm, prompts, n):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
 
-@needs_gemm
+@needs_avx512
 def test_bf16_engine_with_kernels_equals_pytorch_path(llama_dir):
     """A bf16 checkpoint computed in float32: the kernels (bf16 weights, in-place bf16 KV reads)
     give the PyTorch path's tokens for a concurrent batch, and logits within float32 rounding."""

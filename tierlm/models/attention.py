@@ -87,9 +87,10 @@ def paged_attention(
     for g in meta.decode_groups:
         if use_kernel:
             # tierlm's CPU kernel reads the paged (bf16) K/V in place: no gather, convert or mask.
-            out[g.start:g.end] = cpu_kernels.decode_attention(q[g.start:g.end], cache, g.block_tables,
-                                                              g.ctx_lens, scale, window)
-            continue
+            o = cpu_kernels.decode_attention(q[g.start:g.end], cache, g.block_tables, g.ctx_lens, scale, window)
+            if o is not None:
+                out[g.start:g.end] = o
+                continue
         nd, bt = g.end - g.start, g.block_tables.view(-1)
         L = g.block_tables.shape[1] * meta.block_size
         kd = k_rows.index_select(0, bt).view(nd, L, Hkv, D).to(q.dtype).transpose(1, 2)

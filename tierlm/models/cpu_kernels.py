@@ -97,14 +97,15 @@ def library() -> ctypes.CDLL | None:
     lib.tierlm_gemm_bf16w.restype = ctypes.c_int
     lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, ptr,
                                             i64, ctypes.c_float, ptr, cint]
-    lib.tierlm_decode_attention.restype = None
+    lib.tierlm_decode_attention.restype = ctypes.c_int
     _lib = lib
     return lib
 
 
-def has_gemm() -> bool:
+def has_avx512() -> bool:
+    """Whether the kernels are built with AVX-512 (both need it; otherwise PyTorch paths run)."""
     lib = library()
-    return lib is not None and bool(lib.tierlm_has_gemm())
+    return lib is not None and bool(lib.tierlm_has_avx512())
 
 
 # ---------------------------------------------------------------- bf16-weight GEMM
@@ -139,13 +140,18 @@ def gemm_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
 # ---------------------------------------------------------------- paged decode attention
 
 def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """CPU, float32 queries, a contiguous float32/bf16 cache, and a shape on the kernel's vector
+    path: head_dim a multiple of 16 up to 256, at most 16 query heads per KV head."""
+    hq, d, hkv = q.shape[1], q.shape[2], cache.shape[3]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype in (torch.float32, torch.bfloat16)
-            and cache.is_contiguous() and library() is not None)
+            and cache.is_contiguous() and d % 16 == 0 and d <= 256 and hq % hkv == 0 and hq // hkv <= 16
+            and has_avx512())
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                     scale: float, window: int | None) -> torch.Tensor:
-    """q [B, Hq, D] float32, one token per sequence; cache [2, blocks, block_size, Hkv, D]."""
+                     scale: float, window: int | None) -> torch.Tensor | None:
+    """q [B, Hq, D] float32, one token per sequence; cache [2, blocks, block_size, Hkv, D].
+    None where the kernel declined (see decode_attention_supported; or out of scratch memory)."""
     lib = library()
     b, hq, d = q.shape
     q = q.contiguous()
@@ -153,8 +159,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     lens = lens.contiguous()
     out = torch.empty_like(q)
     kc, vc = cache[0], cache[1]
-    lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
-                                int(cache.dtype == torch.bfloat16), cache.shape[2], tables.data_ptr(),
-                                tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr(),
-                                torch.get_num_threads())
-    return out
+    rc = lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
+                                     int(cache.dtype == torch.bfloat16), cache.shape[2], tables.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr(),
+                                     torch.get_num_threads())
+    return out if rc == 0 else None

@@ -126,7 +126,7 @@ class Bf16DecodeLinear(nn.Module):
 
 def add_bf16_decode_path(model: nn.Module) -> int:
     """Wrap every float32 nn.Linear whose weights are bf16-exact in a Bf16DecodeLinear; returns how many."""
-    if not cpu_kernels.has_gemm():
+    if not cpu_kernels.has_avx512():
         return 0
     n = 0
     for name, child in list(model.named_children()):

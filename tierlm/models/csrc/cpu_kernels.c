@@ -5,8 +5,9 @@
  *    bf16 weights that is half the bytes of a float32 GEMM, and the result is what a float32 GEMM on
  *    the same (bf16-representable) weights gives, up to summation order.
  * 2. decode_attention: one query token per sequence against its paged K/V (float32 or bf16 cache),
- *    read in place through the block table with an online softmax: no gathered copy, no dtype
- *    conversion pass, no padding mask.
+ *    read in place through the block table: no gathered copy, no dtype conversion pass, no
+ *    padding mask.
+ * Both need AVX-512 (a build without it reports so, and the callers keep their PyTorch paths).
  *
  * Threads come from the OpenMP runtime PyTorch already loaded (libgomp.so.1), so the kernels share
  * its pool instead of competing with it; callers pass torch.get_num_threads() as `nthreads`.
@@ -24,7 +25,7 @@
 #define KC 256 /* K block: a panel slice plus the packed x rows stay in L1 */
 #define MR_MAX 14
 
-int tierlm_has_gemm(void) {
+int tierlm_has_avx512(void) {
 #ifdef __AVX512F__
     return 1;
 #else
@@ -137,45 +138,11 @@ int tierlm_gemm_bf16w(const float *x, int64_t M, int64_t K, const uint32_t *wp, 
 }
 
 /* ---------------------------------------------------------------- paged decode attention */
-#define CHUNK 32  /* keys scored at once; bounded so the score scratch stays on the stack */
-
-/* exp for x <= 0 (scores minus their running max): Cody-Waite reduction to r in [-ln2/2, ln2/2],
- * degree-6 polynomial, relative error ~2e-7 (float32 rounding level); vectorises, unlike expf. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_roundf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-static inline void load_row(const void *base, int is_bf16, int64_t idx, int64_t d, float *dst) {
-    if (is_bf16) {
-        const uint16_t *s = (const uint16_t *)base + idx;
-#pragma omp simd
-        for (int64_t i = 0; i < d; i++) {
-            uint32_t u = (uint32_t)s[i] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            dst[i] = f;
-        }
-    } else {
-        memcpy(dst, (const float *)base + idx, (size_t)d * sizeof(float));
-    }
-}
-
 #ifdef __AVX512F__
 #define ACHUNK 16 /* keys per step of the AVX-512 path: one vector of scores per query head */
 
+/* exp of x <= 0 (scores minus their max), 16 at a time: Cody-Waite reduction to r in
+ * [-ln2/2, ln2/2], degree-6 polynomial, scaled by 2^n; relative error ~2e-7 (float32 rounding). */
 static inline __m512 exp512_nonpos(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -331,77 +298,36 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
 /* q: [nd, hq, d] float32; k/v cache: [num_blocks, block_size, hkv, d] (float32 or bf16);
  * tables: [nd, max_blocks] int64; lens: [nd] keys per sequence incl. the new one;
  * window > 0 keeps only the last `window` keys. out: [nd, hq, d] float32. */
-void tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv, int64_t d, const void *kc,
-                             const void *vc, int is_bf16, int64_t block_size, const int64_t *tables,
-                             int64_t max_blocks, const int64_t *lens, int64_t window, float scale, float *out,
-                             int nthreads) {
+/* Returns 0, or -1 (nothing written) where this build has no AVX-512, the shape is off the
+ * vector path (head_dim % 16 != 0 or > 256, more than 16 query heads per KV head) or scratch
+ * memory ran out: the caller then uses its PyTorch path. */
+int tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv, int64_t d, const void *kc,
+                            const void *vc, int is_bf16, int64_t block_size, const int64_t *tables,
+                            int64_t max_blocks, const int64_t *lens, int64_t window, float scale, float *out,
+                            int nthreads) {
+#ifdef __AVX512F__
     int64_t g = hq / hkv;
+    if (hkv <= 0 || hq % hkv != 0 || d % 16 != 0 || d > 256 || g > 16) return -1;
+    int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < nd * hkv; task++) {
         int64_t s = task / hkv, h = task % hkv;
-        const float *qs = q + (s * hq + h * g) * d;
-        float *os = out + (s * hq + h * g) * d;
         int64_t len = lens[s], start = window > 0 && len > window ? len - window : 0;
-#ifdef __AVX512F__
-        if (d % 16 == 0 && d <= 256 && g <= 16) {
-            /* scores of all heads over all keys: at most 16 x max_model_len floats */
-            float *sc = malloc((size_t)(g * ((len - start + 15) / 16 * 16)) * sizeof(float));
-            if (sc) {
-                attend_avx512(qs, os, g, d, kc, vc, is_bf16, block_size, tables + s * max_blocks, hkv, h, start,
-                              len, scale, sc);
-                free(sc);
-                continue;
-            }
+        /* scores of the group's heads over all keys: at most 16 x max_model_len floats */
+        float *sc = malloc((size_t)(g * ((len - start + 15) / 16 * 16)) * sizeof(float));
+        if (sc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
         }
-#endif
-        float acc[g][d], mx[g], sum[g], sc[g][CHUNK], krow[d];
-        for (int64_t j = 0; j < g; j++) {
-            mx[j] = -INFINITY;
-            sum[j] = 0.0f;
-            for (int64_t i = 0; i < d; i++) acc[j][i] = 0.0f;
-        }
-        for (int64_t t0 = start; t0 < len; t0 += CHUNK) {
-            int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;
-            for (int64_t t = 0; t < n; t++) {
-                int64_t pos = t0 + t;
-                int64_t row = (tables[s * max_blocks + pos / block_size] * block_size + pos % block_size) * hkv + h;
-                load_row(kc, is_bf16, row * d, d, krow);
-                for (int64_t j = 0; j < g; j++) {
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < d; i++) dot += qs[j * d + i] * krow[i];
-                    sc[j][t] = dot * scale;
-                }
-            }
-            for (int64_t j = 0; j < g; j++) {
-                float m = mx[j];
-                for (int64_t t = 0; t < n; t++) m = sc[j][t] > m ? sc[j][t] : m;
-                float corr = exp_nonpos(mx[j] - m), part = 0.0f;
-#pragma omp simd reduction(+ : part)
-                for (int64_t t = 0; t < n; t++) {
-                    float e = exp_nonpos(sc[j][t] - m);
-                    sc[j][t] = e;
-                    part += e;
-                }
-                sum[j] = sum[j] * corr + part;
-                mx[j] = m;
-                if (corr != 1.0f)
-                    for (int64_t i = 0; i < d; i++) acc[j][i] *= corr;
-            }
-            for (int64_t t = 0; t < n; t++) {
-                int64_t pos = t0 + t;
-                int64_t row = (tables[s * max_blocks + pos / block_size] * block_size + pos % block_size) * hkv + h;
-                load_row(vc, is_bf16, row * d, d, krow);
-                for (int64_t j = 0; j < g; j++) {
-                    float p = sc[j][t];
-#pragma omp simd
-                    for (int64_t i = 0; i < d; i++) acc[j][i] += p * krow[i];
-                }
-            }
-        }
-        for (int64_t j = 0; j < g; j++) {
-            float inv = sum[j] > 0.0f ? 1.0f / sum[j] : 0.0f;
-            for (int64_t i = 0; i < d; i++) os[j * d + i] = acc[j][i] * inv;
-        }
+        attend_avx512(q + (s * hq + h * g) * d, out + (s * hq + h * g) * d, g, d, kc, vc, is_bf16, block_size,
+                      tables + s * max_blocks, hkv, h, start, len, scale, sc);
+        free(sc);
     }
+    return failed ? -1 : 0;
+#else
+    (void)q; (void)nd; (void)hq; (void)hkv; (void)d; (void)kc; (void)vc; (void)is_bf16; (void)block_size;
+    (void)tables; (void)max_blocks; (void)lens; (void)window; (void)scale; (void)out; (void)nthreads;
+    return -1;
+#endif
 }
