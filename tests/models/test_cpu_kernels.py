@@ -139,7 +139,7 @@ def test_bf16_engine_with_kernels_equals_pytorch_path(llama_dir):
 def test_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog, llama_dir):
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
     with caplog.at_level(logging.WARNING, logger="tierlm.models.cpu_kernels"):
         assert cpu_kernels.library() is None

@@ -4,8 +4,9 @@ Why: on CPU a decode step is bound by streaming the weights and by attention's g
 passes, which PyTorch cannot fuse. The kernels read bf16 weights and a bf16 paged KV cache in
 place and compute in float32 (see the C file). They are compiled with the system C compiler
 (`-O3 -march=native -fopenmp`, about a second) into ~/.cache/tierlm/kernels, keyed by the source
-and this CPU's flags. Without a compiler, or with TIERLM_CPU_KERNELS=0, everything runs on the
-PyTorch paths instead: same results, just slower, and one log line says so.
+and this CPU's flags. Both kernels need AVX-512. Without it, without a compiler, or with
+TIERLM_CPU_KERNELS=0 (EngineConfig.cpu_kernels=False), everything runs on the PyTorch paths
+instead: same results, just slower, and one log line says why.
 """
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from tierlm.models.demo import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +43,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("TIERLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tierlm")
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"  # $TIERLM_CACHE or ~/.cache/tierlm, like the demo model
 
 
 def _build() -> Path | None:
@@ -49,8 +52,9 @@ def _build() -> Path | None:
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.is_file():
         return out
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
+    cc_env, found = os.environ.get("CC"), shutil.which("gcc") or shutil.which("cc")
+    cc = shlex.split(cc_env) if cc_env else [found] if found else []
+    if not cc:
         log.warning("no C compiler found: tierlm's CPU kernels are off (decode runs slower); "
                     "install gcc to enable them")
         return None
@@ -59,7 +63,7 @@ def _build() -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([*cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             log.warning("building tierlm's CPU kernels failed, using the PyTorch paths instead:\n%s",
                         res.stderr.strip()[-2000:])
@@ -98,6 +102,8 @@ def library() -> ctypes.CDLL | None:
     lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, ptr,
                                             i64, ctypes.c_float, ptr, cint]
     lib.tierlm_decode_attention.restype = ctypes.c_int
+    if not lib.tierlm_has_avx512():
+        log.info("this CPU has no AVX-512: tierlm's CPU kernels are off, the PyTorch paths run")
     _lib = lib
     return lib
 
