@@ -116,16 +116,21 @@ def _greedy(llm, prompts, n):
 
 
 @needs_avx512
-def test_bf16_engine_with_kernels_equals_pytorch_path(llama_dir):
-    """A bf16 checkpoint computed in float32: the kernels (bf16 weights, in-place bf16 KV reads)
-    give the PyTorch path's tokens for a concurrent batch, and logits within float32 rounding."""
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
+def test_bf16_engine_with_kernels_equals_pytorch_path(arch, checkpoints):
+    """A bf16 checkpoint computed in float32: the kernels (bf16 weights for linear layers and MoE
+    experts, in-place bf16 KV reads) give the PyTorch path's tokens for a concurrent batch, and
+    logits within float32 rounding."""
     rng = random.Random(3)
     prompts = [[rng.randrange(200) for _ in range(L)] for L in (3, 17, 31, 1, 48, 9, 64, 25)]
     kw = dict(dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
-    fast = LLM(str(llama_dir), **kw)
-    assert isinstance(fast.engine.runner.model.layers[0].mlp.down_proj, Bf16DecodeLinear)
-    slow = LLM(str(llama_dir), cpu_kernels=False, **kw)
-    assert not isinstance(slow.engine.runner.model.layers[0].mlp.down_proj, Bf16DecodeLinear)
+    fast = LLM(str(checkpoints[arch]), **kw)
+    slow = LLM(str(checkpoints[arch]), cpu_kernels=False, **kw)
+    for llm, on in ((fast, True), (slow, False)):
+        layer = llm.engine.runner.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj, Bf16DecodeLinear) == on
+        if arch != "llama":
+            assert (layer.mlp.bf16_experts is not None) == on
     assert _greedy(fast, prompts, 12) == _greedy(slow, prompts, 12)
     rows = {}
     for name, llm in (("fast", fast), ("slow", slow)):

@@ -96,13 +96,15 @@ def test_greedy_batch_token_identical(arch, setting, checkpoints, hf_models, hf_
     assert llm.engine.pool.num_used == 0
 
 
-def test_bf16_weights_and_kv_with_float32_compute(checkpoints, hf_models):
-    """The CPU fast path: bf16 weights and KV cache, float32 arithmetic; close to HF on bf16 weights."""
-    llm = LLM(str(checkpoints["llama"]), dtype="bfloat16", compute_dtype="float32", kv_cache_memory=1 << 20,
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
+    """The CPU fast path: bf16 weights and KV cache, float32 arithmetic (on this CPU through
+    tierlm's bf16-weight kernels for linear layers and experts); close to HF on bf16 weights."""
+    llm = LLM(str(checkpoints[arch]), dtype="bfloat16", compute_dtype="float32", kv_cache_memory=1 << 20,
               load_progress=False)
     assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
     assert next(llm.engine.runner.model.parameters()).dtype == torch.float32
-    hf = hf_models["llama"]
+    hf = hf_models[arch]
     ref_model = type(hf)(hf.config)
     ref_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in hf.state_dict().items()})
     cap = _Capture(llm.engine.sampler)
@@ -115,7 +117,7 @@ def test_bf16_weights_and_kv_with_float32_compute(checkpoints, hf_models):
     expect = ref[len(prompt) - 1: len(prompt) + 2]
     assert (ours[0] - expect[0]).abs().max().item() < 1e-3  # prefill: identical weights, same math
     assert (ours - expect).abs().max().item() < 5e-2  # decodes read a bf16-rounded KV cache
-    pure = LLM(str(checkpoints["llama"]), dtype="bfloat16", compute_dtype="bfloat16", kv_cache_memory=1 << 20,
+    pure = LLM(str(checkpoints[arch]), dtype="bfloat16", compute_dtype="bfloat16", kv_cache_memory=1 << 20,
                load_progress=False)
     assert next(pure.engine.runner.model.parameters()).dtype == torch.bfloat16
     assert len(pure.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))[0]

@@ -124,17 +124,41 @@ class Bf16DecodeLinear(nn.Module):
         return self.inner(x)
 
 
+class Bf16Experts:
+    """bf16 copies of a SparseMoE's stacked expert weights ([E, 2I, H] and [E, H, I]) for the
+    bf16-weight kernel: an expert's decode-sized token group streams half the bytes."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, max_rows: int = DECODE_MAX_ROWS) -> None:
+        self.packed = [[cpu_kernels.pack_bf16(w[e].to(torch.bfloat16)) for e in range(w.shape[0])] for w in (w13, w2)]
+        self.out_features = (w13.shape[1], w2.shape[1])
+        self.max_rows = max_rows
+
+    def linear(self, x: torch.Tensor, which: int, expert: int) -> torch.Tensor | None:
+        """x @ W^T for expert `expert`'s w13 (which=0) or w2 (1); None for batches too large."""
+        if x.shape[0] > self.max_rows:
+            return None
+        return cpu_kernels.gemm_bf16w(x, self.packed[which][expert], self.out_features[which], None)
+
+
+def _bf16_exact(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
+
+
 def add_bf16_decode_path(model: nn.Module) -> int:
-    """Wrap every float32 nn.Linear whose weights are bf16-exact in a Bf16DecodeLinear; returns how many."""
+    """Give every float32 linear layer (and MoE expert stack) whose weights are bf16-exact the
+    bf16-weight decode path; returns how many."""
     if not cpu_kernels.has_avx512():
         return 0
+    from tierlm.models.moe import SparseMoE
     n = 0
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
-            w = child.weight.detach()
-            if torch.equal(w.to(torch.bfloat16).float(), w):
+        if isinstance(child, nn.Linear):
+            if _bf16_exact(child.weight.detach()):
                 setattr(model, name, Bf16DecodeLinear(child))
                 n += 1
-        else:
-            n += add_bf16_decode_path(child)
+            continue
+        if isinstance(child, SparseMoE) and _bf16_exact(child.w13.detach()) and _bf16_exact(child.w2.detach()):
+            child.bf16_experts = Bf16Experts(child.w13.detach(), child.w2.detach())
+            n += 2
+        n += add_bf16_decode_path(child)
     return n

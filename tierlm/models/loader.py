@@ -236,7 +236,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
         if kv_dtype == torch.bfloat16 and cpu_linear == "auto" and cpu_kernels:
             n = add_bf16_decode_path(model)
             if n:
-                log.info("%d linear layers keep bf16 weights for decode batches (tierlm CPU kernel)", n)
+                log.info("%d linear layers / expert stacks keep bf16 weights for decode batches (tierlm CPU kernel)",
+                         n)
         if cpu_linear == "packed" or packing_pays_off():
             log.info("packed %d linear layers for oneDNN (faster float32 GEMMs on this CPU)", pack_linears(model))
     gen = _generation_config(model_dir)

@@ -6,12 +6,17 @@ the tokens sent to it; experts nobody chose cost nothing. Expert weights are sta
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from tierlm.models.config import ModelArgs
 from tierlm.models.layers import GatedMLP
+
+if TYPE_CHECKING:
+    from tierlm.models.cpu_linear import Bf16Experts
 
 
 class SparseMoE(nn.Module):
@@ -33,6 +38,8 @@ class SparseMoE(nn.Module):
         # Mixtral keeps routing weights in float32 when scaling expert outputs; Qwen2-MoE casts
         # them to the activation dtype first. Matching each keeps outputs bit-close to reference.
         self.weights_in_fp32 = args.model_type == "mixtral"
+        # Set by cpu_linear.add_bf16_decode_path: bf16 expert weights for small token groups.
+        self.bf16_experts: Bf16Experts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -48,14 +55,21 @@ class SparseMoE(nn.Module):
         w_sorted = weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
+        bf = self.bf16_experts
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             idx = token_of[start:start + c]
-            h = F.linear(x[idx], self.w13[e])
+            xe = x[idx]
+            h = bf.linear(xe, 0, e) if bf is not None else None
+            if h is None:
+                h = F.linear(xe, self.w13[e])
             gate, up = h.split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])
+            act = F.silu(gate) * up
+            y = bf.linear(act, 1, e) if bf is not None else None
+            if y is None:
+                y = F.linear(act, self.w2[e])
             y = y * w_sorted[start:start + c, None]
             out.index_add_(0, idx, y.to(x.dtype))
             start += c
