@@ -297,8 +297,8 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
 
 /* q: [nd, hq, d] float32; k/v cache: [num_blocks, block_size, hkv, d] (float32 or bf16);
  * tables: [nd, max_blocks] int64; lens: [nd] keys per sequence incl. the new one;
- * window > 0 keeps only the last `window` keys. out: [nd, hq, d] float32. */
-/* Returns 0, or -1 (nothing written) where this build has no AVX-512, the shape is off the
+ * window > 0 keeps only the last `window` keys. out: [nd, hq, d] float32.
+ * Returns 0, or -1 (out is then not valid) where this build has no AVX-512, the shape is off the
  * vector path (head_dim % 16 != 0 or > 256, more than 16 query heads per KV head) or scratch
  * memory ran out: the caller then uses its PyTorch path. */
 int tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv, int64_t d, const void *kc,
