@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
+_lock = threading.Lock()
 
 
 def _cpu_flags() -> str:
@@ -77,6 +79,13 @@ def _build() -> Path | None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None where it is disabled or cannot be built (logged once)."""
+    if _tried:
+        return _lib
+    with _lock:  # engines loading in parallel threads wait for one build instead of skipping it
+        return _load()
+
+
+def _load() -> ctypes.CDLL | None:
     global _lib, _tried
     if _tried:
         return _lib
