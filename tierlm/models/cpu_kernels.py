@@ -31,6 +31,7 @@ _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
+_avx512 = False  # whether the loaded library has its AVX-512 kernels (read once, not per call)
 _lock = threading.Lock()
 
 
@@ -86,7 +87,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
+    global _lib, _tried, _avx512
     if _tried:
         return _lib
     _tried = True
@@ -111,7 +112,8 @@ def _load() -> ctypes.CDLL | None:
     lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, ptr,
                                             i64, ctypes.c_float, ptr, cint]
     lib.tierlm_decode_attention.restype = ctypes.c_int
-    if not lib.tierlm_has_avx512():
+    _avx512 = bool(lib.tierlm_has_avx512())
+    if not _avx512:
         log.info("this CPU has no AVX-512: tierlm's CPU kernels are off, the PyTorch paths run")
     _lib = lib
     return lib
@@ -119,8 +121,7 @@ def _load() -> ctypes.CDLL | None:
 
 def has_avx512() -> bool:
     """Whether the kernels are built with AVX-512 (both need it; otherwise PyTorch paths run)."""
-    lib = library()
-    return lib is not None and bool(lib.tierlm_has_avx512())
+    return library() is not None and _avx512
 
 
 # ---------------------------------------------------------------- bf16-weight GEMM

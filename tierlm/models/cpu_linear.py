@@ -22,6 +22,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tierlm.models import cpu_kernels
+from tierlm.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,6 @@ def add_bf16_decode_path(model: nn.Module) -> int:
     bf16-weight decode path; returns how many."""
     if not cpu_kernels.has_avx512():
         return 0
-    from tierlm.models.moe import SparseMoE
     n = 0
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
