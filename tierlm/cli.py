@@ -9,7 +9,6 @@ import sys
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from tierlm.kv.policies import DEFAULT_POLICY, POLICIES
-    online = [x for x in POLICIES if x != "belady"]
 
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: built-in demo model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -25,12 +24,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     kv = p.add_argument_group("KV cache tiers")
     kv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     help="turn off automatic prefix caching")
-    kv.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=online, help="device pool eviction policy (see tierlm bench cache)")
+    kv.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=POLICIES, help="device pool eviction policy (see tierlm bench cache)")
     kv.add_argument("--kv-host-capacity", default=None, help="host-memory tier size: '2GiB', '1000 blocks' or bytes")
     kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given)")
     kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes")
     kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
-    kv.add_argument("--kv-tier-policy", default=DEFAULT_POLICY, choices=online, help="eviction policy of the lower tiers")
+    kv.add_argument("--kv-tier-policy", default=DEFAULT_POLICY, choices=POLICIES, help="eviction policy of the lower tiers")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -136,7 +136,8 @@ def test_run_cache_bench_writes_json_and_png(tiny_trace: str, tmp_path) -> None:
     assert data == json.loads(json.dumps(out))
     assert data["trace"] == ["tiny"] and os.path.getsize(out_png) > 0
     rows = {(r["policy"], r["capacity"]): r for r in data["results"]}
-    assert set(rows) == {(p, c) for p in ("lru", "gittins", "belady") for c in (2, 4)}
+    assert set(rows) == {(p, c) for p in ("lru", "gittins", "belady", "oracle_pop")
+                         for c in (2, 4)}
     for c in (2, 4):
         lru, bel = rows[("lru", c)]["hit_rate"], rows[("belady", c)]["hit_rate"]
         assert bel >= lru
@@ -156,7 +157,7 @@ def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
     assert args.capacities == [2, 3] and args.policies == ["lru", "arc"]
     assert args.func(args) == 0
     assert "belady" in capsys.readouterr().out
-    assert len(json.loads(out_json.read_text())["results"]) == 2 * 2 * 3
+    assert len(json.loads(out_json.read_text())["results"]) == 2 * 2 * 4  # + belady, oracle_pop
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", "x"])
 

@@ -17,6 +17,8 @@ from tierlm.kv.policies import (
     DuelPolicy,
     EvictionPolicy,
     GittinsPolicy,
+    OFFLINE_POLICIES,
+    PopularityOraclePolicy,
     S3FIFOPolicy,
     ShadowPolicy,
     TLPPolicy,
@@ -36,8 +38,8 @@ def touch(policy: EvictionPolicy, chain: list[str], now: int) -> None:
 def test_registry_and_default() -> None:
     assert {"lru", "lfu", "tlp", "s3fifo", "arc", "gittins", "duel", "shadow", "chain"} <= set(
         POLICIES)
-    assert "belady" not in POLICIES and DEFAULT_POLICY in POLICIES
-    for name in POLICIES + ["belady"]:
+    assert not set(OFFLINE_POLICIES) & set(POLICIES) and DEFAULT_POLICY in POLICIES
+    for name in POLICIES + OFFLINE_POLICIES:
         policy = make_policy(name)
         assert policy.name == name and isinstance(policy, EvictionPolicy)
     with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
@@ -149,6 +151,26 @@ def test_belady_evicts_farthest_next_use() -> None:
     assert p.victim() == "c"  # next uses: a@4, b@3, c@5
     with pytest.raises(ValueError, match="set_future"):
         p.access("zzz", None, 3)
+
+
+def test_popularity_oracle_evicts_fewest_references_to_come() -> None:
+    p = PopularityOraclePolicy()
+    p.set_future(["a", "b", "c", "b", "a", "a"])
+    for t, key in enumerate("abc"):
+        p.access(key, None, t)
+    assert p.victim() == "c"  # references to come: a 2, b 1, c 0
+    p.remove("c")
+    assert p.victim() == "b"  # b is needed sooner than a, but fewer times: popularity, not timing
+    p.access("b", None, 3)
+    p.access("a", None, 4)
+    assert p.victim() == "b"  # b 0 to come, a 1
+    q = PopularityOraclePolicy()
+    q.set_future(["x", "y"])
+    q.access("x", None, 0)
+    q.access("y", None, 1)
+    assert q.victim() == "x"  # a tie goes to the least recently used
+    with pytest.raises(ValueError, match="set_future"):
+        q.access("zzz", None, 2)
 
 
 def test_gittins_index_shapes() -> None:

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
-from tierlm.kv.policies import POLICIES, EvictionPolicy, make_policy
+from tierlm.kv.policies import OFFLINE_POLICIES, POLICIES, EvictionPolicy, make_policy
 
 __all__ = [
     "Trace",
@@ -146,7 +146,7 @@ def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity:
         raise ValueError(f"clock must be 'request' or 'block', got {clock!r}")
     requests = _requests(trace)
     policy = make_policy(policy_name, **policy_kwargs)
-    if policy_name == "belady":
+    if policy_name in OFFLINE_POLICIES:
         policy.set_future([k for blocks in requests for k in blocks])  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     hits, refs = replay(policy, requests, capacity, clock)
@@ -163,12 +163,14 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
                     policies: list[str] | None = None, json_out: str | None = None,
                     plot_out: str | None = None, clock: str = "request",
                     quiet: bool = False) -> dict:
-    """Replay every trace × capacity × policy (plus lru and belady references); write JSON/PNG."""
+    """Replay every trace × capacity × policy, plus the references (lru and the offline
+    OFFLINE_POLICIES: belady, and oracle_pop, the ceiling for popularity scores); write JSON/PNG."""
     chosen = list(policies) if policies else list(POLICIES)
-    unknown = [p for p in chosen if p not in POLICIES and p != "belady"]
+    unknown = [p for p in chosen if p not in POLICIES and p not in OFFLINE_POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {POLICIES + ['belady']}")
-    order = ["lru"] + [p for p in chosen if p not in ("lru", "belady")] + ["belady"]
+        raise ValueError(f"unknown policies {unknown}; choose from {POLICIES + OFFLINE_POLICIES}")
+    order = (["lru"] + [p for p in chosen if p != "lru" and p not in OFFLINE_POLICIES]
+             + OFFLINE_POLICIES)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
     results: list[dict] = []
@@ -185,7 +187,7 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
             for name in order:
                 r = simulate(trace, name, cap, clock=clock)
                 rows[name] = r
-                say(f"[cache]   cap={cap:<6} {name:<8} hit_rate={r.hit_rate:.4f} "
+                say(f"[cache]   cap={cap:<6} {name:<10} hit_rate={r.hit_rate:.4f} "
                     f"({r.seconds:.1f}s)")
             lru, bel = rows["lru"].hit_rate, rows["belady"].hit_rate
             for name, r in rows.items():
@@ -216,7 +218,7 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
 def format_table(out: dict) -> str:
     """Plain-text table: one row per trace × policy, hit rate (gap closed) per capacity."""
     caps = out["capacities"]
-    head = f"{'trace':<24} {'policy':<8} " + " ".join(f"{f'cap={c}':>18}" for c in caps)
+    head = f"{'trace':<24} {'policy':<10} " + " ".join(f"{f'cap={c}':>18}" for c in caps)
     lines = [head, "-" * len(head)]
     by_key = {(r["trace"], r["policy"], r["capacity"]): r for r in out["results"]}
     seen: list[tuple[str, str]] = []
@@ -233,7 +235,7 @@ def format_table(out: dict) -> str:
             g = r["gap_closed_vs_lru"]
             gap = "" if g is None or policy in ("lru", "belady") else f" ({100 * g:+.0f}%)"
             cells.append(f"{r['hit_rate']:.4f}{gap}".rjust(18))
-        lines.append(f"{trace:<24} {policy:<8} " + " ".join(cells))
+        lines.append(f"{trace:<24} {policy:<10} " + " ".join(cells))
     lines.append(f"elapsed {out['elapsed_s']}s; (x%) = share of the LRU→Belady gap closed")
     return "\n".join(lines)
 
@@ -253,7 +255,8 @@ def plot_cache_results(out: dict, path: str) -> str:
             caps = sorted({c for xs, _ in panels[trace].values() for c in xs})
             panels[trace]["∞ cache"] = (caps, [bound] * len(caps))
     styles = {"∞ cache": {"linestyle": ":", "color": "gray", "marker": None},
-              "belady": {"linestyle": "--", "color": "black"}}
+              "belady": {"linestyle": "--", "color": "black"},
+              "oracle_pop": {"linestyle": "--", "color": "darkred"}}
     return panels_plot(path, panels, title="prefix-cache hit rate vs capacity (blocks)",
                        xlabel="capacity (blocks)", ylabel="block hit rate", logx=True,
                        styles=styles)
@@ -273,7 +276,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="comma-separated cache sizes in blocks (default 1000,4000,16000)")
     p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help=f"comma-separated subset of {','.join(POLICIES)} (default: all); "
-                        "lru and belady are always run as references")
+                        "lru, belady and oracle_pop are always run as references")
     p.add_argument("--clock", choices=["request", "block"], default="request",
                    help="logical time unit passed to policies (default: request)")
     p.add_argument("--json", dest="json_out", default="bench_results/cache.json")
