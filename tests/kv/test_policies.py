@@ -22,6 +22,7 @@ from tierlm.kv.policies import (
     S3FIFOPolicy,
     ShadowPolicy,
     TLPPolicy,
+    _CandidateHeap,
     gittins_index,
     make_policy,
 )
@@ -171,6 +172,21 @@ def test_popularity_oracle_evicts_fewest_references_to_come() -> None:
     assert q.victim() == "x"  # a tie goes to the least recently used
     with pytest.raises(ValueError, match="set_future"):
         q.access("zzz", None, 2)
+
+
+def test_candidate_heap_smallest_skips_stale_and_keeps_entries() -> None:
+    heap = _CandidateHeap()
+    for key, prio in [("a", 5), ("b", 1), ("c", 3), ("d", 2)]:
+        heap.push(key, prio)
+    heap.push("b", 9)  # b's old entry (1) is stale now
+    heap.discard("d")
+    pinned = {"c"}
+    assert heap.smallest(2, lambda k: k not in pinned) == ["a", "b"]
+    assert heap.smallest(2, lambda k: k not in pinned) == ["a", "b"]  # still there
+    heap.push("c", 3)  # c was dropped as a non-candidate; its owner re-pushes it when it is one
+    pinned.clear()
+    assert heap.smallest(10, lambda k: True) == ["c", "a", "b"]
+    assert heap.peek(lambda k: True) == "c"
 
 
 def test_gittins_index_shapes() -> None:

