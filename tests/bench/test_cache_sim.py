@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +18,7 @@ from tierlm.bench.cache import (
     run_cache_bench,
     simulate,
 )
-from tierlm.kv.policies import POLICIES
+from tierlm.kv.policies import POLICIES, SAMPLED_POLICIES
 
 TRACES = "/work/shared/traces"
 
@@ -156,18 +157,37 @@ def test_run_cache_bench_writes_json_and_png(tiny_trace: str, tmp_path) -> None:
             assert rows[("belady", c)]["gap_closed_vs_lru"] == pytest.approx(1.0)
 
 
+def test_seed_reaches_the_sampled_policies_only(tmp_path) -> None:
+    rng = random.Random(7)  # many short chains under 40 roots: more leaves than duel samples
+    reqs = [[1000 + r] + [rng.randrange(10**6) for _ in range(rng.randint(1, 4))]
+            if rng.random() < 0.5 else [1000 + r, 5000 + r]
+            for r in (rng.randrange(40) for _ in range(600))]
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"hash_ids": r}) + "\n" for r in reqs))
+    runs = {}
+    for seed in (0, 1):
+        out = run_cache_bench([str(path)], [200], ["lru", "duel"], quiet=True, seed=seed)
+        assert out["seed"] == seed
+        runs[seed] = {r["policy"]: r["hits"] for r in out["results"]}
+        assert runs[seed]["duel"] == simulate(reqs, "duel", 200, seed=seed).hits
+    assert runs[0]["lru"] == runs[1]["lru"] and runs[0]["belady"] == runs[1]["belady"]
+    assert runs[0]["duel"] != runs[1]["duel"]  # this trace has more leaves than duel samples
+    assert "duel" in SAMPLED_POLICIES and "lru" not in SAMPLED_POLICIES
+
+
 def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser(prog="tierlm")
     bench = parser.add_subparsers(dest="cmd").add_parser("bench").add_subparsers(dest="bench")
     add_cli(bench)
     out_json = tmp_path / "c.json"
     args = parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--trace", tiny_trace,
-                              "--capacities", "2,3", "--policies", "lru,arc",
+                              "--capacities", "2,3", "--policies", "lru,arc", "--seed", "3",
                               "--json", str(out_json)])
-    assert args.capacities == [2, 3] and args.policies == ["lru", "arc"]
+    assert args.capacities == [2, 3] and args.policies == ["lru", "arc"] and args.seed == 3
     assert args.func(args) == 0
     assert "belady" in capsys.readouterr().out
-    assert len(json.loads(out_json.read_text())["results"]) == 2 * 2 * 4  # + belady, oracle_pop
+    written = json.loads(out_json.read_text())
+    assert len(written["results"]) == 2 * 2 * 4 and written["seed"] == 3  # + belady, oracle_pop
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", "x"])
 

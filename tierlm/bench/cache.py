@@ -27,7 +27,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
-from tierlm.kv.policies import OFFLINE_POLICIES, POLICIES, EvictionPolicy, make_policy
+from tierlm.kv.policies import (
+    OFFLINE_POLICIES,
+    POLICIES,
+    SAMPLED_POLICIES,
+    EvictionPolicy,
+    make_policy,
+)
 
 __all__ = [
     "Trace",
@@ -162,7 +168,7 @@ def _gap_closed(rate: float, lru: float, belady: float) -> float | None:
 def run_cache_bench(trace_paths: list[str], capacities: list[int],
                     policies: list[str] | None = None, json_out: str | None = None,
                     plot_out: str | None = None, clock: str = "request",
-                    quiet: bool = False) -> dict:
+                    quiet: bool = False, seed: int = 0) -> dict:
     """Replay every trace × capacity × policy, plus the references (lru and the offline
     OFFLINE_POLICIES: belady, and oracle_pop, the ceiling for popularity scores); write JSON/PNG."""
     chosen = list(policies) if policies else list(POLICIES)
@@ -185,7 +191,8 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
         for cap in capacities:
             rows: dict[str, SimResult] = {}
             for name in order:
-                r = simulate(trace, name, cap, clock=clock)
+                r = simulate(trace, name, cap, clock=clock,
+                             **({"seed": seed} if name in SAMPLED_POLICIES else {}))
                 rows[name] = r
                 say(f"[cache]   cap={cap:<6} {name:<10} hit_rate={r.hit_rate:.4f} "
                     f"({r.seconds:.1f}s)")
@@ -200,6 +207,7 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
         "trace": [os.path.splitext(os.path.basename(p))[0] for p in trace_paths],
         "capacities": list(capacities),
         "clock": clock,
+        "seed": seed,
         "infinite_cache_bound": bounds,
         "elapsed_s": round(elapsed, 2),
         "results": results,
@@ -279,6 +287,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "lru, belady and oracle_pop are always run as references")
     p.add_argument("--clock", choices=["request", "block"], default="request",
                    help="logical time unit passed to policies (default: request)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the policies that sample their victims "
+                        f"({', '.join(SAMPLED_POLICIES)}); the others are deterministic")
     p.add_argument("--json", dest="json_out", default="bench_results/cache.json")
     p.add_argument("--plot", dest="plot_out", default=None, help="PNG path (optional)")
     p.set_defaults(func=main)
@@ -293,7 +304,7 @@ def add_cli(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser
 
 def main(args: argparse.Namespace) -> int:
     run_cache_bench(args.trace, args.capacities, args.policies, args.json_out, args.plot_out,
-                    clock=args.clock)
+                    clock=args.clock, seed=args.seed)
     return 0
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "PopularityOraclePolicy",
     "POLICIES",
     "OFFLINE_POLICIES",
+    "SAMPLED_POLICIES",
     "DEFAULT_POLICY",
     "make_policy",
 ]
@@ -527,10 +528,10 @@ class _SampledPolicy(_LeafPolicy):
 
     Why the oldest too: most scores here fall with age, so the best victim is often among the
     oldest leaves, and a uniform sample of 64 out of hundreds of leaves misses most of them.
-    Measured with `chain` on conversation/16k (share of the LRU->Belady gap, seeds 0-5):
-    64 random 23.9-24.4%, 256 random 24.3-24.6%, 64 random + 16 oldest 24.2-25.1%, 128 random
-    + 16 oldest 25.1-25.7% (chain's setting), a full scan of every leaf 24.8%. A little
-    randomness helps, apparently because the learned index is not perfectly calibrated.
+    Measured with `chain` on conversation/16k (share of the LRU->Belady gap; seeds): 64 random
+    23.9-24.4% (0-4), 256 random 24.3-24.6% (0-1), 64 random + 16 oldest 24.2-25.1% (0-3),
+    128 random + 16 oldest 25.0-25.8% (0-9; chain's setting), a full scan of every leaf 24.8%.
+    A little randomness helps, apparently because the learned index is not perfectly calibrated.
 
     Candidates sit in a list with O(1) swap-removal; stale entries (pinned, got a child) are
     purged lazily when drawn and re-added by `_refresh` when they become candidates again. The
@@ -1034,11 +1035,11 @@ class ChainPolicy(DuelPolicy):
     experts, same duels), except that an abandoned leaf gets the lowest score under both
     experts (DuelPolicy's `_dead` hook), so it goes first (oldest first). Everything is known at the time: no lookahead.
 
-    Settings chosen on conversation/16k, the trace it is for (gap closed vs LRU, seeds 0-5):
-    its Gittins tables are rebuilt every 2,048 accesses (duel: 8,192; 23.9-24.4% against
-    23.3-23.4%), and each victim is picked from 128 random leaves plus the 16 least recently
-    used (duel: 64 random; 25.1-25.7%, see `_SampledPolicy`). On synthetic both cost a few
-    points, and duel is the better choice there.
+    Settings chosen on conversation/16k, the trace it is for (gap closed vs LRU): its Gittins
+    tables are rebuilt every 2,048 accesses (duel: 8,192; 23.9-24.4% over seeds 0-4, against
+    23.3-23.4% over seeds 0-2), and each victim is picked from 128 random leaves plus the 16
+    least recently used (duel: 64 random; 25.0-25.8% over seeds 0-9, see `_SampledPolicy`). On
+    synthetic both cost a few points, and duel is the better choice there.
 
     Measured (request clock, gap closed vs LRU; duel in brackets): conversation 1k/4k/16k
     22.7% (22.9) / 29.9% (28.7) / 25.3% (21.2); synthetic 7.1% (9.1) / 8.1% (9.9) / 17.3% (20.3).
@@ -1050,7 +1051,7 @@ class ChainPolicy(DuelPolicy):
 
     Cost: one record per segment (a few per request), an O(1) stamp per access and at most
     `walk` + 1 segment checks per scored candidate, twice duel's candidates per victim and
-    four times its refits: 1.6-3.4x `duel`'s replay time (bench_results/cache.json).
+    four times its refits: 1.5-3.2x `duel`'s replay time (bench_results/cache.json).
     """
 
     name = "chain"
@@ -1214,6 +1215,9 @@ _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
 OFFLINE_POLICIES: list[str] = ["belady", "oracle_pop"]
 #: Online policies selectable by name.
 POLICIES: list[str] = [n for n in _REGISTRY if n not in OFFLINE_POLICIES]
+#: Online policies that sample their victims, so their results depend on their `seed` argument.
+SAMPLED_POLICIES: list[str] = [n for n in POLICIES
+                               if issubclass(_REGISTRY[n], _SampledPolicy)]  # type: ignore[arg-type]
 
 #: Default for the engine and configs. On bench_results/cache.json it is at or above LRU in all six
 #: trace x capacity cells and has the best worst case: it keeps Gittins' lead on the conversation
