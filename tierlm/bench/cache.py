@@ -169,8 +169,9 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
                     policies: list[str] | None = None, json_out: str | None = None,
                     plot_out: str | None = None, clock: str = "request",
                     quiet: bool = False, seed: int = 0) -> dict:
-    """Replay every trace × capacity × policy, plus the references (lru and the offline
-    OFFLINE_POLICIES: belady, and oracle_pop, the ceiling for popularity scores); write JSON/PNG."""
+    """Replay every trace × capacity × policy plus the references: lru and the offline
+    `OFFLINE_POLICIES` (belady; oracle_pop, the ceiling for popularity scores). The policies
+    that sample their victims get `seed`. Writes JSON and, if asked, the PNG."""
     chosen = list(policies) if policies else list(POLICIES)
     unknown = [p for p in chosen if p not in POLICIES and p not in OFFLINE_POLICIES]
     if unknown:
