@@ -347,7 +347,7 @@ def test_victim_invariants_under_random_operations(name: str, program: list) -> 
         assert len(p) == sum(1 for k in range(12) if k in p)
 
 
-@pytest.mark.parametrize("name", [n for n in POLICIES if n != "belady"])
+@pytest.mark.parametrize("name", POLICIES)
 def test_long_chain_drains_completely_from_the_tail(name):
     """A 300-block chain (most keys were leaves once, then got a child) is evicted tail first,
     and victim() never answers None while an evictable block is left."""
