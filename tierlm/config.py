@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierlm.kv.policies import DEFAULT_POLICY
+from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -40,7 +40,9 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_capacity: int | str | None = None
     kv_remote: str | None = None  # e.g. redis://127.0.0.1:6379/0
-    kv_tier_policy: str = DEFAULT_POLICY
+    kv_tier_policy: str = DEFAULT_POLICY  # host and disk tiers, unless set per tier below
+    kv_host_policy: str | None = None  # None = kv_tier_policy
+    kv_disk_policy: str | None = None  # None = kv_tier_policy
     kv_remote_write_through: bool = True
     served_model_name: str | None = None
     load_progress: bool = True
@@ -66,6 +68,19 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes (got {self.kv_cache_memory})")
+        for knob in ("eviction_policy", "kv_tier_policy", "kv_host_policy", "kv_disk_policy"):
+            name = getattr(self, knob)
+            if name is None and knob in ("kv_host_policy", "kv_disk_policy"):
+                continue
+            if name in OFFLINE_POLICIES:
+                raise ValueError(f"{knob}={name!r} is an offline reference that needs the future (only "
+                                 f"`tierlm bench cache` runs it); choose one of {POLICIES}")
+            if name not in POLICIES:
+                raise ValueError(f"unknown eviction policy {knob}={name!r}; choose one of {POLICIES}")
+
+    def tier_policy(self, tier: str) -> str:
+        """The eviction policy of a lower tier ("host" or "disk"): its own knob, else kv_tier_policy."""
+        return getattr(self, f"kv_{tier}_policy") or self.kv_tier_policy
 
 
 def default_kv_cache_memory(device: torch.device) -> int:

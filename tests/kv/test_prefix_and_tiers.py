@@ -8,6 +8,8 @@ import torch
 
 from tierlm import LLM, SamplingParams
 from tierlm.kv.prefix_cache import chain_hashes, extra_key
+from tierlm.config import EngineConfig
+from tierlm.kv.policies import DuelPolicy, LFUPolicy, LRUPolicy
 from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, encode_block
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -78,6 +80,26 @@ def test_host_eviction_demotes_to_disk(llama_dir, cold_reference, tmp_path):
     assert tokens == ref[3] and cached == 64
     tiers = llm.engine.stats().kv_tiers
     assert tiers["disk"]["hits"] > 0 and tiers["host"]["hits"] > 0
+
+
+def test_eviction_policy_is_chosen_per_tier(llama_dir, tmp_path):
+    llm = _llm(llama_dir, eviction_policy="lru", kv_host_capacity="4 blocks", kv_host_policy="lfu",
+               kv_disk_dir=str(tmp_path / "kv"))
+    host, disk = llm.engine.store.tiers
+    assert type(llm.engine.pool.policy) is LRUPolicy
+    assert type(host.policy) is LFUPolicy and type(disk.policy) is DuelPolicy  # disk: kv_tier_policy
+    cfg = EngineConfig(kv_tier_policy="lru", kv_disk_policy="arc")
+    assert (cfg.tier_policy("host"), cfg.tier_policy("disk")) == ("lru", "arc")
+
+
+@pytest.mark.parametrize("knob, name, says", [("kv_host_policy", "mru", "unknown eviction policy"),
+                                              ("eviction_policy", "belady", "offline reference"),
+                                              ("kv_tier_policy", "oracle_pop", "offline reference")])
+def test_bad_policy_names_are_refused_before_loading(knob, name, says, tmp_path):
+    missing = tmp_path / "no-model-here"  # validation must fail before the checkpoint is read
+    with pytest.raises(ValueError, match=says) as err:
+        LLM(str(missing), **{knob: name})
+    assert knob in str(err.value) and "lru" in str(err.value)
 
 
 def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):

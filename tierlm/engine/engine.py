@@ -77,10 +77,10 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device) ->
     tiers: list = []
     host = parse_capacity(config.kv_host_capacity, block_bytes)
     if host > 0:
-        tiers.append(HostTier(host, config.kv_tier_policy, pin=device.type == "cuda"))
+        tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
     if config.kv_disk_dir:
         disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else 1 << 20
-        tiers.append(DiskTier(config.kv_disk_dir, disk, config.kv_tier_policy))
+        tiers.append(DiskTier(config.kv_disk_dir, disk, config.tier_policy("disk")))
     if config.kv_remote:
         if not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
