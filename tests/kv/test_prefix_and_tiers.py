@@ -10,7 +10,7 @@ from tierlm import LLM, SamplingParams
 from tierlm.kv.prefix_cache import chain_hashes, extra_key
 from tierlm.config import EngineConfig
 from tierlm.kv.policies import DuelPolicy, LFUPolicy, LRUPolicy
-from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, encode_block
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, TieredStore, decode_block, encode_block
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -111,6 +111,23 @@ def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
         got = tier.get(h)
         assert got is not None and got.dtype == data.dtype
         assert torch.equal(got.view(torch.uint8), data.view(torch.uint8)), tier.name
+
+
+def test_writer_fences_device_copies_before_reading_a_block(tmp_path):
+    """Demoted K/V may still be in flight from the device (CUDA copy stream): the writer thread
+    must wait on the fence before it encodes a block for disk, every time."""
+    disk_dir = tmp_path / "kv"
+    on_disk_at_fence: list[int] = []
+    store = TieredStore([HostTier(1), DiskTier(disk_dir, 8)],
+                        fence=lambda: on_disk_at_fence.append(len(list(disk_dir.rglob("*.kv")))))
+    blocks = [(bytes([i]) * 32, torch.full((2, 2, 4), float(i))) for i in range(4)]
+    for h, data in blocks:
+        store.demote(h, None, data)  # host holds one block: each new one pushes the last to disk
+    store.flush()
+    assert on_disk_at_fence == [0, 1, 2]  # fenced before each of the three disk writes
+    for h, data in blocks:
+        assert torch.equal(store.fetch(h)[1], data)
+    store.close()
 
 
 def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference, tmp_path):

@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -
     return f"{model_dir.name}:{dtype}:{kv_dtype}:{digest.hexdigest()[:16]}"
 
 
-def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device) -> TieredStore | None:
+def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device,
+                fence: Callable[[], None] | None = None) -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
     tiers: list = []
     host = parse_capacity(config.kv_host_capacity, block_bytes)
@@ -85,7 +87,7 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device) ->
         if not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
         tiers.append(RedisTier(config.kv_remote))
-    return TieredStore(tiers, config.kv_remote_write_through) if tiers else None
+    return TieredStore(tiers, config.kv_remote_write_through, fence) if tiers else None
 
 
 class LLMEngine:
@@ -129,7 +131,7 @@ class LLMEngine:
             self.runner.warm_up(warm_tokens, config.max_num_seqs)
             log.info("warm-up forward (%d prefill tokens, %d decode rows) took %.2f s (warmup=False skips it)",
                      warm_tokens, config.max_num_seqs, time.monotonic() - t0)
-        self.store = build_tiers(config, per_block, self.device)
+        self.store = build_tiers(config, per_block, self.device, fence=self.runner.copies_done)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype, loaded.kv_dtype), store=self.store,
                                  io=BlockIO(self.runner.read_block, self.runner.write_block))
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)

@@ -33,6 +33,9 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=loaded.kv_dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
+        # K/V copies to host (demotion) run here on CUDA, off the compute stream.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._last_copy: torch.cuda.Event | None = None
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, num_decodes: int) -> None:
@@ -60,8 +63,36 @@ class ModelRunner:
                        self.kv_caches, meta, logits_indices=torch.arange(d, device=dev))
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block's K/V for every layer, copied to host: [layers, 2, block_size, kv_heads, head_dim]."""
-        return torch.stack([c[:, block_id] for c in self.kv_caches]).to("cpu", copy=True)
+        """One block's K/V for every layer, copied to host: [layers, 2, block_size, kv_heads, head_dim].
+
+        On CUDA this returns at once: the copy runs on a side stream into pinned memory, later
+        compute kernels (which may overwrite the block's slot) wait for it on the GPU, and the
+        bytes may be read on the CPU only after `copies_done()`. Promotion back needs no fence:
+        its host-to-device copy is queued on the compute stream, behind the wait.
+        """
+        layers = [c[:, block_id] for c in self.kv_caches]
+        if self._copy_stream is None:
+            return torch.stack(layers).to("cpu", copy=True)
+        compute = torch.cuda.current_stream(self.device)
+        out = torch.empty((len(layers), *layers[0].shape), dtype=layers[0].dtype, pin_memory=True)
+        self._copy_stream.wait_stream(compute)  # the block as last written
+        with torch.cuda.stream(self._copy_stream):
+            for i, layer in enumerate(layers):
+                out[i].copy_(layer, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        compute.wait_event(done)
+        self._last_copy = done
+        return out
+
+    def copies_done(self) -> None:
+        """Wait until every K/V copy to host queued so far has landed (nothing to wait for off CUDA).
+
+        Copies complete in stream order, so the latest one's event covers all earlier ones.
+        """
+        done = self._last_copy
+        if done is not None:
+            done.synchronize()
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         data = data.to(self.device, dtype=self.kv_caches[0].dtype, non_blocking=True)

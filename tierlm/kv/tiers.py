@@ -19,6 +19,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -292,13 +293,17 @@ class RedisTier:
 class TieredStore:
     """The chain of lower tiers plus a writer thread that keeps slow stores off the model loop.
 
-    The first tier (host) is written synchronously (a memory copy); anything it evicts, and
-    any write-through to the remote tier, is queued for the writer. Blocks queued but not yet
+    The first tier (host) is written synchronously (it only keeps a reference to the copy);
+    anything it evicts, and any write-through to the remote tier, is queued for the writer. Blocks queued but not yet
     written are still served from `pending`.
     """
 
-    def __init__(self, tiers: list, write_through_remote: bool = True) -> None:
+    def __init__(self, tiers: list, write_through_remote: bool = True,
+                 fence: Callable[[], None] | None = None) -> None:
         self.tiers = tiers
+        # Demoted blocks may still be in flight from the device (CUDA copy stream): the writer
+        # calls `fence` before it reads a block's bytes (encode for disk/Redis).
+        self.fence = fence
         self.write_through = write_through_remote and any(isinstance(t, RedisTier) for t in tiers)
         self.pending: dict[bytes, torch.Tensor] = {}
         self._plock = threading.Lock()
@@ -346,6 +351,8 @@ class TieredStore:
             try:
                 if item is None:
                     return
+                if self.fence is not None:
+                    self.fence()
                 kind, h, parent, data, level = item
                 if kind == "remote":
                     self.tiers[level].put(h, parent, data)
