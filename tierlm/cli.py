@@ -31,6 +31,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
     kv.add_argument("--kv-tier-policy", default=DEFAULT_POLICY, choices=POLICIES,
                     help="eviction policy of the host and disk tiers (unless set per tier)")
+    kv.add_argument("--kv-prefetch", default=None, action=argparse.BooleanOptionalAction,
+                    help="read a new request's disk/Redis prefix in the background while the engine steps "
+                         "(default: on for CUDA, off on CPU)")
     kv.add_argument("--kv-host-policy", default=None, choices=POLICIES, help="host tier policy (default: --kv-tier-policy)")
     kv.add_argument("--kv-disk-policy", default=None, choices=POLICIES, help="disk tier policy (default: --kv-tier-policy)")
 
@@ -42,7 +45,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.prefix_caching, eviction_policy=args.eviction_policy,
                 kv_host_capacity=args.kv_host_capacity, kv_disk_dir=args.kv_disk_dir,
                 kv_disk_capacity=args.kv_disk_capacity, kv_remote=args.kv_remote, kv_tier_policy=args.kv_tier_policy,
-                kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy)
+                kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
+                kv_prefetch=args.kv_prefetch)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -44,6 +44,11 @@ class EngineConfig:
     kv_host_policy: str | None = None  # None = kv_tier_policy
     kv_disk_policy: str | None = None  # None = kv_tier_policy
     kv_remote_write_through: bool = True
+    # Read a new request's disk/Redis prefix on a background thread while the engine keeps
+    # stepping, and admit it when the read is done; False: the step that admits it reads it.
+    # None: on for CUDA, off on CPU, where `tierlm bench prefix` measured the read competing
+    # with the model for the same cores (the newcomer waits a step, the others gain ~4-19%).
+    kv_prefetch: bool | None = None
     served_model_name: str | None = None
     load_progress: bool = True
     # One full-budget forward pass at start-up, so the first real steps do not pay for kernel

@@ -30,3 +30,8 @@ def test_bench_prefix_tiny(llama_dir, tmp_path):
     assert all(v > 0 for v in res["ttft_s"].values())
     assert res["cached_tokens"]["cold"] == [0]
     assert res["cached_tokens"]["device"] == res["cached_tokens"]["host"] == res["cached_tokens"]["disk"] == [192]
+    stall = res["disk_arrival_during_decode"]
+    for mode in ("prefetch", "no_prefetch"):
+        (sample,) = stall["samples"][mode]
+        assert sample["cached_tokens"] == 192  # the newcomer's prefix came from disk both ways
+        assert sample["max_step_s"] > 0 and sample["steps"] >= 1

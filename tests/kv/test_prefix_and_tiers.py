@@ -10,7 +10,8 @@ from tierlm import LLM, SamplingParams
 from tierlm.kv.prefix_cache import chain_hashes, extra_key
 from tierlm.config import EngineConfig
 from tierlm.kv.policies import DuelPolicy, LFUPolicy, LRUPolicy
-from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, TieredStore, decode_block, encode_block
+from tierlm.kv.store import TieredStore
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, encode_block
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -88,6 +89,7 @@ def test_eviction_policy_is_chosen_per_tier(llama_dir, tmp_path):
     host, disk = llm.engine.store.tiers
     assert type(llm.engine.pool.policy) is LRUPolicy
     assert type(host.policy) is LFUPolicy and type(disk.policy) is DuelPolicy  # disk: kv_tier_policy
+    assert llm.engine.kv.prefetching == (llm.engine.device.type == "cuda")  # kv_prefetch=None: CUDA only
     cfg = EngineConfig(kv_tier_policy="lru", kv_disk_policy="arc")
     assert (cfg.tier_policy("host"), cfg.tier_policy("disk")) == ("lru", "arc")
 
@@ -127,6 +129,111 @@ def test_writer_fences_device_copies_before_reading_a_block(tmp_path):
     assert on_disk_at_fence == [0, 1, 2]  # fenced before each of the three disk writes
     for h, data in blocks:
         assert torch.equal(store.fetch(h)[1], data)
+    store.close()
+
+
+def test_disk_prefix_is_prefetched_on_arrival_and_read_once(llama_dir, cold_reference, tmp_path):
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    eng, store = llm.engine, llm.engine.store
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    store.flush()  # the reader thread has staged the prefix before the request is scheduled
+    assert store.stats()["disk"]["hits"] == 8 and len(store.staged) == 8
+    while eng.has_unfinished():
+        eng.step()
+    assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64
+    disk = store.stats()["disk"]
+    assert disk["hits"] == 8 and disk["promotions"] == 8  # admission read staging, not the disk
+    assert not store.staged and store.staged_bytes == 0
+
+
+def test_steps_go_on_while_a_prefix_is_read_from_disk(llama_dir, cold_reference, tmp_path):
+    """A request whose prefix is being read from disk waits while other requests decode; it is
+    admitted when the read is done, with the same tokens as a cold run."""
+    import threading
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    gate, read = threading.Event(), disk._read
+    disk._read = lambda h: read(h) if gate.wait(10) else None  # hold the reader thread
+    other = eng.add_request({"prompt_token_ids": _prompt(4, 12)}, SamplingParams(max_tokens=30, temperature=0,
+                                                                                  ignore_eos=True))
+    eng.step()  # `other` is running
+    late = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert late in eng.scheduler.waiting and len(other.output_token_ids) == 4  # decoding went on
+    gate.set()
+    eng.store.flush()
+    while eng.has_unfinished():
+        eng.step()
+    assert late.output_token_ids == ref[3] and late.num_cached_tokens == 64
+    assert eng.store.stats()["disk"]["hits"] == 8
+    assert eng.pool.num_used == 0
+
+
+def test_without_prefetch_the_admitting_step_reads_the_disk(llama_dir, cold_reference, tmp_path):
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=False)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    req = llm.engine.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    llm.engine.store.flush()
+    assert llm.engine.store.stats()["disk"]["hits"] == 0 and not llm.engine.store.staged
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64
+    assert llm.engine.store.stats()["disk"]["hits"] == 8
+
+
+class _GatedDisk(DiskTier):
+    """A disk tier whose reads wait for a gate, to hold the reader thread at a known point."""
+
+    def __init__(self, *args, gate, **kw):
+        super().__init__(*args, **kw)
+        self.gate = gate
+
+    def _read(self, h):
+        assert self.gate.wait(10)
+        return super()._read(h)
+
+
+def test_prefetch_jobs_settle_cancel_and_stay_within_staging_bytes(tmp_path):
+    import threading
+
+    gate = threading.Event()
+    disk = _GatedDisk(tmp_path / "kv", 8, gate=gate)
+    blocks = [(bytes([i]) * 32, torch.full((4, 4), float(i))) for i in range(3)]
+    for h, data in blocks:
+        gate.set()
+        disk.put(h, None, data)
+    gate.clear()
+    block_bytes = 4 * 4 * 4
+    store = TieredStore([disk], staging_bytes=2 * block_bytes)
+    (h0, d0), (h1, _), (h2, _) = blocks
+    first = store.prefetch([h0])
+    assert first.done.wait(0.05) is False  # the reader is inside disk.get(h0), held by the gate
+    queued = store.prefetch([h1, h2])
+    store.settle(queued)  # not started: dropped at once, the caller reads for itself
+    assert queued.cancelled
+    gate.set()
+    store.flush()
+    assert first.found == 1 and queued.found == 0 and list(store.staged) == [h0]
+    assert disk.stats.hits == 1
+    source, data = store.fetch(h0)
+    assert source == "disk" and torch.equal(data, d0) and disk.stats.hits == 1  # served from staging
+    store.promoted(h0, "disk")
+    assert not store.staged and disk.stats.promotions == 1
+    whole = store.prefetch([h0, h1, h2])
+    store.flush()
+    assert whole.found == 3 and list(store.staged) == [h1, h2]  # the oldest dropped past the bound
+    assert store.staged_bytes == 2 * block_bytes
+    store.settle(whole)  # finished already: returns at once
     store.close()
 
 

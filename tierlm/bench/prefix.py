@@ -2,6 +2,11 @@
 
 The peer here is tierlm itself without the cache (cold prefill of the same prompt), measured in
 the same run; the ratios are what the cache buys.
+
+Second part, the stall: requests are decoding when one arrives whose prefix is on disk. With
+`kv_prefetch` its blocks are read on a background thread while the decodes go on, and the step
+that admits it only copies them in; without, that step reads the disk itself. Reported: the
+longest step the running decodes see from the arrival to the newcomer's first token, both ways.
 """
 from __future__ import annotations
 
@@ -24,6 +29,39 @@ def _ttft(llm, prompt: list[int], cached: dict | None = None, key: str = "") -> 
     return dt
 
 
+def _to_disk(llm) -> None:
+    llm.engine.offload_prefix_cache()
+    llm.engine.store.spill(0)  # push the host copies down to disk
+
+
+def _stall(llm, prompt: list[int], decoders: list[list[int]], prefetch: bool) -> dict:
+    """Steps seen by running decodes while a request with a disk-cached prefix arrives."""
+    from tierlm import SamplingParams
+    eng = llm.engine
+    eng.kv.prefetching = prefetch
+    running = [eng.add_request({"prompt_token_ids": d},
+                               SamplingParams(max_tokens=eng.max_model_len - len(d), ignore_eos=True))
+               for d in decoders]
+    while any(not r.output_token_ids for r in running):
+        eng.step()
+    before = []
+    for _ in range(3):
+        t = time.perf_counter()
+        eng.step()
+        before.append(time.perf_counter() - t)
+    late = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, ignore_eos=True))
+    steps = []
+    while not late.output_token_ids:
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    for r in running:
+        eng.abort(r.request_id)
+    eng.kv.prefetching = True
+    return {"decode_step_s": statistics.median(before), "max_step_s": max(steps), "steps": len(steps),
+            "ttft_s": sum(steps), "cached_tokens": late.num_cached_tokens}
+
+
 def run(args: argparse.Namespace) -> dict:
     from tierlm import LLM
     from tierlm.bench.throughput import ensure_bench_model
@@ -42,15 +80,20 @@ def run(args: argparse.Namespace) -> dict:
     _ttft(llm, toks(32))  # warm-up
     rows = {"cold": [], "device": [], "host": [], "disk": []}
     cached: dict[str, list[int]] = {}
+    stalls: dict[str, list[dict]] = {"prefetch": [], "no_prefetch": []}
     for i in range(args.repeats):
         prefix = toks(args.prefix_len)
         rows["cold"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "cold"))
         rows["device"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "device"))
         llm.engine.offload_prefix_cache()  # now only the host tier has it
         rows["host"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "host"))
-        llm.engine.offload_prefix_cache()
-        llm.engine.store.spill(0)  # push the host copies down to disk
+        _to_disk(llm)
         rows["disk"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "disk"))
+        for prefetch in (True, False):
+            _to_disk(llm)
+            decoders = [toks(64) for _ in range(args.decoders)]
+            stalls["prefetch" if prefetch else "no_prefetch"].append(
+                _stall(llm, prefix + toks(args.suffix_len), decoders, prefetch))
         llm.engine.offload_prefix_cache()
         print(f"  repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()),
               flush=True)
@@ -58,9 +101,18 @@ def run(args: argparse.Namespace) -> dict:
     result = {"model": model, "dtype": args.dtype, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
               "ttft_s": med, "speedup_vs_cold": {k: med["cold"] / med[k] for k in ("device", "host", "disk")},
               "cached_tokens": cached, "samples_s": rows}
+    stall = {k: {f: statistics.median(x[f] for x in v) for f in ("decode_step_s", "max_step_s", "ttft_s", "steps")}
+             for k, v in stalls.items()}
+    result["disk_arrival_during_decode"] = {
+        "decoders": args.decoders, "median_over_repeats": stall, "samples": stalls,
+        "max_step_ratio_no_prefetch_vs_prefetch": stall["no_prefetch"]["max_step_s"] / stall["prefetch"]["max_step_s"]}
     for k, v in result["speedup_vs_cold"].items():
         print(f"TTFT with the {args.prefix_len}-token prefix on {k}: {med[k] * 1e3:.0f} ms, {v:.1f}x lower than cold "
               f"({med['cold'] * 1e3:.0f} ms)")
+    for k, v in stall.items():
+        print(f"{args.decoders} decodes running, a disk-prefixed request arrives ({k}): longest step "
+              f"{v['max_step_s'] * 1e3:.0f} ms (decode step {v['decode_step_s'] * 1e3:.0f} ms), "
+              f"its TTFT {v['ttft_s'] * 1e3:.0f} ms over {v['steps']:.0f} steps")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
@@ -79,6 +131,8 @@ def add_cli(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=2000)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decoders", type=int, default=4,
+                   help="requests decoding when the disk-prefixed one arrives (the stall measurement)")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--json", required=True)

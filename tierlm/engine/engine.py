@@ -26,7 +26,8 @@ from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, RequestTooLongError
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
-from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, TieredStore, parse_capacity
+from tierlm.kv.store import TieredStore
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, parse_capacity
 from tierlm.models.loader import load_model
 from tierlm.sampling_params import SamplingParams
 
@@ -133,7 +134,8 @@ class LLMEngine:
                      warm_tokens, config.max_num_seqs, time.monotonic() - t0)
         self.store = build_tiers(config, per_block, self.device, fence=self.runner.copies_done)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype, loaded.kv_dtype), store=self.store,
-                                 io=BlockIO(self.runner.read_block, self.runner.write_block))
+                                 io=BlockIO(self.runner.read_block, self.runner.write_block),
+                                 prefetch=self.device.type == "cuda" if config.kv_prefetch is None else config.kv_prefetch)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         eos = set(loaded.eos_token_ids)
@@ -207,6 +209,7 @@ class LLMEngine:
         if req.params.logprobs is not None:
             self.logprobs[req.request_id] = []
         self.scheduler.add(req)
+        self.kv.prefetch(req)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, **kw) -> Request:
         req = self.make_request(prompt, params, request_id, **kw)

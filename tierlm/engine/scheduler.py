@@ -80,18 +80,23 @@ class Scheduler:
             if req in self.running:
                 chosen[req] = n
                 budget -= n
-        # 2) waiting requests, best priority first, while budget and sequence slots remain.
+        # 2) waiting requests, best priority first, while budget and sequence slots remain. One
+        #    whose prefix is still being read from disk/Redis waits while there is other work,
+        #    so that read never stalls a step.
         self.waiting.sort(key=Request.sort_key)
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_seqs:
+                break
             if req in out.preempted:
                 break  # do not re-admit what this step just evicted
+            if chosen and not self.kv.prefix_ready(req):
+                continue
             hit = self.kv.find_cached_prefix(req)
             num_cached = hit.num_blocks * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req, n, hit):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached

@@ -14,7 +14,7 @@ import torch
 
 from tierlm.kv.block_pool import BlockPool, KVBlock
 from tierlm.kv.prefix_cache import BlockHash, chain_hashes, extra_key
-from tierlm.kv.tiers import TieredStore
+from tierlm.kv.store import Prefetch, TieredStore
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PrefixHit:
     """The cached prefix of one request: device blocks, then blocks found in lower tiers."""
 
     device: list[KVBlock] = field(default_factory=list)
-    lower: list[tuple[BlockHash, torch.Tensor]] = field(default_factory=list)
+    lower: list[tuple[BlockHash, str, torch.Tensor]] = field(default_factory=list)  # (hash, tier, K/V)
 
     @property
     def num_blocks(self) -> int:
@@ -50,12 +50,14 @@ class BlockIO:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, model_id: str,
-                 store: TieredStore | None = None, io: BlockIO | None = None) -> None:
+                 store: TieredStore | None = None, io: BlockIO | None = None, prefetch: bool = True) -> None:
         self.pool = pool
         self.block_size = block_size
         self.model_id = model_id
         self.stats = CacheStats()
         self.store = store
+        self.prefetching = prefetch
+        self._prefetches: dict[str, Prefetch] = {}  # request id -> its lower-tier read under way
         self.io = io
         if store is not None:
             if io is None:
@@ -77,6 +79,25 @@ class KVCacheManager:
         self.stats.demoted_bytes += data.numel() * data.element_size()
         self.store.demote(blk.block_hash, blk.parent_hash, data)
 
+    def prefetch(self, req) -> None:
+        """On arrival: start reading the part of `req`'s prefix that is below the device (disk,
+        Redis) in the background, so its admission does not wait on that I/O."""
+        if not self.prefetching or self.store is None or not self.store.slow or not self.pool.enable_caching:
+            return
+        hashes = self._hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        i = 0
+        while i < limit and self.pool.lookup(hashes[i]) is not None:
+            i += 1
+        job = self.store.prefetch(hashes[i:limit])
+        if job is not None:
+            self._prefetches[req.request_id] = job
+
+    def prefix_ready(self, req) -> bool:
+        """False while `req`'s background read of its lower-tier prefix is still under way."""
+        job = self._prefetches.get(req.request_id)
+        return job is None or job.done.is_set()
+
     def find_cached_prefix(self, req) -> PrefixHit:
         """Longest run of leading full blocks cached in any tier (never the whole prompt:
         the last token must be computed to produce logits)."""
@@ -84,6 +105,9 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return hit
         self.pool.tick()
+        job = self._prefetches.pop(req.request_id, None)
+        if job is not None:
+            self.store.settle(job)
         hashes = self._hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         i = 0
@@ -97,7 +121,7 @@ class KVCacheManager:
             found = self.store.fetch(hashes[i])
             if found is None:
                 break
-            hit.lower.append((hashes[i], found[1]))
+            hit.lower.append((hashes[i], found[0], found[1]))
             i += 1
         return hit
 
@@ -118,10 +142,11 @@ class KVCacheManager:
         if need > 0:
             req.blocks.extend(self.pool.allocate(need))
         base = len(hit.device)
-        for j, (h, data) in enumerate(hit.lower):
+        for j, (h, source, data) in enumerate(hit.lower):
             blk = req.blocks[base + j]
             self.io.write(blk.block_id, data)
             self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None)
+            self.store.promoted(h, source)
             self.stats.promoted_blocks += 1
             self.stats.promoted_bytes += data.numel() * data.element_size()
         self.stats.device_hit_blocks += len(hit.device)
@@ -152,6 +177,9 @@ class KVCacheManager:
         req.num_registered_blocks = full
 
     def free(self, req) -> None:
+        job = self._prefetches.pop(req.request_id, None)
+        if job is not None:  # finished or aborted before admission
+            self.store.cancel(job)
         self.pool.free(req.blocks)
         req.blocks = []
         req.num_registered_blocks = 0

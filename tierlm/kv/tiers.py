@@ -7,7 +7,7 @@ content, across processes too (that is what makes a shared Redis tier safe).
 
 Disk and Redis entries carry a SHA-256 of their payload: a corrupt or truncated entry is
 detected, dropped and counted, and the block is recomputed — never served. A Redis outage is a
-miss, never an error. Writes to disk and Redis happen on a background thread, off the model loop.
+miss, never an error. `kv/store.py` chains the tiers and keeps their slow I/O off the model loop.
 """
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -288,112 +286,3 @@ class RedisTier:
         self.stats.hits += 1
         self.stats.bytes_out += len(raw)
         return data
-
-
-class TieredStore:
-    """The chain of lower tiers plus a writer thread that keeps slow stores off the model loop.
-
-    The first tier (host) is written synchronously (it only keeps a reference to the copy);
-    anything it evicts, and any write-through to the remote tier, is queued for the writer. Blocks queued but not yet
-    written are still served from `pending`.
-    """
-
-    def __init__(self, tiers: list, write_through_remote: bool = True,
-                 fence: Callable[[], None] | None = None) -> None:
-        self.tiers = tiers
-        # Demoted blocks may still be in flight from the device (CUDA copy stream): the writer
-        # calls `fence` before it reads a block's bytes (encode for disk/Redis).
-        self.fence = fence
-        self.write_through = write_through_remote and any(isinstance(t, RedisTier) for t in tiers)
-        self.pending: dict[bytes, torch.Tensor] = {}
-        self._plock = threading.Lock()
-        self._q: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="tierlm-kv-writer", daemon=True)
-        self._writer.start()
-
-    def demote(self, h: bytes, parent: bytes | None, data: torch.Tensor, start: int = 0) -> None:
-        """Store a block evicted from the level above `start` (0 = the device)."""
-        if start >= len(self.tiers):
-            return
-        tier = self.tiers[start]
-        if start == 0 and isinstance(tier, HostTier):
-            for eh, ep, ed in tier.put(h, parent, data):
-                self._enqueue(("put", eh, ep, ed, 1))
-        else:
-            self._enqueue(("put", h, parent, data, start))
-
-    def write_remote(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
-        """Write-through of a freshly computed block to the shared tier (so peers can hit it)."""
-        for i, t in enumerate(self.tiers):
-            if isinstance(t, RedisTier):
-                self._q.put(("remote", h, parent, data, i))
-
-    def _enqueue(self, item) -> None:
-        with self._plock:
-            self.pending[item[1]] = item[3]
-        self._q.put(item)
-
-    def fetch(self, h: bytes) -> tuple[str, torch.Tensor] | None:
-        with self._plock:
-            data = self.pending.get(h)
-        if data is not None:
-            return "pending", data
-        for t in self.tiers:
-            data = t.get(h)
-            if data is not None:
-                t.stats.promotions += 1
-                return t.name, data
-        return None
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                if self.fence is not None:
-                    self.fence()
-                kind, h, parent, data, level = item
-                if kind == "remote":
-                    self.tiers[level].put(h, parent, data)
-                    continue
-                # Walk down from `level` until some tier keeps the block.
-                todo = [(h, parent, data, level)]
-                while todo:
-                    bh, bp, bd, lv = todo.pop()
-                    if lv >= len(self.tiers):
-                        continue
-                    for eh, ep, ed in self.tiers[lv].put(bh, bp, bd):
-                        todo.append((eh, ep, ed, lv + 1))
-                with self._plock:
-                    if self.pending.get(h) is data:
-                        del self.pending[h]
-            except Exception:  # a failing tier must not kill the writer
-                log.exception("KV tier write failed; the block will be recomputed when needed")
-            finally:
-                self._q.task_done()
-
-    def spill(self, level: int = 0) -> int:
-        """Move every block of tier `level` down to the next tier (benchmarks, draining a host)."""
-        tier = self.tiers[level]
-        moved = 0
-        with tier.lock:
-            for h in list(tier.parents):
-                data = tier._read(h)
-                parent = tier._drop(h)
-                if data is not None:
-                    self._enqueue(("put", h, parent, data, level + 1))
-                    moved += 1
-        self.flush()
-        return moved
-
-    def flush(self) -> None:
-        """Wait until every queued write has landed (tests, shutdown)."""
-        self._q.join()
-
-    def close(self) -> None:
-        self.flush()
-        self._q.put(None)
-
-    def stats(self) -> dict[str, dict]:
-        return {t.name: asdict(t.stats) for t in self.tiers}

@@ -1,0 +1,241 @@
+"""The chain of lower KV tiers (host -> disk -> Redis), with their slow I/O kept off the model loop.
+
+Writes: the host tier is written in place (it only keeps a reference to the copy); whatever it
+evicts, and the write-through of fresh blocks to Redis, go to a writer thread.
+
+Reads: when a request arrives, a reader thread fetches the part of its prefix that sits in disk
+or Redis and stages it in memory. Admitting the request later then costs the model loop a
+dictionary lookup, not a disk read and a checksum or a Redis round trip, and a request that
+waits several steps for room is not re-read at every step. Staged blocks are dropped once they
+are back on the device, and the oldest go first past `staging_bytes`. Blocks are keyed by
+content hash, so a staged copy can never be stale.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tierlm.kv.tiers import HostTier, RedisTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """One request's background read of its lower-tier prefix (hashes in prefix order)."""
+
+    hashes: list[bytes]
+    done: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+    cancelled: bool = False
+    found: int = 0  # leading blocks it found in some lower tier
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TieredStore:
+    """Lower tiers in order, plus the writer and reader threads (see the module docstring)."""
+
+    def __init__(self, tiers: list, write_through_remote: bool = True,
+                 fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30) -> None:
+        self.tiers = tiers
+        self.write_through = write_through_remote and any(isinstance(t, RedisTier) for t in tiers)
+        # Demoted blocks may still be in flight from the device (CUDA copy stream): the writer
+        # calls `fence` before it reads a block's bytes (encode for disk/Redis).
+        self.fence = fence
+        self.slow = [t for t in tiers if not isinstance(t, HostTier)]  # worth prefetching from
+        self.pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, still servable
+        self.staged: OrderedDict[bytes, tuple[str, torch.Tensor]] = OrderedDict()
+        self.staged_bytes = 0
+        self.staging_bytes = staging_bytes
+        self._lock = threading.Lock()
+        self._writes: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._write_loop, name="tierlm-kv-writer", daemon=True),
+                         threading.Thread(target=self._read_loop, name="tierlm-kv-reader", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- writes ----------------------------------------------------------------------------
+    def demote(self, h: bytes, parent: bytes | None, data: torch.Tensor, start: int = 0) -> None:
+        """Store a block evicted from the level above `start` (0 = the device)."""
+        if start >= len(self.tiers):
+            return
+        tier = self.tiers[start]
+        if start == 0 and isinstance(tier, HostTier):
+            for eh, ep, ed in tier.put(h, parent, data):
+                self._enqueue(("put", eh, ep, ed, 1))
+        else:
+            self._enqueue(("put", h, parent, data, start))
+
+    def write_remote(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
+        """Write-through of a freshly computed block to the shared tier (so peers can hit it)."""
+        for i, t in enumerate(self.tiers):
+            if isinstance(t, RedisTier):
+                self._writes.put(("remote", h, parent, data, i))
+
+    def _enqueue(self, item) -> None:
+        with self._lock:
+            self.pending[item[1]] = item[3]
+        self._writes.put(item)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                if self.fence is not None:
+                    self.fence()
+                kind, h, parent, data, level = item
+                if kind == "remote":
+                    self.tiers[level].put(h, parent, data)
+                    continue
+                # Walk down from `level` until some tier keeps the block.
+                todo = [(h, parent, data, level)]
+                while todo:
+                    bh, bp, bd, lv = todo.pop()
+                    if lv >= len(self.tiers):
+                        continue
+                    for eh, ep, ed in self.tiers[lv].put(bh, bp, bd):
+                        todo.append((eh, ep, ed, lv + 1))
+                with self._lock:
+                    if self.pending.get(h) is data:
+                        del self.pending[h]
+            except Exception:  # a failing tier must not kill the writer
+                log.exception("KV tier write failed; the block will be recomputed when needed")
+            finally:
+                self._writes.task_done()
+
+    # -- reads -----------------------------------------------------------------------------
+    def fetch(self, h: bytes) -> tuple[str, torch.Tensor] | None:
+        """(where it was, the block) from staging, the writer's queue or the first tier holding it."""
+        with self._lock:
+            hit = self.staged.get(h)
+            if hit is None and h in self.pending:
+                hit = ("pending", self.pending[h])
+        if hit is not None:
+            return hit
+        for t in self.tiers:
+            data = t.get(h)
+            if data is not None:
+                if not isinstance(t, HostTier):  # host reads are a dict lookup already
+                    self._stage(h, t.name, data)
+                return t.name, data
+        return None
+
+    def _stage(self, h: bytes, source: str, data: torch.Tensor) -> None:
+        with self._lock:
+            if h in self.staged:
+                return
+            self.staged[h] = (source, data)
+            self.staged_bytes += _nbytes(data)
+            while self.staged_bytes > self.staging_bytes and self.staged:
+                _, (_, old) = self.staged.popitem(last=False)
+                self.staged_bytes -= _nbytes(old)
+
+    def promoted(self, h: bytes, source: str) -> None:
+        """Block `h` is on the device again, copied from tier `source`: count it, unstage it."""
+        with self._lock:
+            entry = self.staged.pop(h, None)
+            if entry is not None:
+                self.staged_bytes -= _nbytes(entry[1])
+        for t in self.tiers:
+            if t.name == source:
+                t.stats.promotions += 1
+
+    def prefetch(self, hashes: list[bytes]) -> Prefetch | None:
+        """Read these leading blocks (stopping at the first miss) into staging in the background."""
+        if not hashes or not self.slow:
+            return None
+        job = Prefetch(list(hashes))
+        self._reads.put(job)
+        return job
+
+    def settle(self, job: Prefetch) -> None:
+        """Called before the model loop looks up `job`'s blocks itself: a job not yet started is
+        dropped, one under way is waited for (its reads would otherwise be done twice)."""
+        with self._lock:
+            if not job.started:
+                job.cancelled = True
+                return
+        job.done.wait()
+
+    def cancel(self, job: Prefetch) -> None:
+        """The request is gone: skip the job, or stop it after its current block."""
+        with self._lock:
+            job.cancelled = True
+
+    def _prefetch_one(self, h: bytes) -> bool:
+        """Stage block `h` from a slow tier; True if it is cached anywhere below the device.
+        Host blocks are only checked (not read), so their hits are counted once, at admission."""
+        with self._lock:
+            if h in self.staged or h in self.pending:
+                return True
+        for t in self.tiers:
+            if isinstance(t, HostTier):
+                if h in t:
+                    return True
+                continue
+            data = t.get(h)
+            if data is not None:
+                self._stage(h, t.name, data)
+                return True
+        return False
+
+    def _read_loop(self) -> None:
+        while True:
+            job = self._reads.get()
+            try:
+                if job is None:
+                    return
+                with self._lock:
+                    if job.cancelled:
+                        continue
+                    job.started = True
+                for h in job.hashes:
+                    if job.cancelled or not self._prefetch_one(h):
+                        break
+                    job.found += 1
+            except Exception:  # a failing tier must not kill the reader: the loop reads it later
+                log.exception("KV prefetch failed; the blocks will be read when the request is scheduled")
+            finally:
+                if job is not None:
+                    job.done.set()
+                self._reads.task_done()
+
+    # -- maintenance -----------------------------------------------------------------------
+    def spill(self, level: int = 0) -> int:
+        """Move every block of tier `level` down to the next tier (benchmarks, draining a host)."""
+        tier = self.tiers[level]
+        moved = 0
+        with tier.lock:
+            for h in list(tier.parents):
+                data = tier._read(h)
+                parent = tier._drop(h)
+                if data is not None:
+                    self._enqueue(("put", h, parent, data, level + 1))
+                    moved += 1
+        self.flush()
+        return moved
+
+    def flush(self) -> None:
+        """Wait until every queued write and prefetch is done (tests, shutdown)."""
+        self._writes.join()
+        self._reads.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._writes.put(None)
+        self._reads.put(None)
+
+    def stats(self) -> dict[str, dict]:
+        return {t.name: asdict(t.stats) for t in self.tiers}
