@@ -132,20 +132,24 @@ def test_writer_fences_device_copies_before_reading_a_block(tmp_path):
     store.close()
 
 
-def test_disk_prefix_is_prefetched_on_arrival_and_read_once(llama_dir, cold_reference, tmp_path):
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_lower_tier_prefix_is_prefetched_on_arrival_and_read_once(tier, llama_dir, cold_reference, tmp_path,
+                                                                  request):
     shared, ref = cold_reference
-    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    where = (dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks") if tier == "disk" else
+             dict(kv_remote=request.getfixturevalue("redis_server").url, kv_remote_write_through=False))
+    llm = _llm(llama_dir, kv_prefetch=True, **where)
     _run(llm, shared + _prompt(2, 9))
     llm.engine.offload_prefix_cache()
     eng, store = llm.engine, llm.engine.store
     req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     store.flush()  # the reader thread has staged the prefix before the request is scheduled
-    assert store.stats()["disk"]["hits"] == 8 and len(store.staged) == 8
+    assert store.stats()[tier]["hits"] == 8 and len(store.staged) == 8
     while eng.has_unfinished():
         eng.step()
     assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64
-    disk = store.stats()["disk"]
-    assert disk["hits"] == 8 and disk["promotions"] == 8  # admission read staging, not the disk
+    stats = store.stats()[tier]
+    assert stats["hits"] == 8 and stats["promotions"] == 8  # admission read staging, not the tier
     assert not store.staged and store.staged_bytes == 0
 
 
