@@ -29,6 +29,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given)")
     kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes")
     kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
+    kv.add_argument("--kv-remote-capacity", default=None,
+                    help="sets the Redis server's maxmemory (allkeys-lru): '50GiB', blocks or bytes; "
+                         "only for a Redis dedicated to the KV cache (default: the server's own limit)")
+    kv.add_argument("--kv-remote-ttl", type=int, default=None, help="seconds a block lives in Redis")
     kv.add_argument("--kv-tier-policy", default=DEFAULT_POLICY, choices=POLICIES,
                     help="eviction policy of the host and disk tiers (unless set per tier)")
     kv.add_argument("--kv-prefetch", default=None, action=argparse.BooleanOptionalAction,
@@ -44,7 +48,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                 enable_prefix_caching=args.prefix_caching, eviction_policy=args.eviction_policy,
                 kv_host_capacity=args.kv_host_capacity, kv_disk_dir=args.kv_disk_dir,
-                kv_disk_capacity=args.kv_disk_capacity, kv_remote=args.kv_remote, kv_tier_policy=args.kv_tier_policy,
+                kv_disk_capacity=args.kv_disk_capacity, kv_remote=args.kv_remote,
+                kv_remote_capacity=args.kv_remote_capacity, kv_remote_ttl=args.kv_remote_ttl,
+                kv_tier_policy=args.kv_tier_policy,
                 kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
                 kv_prefetch=args.kv_prefetch)
 

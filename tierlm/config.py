@@ -40,6 +40,9 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_capacity: int | str | None = None
     kv_remote: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    # Sets the Redis server's maxmemory (+ allkeys-lru): only for a Redis dedicated to the KV cache.
+    kv_remote_capacity: int | str | None = None
+    kv_remote_ttl: int | None = None  # seconds an entry lives in Redis (None: until Redis evicts it)
     kv_tier_policy: str = DEFAULT_POLICY  # host and disk tiers, unless set per tier below
     kv_host_policy: str | None = None  # None = kv_tier_policy
     kv_disk_policy: str | None = None  # None = kv_tier_policy
@@ -73,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes (got {self.kv_cache_memory})")
+        if self.kv_remote_ttl is not None and self.kv_remote_ttl <= 0:
+            raise ValueError(f"kv_remote_ttl must be a positive number of seconds (got {self.kv_remote_ttl})")
         for knob in ("eviction_policy", "kv_tier_policy", "kv_host_policy", "kv_disk_policy"):
             name = getattr(self, knob)
             if name is None and knob in ("kv_host_policy", "kv_disk_policy"):

@@ -276,6 +276,57 @@ def test_redis_stopped_mid_run_degrades_to_misses(llama_dir, cold_reference, red
     assert _run(llm, shared + _prompt(2, 9))[0] == ref[2]
 
 
+def test_redis_tier_size_is_the_servers_maxmemory(llama_dir, redis_server, caplog):
+    import redis
+
+    server = redis.Redis.from_url(redis_server.url)
+    with caplog.at_level("WARNING", logger="tierlm.kv.tiers"):
+        RedisTier(redis_server.url)  # a stock redis-server has no limit: say so
+    assert "no maxmemory" in caplog.text and "kv_remote_capacity" in caplog.text
+    overhead = int(server.info("memory")["used_memory_overhead"])
+    llm = _llm(llama_dir, kv_remote=redis_server.url, kv_remote_capacity="1000 blocks", kv_remote_ttl=600)
+    block = llm.engine.runner.read_block(0)
+    maxmemory = int(server.config_get("maxmemory")["maxmemory"]) - 1000 * block.numel() * block.element_size()
+    assert 0.5 * overhead < maxmemory < 2 * overhead  # 1000 blocks on top of the server's own overhead
+    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    _run(llm, _prompt(5, 40))
+    llm.engine.store.flush()  # write-through landed, with the TTL
+    keys = server.keys("tierlm:kv:*")
+    assert len(keys) == llm.engine.stats().kv_tiers["redis"]["stores"] >= 5  # nothing evicted
+    assert all(0 < server.ttl(k) <= 600 for k in keys)
+
+
+def test_redis_full_under_noeviction_drops_writes_but_keeps_serving(redis_server):
+    import redis
+
+    server = redis.Redis.from_url(redis_server.url)
+    tier = RedisTier(redis_server.url)
+    data = torch.randn(64, 256)  # 64 KiB a block
+    tier.put(b"\x01" * 32, None, data)
+    used = int(server.info("memory")["used_memory"])
+    server.config_set("maxmemory-policy", "noeviction")
+    server.config_set("maxmemory", used + 200_000)  # room for about three more blocks
+    for i in range(2, 12):
+        tier.put(bytes([i]) * 32, None, data)
+    assert 1 <= tier.stats.errors <= 9 and tier.stats.stores >= 2  # refused writes, counted
+    assert tier._available()  # not treated as an outage
+    got = tier.get(b"\x01" * 32)
+    assert got is not None and torch.equal(got, data)
+
+
+def test_redis_capacity_evicts_instead_of_refusing(redis_server):
+    import redis
+
+    server = redis.Redis.from_url(redis_server.url)
+    data = torch.randn(64, 256)  # 64 KiB a block
+    tier = RedisTier(redis_server.url, capacity_bytes=1_000_000)  # about 15 blocks
+    for i in range(1, 41):
+        tier.put(bytes([i]) * 32, None, data)
+    assert tier.stats.errors == 0 and tier.stats.stores == 40
+    assert 0 < server.dbsize() < 40  # the server evicted, within its limit
+    assert tier.get(bytes([40]) * 32) is not None  # the newest is kept
+
+
 def test_two_engines_share_one_redis_tier(llama_dir, cold_reference, redis_server):
     shared, ref = cold_reference
     first = _llm(llama_dir, kv_remote=redis_server.url)

@@ -87,7 +87,9 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device,
     if config.kv_remote:
         if not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
-        tiers.append(RedisTier(config.kv_remote))
+        remote = parse_capacity(config.kv_remote_capacity, block_bytes) if config.kv_remote_capacity else 0
+        tiers.append(RedisTier(config.kv_remote, ttl_s=config.kv_remote_ttl,
+                               capacity_bytes=remote * block_bytes or None))
     return TieredStore(tiers, config.kv_remote_write_through, fence) if tiers else None
 
 

@@ -218,11 +218,21 @@ class DiskTier(_CapacityTier):
 
 class RedisTier:
     """A remote tier shared by several engine processes. Any Redis failure is a miss or a
-    dropped write, logged once per outage, with a short back-off so an outage costs nothing."""
+    dropped write, logged once per outage, with a short back-off so an outage costs nothing.
+
+    Its size is the Redis server's: several engines write it, so no one process can run its
+    eviction. The server's `maxmemory` with an `allkeys-*` policy bounds it; `capacity_bytes`
+    sets those (maxmemory = the server's overhead now + capacity, so about that many bytes of
+    blocks fit; for a Redis dedicated to the KV cache), and without it a server that would grow
+    without bound or refuse writes when full is named in a warning. Entries may also expire
+    (`ttl_s`). A write the server refuses (full under `noeviction`) is dropped and counted; it
+    is not an outage, so reads go on.
+    """
 
     name = "redis"
 
-    def __init__(self, url: str, prefix: str = "tierlm:kv:", ttl_s: int | None = None, retry_after_s: float = 1.0):
+    def __init__(self, url: str, prefix: str = "tierlm:kv:", ttl_s: int | None = None, retry_after_s: float = 1.0,
+                 capacity_bytes: int | None = None):
         import redis
 
         self.url = url
@@ -233,6 +243,32 @@ class RedisTier:
         self.down_until = 0.0
         self.stats = TierStats()
         self._errors = (redis.exceptions.RedisError, OSError)
+        self._refused = redis.exceptions.ResponseError  # the server answered, and said no
+        self._warned_refusal = False
+        self._check_memory(capacity_bytes)
+
+    def _check_memory(self, capacity_bytes: int | None) -> None:
+        try:
+            if capacity_bytes:  # on top of the server's own overhead (clients, buffers, key tables)
+                base = int(self.client.info("memory").get("used_memory_overhead", 0))
+                self.client.config_set("maxmemory", base + capacity_bytes)
+                self.client.config_set("maxmemory-policy", "allkeys-lru")
+                return
+            conf = self.client.config_get("maxmemory*")
+        except self._refused as e:  # CONFIG renamed or disabled, as on many managed services
+            log.warning("cannot read or set the memory limit of Redis KV tier %s (%s); set maxmemory and "
+                        "maxmemory-policy allkeys-lru on the server itself", self.url, e)
+            return
+        except self._errors as e:
+            self._failed(e)
+            return
+        if int(conf.get("maxmemory", 0) or 0) == 0:
+            log.warning("Redis KV tier %s has no maxmemory: it grows without bound. Set maxmemory and "
+                        "maxmemory-policy allkeys-lru on the server, or give kv_remote_capacity", self.url)
+        elif not str(conf.get("maxmemory-policy", "")).startswith("allkeys"):
+            log.warning("Redis KV tier %s uses maxmemory-policy %s: tierlm's keys have no TTL, so writes are "
+                        "refused once it is full. Use allkeys-lru (or give kv_remote_capacity)",
+                        self.url, conf.get("maxmemory-policy"))
 
     def _available(self) -> bool:
         return time.monotonic() >= self.down_until
@@ -261,6 +297,12 @@ class RedisTier:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
             self.stats.bytes_in += len(raw)
+        except self._refused as e:  # e.g. OOM under noeviction: drop this write, keep the tier
+            self.stats.errors += 1
+            if not self._warned_refusal:
+                self._warned_refusal = True
+                log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Give the server "
+                            "maxmemory-policy allkeys-lru so it evicts instead", self.url, e)
         except self._errors as e:
             self._failed(e)
         return []
