@@ -59,8 +59,12 @@ class TieredStore:
         self._lock = threading.Lock()
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._write_loop, name="tierlm-kv-writer", daemon=True),
-                         threading.Thread(target=self._read_loop, name="tierlm-kv-reader", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._serve, name="tierlm-kv-writer", daemon=True, args=(
+                self._writes, self._write_one, "KV tier write failed; the block will be recomputed when needed")),
+            threading.Thread(target=self._serve, name="tierlm-kv-reader", daemon=True, args=(
+                self._reads, self._read_one, "KV prefetch failed; the blocks will be read when the request is scheduled")),
+        ]
         for t in self._threads:
             t.start()
 
@@ -87,33 +91,37 @@ class TieredStore:
             self.pending[item[1]] = item[3]
         self._writes.put(item)
 
-    def _write_loop(self) -> None:
+    def _serve(self, q: queue.Queue, handle: Callable, failed: str) -> None:
+        """A worker thread's loop: handle items until None; a failing tier must not kill it."""
         while True:
-            item = self._writes.get()
+            item = q.get()
             try:
                 if item is None:
                     return
-                if self.fence is not None:
-                    self.fence()
-                kind, h, parent, data, level = item
-                if kind == "remote":
-                    self.tiers[level].put(h, parent, data)
-                    continue
-                # Walk down from `level` until some tier keeps the block.
-                todo = [(h, parent, data, level)]
-                while todo:
-                    bh, bp, bd, lv = todo.pop()
-                    if lv >= len(self.tiers):
-                        continue
-                    for eh, ep, ed in self.tiers[lv].put(bh, bp, bd):
-                        todo.append((eh, ep, ed, lv + 1))
-                with self._lock:
-                    if self.pending.get(h) is data:
-                        del self.pending[h]
-            except Exception:  # a failing tier must not kill the writer
-                log.exception("KV tier write failed; the block will be recomputed when needed")
+                handle(item)
+            except Exception:
+                log.exception(failed)
             finally:
-                self._writes.task_done()
+                q.task_done()
+
+    def _write_one(self, item) -> None:
+        if self.fence is not None:
+            self.fence()
+        kind, h, parent, data, level = item
+        if kind == "remote":
+            self.tiers[level].put(h, parent, data)
+            return
+        # Walk down from `level` until some tier keeps the block.
+        todo = [(h, parent, data, level)]
+        while todo:
+            bh, bp, bd, lv = todo.pop()
+            if lv >= len(self.tiers):
+                continue
+            for eh, ep, ed in self.tiers[lv].put(bh, bp, bd):
+                todo.append((eh, ep, ed, lv + 1))
+        with self._lock:
+            if self.pending.get(h) is data:
+                del self.pending[h]
 
     # -- reads -----------------------------------------------------------------------------
     def fetch(self, h: bytes) -> tuple[str, torch.Tensor] | None:
@@ -191,26 +199,18 @@ class TieredStore:
                 return True
         return False
 
-    def _read_loop(self) -> None:
-        while True:
-            job = self._reads.get()
-            try:
-                if job is None:
+    def _read_one(self, job: Prefetch) -> None:
+        try:
+            with self._lock:
+                if job.cancelled:
                     return
-                with self._lock:
-                    if job.cancelled:
-                        continue
-                    job.started = True
-                for h in job.hashes:
-                    if job.cancelled or not self._prefetch_one(h):
-                        break
-                    job.found += 1
-            except Exception:  # a failing tier must not kill the reader: the loop reads it later
-                log.exception("KV prefetch failed; the blocks will be read when the request is scheduled")
-            finally:
-                if job is not None:
-                    job.done.set()
-                self._reads.task_done()
+                job.started = True
+            for h in job.hashes:
+                if job.cancelled or not self._prefetch_one(h):
+                    break
+                job.found += 1
+        finally:
+            job.done.set()
 
     # -- maintenance -----------------------------------------------------------------------
     def spill(self, level: int = 0) -> int:
