@@ -133,6 +133,10 @@ def tiny_trace(tmp_path) -> str:
 def test_load_trace(tiny_trace: str, tmp_path) -> None:
     t = load_trace(tiny_trace)
     assert t.name == "tiny" and len(t.requests) == 28 and t.requests[0] == [0, 1, 2]
+    assert t.output_lengths == [1] * 28
+    no_outputs = tmp_path / "no_outputs.jsonl"
+    no_outputs.write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [1, 3], "output_length": 4}\n')
+    assert load_trace(str(no_outputs)).output_lengths is None  # all or nothing
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierlm.bench.cache import replay
+from tierlm.bench.cache import Trace, replay, simulate
 from tierlm.kv.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -17,6 +18,7 @@ from tierlm.kv.policies import (
     DuelPolicy,
     EvictionPolicy,
     GittinsPolicy,
+    HintedGittinsPolicy,
     OFFLINE_POLICIES,
     PopularityOraclePolicy,
     S3FIFOPolicy,
@@ -217,6 +219,57 @@ def test_gittins_learns_that_partial_tails_are_worthless() -> None:
             break
 
 
+def _answers_trace(rounds: int, gap: int) -> tuple[list[list[str]], list[int]]:
+    """Per round: a new document answered at length (never asked about again), a new document
+    answered briefly, and the brief one from `gap` rounds ago coming back. Both kinds look the
+    same by hashes and times; only the output length tells them apart."""
+    rng = random.Random(0)
+    requests, outputs = [], []
+    for r in range(rounds):
+        new = [([f"long{r}-{i}" for i in range(3)], 500), ([f"short{r}-{i}" for i in range(3)], 5)]
+        rng.shuffle(new)  # so that tie-breaking by arrival order favours neither kind
+        for blocks, out in new:
+            requests.append(blocks)
+            outputs.append(out)
+        if r >= gap:
+            requests.append([f"short{r - gap}-{i}" for i in range(3)])
+            outputs.append(5)
+    return requests, outputs
+
+
+def test_gittins_hint_learns_which_answers_end_a_document() -> None:
+    requests, outputs = _answers_trace(rounds=300, gap=10)
+    capacity = 3 * 10 + 12  # the returning documents fit, but not with the long ones as well
+    plain_hits, refs = replay(GittinsPolicy(refit_every=200), requests, capacity)
+    hinted = HintedGittinsPolicy(refit_every=200)
+    hinted_hits, _ = replay(hinted, requests, capacity, output_lengths=outputs)
+    returns = 3 * (300 - 10)
+    assert plain_hits < 0.6 * returns  # by hashes and times the two kinds look alike: a coin flip
+    assert hinted_hits > 0.85 * returns  # it learned that a long answer means no return
+    # without the hint it is plain Gittins, block for block
+    same_hits, _ = replay(HintedGittinsPolicy(refit_every=200), requests, capacity)
+    assert same_hits == plain_hits
+    # re-classing at finish kept one open record per remembered block
+    assert sum(sum(live.values()) for live in hinted._live) == len(hinted._hist)
+    assert {hinted._hist[f"long299-{i}"].hint for i in range(3)} == {1 + (500).bit_length() // 2}
+    # the simulator hands a trace's output lengths over the same way
+    told = simulate(Trace("t", requests, outputs), "gittins_hint", capacity, refit_every=200)
+    assert told.hits == hinted_hits
+    assert simulate(Trace("t", requests), "gittins_hint", capacity, refit_every=200).hits == plain_hits
+
+
+def test_finished_hint_is_ignored_by_other_policies() -> None:
+    for name in POLICIES:
+        p = make_policy(name)
+        touch(p, ["a", "b"], 1)
+        p.finished(["a", "b", "never-seen"], 7)  # unknown keys are skipped, nothing breaks
+        assert len(p) == 2
+    g = GittinsPolicy()
+    touch(g, ["a"], 1)
+    g.finished(["a"], 7)
+    assert g._hist["a"].hint == 0  # only hints=True uses it
+
+
 def _duel_setup() -> DuelPolicy:
     """A block referenced often long ago vs a recent one-shot block; Gittins has learned nothing.
 
@@ -311,7 +364,7 @@ def test_chain_ignores_passes_through_a_shared_prefix() -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["access", "pin", "unpin", "evict"]), st.integers(0, 11)),
+    st.tuples(st.sampled_from(["access", "pin", "unpin", "evict", "finished"]), st.integers(0, 11)),
     max_size=60,
 )
 
@@ -334,6 +387,11 @@ def test_victim_invariants_under_random_operations(name: str, program: list) -> 
         elif op == "unpin" and pins.get(key):
             p.unpin(key)
             pins[key] -= 1
+        elif op == "finished":  # a request over the chain ending at `key` finished
+            chain = [key]
+            while parent_of[chain[-1]] is not None:
+                chain.append(parent_of[chain[-1]])
+            p.finished(chain[::-1], 4 ** (now % 7))
         elif op == "evict":
             v = p.victim()
             tracked = [k for k in range(12) if k in p]
@@ -345,6 +403,8 @@ def test_victim_invariants_under_random_operations(name: str, program: list) -> 
                 assert v in ok
                 p.remove(v)
         assert len(p) == sum(1 for k in range(12) if k in p)
+        if isinstance(p, GittinsPolicy):  # one open reuse record per remembered block
+            assert sum(sum(live.values()) for live in p._live) == len(p._hist)
 
 
 @pytest.mark.parametrize("name", POLICIES)

@@ -355,3 +355,21 @@ def test_different_salts_never_share_blocks(llama_dir):
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0 and c.num_cached_tokens == 32
     assert set(a.block_hashes).isdisjoint(b.block_hashes)
     assert a.output_token_ids == b.output_token_ids == c.output_token_ids
+
+
+def test_finished_requests_tell_the_policy_their_output_length(llama_dir):
+    llm = _llm(llama_dir, eviction_policy="gittins_hint")
+    eng = llm.engine
+    done = eng.add_request({"prompt_token_ids": _prompt(11, 40)}, GREEDY)  # 10 tokens out
+    while eng.has_unfinished():
+        eng.step()
+    aborted = eng.add_request({"prompt_token_ids": _prompt(12, 40)}, GREEDY)
+    while aborted.num_output_tokens < 3:
+        eng.step()
+    eng.abort(aborted.request_id)
+    hist = eng.pool.policy._hist
+    # 40 prompt + 9 fed-back output tokens = 6 full blocks, all told "10 tokens out" (bucket [4, 16))
+    assert len(done.block_hashes) == 6
+    assert [hist[h].hint for h in done.block_hashes] == [3] * 6
+    assert all(hist[h].hint == 0 for h in aborted.block_hashes[:5])  # an abort says nothing
+    assert eng.pool.num_used == 0  # nothing leaked either way

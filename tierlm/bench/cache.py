@@ -55,6 +55,9 @@ class Trace:
 
     name: str
     requests: list[list[int]]
+    #: Tokens each request generated (the trace's `output_length`), if the trace has them: the
+    #: replay hands them to the policy when the request is done (`EvictionPolicy.finished`).
+    output_lengths: list[int] | None = None
 
     @property
     def num_refs(self) -> int:
@@ -74,18 +77,23 @@ class SimResult:
 def load_trace(path: str) -> Trace:
     """Read a Mooncake-style JSONL trace (`hash_ids` per line) into a `Trace`."""
     requests: list[list[int]] = []
+    outputs: list[int] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                requests.append(list(json.loads(line)["hash_ids"]))
-            except (KeyError, json.JSONDecodeError) as e:
+                row = json.loads(line)
+                requests.append(list(row["hash_ids"]))
+                outputs.append(int(row.get("output_length", -1)))
+            except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with 'hash_ids' ({e})"
+                    f"{path}:{lineno}: expected a JSON object with 'hash_ids' and an integer "
+                    f"'output_length' if any ({e})"
                 ) from None
     name = os.path.splitext(os.path.basename(path))[0]
-    return Trace(name=name, requests=requests)
+    return Trace(name=name, requests=requests,
+                 output_lengths=outputs if all(n >= 0 for n in outputs) else None)
 
 
 def _requests(trace: Trace | Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
@@ -107,11 +115,12 @@ def infinite_hit_bound(trace: Trace | Sequence[Sequence[int]]) -> tuple[int, int
 
 
 def replay(policy: EvictionPolicy, requests: Sequence[Sequence[Hashable]], capacity: int,
-           clock: str = "request") -> tuple[int, int]:
+           clock: str = "request", output_lengths: Sequence[int] | None = None) -> tuple[int, int]:
     """Drive `policy` through `requests` with room for `capacity` blocks; returns (hits, refs).
 
     A request hits its longest run of leading cached blocks; then each of its blocks is pinned
-    and accessed (evicting a victim first when full) and unpinned when the request is done.
+    and accessed (evicting a victim first when full) and unpinned when the request is done,
+    which is also when the policy hears its output length (`finished`), if the trace has them.
     """
     per_block = clock == "block"
     contains, access, pin, unpin = policy.__contains__, policy.access, policy.pin, policy.unpin
@@ -139,6 +148,8 @@ def replay(policy: EvictionPolicy, requests: Sequence[Sequence[Hashable]], capac
             tick += 1
         for key in blocks[:inserted]:
             unpin(key)
+        if output_lengths is not None:
+            policy.finished(blocks[:inserted], output_lengths[req_idx])
     return hits, refs
 
 
@@ -155,7 +166,8 @@ def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity:
     if policy_name in OFFLINE_POLICIES:
         policy.set_future([k for blocks in requests for k in blocks])  # type: ignore[attr-defined]
     t0 = time.perf_counter()
-    hits, refs = replay(policy, requests, capacity, clock)
+    outputs = trace.output_lengths if isinstance(trace, Trace) else None
+    hits, refs = replay(policy, requests, capacity, clock, outputs)
     return SimResult(policy=policy_name, capacity=capacity, hits=hits, refs=refs,
                      hit_rate=hits / refs if refs else 0.0,
                      seconds=time.perf_counter() - t0)

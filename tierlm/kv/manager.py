@@ -180,6 +180,9 @@ class KVCacheManager:
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:  # finished or aborted before admission
             self.store.cancel(job)
+        if req.finish_reason in ("stop", "length"):  # done, not aborted or preempted
+            self.pool.policy.finished(req.block_hashes[:req.num_registered_blocks],
+                                      req.num_output_tokens)
         self.pool.free(req.blocks)
         req.blocks = []
         req.num_registered_blocks = 0
