@@ -38,7 +38,7 @@ def _stall(llm, prompt: list[int], decoders: list[list[int]], prefetch: bool) ->
     """Steps seen by running decodes while a request with a disk-cached prefix arrives."""
     from tierlm import SamplingParams
     eng = llm.engine
-    eng.kv.prefetching = prefetch
+    was, eng.kv.prefetching = eng.kv.prefetching, prefetch
     running = [eng.add_request({"prompt_token_ids": d},
                                SamplingParams(max_tokens=eng.max_model_len - len(d), ignore_eos=True))
                for d in decoders]
@@ -57,7 +57,7 @@ def _stall(llm, prompt: list[int], decoders: list[list[int]], prefetch: bool) ->
         steps.append(time.perf_counter() - t)
     for r in running:
         eng.abort(r.request_id)
-    eng.kv.prefetching = True
+    eng.kv.prefetching = was
     return {"decode_step_s": statistics.median(before), "max_step_s": max(steps), "steps": len(steps),
             "ttft_s": sum(steps), "cached_tokens": late.num_cached_tokens}
 

@@ -73,6 +73,20 @@ class KVCacheManager:
                                             extra_key(self.model_id, req.cache_salt), req.block_hashes)
         return req.block_hashes
 
+    def _device_prefix(self, req) -> tuple[list[bytes], list[KVBlock], int]:
+        """`req`'s block hashes, its leading blocks cached on the device, and how many leading
+        blocks may come from a cache at all (never the whole prompt: the last token must be
+        computed to produce logits)."""
+        hashes = self._hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        device: list[KVBlock] = []
+        while len(device) < limit:
+            blk = self.pool.lookup(hashes[len(device)])
+            if blk is None:
+                break
+            device.append(blk)
+        return hashes, device, limit
+
     def _demote(self, blk: KVBlock) -> None:
         data = self.io.read(blk.block_id)
         self.stats.demoted_blocks += 1
@@ -84,12 +98,8 @@ class KVCacheManager:
         Redis) in the background, so its admission does not wait on that I/O."""
         if not self.prefetching or self.store is None or not self.store.slow or not self.pool.enable_caching:
             return
-        hashes = self._hashes(req)
-        limit = (req.num_tokens - 1) // self.block_size
-        i = 0
-        while i < limit and self.pool.lookup(hashes[i]) is not None:
-            i += 1
-        job = self.store.prefetch(hashes[i:limit])
+        hashes, device, limit = self._device_prefix(req)
+        job = self.store.prefetch(hashes[len(device):limit])
         if job is not None:
             self._prefetches[req.request_id] = job
 
@@ -108,15 +118,8 @@ class KVCacheManager:
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:
             self.store.settle(job)
-        hashes = self._hashes(req)
-        limit = (req.num_tokens - 1) // self.block_size
-        i = 0
-        while i < limit:
-            blk = self.pool.lookup(hashes[i])
-            if blk is None:
-                break
-            hit.device.append(blk)
-            i += 1
+        hashes, hit.device, limit = self._device_prefix(req)
+        i = len(hit.device)
         while self.store is not None and i < limit:
             found = self.store.fetch(hashes[i])
             if found is None:

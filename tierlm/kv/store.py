@@ -126,6 +126,12 @@ class TieredStore:
     # -- reads -----------------------------------------------------------------------------
     def fetch(self, h: bytes) -> tuple[str, torch.Tensor] | None:
         """(where it was, the block) from staging, the writer's queue or the first tier holding it."""
+        return self._find(h, read_host=True)
+
+    def _find(self, h: bytes, read_host: bool) -> tuple[str, torch.Tensor | None] | None:
+        """Look `h` up in staging, the writer's queue, then each tier in order; a block read from
+        disk or Redis is staged. With `read_host` False a host block is only checked for (data
+        None), so that a prefetch does not count a host hit the admission will count again."""
         with self._lock:
             hit = self.staged.get(h)
             if hit is None and h in self.pending:
@@ -133,6 +139,10 @@ class TieredStore:
         if hit is not None:
             return hit
         for t in self.tiers:
+            if isinstance(t, HostTier) and not read_host:
+                if h in t:
+                    return t.name, None
+                continue
             data = t.get(h)
             if data is not None:
                 if not isinstance(t, HostTier):  # host reads are a dict lookup already
@@ -182,23 +192,6 @@ class TieredStore:
         with self._lock:
             job.cancelled = True
 
-    def _prefetch_one(self, h: bytes) -> bool:
-        """Stage block `h` from a slow tier; True if it is cached anywhere below the device.
-        Host blocks are only checked (not read), so their hits are counted once, at admission."""
-        with self._lock:
-            if h in self.staged or h in self.pending:
-                return True
-        for t in self.tiers:
-            if isinstance(t, HostTier):
-                if h in t:
-                    return True
-                continue
-            data = t.get(h)
-            if data is not None:
-                self._stage(h, t.name, data)
-                return True
-        return False
-
     def _read_one(self, job: Prefetch) -> None:
         try:
             with self._lock:
@@ -206,7 +199,7 @@ class TieredStore:
                     return
                 job.started = True
             for h in job.hashes:
-                if job.cancelled or not self._prefetch_one(h):
+                if job.cancelled or self._find(h, read_host=False) is None:
                     break
                 job.found += 1
         finally:
