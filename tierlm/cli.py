@@ -26,8 +26,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="turn off automatic prefix caching")
     kv.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=POLICIES, help="device pool eviction policy (see tierlm bench cache)")
     kv.add_argument("--kv-host-capacity", default=None, help="host-memory tier size: '2GiB', '1000 blocks' or bytes")
-    kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given)")
-    kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes")
+    kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given; kept across restarts, one engine at a time)")
+    kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes (default: half the free space)")
     kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
     kv.add_argument("--kv-remote-capacity", default=None,
                     help="sets the Redis server's maxmemory (allkeys-lru): '50GiB', blocks or bytes; "

@@ -25,6 +25,10 @@ class ModelLoadError(TierlmError):
     """A checkpoint directory cannot be served (missing/corrupt files, unknown architecture)."""
 
 
+class KVTierError(TierlmError):
+    """A lower KV tier cannot be opened (its disk directory is in use or not writable)."""
+
+
 class ChatTemplateError(InvalidRequestError):
     """Chat was asked for but the tokenizer has no chat template."""
 

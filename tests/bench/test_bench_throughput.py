@@ -20,7 +20,11 @@ def test_bench_throughput_tiny(llama_dir, tmp_path):
     assert (tmp_path / "tp.png").stat().st_size > 1000
 
 
-def test_bench_prefix_tiny(llama_dir, tmp_path):
+def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch):
+    import tempfile
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the disk tier's directory goes
     out = tmp_path / "px.json"
     rc = main(["bench", "prefix", "--model", str(llama_dir), "--dtype", "float32", "--prefix-len", "200",
                "--suffix-len", "8", "--repeats", "1", "--kv-cache-memory", str(4 << 20), "--json", str(out)])
@@ -35,3 +39,4 @@ def test_bench_prefix_tiny(llama_dir, tmp_path):
         (sample,) = stall["samples"][mode]
         assert sample["cached_tokens"] == 192  # the newcomer's prefix came from disk both ways
         assert sample["max_step_s"] > 0 and sample["steps"] >= 1
+    assert not any(scratch.iterdir())  # its disk-tier files are gone with the run

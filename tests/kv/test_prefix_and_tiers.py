@@ -9,6 +9,7 @@ import torch
 from tierlm import LLM, SamplingParams
 from tierlm.kv.prefix_cache import chain_hashes, extra_key
 from tierlm.config import EngineConfig
+from tierlm.errors import KVTierError
 from tierlm.kv.policies import DuelPolicy, LFUPolicy, LRUPolicy
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, encode_block
@@ -260,6 +261,85 @@ def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference
     truncated = disk.path(hashes[5])
     truncated.write_bytes(truncated.read_bytes()[:100])
     assert disk.get(hashes[5]) is None and disk.stats.corrupt == 2
+
+
+def test_disk_tier_is_warm_after_a_restart_and_owned_by_one_engine(llama_dir, cold_reference, tmp_path):
+    shared, ref = cold_reference
+    kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    with _llm(llama_dir, **kw) as first:
+        _run(first, shared + _prompt(2, 9))
+        assert first.engine.offload_prefix_cache() > 0
+        on_disk = len(first.engine.store.tiers[0])
+        with pytest.raises(KVTierError, match=r"in use by tierlm pid \d+.*own kv_disk_dir"):
+            _llm(llama_dir, **kw)  # a second engine on the same directory would evict blocks unseen
+    _run(first, shared + _prompt(4, 9))
+    first.engine.offload_prefix_cache()  # after close: the blocks are dropped, nothing waits or writes
+    with _llm(llama_dir, **kw) as second:  # the restarted server
+        assert len(second.engine.store.tiers[0]) == on_disk
+        tokens, cached, computed = _run(second, shared + _prompt(3, 9))
+        assert tokens == ref[3]
+        assert cached == 64 and computed == 15
+        assert second.engine.stats().kv_tiers["disk"]["hits"] == 8
+
+
+def _chain(n: int) -> list[tuple[bytes, bytes | None, torch.Tensor]]:
+    blocks, parent = [], None
+    for i in range(n):
+        h = bytes([0x10 + i]) * 32
+        blocks.append((h, parent, torch.full((2, 2, 4), float(i))))
+        parent = h
+    return blocks
+
+
+def test_disk_tier_reopens_within_capacity_and_deletes_only_its_debris(tmp_path):
+    import os
+    blocks = _chain(8)
+    disk = DiskTier(tmp_path, 8)
+    for i, (h, parent, data) in enumerate(blocks):
+        disk.put(h, parent, data)
+        os.utime(disk.path(h), ns=(10**18 + i * 10**9,) * 2)  # written in chain order, a second apart
+    disk.close()
+    half_written = disk.path(blocks[0][0]).with_suffix(".tmp123")
+    half_written.write_bytes(b"TLKV1")
+    damaged = disk.path(b"\xee" * 32)
+    damaged.parent.mkdir(exist_ok=True)
+    damaged.write_bytes(b"not a block")
+    foreign = disk.path(blocks[0][0]).parent / "notes.txt"
+    foreign.write_text("someone else's file")
+
+    again = DiskTier(tmp_path, 4)
+    kept = blocks[4:]  # the newest four
+    assert set(again.parents) == {h for h, _, _ in kept}
+    assert all(again.parents[h] == parent for h, parent, _ in kept)  # prefix tree rebuilt from headers
+    assert sorted(p.name for p in tmp_path.rglob("*.kv")) == sorted(again.path(h).name for h, _, _ in kept)
+    assert not half_written.exists() and not damaged.exists() and foreign.exists()
+    for h, _, data in kept:
+        assert torch.equal(again.get(h), data)
+    assert again.policy.victim() == kept[-1][0]  # the chain is still evicted from its tail
+    again.close()
+
+
+def test_disk_write_failure_passes_the_block_on_and_serves_on(tmp_path, caplog):
+    disk = DiskTier(tmp_path, 8)
+    (h, parent, data), = _chain(1)
+    disk.path(h).parent.write_text("a file where the shard directory should be")
+    with caplog.at_level("WARNING"):
+        assert disk.put(h, parent, data) == [(h, parent, data)]  # for the next tier down
+        disk.put(h, parent, data)
+    assert h not in disk and disk.stats.errors == 2 and disk.stats.stores == 0
+    assert sum("cannot store blocks" in r.message for r in caplog.records) == 1  # one warning, not a flood
+    disk.path(h).parent.unlink()
+    assert disk.put(h, parent, data) == [] and torch.equal(disk.get(h), data)
+    disk.close()
+
+
+def test_disk_capacity_defaults_to_half_the_free_space(tmp_path):
+    import shutil
+    block_bytes = 1 << 20
+    disk = DiskTier(tmp_path, None, block_bytes=block_bytes)
+    half_free = shutil.disk_usage(tmp_path).free // 2 // block_bytes
+    assert abs(disk.capacity - half_free) <= max(2, half_free // 100)
+    disk.close()
 
 
 def test_redis_stopped_mid_run_degrades_to_misses(llama_dir, cold_reference, redis_server):

@@ -62,23 +62,16 @@ def _stall(llm, prompt: list[int], decoders: list[list[int]], prefetch: bool) ->
             "ttft_s": sum(steps), "cached_tokens": late.num_cached_tokens}
 
 
-def run(args: argparse.Namespace) -> dict:
-    from tierlm import LLM
-    from tierlm.bench.throughput import ensure_bench_model
-    from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR
-    model = args.model or str(ensure_bench_model(Path(args.bench_model_dir or DEFAULT_BENCH_MODEL_DIR)))
+def _measure(llm, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """TTFT samples per place the prefix sits (cold, device, host, disk), and the stall runs."""
     rng = random.Random(0)
-    tmp = tempfile.mkdtemp(prefix="tierlm-prefix-bench-")
-    llm = LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_host_capacity="4GiB",
-              kv_disk_dir=tmp, kv_disk_capacity="8GiB")
     vocab = llm.engine.args.vocab_size
 
     def toks(n):
         return [rng.randrange(100, vocab) for _ in range(n)]
 
     _ttft(llm, toks(32))  # warm-up
-    rows = {"cold": [], "device": [], "host": [], "disk": []}
+    rows: dict[str, list[float]] = {"cold": [], "device": [], "host": [], "disk": []}
     cached: dict[str, list[int]] = {}
     stalls: dict[str, list[dict]] = {"prefetch": [], "no_prefetch": []}
     for i in range(args.repeats):
@@ -97,6 +90,20 @@ def run(args: argparse.Namespace) -> dict:
         llm.engine.offload_prefix_cache()
         print(f"  repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()),
               flush=True)
+    return rows, cached, stalls
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tierlm import LLM
+    from tierlm.bench.throughput import ensure_bench_model
+    from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR
+    model = args.model or str(ensure_bench_model(Path(args.bench_model_dir or DEFAULT_BENCH_MODEL_DIR)))
+    # The disk tier's files (GBs) go with the temporary directory when the run ends.
+    with tempfile.TemporaryDirectory(prefix="tierlm-prefix-bench-") as tmp, \
+            LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,
+                max_num_batched_tokens=args.max_num_batched_tokens, kv_host_capacity="4GiB",
+                kv_disk_dir=tmp, kv_disk_capacity="8GiB") as llm:
+        rows, cached, stalls = _measure(llm, args)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {"model": model, "dtype": args.dtype, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
               "ttft_s": med, "speedup_vs_cold": {k: med["cold"] / med[k] for k in ("device", "host", "disk")},

@@ -75,6 +75,8 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 30)
         self._thread = None
+        if self.engine.store is not None:  # queued demotions reach disk/Redis before the process ends
+            await asyncio.to_thread(self.engine.store.flush)
 
     # -- requests --------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -74,7 +75,15 @@ def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -
     return f"{model_dir.name}:{dtype}:{kv_dtype}:{digest.hexdigest()[:16]}"
 
 
-def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device,
+def disk_tier_dir(root: str | Path, model_id: str) -> Path:
+    """Each model's blocks in a directory of its own under `kv_disk_dir`, so that several models
+    (one server, or one after another) never count against or scan each other's entries."""
+    import hashlib
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", model_id.split(":", 1)[0])[:64]
+    return Path(root) / f"{name}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
+
+
+def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
                 fence: Callable[[], None] | None = None) -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
     tiers: list = []
@@ -82,8 +91,9 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device,
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
     if config.kv_disk_dir:
-        disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else 1 << 20
-        tiers.append(DiskTier(config.kv_disk_dir, disk, config.tier_policy("disk")))
+        disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else None
+        tiers.append(DiskTier(disk_tier_dir(config.kv_disk_dir, model_id), disk, config.tier_policy("disk"),
+                              block_bytes=block_bytes))
     if config.kv_remote:
         if not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
@@ -134,8 +144,9 @@ class LLMEngine:
             self.runner.warm_up(warm_tokens, config.max_num_seqs)
             log.info("warm-up forward (%d prefill tokens, %d decode rows) took %.2f s (warmup=False skips it)",
                      warm_tokens, config.max_num_seqs, time.monotonic() - t0)
-        self.store = build_tiers(config, per_block, self.device, fence=self.runner.copies_done)
-        self.kv = KVCacheManager(self.pool, bs, model_id=model_identity(model_dir, self.dtype, loaded.kv_dtype), store=self.store,
+        model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype)
+        self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done)
+        self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,
                                  io=BlockIO(self.runner.read_block, self.runner.write_block),
                                  prefetch=self.device.type == "cuda" if config.kv_prefetch is None else config.kv_prefetch)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
@@ -307,6 +318,12 @@ class LLMEngine:
             kv_promoted_bytes=self.kv.stats.promoted_bytes, kv_demoted_blocks=self.kv.stats.demoted_blocks,
             kv_demoted_bytes=self.kv.stats.demoted_bytes,
             kv_tiers=self.store.stats() if self.store is not None else None)
+
+    def close(self) -> None:
+        """Finish the lower tiers' queued writes and release them (the disk tier's directory,
+        which keeps its blocks for the next engine). The engine takes no requests after this."""
+        if self.store is not None:
+            self.store.close()
 
     def offload_prefix_cache(self) -> int:
         """Push every unreferenced cached device block down to the lower tiers (or drop it if none)."""

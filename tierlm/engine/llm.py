@@ -18,6 +18,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 
+    def close(self) -> None:
+        """Release the KV tiers (see `LLMEngine.close`); also on leaving a `with LLM(...)` block."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -57,6 +57,7 @@ class TieredStore:
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
         self._lock = threading.Lock()
+        self._closed = False
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._threads = [
@@ -83,10 +84,12 @@ class TieredStore:
     def write_remote(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
         """Write-through of a freshly computed block to the shared tier (so peers can hit it)."""
         for i, t in enumerate(self.tiers):
-            if isinstance(t, RedisTier):
+            if isinstance(t, RedisTier) and not self._closed:
                 self._writes.put(("remote", h, parent, data, i))
 
     def _enqueue(self, item) -> None:
+        if self._closed:
+            return
         with self._lock:
             self.pending[item[1]] = item[3]
         self._writes.put(item)
@@ -172,7 +175,7 @@ class TieredStore:
 
     def prefetch(self, hashes: list[bytes]) -> Prefetch | None:
         """Read these leading blocks (stopping at the first miss) into staging in the background."""
-        if not hashes or not self.slow:
+        if not hashes or not self.slow or self._closed:
             return None
         job = Prefetch(list(hashes))
         self._reads.put(job)
@@ -222,13 +225,24 @@ class TieredStore:
 
     def flush(self) -> None:
         """Wait until every queued write and prefetch is done (tests, shutdown)."""
+        if self._closed:
+            return
         self._writes.join()
         self._reads.join()
 
     def close(self) -> None:
+        """Finish queued writes, stop the threads and release the tiers (the disk directory's
+        lock): blocks already on disk stay there for the next engine."""
+        if self._closed:
+            return
         self.flush()
+        self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
         self._writes.put(None)
         self._reads.put(None)
+        for t in self._threads:
+            t.join()
+        for tier in self.tiers:
+            tier.close()
 
     def stats(self) -> dict[str, dict]:
         return {t.name: asdict(t.stats) for t in self.tiers}

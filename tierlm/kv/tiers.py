@@ -11,10 +11,13 @@ miss, never an error. `kv/store.py` chains the tiers and keeps their slow I/O of
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import struct
 import threading
 import time
@@ -23,11 +26,13 @@ from pathlib import Path
 
 import torch
 
+from tierlm.errors import KVTierError
 from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"TLKV1"
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp\d+)")  # a disk entry, or one being written
 
 
 @dataclass
@@ -43,22 +48,36 @@ class TierStats:
     errors: int = 0
 
 
-def encode_block(data: torch.Tensor) -> bytes:
-    """Self-describing bytes: magic, header length, JSON header (dtype, shape, sha256), payload."""
+def encode_block(data: torch.Tensor, parent: bytes | None = None) -> bytes:
+    """Self-describing bytes: magic, header length, JSON header (dtype, shape, sha256, parent
+    hash: what a disk tier re-reads on restart to rebuild its prefix tree), payload."""
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
     header = json.dumps({"dtype": str(data.dtype).replace("torch.", ""), "shape": list(data.shape),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+                         "sha256": hashlib.sha256(payload).hexdigest(),
+                         "parent": parent.hex() if parent else None}).encode()
     return _MAGIC + struct.pack("<I", len(header)) + header + payload
 
 
-def decode_block(raw: bytes) -> torch.Tensor | None:
-    """The block, or None if the bytes are not a whole, intact entry."""
+def _header(raw: bytes) -> tuple[dict, int] | None:
+    """(header, payload offset), or None if `raw` does not start like an entry."""
     try:
         if raw[:5] != _MAGIC:
             return None
         (n,) = struct.unpack("<I", raw[5:9])
         header = json.loads(raw[9:9 + n])
-        payload = raw[9 + n:]
+        return (header, 9 + n) if isinstance(header, dict) else None
+    except (ValueError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def decode_block(raw: bytes) -> torch.Tensor | None:
+    """The block, or None if the bytes are not a whole, intact entry."""
+    try:
+        parsed = _header(raw)
+        if parsed is None:
+            return None
+        header, start = parsed
+        payload = raw[start:]
         if hashlib.sha256(payload).hexdigest() != header["sha256"]:
             return None
         dtype = getattr(torch, header["dtype"])
@@ -98,6 +117,7 @@ class _CapacityTier:
         self.stats = TierStats()
         self.lock = threading.RLock()
         self.clock = 0
+        self._write_failing = False
 
     def __contains__(self, h: bytes) -> bool:
         with self.lock:
@@ -127,7 +147,16 @@ class _CapacityTier:
                     evicted.append((victim, vparent, vdata))
             if len(self.parents) >= self.capacity:
                 return evicted + [(h, parent, data)]
-            self._write(h, data)
+            try:
+                self._write(h, parent, data)
+            except OSError as e:  # disk full, permissions, ...: pass the block on, keep serving
+                self.stats.errors += 1
+                if not self._write_failing:
+                    log.warning("KV %s tier cannot store blocks (%s); passing them to the next tier until "
+                                "writes succeed again. Free space or fix the cache directory", self.name, e)
+                self._write_failing = True
+                return evicted + [(h, parent, data)]
+            self._write_failing = False
             self.parents[h] = parent
             self.policy.access(h, parent, self.clock)
             self.stats.stores += 1
@@ -156,8 +185,11 @@ class _CapacityTier:
         self._erase(h)
         return self.parents.pop(h, None)
 
+    def close(self) -> None:
+        """Release what the tier holds outside this process (nothing, unless overridden)."""
+
     # storage hooks
-    def _write(self, h: bytes, data: torch.Tensor) -> None: ...
+    def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None: ...
     def _read(self, h: bytes) -> torch.Tensor | None: ...
     def _erase(self, h: bytes) -> None: ...
 
@@ -172,7 +204,7 @@ class HostTier(_CapacityTier):
         self.pin = pin
         self.data: dict[bytes, torch.Tensor] = {}
 
-    def _write(self, h, data):
+    def _write(self, h, parent, data):
         self.data[h] = data.pin_memory() if self.pin and not data.is_pinned() else data
 
     def _read(self, h):
@@ -183,25 +215,129 @@ class HostTier(_CapacityTier):
 
 
 class DiskTier(_CapacityTier):
-    """One checksummed file per block under a cache directory; written atomically (tmp + rename)."""
+    """One checksummed file per block under a cache directory; written atomically (tmp + rename).
+
+    The directory outlives the process: on start the tier re-indexes the entries an earlier run
+    left (their headers name the parent block; newest kept up to capacity, the rest deleted, as
+    are half-written temporaries), so a restarted server is warm and the directory never grows
+    past its capacity across restarts. Block keys cover the model and dtypes, so an entry can
+    only be found by an engine that would compute the same K/V. One engine owns a directory at
+    a time (an advisory lock): two processes sharing one would each evict the other's files
+    unseen. Engines share blocks through the Redis tier instead.
+    """
 
     name = "disk"
 
-    def __init__(self, root: str | Path, capacity_blocks: int, policy: str = DEFAULT_POLICY) -> None:
-        super().__init__(capacity_blocks, policy)
+    def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
+                 block_bytes: int = 0) -> None:
+        super().__init__(capacity_blocks or 0, policy)
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_file = self._claim()
+        except OSError as e:
+            raise KVTierError(f"cannot use {self.root} as the KV disk directory ({e}); give a writable "
+                              "kv_disk_dir") from None
+        try:
+            found = self._scan()
+            if capacity_blocks is None:  # half the free space, on top of what is already ours
+                self.capacity = len(found) + shutil.disk_usage(self.root).free // 2 // max(block_bytes, 1)
+                log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space; set "
+                         "kv_disk_capacity to choose)", self.root, self.capacity)
+            self._adopt(found)
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim(self):
+        f = open(self.root / ".lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            owner = f.read().strip() or "another engine"
+            f.close()
+            raise KVTierError(f"KV disk directory {self.root} is in use by {owner}; give each engine its own "
+                              "kv_disk_dir (engines share KV blocks through kv_remote)") from None
+        f.truncate(0)
+        f.write(f"tierlm pid {os.getpid()}\n")
+        f.flush()
+        return f
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None
+
+    def _scan(self) -> list[tuple[int, bytes, bytes | None]]:
+        """(mtime, key, parent) of every intact-looking entry, oldest first. Debris of ours
+        (half-written temporaries, unreadable entries) is deleted; other files are left alone."""
+        t0 = time.monotonic()
+        found, dropped = [], 0
+        for i, p in enumerate(self.root.glob("??/*"), 1):
+            if not _ENTRY_NAME.fullmatch(p.name) or p.parent.name != p.name[:2]:
+                continue
+            entry = self._entry(p) if p.suffix == ".kv" else None
+            if entry is None:
+                p.unlink(missing_ok=True)
+                dropped += 1
+            else:
+                found.append(entry)
+            if i % 100_000 == 0:
+                log.info("KV disk tier %s: %d files looked at", self.root, i)
+        found.sort()
+        if found or dropped:
+            log.info("KV disk tier %s: found %d blocks from an earlier run in %.1f s (%d unreadable or "
+                     "half-written files deleted)", self.root, len(found), time.monotonic() - t0, dropped)
+        return found
+
+    @staticmethod
+    def _entry(p: Path) -> tuple[int, bytes, bytes | None] | None:
+        try:
+            with open(p, "rb") as f:
+                parsed = _header(f.read(4096))
+            mtime = p.stat().st_mtime_ns
+        except OSError:
+            return None
+        if parsed is None or "parent" not in parsed[0]:
+            return None  # damaged, or written before headers named the parent
+        parent = parsed[0]["parent"]
+        try:
+            return mtime, bytes.fromhex(p.stem), bytes.fromhex(parent) if parent else None
+        except (TypeError, ValueError):
+            return None
+
+    def _adopt(self, found: list[tuple[int, bytes, bytes | None]]) -> None:
+        """Index the newest `capacity` entries in age order (so recency policies start right)."""
+        excess = max(0, len(found) - self.capacity)
+        for _, h, _ in found[:excess]:
+            self._erase(h)
+        for _, h, parent in found[excess:]:
+            self.clock += 1
+            self.parents[h] = parent
+            self.policy.access(h, parent, self.clock)
+        if excess:
+            log.info("KV disk tier %s: deleted the %d oldest blocks beyond its capacity of %d",
+                     self.root, excess, self.capacity)
 
     def path(self, h: bytes) -> Path:
         hx = h.hex()
         return self.root / hx[:2] / f"{hx}.kv"
 
-    def _write(self, h, data):
+    def _write(self, h, parent, data):
         p = self.path(h)
         p.parent.mkdir(exist_ok=True)
         tmp = p.with_suffix(f".tmp{threading.get_ident()}")
-        tmp.write_bytes(encode_block(data))
-        os.replace(tmp, p)
+        try:
+            tmp.write_bytes(encode_block(data, parent))
+            os.replace(tmp, p)
+        except OSError:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
 
     def _read(self, h):
         try:
@@ -270,6 +406,12 @@ class RedisTier:
                         "refused once it is full. Use allkeys-lru (or give kv_remote_capacity)",
                         self.url, conf.get("maxmemory-policy"))
 
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._errors:
+            pass
+
     def _available(self) -> bool:
         return time.monotonic() >= self.down_until
 
@@ -292,7 +434,7 @@ class RedisTier:
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> list:
         if not self._available():
             return []
-        raw = encode_block(data)
+        raw = encode_block(data, parent)
         try:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
