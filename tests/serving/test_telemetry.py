@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tierlm.engine.outputs import StreamDelta
+from tierlm.kv.tiers import TierStats
 from tierlm.sampling_params import SamplingParams
 from tierlm.serving.telemetry import (
     EngineCollector,
@@ -256,6 +257,23 @@ def test_engine_collector_reads_stats_at_scrape_time():
     assert value(s, "tierlm:kv_tier_hits_total", model="a", tier="host") == 4
 
 
+def test_lower_tier_counters_and_occupancy_from_a_real_engine(llama_dir, tmp_path):
+    from tierlm import LLM
+    with LLM(str(llama_dir), dtype="float32", kv_cache_memory=4 << 20, block_size=8, load_progress=False,
+             kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks") as llm:
+        tel = Telemetry({"m": llm.engine}, log_requests=False)
+        s = samples(tel.render().decode())
+        assert value(s, "tierlm:kv_tier_blocks", model="m", tier="disk") == 0
+        llm.generate([{"prompt_token_ids": list(range(5, 85))}], SamplingParams(max_tokens=2, ignore_eos=True))
+        demoted = llm.engine.offload_prefix_cache()
+        s = samples(tel.render().decode())
+        assert value(s, "tierlm:kv_tier_blocks", model="m", tier="host") == 4
+        assert value(s, "tierlm:kv_tier_capacity_blocks", model="m", tier="host") == 4
+        assert value(s, "tierlm:kv_tier_blocks", model="m", tier="disk") == demoted - 4
+        assert value(s, "tierlm:kv_tier_capacity_blocks", model="m", tier="disk") == 64
+        assert value(s, "tierlm:kv_tier_evictions_total", model="m", tier="host") == demoted - 4
+
+
 def test_apps_do_not_share_registries():
     a, b = Telemetry(log_requests=False), Telemetry(log_requests=False)
     a.metrics.generation_tokens.labels("m", "default").inc(5)
@@ -333,7 +351,8 @@ def test_grafana_dashboard_only_uses_exported_metrics():
         exported |= {family.name + s for s in suffixes.get(family.type, [""])}
     from tierlm.serving.telemetry import ENGINE_FIGURES
     exported |= {f.name + ("_total" if f.kind == "counter" else "") for f in ENGINE_FIGURES}
-    exported |= {"tierlm:kv_cache_usage_perc", "tierlm:kv_tier_hits_total", "tierlm:kv_tier_misses_total"}
+    exported |= {"tierlm:kv_cache_usage_perc", "tierlm:kv_tier_blocks", "tierlm:kv_tier_capacity_blocks"}
+    exported |= {f"tierlm:kv_tier_{k}_total" for k in TierStats.__dataclass_fields__}  # one counter per field
     assert used and used <= exported, used - exported
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 

@@ -56,6 +56,7 @@ class EngineStats:
     kv_demoted_blocks: int = 0
     kv_demoted_bytes: int = 0
     kv_tiers: dict | None = None  # per lower tier: hits, misses, stores, evictions, promotions, bytes, corrupt, errors
+    kv_tier_usage: dict | None = None  # host and disk: {"blocks": held now, "capacity": blocks}
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -317,7 +318,8 @@ class LLMEngine:
             kv_promoted_blocks=self.kv.stats.promoted_blocks,
             kv_promoted_bytes=self.kv.stats.promoted_bytes, kv_demoted_blocks=self.kv.stats.demoted_blocks,
             kv_demoted_bytes=self.kv.stats.demoted_bytes,
-            kv_tiers=self.store.stats() if self.store is not None else None)
+            kv_tiers=self.store.stats() if self.store is not None else None,
+            kv_tier_usage=self.store.usage() if self.store is not None else None)
 
     def close(self) -> None:
         """Finish the lower tiers' queued writes and release them (the disk tier's directory,

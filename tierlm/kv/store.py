@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierlm.kv.tiers import HostTier, RedisTier
+from tierlm.kv.tiers import HostTier, RedisTier, _CapacityTier
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +246,7 @@ class TieredStore:
 
     def stats(self) -> dict[str, dict]:
         return {t.name: asdict(t.stats) for t in self.tiers}
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Blocks held and capacity of the tiers tierlm sizes itself (host, disk; Redis sizes itself)."""
+        return {t.name: {"blocks": len(t), "capacity": t.capacity} for t in self.tiers if isinstance(t, _CapacityTier)}

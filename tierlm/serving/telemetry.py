@@ -177,6 +177,10 @@ class EngineCollector(Collector):
         usage = GaugeMetricFamily("tierlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
                                   labels=["model"])
         tiers: dict[str, CounterMetricFamily] = {}  # per lower KV tier (host, disk, redis): its counters
+        held = GaugeMetricFamily("tierlm:kv_tier_blocks", "KV blocks held now in a lower tier (host, disk).",
+                                 labels=["model", "tier"])
+        room = GaugeMetricFamily("tierlm:kv_tier_capacity_blocks", "Capacity of a lower KV tier, in blocks.",
+                                 labels=["model", "tier"])
         for model, engine in self._engines():
             try:
                 stats = engine.stats()
@@ -198,9 +202,14 @@ class EngineCollector(Collector):
                             tiers[name] = CounterMetricFamily(name, f"KV tier counter '{key}' (see tierlm.kv.tiers).",
                                                               labels=["model", "tier"])
                         tiers[name].add_metric([model, tier], float(value))
+            for tier, use in (getattr(stats, "kv_tier_usage", None) or {}).items():
+                held.add_metric([model, tier], float(use["blocks"]))
+                room.add_metric([model, tier], float(use["capacity"]))
         yield from families.values()
         yield usage
         yield from tiers.values()
+        yield held
+        yield room
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # names are fixed, but describing would make registration call collect()
