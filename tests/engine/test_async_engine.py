@@ -76,6 +76,14 @@ async def test_concurrent_streams_and_event_loop_stays_free(engine):
     assert ticks >= 0.25 * elapsed / 0.005
 
 
+async def test_a_shut_down_engine_serves_again_on_the_next_request(engine):
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    before = await _collect(engine, "hello", p)
+    await engine.shutdown()
+    after = await asyncio.wait_for(_collect(engine, "hello", p), 60)
+    assert after[-1].finished and [t for d in after for t in d.token_ids] == [t for d in before for t in d.token_ids]
+
+
 async def test_too_long_raises_before_streaming(engine):
     with pytest.raises(RequestTooLongError):
         await _collect(engine, {"prompt_token_ids": [3] * 600}, SamplingParams(max_tokens=4))

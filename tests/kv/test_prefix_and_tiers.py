@@ -230,7 +230,7 @@ def test_prefetch_jobs_settle_cancel_and_stay_within_staging_bytes(tmp_path):
     store.flush()
     assert first.found == 1 and queued.found == 0 and list(store.staged) == [h0]
     assert disk.stats.hits == 1
-    source, data = store.fetch(h0)
+    source, data, _ = store.fetch(h0)
     assert source == "disk" and torch.equal(data, d0) and disk.stats.hits == 1  # served from staging
     store.promoted(h0, "disk")
     assert not store.staged and disk.stats.promotions == 1
@@ -324,7 +324,7 @@ def test_disk_write_failure_passes_the_block_on_and_serves_on(tmp_path, caplog):
     (h, parent, data), = _chain(1)
     disk.path(h).parent.write_text("a file where the shard directory should be")
     with caplog.at_level("WARNING"):
-        assert disk.put(h, parent, data) == [(h, parent, data)]  # for the next tier down
+        assert disk.put(h, parent, data) == [(h, parent, data, None)]  # for the next tier down
         disk.put(h, parent, data)
     assert h not in disk and disk.stats.errors == 2 and disk.stats.stores == 0
     assert sum("cannot store blocks" in r.message for r in caplog.records) == 1  # one warning, not a flood
@@ -453,3 +453,50 @@ def test_finished_requests_tell_the_policy_their_output_length(llama_dir):
     assert [hist[h].hint for h in done.block_hashes] == [3] * 6
     assert all(hist[h].hint == 0 for h in aborted.block_hashes[:5])  # an abort says nothing
     assert eng.pool.num_used == 0  # nothing leaked either way
+
+
+def test_output_length_hint_travels_down_the_tiers_and_back(llama_dir, tmp_path):
+    """`gittins_hint` in every tier: the hint a finished request leaves on its blocks follows them
+    to host and disk, survives a restart in the disk entries' headers and comes back up on a hit."""
+    kw = dict(eviction_policy="gittins_hint", kv_tier_policy="gittins_hint", kv_host_capacity="2 blocks",
+              kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    prompt = _prompt(11, 40)
+    with _llm(llama_dir, **kw) as llm:
+        eng = llm.engine
+        done = eng.add_request({"prompt_token_ids": prompt}, GREEDY)
+        while eng.has_unfinished():
+            eng.step()
+        hashes = done.block_hashes  # 6 full blocks, 10 tokens out: hint bucket [4, 16) = 3
+        assert eng.offload_prefix_cache() == 6
+        host, disk = eng.store.tiers
+        assert set(host.parents) == set(hashes[:2])  # the device lets a chain go tail first
+        assert set(disk.parents) == set(hashes[2:])
+        for tier in (host, disk):
+            assert {tier.hint_of(h) for h in tier.parents} == {10}
+            assert {tier.policy._hist[h].hint for h in tier.parents} == {3}
+    # Closing wrote the host's chain heads to disk too: without them the tails there are unreachable.
+    assert set(disk.parents) == set(hashes) and not host.parents
+    with _llm(llama_dir, **kw) as again:  # fresh policies everywhere, and the disk entries
+        eng = again.engine
+        assert {eng.store.tiers[1].hint_of(h) for h in hashes} == {10}
+        req = eng.add_request({"prompt_token_ids": prompt + _prompt(12, 9)}, GREEDY)
+        eng.step()  # admitted: 5 blocks (the 40-token prompt) promoted from disk, the rest computed
+        assert req.num_cached_tokens == 40 and not req.is_finished
+        assert [b.output_tokens for b in req.blocks[:5]] == [10] * 5
+        assert [eng.pool.policy._hist[h].hint for h in hashes[:5]] == [3] * 5
+
+
+async def test_server_shutdown_leaves_the_kv_cache_on_disk(llama_dir, tmp_path):
+    from tierlm.engine.async_engine import AsyncEngine
+    eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=4 << 20, block_size=8,
+                                 load_progress=False, kv_host_capacity="2 blocks",
+                                 kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    deltas = [d async for d in eng.generate({"prompt_token_ids": _prompt(21, 40)}, GREEDY)]
+    assert deltas[-1].finished
+    cached = len(eng.engine.pool.cached)
+    assert cached == 6 and len(eng.engine.store.tiers[1]) == 0
+    await eng.shutdown()
+    host, disk = eng.engine.store.tiers
+    assert len(eng.engine.pool.cached) == 0 and len(host) == 0 and len(disk) == cached
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == cached
+    eng.engine.close()

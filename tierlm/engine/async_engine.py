@@ -64,6 +64,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._stopping = False  # a shut-down engine starts again on its next request
         self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
         self._thread.start()
 
@@ -74,8 +75,13 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 30)
+        if self._thread.is_alive():  # a step outlived the wait: its blocks are not ours to move
+            log.warning("engine thread of %s did not stop within 30 s; the KV cache is not written to disk",
+                        self.model_name)
+            return
         self._thread = None
-        if self.engine.store is not None:  # queued demotions reach disk/Redis before the process ends
+        if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
+            await asyncio.to_thread(self.engine.persist_kv)
             await asyncio.to_thread(self.engine.store.flush)
 
     # -- requests --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None
+    output_tokens: int | None = None  # of the last finished request that used it: travels down the tiers
 
 
 class BlockPool:
@@ -73,7 +74,7 @@ class BlockPool:
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(blk)
-        blk.block_hash = blk.parent_hash = None
+        blk.block_hash = blk.parent_hash = blk.output_tokens = None
         return blk
 
     def lookup(self, h: BlockHash) -> KVBlock | None:
@@ -128,6 +129,6 @@ class BlockPool:
             if blk.ref_cnt == 0:
                 del self.cached[h]
                 self.policy.remove(h)
-                blk.block_hash = blk.parent_hash = None
+                blk.block_hash = blk.parent_hash = blk.output_tokens = None
                 self._free.append(blk.block_id)
         self._num_evictable = 0

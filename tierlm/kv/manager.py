@@ -33,7 +33,8 @@ class PrefixHit:
     """The cached prefix of one request: device blocks, then blocks found in lower tiers."""
 
     device: list[KVBlock] = field(default_factory=list)
-    lower: list[tuple[BlockHash, str, torch.Tensor]] = field(default_factory=list)  # (hash, tier, K/V)
+    # (hash, tier, K/V, output length of the last finished request that used it, if known)
+    lower: list[tuple[BlockHash, str, torch.Tensor, int | None]] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -91,7 +92,7 @@ class KVCacheManager:
         data = self.io.read(blk.block_id)
         self.stats.demoted_blocks += 1
         self.stats.demoted_bytes += data.numel() * data.element_size()
-        self.store.demote(blk.block_hash, blk.parent_hash, data)
+        self.store.demote(blk.block_hash, blk.parent_hash, data, hint=blk.output_tokens)
 
     def prefetch(self, req) -> None:
         """On arrival: start reading the part of `req`'s prefix that is below the device (disk,
@@ -124,7 +125,7 @@ class KVCacheManager:
             found = self.store.fetch(hashes[i])
             if found is None:
                 break
-            hit.lower.append((hashes[i], found[0], found[1]))
+            hit.lower.append((hashes[i], *found))
             i += 1
         return hit
 
@@ -145,10 +146,13 @@ class KVCacheManager:
         if need > 0:
             req.blocks.extend(self.pool.allocate(need))
         base = len(hit.device)
-        for j, (h, source, data) in enumerate(hit.lower):
+        for j, (h, source, data, hint) in enumerate(hit.lower):
             blk = req.blocks[base + j]
             self.io.write(blk.block_id, data)
             self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None)
+            if hint is not None and blk.block_hash == h:  # what the lower tier knew comes back up
+                blk.output_tokens = hint
+                self.pool.policy.finished([h], hint)
             self.store.promoted(h, source)
             self.stats.promoted_blocks += 1
             self.stats.promoted_bytes += data.numel() * data.element_size()
@@ -186,6 +190,8 @@ class KVCacheManager:
         if req.finish_reason in ("stop", "length"):  # done, not aborted or preempted
             self.pool.policy.finished(req.block_hashes[:req.num_registered_blocks],
                                       req.num_output_tokens)
+            for blk in req.blocks[:req.num_registered_blocks]:
+                blk.output_tokens = req.num_output_tokens
         self.pool.free(req.blocks)
         req.blocks = []
         req.num_registered_blocks = 0

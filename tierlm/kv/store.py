@@ -52,8 +52,8 @@ class TieredStore:
         # calls `fence` before it reads a block's bytes (encode for disk/Redis).
         self.fence = fence
         self.slow = [t for t in tiers if not isinstance(t, HostTier)]  # worth prefetching from
-        self.pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, still servable
-        self.staged: OrderedDict[bytes, tuple[str, torch.Tensor]] = OrderedDict()
+        self.pending: dict[bytes, tuple[torch.Tensor, int | None]] = {}  # queued for the writer, still servable
+        self.staged: OrderedDict[bytes, tuple[str, torch.Tensor, int | None]] = OrderedDict()
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
         self._lock = threading.Lock()
@@ -70,28 +70,31 @@ class TieredStore:
             t.start()
 
     # -- writes ----------------------------------------------------------------------------
-    def demote(self, h: bytes, parent: bytes | None, data: torch.Tensor, start: int = 0) -> None:
-        """Store a block evicted from the level above `start` (0 = the device)."""
+    def demote(self, h: bytes, parent: bytes | None, data: torch.Tensor, start: int = 0,
+               hint: int | None = None) -> None:
+        """Store a block evicted from the level above `start` (0 = the device), with the output
+        length of the last finished request that used it (`hint`), when known."""
         if start >= len(self.tiers):
             return
         tier = self.tiers[start]
         if start == 0 and isinstance(tier, HostTier):
-            for eh, ep, ed in tier.put(h, parent, data):
-                self._enqueue(("put", eh, ep, ed, 1))
+            for evicted in tier.put(h, parent, data, hint):
+                self._enqueue(("put", *evicted, 1))
         else:
-            self._enqueue(("put", h, parent, data, start))
+            self._enqueue(("put", h, parent, data, hint, start))
 
     def write_remote(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
         """Write-through of a freshly computed block to the shared tier (so peers can hit it)."""
         for i, t in enumerate(self.tiers):
             if isinstance(t, RedisTier) and not self._closed:
-                self._writes.put(("remote", h, parent, data, i))
+                self._writes.put(("remote", h, parent, data, None, i))
 
     def _enqueue(self, item) -> None:
+        """Queue ("put", key, parent, K/V, hint, level) for the writer; servable meanwhile."""
         if self._closed:
             return
         with self._lock:
-            self.pending[item[1]] = item[3]
+            self.pending[item[1]] = (item[3], item[4])
         self._writes.put(item)
 
     def _serve(self, q: queue.Queue, handle: Callable, failed: str) -> None:
@@ -110,57 +113,59 @@ class TieredStore:
     def _write_one(self, item) -> None:
         if self.fence is not None:
             self.fence()
-        kind, h, parent, data, level = item
+        kind, h, parent, data, hint, level = item
         if kind == "remote":
             self.tiers[level].put(h, parent, data)
             return
         # Walk down from `level` until some tier keeps the block.
-        todo = [(h, parent, data, level)]
+        todo = [(h, parent, data, hint, level)]
         while todo:
-            bh, bp, bd, lv = todo.pop()
+            *block, lv = todo.pop()
             if lv >= len(self.tiers):
                 continue
-            for eh, ep, ed in self.tiers[lv].put(bh, bp, bd):
-                todo.append((eh, ep, ed, lv + 1))
+            for evicted in self.tiers[lv].put(*block):
+                todo.append((*evicted, lv + 1))
         with self._lock:
-            if self.pending.get(h) is data:
+            if h in self.pending and self.pending[h][0] is data:
                 del self.pending[h]
 
     # -- reads -----------------------------------------------------------------------------
-    def fetch(self, h: bytes) -> tuple[str, torch.Tensor] | None:
-        """(where it was, the block) from staging, the writer's queue or the first tier holding it."""
+    def fetch(self, h: bytes) -> tuple[str, torch.Tensor, int | None] | None:
+        """(where it was, the block, its output-length hint) from staging, the writer's queue or
+        the first tier holding it."""
         return self._find(h, read_host=True)
 
-    def _find(self, h: bytes, read_host: bool) -> tuple[str, torch.Tensor | None] | None:
+    def _find(self, h: bytes, read_host: bool) -> tuple[str, torch.Tensor | None, int | None] | None:
         """Look `h` up in staging, the writer's queue, then each tier in order; a block read from
         disk or Redis is staged. With `read_host` False a host block is only checked for (data
         None), so that a prefetch does not count a host hit the admission will count again."""
         with self._lock:
             hit = self.staged.get(h)
             if hit is None and h in self.pending:
-                hit = ("pending", self.pending[h])
+                hit = ("pending", *self.pending[h])
         if hit is not None:
             return hit
         for t in self.tiers:
             if isinstance(t, HostTier) and not read_host:
                 if h in t:
-                    return t.name, None
+                    return t.name, None, None
                 continue
             data = t.get(h)
             if data is not None:
+                hint = t.hint_of(h)
                 if not isinstance(t, HostTier):  # host reads are a dict lookup already
-                    self._stage(h, t.name, data)
-                return t.name, data
+                    self._stage(h, t.name, data, hint)
+                return t.name, data, hint
         return None
 
-    def _stage(self, h: bytes, source: str, data: torch.Tensor) -> None:
+    def _stage(self, h: bytes, source: str, data: torch.Tensor, hint: int | None) -> None:
         with self._lock:
             if h in self.staged:
                 return
-            self.staged[h] = (source, data)
+            self.staged[h] = (source, data, hint)
             self.staged_bytes += _nbytes(data)
             while self.staged_bytes > self.staging_bytes and self.staged:
-                _, (_, old) = self.staged.popitem(last=False)
+                _, (_, old, _) = self.staged.popitem(last=False)
                 self.staged_bytes -= _nbytes(old)
 
     def promoted(self, h: bytes, source: str) -> None:
@@ -215,10 +220,10 @@ class TieredStore:
         moved = 0
         with tier.lock:
             for h in list(tier.parents):
-                data = tier._read(h)
+                data, hint = tier._read(h), tier.hints.get(h)
                 parent = tier._drop(h)
                 if data is not None:
-                    self._enqueue(("put", h, parent, data, level + 1))
+                    self._enqueue(("put", h, parent, data, hint, level + 1))
                     moved += 1
         self.flush()
         return moved
@@ -229,6 +234,10 @@ class TieredStore:
             return
         self._writes.join()
         self._reads.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Finish queued writes, stop the threads and release the tiers (the disk directory's

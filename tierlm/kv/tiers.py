@@ -48,13 +48,13 @@ class TierStats:
     errors: int = 0
 
 
-def encode_block(data: torch.Tensor, parent: bytes | None = None) -> bytes:
-    """Self-describing bytes: magic, header length, JSON header (dtype, shape, sha256, parent
-    hash: what a disk tier re-reads on restart to rebuild its prefix tree), payload."""
+def encode_block(data: torch.Tensor, parent: bytes | None = None, hint: int | None = None) -> bytes:
+    """Self-describing bytes: magic, header length, JSON header (dtype, shape, sha256; the parent
+    hash and output-length hint, which a disk tier re-reads on restart), payload."""
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
     header = json.dumps({"dtype": str(data.dtype).replace("torch.", ""), "shape": list(data.shape),
                          "sha256": hashlib.sha256(payload).hexdigest(),
-                         "parent": parent.hex() if parent else None}).encode()
+                         "parent": parent.hex() if parent else None, "output_tokens": hint}).encode()
     return _MAGIC + struct.pack("<I", len(header)) + header + payload
 
 
@@ -105,8 +105,16 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
     raise ValueError(f"cannot read KV tier capacity '{value}'; use e.g. '1000 blocks', '2GiB' or a byte count")
 
 
+Demoted = tuple[bytes, "bytes | None", torch.Tensor, "int | None"]  # (key, parent, K/V, output-length hint)
+
+
 class _CapacityTier:
-    """A tier of fixed capacity in blocks with an eviction policy; subclasses store the bytes."""
+    """A tier of fixed capacity in blocks with an eviction policy; subclasses store the bytes.
+
+    A block may come with a hint, the output length of the last finished request that used it
+    (what `gittins_hint` learns from): the tier hands it to its policy, keeps it while it holds
+    the block, and passes it on when the block moves down or back up to the device.
+    """
 
     name = "tier"
 
@@ -114,6 +122,7 @@ class _CapacityTier:
         self.capacity = capacity_blocks
         self.policy = make_policy(policy)
         self.parents: dict[bytes, bytes | None] = {}
+        self.hints: dict[bytes, int] = {}
         self.stats = TierStats()
         self.lock = threading.RLock()
         self.clock = 0
@@ -126,39 +135,41 @@ class _CapacityTier:
     def __len__(self) -> int:
         return len(self.parents)
 
-    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> list[tuple[bytes, bytes | None, torch.Tensor]]:
+    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list[Demoted]:
         """Store a block; returns what had to be evicted to make room (to demote further)."""
         if self.capacity <= 0:
-            return [(h, parent, data)]
-        evicted = []
+            return [(h, parent, data, hint)]
+        evicted: list[Demoted] = []
         with self.lock:
             self.clock += 1
             if h in self.parents:
                 self.policy.access(h, parent, self.clock)
+                self._hint(h, hint)
                 return []
             while len(self.parents) >= self.capacity:
                 victim = self.policy.victim()
                 if victim is None:
                     break
-                vdata = self._read(victim)
+                vdata, vhint = self._read(victim), self.hints.get(victim)
                 vparent = self._drop(victim)
                 self.stats.evictions += 1
                 if vdata is not None:
-                    evicted.append((victim, vparent, vdata))
+                    evicted.append((victim, vparent, vdata, vhint))
             if len(self.parents) >= self.capacity:
-                return evicted + [(h, parent, data)]
+                return evicted + [(h, parent, data, hint)]
             try:
-                self._write(h, parent, data)
+                self._write(h, parent, data, hint)
             except OSError as e:  # disk full, permissions, ...: pass the block on, keep serving
                 self.stats.errors += 1
                 if not self._write_failing:
                     log.warning("KV %s tier cannot store blocks (%s); passing them to the next tier until "
                                 "writes succeed again. Free space or fix the cache directory", self.name, e)
                 self._write_failing = True
-                return evicted + [(h, parent, data)]
+                return evicted + [(h, parent, data, hint)]
             self._write_failing = False
             self.parents[h] = parent
             self.policy.access(h, parent, self.clock)
+            self._hint(h, hint)
             self.stats.stores += 1
             self.stats.bytes_in += data.numel() * data.element_size()
         return evicted
@@ -180,7 +191,17 @@ class _CapacityTier:
             self.stats.bytes_out += data.numel() * data.element_size()
             return data
 
+    def _hint(self, h: bytes, hint: int | None) -> None:
+        if hint is not None:
+            self.hints[h] = hint
+            self.policy.finished([h], hint)
+
+    def hint_of(self, h: bytes) -> int | None:
+        with self.lock:
+            return self.hints.get(h)
+
     def _drop(self, h: bytes) -> bytes | None:
+        self.hints.pop(h, None)
         self.policy.remove(h)
         self._erase(h)
         return self.parents.pop(h, None)
@@ -189,7 +210,7 @@ class _CapacityTier:
         """Release what the tier holds outside this process (nothing, unless overridden)."""
 
     # storage hooks
-    def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None: ...
+    def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None) -> None: ...
     def _read(self, h: bytes) -> torch.Tensor | None: ...
     def _erase(self, h: bytes) -> None: ...
 
@@ -204,7 +225,7 @@ class HostTier(_CapacityTier):
         self.pin = pin
         self.data: dict[bytes, torch.Tensor] = {}
 
-    def _write(self, h, parent, data):
+    def _write(self, h, parent, data, hint):
         self.data[h] = data.pin_memory() if self.pin and not data.is_pinned() else data
 
     def _read(self, h):
@@ -270,8 +291,8 @@ class DiskTier(_CapacityTier):
             self._lock_file.close()  # releases the flock
             self._lock_file = None
 
-    def _scan(self) -> list[tuple[int, bytes, bytes | None]]:
-        """(mtime, key, parent) of every intact-looking entry, oldest first. Debris of ours
+    def _scan(self) -> list[tuple[int, bytes, bytes | None, int | None]]:
+        """(mtime, key, parent, hint) of every intact-looking entry, oldest first. Debris of ours
         (half-written temporaries, unreadable entries) is deleted; other files are left alone."""
         t0 = time.monotonic()
         found, dropped = [], 0
@@ -293,7 +314,7 @@ class DiskTier(_CapacityTier):
         return found
 
     @staticmethod
-    def _entry(p: Path) -> tuple[int, bytes, bytes | None] | None:
+    def _entry(p: Path) -> tuple[int, bytes, bytes | None, int | None] | None:
         try:
             with open(p, "rb") as f:
                 parsed = _header(f.read(4096))
@@ -302,21 +323,23 @@ class DiskTier(_CapacityTier):
             return None
         if parsed is None or "parent" not in parsed[0]:
             return None  # damaged, or written before headers named the parent
-        parent = parsed[0]["parent"]
+        parent, hint = parsed[0]["parent"], parsed[0].get("output_tokens")
         try:
-            return mtime, bytes.fromhex(p.stem), bytes.fromhex(parent) if parent else None
+            return (mtime, bytes.fromhex(p.stem), bytes.fromhex(parent) if parent else None,
+                    hint if isinstance(hint, int) else None)
         except (TypeError, ValueError):
             return None
 
-    def _adopt(self, found: list[tuple[int, bytes, bytes | None]]) -> None:
+    def _adopt(self, found: list[tuple[int, bytes, bytes | None, int | None]]) -> None:
         """Index the newest `capacity` entries in age order (so recency policies start right)."""
         excess = max(0, len(found) - self.capacity)
-        for _, h, _ in found[:excess]:
+        for _, h, _, _ in found[:excess]:
             self._erase(h)
-        for _, h, parent in found[excess:]:
+        for _, h, parent, hint in found[excess:]:
             self.clock += 1
             self.parents[h] = parent
             self.policy.access(h, parent, self.clock)
+            self._hint(h, hint)
         if excess:
             log.info("KV disk tier %s: deleted the %d oldest blocks beyond its capacity of %d",
                      self.root, excess, self.capacity)
@@ -325,12 +348,12 @@ class DiskTier(_CapacityTier):
         hx = h.hex()
         return self.root / hx[:2] / f"{hx}.kv"
 
-    def _write(self, h, parent, data):
+    def _write(self, h, parent, data, hint):
         p = self.path(h)
         p.parent.mkdir(exist_ok=True)
         tmp = p.with_suffix(f".tmp{threading.get_ident()}")
         try:
-            tmp.write_bytes(encode_block(data, parent))
+            tmp.write_bytes(encode_block(data, parent, hint))
             os.replace(tmp, p)
         except OSError:
             try:
@@ -431,7 +454,10 @@ class RedisTier:
             self._failed(e)
             return False
 
-    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> list:
+    def hint_of(self, h: bytes) -> None:
+        return None  # entries are shared by engines and evicted by Redis: no per-block policy state
+
+    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list:
         if not self._available():
             return []
         raw = encode_block(data, parent)
