@@ -330,15 +330,13 @@ class LLMEngine:
         if self.store is None or self.store.closed or not any(isinstance(t, DiskTier) for t in self.store.tiers):
             return 0
         t0 = time.monotonic()
-        moved = self.pool.evict_all()
-        for level, tier in enumerate(self.store.tiers):
-            if isinstance(tier, HostTier):
-                moved += self.store.spill(level)
+        device = self.pool.evict_all()
+        host = sum(self.store.spill(level) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier))
         self.store.flush()
-        if moved:
-            log.info("KV: moved %d cached blocks down to the disk tier in %.1f s, for the next start",
-                     moved, time.monotonic() - t0)
-        return moved
+        if device or host:
+            log.info("KV: wrote %d cached blocks from the device and %d from host memory down to the disk tier "
+                     "in %.1f s, for the next start", device, host, time.monotonic() - t0)
+        return device + host
 
     def close(self) -> None:
         """Persist the KV cache to the disk tier (`persist_kv`), finish queued writes and release
