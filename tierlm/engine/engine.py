@@ -87,20 +87,26 @@ def disk_tier_dir(root: str | Path, model_id: str) -> Path:
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
                 fence: Callable[[], None] | None = None) -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
-    tiers: list = []
+    # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
     host = parse_capacity(config.kv_host_capacity, block_bytes)
+    disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else None
+    if config.kv_remote and not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
+    remote = parse_capacity(config.kv_remote_capacity, block_bytes) if config.kv_remote_capacity else 0
+    tiers: list = []
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
     if config.kv_disk_dir:
-        disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else None
         tiers.append(DiskTier(disk_tier_dir(config.kv_disk_dir, model_id), disk, config.tier_policy("disk"),
                               block_bytes=block_bytes))
     if config.kv_remote:
-        if not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
-        remote = parse_capacity(config.kv_remote_capacity, block_bytes) if config.kv_remote_capacity else 0
-        tiers.append(RedisTier(config.kv_remote, ttl_s=config.kv_remote_ttl,
-                               capacity_bytes=remote * block_bytes or None))
+        try:
+            tiers.append(RedisTier(config.kv_remote, ttl_s=config.kv_remote_ttl,
+                                   capacity_bytes=remote * block_bytes or None))
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
     return TieredStore(tiers, config.kv_remote_write_through, fence) if tiers else None
 
 
@@ -330,6 +336,10 @@ class LLMEngine:
         if self.store is None or self.store.closed or not any(isinstance(t, DiskTier) for t in self.store.tiers):
             return 0
         t0 = time.monotonic()
+        held = len(self.pool.cached) + sum(len(t) for t in self.store.tiers if isinstance(t, HostTier))
+        if held:
+            log.info("KV: writing up to %d cached blocks from the device and host memory down to the disk tier",
+                     held)
         device = self.pool.evict_all()
         host = sum(self.store.spill(level) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier))
         self.store.flush()
