@@ -242,6 +242,49 @@ def test_prefetch_jobs_settle_cancel_and_stay_within_staging_bytes(tmp_path):
     store.close()
 
 
+class _SlowDisk(DiskTier):
+    """A disk tier whose writes wait for a gate: a disk that cannot keep up."""
+
+    def __init__(self, *args, gate, **kw):
+        super().__init__(*args, **kw)
+        self.gate = gate
+
+    def _write(self, h, parent, data, hint):
+        assert self.gate.wait(10)
+        super()._write(h, parent, data, hint)
+
+
+def test_writer_backlog_is_bounded_and_a_drain_waits_instead_of_dropping(tmp_path, caplog):
+    import threading
+    gate = threading.Event()
+    blocks = [(bytes([i]) * 32, torch.full((4, 4), float(i))) for i in range(12)]
+    block_bytes = 4 * 4 * 4
+    disk = _SlowDisk(tmp_path / "kv", 64, gate=gate)
+    store = TieredStore([HostTier(1), disk], backlog_bytes=3 * block_bytes)
+    with caplog.at_level("WARNING"):
+        for h, data in blocks[:7]:
+            store.demote(h, None, data)  # the host keeps the newest; each one evicted goes to the writer
+    assert store.backlog == 3 * block_bytes  # the write under way and two queued; three more dropped
+    assert disk.stats.dropped == 3
+    assert sum("cannot keep up" in r.message for r in caplog.records) == 1
+    gate.set()
+    store.flush()
+    assert store.backlog == 0 and len(disk) == 3
+    for h, data in blocks[:3]:
+        assert torch.equal(store.fetch(h)[1], data)  # the first three reached the disk
+    assert store.fetch(blocks[3][0]) is None  # a dropped write is a miss, nothing worse
+    host = HostTier(8)
+    drain = TieredStore([host, disk], backlog_bytes=3 * block_bytes)
+    for h, data in blocks[4:]:
+        drain.demote(h, None, data)
+    gate.clear()
+    threading.Timer(0.2, gate.set).start()  # the disk stalls, then catches up
+    assert drain.spill(0) == 8 and disk.stats.dropped == 3  # waited for room, dropped nothing
+    assert len(disk) == 3 + 8
+    store.close()
+    drain.close()
+
+
 def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference, tmp_path):
     shared, ref = cold_reference
     llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")

@@ -1,7 +1,10 @@
 """The chain of lower KV tiers (host -> disk -> Redis), with their slow I/O kept off the model loop.
 
 Writes: the host tier is written in place (it only keeps a reference to the copy); whatever it
-evicts, and the write-through of fresh blocks to Redis, go to a writer thread.
+evicts, and the write-through of fresh blocks to Redis, go to a writer thread. Its queue holds
+at most `backlog_bytes` of K/V: when disk or Redis cannot keep up, further writes are dropped
+and counted (`dropped` of the tier they were for) rather than piling up in memory; it is a
+cache, so a dropped block is a later miss. Draining the host tier (`spill`) waits instead.
 
 Reads: when a request arrives, a reader thread fetches the part of its prefix that sits in disk
 or Redis and stages it in memory. Admitting the request later then costs the model loop a
@@ -45,7 +48,8 @@ class TieredStore:
     """Lower tiers in order, plus the writer and reader threads (see the module docstring)."""
 
     def __init__(self, tiers: list, write_through_remote: bool = True,
-                 fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30) -> None:
+                 fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30,
+                 backlog_bytes: int = 1 << 30) -> None:
         self.tiers = tiers
         self.write_through = write_through_remote and any(isinstance(t, RedisTier) for t in tiers)
         # Demoted blocks may still be in flight from the device (CUDA copy stream): the writer
@@ -57,6 +61,10 @@ class TieredStore:
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # signalled as the writer's backlog shrinks
+        self.backlog = 0  # bytes of K/V queued for the writer
+        self.backlog_bytes = backlog_bytes
+        self._shedding = False
         self._closed = False
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
@@ -86,15 +94,32 @@ class TieredStore:
     def write_remote(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
         """Write-through of a freshly computed block to the shared tier (so peers can hit it)."""
         for i, t in enumerate(self.tiers):
-            if isinstance(t, RedisTier) and not self._closed:
-                self._writes.put(("remote", h, parent, data, None, i))
+            if isinstance(t, RedisTier):
+                self._enqueue(("remote", h, parent, data, None, i))
 
-    def _enqueue(self, item) -> None:
-        """Queue ("put", key, parent, K/V, hint, level) for the writer; servable meanwhile."""
-        if self._closed:
-            return
-        with self._lock:
-            self.pending[item[1]] = (item[3], item[4])
+    def _enqueue(self, item, wait: bool = False) -> None:
+        """Queue (kind, key, parent, K/V, hint, level) for the writer, within the backlog bound
+        (dropped past it, or with `wait` held until there is room); a demoted block stays
+        servable from `pending` meanwhile."""
+        kind, h, _, data, hint, level = item
+        if level >= len(self.tiers):
+            return  # evicted from the last tier: nowhere further down
+        size = _nbytes(data)
+        with self._room:
+            while self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
+                if not wait:
+                    self.tiers[level].stats.dropped += 1
+                    if not self._shedding:
+                        log.warning("KV tier writes are %d MiB behind (%s cannot keep up); dropping new ones "
+                                    "until the backlog halves", self.backlog >> 20, self.tiers[level].name)
+                    self._shedding = True
+                    return
+                self._room.wait()
+            if self._closed:
+                return
+            self.backlog += size
+            if kind == "put":
+                self.pending[h] = (data, hint)
         self._writes.put(item)
 
     def _serve(self, q: queue.Queue, handle: Callable, failed: str) -> None:
@@ -111,9 +136,19 @@ class TieredStore:
                 q.task_done()
 
     def _write_one(self, item) -> None:
+        try:
+            self._write_down(*item)
+        finally:
+            with self._room:
+                self.backlog -= _nbytes(item[3])
+                if self.backlog <= self.backlog_bytes // 2:
+                    self._shedding = False
+                self._room.notify_all()
+
+    def _write_down(self, kind: str, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None,
+                    level: int) -> None:
         if self.fence is not None:
             self.fence()
-        kind, h, parent, data, hint, level = item
         if kind == "remote":
             self.tiers[level].put(h, parent, data)
             return
@@ -217,16 +252,17 @@ class TieredStore:
     def spill(self, level: int = 0) -> int:
         """Move every block of tier `level` down to the next tier (benchmarks, draining a host)."""
         tier = self.tiers[level]
-        moved = 0
         with tier.lock:
+            blocks = []
             for h in list(tier.parents):
                 data, hint = tier._read(h), tier.hints.get(h)
                 parent = tier._drop(h)
                 if data is not None:
-                    self._enqueue(("put", h, parent, data, hint, level + 1))
-                    moved += 1
+                    blocks.append((h, parent, data, hint))
+        for h, parent, data, hint in blocks:  # the lock is not held while waiting for room
+            self._enqueue(("put", h, parent, data, hint, level + 1), wait=True)
         self.flush()
-        return moved
+        return len(blocks)
 
     def flush(self) -> None:
         """Wait until every queued write and prefetch is done (tests, shutdown)."""
@@ -245,7 +281,9 @@ class TieredStore:
         if self._closed:
             return
         self.flush()
-        self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
+        with self._room:
+            self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
+            self._room.notify_all()
         self._writes.put(None)
         self._reads.put(None)
         for t in self._threads:

@@ -46,6 +46,7 @@ class TierStats:
     bytes_out: int = 0
     corrupt: int = 0
     errors: int = 0
+    dropped: int = 0  # writes for this tier dropped because the writer was too far behind
 
 
 def encode_block(data: torch.Tensor, parent: bytes | None = None, hint: int | None = None) -> bytes:
