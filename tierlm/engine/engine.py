@@ -5,6 +5,7 @@ offline `LLM` and the threaded `AsyncEngine` drive this same object, so there is
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import re
@@ -66,7 +67,6 @@ class EngineStats:
 
 def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     """Mixed into every block hash: engines share cached K/V only for the same weights and dtype."""
-    import hashlib
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors.index.json", "model.safetensors"):
         p = model_dir / name
@@ -79,7 +79,6 @@ def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -
 def disk_tier_dir(root: str | Path, model_id: str) -> Path:
     """Each model's blocks in a directory of its own under `kv_disk_dir`, so that several models
     (one server, or one after another) never count against or scan each other's entries."""
-    import hashlib
     name = re.sub(r"[^A-Za-z0-9._-]", "_", model_id.split(":", 1)[0])[:64]
     return Path(root) / f"{name}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
 

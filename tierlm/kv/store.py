@@ -253,14 +253,9 @@ class TieredStore:
         """Move every block of tier `level` down to the next tier (benchmarks, draining a host)."""
         tier = self.tiers[level]
         with tier.lock:
-            blocks = []
-            for h in list(tier.parents):
-                data, hint = tier._read(h), tier.hints.get(h)
-                parent = tier._drop(h)
-                if data is not None:
-                    blocks.append((h, parent, data, hint))
-        for h, parent, data, hint in blocks:  # the lock is not held while waiting for room
-            self._enqueue(("put", h, parent, data, hint, level + 1), wait=True)
+            blocks = [b for b in map(tier.take, list(tier.parents)) if b is not None]
+        for block in blocks:  # the lock is not held while waiting for room
+            self._enqueue(("put", *block, level + 1), wait=True)
         self.flush()
         return len(blocks)
 

@@ -151,11 +151,10 @@ class _CapacityTier:
                 victim = self.policy.victim()
                 if victim is None:
                     break
-                vdata, vhint = self._read(victim), self.hints.get(victim)
-                vparent = self._drop(victim)
+                taken = self.take(victim)
                 self.stats.evictions += 1
-                if vdata is not None:
-                    evicted.append((victim, vparent, vdata, vhint))
+                if taken is not None:
+                    evicted.append(taken)
             if len(self.parents) >= self.capacity:
                 return evicted + [(h, parent, data, hint)]
             try:
@@ -200,6 +199,12 @@ class _CapacityTier:
     def hint_of(self, h: bytes) -> int | None:
         with self.lock:
             return self.hints.get(h)
+
+    def take(self, h: bytes) -> Demoted | None:
+        """Remove `h` and return it as it moves down (None if its bytes are gone); hold `lock`."""
+        data, hint = self._read(h), self.hints.get(h)
+        parent = self._drop(h)
+        return None if data is None else (h, parent, data, hint)
 
     def _drop(self, h: bytes) -> bytes | None:
         self.hints.pop(h, None)
