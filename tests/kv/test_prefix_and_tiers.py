@@ -317,12 +317,13 @@ def test_disk_tier_is_warm_after_a_restart_and_owned_by_one_engine(llama_dir, co
             _llm(llama_dir, **kw)  # a second engine on the same directory would evict blocks unseen
     _run(first, shared + _prompt(4, 9))
     first.engine.offload_prefix_cache()  # after close: the blocks are dropped, nothing waits or writes
-    with _llm(llama_dir, **kw) as second:  # the restarted server
-        assert len(second.engine.store.tiers[0]) == on_disk
+    with _llm(llama_dir, **kw) as second:  # the restarted server: hits whether or not indexing is done
         tokens, cached, computed = _run(second, shared + _prompt(3, 9))
         assert tokens == ref[3]
         assert cached == 64 and computed == 15
         assert second.engine.stats().kv_tiers["disk"]["hits"] == 8
+        assert second.engine.store.tiers[0].wait_indexed(timeout=30)
+        assert len(second.engine.store.tiers[0]) == on_disk
 
 
 def _chain(n: int) -> list[tuple[bytes, bytes | None, torch.Tensor]]:
@@ -351,6 +352,7 @@ def test_disk_tier_reopens_within_capacity_and_deletes_only_its_debris(tmp_path)
     foreign.write_text("someone else's file")
 
     again = DiskTier(tmp_path, 4)
+    assert again.wait_indexed(timeout=30)
     kept = blocks[4:]  # the newest four
     assert set(again.parents) == {h for h, _, _ in kept}
     assert all(again.parents[h] == parent for h, parent, _ in kept)  # prefix tree rebuilt from headers
@@ -360,6 +362,88 @@ def test_disk_tier_reopens_within_capacity_and_deletes_only_its_debris(tmp_path)
         assert torch.equal(again.get(h), data)
     assert again.policy.victim() == kept[-1][0]  # the chain is still evicted from its tail
     again.close()
+
+
+def test_disk_tier_serves_and_stores_while_it_indexes_an_earlier_run(tmp_path):
+    """Indexing runs in the background (`index_in_background=False` lets the test place the tier's
+    work before the scan): an entry is found by name before it is indexed, a damaged one is never
+    served, and the index ends as if built at start, with this run's work more recent."""
+    import os
+    blocks = _chain(8)
+    first = DiskTier(tmp_path, 8, policy="lru")
+    for i, (h, parent, data) in enumerate(blocks):
+        first.put(h, parent, data, hint=100 + i)
+        os.utime(first.path(h), ns=(10**18 + i * 10**9,) * 2)  # written in chain order, a second apart
+    first.close()
+    raw = first.path(blocks[5][0]).read_bytes()
+    first.path(blocks[5][0]).write_bytes(raw[:-3])  # truncated payload, intact header
+
+    disk = DiskTier(tmp_path, 6, policy="lru", index_in_background=False)
+    assert not disk.indexed and len(disk) == 0
+    assert blocks[0][0] in disk and b"\x99" * 32 not in disk  # found by name
+    assert torch.equal(disk.get(blocks[1][0]), blocks[1][2]) and disk.hint_of(blocks[1][0]) == 101
+    assert disk.get(blocks[5][0]) is None and disk.stats.corrupt == 1  # never served, and deleted
+    assert not disk.path(blocks[5][0]).exists()
+    new_key, new_data = b"\x77" * 32, torch.ones(2, 2, 4)
+    disk.put(new_key, None, new_data)
+    assert len(disk) == 2
+
+    disk.index()
+    assert disk.indexed and disk.wait_indexed(0)
+    # 6 old entries left besides the one read, 2 over capacity: the oldest two go.
+    assert set(disk.parents) == {blocks[i][0] for i in (1, 3, 4, 6, 7)} | {new_key}
+    assert not disk.path(blocks[0][0]).exists() and not disk.path(blocks[2][0]).exists()
+    assert disk.parents[blocks[7][0]] == blocks[6][0] and disk.hint_of(blocks[7][0]) == 107
+    assert torch.equal(disk.get(blocks[3][0]), blocks[3][2])
+    # LRU over leaves (4 lost its child): old entries by file time, then this run's work in order.
+    order = []
+    while (v := disk.policy.victim()) is not None:
+        order.append(v)
+        disk.policy.remove(v)
+    assert order == [blocks[i][0] for i in (4, 7, 6, 1)] + [new_key, blocks[3][0]]
+    disk.close()
+
+
+def test_closing_a_disk_tier_mid_index_leaves_its_entries_for_the_next(tmp_path):
+    blocks = _chain(4)
+    first = DiskTier(tmp_path, 8)
+    for h, parent, data in blocks:
+        first.put(h, parent, data)
+    first.close()
+    interrupted = DiskTier(tmp_path, 8, index_in_background=False)
+    interrupted.close()  # before its scan: nothing indexed, nothing deleted
+    interrupted.index()
+    assert len(interrupted) == 0 and len(list(tmp_path.rglob("*.kv"))) == 4
+    again = DiskTier(tmp_path, 8)
+    assert again.wait_indexed(timeout=30) and set(again.parents) == {h for h, _, _ in blocks}
+    again.close()
+
+
+@pytest.mark.parametrize("policy,capacity", [("lru", 600), ("duel", 1500), ("arc", 3000)])
+def test_disk_index_stays_consistent_under_concurrent_use(tmp_path, policy, capacity):
+    """Gets and puts race the background indexer; whatever the interleaving, the tier ends with
+    exactly one file per indexed block, every one tracked by the policy, within capacity."""
+    keys = [i.to_bytes(32, "big") for i in range(2000)]
+    data = torch.zeros(2, 2, 4)
+    first = DiskTier(tmp_path, len(keys))
+    for i, h in enumerate(keys):
+        first.put(h, keys[i - 1] if i % 25 else None, data, hint=i)
+    first.close()
+    disk = DiskTier(tmp_path, capacity, policy=policy)
+    rng, ops = random.Random(capacity), 0
+    while not disk.indexed or ops < 1000:
+        h = rng.randrange(len(keys) + 1000).to_bytes(32, "big")
+        if rng.random() < 0.5:
+            got = disk.get(h)
+            assert got is None or torch.equal(got, data)
+        else:
+            disk.put(h, None, data)
+        ops += 1
+    files = {bytes.fromhex(p.stem) for p in tmp_path.rglob("*.kv")}
+    assert files == set(disk.parents) and len(files) <= capacity
+    assert len(disk.policy) == len(files) and all(h in disk.policy for h in files)
+    assert disk.stats.corrupt == 0
+    disk.close()
 
 
 def test_disk_write_failure_passes_the_block_on_and_serves_on(tmp_path, caplog):
@@ -461,6 +545,21 @@ def test_two_engines_share_one_redis_tier(llama_dir, cold_reference, redis_serve
     assert second.engine.stats().kv_tiers["redis"]["hits"] == 8
 
 
+def test_redis_entries_carry_the_output_length_hint_to_another_engine(llama_dir, redis_server):
+    prompt = _prompt(13, 40)
+    first = _llm(llama_dir, kv_remote=redis_server.url)
+    _run(first, prompt)  # 10 tokens out: its blocks' hint
+    assert first.engine.offload_prefix_cache() == 6  # demoted to Redis, hint in each entry's header
+    first.engine.store.flush()
+    second = _llm(llama_dir, kv_remote=redis_server.url, eviction_policy="gittins_hint")
+    eng = second.engine
+    req = eng.add_request({"prompt_token_ids": prompt + _prompt(14, 9)}, GREEDY)
+    eng.step()  # admitted: the 40-token prompt's 5 blocks come from Redis
+    assert req.num_cached_tokens == 40 and eng.stats().kv_tiers["redis"]["hits"] == 5
+    assert [b.output_tokens for b in req.blocks[:5]] == [10] * 5
+    assert [eng.pool.policy._hist[b.block_hash].hint for b in req.blocks[:5]] == [3] * 5  # bucket [4, 16)
+
+
 def test_different_salts_never_share_blocks(llama_dir):
     llm = _llm(llama_dir)
     p = _prompt(9, 40)
@@ -521,12 +620,15 @@ def test_output_length_hint_travels_down_the_tiers_and_back(llama_dir, tmp_path)
     assert set(disk.parents) == set(hashes) and not host.parents
     with _llm(llama_dir, **kw) as again:  # fresh policies everywhere, and the disk entries
         eng = again.engine
-        assert {eng.store.tiers[1].hint_of(h) for h in hashes} == {10}
         req = eng.add_request({"prompt_token_ids": prompt + _prompt(12, 9)}, GREEDY)
         eng.step()  # admitted: 5 blocks (the 40-token prompt) promoted from disk, the rest computed
         assert req.num_cached_tokens == 40 and not req.is_finished
         assert [b.output_tokens for b in req.blocks[:5]] == [10] * 5
         assert [eng.pool.policy._hist[h].hint for h in hashes[:5]] == [3] * 5
+        disk = eng.store.tiers[1]
+        assert disk.wait_indexed(timeout=30)
+        assert {disk.hint_of(h) for h in hashes} == {10}
+        assert {disk.policy._hist[h].hint for h in hashes} == {3}
 
 
 async def test_server_shutdown_leaves_the_kv_cache_on_disk(llama_dir, tmp_path):

@@ -185,9 +185,9 @@ class TieredStore:
                 if h in t:
                     return t.name, None, None
                 continue
-            data = t.get(h)
-            if data is not None:
-                hint = t.hint_of(h)
+            found = t.fetch(h)
+            if found is not None:
+                data, hint = found
                 if not isinstance(t, HostTier):  # host reads are a dict lookup already
                     self._stage(h, t.name, data, hint)
                 return t.name, data, hint

@@ -73,6 +73,12 @@ def _header(raw: bytes) -> tuple[dict, int] | None:
 
 def decode_block(raw: bytes) -> torch.Tensor | None:
     """The block, or None if the bytes are not a whole, intact entry."""
+    decoded = decode_entry(raw)
+    return None if decoded is None else decoded[0]
+
+
+def decode_entry(raw: bytes) -> tuple[torch.Tensor, int | None] | None:
+    """(block, output-length hint of its header), or None if the bytes are not a whole, intact entry."""
     try:
         parsed = _header(raw)
         if parsed is None:
@@ -82,7 +88,9 @@ def decode_block(raw: bytes) -> torch.Tensor | None:
         if hashlib.sha256(payload).hexdigest() != header["sha256"]:
             return None
         dtype = getattr(torch, header["dtype"])
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
+        hint = header.get("output_tokens")
+        return data, hint if isinstance(hint, int) else None
     except (ValueError, KeyError, struct.error, json.JSONDecodeError, RuntimeError, TypeError, AttributeError):
         return None
 
@@ -200,6 +208,12 @@ class _CapacityTier:
         with self.lock:
             return self.hints.get(h)
 
+    def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
+        """A hit as (block, its output-length hint), or None."""
+        with self.lock:
+            data = self.get(h)
+            return None if data is None else (data, self.hints.get(h))
+
     def take(self, h: bytes) -> Demoted | None:
         """Remove `h` and return it as it moves down (None if its bytes are gone); hold `lock`."""
         data, hint = self._read(h), self.hints.get(h)
@@ -208,7 +222,8 @@ class _CapacityTier:
 
     def _drop(self, h: bytes) -> bytes | None:
         self.hints.pop(h, None)
-        self.policy.remove(h)
+        if h in self.policy:  # not yet, for a disk entry that failed its first read
+            self.policy.remove(h)
         self._erase(h)
         return self.parents.pop(h, None)
 
@@ -241,41 +256,93 @@ class HostTier(_CapacityTier):
         self.data.pop(h, None)
 
 
+class _RecordingPolicy:
+    """A policy that also logs every call that changes it, so the calls can be replayed onto a
+    policy rebuilt underneath them (the disk tier while it indexes an earlier run's entries)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.log: list[tuple] = []
+
+    def access(self, key, parent, now) -> None:
+        self.log.append(("access", key, parent, now))
+        self.inner.access(key, parent, now)
+
+    def remove(self, key) -> None:
+        self.log.append(("remove", key))
+        self.inner.remove(key)
+
+    def finished(self, keys, output_tokens) -> None:
+        self.log.append(("finished", tuple(keys), output_tokens))
+        self.inner.finished(keys, output_tokens)
+
+    def victim(self):
+        return self.inner.victim()
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner
+
+
+Entry = tuple[int, bytes, "bytes | None", "int | None"]  # (mtime ns, key, parent, output-length hint)
+
+
 class DiskTier(_CapacityTier):
     """One checksummed file per block under a cache directory; written atomically (tmp + rename).
 
-    The directory outlives the process: on start the tier re-indexes the entries an earlier run
-    left (their headers name the parent block; newest kept up to capacity, the rest deleted, as
-    are half-written temporaries), so a restarted server is warm and the directory never grows
-    past its capacity across restarts. Block keys cover the model and dtypes, so an entry can
-    only be found by an engine that would compute the same K/V. One engine owns a directory at
-    a time (an advisory lock): two processes sharing one would each evict the other's files
-    unseen. Engines share blocks through the Redis tier instead.
+    The directory outlives the process: an earlier run's entries are re-indexed (their headers
+    name the parent block; newest kept up to capacity, the rest deleted, as are half-written
+    temporaries), so a restarted server is warm and the directory never grows past its capacity
+    across restarts. Indexing reads one header per file, minutes for millions of entries, so it
+    runs in the background: meanwhile the tier serves and stores as usual, an entry not yet
+    indexed is read straight from its file when asked for, and the policy records its calls;
+    when the scan is done, a policy is built from the old entries (oldest first, by file time)
+    with those calls replayed on top, as if the entries had been indexed at start.
+
+    Block keys cover the model and dtypes, so an entry can only be found by an engine that would
+    compute the same K/V. One engine owns a directory at a time (an advisory lock): two
+    processes sharing one would each evict the other's files unseen. Engines share blocks
+    through the Redis tier instead.
     """
 
     name = "disk"
 
     def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
-                 block_bytes: int = 0) -> None:
+                 block_bytes: int = 0, index_in_background: bool = True) -> None:
+        """`index_in_background=False` leaves the scan to a call of `index()` (tests place tier
+        operations before it that way)."""
         super().__init__(capacity_blocks or 0, policy)
         self.root = Path(root)
+        self._policy_name = policy
+        self._auto_capacity = capacity_blocks is None
         self._lock_file = None
+        self._started_ns = time.time_ns()  # temporaries older than this are an earlier run's debris
+        self._indexed = threading.Event()
+        self._stop = threading.Event()
+        self._indexer: threading.Thread | None = None
+        self._trimmed: set[bytes] = set()  # old entries past capacity, being deleted: never adopted
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock_file = self._claim()
-        except OSError as e:
-            raise KVTierError(f"cannot use {self.root} as the KV disk directory ({e}); give a writable "
-                              "kv_disk_dir") from None
-        try:
-            found = self._scan()
-            if capacity_blocks is None:  # half the free space, on top of what is already ours
-                self.capacity = len(found) + shutil.disk_usage(self.root).free // 2 // max(block_bytes, 1)
+            if self._auto_capacity:  # half the free space, plus what the index finds already ours
+                self.capacity = shutil.disk_usage(self.root).free // 2 // max(block_bytes, 1)
                 log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space; set "
                          "kv_disk_capacity to choose)", self.root, self.capacity)
-            self._adopt(found)
-        except BaseException:
+            earlier = any(self.root.glob("??"))
+        except OSError as e:
             self.close()
-            raise
+            raise KVTierError(f"cannot use {self.root} as the KV disk directory ({e}); give a writable "
+                              "kv_disk_dir") from None
+        if not earlier:
+            self._indexed.set()
+            return
+        self.policy = _RecordingPolicy(self.policy)
+        if index_in_background:
+            self._indexer = threading.Thread(target=self.index, name="tierlm-kv-disk-index", daemon=True)
+            self._indexer.start()
 
     def _claim(self):
         f = open(self.root / ".lock", "a+")
@@ -293,34 +360,164 @@ class DiskTier(_CapacityTier):
         return f
 
     def close(self) -> None:
+        """Stop indexing (what is not indexed stays on disk for the next run) and release the lock."""
+        self._stop.set()
+        if self._indexer is not None and self._indexer is not threading.current_thread():
+            self._indexer.join()
         if self._lock_file is not None:
             self._lock_file.close()  # releases the flock
             self._lock_file = None
 
-    def _scan(self) -> list[tuple[int, bytes, bytes | None, int | None]]:
-        """(mtime, key, parent, hint) of every intact-looking entry, oldest first. Debris of ours
-        (half-written temporaries, unreadable entries) is deleted; other files are left alone."""
+    @property
+    def indexed(self) -> bool:
+        return self._indexed.is_set()
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Block until an earlier run's entries are indexed (True) or `timeout` seconds pass."""
+        return self._indexed.wait(timeout)
+
+    # -- while indexing: entries are found by name -----------------------------------------
+    def __contains__(self, h: bytes) -> bool:
+        with self.lock:
+            return h in self.parents or self._unindexed_entry(h) is not None
+
+    def get(self, h: bytes) -> torch.Tensor | None:
+        with self.lock:
+            hint = self._adopt_on_demand(h)
+            data = super().get(h)
+            if data is not None and hint is not None:
+                self.policy.finished([h], hint)  # tracked by now
+            return data
+
+    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list[Demoted]:
+        with self.lock:
+            self._adopt_on_demand(h)  # already on disk from an earlier run: no second write
+            return super().put(h, parent, data, hint)
+
+    def _unindexed_entry(self, h: bytes) -> Entry | None:
+        if self._indexed.is_set() or h in self.parents or h in self._trimmed or self.capacity <= 0:
+            return None
+        p = self.path(h)
+        entry = self._entry(p)
+        if entry is None and p.exists():  # there, but damaged: never served
+            self.stats.corrupt += 1
+            p.unlink(missing_ok=True)
+        return entry
+
+    def _adopt_on_demand(self, h: bytes) -> int | None:
+        """An earlier run's entry for `h`, not yet indexed, joins the index now (hold `lock`);
+        returns its hint, for the policy once the caller's access has made it tracked."""
+        entry = self._unindexed_entry(h)
+        if entry is None:
+            return None
+        _, _, parent, hint = entry
+        self.parents[h] = parent
+        if hint is not None:
+            self.hints[h] = hint
+        return hint
+
+    # -- indexing --------------------------------------------------------------------------
+    def index(self) -> None:
+        """Index an earlier run's entries (see the class docstring). Runs once."""
+        try:
+            self._index()
+        except Exception:  # a broken index is a colder cache, not a dead server
+            log.exception("KV disk tier %s: indexing the entries of an earlier run failed; they are ignored "
+                          "(delete the directory if this repeats)", self.root)
+            with self.lock:
+                if isinstance(self.policy, _RecordingPolicy):
+                    self.policy = self.policy.inner
+        finally:
+            self._indexed.set()
+
+    def _index(self) -> None:
+        if self._indexed.is_set():
+            return
+        t0 = time.monotonic()
+        found = self._scan()
+        if self._stop.is_set():
+            return
+        with self.lock:
+            known = set(self.parents) | {e[1] for e in self.policy.log if e[0] != "finished"}
+            old = [e for e in found if e[1] not in known]
+            if self._auto_capacity:
+                self.capacity += len(found)
+            excess = max(0, len(self.parents) + len(old) - self.capacity)
+            self._trimmed.update(h for _, h, _, _ in old[:excess])
+        for _, h, _, _ in old[:excess]:  # the oldest go, a lock hold each (not one long one)
+            with self.lock:
+                if h not in self.parents:  # else this run has just stored it again
+                    self._erase(h)
+        old = old[excess:]
+        rebuilt = make_policy(self._policy_name)  # private until swapped in: built without the lock
+        for t, (_, h, parent, hint) in enumerate(found, 1):
+            if t % 10_000 == 0 and self._stop.is_set():
+                return
+            if h not in self._trimmed:
+                rebuilt.access(h, parent, t)
+                if hint is not None:
+                    rebuilt.finished([h], hint)
+        shift = len(found)
+        with self.lock:
+            recorder = self.policy
+            for event in recorder.log:  # what this run did meanwhile, after the old entries
+                if event[0] == "access":
+                    rebuilt.access(event[1], event[2], event[3] + shift)
+                elif event[0] == "remove":
+                    rebuilt.remove(event[1])
+                else:
+                    rebuilt.finished(event[1], event[2])
+            touched = {e[1] for e in recorder.log if e[0] != "finished"}  # their state is this run's
+            for _, h, parent, hint in old:
+                if h not in touched:
+                    self.parents[h] = parent
+                    if hint is not None:
+                        self.hints[h] = hint
+            self.policy = rebuilt
+            self.clock += shift
+            self._trimmed.clear()
+            self._indexed.set()
+            while len(self.parents) > self.capacity:  # what this run added meanwhile, if it overfilled
+                victim = self.policy.victim()
+                if victim is None:
+                    break
+                self._drop(victim)
+                self.stats.evictions += 1
+        log.info("KV disk tier %s: indexed %d blocks from an earlier run in %.1f s%s", self.root, len(old),
+                 time.monotonic() - t0, f" (deleted the {excess} oldest beyond its capacity of {self.capacity})"
+                 if excess else "")
+
+    def _scan(self) -> list[Entry]:
+        """Every intact-looking entry an earlier run left, oldest first. Debris of ours (an earlier
+        run's half-written temporaries, unreadable entries) is deleted; other files are left alone."""
         t0 = time.monotonic()
         found, dropped = [], 0
         for i, p in enumerate(self.root.glob("??/*"), 1):
+            if self._stop.is_set():
+                return []
             if not _ENTRY_NAME.fullmatch(p.name) or p.parent.name != p.name[:2]:
                 continue
             entry = self._entry(p) if p.suffix == ".kv" else None
             if entry is None:
-                p.unlink(missing_ok=True)
-                dropped += 1
-            else:
+                try:
+                    if p.stat().st_mtime_ns < self._started_ns:  # not one this run is writing now
+                        p.unlink()
+                        dropped += 1
+                except OSError:
+                    pass
+            elif entry[0] < self._started_ns:  # newer ones were written by this run: indexed already
                 found.append(entry)
             if i % 100_000 == 0:
-                log.info("KV disk tier %s: %d files looked at", self.root, i)
+                log.info("KV disk tier %s: indexing, %d files looked at in %.0f s", self.root, i,
+                         time.monotonic() - t0)
         found.sort()
-        if found or dropped:
-            log.info("KV disk tier %s: found %d blocks from an earlier run in %.1f s (%d unreadable or "
-                     "half-written files deleted)", self.root, len(found), time.monotonic() - t0, dropped)
+        if dropped:
+            log.info("KV disk tier %s: deleted %d unreadable or half-written files of an earlier run",
+                     self.root, dropped)
         return found
 
     @staticmethod
-    def _entry(p: Path) -> tuple[int, bytes, bytes | None, int | None] | None:
+    def _entry(p: Path) -> Entry | None:
         try:
             with open(p, "rb") as f:
                 parsed = _header(f.read(4096))
@@ -335,20 +532,6 @@ class DiskTier(_CapacityTier):
                     hint if isinstance(hint, int) else None)
         except (TypeError, ValueError):
             return None
-
-    def _adopt(self, found: list[tuple[int, bytes, bytes | None, int | None]]) -> None:
-        """Index the newest `capacity` entries in age order (so recency policies start right)."""
-        excess = max(0, len(found) - self.capacity)
-        for _, h, _, _ in found[:excess]:
-            self._erase(h)
-        for _, h, parent, hint in found[excess:]:
-            self.clock += 1
-            self.parents[h] = parent
-            self.policy.access(h, parent, self.clock)
-            self._hint(h, hint)
-        if excess:
-            log.info("KV disk tier %s: deleted the %d oldest blocks beyond its capacity of %d",
-                     self.root, excess, self.capacity)
 
     def path(self, h: bytes) -> Path:
         hx = h.hex()
@@ -460,13 +643,11 @@ class RedisTier:
             self._failed(e)
             return False
 
-    def hint_of(self, h: bytes) -> None:
-        return None  # entries are shared by engines and evicted by Redis: no per-block policy state
-
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list:
+        """Store a block (with its hint in the entry's header, for whichever engine reads it)."""
         if not self._available():
             return []
-        raw = encode_block(data, parent)
+        raw = encode_block(data, parent, hint)
         try:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
@@ -482,6 +663,11 @@ class RedisTier:
         return []
 
     def get(self, h: bytes) -> torch.Tensor | None:
+        found = self.fetch(h)
+        return None if found is None else found[0]
+
+    def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
+        """A hit as (block, the output-length hint its writer knew), or None; never raises."""
         if not self._available():
             self.stats.misses += 1
             return None
@@ -494,11 +680,11 @@ class RedisTier:
         if raw is None:
             self.stats.misses += 1
             return None
-        data = decode_block(raw)
-        if data is None:
+        decoded = decode_entry(raw)
+        if decoded is None:
             self.stats.corrupt += 1
             self.stats.misses += 1
             return None
         self.stats.hits += 1
         self.stats.bytes_out += len(raw)
-        return data
+        return decoded
