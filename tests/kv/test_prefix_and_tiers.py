@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tierlm import LLM, SamplingParams
 from tierlm.kv.prefix_cache import chain_hashes, extra_key
@@ -645,3 +646,72 @@ async def test_server_shutdown_leaves_the_kv_cache_on_disk(llama_dir, tmp_path):
     assert len(eng.engine.pool.cached) == 0 and len(host) == 0 and len(disk) == cached
     assert len(list((tmp_path / "kv").rglob("*.kv"))) == cached
     eng.engine.close()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(llama_dir):
+    """Greedy tokens of a prompt from an engine without prefix caching (memoised)."""
+    llm, memo = _llm(llama_dir, enable_prefix_caching=False), {}
+
+    def tokens(prompt: list[int], n: int) -> list[int]:
+        if (key := (tuple(prompt), n)) not in memo:
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            memo[key] = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        return memo[key]
+    return tokens
+
+
+@pytest.mark.slow
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_random_traffic_through_every_tier_and_a_restart_matches_cold_runs(llama_dir, greedy_reference,
+                                                                           tmp_path_factory, data):
+    """Shared prefixes under a small device pool, host and disk tiers, random policies, aborts,
+    offloads and one restart on the same disk directory (its index racing the next requests):
+    every finished request has the cold run's greedy tokens and nothing leaks."""
+    rng = random.Random(data.draw(st.integers(0, 10_000)))
+    kw = dict(kv_host_capacity=f"{rng.choice([1, 3, 6])} blocks", kv_disk_capacity=f"{rng.choice([4, 12, 40])} blocks",
+              kv_disk_dir=str(tmp_path_factory.mktemp("kv")), kv_prefetch=rng.choice([True, False]),
+              eviction_policy=rng.choice(["lru", "duel", "chain", "arc"]),
+              kv_tier_policy=rng.choice(["lru", "duel", "gittins_hint"]), max_model_len=200,
+              kv_cache_memory=rng.choice([12, 20, 40]) * 8 * 2 * 2 * 2 * 16 * 4)  # blocks of 8 tokens
+    llm = _llm(llama_dir, **kw)
+    prefixes = [_prompt(rng.randrange(10**6), rng.randint(8, 60)) for _ in range(4)]
+    done: dict[str, tuple[list[int], int, list[int]]] = {}
+    live: list[str] = []
+    restarted = False
+    for step in range(150):
+        eng = llm.engine
+        draining = 75 <= step and not restarted  # for the restart
+        if len(live) < 6 and not draining and rng.random() < 0.5:
+            prompt = rng.choice(prefixes)[:rng.randint(4, 60)] + _prompt(rng.randrange(10**6), rng.randint(0, 12))
+            n = rng.randint(1, 20)
+            req = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, temperature=0,
+                                                                               ignore_eos=True))
+            done[req.request_id] = (prompt, n, [])
+            live.append(req.request_id)
+        if live and rng.random() < 0.07:
+            rid = live.pop(rng.randrange(len(live)))
+            eng.abort(rid)
+            del done[rid]
+        if rng.random() < 0.05:
+            eng.offload_prefix_cache()
+        for d in eng.step():
+            done[d.request_id][2].extend(d.token_ids)
+            if d.finished:
+                live.remove(d.request_id)
+        if draining and not live:
+            llm.close()  # the blocks go down to disk; the next engine indexes them in the background
+            llm, restarted = _llm(llama_dir, **kw), True
+    eng = llm.engine
+    for rid in live:
+        eng.abort(rid)
+        del done[rid]
+    assert restarted and done and all(toks == greedy_reference(p, n) for p, n, toks in done.values())
+    assert eng.pool.num_used == 0 and all(b.ref_cnt == 0 for b in eng.pool.blocks)
+    disk = eng.store.tiers[1]
+    assert disk.wait_indexed(timeout=30)
+    eng.store.flush()
+    with disk.lock:
+        assert {bytes.fromhex(p.stem) for p in disk.root.rglob("*.kv")} == set(disk.parents)
+    llm.close()
