@@ -20,14 +20,15 @@ def test_bench_throughput_tiny(llama_dir, tmp_path):
     assert (tmp_path / "tp.png").stat().st_size > 1000
 
 
-def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch):
+def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch, redis_server):
     import tempfile
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the disk tier's directory goes
     out = tmp_path / "px.json"
     rc = main(["bench", "prefix", "--model", str(llama_dir), "--dtype", "float32", "--prefix-len", "200",
-               "--suffix-len", "8", "--repeats", "1", "--kv-cache-memory", str(4 << 20), "--json", str(out)])
+               "--suffix-len", "8", "--repeats", "1", "--kv-cache-memory", str(4 << 20), "--json", str(out),
+               "--kv-remote", redis_server.url, "--kv-remote-delay-ms", "0,1"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res["ttft_s"]) == {"cold", "device", "host", "disk"}
@@ -40,3 +41,10 @@ def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch):
         assert sample["cached_tokens"] == 192  # the newcomer's prefix came from disk both ways
         assert sample["max_step_s"] > 0 and sample["steps"] >= 1
     assert not any(scratch.iterdir())  # its disk-tier files are gone with the run
+    remote = res["redis"]  # the prefix only in Redis, behind a proxy adding no delay, then 1 ms each way
+    assert remote["blocks_per_round_trip"] == 32 and len(remote["cold_samples_s"]) == 2
+    for point, delay in zip(remote["by_delay"], (0, 1)):
+        assert point["delay_ms_each_way"] == delay
+        assert point["cached_tokens"] == {"cold": [0], "redis": [192], "redis_per_block": [192]}
+        assert point["per_block_vs_batched"] == point["ttft_s"]["redis_per_block"] / point["ttft_s"]["redis"]
+    assert remote["by_delay"][1]["rtt_ms"] >= 2  # the proxy's delay is there

@@ -536,14 +536,38 @@ def test_redis_capacity_evicts_instead_of_refusing(redis_server):
 
 
 def test_two_engines_share_one_redis_tier(llama_dir, cold_reference, redis_server):
+    import redis
+
     shared, ref = cold_reference
     first = _llm(llama_dir, kv_remote=redis_server.url)
     _run(first, shared + _prompt(2, 9))
     first.engine.store.flush()  # write-through of computed blocks has landed
     second = _llm(llama_dir, kv_remote=redis_server.url)
+    server = redis.Redis.from_url(redis_server.url)
+    server.config_resetstat()
     tokens, cached, computed = _run(second, shared + _prompt(3, 9))
     assert tokens == ref[3] and cached == 64 and computed == 15
     assert second.engine.stats().kv_tiers["redis"]["hits"] == 8
+    reads = {k: v["calls"] for k, v in server.info("commandstats").items() if k in ("cmdstat_get", "cmdstat_mget")}
+    assert reads == {"cmdstat_mget": 1}  # the 8-block prefix in one round trip, not 8
+
+
+def test_redis_run_reads_stop_at_the_first_missing_or_damaged_block(redis_server):
+    import redis
+
+    tier = RedisTier(redis_server.url)
+    blocks = _chain(6)
+    for h, parent, data in blocks[:5]:
+        tier.put(h, parent, data, hint=7)
+    hashes = [h for h, _, _ in blocks]
+    run = tier.fetch_run(hashes)
+    assert [torch.equal(d, blocks[i][2]) and hint == 7 for i, (d, hint) in enumerate(run)] == [True] * 5
+    assert (tier.stats.hits, tier.stats.misses) == (5, 1)
+    redis.Redis.from_url(redis_server.url).set(tier.prefix + hashes[2].hex(), b"TLKV1 truncated")
+    assert len(tier.fetch_run(hashes)) == 2 and tier.stats.corrupt == 1
+    store = TieredStore([tier], remote_batch=2)  # read ahead two at a time: the same run
+    assert [src for src, _, _ in store.fetch_run(hashes)] == ["redis"] * 2
+    store.close()
 
 
 def test_redis_entries_carry_the_output_length_hint_to_another_engine(llama_dir, redis_server):
@@ -665,12 +689,14 @@ def greedy_reference(llama_dir):
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_random_traffic_through_every_tier_and_a_restart_matches_cold_runs(llama_dir, greedy_reference,
-                                                                           tmp_path_factory, data):
-    """Shared prefixes under a small device pool, host and disk tiers, random policies, aborts,
-    offloads and one restart on the same disk directory (its index racing the next requests):
-    every finished request has the cold run's greedy tokens and nothing leaks."""
+                                                                           tmp_path_factory, redis_server, data):
+    """Shared prefixes under a small device pool, host, disk and (half the time) Redis tiers,
+    random policies, aborts, offloads and one restart on the same disk directory (its index
+    racing the next requests): every finished request has the cold run's greedy tokens and
+    nothing leaks."""
     rng = random.Random(data.draw(st.integers(0, 10_000)))
-    kw = dict(kv_host_capacity=f"{rng.choice([1, 3, 6])} blocks", kv_disk_capacity=f"{rng.choice([4, 12, 40])} blocks",
+    kw = dict(kv_remote=redis_server.url if rng.random() < 0.5 else None, kv_remote_write_through=rng.random() < 0.5,
+              kv_host_capacity=f"{rng.choice([1, 3, 6])} blocks", kv_disk_capacity=f"{rng.choice([4, 12, 40])} blocks",
               kv_disk_dir=str(tmp_path_factory.mktemp("kv")), kv_prefetch=rng.choice([True, False]),
               eviction_policy=rng.choice(["lru", "duel", "chain", "arc"]),
               kv_tier_policy=rng.choice(["lru", "duel", "gittins_hint"]), max_model_len=200,

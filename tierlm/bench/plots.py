@@ -93,11 +93,13 @@ def cdf_plot(path: str, samples: Mapping[str, Sequence[float]], title: str, xlab
     return _save(fig, path)
 
 
-def bar_plot(path: str, values: Mapping[str, float], title: str, ylabel: str) -> str:
+def bar_plot(path: str, values: Mapping[str, float], title: str, ylabel: str, logy: bool = False) -> str:
     """One bar per label (e.g. throughput per configuration)."""
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(values) + 2), 4.5))
     labels = list(values)
     ax.bar(range(len(labels)), [values[k] for k in labels])
+    if logy:
+        ax.set_yscale("log")
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)

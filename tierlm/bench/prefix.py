@@ -1,4 +1,5 @@
-"""`tierlm bench prefix`: time to first token with a cached prefix (device / host / disk) vs cold.
+"""`tierlm bench prefix`: time to first token with a cached prefix (device / host / disk, and
+Redis with `--kv-remote`) vs cold.
 
 The peer here is tierlm itself without the cache (cold prefill of the same prompt), measured in
 the same run; the ratios are what the cache buys.
@@ -7,6 +8,9 @@ Second part, the stall: requests are decoding when one arrives whose prefix is o
 `kv_prefetch` its blocks are read on a background thread while the decodes go on, and the step
 that admits it only copies them in; without, that step reads the disk itself. Reported: the
 longest step the running decodes see from the arrival to the newcomer's first token, both ways.
+
+Third part, with `--kv-remote`: the prefix held only in Redis, read several blocks per round trip
+(the default) against one block per round trip, optionally behind a proxy that adds latency.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 
 def _ttft(llm, prompt: list[int], cached: dict | None = None, key: str = "") -> float:
@@ -93,6 +98,75 @@ def _measure(llm, args: argparse.Namespace) -> tuple[dict, dict, dict]:
     return rows, cached, stalls
 
 
+def _rtt_ms(client) -> float:
+    samples = []
+    for _ in range(50):
+        t = time.perf_counter()
+        client.ping()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e3
+
+
+def _measure_remote(model: str, args: argparse.Namespace) -> dict:
+    """TTFT with the prefix only in Redis: read ahead `remote_batch` blocks per round trip (the
+    default) and, as the peer, one round trip per block. With delays, Redis is reached through a
+    proxy that adds each delay in turn (0 = the proxy alone), as if it were across a network."""
+    import contextlib
+
+    import redis
+
+    from tierlm import LLM
+    from tierlm.bench.netdelay import DelayProxy
+
+    url, delays, proxy = args.kv_remote, args.kv_remote_delay_ms, None
+    with contextlib.ExitStack() as stack:
+        if delays:
+            parts = urlsplit(url)
+            proxy = DelayProxy(parts.hostname or "127.0.0.1", parts.port or 6379, delays[0] / 1e3)
+            port = stack.enter_context(proxy)
+            url = urlunsplit(parts._replace(netloc=f"127.0.0.1:{port}"))
+        client = redis.Redis.from_url(url)
+        stack.callback(client.close)
+        llm = stack.enter_context(LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,
+                                      max_num_batched_tokens=args.max_num_batched_tokens, kv_remote=url,
+                                      kv_remote_write_through=False))
+        rng = random.Random()  # prompts new to this Redis, which may hold an earlier run's blocks
+        vocab = llm.engine.args.vocab_size
+
+        def toks(n):
+            return [rng.randrange(100, vocab) for _ in range(n)]
+
+        _ttft(llm, toks(32))  # warm-up
+        store = llm.engine.store
+        batched = store.remote_batch
+        cold: list[float] = []
+        points = []
+        for delay in delays or [None]:
+            if proxy is not None:
+                proxy.delay_s = delay / 1e3
+            rows: dict[str, list[float]] = {"redis": [], "redis_per_block": []}
+            cached: dict[str, list[int]] = {}
+            for i in range(args.repeats):
+                prefix = toks(args.prefix_len)
+                cold.append(_ttft(llm, prefix + toks(args.suffix_len), cached, "cold"))
+                order = [("redis", batched), ("redis_per_block", 1)]
+                for key, batch in order if i % 2 == 0 else order[::-1]:
+                    llm.engine.offload_prefix_cache()  # device -> Redis, the only lower tier
+                    store.flush()
+                    store.remote_batch = batch
+                    rows[key].append(_ttft(llm, prefix + toks(args.suffix_len), cached, key))
+                store.remote_batch = batched
+            med = {k: statistics.median(v) for k, v in rows.items()}
+            points.append({"delay_ms_each_way": delay, "rtt_ms": _rtt_ms(client), "ttft_s": med, "samples_s": rows,
+                           "cached_tokens": cached, "per_block_vs_batched": med["redis_per_block"] / med["redis"]})
+            p = points[-1]
+            print(f"  Redis RTT {p['rtt_ms']:.2f} ms: TTFT {med['redis'] * 1e3:.0f} ms reading {batched} blocks per "
+                  f"round trip, {med['redis_per_block'] * 1e3:.0f} ms one per round trip "
+                  f"({p['per_block_vs_batched']:.2f}x)", flush=True)
+    return {"blocks_per_round_trip": batched, "cold_ttft_s": statistics.median(cold), "cold_samples_s": cold,
+            "by_delay": points}
+
+
 def run(args: argparse.Namespace) -> dict:
     from tierlm import LLM
     from tierlm.bench.throughput import ensure_bench_model
@@ -113,6 +187,8 @@ def run(args: argparse.Namespace) -> dict:
     result["disk_arrival_during_decode"] = {
         "decoders": args.decoders, "median_over_repeats": stall, "samples": stalls,
         "max_step_ratio_no_prefetch_vs_prefetch": stall["no_prefetch"]["max_step_s"] / stall["prefetch"]["max_step_s"]}
+    if args.kv_remote:
+        result["redis"] = _measure_remote(model, args)
     for k, v in result["speedup_vs_cold"].items():
         print(f"TTFT with the {args.prefix_len}-token prefix on {k}: {med[k] * 1e3:.0f} ms, {v:.1f}x lower than cold "
               f"({med['cold'] * 1e3:.0f} ms)")
@@ -123,10 +199,30 @@ def run(args: argparse.Namespace) -> dict:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
-        from tierlm.bench.plots import bar_plot
-        bar_plot(args.plot, {k: v * 1e3 for k, v in med.items()},
-                 title=f"TTFT, {args.prefix_len}-token cached prefix + {args.suffix_len} new tokens", ylabel="ms")
+        plot_prefix(result, args.plot)
     return result
+
+
+def plot_prefix(result: dict, path: str) -> str:
+    """TTFT per place the prefix sits (log scale: cold is 50x the rest)."""
+    from tierlm.bench.plots import bar_plot
+    bars = {k: v * 1e3 for k, v in result["ttft_s"].items()}
+    for point in result.get("redis", {}).get("by_delay", []):
+        rtt = f"{point['rtt_ms']:.1f} ms RTT" if point["delay_ms_each_way"] is not None else "direct"
+        bars[f"redis, {rtt}"] = point["ttft_s"]["redis"] * 1e3
+        bars[f"redis, {rtt}, 1 block/trip"] = point["ttft_s"]["redis_per_block"] * 1e3
+    return bar_plot(path, bars, title=f"TTFT, {result['prefix_len']}-token cached prefix + {result['suffix_len']} "
+                    "new tokens", ylabel="ms (log scale)", logy=True)
+
+
+def _delays(text: str) -> list[float]:
+    try:
+        delays = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, e.g. 0,0.25,1; got {text!r}") from None
+    if any(d < 0 for d in delays):
+        raise argparse.ArgumentTypeError(f"delays cannot be negative: {text!r}")
+    return delays
 
 
 def add_cli(sub) -> None:
@@ -142,6 +238,11 @@ def add_cli(sub) -> None:
                    help="requests decoding when the disk-prefixed one arrives (the stall measurement)")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-remote", default=None, metavar="URL",
+                   help="also measure a prefix held only in this Redis (a second engine, Redis its only tier)")
+    p.add_argument("--kv-remote-delay-ms", type=_delays, default=[],
+                   help="one-way latencies (ms, comma-separated, e.g. 0,0.25,1) a local proxy adds in front of "
+                        "--kv-remote in turn, as if Redis were across a network")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: run(a) and 0)

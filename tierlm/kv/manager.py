@@ -120,13 +120,9 @@ class KVCacheManager:
         if job is not None:
             self.store.settle(job)
         hashes, hit.device, limit = self._device_prefix(req)
-        i = len(hit.device)
-        while self.store is not None and i < limit:
-            found = self.store.fetch(hashes[i])
-            if found is None:
-                break
-            hit.lower.append((hashes[i], *found))
-            i += 1
+        if self.store is not None:
+            below = hashes[len(hit.device):limit]
+            hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below))]
         return hit
 
     def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

@@ -29,6 +29,23 @@ from tierlm.kv.tiers import HostTier, RedisTier, _CapacityTier
 log = logging.getLogger(__name__)
 
 
+class _ReadAhead:
+    """A Redis tier's answers for a run of hashes, read `batch` blocks per round trip."""
+
+    def __init__(self, tier: RedisTier, hashes: list[bytes], batch: int) -> None:
+        self.tier, self.hashes, self.batch = tier, hashes, batch
+        self.got: dict[int, tuple[torch.Tensor, int | None]] = {}
+        self.known_to = 0  # answers are known for indices below this (missing from `got`: a miss)
+
+    def fetch(self, index: int) -> tuple[torch.Tensor, int | None] | None:
+        if index >= self.known_to:
+            want = self.hashes[index:index + self.batch]
+            run = self.tier.fetch_run(want)
+            self.got = {index + j: found for j, found in enumerate(run)}
+            self.known_to = index + (len(want) if len(run) == len(want) else len(run) + 1)
+        return self.got.pop(index, None)
+
+
 @dataclass(eq=False)
 class Prefetch:
     """One request's background read of its lower-tier prefix (hashes in prefix order)."""
@@ -49,8 +66,9 @@ class TieredStore:
 
     def __init__(self, tiers: list, write_through_remote: bool = True,
                  fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30,
-                 backlog_bytes: int = 1 << 30) -> None:
+                 backlog_bytes: int = 1 << 30, remote_batch: int = 32) -> None:
         self.tiers = tiers
+        self.remote_batch = remote_batch  # Redis blocks per round trip when reading a prefix
         self.write_through = write_through_remote and any(isinstance(t, RedisTier) for t in tiers)
         # Demoted blocks may still be in flight from the device (CUDA copy stream): the writer
         # calls `fence` before it reads a block's bytes (encode for disk/Redis).
@@ -170,10 +188,30 @@ class TieredStore:
         the first tier holding it."""
         return self._find(h, read_host=True)
 
-    def _find(self, h: bytes, read_host: bool) -> tuple[str, torch.Tensor | None, int | None] | None:
+    def fetch_run(self, hashes: list[bytes]) -> list[tuple[str, torch.Tensor, int | None]]:
+        """`fetch` for each of `hashes` up to the first miss: a request's prefix below the device."""
+        return self._find_run(hashes, read_host=True)
+
+    def _find_run(self, hashes: list[bytes], read_host: bool,
+                  stop: Callable[[], bool] | None = None) -> list[tuple[str, torch.Tensor | None, int | None]]:
+        """`_find` up to the first miss (or `stop()`), with Redis read ahead `remote_batch` blocks
+        per round trip (one MGET) rather than one round trip per block: with a remote server
+        at 0.5 ms, a 32k-token prefix is 2,000 blocks, a second of round trips."""
+        ahead = {id(t): _ReadAhead(t, hashes, self.remote_batch) for t in self.tiers if isinstance(t, RedisTier)}
+        run = []
+        for i, h in enumerate(hashes):
+            found = None if stop is not None and stop() else self._find(h, read_host, ahead, i)
+            if found is None:
+                break
+            run.append(found)
+        return run
+
+    def _find(self, h: bytes, read_host: bool, ahead: dict[int, _ReadAhead] | None = None,
+              index: int = 0) -> tuple[str, torch.Tensor | None, int | None] | None:
         """Look `h` up in staging, the writer's queue, then each tier in order; a block read from
         disk or Redis is staged. With `read_host` False a host block is only checked for (data
-        None), so that a prefetch does not count a host hit the admission will count again."""
+        None), so that a prefetch does not count a host hit the admission will count again.
+        Within a run, Redis answers from `ahead` (`h` is the run's `index`-th hash)."""
         with self._lock:
             hit = self.staged.get(h)
             if hit is None and h in self.pending:
@@ -185,7 +223,7 @@ class TieredStore:
                 if h in t:
                     return t.name, None, None
                 continue
-            found = t.fetch(h)
+            found = ahead[id(t)].fetch(index) if ahead and id(t) in ahead else t.fetch(h)
             if found is not None:
                 data, hint = found
                 if not isinstance(t, HostTier):  # host reads are a dict lookup already
@@ -241,10 +279,7 @@ class TieredStore:
                 if job.cancelled:
                     return
                 job.started = True
-            for h in job.hashes:
-                if job.cancelled or self._find(h, read_host=False) is None:
-                    break
-                job.found += 1
+            job.found = len(self._find_run(job.hashes, read_host=False, stop=lambda: job.cancelled))
         finally:
             job.done.set()
 
