@@ -28,6 +28,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-host-capacity", default=None, help="host-memory tier size: '2GiB', '1000 blocks' or bytes")
     kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given; kept across restarts, one engine at a time)")
     kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes (default: half the free space)")
+    kv.add_argument("--kv-disk-write-through", action="store_true",
+                    help="write every computed block to disk at once (a crash then leaves the cache on disk; "
+                         "default: only what host memory evicts, and everything on a clean stop)")
     kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
     kv.add_argument("--kv-remote-capacity", default=None,
                     help="sets the Redis server's maxmemory (allkeys-lru): '50GiB', blocks or bytes; "
@@ -52,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_remote_capacity=args.kv_remote_capacity, kv_remote_ttl=args.kv_remote_ttl,
                 kv_tier_policy=args.kv_tier_policy,
                 kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
-                kv_prefetch=args.kv_prefetch)
+                kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -47,6 +47,10 @@ class EngineConfig:
     kv_host_policy: str | None = None  # None = kv_tier_policy
     kv_disk_policy: str | None = None  # None = kv_tier_policy
     kv_remote_write_through: bool = True
+    # Also write every newly computed block to the disk tier at once, not only what host memory
+    # evicts: a crash (not just a clean stop) then leaves the cache on disk, for a disk write per
+    # computed block.
+    kv_disk_write_through: bool = False
     # Read a new request's disk/Redis prefix on a background thread while the engine keeps
     # stepping, and admit it when the read is done; False: the step that admits it reads it.
     # None: on for CUDA, off on CPU, where `tierlm bench prefix` measured the read competing

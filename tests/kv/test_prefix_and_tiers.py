@@ -336,6 +336,38 @@ def _chain(n: int) -> list[tuple[bytes, bytes | None, torch.Tensor]]:
     return blocks
 
 
+_CRASHING_ENGINE = """
+import os, signal, sys
+from tierlm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64,
+          load_progress=False, kv_disk_dir=sys.argv[2], kv_disk_capacity="64 blocks",
+          kv_disk_write_through=sys.argv[3] == "1")
+llm.generate([{"prompt_token_ids": [int(t) for t in sys.argv[4].split(",")]}],
+             SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+llm.engine.store.flush()  # what was queued has landed; now die without any clean-up
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write_through", [True, False])
+def test_disk_write_through_survives_a_crash(llama_dir, cold_reference, tmp_path, write_through):
+    """A SIGKILLed engine: with disk write-through its computed blocks are on disk for the next
+    one; without, they were only on the device (the clean-stop write-down never ran)."""
+    import subprocess
+    import sys
+
+    shared, ref = cold_reference
+    prompt = shared + _prompt(2, 9)
+    proc = subprocess.run([sys.executable, "-c", _CRASHING_ENGINE, str(llama_dir), str(tmp_path / "kv"),
+                           "1" if write_through else "0", ",".join(map(str, prompt))], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    with _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks") as after:
+        tokens, cached, computed = _run(after, shared + _prompt(3, 9))
+    assert tokens == ref[3]
+    assert (cached, computed) == ((64, 15) if write_through else (0, 79))
+
+
 def test_disk_tier_reopens_within_capacity_and_deletes_only_its_debris(tmp_path):
     import os
     blocks = _chain(8)
@@ -696,6 +728,7 @@ def test_random_traffic_through_every_tier_and_a_restart_matches_cold_runs(llama
     nothing leaks."""
     rng = random.Random(data.draw(st.integers(0, 10_000)))
     kw = dict(kv_remote=redis_server.url if rng.random() < 0.5 else None, kv_remote_write_through=rng.random() < 0.5,
+              kv_disk_write_through=rng.random() < 0.5,
               kv_host_capacity=f"{rng.choice([1, 3, 6])} blocks", kv_disk_capacity=f"{rng.choice([4, 12, 40])} blocks",
               kv_disk_dir=str(tmp_path_factory.mktemp("kv")), kv_prefetch=rng.choice([True, False]),
               eviction_policy=rng.choice(["lru", "duel", "chain", "arc"]),

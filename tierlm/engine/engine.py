@@ -106,7 +106,8 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
             for t in tiers:
                 t.close()
             raise
-    return TieredStore(tiers, config.kv_remote_write_through, fence) if tiers else None
+    return TieredStore(tiers, config.kv_remote_write_through, fence,
+                       write_through_disk=config.kv_disk_write_through) if tiers else None
 
 
 class LLMEngine:

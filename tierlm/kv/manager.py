@@ -176,7 +176,7 @@ class KVCacheManager:
                 continue
             self.pool.register_full(req.blocks[i], hashes[i], parent)
             if self.store is not None and self.store.write_through:
-                self.store.write_remote(hashes[i], parent, self.io.read(req.blocks[i].block_id))
+                self.store.write_through_block(hashes[i], parent, self.io.read(req.blocks[i].block_id))
         req.num_registered_blocks = full
 
     def free(self, req) -> None:

@@ -1,7 +1,8 @@
 """The chain of lower KV tiers (host -> disk -> Redis), with their slow I/O kept off the model loop.
 
 Writes: the host tier is written in place (it only keeps a reference to the copy); whatever it
-evicts, and the write-through of fresh blocks to Redis, go to a writer thread. Its queue holds
+evicts, and the write-through of fresh blocks to Redis (and to disk, if asked for), go to a
+writer thread. Its queue holds
 at most `backlog_bytes` of K/V: when disk or Redis cannot keep up, further writes are dropped
 and counted (`dropped` of the tier they were for) rather than piling up in memory; it is a
 cache, so a dropped block is a later miss. Draining the host tier (`spill`) waits instead.
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierlm.kv.tiers import HostTier, RedisTier, _CapacityTier
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, _CapacityTier
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,14 @@ class TieredStore:
 
     def __init__(self, tiers: list, write_through_remote: bool = True,
                  fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30,
-                 backlog_bytes: int = 1 << 30, remote_batch: int = 32) -> None:
+                 backlog_bytes: int = 1 << 30, remote_batch: int = 32, write_through_disk: bool = False) -> None:
         self.tiers = tiers
         self.remote_batch = remote_batch  # Redis blocks per round trip when reading a prefix
-        self.write_through = write_through_remote and any(isinstance(t, RedisTier) for t in tiers)
+        # Where a freshly computed block is written at once (levels), besides the device.
+        self.write_through_levels = [i for i, t in enumerate(tiers)
+                                     if (write_through_remote and isinstance(t, RedisTier))
+                                     or (write_through_disk and isinstance(t, DiskTier))]
+        self.write_through = bool(self.write_through_levels)
         # Demoted blocks may still be in flight from the device (CUDA copy stream): the writer
         # calls `fence` before it reads a block's bytes (encode for disk/Redis).
         self.fence = fence
@@ -109,11 +114,11 @@ class TieredStore:
         else:
             self._enqueue(("put", h, parent, data, hint, start))
 
-    def write_remote(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
-        """Write-through of a freshly computed block to the shared tier (so peers can hit it)."""
-        for i, t in enumerate(self.tiers):
-            if isinstance(t, RedisTier):
-                self._enqueue(("remote", h, parent, data, None, i))
+    def write_through_block(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
+        """Write a freshly computed block through to Redis (so peers can hit it) and, if asked
+        for, to disk (so a crash does not lose it)."""
+        for i in self.write_through_levels:
+            self._enqueue(("remote" if isinstance(self.tiers[i], RedisTier) else "put", h, parent, data, None, i))
 
     def _enqueue(self, item, wait: bool = False) -> None:
         """Queue (kind, key, parent, K/V, hint, level) for the writer, within the backlog bound
