@@ -2,17 +2,18 @@
 
 Writes: the host tier is written in place (it only keeps a reference to the copy); whatever it
 evicts, and the write-through of fresh blocks to Redis (and to disk, if asked for), go to a
-writer thread. Its queue holds
-at most `backlog_bytes` of K/V: when disk or Redis cannot keep up, further writes are dropped
-and counted (`dropped` of the tier they were for) rather than piling up in memory; it is a
-cache, so a dropped block is a later miss. Draining the host tier (`spill`) waits instead.
+writer thread. Its queue holds at most `backlog_bytes` of K/V: when disk or Redis cannot keep
+up, further writes are dropped and counted (`dropped` of the tier they were for) rather than
+piling up in memory; it is a cache, so a dropped block is a later miss. Draining the host tier
+(`spill`) waits instead.
 
 Reads: when a request arrives, a reader thread fetches the part of its prefix that sits in disk
 or Redis and stages it in memory. Admitting the request later then costs the model loop a
 dictionary lookup, not a disk read and a checksum or a Redis round trip, and a request that
 waits several steps for room is not re-read at every step. Staged blocks are dropped once they
 are back on the device, and the oldest go first past `staging_bytes`. Blocks are keyed by
-content hash, so a staged copy can never be stale.
+content hash, so a staged copy can never be stale. A prefix's run of Redis blocks is read
+`remote_batch` blocks per round trip (one MGET), not one.
 """
 from __future__ import annotations
 
