@@ -300,7 +300,9 @@ class DiskTier(_CapacityTier):
     runs in the background: meanwhile the tier serves and stores as usual, an entry not yet
     indexed is read straight from its file when asked for, and the policy records its calls;
     when the scan is done, a policy is built from the old entries (oldest first, by file time)
-    with those calls replayed on top, as if the entries had been indexed at start.
+    with those calls replayed on top, as if the entries had been indexed at start. Until then
+    only this run's blocks count against capacity, so the directory may hold up to the old
+    entries' number more; the swap evicts back down to capacity.
 
     Block keys cover the model and dtypes, so an entry can only be found by an engine that would
     compute the same K/V. One engine owns a directory at a time (an advisory lock): two
