@@ -688,6 +688,28 @@ def test_output_length_hint_travels_down_the_tiers_and_back(llama_dir, tmp_path)
         assert {disk.policy._hist[h].hint for h in hashes} == {3}
 
 
+def test_written_through_blocks_get_their_hint_on_disk_later(llama_dir, tmp_path):
+    """Written through while its request ran, a block's disk entry has no hint yet; when the
+    block comes down later with one, the entry is rewritten, so a restart still has it."""
+    kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_disk_write_through=True,
+              kv_tier_policy="gittins_hint")
+    with _llm(llama_dir, **kw) as llm:
+        eng = llm.engine
+        done = eng.add_request({"prompt_token_ids": _prompt(15, 40)}, GREEDY)
+        while eng.has_unfinished():
+            eng.step()
+        eng.store.flush()
+        disk = eng.store.tiers[0]
+        hashes = done.block_hashes  # 6 full blocks, 10 tokens out
+        assert {DiskTier._entry(disk.path(h))[3] for h in hashes} == {None}  # written mid-request
+        assert eng.offload_prefix_cache() == 6
+        assert disk.stats.stores == 6  # rewritten in place: no new entries
+        assert {DiskTier._entry(disk.path(h))[3] for h in hashes} == {10}
+    with _llm(llama_dir, **kw) as again:
+        disk = again.engine.store.tiers[0]
+        assert disk.wait_indexed(timeout=30) and {disk.hint_of(h) for h in hashes} == {10}
+
+
 async def test_server_shutdown_leaves_the_kv_cache_on_disk(llama_dir, tmp_path):
     from tierlm.engine.async_engine import AsyncEngine
     eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=4 << 20, block_size=8,

@@ -152,6 +152,8 @@ class _CapacityTier:
         with self.lock:
             self.clock += 1
             if h in self.parents:
+                if hint is not None and hint != self.hints.get(h):
+                    self._rehint(h, parent, data, hint)
                 self.policy.access(h, parent, self.clock)
                 self._hint(h, hint)
                 return []
@@ -232,6 +234,8 @@ class _CapacityTier:
 
     # storage hooks
     def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None) -> None: ...
+    def _rehint(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int) -> None:
+        """A stored block has a new hint (nothing to do where it is kept in memory only)."""
     def _read(self, h: bytes) -> torch.Tensor | None: ...
     def _erase(self, h: bytes) -> None: ...
 
@@ -567,6 +571,14 @@ class DiskTier(_CapacityTier):
             except OSError:
                 pass
             raise
+
+    def _rehint(self, h, parent, data, hint):
+        """Rewrite the entry, so the hint outlives a restart: a block written through to disk when
+        it was computed had none yet (its request had not finished)."""
+        try:
+            self._write(h, parent, data, hint)
+        except OSError:
+            self.stats.errors += 1  # the old entry stays, without the new hint
 
     def _read(self, h):
         try:
