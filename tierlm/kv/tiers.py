@@ -152,7 +152,7 @@ class _CapacityTier:
         with self.lock:
             self.clock += 1
             if h in self.parents:
-                if hint is not None and hint != self.hints.get(h):
+                if hint is not None and h not in self.hints:  # once: a later change stays in memory
                     self._rehint(h, parent, data, hint)
                 self.policy.access(h, parent, self.clock)
                 self._hint(h, hint)
@@ -235,7 +235,7 @@ class _CapacityTier:
     # storage hooks
     def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None) -> None: ...
     def _rehint(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int) -> None:
-        """A stored block has a new hint (nothing to do where it is kept in memory only)."""
+        """A stored block without a hint gets one (nothing to do where it is kept in memory only)."""
     def _read(self, h: bytes) -> torch.Tensor | None: ...
     def _erase(self, h: bytes) -> None: ...
 
