@@ -1,6 +1,7 @@
 """Prefix caching and the tiered KV cache against cold runs on a real tiny model."""
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from tierlm.config import EngineConfig
 from tierlm.errors import KVTierError
 from tierlm.kv.policies import DuelPolicy, LFUPolicy, LRUPolicy
 from tierlm.kv.store import TieredStore
-from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, encode_block
+from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, decode_entry, encode_block, patch_hint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -110,6 +111,11 @@ def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
     data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
     h = b"\x01" * 32
     assert torch.equal(decode_block(encode_block(data)).view(torch.uint8), data.view(torch.uint8))
+    entry = io.BytesIO(encode_block(data, h))
+    assert patch_hint(entry, 4321)  # the hint slot, rewritten in place: same length, payload intact
+    got, hint = decode_entry(entry.getvalue())
+    assert hint == 4321 and torch.equal(got.view(torch.uint8), data.view(torch.uint8))
+    assert not patch_hint(io.BytesIO(b"not an entry"), 1)
     for tier in (HostTier(4), DiskTier(tmp_path / "d", 4), RedisTier(redis_server.url)):
         tier.put(h, None, data)
         got = tier.get(h)
@@ -690,7 +696,8 @@ def test_output_length_hint_travels_down_the_tiers_and_back(llama_dir, tmp_path)
 
 def test_written_through_blocks_get_their_hint_on_disk_later(llama_dir, tmp_path):
     """Written through while its request ran, a block's disk entry has no hint yet; when the
-    block comes down later with one, the entry is rewritten, so a restart still has it."""
+    block comes down later with one, the entry's hint slot is patched in place (a few bytes, not
+    the block), so a restart still has it and the K/V still checks out."""
     kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_disk_write_through=True,
               kv_tier_policy="gittins_hint")
     with _llm(llama_dir, **kw) as llm:
@@ -702,9 +709,12 @@ def test_written_through_blocks_get_their_hint_on_disk_later(llama_dir, tmp_path
         disk = eng.store.tiers[0]
         hashes = done.block_hashes  # 6 full blocks, 10 tokens out
         assert {DiskTier._entry(disk.path(h))[3] for h in hashes} == {None}  # written mid-request
+        inodes = {h: disk.path(h).stat().st_ino for h in hashes}
         assert eng.offload_prefix_cache() == 6
-        assert disk.stats.stores == 6  # rewritten in place: no new entries
+        assert disk.stats.stores == 6 and disk.stats.errors == 0
         assert {DiskTier._entry(disk.path(h))[3] for h in hashes} == {10}
+        assert inodes == {h: disk.path(h).stat().st_ino for h in hashes}  # patched in place, not rewritten
+        assert all(disk.get(h) is not None for h in hashes)  # payloads still pass their checksum
     with _llm(llama_dir, **kw) as again:
         disk = again.engine.store.tiers[0]
         assert disk.wait_indexed(timeout=30) and {disk.hint_of(h) for h in hashes} == {10}

@@ -49,14 +49,43 @@ class TierStats:
     dropped: int = 0  # writes for this tier dropped because the writer was too far behind
 
 
+_HINT_KEY = b'"output_tokens": '
+_HINT_WIDTH = 12  # the hint's value is padded to this width, so it can be patched in place
+
+
+def _hint_slot(hint: int | None) -> bytes:
+    return json.dumps(hint).encode().ljust(_HINT_WIDTH)
+
+
 def encode_block(data: torch.Tensor, parent: bytes | None = None, hint: int | None = None) -> bytes:
     """Self-describing bytes: magic, header length, JSON header (dtype, shape, sha256; the parent
-    hash and output-length hint, which a disk tier re-reads on restart), payload."""
+    hash and output-length hint, which a disk tier re-reads on restart), payload. The hint comes
+    last in a fixed-width slot (JSON ignores the padding), so a disk entry can be given one later
+    by rewriting a few bytes (`patch_hint`) instead of the block."""
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
     header = json.dumps({"dtype": str(data.dtype).replace("torch.", ""), "shape": list(data.shape),
                          "sha256": hashlib.sha256(payload).hexdigest(),
-                         "parent": parent.hex() if parent else None, "output_tokens": hint}).encode()
+                         "parent": parent.hex() if parent else None}).encode()
+    header = header[:-1] + b", " + _HINT_KEY + _hint_slot(hint) + b"}"
     return _MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+def patch_hint(f, hint: int) -> bool:
+    """Set the hint of the entry open in `f` (read-write binary) in place; False if the entry has
+    no fixed-width slot (written before slots existed) or is not an entry."""
+    slot = _hint_slot(hint)
+    f.seek(0)
+    head = f.read(4096)
+    parsed = _header(head)
+    if parsed is None or len(slot) != _HINT_WIDTH:
+        return False
+    _, end = parsed  # the header is head[9:end]; the slot sits just before its closing brace
+    slot_at = end - 1 - _HINT_WIDTH
+    if head[slot_at - len(_HINT_KEY):slot_at] != _HINT_KEY:
+        return False
+    f.seek(slot_at)
+    f.write(slot)
+    return True
 
 
 def _header(raw: bytes) -> tuple[dict, int] | None:
@@ -573,9 +602,13 @@ class DiskTier(_CapacityTier):
             raise
 
     def _rehint(self, h, parent, data, hint):
-        """Rewrite the entry, so the hint outlives a restart: a block written through to disk when
-        it was computed had none yet (its request had not finished)."""
+        """Put the hint into the entry, so it outlives a restart: a block written through to disk
+        when it was computed had none yet (its request had not finished). A few bytes in place;
+        an entry without a hint slot is rewritten whole."""
         try:
+            with open(self.path(h), "r+b") as f:
+                if patch_hint(f, hint):
+                    return
             self._write(h, parent, data, hint)
         except OSError:
             self.stats.errors += 1  # the old entry stays, without the new hint
