@@ -696,8 +696,8 @@ def test_output_length_hint_travels_down_the_tiers_and_back(llama_dir, tmp_path)
 
 def test_written_through_blocks_get_their_hint_on_disk_later(llama_dir, tmp_path):
     """Written through while its request ran, a block's disk entry has no hint yet; when the
-    block comes down later with one, the entry's hint slot is patched in place (a few bytes, not
-    the block), so a restart still has it and the K/V still checks out."""
+    block comes down later with one (or a new one), the entry's hint slot is patched in place (a
+    few bytes, not the block), so a restart still has it and the K/V still checks out."""
     kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_disk_write_through=True,
               kv_tier_policy="gittins_hint")
     with _llm(llama_dir, **kw) as llm:
@@ -715,9 +715,17 @@ def test_written_through_blocks_get_their_hint_on_disk_later(llama_dir, tmp_path
         assert {DiskTier._entry(disk.path(h))[3] for h in hashes} == {10}
         assert inodes == {h: disk.path(h).stat().st_ino for h in hashes}  # patched in place, not rewritten
         assert all(disk.get(h) is not None for h in hashes)  # payloads still pass their checksum
+        again = eng.add_request({"prompt_token_ids": _prompt(15, 40)}, SamplingParams(max_tokens=3, temperature=0,
+                                                                                      ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        eng.offload_prefix_cache()  # the prompt's 5 blocks come down again, last used by a 3-token answer
+        assert [DiskTier._entry(disk.path(h))[3] for h in hashes] == [3] * 5 + [10]
+        assert inodes == {h: disk.path(h).stat().st_ino for h in hashes}
+        hints = [disk.hint_of(h) for h in hashes]
     with _llm(llama_dir, **kw) as again:
         disk = again.engine.store.tiers[0]
-        assert disk.wait_indexed(timeout=30) and {disk.hint_of(h) for h in hashes} == {10}
+        assert disk.wait_indexed(timeout=30) and [disk.hint_of(h) for h in hashes] == hints == [3] * 5 + [10]
 
 
 async def test_server_shutdown_leaves_the_kv_cache_on_disk(llama_dir, tmp_path):

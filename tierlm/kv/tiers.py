@@ -181,7 +181,7 @@ class _CapacityTier:
         with self.lock:
             self.clock += 1
             if h in self.parents:
-                if hint is not None and h not in self.hints:  # once: a later change stays in memory
+                if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
                 self.policy.access(h, parent, self.clock)
                 self._hint(h, hint)
@@ -264,7 +264,7 @@ class _CapacityTier:
     # storage hooks
     def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None) -> None: ...
     def _rehint(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int) -> None:
-        """A stored block without a hint gets one (nothing to do where it is kept in memory only)."""
+        """A stored block's hint changed (nothing to do where it is kept in memory only)."""
     def _read(self, h: bytes) -> torch.Tensor | None: ...
     def _erase(self, h: bytes) -> None: ...
 
@@ -602,9 +602,9 @@ class DiskTier(_CapacityTier):
             raise
 
     def _rehint(self, h, parent, data, hint):
-        """Put the hint into the entry, so it outlives a restart: a block written through to disk
-        when it was computed had none yet (its request had not finished). A few bytes in place;
-        an entry without a hint slot is rewritten whole."""
+        """Put the new hint into the entry, so it outlives a restart (a block written through to
+        disk when it was computed had none yet: its request had not finished). A few bytes in
+        place; an entry without a hint slot (an older format) is rewritten whole, once."""
         try:
             with open(self.path(h), "r+b") as f:
                 if patch_hint(f, hint):
