@@ -20,6 +20,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -67,15 +68,20 @@ def _stall(llm, prompt: list[int], decoders: list[list[int]], prefetch: bool) ->
             "ttft_s": sum(steps), "cached_tokens": late.num_cached_tokens}
 
 
-def _measure(llm, args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    """TTFT samples per place the prefix sits (cold, device, host, disk), and the stall runs."""
-    rng = random.Random(0)
+def _warm_token_source(llm, rng: random.Random) -> Callable[[int], list[int]]:
+    """`toks(n)`: n random token ids from `rng`; one short request first warms the engine up."""
     vocab = llm.engine.args.vocab_size
 
-    def toks(n):
+    def toks(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
-    _ttft(llm, toks(32))  # warm-up
+    _ttft(llm, toks(32))
+    return toks
+
+
+def _measure(llm, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """TTFT samples per place the prefix sits (cold, device, host, disk), and the stall runs."""
+    toks = _warm_token_source(llm, random.Random(0))
     rows: dict[str, list[float]] = {"cold": [], "device": [], "host": [], "disk": []}
     cached: dict[str, list[int]] = {}
     stalls: dict[str, list[dict]] = {"prefetch": [], "no_prefetch": []}
@@ -130,13 +136,7 @@ def _measure_remote(model: str, args: argparse.Namespace) -> dict:
         llm = stack.enter_context(LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,
                                       max_num_batched_tokens=args.max_num_batched_tokens, kv_remote=url,
                                       kv_remote_write_through=False))
-        rng = random.Random()  # prompts new to this Redis, which may hold an earlier run's blocks
-        vocab = llm.engine.args.vocab_size
-
-        def toks(n):
-            return [rng.randrange(100, vocab) for _ in range(n)]
-
-        _ttft(llm, toks(32))  # warm-up
+        toks = _warm_token_source(llm, random.Random())  # prompts new to this Redis (it may hold old runs')
         store = llm.engine.store
         batched = store.remote_batch
         cold: list[float] = []

@@ -203,7 +203,8 @@ class TieredStore:
         """`_find` up to the first miss (or `stop()`), with Redis read ahead `remote_batch` blocks
         per round trip (one MGET) rather than one round trip per block: with a remote server
         at 0.5 ms, a 32k-token prefix is 2,000 blocks, a second of round trips."""
-        ahead = {id(t): _ReadAhead(t, hashes, self.remote_batch) for t in self.tiers if isinstance(t, RedisTier)}
+        remote = next((t for t in self.tiers if isinstance(t, RedisTier)), None)
+        ahead = None if remote is None else _ReadAhead(remote, hashes, self.remote_batch)
         run = []
         for i, h in enumerate(hashes):
             found = None if stop is not None and stop() else self._find(h, read_host, ahead, i)
@@ -212,7 +213,7 @@ class TieredStore:
             run.append(found)
         return run
 
-    def _find(self, h: bytes, read_host: bool, ahead: dict[int, _ReadAhead] | None = None,
+    def _find(self, h: bytes, read_host: bool, ahead: _ReadAhead | None = None,
               index: int = 0) -> tuple[str, torch.Tensor | None, int | None] | None:
         """Look `h` up in staging, the writer's queue, then each tier in order; a block read from
         disk or Redis is staged. With `read_host` False a host block is only checked for (data
@@ -229,7 +230,7 @@ class TieredStore:
                 if h in t:
                     return t.name, None, None
                 continue
-            found = ahead[id(t)].fetch(index) if ahead and id(t) in ahead else t.fetch(h)
+            found = ahead.fetch(index) if ahead is not None and t is ahead.tier else t.fetch(h)
             if found is not None:
                 data, hint = found
                 if not isinstance(t, HostTier):  # host reads are a dict lookup already
