@@ -392,7 +392,9 @@ def test_disk_tier_reopens_within_capacity_and_deletes_only_its_debris(tmp_path)
 
     again = DiskTier(tmp_path, 4)
     assert again.wait_indexed(timeout=30)
-    kept = blocks[4:]  # the newest four
+    # Capacity is enforced from the listing (names and file times), before any header is read:
+    # the damaged entry, the newest file, holds one of the four places until it is found out.
+    kept = blocks[5:]
     assert set(again.parents) == {h for h, _, _ in kept}
     assert all(again.parents[h] == parent for h, parent, _ in kept)  # prefix tree rebuilt from headers
     assert sorted(p.name for p in tmp_path.rglob("*.kv")) == sorted(again.path(h).name for h, _, _ in kept)
@@ -440,6 +442,43 @@ def test_disk_tier_serves_and_stores_while_it_indexes_an_earlier_run(tmp_path):
         order.append(v)
         disk.policy.remove(v)
     assert order == [blocks[i][0] for i in (4, 7, 6, 1)] + [new_key, blocks[3][0]]
+    disk.close()
+
+
+def test_disk_tier_stays_within_capacity_while_it_indexes(tmp_path):
+    """Once the earlier run's files are listed, a store that needs room deletes the oldest entry
+    not yet indexed (what LRU would evict first), so the directory never exceeds capacity; the
+    index then ends as if it had been built at start."""
+    import os
+    blocks = _chain(8)
+    first = DiskTier(tmp_path, 8, policy="lru")
+    for i, (h, parent, data) in enumerate(blocks):
+        first.put(h, parent, data)
+        os.utime(first.path(h), ns=(10**18 + i * 10**9,) * 2)
+    first.close()
+
+    def files():
+        return {bytes.fromhex(p.stem) for p in tmp_path.rglob("*.kv")}
+
+    disk = DiskTier(tmp_path, 6, policy="lru", index_in_background=False)
+    disk.list_earlier()
+    assert files() == {h for h, _, _ in blocks[2:]} and not disk.indexed  # the oldest two went at once
+    assert blocks[0][0] not in disk and disk.get(blocks[0][0]) is None
+    assert torch.equal(disk.get(blocks[3][0]), blocks[3][2])  # read by name, not yet indexed
+    new = [(bytes([0x70 + i]) * 32, torch.full((2, 2, 4), 70.0 + i)) for i in range(3)]
+    for i, (h, data) in enumerate(new):
+        assert disk.put(h, None, data) == []  # an old entry's file goes, not a block to demote
+        assert len(files()) == 6
+    assert files() == {blocks[i][0] for i in (3, 6, 7)} | {h for h, _ in new}  # 2, 4, 5: oldest first
+
+    disk.index()
+    assert set(disk.parents) == files() and disk.stats.evictions == 5
+    assert torch.equal(disk.get(blocks[7][0]), blocks[7][2]) and disk.parents[blocks[7][0]] == blocks[6][0]
+    order = []  # LRU over leaves: 7 (now read again) has 6 as parent; 3 lost its child
+    while (v := disk.policy.victim()) is not None:
+        order.append(v)
+        disk.policy.remove(v)
+    assert order == [blocks[3][0]] + [h for h, _ in new] + [blocks[7][0], blocks[6][0]]
     disk.close()
 
 
