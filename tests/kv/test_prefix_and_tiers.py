@@ -405,6 +405,29 @@ def test_disk_tier_reopens_within_capacity_and_deletes_only_its_debris(tmp_path)
     again.close()
 
 
+def test_disk_tier_tells_its_own_temporaries_from_debris_by_name_not_time(tmp_path):
+    """After a clock step, file times say nothing about which run wrote a file: the listing must
+    neither delete a temporary this run is writing (the block would be lost) nor keep an earlier
+    run's."""
+    import os
+    (h, parent, data), = _chain(1)
+    earlier = DiskTier(tmp_path, 8)  # the directory is not empty
+    earlier.put(h, parent, data)
+    earlier.close()
+    disk = DiskTier(tmp_path, 8, index_in_background=False)
+    writing = disk.path(b"\x42" * 32).with_suffix(f".tmp{disk._tmp_tag}{12345:x}")
+    debris = disk.path(b"\x43" * 32).with_suffix(".tmp1f2e3d")
+    for f, t in ((writing, 10**18), (debris, disk._started_ns + 10**12)):  # ours looks old, theirs new
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"TLKV1")
+        os.utime(f, ns=(t, t))
+    disk.list_earlier()
+    assert writing.exists() and not debris.exists()
+    disk.index()
+    assert h in disk.parents and writing.exists()
+    disk.close()
+
+
 def test_disk_tier_serves_and_stores_while_it_indexes_an_earlier_run(tmp_path):
     """Indexing runs in the background (`index_in_background=False` lets the test place the tier's
     work before the scan): an entry is found by name before it is indexed, a damaged one is never

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import struct
 import threading
@@ -32,7 +33,7 @@ from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 log = logging.getLogger(__name__)
 
 _MAGIC = b"TLKV1"
-_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp\d+)")  # a disk entry, or one being written
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
 
 
 @dataclass
@@ -358,7 +359,10 @@ class DiskTier(_CapacityTier):
         self._policy_name = policy
         self._auto_capacity = capacity_blocks is None
         self._lock_file = None
-        self._started_ns = time.time_ns()  # temporaries older than this are an earlier run's debris
+        self._started_ns = time.time_ns()  # entries older than this are an earlier run's
+        # Temporaries are named by run, not judged by file time: a clock step back would make this
+        # run's look old, and deleting one mid-write loses the block.
+        self._tmp_tag = secrets.token_hex(4)
         self._indexed = threading.Event()
         self._stop = threading.Event()
         self._indexer: threading.Thread | None = None
@@ -599,13 +603,14 @@ class DiskTier(_CapacityTier):
                 if match is None or f.name[:2] != shard.name:
                     continue
                 try:
+                    if match.group(1) != "kv":
+                        if not match.group(1).startswith(f"tmp{self._tmp_tag}"):  # not being written by us
+                            os.unlink(f.path)
+                            dropped += 1
+                        continue
                     mtime = f.stat().st_mtime_ns
                     if mtime >= self._started_ns:
                         continue  # this run's
-                    if match.group(1) != "kv":
-                        os.unlink(f.path)
-                        dropped += 1
-                        continue
                 except OSError:
                     continue
                 listed.append((mtime, bytes.fromhex(f.name[:64])))
@@ -668,7 +673,7 @@ class DiskTier(_CapacityTier):
     def _write(self, h, parent, data, hint):
         p = self.path(h)
         p.parent.mkdir(exist_ok=True)
-        tmp = p.with_suffix(f".tmp{threading.get_ident()}")
+        tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
         try:
             tmp.write_bytes(encode_block(data, parent, hint))
             os.replace(tmp, p)
