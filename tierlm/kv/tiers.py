@@ -565,7 +565,7 @@ class DiskTier(_CapacityTier):
             self._trimmed.clear()
             self._pending = {}
             self._indexed.set()
-            while len(self.parents) > self.capacity:  # only if the capacity shrank under the old entries
+            while len(self.parents) > self.capacity:  # a safety net: listing and stores keep old + new within it
                 victim = self.policy.victim()
                 if victim is None:
                     break
