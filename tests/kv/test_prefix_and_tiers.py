@@ -584,6 +584,30 @@ def test_redis_stopped_mid_run_degrades_to_misses(llama_dir, cold_reference, red
     assert _run(llm, shared + _prompt(2, 9))[0] == ref[2]
 
 
+def test_redis_outage_is_logged_once_backs_off_and_ends_when_redis_returns(redis_server, caplog):
+    import time
+    (h, parent, data), = _chain(1)
+    tier = RedisTier(redis_server.url, retry_after_s=0.2, max_retry_after_s=0.8)
+    tier.put(h, parent, data)
+    redis_server.stop()
+    backoffs = []
+    with caplog.at_level("INFO", logger="tierlm.kv.tiers"):
+        for _ in range(4):  # each a retry that fails: the wait doubles, up to its cap
+            assert tier.fetch(h) is None and tier.put(h, parent, data) == []
+            backoffs.append(tier.backoff)
+            assert tier.fetch(h) is None  # within the back-off: not even tried
+            time.sleep(max(0.0, tier.down_until - time.monotonic()) + 0.01)
+        assert backoffs == [0.2, 0.4, 0.8, 0.8] and tier.stats.errors == 4
+        redis_server.start()  # the same address, empty (no persistence)
+        assert tier.fetch(h) is None and tier.backoff == 0  # answered: a plain miss now
+        tier.put(h, parent, data)
+        assert torch.equal(tier.get(h), data)
+    down = [r.message for r in caplog.records if "unavailable" in r.message]
+    back = [r.message for r in caplog.records if "is back" in r.message]
+    assert len(down) == 1 and len(back) == 1 and "4 failed tries" in back[0]
+    tier.close()
+
+
 def test_redis_tier_size_is_the_servers_maxmemory(llama_dir, redis_server, caplog):
     import redis
 

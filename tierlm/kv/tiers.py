@@ -711,7 +711,10 @@ class DiskTier(_CapacityTier):
 
 class RedisTier:
     """A remote tier shared by several engine processes. Any Redis failure is a miss or a
-    dropped write, logged once per outage, with a short back-off so an outage costs nothing.
+    dropped write. An outage is logged once when it starts and once when it ends; meanwhile the
+    tier is skipped and retried after a back-off that doubles from `retry_after_s` up to
+    `max_retry_after_s`, so a long outage costs a connection attempt (up to its 0.2 s timeout,
+    for a host that does not answer) every 15 s rather than every second.
 
     Its size is the Redis server's: several engines write it, so no one process can run its
     eviction. The server's `maxmemory` with an `allkeys-*` policy bounds it; `capacity_bytes`
@@ -725,7 +728,7 @@ class RedisTier:
     name = "redis"
 
     def __init__(self, url: str, prefix: str = "tierlm:kv:", ttl_s: int | None = None, retry_after_s: float = 1.0,
-                 capacity_bytes: int | None = None):
+                 capacity_bytes: int | None = None, max_retry_after_s: float = 15.0):
         import redis
 
         self.url = url
@@ -733,7 +736,11 @@ class RedisTier:
         self.prefix = prefix
         self.ttl = ttl_s
         self.retry_after = retry_after_s
+        self.max_retry_after = max(max_retry_after_s, retry_after_s)
         self.down_until = 0.0
+        self.backoff = 0.0  # the current outage's wait before the next try; 0 while Redis answers
+        self._down_since = 0.0
+        self._failed_tries = 0
         self.stats = TierStats()
         self._errors = (redis.exceptions.RedisError, OSError)
         self._refused = redis.exceptions.ResponseError  # the server answered, and said no
@@ -773,20 +780,36 @@ class RedisTier:
         return time.monotonic() >= self.down_until
 
     def _failed(self, e: Exception) -> None:
-        if self._available():
-            log.warning("Redis KV tier %s unavailable (%s); treating it as a miss for %.1fs",
-                        self.url, e, self.retry_after)
-        self.down_until = time.monotonic() + self.retry_after
+        now = time.monotonic()
+        if not self.backoff:
+            log.warning("Redis KV tier %s unavailable (%s); reading it as misses and dropping writes to it "
+                        "until it answers again (retrying after %g s, then less often, up to every %g s)",
+                        self.url, e, self.retry_after, self.max_retry_after)
+            self._down_since, self._failed_tries = now, 0
+            self.backoff = self.retry_after
+        elif self._available():  # a retry that failed too
+            self.backoff = min(2 * self.backoff, self.max_retry_after)
+        self._failed_tries += 1
+        self.down_until = now + self.backoff
         self.stats.errors += 1
+
+    def _answered(self) -> None:
+        """Redis answered: if an outage was on, it is over."""
+        if self.backoff:
+            log.info("Redis KV tier %s is back after %.1f s (%d failed tries); using it again", self.url,
+                        time.monotonic() - self._down_since, self._failed_tries)
+            self.backoff = 0.0
 
     def __contains__(self, h: bytes) -> bool:
         if not self._available():
             return False
         try:
-            return bool(self.client.exists(self.prefix + h.hex()))
+            found = bool(self.client.exists(self.prefix + h.hex()))
         except self._errors as e:
             self._failed(e)
             return False
+        self._answered()
+        return found
 
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list:
         """Store a block (with its hint in the entry's header, for whichever engine reads it)."""
@@ -797,7 +820,9 @@ class RedisTier:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
             self.stats.bytes_in += len(raw)
+            self._answered()
         except self._refused as e:  # e.g. OOM under noeviction: drop this write, keep the tier
+            self._answered()
             self.stats.errors += 1
             if not self._warned_refusal:
                 self._warned_refusal = True
@@ -830,6 +855,7 @@ class RedisTier:
             self._failed(e)
             self.stats.misses += 1
             return []
+        self._answered()
         run = []
         for raw in raws:
             decoded = None if raw is None else decode_entry(raw)
