@@ -9,10 +9,11 @@ from tierlm.cli import main
 def test_bench_throughput_tiny(llama_dir, tmp_path):
     out = tmp_path / "tp.json"
     rc = main(["bench", "throughput", "--model", str(llama_dir), "--workload", "tiny", "--dtype", "float32",
-               "--kv-cache-memory", str(4 << 20), "--no-batch1", "--repeat", "2", "--json", str(out), "--plot", str(tmp_path / "tp.png")])
+               "--kv-cache-memory", str(4 << 20), "--no-batch1", "--repeat", "2", "--device", "cpu", "--json", str(out), "--plot", str(tmp_path / "tp.png")])
     assert rc == 0
     res = json.loads(out.read_text())
     wl = res["workloads"]["tiny"]
+    assert res["device"] == "cpu"  # both engines where --device says
     assert wl["tierlm"]["output_tokens"] == wl["transformers"]["output_tokens"] > 0
     assert wl["ratio"] == wl["tierlm"]["output_tok_per_s"] / wl["transformers"]["output_tok_per_s"]
     for who in ("tierlm", "transformers"):  # best of the two alternating runs is the one reported

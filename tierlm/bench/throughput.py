@@ -1,7 +1,7 @@
 """`tierlm bench throughput`: offline output-token throughput, tierlm vs transformers, same run.
 
-Both run the same requests on the same weights, dtype and thread count; the result is the
-ratio. Also measures batch-1 decode speed against the memory-bandwidth bound
+Both run the same requests on the same weights, dtype, device and thread count; the result is
+the ratio. Also measures batch-1 decode speed against the memory-bandwidth bound
 (model bytes / measured read bandwidth), the ceiling for single-stream decode.
 """
 from __future__ import annotations
@@ -85,14 +85,33 @@ def run_tierlm(model_dir: str, wl: Workload, dtype: str, **engine_kw) -> dict:
     return {"seconds": dt, "output_tokens": produced, "output_tok_per_s": produced / dt}
 
 
-def run_transformers(model_dir: str, wl: Workload, torch_dtype: torch.dtype) -> dict:
+def resolve_device(name: str) -> torch.device:
+    """`auto` is CUDA when torch sees one (as for the engine), else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch sees no CUDA device here; use --device cpu (or auto)")
+    return device
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer read after it covers that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_transformers(model_dir: str, wl: Workload, torch_dtype: torch.dtype,
+                     device: torch.device = torch.device("cpu")) -> dict:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     pad = 0
     produced = 0
     t0 = None
     with torch.inference_mode():
-        model.generate(torch.tensor([wl.prompts[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        model.generate(torch.tensor([wl.prompts[0][:8]], device=device), max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad)
+        _sync(device)
         t0 = time.perf_counter()
         for i in range(0, len(wl.prompts), wl.hf_batch):
             batch = wl.prompts[i:i + wl.hf_batch]
@@ -103,31 +122,34 @@ def run_transformers(model_dir: str, wl: Workload, torch_dtype: torch.dtype) -> 
             for j, p in enumerate(batch):  # left padding
                 ids[j, width - len(p):] = torch.tensor(p)
                 mask[j, width - len(p):] = 1
-            model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                           pad_token_id=pad)
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_out,
+                           min_new_tokens=n_out, do_sample=False, pad_token_id=pad)
             # Only each request's own output length counts as useful output.
             produced += sum(wl.output_lens[i:i + wl.hf_batch])
+        _sync(device)
     dt = time.perf_counter() - t0
     del model
     return {"seconds": dt, "output_tokens": produced, "output_tok_per_s": produced / dt}
 
 
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, device: torch.device = torch.device("cpu")) -> float:
     """Measured memory read bandwidth in bytes/s (sum over a large buffer, best of reps)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)  # float32 sum: vectorised, bound by memory reads
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # a float32 sum is bound by memory reads
     best = float("inf")
     for _ in range(reps):
+        _sync(device)
         t = time.perf_counter()
         x.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return nbytes / best
 
 
-def batch1_decode(model_dir: str, dtype: str, n: int = 64) -> dict:
+def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device = torch.device("cpu")) -> dict:
     from tierlm import LLM, SamplingParams
     from transformers import AutoModelForCausalLM
     prompt = list(range(100, 116))
-    llm = LLM(model_dir, dtype=dtype, load_progress=False, kv_cache_memory=256 << 20)
+    llm = LLM(model_dir, dtype=dtype, load_progress=False, kv_cache_memory=256 << 20, device=str(device))
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, ignore_eos=True))
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
@@ -136,15 +158,18 @@ def batch1_decode(model_dir: str, dtype: str, n: int = 64) -> dict:
     # token); tierlm's CPU float32-compute path reads twice that, which the ratio shows.
     model_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     del llm
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto")
+    hf = hf.to(device).eval()
     with torch.inference_mode():
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        _sync(device)
         t = time.perf_counter()
         hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        _sync(device)
         theirs = n / (time.perf_counter() - t)
     del hf
-    bw = read_bandwidth()
+    bw = read_bandwidth(device=device)
     bound = bw / model_bytes
     return {"tierlm_tok_per_s": ours, "transformers_tok_per_s": theirs, "ratio": ours / theirs,
             "model_bytes": model_bytes, "read_bandwidth_gb_s": bw / 1e9, "bandwidth_bound_tok_per_s": bound,
@@ -162,8 +187,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    device = resolve_device(args.device)
     result = {"model": model_dir, "dtype": dtype, "tierlm_compute_dtype": args.compute_dtype, "threads": threads,
-              "workloads": {}}
+              "device": str(device), "workloads": {}}
     for name in args.workload:
         wl = make_workload(name, vocab)
         print(f"[{name}] {len(wl.prompts)} requests, {wl.output_tokens} output tokens", flush=True)
@@ -173,10 +199,10 @@ def run(args: argparse.Namespace) -> dict:
             tag = f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
             ours_runs.append(run_tierlm(model_dir, wl, dtype, compute_dtype=args.compute_dtype,
                                         max_num_seqs=max(64, len(wl.prompts)), kv_cache_memory=args.kv_cache_memory,
-                                        max_num_batched_tokens=args.max_num_batched_tokens))
+                                        max_num_batched_tokens=args.max_num_batched_tokens, device=str(device)))
             print(f"  tierlm:       {ours_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
                   f"({ours_runs[-1]['seconds']:.1f} s){tag}", flush=True)
-            theirs_runs.append(run_transformers(model_dir, wl, torch_dtype))
+            theirs_runs.append(run_transformers(model_dir, wl, torch_dtype, device))
             print(f"  transformers: {theirs_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
                   f"({theirs_runs[-1]['seconds']:.1f} s){tag}", flush=True)
         ours = dict(min(ours_runs, key=lambda r: r["seconds"]), runs_seconds=[r["seconds"] for r in ours_runs])
@@ -186,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  ratio tierlm/transformers{' (best run of each)' if args.repeat > 1 else ''}: {ratio:.2f}x", flush=True)
         result["workloads"][name] = {"tierlm": ours, "transformers": theirs, "ratio": ratio, "repeat": args.repeat}
     if args.batch1:
-        b1 = batch1_decode(model_dir, dtype)
+        b1 = batch1_decode(model_dir, dtype, device=device)
         print(f"[batch-1 decode] tierlm {b1['tierlm_tok_per_s']:.1f} tok/s, transformers {b1['transformers_tok_per_s']:.1f}"
               f" tok/s, bandwidth bound {b1['bandwidth_bound_tok_per_s']:.1f} tok/s "
               f"({b1['read_bandwidth_gb_s']:.1f} GB/s)", flush=True)
@@ -213,6 +239,7 @@ def add_cli(sub) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="run each engine N times, alternating; report the best run of each (noisy machines)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
+    p.add_argument("--device", default="auto", help="where both engines run: auto (CUDA if present) | cpu | cuda[:N]")
     p.add_argument("--compute-dtype", default="auto", help="tierlm's compute dtype (auto | bfloat16 | float32 ...)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
