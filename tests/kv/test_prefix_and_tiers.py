@@ -561,6 +561,20 @@ def test_disk_write_failure_passes_the_block_on_and_serves_on(tmp_path, caplog):
     disk.close()
 
 
+def test_disk_tier_recovers_when_its_directory_is_deleted(tmp_path):
+    """A cache directory under /tmp or /var/tmp can be wiped by a cleaner while the server runs:
+    the blocks that were there become misses, and storing works again at once."""
+    import shutil
+    (h, parent, data), (h2, _, data2) = _chain(2)
+    disk = DiskTier(tmp_path / "kv", 8)
+    disk.put(h, parent, data)
+    shutil.rmtree(tmp_path / "kv")
+    assert disk.get(h) is None and h not in disk  # gone: a miss, dropped from the index
+    assert disk.put(h2, h, data2) == [] and torch.equal(disk.get(h2), data2)
+    assert disk.stats.errors == 0
+    disk.close()
+
+
 def test_disk_capacity_defaults_to_half_the_free_space(tmp_path):
     import shutil
     block_bytes = 1 << 20

@@ -672,7 +672,7 @@ class DiskTier(_CapacityTier):
 
     def _write(self, h, parent, data, hint):
         p = self.path(h)
-        p.parent.mkdir(exist_ok=True)
+        p.parent.mkdir(parents=True, exist_ok=True)  # the whole directory may have been deleted under us
         tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
         try:
             tmp.write_bytes(encode_block(data, parent, hint))
