@@ -636,7 +636,7 @@ class DiskTier(_CapacityTier):
                              time.monotonic() - t0)
             if h not in self._pending:  # adopted or deleted meanwhile
                 continue
-            entry = self._entry(self.path(h))
+            entry = self._entry(self.path(h), self._pending.get(h, 0))
             if entry is not None:
                 found.append(entry)
                 continue
@@ -644,17 +644,16 @@ class DiskTier(_CapacityTier):
                 if self._pending.pop(h, None) is not None:  # still unindexed, so damaged: never served
                     self._erase(h)
                     dropped += 1
-        found.sort()
         if dropped:
             log.info("KV disk tier %s: deleted %d unreadable entries of an earlier run", self.root, dropped)
         return found
 
     @staticmethod
-    def _entry(p: Path) -> Entry | None:
+    def _entry(p: Path, mtime: int = 0) -> Entry | None:
+        """The entry at `p` from its header; `mtime` is the file time the listing read."""
         try:
             with open(p, "rb") as f:
                 parsed = _header(f.read(4096))
-            mtime = p.stat().st_mtime_ns
         except OSError:
             return None
         if parsed is None or "parent" not in parsed[0]:
