@@ -572,7 +572,31 @@ def test_disk_tier_recovers_when_its_directory_is_deleted(tmp_path):
     assert disk.get(h) is None and h not in disk  # gone: a miss, dropped from the index
     assert disk.put(h2, h, data2) == [] and torch.equal(disk.get(h2), data2)
     assert disk.stats.errors == 0
+    # The lock went with the directory and was taken again: a second engine is still refused.
+    with pytest.raises(KVTierError, match="in use"):
+        DiskTier(tmp_path / "kv", 8)
     disk.close()
+    DiskTier(tmp_path / "kv", 8).close()  # and the lock is released on close as before
+
+
+def test_disk_tier_stops_storing_if_another_engine_took_its_recreated_directory(tmp_path, caplog):
+    import shutil
+    (h, parent, data), (h2, _, data2), (h3, _, data3) = _chain(3)
+    disk = DiskTier(tmp_path / "kv", 8)
+    disk.put(h, parent, data)
+    shutil.rmtree(tmp_path / "kv")
+    other = DiskTier(tmp_path / "kv", 8)  # started on the recreated directory before our next store
+    other.put(h2, h, data2)
+    disk.path(h3).parent.mkdir()  # a shard the other engine already made: no missing directory to notice
+    with caplog.at_level("WARNING"):
+        assert disk.put(h3, h2, data3) == [(h3, h2, data3, None)]  # passed on to the next tier
+    assert "in use by tierlm pid" in caplog.text
+    assert disk.stats.errors == 1 and h3 not in disk
+    assert disk.put(h2, h, data2) == [(h2, h, data2, None)]  # no writes into the other engine's directory
+    assert disk.stats.errors == 2
+    disk.close()
+    assert torch.equal(other.get(h2), data2) and len(list((tmp_path / "kv").glob("*/*.kv"))) == 1
+    other.close()
 
 
 def test_disk_capacity_defaults_to_half_the_free_space(tmp_path):

@@ -359,6 +359,7 @@ class DiskTier(_CapacityTier):
         self._policy_name = policy
         self._auto_capacity = capacity_blocks is None
         self._lock_file = None
+        self._lost: str | None = None  # why this tier no longer owns its directory (see _reclaim)
         self._started_ns = time.time_ns()  # entries older than this are an earlier run's
         # Temporaries are named by run, not judged by file time: a clock step back would make this
         # run's look old, and deleting one mid-write loses the block.
@@ -402,6 +403,25 @@ class DiskTier(_CapacityTier):
         f.write(f"tierlm pid {os.getpid()}\n")
         f.flush()
         return f
+
+    def _reclaim(self) -> None:
+        """Take the lock again if its file went with a deleted directory (a /tmp cleaner): without
+        it a second engine started on the recreated directory would not be refused. If one got
+        there first, this tier stops storing (an OSError: blocks pass to the next tier)."""
+        if self._lost:
+            raise OSError(self._lost)
+        f = self._lock_file
+        if f is None or os.fstat(f.fileno()).st_nlink > 0:
+            return  # the lock file is still where a second engine would look for it
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_file = self._claim()
+        except KVTierError as e:
+            self._lost = str(e)
+            raise OSError(self._lost) from None
+        f.close()
+        log.warning("KV disk directory %s was deleted while in use; recreated it and took its lock again "
+                    "(the blocks it held will be recomputed)", self.root)
 
     def close(self) -> None:
         """Stop indexing (what is not indexed stays on disk for the next run) and release the lock."""
@@ -671,10 +691,15 @@ class DiskTier(_CapacityTier):
 
     def _write(self, h, parent, data, hint):
         p = self.path(h)
-        p.parent.mkdir(parents=True, exist_ok=True)  # the whole directory may have been deleted under us
         tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
+        self._reclaim()  # one fstat: is the lock file still there?
+        raw = encode_block(data, parent, hint)
         try:
-            tmp.write_bytes(encode_block(data, parent, hint))
+            try:
+                tmp.write_bytes(raw)
+            except FileNotFoundError:  # a new shard directory
+                p.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(raw)
             os.replace(tmp, p)
         except OSError:
             try:
@@ -702,6 +727,8 @@ class DiskTier(_CapacityTier):
             return None
 
     def _erase(self, h):
+        if self._lost:
+            return  # another engine owns the directory now: its files are not ours to delete
         try:
             self.path(h).unlink()
         except OSError:
