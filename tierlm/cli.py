@@ -71,7 +71,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine = AsyncEngine.from_model(args.model, **kw)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed if args.temperature > 0 else None)
-    except TierlmError as e:
+    except (TierlmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

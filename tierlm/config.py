@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
+from tierlm.kv.tiers import parse_capacity
+
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -74,6 +77,15 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {self.block_size})")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (got {self.max_model_len}); leave it unset for the "
+                             "model's own limit")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device {self.device!r} is not a device torch knows; use auto, cpu, cuda "
+                                 "or cuda:N") from None
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -82,6 +94,19 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes (got {self.kv_cache_memory})")
         if self.kv_remote_ttl is not None and self.kv_remote_ttl <= 0:
             raise ValueError(f"kv_remote_ttl must be a positive number of seconds (got {self.kv_remote_ttl})")
+        for knob in ("kv_host_capacity", "kv_disk_capacity", "kv_remote_capacity"):
+            try:
+                parse_capacity(getattr(self, knob), 1)
+            except ValueError as e:
+                raise ValueError(f"{knob}: {e}") from None
+        if self.kv_remote and not self.kv_remote.startswith(REDIS_URL_SCHEMES):
+            raise ValueError(f"kv_remote {self.kv_remote!r} is not a Redis URL; use redis://host:port/db "
+                             "(or rediss:// for TLS, unix:///path/redis.sock)")
+        for knob, tier in (("kv_disk_capacity", "kv_disk_dir"), ("kv_disk_write_through", "kv_disk_dir"),
+                           ("kv_remote_capacity", "kv_remote"), ("kv_remote_ttl", "kv_remote")):
+            if getattr(self, knob) not in (None, False) and not getattr(self, tier):
+                raise ValueError(f"{knob} is set but {tier} is not, so that tier is off; give {tier} "
+                                 f"to turn it on, or drop {knob}")
         for knob in ("eviction_policy", "kv_tier_policy", "kv_host_policy", "kv_disk_policy"):
             name = getattr(self, knob)
             if name is None and knob in ("kv_host_policy", "kv_disk_policy"):

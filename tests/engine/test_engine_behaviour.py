@@ -264,3 +264,19 @@ def test_start_up_warm_up_leaves_pool_free_and_outputs_unchanged(llama_dir):
     got = [o.outputs[0].token_ids for o in warm.generate(prompts, params)]
     assert got == [o.outputs[0].token_ids for o in cold.generate(prompts, params)]
     assert warm.engine.stats().prefix_cache_hits == 0
+
+
+@pytest.mark.parametrize("settings, says", [
+    (dict(block_size=0), "block_size must be >= 1"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (dict(kv_cache_memory=0), "kv_cache_memory must be a positive"),
+    (dict(max_model_len=0), "max_model_len must be >= 1"),
+    (dict(max_model_len=-3), "max_model_len must be >= 1"),
+    (dict(device="tpu"), "device 'tpu' is not a device torch knows"),
+    (dict(device="cuda:x"), "is not a device torch knows"),
+])
+def test_bad_engine_settings_are_refused_before_loading(settings, says, tmp_path):
+    """A bad knob fails at once with its name, not minutes into loading (or with a torch traceback)."""
+    with pytest.raises(ValueError, match=says):
+        LLM(str(tmp_path / "no-model-here"), **settings)

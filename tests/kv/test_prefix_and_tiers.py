@@ -107,6 +107,36 @@ def test_bad_policy_names_are_refused_before_loading(knob, name, says, tmp_path)
     assert knob in str(err.value) and "lru" in str(err.value)
 
 
+@pytest.mark.parametrize("settings, says", [
+    (dict(kv_disk_dir="d", kv_disk_capacity="abc"), "kv_disk_capacity: cannot read"),
+    (dict(kv_host_capacity=-5), "kv_host_capacity: cannot read"),
+    (dict(kv_host_capacity="-1GiB"), "kv_host_capacity: cannot read"),
+    (dict(kv_host_capacity="inf GiB"), "kv_host_capacity: cannot read"),
+    (dict(kv_remote="redis://h/0", kv_remote_capacity="lots"), "kv_remote_capacity: cannot read"),
+    (dict(kv_remote="http://127.0.0.1:6379"), "not a Redis URL"),
+    (dict(kv_disk_capacity="8GiB"), "kv_disk_capacity is set but kv_disk_dir is not"),
+    (dict(kv_disk_write_through=True), "kv_disk_write_through is set but kv_disk_dir is not"),
+    (dict(kv_remote_ttl=60), "kv_remote_ttl is set but kv_remote is not"),
+    (dict(kv_remote_capacity="1GiB"), "kv_remote_capacity is set but kv_remote is not"),
+])
+def test_bad_tier_settings_are_refused_before_loading(settings, says, tmp_path):
+    with pytest.raises(ValueError, match=says):
+        LLM(str(tmp_path / "no-model-here"), **settings)
+    assert not (tmp_path / "d").exists()  # nothing created either
+
+
+def test_capacities_read_blocks_and_byte_units():
+    from tierlm.kv.tiers import parse_capacity
+    mib = 1 << 20
+    assert parse_capacity("1000 blocks", mib) == parse_capacity("1000b", mib) == 1000
+    assert parse_capacity("2TiB", mib) == parse_capacity("2Ti", mib) == 2 << 20
+    assert parse_capacity("1.5 GB", mib) == 1_500_000_000 // mib and parse_capacity("512MiB", mib) == 512
+    assert parse_capacity(3 * mib + 5, mib) == 3 and parse_capacity("0", mib) == 0 and parse_capacity(None, mib) == 0
+    for bad in ("abc", "-5", -5, "nan GiB", "1e400GiB", "GiB", True, "2 kilobytes"):
+        with pytest.raises(ValueError, match="cannot read KV tier capacity"):
+            parse_capacity(bad, mib)
+
+
 def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
     data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
     h = b"\x01" * 32

@@ -45,6 +45,17 @@ def test_refuses_an_open_host_without_keys():
     assert proc.returncode == 2 and "--api-keys" in out
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_bad_kv_tier_flags_get_a_one_line_error_not_a_traceback(command, tmp_path):
+    argv = [sys.executable, "-m", "tierlm.cli", command, "--kv-disk-dir", str(tmp_path / "kv"),
+            "--kv-disk-capacity", "lots"] + (["--port", str(free_port())] if command == "serve" else ["hi"])
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "error: kv_disk_capacity: cannot read KV tier capacity 'lots'" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "kv").exists()
+
+
 @pytest.mark.slow
 def test_serve_answers_then_stops_on_sigterm(tmp_path):
     keys = tmp_path / "keys.txt"

@@ -89,8 +89,6 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
     host = parse_capacity(config.kv_host_capacity, block_bytes)
     disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else None
-    if config.kv_remote and not config.kv_remote.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"kv_remote '{config.kv_remote}' is not a Redis URL; use redis://host:port/db")
     remote = parse_capacity(config.kv_remote_capacity, block_bytes) if config.kv_remote_capacity else 0
     tiers: list = []
     if host > 0:

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -125,23 +126,39 @@ def decode_entry(raw: bytes) -> tuple[torch.Tensor, int | None] | None:
         return None
 
 
+_UNITS = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10,  # longest first
+          "ti": 1 << 40, "gi": 1 << 30, "mi": 1 << 20, "ki": 1 << 10,  # Kubernetes style
+          "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3}
+
+
 def parse_capacity(value: int | str | None, block_bytes: int) -> int:
-    """Blocks from "1000 blocks" / "1000b" / "2GiB" / "512MiB" / a byte count."""
+    """Blocks from "1000 blocks" / "1000b" / "2GiB" / "512MiB" / "1.5TB" / a byte count."""
     if value is None:
         return 0
+    bad = ValueError(f"cannot read KV tier capacity {value!r}; use e.g. '1000 blocks', '2GiB', '500GB' or a "
+                     "byte count (0 turns the tier off)")
+    if isinstance(value, bool):
+        raise bad
     if isinstance(value, int):
+        if value < 0:
+            raise bad
         return value // block_bytes
     s = str(value).strip().lower().replace(" ", "")
     for suffix in ("blocks", "block", "b"):
         if s.endswith(suffix) and s[: -len(suffix)].isdigit():
             return int(s[: -len(suffix)])
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    for u, mult in units.items():
+    for u, mult in _UNITS.items():
         if s.endswith(u):
-            return int(float(s[: -len(u)]) * mult) // block_bytes
+            try:
+                amount = float(s[: -len(u)])
+            except ValueError:
+                raise bad from None
+            if not math.isfinite(amount) or amount < 0:
+                raise bad
+            return int(amount * mult) // block_bytes
     if s.isdigit():
         return int(s) // block_bytes
-    raise ValueError(f"cannot read KV tier capacity '{value}'; use e.g. '1000 blocks', '2GiB' or a byte count")
+    raise bad
 
 
 Demoted = tuple[bytes, "bytes | None", torch.Tensor, "int | None"]  # (key, parent, K/V, output-length hint)
