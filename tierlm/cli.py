@@ -6,6 +6,8 @@ import asyncio
 import logging
 import sys
 
+from tierlm.errors import TierlmError
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from tierlm.kv.policies import DEFAULT_POLICY, POLICIES
@@ -135,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (TierlmError, ValueError, OSError) as e:  # bad input or a missing file: a line, not a traceback
+        logging.getLogger("tierlm").debug("%s failed", args.command, exc_info=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

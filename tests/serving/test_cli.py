@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -86,3 +87,58 @@ def test_serve_answers_then_stops_on_sigterm(tmp_path):
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
     assert "RANDOM" in out  # the demo model's notice
+
+
+def test_a_busy_port_fails_before_the_model_loads_and_port_0_picks_a_free_one():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        proc = serve("--port", str(taken))
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert f"error: cannot listen on 127.0.0.1:{taken} (Address already in use)" in out
+    assert "engine ready" not in out and "Traceback" not in out  # refused before loading anything
+
+    proc = serve("--port", "0")
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # the log names the port it got
+            m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                break
+            assert time.monotonic() < deadline
+        port = int(m.group(1))
+        assert port != 0
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "cache", "--trace", "/no/such/trace.jsonl", "--capacities", "10"], "No such file or directory"),
+    (["bench", "cache", "--trace", "{bad_trace}", "--capacities", "10"], "expected a JSON object with 'hash_ids'"),
+    (["bench", "cache", "--trace", "{bad_trace}", "--capacities", "10", "--policies", "mru"], "unknown policies"),
+    (["bench", "throughput", "--model", "/no/such/model"], "not a Hugging Face checkpoint directory"),
+    (["generate", "--model", "/no/such/model", "hi"], "model directory /no/such/model does not exist"),
+    (["serve", "/no/such/model", "--port", "0"], "model directory /no/such/model does not exist"),
+])
+def test_bad_command_line_input_gets_one_error_line(argv, says, tmp_path):
+    bad_trace = tmp_path / "trace.jsonl"
+    bad_trace.write_text("not json\n")
+    argv = [a.replace("{bad_trace}", str(bad_trace)) for a in argv]
+    if argv[0] == "bench":
+        argv += ["--json", str(tmp_path / "out.json")]
+    proc = subprocess.run([sys.executable, "-m", "tierlm.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and proc.stderr.count("error:") == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "out.json").exists()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from tierlm.errors import ModelLoadError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BENCH_MODEL_DIR = Path.home() / ".cache" / "tierlm" / "models" / "bench-llama-0.5b-v2"
@@ -180,6 +182,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
+    if not Path(model_dir, "config.json").is_file():  # before transformers reads it as a hub repo id
+        raise ModelLoadError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json); "
+                             "give --model a local checkpoint, or leave it out for the built-in bench model")
     dtype = args.dtype
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
     from transformers import AutoConfig

@@ -30,7 +30,7 @@ from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, parse_capacity
-from tierlm.models.loader import load_model
+from tierlm.models.loader import check_model_dir, load_model
 from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class LLMEngine:
             from tierlm.models.demo import ensure_demo_model
             model_dir = ensure_demo_model()
         else:
-            model_dir = Path(config.model)
+            model_dir = check_model_dir(config.model)  # before the tokenizer's error about missing files
         self.model_dir = model_dir
         self.model_name = config.served_model_name or (
             "tierlm-demo" if config.model is None else model_dir.name)

@@ -177,13 +177,19 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
     dst.copy_(tensor.to(round_to) if round_to is not None else tensor)
 
 
+def check_model_dir(model_dir: str | Path) -> Path:
+    """The checkpoint directory as a Path, or a ModelLoadError saying it is not there."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
+    return model_dir
+
+
 def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.dtype = "auto",
                max_positions: int | None = None, progress: bool = True,
                compute_dtype: str | torch.dtype | None = None, cpu_linear: str = "auto",
                cpu_kernels: bool = True) -> LoadedModel:
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
+    model_dir = check_model_dir(model_dir)
     cfg = load_config_dict(model_dir)
     arch = resolve_architecture(cfg)
     args = parse_config(cfg, arch)

@@ -13,7 +13,7 @@ import argparse
 import ipaddress
 import logging
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from tierlm.cli import _add_engine_args, engine_kwargs
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
@@ -25,6 +25,26 @@ NO_AUTH_BANNER = (
     "!!  AUTHENTICATION IS OFF: anyone who can reach {where} can use this server.\n"
     "!!  Use --api-keys FILE for anything but local experiments.\n" + "!" * 78 + "\n"
 )
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (0-65535)")
+    return port
+
+
+def _at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not value >= low:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" messages
+    return parse
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -39,14 +59,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=DIR",
                    help="serve DIR under the name NAME (repeat for several models, each with its own engine)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (the log says which)")
     auth = p.add_mutually_exclusive_group()
     auth.add_argument("--api-keys", metavar="FILE", default=None,
                       help="file of '<key-id> sha256:<hex>' lines (see `python -m tierlm.serving.auth`)")
     auth.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local use only)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=_at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=_at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces (OTLP/HTTP) here, e.g. http://localhost:4318 (default: no tracing)")
@@ -85,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.errors import TierlmError
     from tierlm.serving.app import build_app
     from tierlm.serving.auth import ApiKeyAuth, Authenticator, NoAuth
-    from tierlm.serving.server import make_server
+    from tierlm.serving.server import listen_socket, make_server
     from tierlm.serving.telemetry import Telemetry, configure_request_log
 
     try:
@@ -101,6 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             raise ValueError(f"refusing to serve {args.host} without API keys; pass --api-keys FILE "
                              "(or --no-auth if this network is trusted)")
+        sock = listen_socket(args.host, args.port)  # a busy port fails now, not after loading
+        port = sock.getsockname()[1]
         engines: dict[str, AsyncEngine] = {}
         for name, path in specs.items():
             engine = AsyncEngine.from_model(path, **engine_kwargs(args))
@@ -111,19 +133,19 @@ def run_serve(args: argparse.Namespace) -> int:
             if path is None:
                 from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
                 logger.warning(RANDOM_WEIGHTS_NOTICE)
-    except (TierlmError, ValueError) as exc:
+    except (TierlmError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
     if isinstance(auth, NoAuth):
-        logger.warning(NO_AUTH_BANNER.format(where=f"{args.host}:{args.port}"))
-    logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, args.port)
+        logger.warning(NO_AUTH_BANNER.format(where=f"{args.host}:{port}"))
+    logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, port)
     if telemetry.log_requests:
         configure_request_log()
     if telemetry.tracer is not None:
         logger.info("sending traces to %s", args.otlp_endpoint)
     app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry)
-    server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+    server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())
-    server.run()  # returns after SIGTERM/SIGINT and a graceful shutdown
+    server.run(sockets=[sock])  # returns after SIGTERM/SIGINT and a graceful shutdown
     return 0

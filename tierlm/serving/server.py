@@ -40,3 +40,25 @@ def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, shutdown
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout + FLUSH_GRACE_S)
     return GracefulServer(config, app.state.tierlm, shutdown_timeout)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the server's socket before any model loads (as vLLM does), so a busy port or a bad
+    host fails in a second rather than after minutes of loading; `port` 0 picks a free one.
+    Raises OSError naming the address."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on host {host!r} ({e.strerror}); give --host an address of this "
+                      "machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts need no wait
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or stop what "
+                      "is using it") from None
+    return sock
+
