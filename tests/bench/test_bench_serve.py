@@ -79,8 +79,27 @@ def test_slo_parse_and_single_token_answers():
     assert (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms) == (500.0, 50.0, None)
     with pytest.raises(ValueError, match="ttft_ms"):
         SLO.parse("latency=5")
+    for bad in ("ttft_ms=abc", "ttft_ms=-4", "tpot_ms=0", "e2el_ms=nan"):
+        with pytest.raises(ValueError, match="positive milliseconds"):
+            SLO.parse(bad)
     one = _result(0, 0.1, 0.1, 1)
     assert one.tpot is None and slo.met(one)  # no TPOT to miss
+
+
+@pytest.mark.parametrize("flags, says", [(["--num-prompts", "0"], "--num-prompts must be at least 1"),
+                                         (["--request-rate", "-1"], "must be positive"),
+                                         (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+                                         (["--slo", "ttft_ms=fast"], "positive milliseconds"),
+                                         (["--trace", "/no/such/trace.jsonl"], "No such file")])
+def test_bad_arguments_fail_before_connecting(flags, says, tmp_path, capsys):
+    """Port 1 has no server: had bench serve connected first, the error would be about that."""
+    import argparse
+    from tierlm.bench.serve import _main, add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:1", "--json", str(tmp_path / "o.json"), *flags])
+    assert _main(args) == 2
+    assert says in capsys.readouterr().err and not (tmp_path / "o.json").exists()
 
 
 def test_arrivals_poisson_gamma_and_burst():

@@ -192,8 +192,10 @@ def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
     assert "belady" in capsys.readouterr().out
     written = json.loads(out_json.read_text())
     assert len(written["results"]) == 2 * 2 * 4 and written["seed"] == 3  # + belady, oracle_pop
-    with pytest.raises(SystemExit):
-        parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", "x"])
+    for bad in ("x", "0", "10,-5", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", bad])
+        assert "block counts of at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.path.exists(f"{TRACES}/synthetic_trace.jsonl"), reason="no traces")

@@ -285,9 +285,12 @@ def plot_cache_results(out: dict, path: str) -> str:
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block counts of at least 1, got {text!r}")
+    return values
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

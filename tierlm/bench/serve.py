@@ -381,7 +381,13 @@ class SLO:
             key, sep, value = part.partition("=")
             if not sep or key.strip() not in ("ttft_ms", "tpot_ms", "e2el_ms"):
                 raise ValueError(f"--slo expects ttft_ms=…,tpot_ms=…,e2el_ms=… (any subset), got '{part}'")
-            setattr(slo, key.strip(), float(value))
+            try:
+                bound = float(value)
+            except ValueError:
+                bound = math.nan
+            if not bound > 0:
+                raise ValueError(f"--slo bounds are positive milliseconds, got '{part}'")
+            setattr(slo, key.strip(), bound)
         return slo
 
     def met(self, r: RequestResult) -> bool:
@@ -738,12 +744,19 @@ async def make_target(args: argparse.Namespace, base_url: str) -> Target:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run one benchmark as described by parsed CLI arguments; returns (and writes) the JSON."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the progress
-    target = await make_target(args, args.base_url)
-    model = target.model
+    # Everything that can be wrong with the arguments fails here, before any connection.
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    rate = math.inf if args.request_rate is None else args.request_rate
+    if not (rate > 0 and args.burstiness > 0):  # also refuses NaN
+        raise ValueError(f"--request-rate and --burstiness must be positive, got {rate} and {args.burstiness}")
     requests = build_requests(args)
     warmups = warmup_requests(requests, args.num_warmups, args.seed, token_range_of(args))
-    rate = math.inf if args.request_rate is None else args.request_rate
     slo = SLO.parse(args.slo) if args.slo else None
+    target = await make_target(args, args.base_url)
+    model = target.model
     arrivals = ("trace timestamps" if args.trace and args.request_rate is None
                 else "all at once" if math.isinf(rate) else f"{rate} req/s, burstiness {args.burstiness}")
     if args.progress:

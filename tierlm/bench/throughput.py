@@ -93,7 +93,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: torch sees no CUDA device here; use --device cpu (or auto)")
+        raise ValueError(f"--device {name}: torch sees no CUDA device here; use --device cpu (or auto)")
     return device
 
 
@@ -180,7 +180,8 @@ def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device 
 
 def run(args: argparse.Namespace) -> dict:
     if args.repeat < 1:
-        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    device = resolve_device(args.device)  # before minutes of building the bench model
     model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
     if not Path(model_dir, "config.json").is_file():  # before transformers reads it as a hub repo id
         raise ModelLoadError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json); "
@@ -192,7 +193,6 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    device = resolve_device(args.device)
     result = {"model": model_dir, "dtype": dtype, "tierlm_compute_dtype": args.compute_dtype, "threads": threads,
               "device": str(device), "workloads": {}}
     for name in args.workload:
