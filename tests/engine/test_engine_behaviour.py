@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tierlm import LLM, SamplingParams
 from tierlm.engine.detokenizer import IncrementalDetokenizer
-from tierlm.errors import ChatTemplateError, ModelLoadError, RequestTooLongError
+from tierlm.errors import ChatTemplateError, InvalidRequestError, ModelLoadError, RequestTooLongError
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,36 @@ def test_prompt_beyond_max_model_len_is_rejected_and_changes_nothing(llm):
     with pytest.raises(RequestTooLongError, match="max_tokens"):
         llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=100))
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ({"prompt_token_ids": []}, "the prompt is empty"),
+    ("", "the prompt is empty"),
+    ({"prompt_token_ids": [-1, 5]}, "integers in"),
+    ({"prompt_token_ids": [10**9]}, "integers in"),
+    ({"prompt_token_ids": [1.0, 5]}, "integers in"),
+    ({"prompt_token_ids": [True, 5]}, "integers in"),
+    ({"prompt_token_ids": "abc"}, "must be a list of token ids"),
+    ({"prompt": 5}, "'prompt' must be a string"),
+    ({"text": "hi"}, "needs 'prompt' or 'prompt_token_ids'"),
+    (None, "got NoneType"),
+    (7, "got int"),
+])
+def test_malformed_prompts_are_refused_by_name_and_change_nothing(llm, prompt, says):
+    with pytest.raises(InvalidRequestError, match=says):
+        llm.generate([prompt])
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+def test_token_ids_may_come_as_numpy_or_torch(llm):
+    import numpy as np
+    import torch
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    ref = llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids
+    for ids in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), {"prompt_token_ids": np.array([5, 6, 7])},
+                [np.int64(5), np.int32(6), 7]):
+        out = llm.generate([ids], greedy)[0]
+        assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == ref
 
 
 def test_request_larger_than_whole_pool_is_rejected(llama_dir):

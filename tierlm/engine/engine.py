@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import numbers
 import re
 import time
 import uuid
@@ -181,22 +182,33 @@ class LLMEngine:
         text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                ids = list(prompt["prompt_token_ids"])
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise InvalidRequestError("'prompt_token_ids' must be a list of token ids, not a string",
+                                              param="prompt")
             elif "prompt" in prompt:
-                text = prompt["prompt"]
-                ids = self.tokenizer.encode(text)
+                if not isinstance(prompt["prompt"], str):
+                    raise InvalidRequestError("a prompt dict's 'prompt' must be a string", param="prompt")
+                prompt = prompt["prompt"]
             else:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
-        elif isinstance(prompt, str):
+        if isinstance(prompt, str):
             text = prompt
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
+        elif getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a 1-D tensor or numpy array
+            ids = prompt.tolist()
+        else:
+            raise InvalidRequestError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+                                      f"'prompt_token_ids' (got {type(prompt).__name__})", param="prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         vocab = self.args.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        # numpy integers are integers too (a tokenizer may hand them out); bools and floats are not
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        ids = [int(t) for t in ids]
         n = len(ids)
         if n >= self.max_model_len:
             raise RequestTooLongError(
