@@ -591,6 +591,48 @@ def test_disk_write_failure_passes_the_block_on_and_serves_on(tmp_path, caplog):
     disk.close()
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 1 MiB filesystem (tmpfs), to run the disk tier out of space."""
+    import subprocess
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)  # lazy: a failed test may leave a file open
+
+
+def test_disk_tier_that_runs_out_of_space_holds_what_fits_and_keeps_storing(small_filesystem, caplog):
+    """Capacity above what the disk holds (another process filled it, or the default half of the
+    free space was too hopeful): the tier evicts for each new block and holds what fits."""
+    blocks = [(i.to_bytes(32, "big"), torch.full((64, 256), float(i))) for i in range(40)]  # 64 KiB each
+    disk = DiskTier(small_filesystem / "kv", 1000, policy="lru")
+    moved = []
+    with caplog.at_level("WARNING"):
+        for h, data in blocks:
+            moved += disk.put(h, None, data)
+    held = len(disk)
+    assert 5 < held < 16 and disk.capacity == held  # what 1 MiB holds, not 1000
+    assert sum("ran out of space" in r.message for r in caplog.records) == 1
+    assert disk.stats.errors == 0 and disk.stats.stores == 40  # every block was stored ...
+    assert [h for h, *_ in moved] == [h for h, _ in blocks[:40 - held]]  # ... the oldest moved down in LRU order
+    assert all(torch.equal(disk.get(h), data) for h, data in blocks[-held:])
+    disk.close()
+
+    # The next run lists those entries and indexes them lazily: out of space, an unindexed
+    # old entry (the oldest) goes first, before any of this run's blocks.
+    disk = DiskTier(small_filesystem / "kv", 1000, policy="lru", index_in_background=False)
+    disk.list_earlier()
+    new = [(i.to_bytes(32, "big"), torch.full((64, 256), -float(i))) for i in range(100, 103)]
+    for h, data in new:
+        assert disk.put(h, None, data) == []  # old entries are deleted, not moved
+    assert disk.capacity == held and disk.stats.errors == 0
+    files = {p.name[:64] for p in (small_filesystem / "kv").glob("*/*.kv")}
+    assert files == {h.hex() for h, _ in blocks[-held + 3:] + new}
+    disk.close()
+
+
 def test_disk_tier_recovers_when_its_directory_is_deleted(tmp_path):
     """A cache directory under /tmp or /var/tmp can be wiped by a cleaner while the server runs:
     the blocks that were there become misses, and storing works again at once."""

@@ -11,6 +11,7 @@ miss, never an error. `kv/store.py` chains the tiers and keeps their slow I/O of
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -163,6 +164,9 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
 
 Demoted = tuple[bytes, "bytes | None", torch.Tensor, "int | None"]  # (key, parent, K/V, output-length hint)
 
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TRIES = 4  # evictions one store may make after the storage said it is full
+
 
 class _CapacityTier:
     """A tier of fixed capacity in blocks with an eviction policy; subclasses store the bytes.
@@ -183,6 +187,7 @@ class _CapacityTier:
         self.lock = threading.RLock()
         self.clock = 0
         self._write_failing = False
+        self._shrunk = False  # capacity was lowered to what the storage could hold
 
     def __contains__(self, h: bytes) -> bool:
         with self.lock:
@@ -214,9 +219,8 @@ class _CapacityTier:
                     evicted.append(taken)
             if len(self.parents) >= self.capacity:
                 return evicted + [(h, parent, data, hint)]
-            try:
-                self._write(h, parent, data, hint)
-            except OSError as e:  # disk full, permissions, ...: pass the block on, keep serving
+            e = self._store(h, parent, data, hint, evicted)
+            if e is not None:  # permissions, a disk that stays full, ...: pass the block on, keep serving
                 self.stats.errors += 1
                 if not self._write_failing:
                     log.warning("KV %s tier cannot store blocks (%s); passing them to the next tier until "
@@ -230,6 +234,44 @@ class _CapacityTier:
             self.stats.stores += 1
             self.stats.bytes_in += data.numel() * data.element_size()
         return evicted
+
+    def _store(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None,
+               evicted: list[Demoted]) -> OSError | None:
+        """Write a block; None, or the error that stopped it. Out of space below capacity (the
+        disk filled up with other files, or the default capacity was too hopeful), the tier holds
+        what fits from then on and evicts for this block."""
+        tries = _FULL_TRIES
+        while True:
+            try:
+                self._write(h, parent, data, hint)
+                return None
+            except OSError as e:
+                if not (tries and e.errno in _OUT_OF_SPACE and self._make_room_when_full(evicted)):
+                    return e
+                tries -= 1
+
+    def _held(self) -> int:
+        """Entries that count against capacity."""
+        return len(self.parents)
+
+    def _make_room_when_full(self, evicted: list[Demoted]) -> bool:
+        """The storage is full: lower capacity to what the tier holds, so it stays there, and
+        evict one entry (appended to `evicted`, to move down). False if nothing can go."""
+        held = self._held()
+        if 0 < held < self.capacity:
+            (log.warning if not self._shrunk else log.info)(
+                "KV %s tier ran out of space at %d blocks, below its capacity of %d; holding %d from now on "
+                "(give it a capacity that fits, or free space)", self.name, held, self.capacity, held)
+            self._shrunk = True
+            self.capacity = held
+        victim = self.policy.victim()
+        if victim is None:
+            return False
+        taken = self.take(victim)
+        self.stats.evictions += 1
+        if taken is not None:
+            evicted.append(taken)
+        return True
 
     def get(self, h: bytes) -> torch.Tensor | None:
         with self.lock:
@@ -477,6 +519,18 @@ class DiskTier(_CapacityTier):
                 for old in self._trim_pending(room=1):
                     self._erase(old)
             return super().put(h, parent, data, hint)
+
+    def _held(self) -> int:
+        return len(self.parents) + len(self._pending or ())
+
+    def _make_room_when_full(self, evicted: list[Demoted]) -> bool:
+        """As for any tier, but an earlier run's entries not yet indexed go first."""
+        if not self._pending:
+            return super()._make_room_when_full(evicted)
+        self.capacity = min(self.capacity, self._held())
+        for old in self._trim_pending(room=1):
+            self._erase(old)
+        return True
 
     def _trim_pending(self, room: int) -> list[bytes]:
         """Mark the oldest unindexed entries for deletion until the listed old entries plus this
