@@ -122,13 +122,27 @@ class EngineConfig:
         return getattr(self, f"kv_{tier}_policy") or self.kv_tier_policy
 
 
+def host_memory() -> tuple[int, int] | None:
+    """(total, available) bytes of RAM, or None where the system does not say."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        avail = os.sysconf("SC_AVPHYS_PAGES") * page
+    except (ValueError, OSError):
+        return None
+    try:  # MemAvailable counts reclaimable page cache too, as the kernel would
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    return total, avail
+
+
 def default_kv_cache_memory(device: torch.device) -> int:
     """A share of free memory for KV: 80% of free GPU memory, or 25% of available RAM capped at 8 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.8)
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 4 << 30
+    mem = host_memory()
+    avail = mem[1] if mem else 4 << 30
     return int(min(avail * 0.25, 8 << 30))

@@ -137,6 +137,14 @@ def test_capacities_read_blocks_and_byte_units():
             parse_capacity(bad, mib)
 
 
+def test_host_tier_larger_than_the_machine_is_refused(llama_dir, tmp_path):
+    from tierlm.config import host_memory
+    total = host_memory()[0]
+    with pytest.raises(ValueError, match=r"kv_host_capacity is .* GiB but this machine has"):
+        _llm(llama_dir, kv_host_capacity=total + (1 << 30), kv_disk_dir=str(tmp_path / "kv"))
+    assert not (tmp_path / "kv").exists()  # refused before the disk tier claimed its directory
+
+
 def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
     data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
     h = b"\x01" * 32

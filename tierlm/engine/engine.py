@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import EngineConfig, default_kv_cache_memory
+from tierlm.config import EngineConfig, default_kv_cache_memory, host_memory
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
@@ -84,6 +84,23 @@ def disk_tier_dir(root: str | Path, model_id: str) -> Path:
     return Path(root) / f"{name}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
 
 
+def check_host_capacity(nbytes: int) -> None:
+    """A host tier larger than the machine's memory would end in the OOM killer, hours in: refuse
+    it now. Larger than what is free now, it may still fit once caches are dropped: warn."""
+    mem = host_memory()
+    if not nbytes or mem is None:
+        return
+    total, avail = mem
+    gib = 1 << 30
+    if nbytes > total:
+        raise ValueError(f"kv_host_capacity is {nbytes / gib:.1f} GiB but this machine has {total / gib:.1f} GiB of "
+                         f"memory; give at most what it can spare (now {avail / gib:.1f} GiB are available)")
+    if nbytes > avail:
+        log.warning("kv_host_capacity is %.1f GiB but only %.1f GiB of memory are available now; if the tier "
+                    "fills, the system may swap or kill the server. Lower kv_host_capacity",
+                    nbytes / gib, avail / gib)
+
+
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
                 fence: Callable[[], None] | None = None) -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
@@ -91,6 +108,7 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     host = parse_capacity(config.kv_host_capacity, block_bytes)
     disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else None
     remote = parse_capacity(config.kv_remote_capacity, block_bytes) if config.kv_remote_capacity else 0
+    check_host_capacity(host * block_bytes)
     tiers: list = []
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
