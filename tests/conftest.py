@@ -77,26 +77,28 @@ def _free_port() -> int:
 class RedisServer:
     """A real redis-server on 127.0.0.1 (random port) that a test can stop and restart."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, password: str | None = None) -> None:
         import shutil as _sh
         exe = _sh.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
         self.exe, self.tmp, self.port = exe, tmp, _free_port()
+        self.password = password
         self.proc = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         import subprocess
         import time
         import redis
         self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.tmp)],
+                                      "--appendonly", "no", "--dir", str(self.tmp)]
+                                     + (["--requirepass", self.password] if self.password else []),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
+        client = redis.Redis(port=self.port, password=self.password)
         for _ in range(100):
             try:
                 if client.ping():
@@ -115,6 +117,14 @@ class RedisServer:
 @pytest.fixture
 def redis_server(tmp_path):
     srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_server_with_password(tmp_path):
+    srv = RedisServer(tmp_path, password="s3cret-pw")
     srv.start()
     yield srv
     srv.stop()

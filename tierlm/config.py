@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
-from tierlm.kv.tiers import parse_capacity
+from tierlm.kv.tiers import parse_capacity, redact_url
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -100,7 +100,7 @@ class EngineConfig:
             except ValueError as e:
                 raise ValueError(f"{knob}: {e}") from None
         if self.kv_remote and not self.kv_remote.startswith(REDIS_URL_SCHEMES):
-            raise ValueError(f"kv_remote {self.kv_remote!r} is not a Redis URL; use redis://host:port/db "
+            raise ValueError(f"kv_remote {redact_url(self.kv_remote)!r} is not a Redis URL; use redis://host:port/db "
                              "(or rediss:// for TLS, unix:///path/redis.sock)")
         for knob, tier in (("kv_disk_capacity", "kv_disk_dir"), ("kv_disk_write_through", "kv_disk_dir"),
                            ("kv_remote_capacity", "kv_remote"), ("kv_remote_ttl", "kv_remote")):

@@ -114,6 +114,7 @@ def test_bad_policy_names_are_refused_before_loading(knob, name, says, tmp_path)
     (dict(kv_host_capacity="inf GiB"), "kv_host_capacity: cannot read"),
     (dict(kv_remote="redis://h/0", kv_remote_capacity="lots"), "kv_remote_capacity: cannot read"),
     (dict(kv_remote="http://127.0.0.1:6379"), "not a Redis URL"),
+    (dict(kv_remote="http://u:hunter2@h"), r"'http://u:\*\*\*@h' is not a Redis URL"),  # no password echoed
     (dict(kv_disk_capacity="8GiB"), "kv_disk_capacity is set but kv_disk_dir is not"),
     (dict(kv_disk_write_through=True), "kv_disk_write_through is set but kv_disk_dir is not"),
     (dict(kv_remote_ttl=60), "kv_remote_ttl is set but kv_remote is not"),
@@ -775,6 +776,29 @@ def test_redis_capacity_evicts_instead_of_refusing(redis_server):
     assert tier.stats.errors == 0 and tier.stats.stores == 40
     assert 0 < server.dbsize() < 40  # the server evicted, within its limit
     assert tier.get(bytes([40]) * 32) is not None  # the newest is kept
+
+
+def test_redis_with_a_password_works_and_never_shows_it(llama_dir, cold_reference, redis_server_with_password,
+                                                        caplog):
+    srv = redis_server_with_password
+    for wrong in (srv.url.replace("s3cret-pw", "nope"), srv.url.replace(":s3cret-pw@", "")):
+        with pytest.raises(KVTierError, match="refused the credentials") as err:
+            RedisTier(wrong)  # at start, not as an outage retried forever
+        assert "nope" not in str(err.value)
+    shared, ref = cold_reference
+    with caplog.at_level("DEBUG"):
+        first = _llm(llama_dir, kv_remote=srv.url)
+        _run(first, shared + _prompt(2, 9))
+        first.engine.store.flush()
+        second = _llm(llama_dir, kv_remote=srv.url)
+        tokens, cached, _ = _run(second, shared + _prompt(3, 9))
+        assert tokens == ref[3] and cached == 64  # the first engine's prefix, from Redis
+        srv.stop()  # an outage is logged with the URL: without the password
+        assert _run(second, _prompt(4, 30))[1] == 0
+        first.close()
+        second.close()
+    assert "unavailable" in caplog.text  # the outage was logged ...
+    assert "Redis KV tier redis://:***@127.0.0.1" in caplog.text and "s3cret-pw" not in caplog.text  # ... without it
 
 
 def test_two_engines_share_one_redis_tier(llama_dir, cold_reference, redis_server):

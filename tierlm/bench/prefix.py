@@ -130,7 +130,8 @@ def _measure_remote(model: str, args: argparse.Namespace) -> dict:
             parts = urlsplit(url)
             proxy = DelayProxy(parts.hostname or "127.0.0.1", parts.port or 6379, delays[0] / 1e3)
             port = stack.enter_context(proxy)
-            url = urlunsplit(parts._replace(netloc=f"127.0.0.1:{port}"))
+            creds = parts.netloc.rpartition("@")[0]  # keep a password, if the URL has one
+            url = urlunsplit(parts._replace(netloc=f"{creds + '@' if creds else ''}127.0.0.1:{port}"))
         client = redis.Redis.from_url(url)
         stack.callback(client.close)
         llm = stack.enter_context(LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,

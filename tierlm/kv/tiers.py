@@ -24,6 +24,7 @@ import shutil
 import struct
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +161,15 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
     if s.isdigit():
         return int(s) // block_bytes
     raise bad
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password, if any, shown as *** (for logs and errors)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 Demoted = tuple[bytes, "bytes | None", torch.Tensor, "int | None"]  # (key, parent, K/V, output-length hint)
@@ -828,7 +838,7 @@ class RedisTier:
                  capacity_bytes: int | None = None, max_retry_after_s: float = 15.0):
         import redis
 
-        self.url = url
+        self.url = redact_url(url)  # for logs and errors
         self.client = redis.Redis.from_url(url, socket_connect_timeout=0.2, socket_timeout=0.5)
         self.prefix = prefix
         self.ttl = ttl_s
@@ -842,9 +852,9 @@ class RedisTier:
         self._errors = (redis.exceptions.RedisError, OSError)
         self._refused = redis.exceptions.ResponseError  # the server answered, and said no
         self._warned_refusal = False
-        self._check_memory(capacity_bytes)
+        self._check_memory(capacity_bytes, redis.exceptions.AuthenticationError)
 
-    def _check_memory(self, capacity_bytes: int | None) -> None:
+    def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
         try:
             if capacity_bytes:  # on top of the server's own overhead (clients, buffers, key tables)
                 base = int(self.client.info("memory").get("used_memory_overhead", 0))
@@ -852,6 +862,10 @@ class RedisTier:
                 self.client.config_set("maxmemory-policy", "allkeys-lru")
                 return
             conf = self.client.config_get("maxmemory*")
+        except bad_credentials as e:  # a configuration error, not an outage: retrying cannot fix it
+            self.close()
+            raise KVTierError(f"Redis KV tier {self.url} refused the credentials ({e}); put the password in the "
+                              "URL: redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@host:port/db") from None
         except self._refused as e:  # CONFIG renamed or disabled, as on many managed services
             log.warning("cannot read or set the memory limit of Redis KV tier %s (%s); set maxmemory and "
                         "maxmemory-policy allkeys-lru on the server itself", self.url, e)
