@@ -77,7 +77,7 @@ def _free_port() -> int:
 class RedisServer:
     """A real redis-server on 127.0.0.1 (random port) that a test can stop and restart."""
 
-    def __init__(self, tmp: Path, password: str | None = None) -> None:
+    def __init__(self, tmp: Path, password: str | None = None, tls: bool = False) -> None:
         import shutil as _sh
         exe = _sh.which("redis-server")
         if exe is None:
@@ -85,25 +85,45 @@ class RedisServer:
         self.exe, self.tmp, self.port = exe, tmp, _free_port()
         self.password = password
         self.proc = None
+        self.cert = None
+        if tls:  # a self-signed certificate for 127.0.0.1
+            import subprocess
+            if _sh.which("openssl") is None:
+                pytest.skip("openssl is not installed")
+            self.cert, key = tmp / "cert.pem", tmp / "key.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                            "-out", str(self.cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                            "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
 
     @property
     def url(self) -> str:
-        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
+        """Without the CA for a TLS server: give `?ssl_ca_certs={self.cert}` to trust it."""
+        scheme = "rediss" if self.cert else "redis"
+        return f"{scheme}://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         import subprocess
         import time
         import redis
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        ports = ["--port", str(self.port)]
+        if self.cert:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                     "--tls-key-file", str(self.cert.with_name("key.pem")), "--tls-ca-cert-file", str(self.cert),
+                     "--tls-auth-clients", "no"]
+        self.proc = subprocess.Popen([self.exe, *ports, "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(self.tmp)]
                                      + (["--requirepass", self.password] if self.password else []),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, password=self.password)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, ssl=bool(self.cert),
+                             ssl_ca_certs=str(self.cert) if self.cert else None,
+                             socket_connect_timeout=1, socket_timeout=1)
         for _ in range(100):
             try:
                 if client.ping():
                     return
             except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None and self.cert:
+                    pytest.skip("this redis-server was built without TLS")
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
 
@@ -125,6 +145,14 @@ def redis_server(tmp_path):
 @pytest.fixture
 def redis_server_with_password(tmp_path):
     srv = RedisServer(tmp_path, password="s3cret-pw")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_server_with_tls(tmp_path):
+    srv = RedisServer(tmp_path, tls=True)
     srv.start()
     yield srv
     srv.stop()

@@ -801,6 +801,23 @@ def test_redis_with_a_password_works_and_never_shows_it(llama_dir, cold_referenc
     assert "Redis KV tier redis://:***@127.0.0.1" in caplog.text and "s3cret-pw" not in caplog.text  # ... without it
 
 
+def test_redis_over_tls_works_and_an_untrusted_certificate_is_refused_at_start(llama_dir, cold_reference,
+                                                                                redis_server_with_tls):
+    srv = redis_server_with_tls
+    with pytest.raises(KVTierError, match="TLS certificate was not accepted .*self-signed.*ssl_ca_certs"):
+        RedisTier(srv.url)  # not retried as an outage forever
+    url = f"{srv.url}?ssl_ca_certs={srv.cert}"
+    shared, ref = cold_reference
+    first = _llm(llama_dir, kv_remote=url)
+    _run(first, shared + _prompt(2, 9))
+    first.engine.store.flush()
+    second = _llm(llama_dir, kv_remote=url)
+    tokens, cached, _ = _run(second, shared + _prompt(3, 9))
+    assert tokens == ref[3] and cached == 64 and second.engine.stats().kv_tiers["redis"]["hits"] == 8
+    first.close()
+    second.close()
+
+
 def test_two_engines_share_one_redis_tier(llama_dir, cold_reference, redis_server):
     import redis
 

@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import ssl
 import struct
 import threading
 import time
@@ -871,6 +872,11 @@ class RedisTier:
                         "maxmemory-policy allkeys-lru on the server itself", self.url, e)
             return
         except self._errors as e:
+            if isinstance(e.__context__, ssl.SSLCertVerificationError):  # configuration too: refuse now
+                self.close()
+                raise KVTierError(f"Redis KV tier {self.url}: its TLS certificate was not accepted "
+                                  f"({e.__context__.verify_message}); for a private CA add "
+                                  "?ssl_ca_certs=/path/ca.pem to the URL") from None
             self._failed(e)
             return
         if int(conf.get("maxmemory", 0) or 0) == 0:
