@@ -642,6 +642,27 @@ def test_disk_tier_that_runs_out_of_space_holds_what_fits_and_keeps_storing(smal
     disk.close()
 
 
+def test_disk_tier_grows_back_when_space_frees_up(small_filesystem, caplog):
+    filler = small_filesystem / "other-files"
+    filler.write_bytes(bytes(700 << 10))  # someone else's 700 KiB of the 1 MiB
+    blocks = [(i.to_bytes(32, "big"), torch.full((64, 256), float(i))) for i in range(30)]  # 64 KiB each
+    disk = DiskTier(small_filesystem / "kv", 1000, policy="lru", regrow_every_s=0)
+    for h, data in blocks[:10]:
+        disk.put(h, None, data)
+    low = disk.capacity
+    assert low == len(disk) < 5 and disk.stats.errors == 0
+    filler.unlink()
+    with caplog.at_level("INFO"):
+        for h, data in blocks[10:]:
+            disk.put(h, None, data)
+    assert "has space again" in caplog.text
+    assert caplog.text.count("ran out of space") == 1  # grown within what is free, not into a second full disk
+    assert low < disk.capacity < 1000 and len(disk) > low + 3  # took back some of the freed space ...
+    assert all(torch.equal(disk.get(h), data) for h, data in blocks[-len(disk):])
+    assert disk.stats.errors == 0  # ... and never more than the disk holds
+    disk.close()
+
+
 def test_disk_tier_recovers_when_its_directory_is_deleted(tmp_path):
     """A cache directory under /tmp or /var/tmp can be wiped by a cleaner while the server runs:
     the blocks that were there become misses, and storing works again at once."""

@@ -199,6 +199,7 @@ class _CapacityTier:
         self.clock = 0
         self._write_failing = False
         self._shrunk = False  # capacity was lowered to what the storage could hold
+        self._wanted: int | None = None  # the capacity asked for, while lowered
 
     def __contains__(self, h: bytes) -> bool:
         with self.lock:
@@ -271,9 +272,10 @@ class _CapacityTier:
         held = self._held()
         if 0 < held < self.capacity:
             (log.warning if not self._shrunk else log.info)(
-                "KV %s tier ran out of space at %d blocks, below its capacity of %d; holding %d from now on "
-                "(give it a capacity that fits, or free space)", self.name, held, self.capacity, held)
+                "KV %s tier ran out of space at %d blocks, below its capacity of %d; holding %d until space "
+                "frees up (give it a capacity that fits)", self.name, held, self.capacity, held)
             self._shrunk = True
+            self._wanted = self._wanted or self.capacity
             self.capacity = held
         victim = self.policy.victim()
         if victim is None:
@@ -421,10 +423,13 @@ class DiskTier(_CapacityTier):
     name = "disk"
 
     def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
-                 block_bytes: int = 0, index_in_background: bool = True) -> None:
+                 block_bytes: int = 0, index_in_background: bool = True, regrow_every_s: float = 30.0) -> None:
         """`index_in_background=False` leaves the scan to a call of `index()` (tests place tier
-        operations before it that way)."""
+        operations before it that way). After the disk filled up, the capacity grows back
+        towards what was asked for as space frees up, looked at every `regrow_every_s`."""
         super().__init__(capacity_blocks or 0, policy)
+        self._regrow_every = regrow_every_s
+        self._regrow_at = 0.0
         self.root = Path(root)
         self._policy_name = policy
         self._auto_capacity = capacity_blocks is None
@@ -527,9 +532,30 @@ class DiskTier(_CapacityTier):
         with self.lock:
             self._adopt_on_demand(h)  # already on disk from an earlier run: no second write
             if h not in self.parents:
+                if self._wanted is not None and time.monotonic() >= self._regrow_at:
+                    self._regrow(data.numel() * data.element_size())
                 for old in self._trim_pending(room=1):
                     self._erase(old)
             return super().put(h, parent, data, hint)
+
+    def _regrow(self, block_bytes: int) -> None:
+        """Lowered after the disk filled up: take back up to half of what is free now (as the
+        default capacity does), up to the capacity asked for (hold `lock`)."""
+        self._regrow_at = time.monotonic() + self._regrow_every
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        per = block_bytes + 1024  # + the header, and file-system slack
+        promised = max(0, self.capacity - self._held()) * per  # granted already, not yet written
+        room = max(0, free - promised) // 2 // per
+        grown = min(self._wanted or 0, self.capacity + room)
+        if grown > self.capacity:
+            log.info("KV disk tier %s has space again: capacity raised from %d to %d blocks (%d asked for)",
+                     self.root, self.capacity, grown, self._wanted)
+            self.capacity = grown
+        if self.capacity >= (self._wanted or 0):
+            self._wanted = None
 
     def _held(self) -> int:
         return len(self.parents) + len(self._pending or ())
@@ -538,7 +564,9 @@ class DiskTier(_CapacityTier):
         """As for any tier, but an earlier run's entries not yet indexed go first."""
         if not self._pending:
             return super()._make_room_when_full(evicted)
-        self.capacity = min(self.capacity, self._held())
+        if self._held() < self.capacity:
+            self._wanted = self._wanted or self.capacity
+            self.capacity = self._held()
         for old in self._trim_pending(room=1):
             self._erase(old)
         return True
