@@ -567,9 +567,10 @@ class DiskTier(_CapacityTier):
         if self._held() < self.capacity:
             self._wanted = self._wanted or self.capacity
             self.capacity = self._held()
-        for old in self._trim_pending(room=1):
+        gone = self._trim_pending(room=1)
+        for old in gone:
             self._erase(old)
-        return True
+        return bool(gone) or super()._make_room_when_full(evicted)
 
     def _trim_pending(self, room: int) -> list[bytes]:
         """Mark the oldest unindexed entries for deletion until the listed old entries plus this
