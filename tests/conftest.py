@@ -77,7 +77,7 @@ def _free_port() -> int:
 class RedisServer:
     """A real redis-server on 127.0.0.1 (random port) that a test can stop and restart."""
 
-    def __init__(self, tmp: Path, password: str | None = None, tls: bool = False) -> None:
+    def __init__(self, tmp: Path, password: str | None = None, tls: bool = False, unix: bool = False) -> None:
         import shutil as _sh
         exe = _sh.which("redis-server")
         if exe is None:
@@ -85,6 +85,7 @@ class RedisServer:
         self.exe, self.tmp, self.port = exe, tmp, _free_port()
         self.password = password
         self.proc = None
+        self.socket = tmp / "redis.sock" if unix else None
         self.cert = None
         if tls:  # a self-signed certificate for 127.0.0.1
             import subprocess
@@ -98,6 +99,8 @@ class RedisServer:
     @property
     def url(self) -> str:
         """Without the CA for a TLS server: give `?ssl_ca_certs={self.cert}` to trust it."""
+        if self.socket:
+            return f"unix://{self.socket}?db=0"
         scheme = "rediss" if self.cert else "redis"
         return f"{scheme}://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
@@ -106,6 +109,8 @@ class RedisServer:
         import time
         import redis
         ports = ["--port", str(self.port)]
+        if self.socket:
+            ports += ["--unixsocket", str(self.socket)]
         if self.cert:
             ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
                      "--tls-key-file", str(self.cert.with_name("key.pem")), "--tls-ca-cert-file", str(self.cert),
@@ -145,6 +150,14 @@ def redis_server(tmp_path):
 @pytest.fixture
 def redis_server_with_password(tmp_path):
     srv = RedisServer(tmp_path, password="s3cret-pw")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_server_on_a_unix_socket(tmp_path):
+    srv = RedisServer(tmp_path, unix=True)
     srv.start()
     yield srv
     srv.stop()

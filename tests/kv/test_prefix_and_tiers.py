@@ -146,7 +146,7 @@ def test_host_tier_larger_than_the_machine_is_refused(llama_dir, tmp_path):
     assert not (tmp_path / "kv").exists()  # refused before the disk tier claimed its directory
 
 
-def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
+def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server, redis_server_on_a_unix_socket):
     data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
     h = b"\x01" * 32
     assert torch.equal(decode_block(encode_block(data)).view(torch.uint8), data.view(torch.uint8))
@@ -155,7 +155,8 @@ def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server):
     got, hint = decode_entry(entry.getvalue())
     assert hint == 4321 and torch.equal(got.view(torch.uint8), data.view(torch.uint8))
     assert not patch_hint(io.BytesIO(b"not an entry"), 1)
-    for tier in (HostTier(4), DiskTier(tmp_path / "d", 4), RedisTier(redis_server.url)):
+    for tier in (HostTier(4), DiskTier(tmp_path / "d", 4), RedisTier(redis_server.url),
+                 RedisTier(redis_server_on_a_unix_socket.url)):  # unix:///path?db=0
         tier.put(h, None, data)
         got = tier.get(h)
         assert got is not None and got.dtype == data.dtype
