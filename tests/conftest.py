@@ -139,33 +139,27 @@ class RedisServer:
             self.proc = None
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisServer(tmp_path)
+def _running(srv: RedisServer):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    yield from _running(RedisServer(tmp_path))
 
 
 @pytest.fixture
 def redis_server_with_password(tmp_path):
-    srv = RedisServer(tmp_path, password="s3cret-pw")
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from _running(RedisServer(tmp_path, password="s3cret-pw"))
 
 
 @pytest.fixture
 def redis_server_on_a_unix_socket(tmp_path):
-    srv = RedisServer(tmp_path, unix=True)
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from _running(RedisServer(tmp_path, unix=True))
 
 
 @pytest.fixture
 def redis_server_with_tls(tmp_path):
-    srv = RedisServer(tmp_path, tls=True)
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from _running(RedisServer(tmp_path, tls=True))
