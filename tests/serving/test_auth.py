@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from tierlm.serving.auth import ApiKeyAuth, NoAuth, hash_key, keys_file_line, load_keys_file, presented_key
+from tierlm.serving.auth import (ApiKeyAuth, NoAuth, RequestContext, hash_key, keys_file_line, load_keys_file,
+                                 presented_key)
 from tierlm.serving.errors import AuthenticationFailed
 
 
@@ -59,3 +60,12 @@ def test_key_line_helper_module():
     out = subprocess.run([sys.executable, "-m", "tierlm.serving.auth", "carol"], input="sk-c", text=True,
                          capture_output=True, check=True).stdout.strip()
     assert out == f"carol sha256:{hash_key('sk-c')}"
+
+
+def test_a_client_cache_salt_only_narrows_sharing():
+    salts = [RequestContext("r", cache_salt=tenant).salted(client).cache_salt
+             for tenant, client in [(None, None), (None, "x"), ("x", None), ("a", "bc"), ("ab", "c"), ("", "x"),
+                                    ("t1", "x"), ("t2", "x")]]
+    assert salts[0] is None and salts[2] == "x"  # no client salt: the tenant's, unchanged
+    assert len(set(salts)) == len(salts) - 1  # all distinct but (None, "x") and ("", "x"): both "no tenant salt"
+    assert salts[1] == salts[5]

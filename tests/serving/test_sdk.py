@@ -173,3 +173,33 @@ def test_openai_errors_are_sdk_exceptions(oai, demo_server, model):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=model, messages=[])
     assert info.value.param == "messages"
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(claude, oai, model):
+    """vLLM's `cache_salt` request field (sent with the SDKs' extra_body): equal prompts with
+    different salts never share cached blocks; the same salt does."""
+    import uuid
+    text = f"{uuid.uuid4().hex} " + "lorem ipsum dolor " * 30  # new to the cache
+
+    def openai_cached(salt: str | None) -> int:
+        r = oai.completions.create(model=model, prompt=text, max_tokens=1, **GREEDY,
+                                   extra_body={"cache_salt": salt} if salt else None)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert openai_cached("alice") == 0
+    assert openai_cached("alice") > 0
+    assert openai_cached("bob") == 0 and openai_cached(None) == 0  # nor unsalted
+    assert openai_cached(None) > 0 and openai_cached("alice") > 0
+
+    def claude_cached(salt: str | None) -> int:
+        msg = claude.messages.create(model=model, max_tokens=1, messages=[{"role": "user", "content": text}],
+                                     extra_body={"cache_salt": salt} if salt else None)
+        return msg.usage.cache_read_input_tokens
+
+    assert claude_cached("carol") == 0 and claude_cached("carol") > 0 and claude_cached("dave") == 0
+    for bad in ("", 7):
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            oai.completions.create(model=model, prompt=text, max_tokens=1, extra_body={"cache_salt": bad})
+        with pytest.raises(anthropic.BadRequestError, match="cache_salt"):
+            claude.messages.create(model=model, max_tokens=1, messages=[{"role": "user", "content": text}],
+                                   extra_body={"cache_salt": bad})

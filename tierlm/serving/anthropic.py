@@ -72,7 +72,7 @@ async def create_message(request: Request) -> Response:
         top_k=body.top_k if body.top_k else None,
         stop=body.stop_sequences,
     )
-    stream = EngineStream(engine, body.model, prompt.token_ids, params, context, state.inflight)
+    stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:

@@ -18,7 +18,7 @@ import hashlib
 import hmac
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Protocol
 
@@ -38,6 +38,15 @@ class RequestContext:
     tenant_id: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+
+    def salted(self, extra: str | None) -> "RequestContext":
+        """This context with a client's own `cache_salt` (a request field, as in vLLM) mixed under
+        the tenant's: a client can only narrow whom it shares cached prefixes with, never reach
+        another tenant's blocks (the length prefix keeps the mix injective)."""
+        if not extra:
+            return self
+        own = self.cache_salt or ""
+        return replace(self, cache_salt=f"\x1e{len(own)}:{own}{extra}")
 
 
 class Authenticator(Protocol):

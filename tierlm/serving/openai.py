@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(body, max_tokens, top_n))
-    stream = EngineStream(engine, body.model, prompt.token_ids, params, context, state.inflight)
+    stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
     await stream.open(request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
@@ -104,7 +104,7 @@ async def completions(request: Request) -> Response:
     prompt_ids = completion_prompt_ids(engine, body)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
     params = sampling_params(**_common_sampling(body, max_tokens, body.logprobs))
-    stream = EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)
+    stream = EngineStream(engine, body.model, prompt_ids, params, context.salted(body.cache_salt), state.inflight)
     await stream.open(request)
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     echo = _prompt_text(engine, body) if body.echo else ""

@@ -196,6 +196,9 @@ class MessagesRequest(ConversationBody):
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
+    # tierlm's (vLLM's field; send it with the SDK's extra_body): requests with different salts
+    # never share cached prefix blocks, mixed under the tenant's
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("stop_sequences")
     @classmethod

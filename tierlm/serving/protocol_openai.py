@@ -140,6 +140,8 @@ class _SamplingFields(_Body):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    # vLLM's: requests with different salts never share cached prefix blocks (mixed under the tenant's)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("n")
     @classmethod
