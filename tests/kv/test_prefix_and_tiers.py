@@ -163,6 +163,18 @@ def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server, redis_server
         assert torch.equal(got.view(torch.uint8), data.view(torch.uint8)), tier.name
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works here; the fallback needs it to fail")
+def test_host_tier_that_cannot_pin_memory_keeps_blocks_in_ordinary_memory(caplog):
+    """Page-locked memory runs out (a container's limit) on CUDA machines; here, without a
+    device, pinning fails the same way: the tier must store the block anyway, not fail the step."""
+    tier = HostTier(4, pin=True)
+    (h, parent, data), (h2, _, data2) = _chain(2)
+    with caplog.at_level("WARNING"):
+        assert tier.put(h, parent, data) == [] and tier.put(h2, h, data2) == []
+    assert torch.equal(tier.get(h), data) and torch.equal(tier.get(h2), data2) and tier.stats.errors == 0
+    assert caplog.text.count("cannot pin memory") == 1 and not tier.pin
+
+
 def test_writer_fences_device_copies_before_reading_a_block(tmp_path):
     """Demoted K/V may still be in flight from the device (CUDA copy stream): the writer thread
     must wait on the fence before it encodes a block for disk, every time."""

@@ -5,6 +5,8 @@ and the only code that knows how a step's tokens are laid out for attention.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -13,6 +15,8 @@ from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.models import cpu_kernels as cpu_kernel_lib
 from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from tierlm.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(args, kv_dtype: torch.dtype, block_size: int) -> int:
@@ -36,6 +40,7 @@ class ModelRunner:
         # K/V copies to host (demotion) run here on CUDA, off the compute stream.
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
+        self._pin = True  # K/V copies to host land in page-locked memory while it can be had
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, num_decodes: int) -> None:
@@ -74,7 +79,13 @@ class ModelRunner:
         if self._copy_stream is None:
             return torch.stack(layers).to("cpu", copy=True)
         compute = torch.cuda.current_stream(self.device)
-        out = torch.empty((len(layers), *layers[0].shape), dtype=layers[0].dtype, pin_memory=True)
+        shape = (len(layers), *layers[0].shape)
+        try:
+            out = torch.empty(shape, dtype=layers[0].dtype, pin_memory=self._pin)
+        except RuntimeError as e:  # page-locked memory exhausted: slower copies, not a failed step
+            log.warning("cannot pin host memory for K/V copies (%s); using ordinary memory from now on", e)
+            self._pin = False
+            out = torch.empty(shape, dtype=layers[0].dtype)
         self._copy_stream.wait_stream(compute)  # the block as last written
         with torch.cuda.stream(self._copy_stream):
             for i, layer in enumerate(layers):

@@ -353,7 +353,14 @@ class HostTier(_CapacityTier):
         self.data: dict[bytes, torch.Tensor] = {}
 
     def _write(self, h, parent, data, hint):
-        self.data[h] = data.pin_memory() if self.pin and not data.is_pinned() else data
+        if self.pin and not data.is_pinned():
+            try:
+                data = data.pin_memory()
+            except RuntimeError as e:  # page-locked memory exhausted (a container's limit), or no device
+                self.pin = False
+                log.warning("KV host tier cannot pin memory (%s); keeping blocks in ordinary memory, so copies "
+                            "back to the device will not overlap with compute", e)
+        self.data[h] = data
 
     def _read(self, h):
         return self.data.get(h)
