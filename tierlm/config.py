@@ -71,7 +71,10 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+            raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA "
+                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
         return dev
 
     def validate(self) -> None:
