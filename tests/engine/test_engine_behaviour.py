@@ -310,3 +310,11 @@ def test_bad_engine_settings_are_refused_before_loading(settings, says, tmp_path
     """A bad knob fails at once with its name, not minutes into loading (or with a torch traceback)."""
     with pytest.raises(ValueError, match=says):
         LLM(str(tmp_path / "no-model-here"), **settings)
+
+
+def test_a_cuda_device_that_is_not_there_is_refused_before_loading(tmp_path):
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    says = "torch sees no CUDA device" if count == 0 else f"does not exist: torch sees {count} CUDA"
+    with pytest.raises(ValueError, match=f"device 'cuda:{count}' .*{says}"):
+        LLM(str(tmp_path / "no-model-here"), device=f"cuda:{count}")
