@@ -108,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.serving.server import listen_socket, make_server
     from tierlm.serving.telemetry import Telemetry, configure_request_log
 
+    sock = None
     try:
         # Built first so a bad --otlp-endpoint fails before minutes of model loading.
         telemetry = Telemetry(otlp_endpoint=getattr(args, "otlp_endpoint", None),
@@ -134,6 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
                 logger.warning(RANDOM_WEIGHTS_NOTICE)
     except (TierlmError, ValueError, OSError) as exc:
+        if sock is not None:
+            sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
