@@ -73,8 +73,9 @@ class SamplingParams:
             bad("stop_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer (got {self.seed!r})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):
+            bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 
     @property
     def uses_penalties(self) -> bool:

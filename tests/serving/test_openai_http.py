@@ -201,6 +201,9 @@ def test_out_of_vocab_token_prompt_is_400(client):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "messages.0.content.0"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/chat/completions", chat(seed=10**20), 400, "seed"),  # beyond 64 bits: was a 500
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+    ("/v1/chat/completions", chat(cache_salt=""), 400, "cache_salt"),
 ])
 def test_openai_error_shape(client, path, payload, status, param):
     r = client.post(path, json=payload)
