@@ -40,6 +40,9 @@ def rejected(model, body) -> APIError:
      "messages.0.content.0.tool_use_id", "field required"),
     (anthropic(messages=[{"role": "system", "content": "x"}]), "messages.0.role", "'user' or 'assistant'"),
     (anthropic(messages=[{"content": "x"}]), "messages.0.role", "field required"),
+    (anthropic(messages=[{"role": {}, "content": "x"}]), "messages.0.role", "'user' or 'assistant'"),  # was a 500
+    (anthropic(messages=[{"role": ["user"], "content": "x"}]), "messages.0.role", "'user' or 'assistant'"),
+    (anthropic(messages=[{"role": "user", "content": [{"type": {}, "text": "x"}]}]), "messages.0.content.0.type", ""),
     (anthropic(stop_sequences=["ok", ""]), "stop_sequences", "empty"),
     (anthropic(temperature=1.5), "temperature", "less than or equal to 1"),
     (anthropic(top_p=0), "top_p", "greater than 0"),
@@ -88,6 +91,8 @@ def test_count_tokens_needs_no_max_tokens():
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content.0.image_url.url", "field required"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'system'"),
+    ({"model": "m", "messages": [{"role": {}, "content": "x"}]}, "messages.0.role", ""),  # was a 500
+    ({"model": "m", "messages": [{"role": [{"a": 1}], "content": "x"}]}, "messages.0.role", ""),
     ({"model": "m", "messages": USER, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"model": "m", "messages": USER, "max_completion_tokens": -5}, "max_completion_tokens", "greater"),
     ({"model": "m", "messages": USER, "n": 2}, "n", "only n=1"),

@@ -131,7 +131,7 @@ def json_path(loc: tuple[Any, ...], data: Any) -> str:
             parts.append(str(item))
             current = current[item] if 0 <= item < len(current) else None
         elif isinstance(current, dict) and isinstance(item, str):
-            tag_values = {current.get("type"), current.get("role")}
+            tag_values = {v for v in (current.get("type"), current.get("role")) if isinstance(v, str)}
             if item in tag_values and not last and not _is_field_path(loc, i, current):
                 continue  # a discriminator label, not a key
             if item in current:
