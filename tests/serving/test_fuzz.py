@@ -3,6 +3,7 @@ never a stack trace — and stays healthy with no KV blocks left behind. Valid b
 generate, on the real engine (a scripted model: tiny, so hundreds of requests stay fast)."""
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -45,17 +46,32 @@ openai_body = st.fixed_dictionaries(
     {"model": st.just(TEXT_MODEL), "messages": st.lists(openai_message, min_size=1, max_size=3),
      "prompt": words | st.lists(st.integers(0, 900), min_size=1, max_size=8)},
     optional={"max_tokens": st.integers(1, 12), "stop": words | st.lists(words, max_size=3),
-              "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "seed": st.integers(0, 2**31),
+              "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+              "seed": st.integers(0, 2**31) | st.integers(-(2**70), 2**70),
               "stream": st.booleans(), "logprobs": st.booleans(), "echo": st.booleans(), "n": st.just(1),
               "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2)},
 )
 
 
+def _slots(value, out: list) -> list:
+    """Every (container, key) inside a JSON value, depth first."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        out.append((value, key))
+        _slots(inner, out)
+    return out
+
+
 @st.composite
 def mutated(draw, valid):
-    """A valid body with one top-level field dropped, replaced by junk, or junk added (or none)."""
-    body = dict(draw(valid))
-    how = draw(st.sampled_from(["keep", "drop", "replace", "replace", "add"]))
+    """A valid body with one top-level field dropped, replaced by junk, or junk added; or one
+    value anywhere inside it (a message's role, a block's type, ...) replaced by junk; or none."""
+    body = copy.deepcopy(draw(valid))
+    how = draw(st.sampled_from(["keep", "drop", "replace", "replace", "add", "nested", "nested"]))
+    if how == "nested":
+        container, key = draw(st.sampled_from(_slots(body, [])))
+        container[key] = draw(json_values)
+        return body
     if how == "drop" and body:
         body.pop(draw(st.sampled_from(sorted(body))))
     elif how == "replace" and body:
