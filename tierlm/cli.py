@@ -61,21 +61,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Bad input (settings, model directory, sampling parameters) ends in `main`'s one error line."""
     from tierlm import AsyncEngine, SamplingParams
-    from tierlm.errors import TierlmError
     from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
 
     if args.model is None:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
-    try:
-        kw = engine_kwargs(args)
-        kw["max_num_seqs"] = 1 if args.max_num_seqs == 64 else args.max_num_seqs  # one prompt: size KV for one
-        engine = AsyncEngine.from_model(args.model, **kw)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed if args.temperature > 0 else None)
-    except (TierlmError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    kw = engine_kwargs(args)
+    kw["max_num_seqs"] = 1 if args.max_num_seqs == 64 else args.max_num_seqs  # one prompt: size KV for one
+    engine = AsyncEngine.from_model(args.model, **kw)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed if args.temperature > 0 else None)
 
     async def run() -> None:
         await engine.start()
@@ -90,11 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
         finally:
             await engine.shutdown()
 
-    try:
-        asyncio.run(run())
-    except TierlmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    asyncio.run(run())
     return 0
 
 

@@ -69,7 +69,11 @@ class EngineConfig:
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {self.device!r} is not a device torch knows; use auto, cpu, cuda "
+                             "or cuda:N") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
         if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -83,12 +87,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (got {self.max_model_len}); leave it unset for the "
                              "model's own limit")
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device {self.device!r} is not a device torch knows; use auto, cpu, cuda "
-                                 "or cuda:N") from None
+        self.resolve_device()  # an unknown or absent device fails here, before anything loads
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -88,13 +88,10 @@ def run_tierlm(model_dir: str, wl: Workload, dtype: str, **engine_kw) -> dict:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` is CUDA when torch sees one (as for the engine), else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: torch sees no CUDA device here; use --device cpu (or auto)")
-    return device
+    """The device as the engine resolves it (`auto`: CUDA when torch sees one), so both engines
+    of the comparison run where tierlm would."""
+    from tierlm.config import EngineConfig
+    return EngineConfig(device=name).resolve_device()
 
 
 def _sync(device: torch.device) -> None:
