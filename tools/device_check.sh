@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# The CUDA checks, as one command for a machine with a GPU (limits add up to 570 s, for a
-# device call of 600 s; on an H200 it should take far less):
+# The CUDA checks, as one command for a machine with a GPU, ending within 585 s, for a device
+# call of 600 s (the last step gets whatever time the others left):
 #
 #   bash tools/device_check.sh        # results in $OUT (default ./device-out): log.txt, *.json, *.png
+#   LIMIT_S=450 SKIP="bench-throughput" bash tools/device_check.sh   # a shorter call, steps left out
+#
+# Packages the machine lacks (tierlm's server stack, the SDKs the tests drive) can travel as
+# cp312 wheels in .whl/ (see /work/.library/device/README.md); they are installed first.
 #
 # 1. the engine on CUDA against transformers: logits and greedy tokens for every architecture
 #    (the reference model runs on the CPU), engine behaviour, prefix caching and the host and
 #    disk tiers (pinned host memory, the side stream for device-to-host copies); Redis tests
 #    run only where redis-server is installed;
 # 2. `bench throughput`: tierlm against transformers, both on the GPU, same run;
-# 3. `bench prefix`: time to first token with a 2,000-token prefix on device / host / disk.
+# 3. `bench prefix`: time to first token with a 2,000-token prefix on device / host / disk;
+# 4. `bench prefix` with the longest prefix the model takes (3,968 tokens), and a profile of a
+#    decode step and of cold and prefix-hit prefill steps (tools/device_profile.py);
+# 5. the rest of the test suite, with the engine on CUDA wherever a test leaves the device to it.
 #
 # Needs python3 with a CUDA torch and transformers (no network, no install); tierlm runs from
 # this checkout. Each step has its own time limit and the next runs even if one fails: the
@@ -22,9 +29,11 @@ LOG="$OUT/log.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 BENCH_MODEL="${TMPDIR:-/tmp}/tierlm-bench-llama-0.5b"
 
+LIMIT_S=${LIMIT_S:-585}
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "=== $name: skipped" | tee -a "$LOG"; return; fi
   echo "=== $name (limit ${limit} s)" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$limit" "$@" >>"$LOG" 2>&1
@@ -33,14 +42,32 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 
 : >"$LOG"
-step environment 30 python3 -c "
+if compgen -G ".whl/*.whl" >/dev/null; then
+  step install-wheels 40 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"  # after the checkout; the image's own packages stay first
+fi
+step environment 50 python3 -c "
 import torch, transformers
 assert torch.cuda.is_available(), 'torch sees no CUDA device'
-print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-step parity-and-tiers 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
+print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))
+from tierlm import LLM, SamplingParams
+from tierlm.models.demo import build_demo_model
+import tempfile, pathlib
+d = build_demo_model(pathlib.Path(tempfile.mkdtemp()) / 'demo', kind='moe')
+llm = LLM(str(d), load_progress=False)
+out = llm.generate(['The cache'], SamplingParams(max_tokens=8, temperature=0))
+print('engine device', llm.engine.device, 'tokens', out[0].outputs[0].token_ids)
+assert llm.engine.device.type == 'cuda'"
+step parity-and-tiers 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
   tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py -k "not packed"
-step bench-throughput 240 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
-  --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
-step bench-prefix 100 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
+step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
+  --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
+step bench-prefix 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
   --json "$OUT/prefix.json" --plot "$OUT/prefix.png"
+step bench-prefix-long 60 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
+  --prefix-len 3968 --json "$OUT/prefix_long.json"
+step profile 60 python3 tools/device_profile.py "$BENCH_MODEL"
+step rest-of-suite $((LIMIT_S - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rfE tests --ignore=tests/models/test_parity.py \
+  --ignore=tests/engine/test_engine_behaviour.py --ignore=tests/kv/test_prefix_and_tiers.py
 grep "^=== .*: rc" "$LOG"

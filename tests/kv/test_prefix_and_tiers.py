@@ -163,6 +163,37 @@ def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server, redis_server
         assert torch.equal(got.view(torch.uint8), data.view(torch.uint8)), tier.name
 
 
+def test_device_blocks_move_in_batches_bitwise_and_each_in_its_own_memory(llama_dir):
+    """The runner's batched copies (one gather per layer, one copy per block): blocks read out
+    in any order come back exactly, into other blocks, and every block owns its host memory (a
+    tier that drops one block must free its bytes, not keep a whole batch alive)."""
+    llm = _llm(llama_dir)
+    runner = llm.engine.runner
+    torch.manual_seed(0)
+    for c in runner.kv_caches:
+        c.copy_(torch.randn_like(c))
+    src = [7, 2, 11, 3]
+    def device_block(b):
+        return torch.stack([c[:, b] for c in runner.kv_caches]).cpu()
+    got = runner.read_blocks(src)
+    runner.copies_done()
+    assert len(got) == len(src)
+    for b, data in zip(src, got):
+        assert data.device.type == "cpu" and data.is_contiguous() and data.dtype == torch.float32
+        assert data.untyped_storage().nbytes() == data.numel() * data.element_size()  # its own memory
+        assert torch.equal(data.view(torch.int32), device_block(b).view(torch.int32))
+    before = [device_block(b) for b in (1, 5)]
+    dst = [20, 9, 4, 30]
+    runner.write_blocks(dst, got)
+    for b, data in zip(dst, got):
+        assert torch.equal(device_block(b).view(torch.int32), data.view(torch.int32))
+    for b, old in zip((1, 5), before):  # blocks not named are untouched
+        assert torch.equal(device_block(b).view(torch.int32), old.view(torch.int32))
+    runner.write_blocks([6], [got[0].double()])  # a tier holding another dtype: converted on the way in
+    assert torch.equal(device_block(6).view(torch.int32), got[0].view(torch.int32))
+    assert runner.read_blocks([]) == [] and runner.write_blocks([], []) is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works here; the fallback needs it to fail")
 def test_host_tier_that_cannot_pin_memory_keeps_blocks_in_ordinary_memory(caplog):
     """Page-locked memory runs out (a container's limit) on CUDA machines; here, without a
@@ -770,7 +801,7 @@ def test_redis_tier_size_is_the_servers_maxmemory(llama_dir, redis_server, caplo
     assert "no maxmemory" in caplog.text and "kv_remote_capacity" in caplog.text
     overhead = int(server.info("memory")["used_memory_overhead"])
     llm = _llm(llama_dir, kv_remote=redis_server.url, kv_remote_capacity="1000 blocks", kv_remote_ttl=600)
-    block = llm.engine.runner.read_block(0)
+    block, = llm.engine.runner.read_blocks([0])
     maxmemory = int(server.config_get("maxmemory")["maxmemory"]) - 1000 * block.numel() * block.element_size()
     assert 0.5 * overhead < maxmemory < 2 * overhead  # 1000 blocks on top of the server's own overhead
     assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"

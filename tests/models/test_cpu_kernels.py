@@ -123,7 +123,8 @@ def test_bf16_engine_with_kernels_equals_pytorch_path(arch, checkpoints):
     logits within float32 rounding."""
     rng = random.Random(3)
     prompts = [[rng.randrange(200) for _ in range(L)] for L in (3, 17, 31, 1, 48, 9, 64, 25)]
-    kw = dict(dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    kw = dict(dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False,
+              device="cpu")  # the CPU kernels' test, also on a machine with a GPU
     fast = LLM(str(checkpoints[arch]), **kw)
     slow = LLM(str(checkpoints[arch]), cpu_kernels=False, **kw)
     for llm, on in ((fast, True), (slow, False)):
@@ -150,7 +151,8 @@ def test_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog, llama
         assert cpu_kernels.library() is None
     assert "building tierlm's CPU kernels failed" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind
-    llm = LLM(str(llama_dir), dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    llm = LLM(str(llama_dir), dtype="bfloat16", compute_dtype="float32", kv_cache_memory=4 << 20, load_progress=False,
+              device="cpu")
     assert not isinstance(llm.engine.runner.model.layers[0].mlp.down_proj, Bf16DecodeLinear)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

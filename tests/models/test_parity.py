@@ -24,7 +24,8 @@ class _Capture:
         self.sampler, self.rows = sampler, []
 
     def __call__(self, logits, reqs):
-        self.rows.append((logits.clone(), [r.request_id for r in reqs]))
+        # Kept on the CPU, where the reference model runs, whatever the engine's device.
+        self.rows.append((logits.detach().cpu().clone(), [r.request_id for r in reqs]))
         return self.sampler(logits, reqs)
 
 

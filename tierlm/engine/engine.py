@@ -171,7 +171,7 @@ class LLMEngine:
         model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype)
         self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,
-                                 io=BlockIO(self.runner.read_block, self.runner.write_block),
+                                 io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
                                  prefetch=self.device.type == "cuda" if config.kv_prefetch is None else config.kv_prefetch)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)

@@ -26,7 +26,7 @@ class KVBlock:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, policy: str | EvictionPolicy = DEFAULT_POLICY,
-                 on_evict: Callable[[KVBlock], None] | None = None) -> None:
+                 on_evict: Callable[[list[KVBlock]], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise kv_cache_memory")
         self.num_blocks = num_blocks
@@ -54,28 +54,30 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVBlock]:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks with {self.num_free} free (scheduler bug)")
-        out = []
-        for _ in range(n):
-            if self._free:
-                blk = self.blocks[self._free.popleft()]
-            else:
-                blk = self._evict_one()
+        take = min(n, len(self._free))
+        out = [self.blocks[self._free.popleft()] for _ in range(take)] + self._evict(n - take)
+        for blk in out:
             blk.ref_cnt = 1
-            out.append(blk)
         return out
 
-    def _evict_one(self) -> KVBlock:
-        key = self.policy.victim()
-        if key is None:
-            raise RuntimeError("no evictable KV block although the pool counted one (policy bug)")
-        blk = self.cached.pop(key)
-        self.policy.remove(key)
-        self._num_evictable -= 1
-        self.evictions += 1
-        if self.on_evict is not None:
-            self.on_evict(blk)
-        blk.block_hash = blk.parent_hash = blk.output_tokens = None
-        return blk
+    def _evict(self, n: int) -> list[KVBlock]:
+        """Take `n` cached, unreferenced blocks as the policy picks them, handing them to
+        `on_evict` in one call: their K/V leaves the device in one batch of copies, not one
+        copy per block and layer."""
+        victims = []
+        for _ in range(n):
+            key = self.policy.victim()
+            if key is None:
+                raise RuntimeError("no evictable KV block although the pool counted one (policy bug)")
+            victims.append(self.cached.pop(key))
+            self.policy.remove(key)
+        self._num_evictable -= len(victims)
+        self.evictions += len(victims)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+        for blk in victims:
+            blk.block_hash = blk.parent_hash = blk.output_tokens = None
+        return victims
 
     def lookup(self, h: BlockHash) -> KVBlock | None:
         return self.cached.get(h) if self.enable_caching else None
@@ -115,13 +117,10 @@ class BlockPool:
                 self._free.append(blk.block_id)
 
     def evict_all(self) -> int:
-        """Evict every cached, unreferenced block (demoting it through `on_evict`); returns how many."""
-        n = 0
-        while self._num_evictable > 0:
-            blk = self._evict_one()
-            self._free.append(blk.block_id)
-            n += 1
-        return n
+        """Evict every cached, unreferenced block (demoting them through `on_evict`); returns how many."""
+        victims = self._evict(self._num_evictable)
+        self._free.extend(blk.block_id for blk in victims)
+        return len(victims)
 
     def reset_cache(self) -> None:
         """Forget every cached-but-unreferenced block (e.g. after weights change)."""

@@ -43,10 +43,12 @@ class PrefixHit:
 
 @dataclass
 class BlockIO:
-    """How the manager reads and writes one device block's K/V (all layers), given by the runner."""
+    """How the manager reads and writes device blocks' K/V (all layers of each), given by the
+    runner: a batch of blocks at a time, so that moving a long prefix costs a few large copies
+    rather than one small copy per block and layer."""
 
-    read: Callable[[int], torch.Tensor]
-    write: Callable[[int, torch.Tensor], None]
+    read: Callable[[list[int]], list[torch.Tensor]]
+    write: Callable[[list[int], list[torch.Tensor]], None]
 
 
 class KVCacheManager:
@@ -88,11 +90,11 @@ class KVCacheManager:
             device.append(blk)
         return hashes, device, limit
 
-    def _demote(self, blk: KVBlock) -> None:
-        data = self.io.read(blk.block_id)
-        self.stats.demoted_blocks += 1
-        self.stats.demoted_bytes += data.numel() * data.element_size()
-        self.store.demote(blk.block_hash, blk.parent_hash, data, hint=blk.output_tokens)
+    def _demote(self, blocks: list[KVBlock]) -> None:
+        for blk, data in zip(blocks, self.io.read([blk.block_id for blk in blocks])):
+            self.stats.demoted_blocks += 1
+            self.stats.demoted_bytes += data.numel() * data.element_size()
+            self.store.demote(blk.block_hash, blk.parent_hash, data, hint=blk.output_tokens)
 
     def prefetch(self, req) -> None:
         """On arrival: start reading the part of `req`'s prefix that is below the device (disk,
@@ -142,9 +144,11 @@ class KVCacheManager:
         if need > 0:
             req.blocks.extend(self.pool.allocate(need))
         base = len(hit.device)
+        if hit.lower:
+            self.io.write([blk.block_id for blk in req.blocks[base:base + len(hit.lower)]],
+                          [data for _, _, data, _ in hit.lower])
         for j, (h, source, data, hint) in enumerate(hit.lower):
             blk = req.blocks[base + j]
-            self.io.write(blk.block_id, data)
             self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None)
             if hint is not None and blk.block_hash == h:  # what the lower tier knew comes back up
                 blk.output_tokens = hint
@@ -164,6 +168,7 @@ class KVCacheManager:
         if full <= req.num_registered_blocks:
             return
         hashes = self._hashes(req)
+        through = []  # (index, hash, parent) of blocks to write through to lower tiers
         for i in range(req.num_registered_blocks, full):
             parent = hashes[i - 1] if i else None
             existing = self.pool.lookup(hashes[i])
@@ -176,7 +181,11 @@ class KVCacheManager:
                 continue
             self.pool.register_full(req.blocks[i], hashes[i], parent)
             if self.store is not None and self.store.write_through:
-                self.store.write_through_block(hashes[i], parent, self.io.read(req.blocks[i].block_id))
+                through.append((i, hashes[i], parent))
+        if through:
+            datas = self.io.read([req.blocks[i].block_id for i, _, _ in through])
+            for (_, h, parent), data in zip(through, datas):
+                self.store.write_through_block(h, parent, data)
         req.num_registered_blocks = full
 
     def free(self, req) -> None:

@@ -1,0 +1,75 @@
+"""Where a GPU step's time goes: kernels launched and host vs device time per engine step.
+
+    python3 tools/device_profile.py MODEL_DIR
+
+Profiles three kinds of step on the 0.5B-shaped benchmark model: a batch of 32 decodes, one
+2,000-token prefill (cold), and a 48-token prefill whose 2,000-token prefix is cached on the
+device (the `bench prefix` device hit). For each it prints wall time, the summed kernel time
+(so the share of the step the GPU sat idle waiting for the host), the kernels launched, and
+the top operators by host time: the numbers a CUDA-graph or fusion change has to beat.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tierlm import LLM, SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _profile_steps(llm: LLM, label: str, steps: int) -> None:
+    eng = llm.engine
+    _sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        _sync()
+        wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / steps
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                         "cuLaunchKernelEx")) / steps
+    print(f"\n## {label}: {wall * 1e3:.1f} ms per step, kernels {kernel_us / 1e3:.1f} ms "
+          f"(GPU busy {kernel_us / 1e6 / wall:.0%}), {launches:.0f} launches per step")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+
+
+def main() -> None:
+    model = sys.argv[1]
+    rng = random.Random(0)
+    llm = LLM(model, dtype="bfloat16", load_progress=False)
+    eng = llm.engine
+    vocab = llm.tokenizer.vocab_size if hasattr(llm.tokenizer, "vocab_size") else 32000
+    ids = lambda n: [rng.randrange(100, min(vocab, 32000)) for _ in range(n)]  # noqa: E731
+
+    for _ in range(32):
+        eng.add_request({"prompt_token_ids": ids(128)}, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(4):  # prefill and the first decodes, unprofiled
+        eng.step()
+    _profile_steps(llm, "decode, batch 32", 10)
+    while eng.has_unfinished():
+        eng.step()
+
+    prefix = ids(2000)
+    eng.add_request({"prompt_token_ids": prefix + ids(48)}, SamplingParams(max_tokens=1, ignore_eos=True))
+    _profile_steps(llm, "prefill, 2,048 tokens cold", 1)
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request({"prompt_token_ids": prefix + ids(48)}, SamplingParams(max_tokens=1, ignore_eos=True))
+    _profile_steps(llm, "prefill, 48 tokens after a 2,000-token device hit", 1)
+    while eng.has_unfinished():
+        eng.step()
+
+
+if __name__ == "__main__":
+    main()
