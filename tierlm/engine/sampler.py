@@ -1,8 +1,12 @@
 """Turn last-position logits into next tokens, per request's SamplingParams.
 
-Everything is batched over the rows of one step except the final draw, which uses each
-request's own torch.Generator when it has a seed, so a seeded request is reproducible no
-matter what else shares its batch.
+Everything is batched over the rows of one step, on the logits' device; only top-k/top-p/min-p
+filters run per row that asks for them. A sampled row draws one uniform number from its
+request's own torch.Generator when it has a seed (so a seeded request is reproducible no matter
+what else shares its batch), else from the engine's, and takes the token where that number
+falls in the row's cumulative distribution. One draw per row, not one per vocabulary entry:
+torch.multinomial's CPU path draws an exponential per entry, ~1 ms per row at 32k tokens, which
+on a GPU was 45% of a 32-row decode step (bench_results/h200/device_run2.log).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.engine.request import Request
+from tierlm.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -32,20 +37,30 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
     return logits
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_logits)
-    return logits
+def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Top-k, then min-p, then top-p, each row with its own settings, batched over the rows
+    (one sort for all of them, not one per row). Filtered-out tokens become -inf."""
+    dev, n, vocab = rows.device, rows.shape[0], rows.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        k = torch.tensor(ks, dtype=torch.long).to(dev, non_blocking=True)
+        top = torch.topk(rows, max(ks), dim=-1).values
+        kth = top.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+        kth = torch.where(k.unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))  # k = 0: keep all
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=rows.dtype).to(dev, non_blocking=True)
+        probs = torch.softmax(rows, dim=-1)
+        rows = rows.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=rows.dtype).to(dev, non_blocking=True)
+        sorted_rows, order = torch.sort(rows, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_rows, dim=-1)
+        # Drop a token when the mass before it already reaches p (the token that crosses p stays);
+        # rows with top_p = 1 drop nothing, whatever the rounding of their sums.
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        rows = rows.scatter(1, order, sorted_rows.masked_fill(drop, float("-inf")))
+    return rows
 
 
 class Sampler:
@@ -58,17 +73,15 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_penalties(logits.clone() if want_logprobs else logits, reqs)
-        greedy_ids = logits.argmax(dim=-1).tolist()
-        tokens: list[int] = []
-        for i, r in enumerate(reqs):
-            p = r.params
-            if p.greedy:
-                tokens.append(greedy_ids[i])
-                continue
-            row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = torch.softmax(row, dim=-1).cpu()
-            gen = r.generator or self.default_generator
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if len(drawn) == len(reqs):
+            picked = self._draw(logits, reqs)
+        else:
+            picked = logits.argmax(dim=-1)
+            if drawn:
+                rows = torch.tensor(drawn, dtype=torch.long).to(logits.device, non_blocking=True)
+                picked.index_copy_(0, rows, self._draw(logits.index_select(0, rows), [reqs[i] for i in drawn]))
+        tokens = picked.tolist()  # the step's one device-to-host sync
         lps: list[TokenLogprob | None] = [None] * len(reqs)
         if raw_logprobs is not None:
             for i, r in enumerate(reqs):
@@ -81,3 +94,20 @@ class Sampler:
                     token_id=tokens[i], logprob=float(row[tokens[i]]),
                     top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
         return tokens, lps
+
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """One token per row of `logits` [n, vocab], drawn from softmax(row / temperature) after the
+        row's filters: the first token whose cumulative probability exceeds u * total, u uniform in
+        [0, 1). A token of probability 0 (filtered out) has no width in the cumulative sum, so it
+        is never drawn."""
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+        rows = _filter_rows(logits / temps.to(dev, non_blocking=True).unsqueeze(1), [r.params for r in reqs])
+        cum = torch.softmax(rows, dim=-1).double().cumsum(dim=-1)  # float64: 100k-entry sums stay exact to ~1e-12
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=r.generator or self.default_generator)
+                       for r in reqs])
+        total = cum[:, -1]
+        # Strictly below the total (u * total can round up to it, a 2^-53 chance), so the token
+        # found always has width: probability above 0.
+        target = torch.minimum(u.to(dev, non_blocking=True) * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)

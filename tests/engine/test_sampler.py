@@ -1,0 +1,122 @@
+"""The sampler's draws against the distributions they must follow, computed here independently
+(numpy, from the definitions of temperature, top-k, top-p and min-p)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tierlm.engine.request import Request
+from tierlm.engine.sampler import Sampler
+from tierlm.sampling_params import SamplingParams
+
+VOCAB = 40
+
+
+def _req(i: int, **params) -> Request:
+    seed = params.get("seed")
+    return Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, **params), 8, frozenset(),
+                   generator=torch.Generator().manual_seed(seed) if seed is not None else None)
+
+
+def _expected(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0) -> np.ndarray:
+    """The filters in turn, as Hugging Face's logits warpers apply them: top-k, then min-p, then
+    top-p over what is left (renormalised)."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.ones(len(p), dtype=bool)
+    if 0 < top_k < len(z):  # a k at or past the vocabulary keeps everything
+        keep &= z >= np.sort(z)[-top_k]
+    if min_p > 0:
+        keep &= p >= min_p * p[keep].max()
+    if top_p < 1.0:  # the smallest set of most likely tokens whose (renormalised) mass reaches top_p
+        q = np.where(keep, p, 0.0) / p[keep].sum()
+        order = np.argsort(-q, kind="stable")
+        before = np.cumsum(q[order]) - q[order]
+        nucleus = np.zeros(len(p), dtype=bool)
+        nucleus[order[before <= top_p]] = True
+        keep &= nucleus
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+CONFIGS = [dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.7, top_k=5),
+           dict(temperature=1.0, top_p=0.6), dict(temperature=0.9, min_p=0.2)]
+
+
+def test_draws_follow_the_filtered_tempered_distribution():
+    """~19,000 draws per setting, all settings sharing each step's batch: every draw is a token
+    the settings allow, and the frequencies are the distribution's (total variation < 0.025)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(VOCAB, generator=gen) * 2.5
+    per_config, steps = 64, 300
+    reqs = [_req(i, **CONFIGS[i // per_config]) for i in range(per_config * len(CONFIGS))]
+    sampler = Sampler(seed=1)
+    counts = np.zeros((len(CONFIGS), VOCAB))
+    for _ in range(steps):
+        tokens, _ = sampler(logits.expand(len(reqs), VOCAB).clone(), reqs)
+        np.add.at(counts, (np.arange(len(reqs)) // per_config, tokens), 1)
+    for c, cfg in enumerate(CONFIGS):
+        want = _expected(logits.numpy(), **cfg)
+        got = counts[c] / counts[c].sum()
+        assert not got[want == 0].any(), f"{cfg}: drew a token its filters exclude"
+        assert 0.5 * np.abs(got - want).sum() < 0.025, cfg
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
+
+    def run(batch_with_others: bool) -> list[int]:
+        sampler = Sampler(seed=0)
+        mine = _req(0, temperature=1.0, seed=1234)
+        others = [_req(1, temperature=0.7), _req(2, temperature=0.0), _req(3, temperature=1.0, top_k=3, seed=9)]
+        out = []
+        for step in range(30):
+            reqs = (others[: 1 + step % 3] + [mine]) if batch_with_others else [mine]
+            rows = logits[: len(reqs)].clone()
+            rows[-1] = logits[5]
+            out.append(sampler(rows, reqs)[0][-1])
+        return out
+
+    alone, shared = run(False), run(True)
+    assert alone == shared
+    assert len(set(alone)) > 3  # it does sample (not a constant)
+
+
+def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    reqs = [_req(0, temperature=0.0), _req(1, temperature=1.0, seed=5), _req(2, temperature=0.0),
+            _req(3, temperature=2.0)]
+    tokens, _ = Sampler()(logits.clone(), reqs)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    assert all(0 <= t < VOCAB for t in tokens)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_single_allowed_token_is_always_drawn(top_k):
+    """top_k=1 (and a row where one token holds all the mass) leaves no choice, at any temperature."""
+    logits = torch.full((3, VOCAB), -30.0)
+    logits[:, 7] = 30.0
+    logits[:, 3] = 29.0 if top_k == 2 else -30.0
+    reqs = [_req(i, temperature=t, top_k=1, seed=i) for i, t in enumerate((0.3, 1.0, 5.0))]
+    sampler = Sampler()
+    for _ in range(200):
+        assert sampler(logits.clone(), reqs)[0] == [7, 7, 7]
+
+
+def test_filters_keep_exactly_the_tokens_their_definitions_allow_row_by_row():
+    """Rows with different filters (and rows with none) in one batch: each keeps exactly the
+    tokens the numpy reference keeps for its own settings."""
+    from tierlm.engine.sampler import _filter_rows
+    rng = np.random.default_rng(4)
+    settings = [dict(), dict(top_k=1), dict(top_k=7), dict(top_k=VOCAB + 5), dict(top_p=0.3), dict(top_p=0.95),
+                dict(min_p=0.05), dict(top_k=10, top_p=0.5), dict(top_k=12, min_p=0.1, top_p=0.8), dict(top_p=1.0)]
+    for trial in range(20):
+        logits = torch.from_numpy(rng.normal(scale=3.0, size=(len(settings), VOCAB)).astype(np.float32))
+        params = [SamplingParams(max_tokens=1, temperature=1.0, **s) for s in settings]
+        kept = torch.isfinite(_filter_rows(logits.clone(), params)).numpy()
+        for row, s in enumerate(settings):
+            want = _expected(logits[row].numpy(), 1.0, **s) > 0
+            assert (kept[row] == want).all(), (trial, s)
