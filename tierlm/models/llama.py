@@ -28,11 +28,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.rotate(rope, q, k)
+        qkv = self.qkv_proj(x)
+        # Queries and keys are adjacent columns of the fused projection: rotate them together.
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.rotate(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(T, self.q_size))
 
