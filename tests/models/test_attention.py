@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tierlm.models import attention
-from tierlm.models.attention import _causal_attention, _sdpa_causal
+from tierlm.models.attention import PrefillSeq, _causal_attention, _sdpa_causal
 
 
 def _reference(q, k, v, scale, window):
@@ -32,6 +32,22 @@ def test_explicit_path_matches_sdpa_and_reference(n, L, window):
     explicit = _causal_attention(q, k, v, 0.3, window)
     assert torch.allclose(explicit, ref, atol=1e-5)
     assert torch.allclose(_sdpa_causal(q, k, v, 0.3, window), ref, atol=1e-5)
+
+
+def test_one_chunk_shares_its_masks_across_layers_of_different_windows():
+    """A step's prefill chunk builds its masks once and every layer reuses them: layers with and
+    without a sliding window (and in another dtype) must each get their own, on both paths."""
+    n, L = 10, 36
+    seq = PrefillSeq(0, n, L, torch.empty(0))
+    g = torch.Generator().manual_seed(5)
+    for window in (None, 9, None, 9, 4):  # layer by layer, as a model with mixed windows runs
+        for dtype in (torch.float32, torch.float64):
+            q, k, v = (torch.randn(m, h, 8, generator=g, dtype=dtype) for m, h in ((n, 6), (L, 2), (L, 2)))
+            ref = _reference(q, k, v, 0.3, window)
+            assert torch.allclose(_causal_attention(q, k, v, 0.3, window, seq), ref, atol=1e-5), window
+            assert torch.allclose(_sdpa_causal(q, k, v, 0.3, window, seq), ref, atol=1e-5), window
+    assert {key[:2] for key in seq._masks} == {("allowed", None), ("allowed", 9), ("allowed", 4),
+                                               ("bias", None), ("bias", 9), ("bias", 4)}
 
 
 def test_long_problems_fall_back_to_sdpa(monkeypatch):
