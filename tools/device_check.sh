@@ -7,8 +7,8 @@
 #   bash tools/device_check.sh        # results in $OUT (default ./device-out): log.txt, *.json, *.png
 #   LIMIT_S=450 SKIP="bench-throughput" bash tools/device_check.sh   # a shorter call, steps left out
 #
-# Packages the machine lacks (tierlm's server stack, the SDKs the tests drive) can travel as
-# cp312 wheels in .whl/ (see /work/.library/device/README.md); they are installed first.
+# Packages the machine lacks (tierlm's server stack, the SDKs the tests drive) travel as cp312
+# wheels in .whl/, fetched beforehand by tools/device_wheels.sh; they are installed first.
 #
 # 1. the engine on CUDA against transformers: logits and greedy tokens for every architecture
 #    (the reference model runs on the CPU), engine behaviour, prefix caching and the host and
