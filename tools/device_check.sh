@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one command for a machine with a GPU, ending within LIMIT_S (585 s), for a
 # device call of 600 s; the last step gets whatever time the others left. On the H200 (December
-# 2026) the steps took 2 + 20 + 72 + 131 + 29 + 22 + 29 + 155 s: about 460 s, plus the machine's
-# start (30-60 s):
+# 2026) the steps took 2 + 20 + 72 + 131 + 29 + 22 + 29 + 155 s: about 460 s (the sampled
+# throughput step, added since, perhaps 40 s more), plus the machine's start (30-60 s):
 #
 #   bash tools/device_check.sh        # results in $OUT (default ./device-out): log.txt, *.json, *.png
 #   LIMIT_S=450 SKIP="bench-throughput" bash tools/device_check.sh   # a shorter call, steps left out
@@ -14,7 +14,8 @@
 #    (the reference model runs on the CPU), engine behaviour, prefix caching and the host and
 #    disk tiers (pinned host memory, the side stream for device-to-host copies); Redis tests
 #    run only where redis-server is installed;
-# 2. `bench throughput`: tierlm against transformers, both on the GPU, same run;
+# 2. `bench throughput`: tierlm against transformers, both on the GPU, same run; greedy, then
+#    sampled (temperature 0.8, top-p 0.95, the sampler's path);
 # 3. `bench prefix`: time to first token with a 2,000-token prefix on device / host / disk;
 # 4. `bench prefix` with the longest prefix the model takes (3,968 tokens), and a profile of a
 #    decode step and of cold and prefix-hit prefill steps (tools/device_profile.py);
@@ -65,6 +66,8 @@ step parity-and-tiers 150 python3 -m pytest -q -p no:cacheprovider tests/models/
   tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py -k "not packed"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
   --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
+step bench-throughput-sampled 90 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
+  --workload uniform --no-batch1 --temperature 0.8 --top-p 0.95 --json "$OUT/throughput_sampled.json"
 step bench-prefix 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
   --json "$OUT/prefix.json" --plot "$OUT/prefix.png"
 step bench-prefix-long 60 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \

@@ -21,6 +21,24 @@ def test_bench_throughput_tiny(llama_dir, tmp_path):
     assert (tmp_path / "tp.png").stat().st_size > 1000
 
 
+def test_bench_throughput_sampled_tiny(llama_dir, tmp_path, capsys):
+    """Both engines sample with the same temperature and nucleus; bad settings are refused first."""
+    out = tmp_path / "tp.json"
+    base = ["bench", "throughput", "--model", str(llama_dir), "--workload", "tiny", "--dtype", "float32",
+            "--kv-cache-memory", str(4 << 20), "--no-batch1", "--device", "cpu", "--json", str(out)]
+    assert main(base + ["--temperature", "0.8", "--top-p", "0.9"]) == 0
+    res = json.loads(out.read_text())
+    assert res["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    wl = res["workloads"]["tiny"]
+    assert wl["tierlm"]["output_tokens"] == wl["transformers"]["output_tokens"] > 0
+    out.unlink()
+    for bad, says in ((["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+                      (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p")):
+        assert main(base + bad) == 2
+        assert says in capsys.readouterr().err
+        assert not out.exists()
+
+
 def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch, redis_server):
     import tempfile
     scratch = tmp_path / "scratch"

@@ -72,11 +72,35 @@ def ensure_bench_model(path: Path) -> Path:
     return path
 
 
-def run_tierlm(model_dir: str, wl: Workload, dtype: str, **engine_kw) -> dict:
+@dataclass
+class Sampling:
+    """How both engines pick tokens: greedy (temperature 0, the default) or sampled, with the
+    same temperature and nucleus on each side (transformers' default top-k of 50 switched off)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0 and self.temperature == self.temperature):  # NaN fails too
+            raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    def tierlm(self, max_tokens: int):
+        from tierlm import SamplingParams
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, ignore_eos=True)
+
+    def transformers(self) -> dict:
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+def run_tierlm(model_dir: str, wl: Workload, dtype: str, sampling: Sampling = Sampling(), **engine_kw) -> dict:
     """Engine kwargs may include compute_dtype (auto | the dtype itself)."""
     from tierlm import LLM, SamplingParams
     llm = LLM(model_dir, dtype=dtype, load_progress=False, **engine_kw)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
+    params = [sampling.tierlm(n) for n in wl.output_lens]
     llm.generate([{"prompt_token_ids": wl.prompts[0][:8]}], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params)
@@ -101,7 +125,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_transformers(model_dir: str, wl: Workload, torch_dtype: torch.dtype,
-                     device: torch.device = torch.device("cpu")) -> dict:
+                     device: torch.device = torch.device("cpu"), sampling: Sampling = Sampling()) -> dict:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     pad = 0
@@ -122,7 +146,7 @@ def run_transformers(model_dir: str, wl: Workload, torch_dtype: torch.dtype,
                 ids[j, width - len(p):] = torch.tensor(p)
                 mask[j, width - len(p):] = 1
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_out,
-                           min_new_tokens=n_out, do_sample=False, pad_token_id=pad)
+                           min_new_tokens=n_out, pad_token_id=pad, **sampling.transformers())
             # Only each request's own output length counts as useful output.
             produced += sum(wl.output_lens[i:i + wl.hf_batch])
         _sync(device)
@@ -178,6 +202,8 @@ def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device 
 def run(args: argparse.Namespace) -> dict:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    sampling = Sampling(args.temperature, args.top_p)
+    sampling.validate()
     device = resolve_device(args.device)  # before minutes of building the bench model
     model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
     if not Path(model_dir, "config.json").is_file():  # before transformers reads it as a hub repo id
@@ -191,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     result = {"model": model_dir, "dtype": dtype, "tierlm_compute_dtype": args.compute_dtype, "threads": threads,
-              "device": str(device), "workloads": {}}
+              "device": str(device), "sampling": asdict(sampling), "workloads": {}}
     for name in args.workload:
         wl = make_workload(name, vocab)
         print(f"[{name}] {len(wl.prompts)} requests, {wl.output_tokens} output tokens", flush=True)
@@ -199,12 +225,12 @@ def run(args: argparse.Namespace) -> dict:
         for rep in range(args.repeat):
             # Alternate the two engines, so a slow spell on a shared machine hits both alike.
             tag = f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
-            ours_runs.append(run_tierlm(model_dir, wl, dtype, compute_dtype=args.compute_dtype,
+            ours_runs.append(run_tierlm(model_dir, wl, dtype, sampling, compute_dtype=args.compute_dtype,
                                         max_num_seqs=max(64, len(wl.prompts)), kv_cache_memory=args.kv_cache_memory,
                                         max_num_batched_tokens=args.max_num_batched_tokens, device=str(device)))
             print(f"  tierlm:       {ours_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
                   f"({ours_runs[-1]['seconds']:.1f} s){tag}", flush=True)
-            theirs_runs.append(run_transformers(model_dir, wl, torch_dtype, device))
+            theirs_runs.append(run_transformers(model_dir, wl, torch_dtype, device, sampling))
             print(f"  transformers: {theirs_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
                   f"({theirs_runs[-1]['seconds']:.1f} s){tag}", flush=True)
         ours = dict(min(ours_runs, key=lambda r: r["seconds"]), runs_seconds=[r["seconds"] for r in ours_runs])
@@ -243,6 +269,9 @@ def add_cli(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
     p.add_argument("--device", default="auto", help="where both engines run: auto (CUDA if present) | cpu | cuda[:N]")
     p.add_argument("--compute-dtype", default="auto", help="tierlm's compute dtype (auto | bfloat16 | float32 ...)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="both engines sample at this temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="and keep this nucleus when sampling")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: (setattr(a, "workload", a.workload or ["uniform"]), run(a)) and 0)
