@@ -40,7 +40,7 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
 def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Top-k, then min-p, then top-p, each row with its own settings, batched over the rows
     (one sort for all of them, not one per row). Filtered-out tokens become -inf."""
-    dev, n, vocab = rows.device, rows.shape[0], rows.shape[1]
+    dev, vocab = rows.device, rows.shape[1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         k = torch.tensor(ks, dtype=torch.long).to(dev, non_blocking=True)
@@ -110,4 +110,5 @@ class Sampler:
         # Strictly below the total (u * total can round up to it, a 2^-53 chance), so the token
         # found always has width: probability above 0.
         target = torch.minimum(u.to(dev, non_blocking=True) * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
+        picked = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
+        return picked.clamp_(max=rows.shape[1] - 1)  # a row of NaN (a broken model) finds no place: stay in range
