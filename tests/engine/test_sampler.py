@@ -120,3 +120,13 @@ def test_filters_keep_exactly_the_tokens_their_definitions_allow_row_by_row():
         for row, s in enumerate(settings):
             want = _expected(logits[row].numpy(), 1.0, **s) > 0
             assert (kept[row] == want).all(), (trial, s)
+
+
+def test_a_row_of_nan_logits_still_gives_a_token_in_the_vocabulary():
+    """A broken model's NaN row must not index past the vocabulary (the detokenizer would fail
+    on it); the other rows of the batch are drawn as usual."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(6))
+    logits[1] = float("nan")
+    reqs = [_req(i, temperature=1.0, seed=i) for i in range(3)]
+    tokens, _ = Sampler()(logits, reqs)
+    assert all(0 <= t < VOCAB for t in tokens)
