@@ -9,11 +9,12 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "mistral", "qwen2", "mixtral", "qwen2_moe"]
+ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -33,6 +34,11 @@ def _config(arch: str, vocab: int):
     if arch == "qwen2_moe":
         return Qwen2MoeConfig(**common, moe_intermediate_size=48, shared_expert_intermediate_size=96,
                               num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
+    if arch == "qwen3":  # q/k norms, a head_dim that is not hidden / heads, biases on q, k, v and o
+        return Qwen3Config(**common, head_dim=32, attention_bias=True, tie_word_embeddings=True)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
     raise ValueError(arch)
 
 
@@ -43,6 +49,10 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
     tok = build_tokenizer(out)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, len(tok) + 10), dtype=torch.float32)
+    with torch.no_grad():  # norms start at all-ones: make each differ, so a swapped or skipped one shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(str(out))
     return out
 

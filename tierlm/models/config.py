@@ -31,6 +31,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     hidden_act: str = "silu"
     # Per-layer sliding window (None = full attention on that layer).
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -83,7 +84,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         model_type = cfg.get("model_type", "")
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen2_moe"):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
             types = cfg.get("layer_types")
             if not types:
                 use = cfg.get("use_sliding_window", False)
@@ -111,6 +112,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in ("qwen2", "qwen2_moe"),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_windows=windows,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -123,8 +125,9 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             args.moe_intermediate_size = args.intermediate_size
             args.norm_topk_prob = True
             args.moe_layers = [True] * layers
-        elif model_type == "qwen2_moe":
-            args.num_experts = int(cfg["num_experts"])
+        elif model_type in ("qwen2_moe", "qwen3_moe"):
+            # Hub checkpoints say num_experts; transformers 5 saves its alias num_local_experts.
+            args.num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
             args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
             args.moe_intermediate_size = int(cfg["moe_intermediate_size"])
             args.shared_expert_intermediate_size = int(cfg.get("shared_expert_intermediate_size", 0))

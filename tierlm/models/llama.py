@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, and their MoE variants Mixtral/Qwen2-MoE).
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the MoE variants Mixtral,
+Qwen2-MoE and Qwen3-MoE).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from tierlm.models.attention import AttentionMetadata, paged_attention
 from tierlm.models.config import ModelArgs
@@ -24,6 +26,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = self.head_dim ** -0.5
         self.window = args.sliding_windows[layer] if args.sliding_windows else None
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -31,10 +35,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # Queries and keys are adjacent columns of the fused projection: rotate them together.
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
         q, k = RotaryEmbedding.rotate(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(T, self.q_size))
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of queries (q_norm) and keys (k_norm), both in one op: each
+        head normalised over head_dim, then scaled by its side's weight, as the reference does."""
+        D = self.head_dim
+        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, D), self.k_norm.weight.expand(self.num_kv_heads, D)))
+        return weight * F.rms_norm(qk.float(), (D,), eps=self.q_norm.eps).to(qk.dtype)
 
 
 class DecoderLayer(nn.Module):

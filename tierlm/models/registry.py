@@ -10,6 +10,8 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2ForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
 }
 
 
