@@ -127,7 +127,10 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             args.moe_layers = [True] * layers
         elif model_type in ("qwen2_moe", "qwen3_moe"):
             # Hub checkpoints say num_experts; transformers 5 saves its alias num_local_experts.
-            args.num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+            count = cfg.get("num_experts", cfg.get("num_local_experts"))
+            if count is None:
+                raise KeyError("num_experts")
+            args.num_experts = int(count)
             args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
             args.moe_intermediate_size = int(cfg["moe_intermediate_size"])
             args.shared_expert_intermediate_size = int(cfg.get("shared_expert_intermediate_size", 0))

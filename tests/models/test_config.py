@@ -1,0 +1,57 @@
+"""config.json as published checkpoints spell it (not only as the test fixtures' transformers
+version saves it) becomes the right ModelArgs."""
+from __future__ import annotations
+
+import pytest
+
+from tierlm.errors import ModelLoadError
+from tierlm.models.config import parse_config
+from tierlm.models.registry import resolve_architecture
+
+# The fields of Qwen/Qwen3-30B-A3B's config.json that matter here.
+QWEN3_MOE_HUB = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48, "attention_bias": False,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    "eos_token_id": 151645,
+}
+
+
+def test_a_published_qwen3_moe_config():
+    args = parse_config(QWEN3_MOE_HUB, resolve_architecture(QWEN3_MOE_HUB))
+    assert args.qk_norm and not args.qkv_bias and not args.o_bias
+    assert (args.head_dim, args.num_heads, args.num_kv_heads) == (128, 32, 4)  # head_dim != hidden / heads
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (128, 8, 768)
+    assert args.norm_topk_prob and args.shared_expert_intermediate_size == 0
+    assert args.moe_layers == [True] * 48 and args.sliding_windows == [None] * 48
+    assert args.eos_token_ids == [151645]
+
+
+def test_transformers_5_alias_and_dense_layers_between_sparse_ones():
+    cfg = {**QWEN3_MOE_HUB, "num_local_experts": 16, "mlp_only_layers": [0, 5], "decoder_sparse_step": 2,
+           "num_hidden_layers": 6}
+    del cfg["num_experts"]
+    args = parse_config(cfg, "Qwen3MoeForCausalLM")
+    assert args.num_experts == 16
+    assert args.moe_layers == [False, True, False, True, False, False]
+
+
+def test_dense_qwen3_with_sliding_window_layers():
+    cfg = {**QWEN3_MOE_HUB, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 4,
+           "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 2, "attention_bias": True}
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        del cfg[key]
+    args = parse_config(cfg, resolve_architecture(cfg))
+    assert args.qk_norm and not args.is_moe and args.moe_layers == [False] * 4
+    assert args.qkv_bias and args.o_bias  # Qwen3's attention_bias covers the output projection too
+    assert args.sliding_windows == [None, None, 4096, 4096]
+
+
+def test_a_moe_config_without_its_expert_count_is_refused_by_name():
+    cfg = dict(QWEN3_MOE_HUB)
+    del cfg["num_experts"]
+    with pytest.raises(ModelLoadError, match="num_experts"):
+        parse_config(cfg, "Qwen3MoeForCausalLM")
