@@ -41,15 +41,6 @@ class PrefillSeq:
             self._masks[key] = allowed
         return self._masks[key]
 
-    def bias(self, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """`allowed` as an additive [n, ctx_len] bias: 0 where allowed, -inf elsewhere."""
-        key = ("bias", window, dtype)
-        if key not in self._masks:
-            allowed = self.allowed(window, device)
-            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
-                ~allowed, float("-inf"))
-        return self._masks[key]
-
 
 @dataclass
 class DecodeGroup:
@@ -140,44 +131,22 @@ def paged_attention(
     return out
 
 
-# Above this many score elements the explicit-matrix path would allocate too much; SDPA's
-# blocked kernel takes over.
-_EXPLICIT_SCORES_MAX = 1 << 23
-
-
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       window: int | None, seq: PrefillSeq | None = None) -> torch.Tensor:
     """Causal attention of the last q.shape[0] positions over all k.shape[0] keys (`seq`, when
-    given, holds the masks across layers).
+    given, holds the mask across layers).
 
-    For chunk-sized problems, two batched GEMMs over each KV head's whole query group are about
-    twice as fast on CPU as SDPA with a mask (measured at 128-512 tokens); long contexts use
-    SDPA, which never materialises the full score matrix.
+    Through SDPA on [1, heads, tokens, head_dim] views: with a batch dimension SDPA may pick its
+    fused kernels (its blocked CPU kernel; flash on CUDA), which it never does for 3-D inputs.
+    Measured on the 2-core CPU at 32-2,048 tokens over up to 2,048 keys (float32): 2-4x faster
+    than two explicit GEMMs per KV head, which were in turn 2x faster than 3-D SDPA.
     """
     n, L = q.shape[0], k.shape[0]
-    seq = seq or PrefillSeq(0, n, L, torch.empty(0))
-    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
-    if q.device.type != "cpu" or Hq * n * L > _EXPLICIT_SCORES_MAX:
-        return _sdpa_causal(q, k, v, scale, window, seq)
-    G = Hq // Hkv
-    qg = q.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)  # rows: (head in group, pos)
-    bias = seq.bias(window, q.dtype, q.device)
-    scores = torch.baddbmm(bias.repeat(G, 1).expand(Hkv, G * n, L), qg, k.transpose(0, 1).transpose(1, 2),
-                           alpha=scale)
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G * n, D]
-    return o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
-
-
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
-                 seq: PrefillSeq | None = None) -> torch.Tensor:
-    """Causal attention of the last q.shape[0] positions over all k.shape[0] keys."""
-    n, L = q.shape[0], k.shape[0]
-    seq = seq or PrefillSeq(0, n, L, torch.empty(0))
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if n == L and window is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
+        seq = seq or PrefillSeq(0, n, L, torch.empty(0))
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.allowed(window, q.device), scale=scale,
                                            enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
