@@ -9,12 +9,12 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -36,6 +36,8 @@ def _config(arch: str, vocab: int):
                               num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
     if arch == "qwen3":  # q/k norms, a head_dim that is not hidden / heads, biases on q, k, v and o
         return Qwen3Config(**common, head_dim=32, attention_bias=True, tie_word_embeddings=True)
+    if arch == "phi3":  # fused qkv and gate_up tensors in the checkpoint itself; a sliding window
+        return Phi3Config(**common, sliding_window=20)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])

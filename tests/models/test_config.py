@@ -55,3 +55,25 @@ def test_a_moe_config_without_its_expert_count_is_refused_by_name():
     del cfg["num_experts"]
     with pytest.raises(ModelLoadError, match="num_experts"):
         parse_config(cfg, "Qwen3MoeForCausalLM")
+
+
+PHI4_HUB = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120,
+    "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
+    "max_position_embeddings": 16384, "rope_theta": 250000, "rope_scaling": None, "sliding_window": None,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "eos_token_id": 100265,
+}
+
+
+def test_phi4_and_the_phi_variants_tierlm_cannot_serve_yet():
+    args = parse_config(PHI4_HUB, resolve_architecture(PHI4_HUB))
+    assert (args.head_dim, args.num_kv_heads, args.rope_theta) == (128, 10, 250000.0)
+    assert args.sliding_windows == [None] * 40 and not args.qkv_bias and not args.qk_norm
+    windowed = parse_config({**PHI4_HUB, "sliding_window": 2047}, "Phi3ForCausalLM")  # Phi-3-mini
+    assert windowed.sliding_windows == [2047] * 40
+    mini = {**PHI4_HUB, "partial_rotary_factor": 0.75}  # Phi-4-mini rotates 3/4 of each head
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
+        parse_config(mini, "Phi3ForCausalLM")
+    long = {**PHI4_HUB, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
+    with pytest.raises(ModelLoadError, match="rope scaling type 'longrope' is not supported"):
+        parse_config(long, "Phi3ForCausalLM")

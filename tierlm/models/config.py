@@ -91,7 +91,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
                 max_window_layers = cfg.get("max_window_layers", layers)
                 types = ["sliding_attention" if use and i >= max_window_layers else "full_attention" for i in range(layers)]
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
-        elif model_type in ("mistral", "mixtral"):
+        elif model_type in ("mistral", "mixtral", "phi3"):
             windows = [int(window) if window else None] * layers
         else:
             windows = [None] * layers
@@ -143,6 +143,10 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e} for {architecture}; "
                              "is it a complete Hugging Face config?") from None
+    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(rotary or 1.0) != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {rotary} is not supported (RoPE over part of each head, as in "
+                             "Phi-4-mini); tierlm rotates whole heads")
     if args.hidden_act not in ("silu", "swish"):
         raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (only silu)")
     if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3"):
