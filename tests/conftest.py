@@ -9,7 +9,8 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
+         "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
@@ -24,6 +25,9 @@ def _config(arch: str, vocab: int):
         return LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                            rope_theta=500000.0)
+    if arch == "llama_yarn":  # prompts run past the original 32 positions, into the interpolated range
+        return LlamaConfig(**common, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 32})
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=24)
     if arch == "qwen2":

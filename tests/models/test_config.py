@@ -3,6 +3,7 @@ version saves it) becomes the right ModelArgs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tierlm.errors import ModelLoadError
 from tierlm.models.config import parse_config
@@ -77,3 +78,28 @@ def test_phi4_and_the_phi_variants_tierlm_cannot_serve_yet():
     long = {**PHI4_HUB, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
     with pytest.raises(ModelLoadError, match="rope scaling type 'longrope' is not supported"):
         parse_config(long, "Phi3ForCausalLM")
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5/Qwen3 model cards
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "attention_factor": 1.3,
+     "truncate": False},
+    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 16384},  # factor from the lengths
+])
+def test_yarn_frequencies_and_scale_equal_transformers(scaling):
+    """The YaRN frequencies and cos/sin scale, bit for bit against transformers' own, for the
+    variants checkpoints publish."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tierlm.models.layers import rope_inv_freq
+    hf = LlamaConfig(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=131072,
+                     rope_theta=1000000.0, rope_scaling=dict(scaling))
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 1024,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 131072,
+           "rope_theta": 1000000.0, "rope_scaling": dict(scaling)}
+    inv, scale = rope_inv_freq(parse_config(cfg, "LlamaForCausalLM"))
+    assert torch.equal(inv, want_inv.float()) and scale == pytest.approx(want_scale, rel=0, abs=0)

@@ -149,10 +149,17 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
                              "Phi-4-mini); tierlm rotates whole heads")
     if args.hidden_act not in ("silu", "swish"):
         raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (only silu)")
-    if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3"):
+    if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3", "yarn"):
         raise ModelLoadError(
             f"rope scaling type '{args.rope_scaling['rope_type']}' is not supported; "
-            "supported: default, linear, llama3")
+            "supported: default, linear, llama3, yarn")
+    if args.rope_scaling and args.rope_scaling["rope_type"] in ("llama3", "yarn"):
+        # As transformers reads it: a top-level original_max_position_embeddings wins, else the
+        # scaling's own, else max_position_embeddings.
+        top = cfg.get("original_max_position_embeddings")
+        if top is not None:
+            args.rope_scaling["original_max_position_embeddings"] = top
+        args.rope_scaling.setdefault("original_max_position_embeddings", args.max_position_embeddings)
     return args
 
 

@@ -24,26 +24,64 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies, with linear or Llama-3.1 scaling applied when configured."""
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies, with linear, Llama-3.1 or YaRN scaling applied when configured, and
+    the factor the cos/sin tables are multiplied by (YaRN's attention factor; else 1)."""
     dim = args.head_dim
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     sc = args.rope_scaling
     if not sc:
-        return inv
+        return inv, 1.0
     if sc["rope_type"] == "linear":
-        return inv / float(sc["factor"])
+        return inv / float(sc["factor"]), 1.0
+    if sc["rope_type"] == "yarn":
+        return _yarn(args, inv)
     # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
     factor = float(sc["factor"])
     low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
-    old_len = float(sc.get("original_max_position_embeddings", args.max_position_embeddings))
+    old_len = float(sc["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+def _yarn(args: ModelArgs, extrapolated: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dimensions that turn many times within the original context keep
+    their frequency, slow ones are interpolated by `factor`, a linear ramp blends those between;
+    cos/sin are scaled by 0.1 ln(factor) + 1 (or the checkpoint's mscale ratio or explicit
+    attention_factor). The same arithmetic as transformers' YaRN, so tables match bit for bit."""
+    sc, dim = args.rope_scaling, args.head_dim
+    original = float(sc["original_max_position_embeddings"])
+    factor = sc.get("factor") or args.max_position_embeddings / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = sc.get("attention_factor")
+    if attention is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    fast, slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(args.rope_theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: keep the original frequency; 0: interpolate
+    pos_freqs = args.rope_theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    inv = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,13 +89,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
-        inv = rope_inv_freq(args)
+        inv, scale = rope_inv_freq(args)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
         # rotate_half's minus sign folded into the first half of sin, once, so rotating is a swap.
-        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+        sin = freqs.sin() * scale
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin rows for a step's positions, [T, 1, D]: gathered once per step
