@@ -103,3 +103,18 @@ def test_yarn_frequencies_and_scale_equal_transformers(scaling):
            "rope_theta": 1000000.0, "rope_scaling": dict(scaling)}
     inv, scale = rope_inv_freq(parse_config(cfg, "LlamaForCausalLM"))
     assert torch.equal(inv, want_inv.float()) and scale == pytest.approx(want_scale, rel=0, abs=0)
+
+
+def test_granite_scalars_and_mlp_biases_refused_by_name():
+    cfg = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "vocab_size": 49155, "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
+           "logits_scaling": 8.0, "rope_theta": 10000000.0, "tie_word_embeddings": True}  # Granite-3.x-2B
+    args = parse_config(cfg, resolve_architecture(cfg))
+    assert (args.embedding_multiplier, args.residual_multiplier, args.attention_multiplier, args.logits_scaling) == \
+        (12.0, 0.22, 0.015625, 8.0)
+    plain = parse_config({**QWEN3_MOE_HUB}, "Qwen3MoeForCausalLM")  # everyone else: no scalars
+    assert (plain.embedding_multiplier, plain.residual_multiplier, plain.attention_multiplier, plain.logits_scaling) \
+        == (1.0, 1.0, None, 1.0)
+    with pytest.raises(ModelLoadError, match="mlp_bias"):
+        parse_config({**cfg, "mlp_bias": True}, "GraniteForCausalLM")

@@ -32,6 +32,12 @@ class ModelArgs:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    # Granite's scalars (1 and None elsewhere): embeddings, residual branches, attention scale,
+    # and the divisor of the logits.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     hidden_act: str = "silu"
     # Per-layer sliding window (None = full attention on that layer).
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -119,6 +125,11 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         )
+        if model_type == "granite":
+            args.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
+            args.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
+            args.attention_multiplier = float(cfg.get("attention_multiplier", head_dim ** -0.5))
+            args.logits_scaling = float(cfg.get("logits_scaling", 1.0))
         if model_type == "mixtral":
             args.num_experts = int(cfg["num_local_experts"])
             args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
@@ -143,6 +154,8 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e} for {architecture}; "
                              "is it a complete Hugging Face config?") from None
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"mlp_bias is not supported ({architecture} with biases on its MLP projections)")
     rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if float(rotary or 1.0) != 1.0:
         raise ModelLoadError(f"partial_rotary_factor {rotary} is not supported (RoPE over part of each head, as in "

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, and the MoE variants
-Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, Granite, and the MoE
+variants Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = args.attention_multiplier or self.head_dim ** -0.5
         self.window = args.sliding_windows[layer] if args.sliding_windows else None
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -57,10 +57,13 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = SparseMoE(args) if args.moe_layers[layer] else GatedMLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.residual_multiplier = args.residual_multiplier
 
     def forward(self, x, rope, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rope, cache, meta)
+        x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
 
 
 class CausalLM(nn.Module):
@@ -80,9 +83,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.args.embedding_multiplier != 1.0:
+            h = h * self.args.embedding_multiplier
         rope = self.rope.tables(positions, h.dtype)
         for layer, cache in zip(self.layers, kv_caches):
             h = layer(h, rope, cache, meta)
         if logits_indices is not None:
             h = h[logits_indices]
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h))
+        if self.args.logits_scaling != 1.0:
+            logits = logits / self.args.logits_scaling
+        return logits.float()

@@ -12,7 +12,8 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
-    "Phi3ForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
+    "Phi3ForCausalLM": CausalLM,
+    "GraniteForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
 }
 
 
