@@ -9,13 +9,13 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "granite", "mixtral", "qwen2_moe",
-         "qwen3_moe"]
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma3", "mixtral",
+         "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
-    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -45,6 +45,12 @@ def _config(arch: str, vocab: int):
     if arch == "granite":  # Granite 3's scalars: embeddings, residual branches, attention scale, logits
         return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                              attention_multiplier=0.0078125, logits_scaling=8.0, tie_word_embeddings=True)
+    if arch == "gemma3":  # sandwich (1 + w) norms, GeGLU, two RoPE bases, sliding layers, sqrt(hidden) embeddings
+        return Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                sliding_window=12, rope_parameters={
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])

@@ -118,3 +118,26 @@ def test_granite_scalars_and_mlp_biases_refused_by_name():
         == (1.0, 1.0, None, 1.0)
     with pytest.raises(ModelLoadError, match="mlp_bias"):
         parse_config({**cfg, "mlp_bias": True}, "GraniteForCausalLM")
+
+
+GEMMA3_1B_HUB = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
+    "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "rope_theta": 1000000,
+    "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512, "sliding_window_pattern": 6,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "eos_token_id": [1, 106],
+}
+
+
+def test_a_published_gemma3_text_config():
+    args = parse_config(GEMMA3_1B_HUB, resolve_architecture(GEMMA3_1B_HUB))
+    assert args.gemma_norms and args.sandwich_norms and args.qk_norm and args.tie_word_embeddings
+    assert args.hidden_act == "gelu_pytorch_tanh" and args.attention_multiplier == 256 ** -0.5
+    assert args.embedding_multiplier == 1152 ** 0.5 and args.embedding_multiplier_in_dtype
+    assert (args.rope_theta, args.local_rope_theta, args.rope_scaling) == (1000000.0, 10000.0, None)
+    assert args.sliding_windows == [None if (i + 1) % 6 == 0 else 512 for i in range(26)]  # every 6th layer is global
+    scaled = parse_config({**GEMMA3_1B_HUB, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "Gemma3ForCausalLM")
+    assert scaled.rope_scaling["factor"] == 8.0 and scaled.local_rope_theta == 10000.0  # 4B+: global layers scaled
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        parse_config({**GEMMA3_1B_HUB, "attn_logit_softcapping": 50.0}, "Gemma3ForCausalLM")

@@ -38,6 +38,12 @@ class ModelArgs:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma 3: (1 + w) norms in float32, norms around both attention and MLP outputs, sliding
+    # layers on their own RoPE base, embeddings scaled by sqrt(hidden) rounded to the weights' dtype.
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    local_rope_theta: float | None = None
+    embedding_multiplier_in_dtype: bool = False
     hidden_act: str = "silu"
     # Per-layer sliding window (None = full attention on that layer).
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -80,6 +86,26 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling
 
 
+def _gemma_global_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's full-attention RoPE as a plain config: transformers 5 keeps one set of RoPE
+    parameters per layer type; hub configs have rope_theta and rope_scaling at the top."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return {"rope_parameters": {"rope_theta": 1_000_000.0, **params["full_attention"]}}
+    return {"rope_theta": cfg.get("rope_theta", 1_000_000.0), "rope_scaling": cfg.get("rope_scaling")}
+
+
+def _gemma_local_theta(cfg: dict[str, Any]) -> float:
+    """The sliding layers' RoPE base (always unscaled in Gemma 3)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local = params["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"scaled RoPE on sliding layers ({local['rope_type']}) is not supported")
+        return float(local.get("rope_theta", 10_000.0))
+    return float(cfg.get("rope_local_base_freq", 10_000.0))
+
+
 def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     """Turn a HF config dict into ModelArgs for a known architecture."""
     try:
@@ -90,7 +116,13 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         model_type = cfg.get("model_type", "")
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        if model_type == "gemma3_text":
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) else "full_attention"
+                for i in range(layers)]
+            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+            theta, scaling = _rope(_gemma_global_rope(cfg))
+        elif model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
             types = cfg.get("layer_types")
             if not types:
                 use = cfg.get("use_sliding_window", False)
@@ -118,13 +150,22 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in ("qwen2", "qwen2_moe"),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
             sliding_windows=windows,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         )
+        if model_type == "gemma3_text":
+            for field_ in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+                if cfg.get(field_):
+                    raise ModelLoadError(f"{field_} is not supported ({architecture})")
+            args.gemma_norms = args.sandwich_norms = args.embedding_multiplier_in_dtype = True
+            args.embedding_multiplier = hidden ** 0.5
+            args.attention_multiplier = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
+            args.local_rope_theta = _gemma_local_theta(cfg)
+            args.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         if model_type == "granite":
             args.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
             args.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
@@ -160,8 +201,8 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     if float(rotary or 1.0) != 1.0:
         raise ModelLoadError(f"partial_rotary_factor {rotary} is not supported (RoPE over part of each head, as in "
                              "Phi-4-mini); tierlm rotates whole heads")
-    if args.hidden_act not in ("silu", "swish"):
-        raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (only silu)")
+    if args.hidden_act not in ("silu", "swish", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (silu, gelu_pytorch_tanh)")
     if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3", "yarn"):
         raise ModelLoadError(
             f"rope scaling type '{args.rope_scaling['rope_type']}' is not supported; "

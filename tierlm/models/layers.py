@@ -24,6 +24,23 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32 before
+    the cast back (Llama casts first, then scales)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(args: ModelArgs, dim: int) -> nn.Module:
+    return GemmaRMSNorm(dim, args.rms_norm_eps) if args.gemma_norms else RMSNorm(dim, args.rms_norm_eps)
+
+
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
     """Inverse frequencies, with linear, Llama-3.1 or YaRN scaling applied when configured, and
     the factor the cos/sin tables are multiplied by (YaRN's attention factor; else 1)."""
@@ -119,14 +136,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matmul."""
+    """Gated MLP (SwiGLU, or GeGLU with tanh-approximated GELU for Gemma) with gate and up
+    projections fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gelu = act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act.mul_(up))

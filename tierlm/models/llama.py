@@ -1,10 +1,12 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, Granite, and the MoE
-variants Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, Granite, Gemma 3 (text),
+and the MoE variants Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 
 from tierlm.models.attention import AttentionMetadata, paged_attention
 from tierlm.models.config import ModelArgs
-from tierlm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tierlm.models.layers import GatedMLP, RotaryEmbedding, make_norm
 from tierlm.models.moe import SparseMoE
 
 
@@ -26,12 +28,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.attention_multiplier or self.head_dim ** -0.5
         self.window = args.sliding_windows[layer] if args.sliding_windows else None
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = make_norm(args, self.head_dim) if args.qk_norm else None
+        self.k_norm = make_norm(args, self.head_dim) if args.qk_norm else None
+        self.gemma_norms = args.gemma_norms
+        # Gemma 3's sliding layers rotate with their own base; every other model has one RoPE.
+        self.local_rope = self.window is not None and args.local_rope_theta is not None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`ropes`: the step's (cos, sin) tables, global then local (the same tables twice for
+        models with one RoPE)."""
         T = x.shape[0]
+        rope = ropes[1] if self.local_rope else ropes[0]
         qkv = self.qkv_proj(x)
         # Queries and keys are adjacent columns of the fused projection: rotate them together.
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -43,24 +51,36 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
-        """Qwen3's per-head RMSNorm of queries (q_norm) and keys (k_norm), both in one op: each
-        head normalised over head_dim, then scaled by its side's weight, as the reference does."""
+        """The per-head RMSNorm of queries (q_norm) and keys (k_norm) of Qwen3 and Gemma 3, both
+        in one op: each head normalised over head_dim, then scaled by its side's weight, as each
+        reference does (Llama-style: cast, then scale; Gemma: scale by 1 + w in float32, then cast)."""
         D = self.head_dim
         weight = torch.cat((self.q_norm.weight.expand(self.num_heads, D), self.k_norm.weight.expand(self.num_kv_heads, D)))
-        return weight * F.rms_norm(qk.float(), (D,), eps=self.q_norm.eps).to(qk.dtype)
+        normed = F.rms_norm(qk.float(), (D,), eps=self.q_norm.eps)
+        if self.gemma_norms:
+            return (normed * (1.0 + weight.float())).to(qk.dtype)
+        return weight * normed.to(qk.dtype)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer)
-        self.mlp: nn.Module = SparseMoE(args) if args.moe_layers[layer] else GatedMLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp: nn.Module = (SparseMoE(args) if args.moe_layers[layer]
+                               else GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act))
+        self.input_layernorm = make_norm(args, args.hidden_size)
+        self.post_attention_layernorm = make_norm(args, args.hidden_size)
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:  # Gemma: post_attention_layernorm norms the attention output; these wrap the MLP
+            self.pre_feedforward_layernorm = make_norm(args, args.hidden_size)
+            self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
         self.residual_multiplier = args.residual_multiplier
 
-    def forward(self, x, rope, cache, meta):
-        h = self.self_attn(self.input_layernorm(x), rope, cache, meta)
+    def forward(self, x, ropes, cache, meta):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, cache, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.self_attn(self.input_layernorm(x), ropes, cache, meta)
         x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
@@ -74,20 +94,37 @@ class CausalLM(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = make_norm(args, args.hidden_size)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(args, max_positions)
+        self.build_rope(max_positions)
+
+    def build_rope(self, max_positions: int, device: torch.device | None = None) -> None:
+        """The RoPE tables (and Gemma 3's second, unscaled set for its sliding layers), moved to
+        `device` when given (the loader builds them again after the weights: they are computed,
+        not loaded)."""
+        self.rope = RotaryEmbedding(self.args, max_positions)
+        self.rope_local: RotaryEmbedding | None = None
+        if self.args.local_rope_theta is not None:
+            local = replace(self.args, rope_theta=self.args.local_rope_theta, rope_scaling=None)
+            self.rope_local = RotaryEmbedding(local, max_positions)
+        if device is not None:
+            self.rope.to(device)
+            if self.rope_local is not None:
+                self.rope_local.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.args.embedding_multiplier != 1.0:
-            h = h * self.args.embedding_multiplier
+            scale = self.args.embedding_multiplier
+            # Gemma rounds its scale to the weights' dtype first; Granite multiplies by the float.
+            h = h * (torch.tensor(scale, dtype=h.dtype) if self.args.embedding_multiplier_in_dtype else scale)
         rope = self.rope.tables(positions, h.dtype)
+        ropes = (rope, self.rope_local.tables(positions, h.dtype) if self.rope_local is not None else rope)
         for layer, cache in zip(self.layers, kv_caches):
-            h = layer(h, rope, cache, meta)
+            h = layer(h, ropes, cache, meta)
         if logits_indices is not None:
             h = h[logits_indices]
         logits = self.lm_head(self.norm(h))

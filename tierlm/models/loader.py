@@ -203,8 +203,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     model = model.to_empty(device=device).to(torch_dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    from tierlm.models.layers import RotaryEmbedding
-    model.rope = RotaryEmbedding(args, max_positions).to(device)
+    model.build_rope(max_positions, device)  # buffers, not weights: computed, not loaded
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,

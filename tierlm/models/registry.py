@@ -13,7 +13,8 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
     "Phi3ForCausalLM": CausalLM,
-    "GraniteForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
+    "GraniteForCausalLM": CausalLM,
+    "Gemma3ForCausalLM": CausalLM,  # Gemma 3 text models (1B, 270M); the multimodal ones are not  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
 }
 
 
