@@ -9,13 +9,13 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma3", "mixtral",
-         "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma3", "gemma3_mm",
+         "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -51,6 +51,12 @@ def _config(arch: str, vocab: int):
                                 sliding_window=12, rope_parameters={
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if arch == "gemma3_mm":  # the multimodal checkpoint (4B and up): its language model, vision weights skipped
+        text = _config("gemma3", vocab).to_dict()
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,  # image ids: never in a prompt
+                            image_token_index=vocab + 1, boi_token_index=vocab + 2, eoi_token_index=vocab + 3)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])

@@ -141,3 +141,16 @@ def test_a_published_gemma3_text_config():
     assert scaled.rope_scaling["factor"] == 8.0 and scaled.local_rope_theta == 10000.0  # 4B+: global layers scaled
     with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
         parse_config({**GEMMA3_1B_HUB, "attn_logit_softcapping": 50.0}, "Gemma3ForCausalLM")
+
+
+def test_a_published_multimodal_gemma3_config_serves_its_language_model():
+    """Gemma 3 4B's config.json: the language model under text_config, eos at the top level."""
+    text = {k: v for k, v in GEMMA3_1B_HUB.items() if k not in ("architectures", "eos_token_id")}
+    text.update(hidden_size=2560, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=34,
+                rope_scaling={"rope_type": "linear", "factor": 8.0})
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+           "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106], "mm_tokens_per_image": 256}
+    args = parse_config(cfg, resolve_architecture(cfg))
+    assert args.model_type == "gemma3_text" and args.architecture == "Gemma3ForConditionalGeneration"
+    assert (args.hidden_size, args.num_layers, args.eos_token_ids) == (2560, 34, [1, 106])
+    assert args.rope_scaling["factor"] == 8.0 and args.local_rope_theta == 10000.0 and args.tie_word_embeddings

@@ -41,7 +41,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, cpu_kern
         assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, PackedLinear)
     cap = _Capture(llm.engine.sampler)
     llm.engine.sampler = cap
-    prompt = _prompts(7, hf.config.vocab_size)[6]  # 64 tokens: 4 prefill chunks of <= 20
+    prompt = _prompts(7, hf.config.get_text_config().vocab_size)[6]  # 64 tokens: 4 prefill chunks of <= 20
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     gen = out[0].outputs[0].token_ids
     full = torch.tensor([prompt + gen])
@@ -72,7 +72,7 @@ SETTINGS = {
 def hf_greedy_refs(hf_models):
     refs = {}
     for arch, hf in hf_models.items():
-        refs[arch] = [_hf_greedy(hf, p, 12) for p in _prompts(9, hf.config.vocab_size)]
+        refs[arch] = [_hf_greedy(hf, p, 12) for p in _prompts(9, hf.config.get_text_config().vocab_size)]
     return refs
 
 
@@ -86,7 +86,7 @@ def test_greedy_batch_token_identical(arch, setting, checkpoints, hf_models, hf_
         # Rebuild with a pool that holds ~2.5 of the 9 sequences at their final length.
         per = kv_bytes_per_block(llm.engine.args, torch.float32, kw["block_size"])
         llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=per * 24, load_progress=False, **kw)
-    prompts = _prompts(9, hf_models[arch].config.vocab_size)
+    prompts = _prompts(9, hf_models[arch].config.get_text_config().vocab_size)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
@@ -110,7 +110,7 @@ def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     ref_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in hf.state_dict().items()})
     cap = _Capture(llm.engine.sampler)
     llm.engine.sampler = cap
-    prompt = _prompts(3, hf.config.vocab_size)[2]
+    prompt = _prompts(3, hf.config.get_text_config().vocab_size)[2]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     with torch.no_grad():
         ref = ref_model.eval()(torch.tensor([prompt + out[0].outputs[0].token_ids])).logits[0]

@@ -106,8 +106,21 @@ def _gemma_local_theta(cfg: dict[str, Any]) -> float:
     return float(cfg.get("rope_local_base_freq", 10_000.0))
 
 
+def text_model_config(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """A multimodal checkpoint's language model as a text model's config (Gemma 3 4B and up keep
+    it under text_config; tierlm serves their text side and loads no vision weights)."""
+    if architecture != "Gemma3ForConditionalGeneration":
+        return cfg
+    text = dict(cfg.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "dtype", "torch_dtype"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return {**text, "model_type": "gemma3_text", "architectures": [architecture]}
+
+
 def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     """Turn a HF config dict into ModelArgs for a known architecture."""
+    cfg = text_model_config(cfg, architecture)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])

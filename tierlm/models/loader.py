@@ -128,8 +128,18 @@ _EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\
 _FUSED_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_LANGUAGE_MODEL = ("language_model.model.", "model.language_model.", "language_model.")
+
+
 def _target(name: str) -> tuple[str, object] | None:
     """Map an HF tensor name to (tierlm parameter, where in it). None = ignore."""
+    if name.startswith(_VISION):
+        return None  # a multimodal checkpoint's vision side: tierlm serves its language model
+    for prefix in _LANGUAGE_MODEL:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
     if name.startswith("model."):
         name = name[len("model."):]
     if "rotary_emb" in name:

@@ -14,7 +14,8 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3MoeForCausalLM": CausalLM,
     "Phi3ForCausalLM": CausalLM,
     "GraniteForCausalLM": CausalLM,
-    "Gemma3ForCausalLM": CausalLM,  # Gemma 3 text models (1B, 270M); the multimodal ones are not  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
+    "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B and 270M
+    "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B-27B: their language model, text only  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
 }
 
 
