@@ -12,10 +12,10 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
-    "Phi3ForCausalLM": CausalLM,
+    "Phi3ForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
     "GraniteForCausalLM": CausalLM,
     "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B and 270M
-    "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B-27B: their language model, text only  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
+    "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B-27B: their language model, text only
 }
 
 
