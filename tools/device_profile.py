@@ -1,17 +1,17 @@
 """Where a GPU step's time goes: kernels launched and host vs device time per engine step.
 
-    python3 tools/device_profile.py MODEL_DIR
+    python3 tools/device_profile.py MODEL_DIR [--prefix-len 2000] [--batch 32]
 
 Profiles three kinds of step on the 0.5B-shaped benchmark model: a batch of 32 decodes, one
-2,000-token prefill (cold), and a 48-token prefill whose 2,000-token prefix is cached on the
+2,048-token prefill (cold), and a 48-token prefill whose 2,000-token prefix is cached on the
 device (the `bench prefix` device hit). For each it prints wall time, the summed kernel time
 (so the share of the step the GPU sat idle waiting for the host), the kernels launched, and
 the top operators by host time: the numbers a CUDA-graph or fusion change has to beat.
 """
 from __future__ import annotations
 
+import argparse
 import random
-import sys
 import time
 
 import torch
@@ -44,29 +44,33 @@ def _profile_steps(llm: LLM, label: str, steps: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
 
 
-def main() -> None:
-    model = sys.argv[1]
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--prefix-len", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args(argv)
     rng = random.Random(0)
-    llm = LLM(model, dtype="bfloat16", load_progress=False)
+    llm = LLM(args.model, dtype="bfloat16", load_progress=False)
     eng = llm.engine
-    vocab = llm.tokenizer.vocab_size if hasattr(llm.tokenizer, "vocab_size") else 32000
-    ids = lambda n: [rng.randrange(100, min(vocab, 32000)) for _ in range(n)]  # noqa: E731
+    vocab = eng.runner.args.vocab_size
+    ids = lambda n: [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]  # noqa: E731
 
-    for _ in range(32):
+    for _ in range(args.batch):
         eng.add_request({"prompt_token_ids": ids(128)}, SamplingParams(max_tokens=64, ignore_eos=True))
     for _ in range(4):  # prefill and the first decodes, unprofiled
         eng.step()
-    _profile_steps(llm, "decode, batch 32", 10)
+    _profile_steps(llm, f"decode, batch {args.batch}", 10)
     while eng.has_unfinished():
         eng.step()
 
-    prefix = ids(2000)
+    prefix = ids(args.prefix_len)
     eng.add_request({"prompt_token_ids": prefix + ids(48)}, SamplingParams(max_tokens=1, ignore_eos=True))
-    _profile_steps(llm, "prefill, 2,048 tokens cold", 1)
+    _profile_steps(llm, f"prefill, {args.prefix_len + 48:,} tokens cold", 1)
     while eng.has_unfinished():
         eng.step()
     eng.add_request({"prompt_token_ids": prefix + ids(48)}, SamplingParams(max_tokens=1, ignore_eos=True))
-    _profile_steps(llm, "prefill, 48 tokens after a 2,000-token device hit", 1)
+    _profile_steps(llm, f"prefill, 48 tokens after a {args.prefix_len:,}-token device hit", 1)
     while eng.has_unfinished():
         eng.step()
 

@@ -67,3 +67,19 @@ def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch, redis_server):
         assert point["cached_tokens"] == {"cold": [0], "redis": [192], "redis_per_block": [192]}
         assert point["per_block_vs_batched"] == point["ttft_s"]["redis_per_block"] / point["ttft_s"]["redis"]
     assert remote["by_delay"][1]["rtt_ms"] >= 2  # the proxy's delay is there
+
+
+def test_device_profile_script_runs_on_any_device(llama_dir):
+    """tools/device_profile.py is run on the GPU machine, where minutes are scarce: keep it working
+    (here on the CPU, with a prefix the tiny model takes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "tools" / "device_profile.py"
+    out = subprocess.run([sys.executable, str(script), str(llama_dir), "--prefix-len", "200", "--batch", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    heads = [line for line in out.stdout.splitlines() if line.startswith("## ")]
+    assert [h.split(":")[0] for h in heads] == ["## decode, batch 4", "## prefill, 248 tokens cold",
+                                                "## prefill, 48 tokens after a 200-token device hit"]
+    assert all("ms per step" in h for h in heads)
