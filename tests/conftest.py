@@ -9,13 +9,14 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma3", "gemma3_mm",
-         "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "mistral3_mm", "qwen2", "qwen3", "phi3", "granite", "gemma3",
+         "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
-    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig)
+    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Mistral3Config, MistralConfig,
+                              MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, SiglipVisionConfig)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -30,6 +31,11 @@ def _config(arch: str, vocab: int):
                                                    "original_max_position_embeddings": 32})
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=24)
+    if arch == "mistral3_mm":  # Mistral Small 3.1's layout: a Mistral language model beside a Pixtral encoder
+        text = MistralConfig(**common, head_dim=32, sliding_window=None)
+        vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14, head_dim=16)
+        return Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab + 1, spatial_merge_size=2)
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "mixtral":
@@ -63,13 +69,18 @@ def _config(arch: str, vocab: int):
     raise ValueError(arch)
 
 
+def _auto(arch: str):
+    """transformers' auto class for `arch`: Mistral 3 is an image-text-to-text model only."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if arch == "mistral3_mm" else AutoModelForCausalLM
+
+
 def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM
     from tierlm.models.demo import build_tokenizer
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch, len(tok) + 10), dtype=torch.float32)
+    model = _auto(arch).from_config(_config(arch, len(tok) + 10), dtype=torch.float32)
     with torch.no_grad():  # norms start at all-ones: make each differ, so a swapped or skipped one shows
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -91,8 +102,7 @@ def llama_dir(checkpoints) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_models(checkpoints):
-    from transformers import AutoModelForCausalLM
-    return {a: AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval() for a, p in checkpoints.items()}
+    return {a: _auto(a).from_pretrained(str(p), dtype=torch.float32).eval() for a, p in checkpoints.items()}
 
 
 KV_SMALL = 64 * 1024  # bytes: a handful of blocks for the tiny models, forces preemption

@@ -154,3 +154,15 @@ def test_a_published_multimodal_gemma3_config_serves_its_language_model():
     assert args.model_type == "gemma3_text" and args.architecture == "Gemma3ForConditionalGeneration"
     assert (args.hidden_size, args.num_layers, args.eos_token_ids) == (2560, 34, [1, 106])
     assert args.rope_scaling["factor"] == 8.0 and args.local_rope_theta == 10000.0 and args.tie_word_embeddings
+
+
+def test_a_published_mistral_small_3_1_config_serves_its_language_model():
+    text = {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+            "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "rope_theta": 1000000000.0, "sliding_window": None, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+    cfg = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text,
+           "vision_config": {"model_type": "pixtral"}, "image_token_index": 10, "tie_word_embeddings": False}
+    args = parse_config(cfg, resolve_architecture(cfg))
+    assert args.model_type == "mistral" and (args.head_dim, args.num_kv_heads, args.num_layers) == (128, 8, 40)
+    assert args.rope_theta == 1e9 and args.sliding_windows == [None] * 40 and not args.tie_word_embeddings

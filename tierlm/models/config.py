@@ -106,16 +106,23 @@ def _gemma_local_theta(cfg: dict[str, Any]) -> float:
     return float(cfg.get("rope_local_base_freq", 10_000.0))
 
 
+# Multimodal checkpoints whose language model tierlm serves (text only), and that model's type.
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
+
+
 def text_model_config(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """A multimodal checkpoint's language model as a text model's config (Gemma 3 4B and up keep
-    it under text_config; tierlm serves their text side and loads no vision weights)."""
-    if architecture != "Gemma3ForConditionalGeneration":
+    """A multimodal checkpoint's language model as a text model's config (Gemma 3 4B and up,
+    Mistral Small 3.1 and up keep it under text_config; tierlm loads no vision weights)."""
+    if architecture not in MULTIMODAL_TEXT_MODELS:
         return cfg
     text = dict(cfg.get("text_config") or {})
-    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "dtype", "torch_dtype"):
+    for key in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype"):
         if text.get(key) is None and cfg.get(key) is not None:
             text[key] = cfg[key]
-    return {**text, "model_type": "gemma3_text", "architectures": [architecture]}
+    if cfg.get("tie_word_embeddings") is not None:  # the wrapper's setting is the one transformers applies
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return {**text, "model_type": text.get("model_type") or MULTIMODAL_TEXT_MODELS[architecture],
+            "architectures": [architecture]}
 
 
 def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:

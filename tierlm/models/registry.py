@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, type] = {
     "GraniteForCausalLM": CausalLM,
     "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B and 270M
     "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B-27B: their language model, text only
+    "Mistral3ForConditionalGeneration": CausalLM,  # Mistral Small 3.1+: likewise
 }
 
 
