@@ -9,14 +9,14 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "mistral3_mm", "qwen2", "qwen3", "phi3", "granite", "gemma3",
-         "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "qwen2", "qwen3", "phi3", "granite",
+         "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int):
-    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Mistral3Config, MistralConfig,
-                              MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, SiglipVisionConfig)
+    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig, Mistral3Config,
+                              MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -31,6 +31,11 @@ def _config(arch: str, vocab: int):
                                                    "original_max_position_embeddings": 32})
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=24)
+    if arch == "ministral":  # a window on some layers only
+        return MinistralConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=16,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if arch == "smollm3":  # a layer without RoPE (NoPE) among rotated ones
+        return SmolLM3Config(**{**common, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1])
     if arch == "mistral3_mm":  # Mistral Small 3.1's layout: a Mistral language model beside a Pixtral encoder
         text = MistralConfig(**common, head_dim=32, sliding_window=None)
         vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

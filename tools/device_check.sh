@@ -2,7 +2,7 @@
 # The CUDA checks, as one command for a machine with a GPU, ending within LIMIT_S (585 s), for a
 # device call of 600 s; the last step gets whatever time the others left. On the H200 (December
 # 2026) the steps took 2 + 20 + 72 + 131 + 29 + 22 + 29 + 155 s: about 460 s, plus the machine's
-# start (30-60 s). Since then the parity tests cover 14 architectures instead of 6 (perhaps
+# start (30-60 s). Since then the parity tests cover 16 architectures instead of 6 (perhaps
 # 150 s) and a sampled throughput step was added (perhaps 40 s), so the last step, the rest of
 # the suite, may not finish inside LIMIT_S: it matters least.
 #

@@ -166,3 +166,18 @@ def test_a_published_mistral_small_3_1_config_serves_its_language_model():
     args = parse_config(cfg, resolve_architecture(cfg))
     assert args.model_type == "mistral" and (args.head_dim, args.num_kv_heads, args.num_layers) == (128, 8, 40)
     assert args.rope_theta == 1e9 and args.sliding_windows == [None] * 40 and not args.tie_word_embeddings
+
+
+def test_smollm3_nope_layers_and_ministral_layer_windows():
+    smol = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048,
+            "intermediate_size": 11008, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "rope_theta": 5000000.0, "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4}
+    args = parse_config(smol, resolve_architecture(smol))  # no_rope_layers left out: every 4th layer is NoPE
+    assert args.rope_layers == [True, True, True, False] * 2 and args.sliding_windows == [None] * 8
+    listed = parse_config({**smol, "no_rope_layers": [1, 0, 1, 1, 1, 1, 0, 1]}, "SmolLM3ForCausalLM")
+    assert listed.rope_layers == [True, False, True, True, True, True, False, True]
+    ministral = {**smol, "architectures": ["MinistralForCausalLM"], "model_type": "ministral", "sliding_window": 32768,
+                 "layer_types": ["full_attention", "sliding_attention"] * 4}
+    del ministral["no_rope_layer_interval"]
+    args = parse_config(ministral, resolve_architecture(ministral))
+    assert args.sliding_windows == [None, 32768] * 4 and args.rope_layers == []

@@ -47,6 +47,8 @@ class ModelArgs:
     hidden_act: str = "silu"
     # Per-layer sliding window (None = full attention on that layer).
     sliding_windows: list[int | None] = field(default_factory=list)
+    # Per-layer: whether the layer rotates queries and keys (SmolLM3 leaves out every 4th: NoPE).
+    rope_layers: list[bool] = field(default_factory=list)
     # Sparse MoE (num_experts == 0 means dense).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -151,6 +153,13 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
         elif model_type in ("mistral", "mixtral", "phi3"):
             windows = [int(window) if window else None] * layers
+        elif model_type == "ministral":  # per layer, from layer_types (all sliding when there is a window)
+            types = cfg.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
+            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+        elif model_type == "smollm3":
+            use = cfg.get("use_sliding_window", False) and window
+            types = cfg.get("layer_types") or ["full_attention"] * layers
+            windows = [int(window) if use and t == "sliding_attention" else None for t in types]
         else:
             windows = [None] * layers
         args = ModelArgs(
@@ -177,6 +186,10 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         )
+        if model_type == "smollm3":
+            interval = int(cfg.get("no_rope_layer_interval", 4))
+            flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+            args.rope_layers = [bool(f) for f in flags]  # despite the name, 1 = this layer uses RoPE
         if model_type == "gemma3_text":
             for field_ in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
                 if cfg.get(field_):

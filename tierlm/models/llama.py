@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, Granite, Gemma 3 (text),
-and the MoE variants Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""Llama-family decoder (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4, Granite,
+SmolLM3, Gemma 3 (text), and the MoE variants Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.gemma_norms = args.gemma_norms
         # Gemma 3's sliding layers rotate with their own base; every other model has one RoPE.
         self.local_rope = self.window is not None and args.local_rope_theta is not None
+        self.use_rope = args.rope_layers[layer] if args.rope_layers else True
 
     def forward(self, x: torch.Tensor, ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -45,7 +46,9 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = self._norm_heads(qk)
-        q, k = RotaryEmbedding.rotate(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.use_rope:
+            qk = RotaryEmbedding.rotate(rope, qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(T, self.q_size))

@@ -7,6 +7,7 @@ from tierlm.models.llama import CausalLM
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
+    "MinistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
@@ -14,6 +15,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3MoeForCausalLM": CausalLM,
     "Phi3ForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
     "GraniteForCausalLM": CausalLM,
+    "SmolLM3ForCausalLM": CausalLM,  # every 4th layer without RoPE
     "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B and 270M
     "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B-27B: their language model, text only
     "Mistral3ForConditionalGeneration": CausalLM,  # Mistral Small 3.1+: likewise
