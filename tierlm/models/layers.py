@@ -10,35 +10,33 @@ import torch.nn.functional as F
 from tierlm.models.config import ModelArgs
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, in float32 through torch's rms_norm (one op
+    rather than five: a kernel launch each on a GPU, where launches bound a step's time), then
+    scaled as the reference does: Llama-style, cast back and multiply by `weight`; Gemma-style
+    (`plus_one`), multiply by 1 + weight in float32, then cast. `weight` broadcasts over x."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if plus_one:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 then cast back, as Llama-family reference code does."""
+    """RMSNorm computed in float32 then cast back, as Llama-family reference code does; Gemma's
+    variant (`plus_one`) stores the weight as an offset from 1."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
+        self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's rms_norm: the reference's x * rsqrt(mean(x^2) + eps), in one op rather than
-        # five (a kernel launch each on a GPU, where launches bound a step's time).
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-
-
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32 before
-    the cast back (Llama casts first, then scales)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.plus_one)
 
 
 def make_norm(args: ModelArgs, dim: int) -> nn.Module:
-    return GemmaRMSNorm(dim, args.rms_norm_eps) if args.gemma_norms else RMSNorm(dim, args.rms_norm_eps)
+    return RMSNorm(dim, args.rms_norm_eps, plus_one=args.gemma_norms)
 
 
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:

@@ -10,11 +10,10 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from tierlm.models.attention import AttentionMetadata, paged_attention
 from tierlm.models.config import ModelArgs
-from tierlm.models.layers import GatedMLP, RotaryEmbedding, make_norm
+from tierlm.models.layers import GatedMLP, RotaryEmbedding, make_norm, rms_norm
 from tierlm.models.moe import SparseMoE
 
 
@@ -30,7 +29,6 @@ class Attention(nn.Module):
         self.window = args.sliding_windows[layer] if args.sliding_windows else None
         self.q_norm = make_norm(args, self.head_dim) if args.qk_norm else None
         self.k_norm = make_norm(args, self.head_dim) if args.qk_norm else None
-        self.gemma_norms = args.gemma_norms
         # Gemma 3's sliding layers rotate with their own base; every other model has one RoPE.
         self.local_rope = self.window is not None and args.local_rope_theta is not None
         self.use_rope = args.rope_layers[layer] if args.rope_layers else True
@@ -55,14 +53,10 @@ class Attention(nn.Module):
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
         """The per-head RMSNorm of queries (q_norm) and keys (k_norm) of Qwen3 and Gemma 3, both
-        in one op: each head normalised over head_dim, then scaled by its side's weight, as each
-        reference does (Llama-style: cast, then scale; Gemma: scale by 1 + w in float32, then cast)."""
+        in one op: each head normalised over head_dim, then scaled by its side's weight."""
         D = self.head_dim
         weight = torch.cat((self.q_norm.weight.expand(self.num_heads, D), self.k_norm.weight.expand(self.num_kv_heads, D)))
-        normed = F.rms_norm(qk.float(), (D,), eps=self.q_norm.eps)
-        if self.gemma_norms:
-            return (normed * (1.0 + weight.float())).to(qk.dtype)
-        return weight * normed.to(qk.dtype)
+        return rms_norm(qk, weight, self.q_norm.eps, self.q_norm.plus_one)
 
 
 class DecoderLayer(nn.Module):
@@ -83,9 +77,11 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, cache, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        h = self.self_attn(self.input_layernorm(x), ropes, cache, meta)
-        x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
-        h = self.mlp(self.post_attention_layernorm(x))
+        x = self._residual(x, self.self_attn(self.input_layernorm(x), ropes, cache, meta))
+        return self._residual(x, self.mlp(self.post_attention_layernorm(x)))
+
+    def _residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + h, with h scaled by Granite's residual multiplier (no op where it is 1)."""
         return x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
 
 
