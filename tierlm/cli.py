@@ -23,6 +23,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the device KV pool")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="record decode steps and short prefill chunks as CUDA graphs and replay them "
+                        "(dense models; not yet measured on a GPU, so off by default)")
     kv = p.add_argument_group("KV cache tiers")
     kv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     help="turn off automatic prefix caching")
@@ -57,7 +60,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_remote_capacity=args.kv_remote_capacity, kv_remote_ttl=args.kv_remote_ttl,
                 kv_tier_policy=args.kv_tier_policy,
                 kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
-                kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through)
+                kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through,
+                cuda_graphs=args.cuda_graphs)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -30,6 +30,11 @@ class EngineConfig:
     # tierlm's own CPU kernels (bf16-weight decode GEMM, paged decode attention), built with the
     # system C compiler on first use; False = PyTorch ops only (TIERLM_CPU_KERNELS=0 does the same).
     cpu_kernels: bool = True
+    # Record small steps (decodes, short prefill chunks) as CUDA graphs and replay them: on a GPU
+    # such steps are bound by Python's kernel launches. Off until measured on a GPU; on CPU the
+    # same fixed-shape steps run eagerly (what the tests check), which is not faster. Dense models
+    # only: MoE routing has data-dependent shapes.
+    cuda_graphs: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64

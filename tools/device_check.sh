@@ -4,7 +4,9 @@
 # 2026) the steps took 2 + 20 + 72 + 131 + 29 + 22 + 29 + 155 s: about 460 s, plus the machine's
 # start (30-60 s). Since then the parity tests cover 16 architectures instead of 6 (perhaps
 # 150 s) and a sampled throughput step was added (perhaps 40 s), so the last step, the rest of
-# the suite, may not finish inside LIMIT_S: it matters least.
+# the suite, may not finish inside LIMIT_S: it matters least. The CUDA-graph steps (0) came later
+# still and run first (perhaps 250 s); for one call, skip what the session needs least, e.g.
+# SKIP="bench-throughput-sampled bench-prefix-long rest-of-suite".
 #
 #   bash tools/device_check.sh        # results in $OUT (default ./device-out): log.txt, *.json, *.png
 #   LIMIT_S=450 SKIP="bench-throughput" bash tools/device_check.sh   # a shorter call, steps left out
@@ -12,6 +14,10 @@
 # Packages the machine lacks (tierlm's server stack, the SDKs the tests drive) travel as cp312
 # wheels in .whl/, fetched beforehand by tools/device_wheels.sh; they are installed first.
 #
+# 0. CUDA graphs (`--cuda-graphs`, recorded small steps; first run on a GPU pending): their tests
+#    on CUDA (logits and greedy tokens against transformers for every architecture, tokens equal
+#    to eager steps), then `bench prefix`, `bench throughput` and the step profile with graphs;
+#    the eager runs below are the comparison;
 # 1. the engine on CUDA against transformers: logits and greedy tokens for every architecture
 #    (the reference model runs on the CPU), engine behaviour, prefix caching and the host and
 #    disk tiers (pinned host memory, the side stream for device-to-host copies); Redis tests
@@ -64,6 +70,14 @@ llm = LLM(str(d), load_progress=False)
 out = llm.generate(['The cache'], SamplingParams(max_tokens=8, temperature=0))
 print('engine device', llm.engine.device, 'tokens', out[0].outputs[0].token_ids)
 assert llm.engine.device.type == 'cuda'"
+step graphs 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
+  tests/models/test_parity.py -k "graphs or fixed_shape or step"
+step bench-prefix-graphs 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \
+  --json "$OUT/prefix_graphs.json" --plot "$OUT/prefix_graphs.png"
+step bench-throughput-graphs 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
+  --cuda-graphs --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput_graphs.json" \
+  --plot "$OUT/throughput_graphs.png"
+step profile-graphs 60 python3 tools/device_profile.py "$BENCH_MODEL" --cuda-graphs
 step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
   tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py -k "not packed"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tierlm.cli import main
 
 
@@ -69,17 +71,31 @@ def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch, redis_server):
     assert remote["by_delay"][1]["rtt_ms"] >= 2  # the proxy's delay is there
 
 
-def test_device_profile_script_runs_on_any_device(llama_dir):
+@pytest.mark.parametrize("graphs", [[], ["--cuda-graphs"]])
+def test_device_profile_script_runs_on_any_device(llama_dir, graphs):
     """tools/device_profile.py is run on the GPU machine, where minutes are scarce: keep it working
     (here on the CPU, with a prefix the tiny model takes)."""
     import subprocess
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parents[2] / "tools" / "device_profile.py"
-    out = subprocess.run([sys.executable, str(script), str(llama_dir), "--prefix-len", "200", "--batch", "4"],
+    out = subprocess.run([sys.executable, str(script), str(llama_dir), "--prefix-len", "200", "--batch", "4", *graphs],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     heads = [line for line in out.stdout.splitlines() if line.startswith("## ")]
     assert [h.split(":")[0] for h in heads] == ["## decode, batch 4", "## prefill, 248 tokens cold",
                                                 "## prefill, 48 tokens after a 200-token device hit"]
     assert all("ms per step" in h for h in heads)
+
+
+def test_bench_throughput_takes_cuda_graphs(llama_dir, tmp_path, caplog):
+    """--cuda-graphs reaches the engine the bench builds (on CPU: fixed-shape eager steps)."""
+    import logging
+    out = tmp_path / "tp.json"
+    with caplog.at_level(logging.INFO, logger="tierlm.engine.engine"):
+        assert main(["bench", "throughput", "--model", str(llama_dir), "--workload", "tiny", "--dtype", "float32",
+                     "--kv-cache-memory", str(4 << 20), "--no-batch1", "--device", "cpu", "--cuda-graphs",
+                     "--json", str(out)]) == 0
+    assert "cuda_graphs on cpu" in caplog.text
+    res = json.loads(out.read_text())
+    assert res["cuda_graphs"] is True and res["workloads"]["tiny"]["ratio"] > 0

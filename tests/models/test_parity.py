@@ -65,6 +65,8 @@ SETTINGS = {
     "chunked": dict(block_size=16, max_num_batched_tokens=24, cpu_linear="packed"),
     "odd_block": dict(block_size=7, max_num_batched_tokens=40),
     "preempt": dict(block_size=8, max_num_batched_tokens=64, small_pool=True),
+    # Fixed-shape steps (what a CUDA graph records), with prefill chunks small enough to use them too.
+    "graphs": dict(block_size=16, max_num_batched_tokens=40, cuda_graphs=True),
 }
 
 
@@ -94,7 +96,39 @@ def test_greedy_batch_token_identical(arch, setting, checkpoints, hf_models, hf_
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     if small:
         assert llm.engine.scheduler.num_preemptions > 0
+    if kw.get("cuda_graphs"):
+        _assert_fixed_shape_steps_ran(llm, arch)
     assert llm.engine.pool.num_used == 0
+
+
+def _assert_fixed_shape_steps_ran(llm, arch: str) -> None:
+    graphs = llm.engine.runner.graphs
+    if any(llm.engine.args.moe_layers):
+        assert graphs is None  # refused for MoE: eager steps
+    else:
+        assert graphs.steps > 0 and graphs.enabled
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fixed_shape_step_logits_match_transformers(arch, checkpoints, hf_models):
+    """Every step of a 64-token prompt (chunks of <= 20 tokens) and its decodes through the
+    fixed-shape path a CUDA graph records: padded rows and tokens, scratch slots, one SDPA call."""
+    hf = hf_models[arch]
+    llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=20,
+              load_progress=False, cuda_graphs=True)
+    cap = _Capture(llm.engine.sampler)
+    llm.engine.sampler = cap
+    prompt = _prompts(7, hf.config.get_text_config().vocab_size)[6]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    gen = out[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + gen])).logits[0]
+    ours = torch.cat([row for row, _ in cap.rows])
+    expect = ref[len(prompt) - 1: len(prompt) - 1 + len(gen)]
+    assert (ours - expect).abs().max().item() < 1e-3
+    _assert_fixed_shape_steps_ran(llm, arch)
+    if llm.engine.runner.graphs is not None:
+        assert llm.engine.runner.graphs.steps == llm.engine.steps  # all 4 chunks and 5 decodes
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])

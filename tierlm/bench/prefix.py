@@ -177,10 +177,11 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="tierlm-prefix-bench-") as tmp, \
             LLM(model, dtype=args.dtype, load_progress=False, kv_cache_memory=args.kv_cache_memory,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_host_capacity="4GiB",
-                kv_disk_dir=tmp, kv_disk_capacity="8GiB") as llm:
+                kv_disk_dir=tmp, kv_disk_capacity="8GiB", cuda_graphs=args.cuda_graphs) as llm:
         rows, cached, stalls = _measure(llm, args)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {"model": model, "dtype": args.dtype, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
+              "cuda_graphs": args.cuda_graphs,
               "ttft_s": med, "speedup_vs_cold": {k: med["cold"] / med[k] for k in ("device", "host", "disk")},
               "cached_tokens": cached, "samples_s": rows}
     stall = {k: {f: statistics.median(x[f] for x in v) for f in ("decode_step_s", "max_step_s", "ttft_s", "steps")}
@@ -244,6 +245,7 @@ def add_cli(sub) -> None:
     p.add_argument("--kv-remote-delay-ms", type=_delays, default=[],
                    help="one-way latencies (ms, comma-separated, e.g. 0,0.25,1) a local proxy adds in front of "
                         "--kv-remote in turn, as if Redis were across a network")
+    p.add_argument("--cuda-graphs", action="store_true", help="record small steps as CUDA graphs")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: run(a) and 0)

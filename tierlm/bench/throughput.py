@@ -168,11 +168,13 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, device: torch.device = 
     return nbytes / best
 
 
-def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device = torch.device("cpu")) -> dict:
+def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device = torch.device("cpu"),
+                  cuda_graphs: bool = False) -> dict:
     from tierlm import LLM, SamplingParams
     from transformers import AutoModelForCausalLM
     prompt = list(range(100, 116))
-    llm = LLM(model_dir, dtype=dtype, load_progress=False, kv_cache_memory=256 << 20, device=str(device))
+    llm = LLM(model_dir, dtype=dtype, load_progress=False, kv_cache_memory=256 << 20, device=str(device),
+              cuda_graphs=cuda_graphs)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, ignore_eos=True))
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
@@ -217,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     result = {"model": model_dir, "dtype": dtype, "tierlm_compute_dtype": args.compute_dtype, "threads": threads,
+              "cuda_graphs": args.cuda_graphs,
               "device": str(device), "sampling": asdict(sampling), "workloads": {}}
     for name in args.workload:
         wl = make_workload(name, vocab)
@@ -227,7 +230,8 @@ def run(args: argparse.Namespace) -> dict:
             tag = f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
             ours_runs.append(run_tierlm(model_dir, wl, dtype, sampling, compute_dtype=args.compute_dtype,
                                         max_num_seqs=max(64, len(wl.prompts)), kv_cache_memory=args.kv_cache_memory,
-                                        max_num_batched_tokens=args.max_num_batched_tokens, device=str(device)))
+                                        max_num_batched_tokens=args.max_num_batched_tokens, device=str(device),
+                                        cuda_graphs=args.cuda_graphs))
             print(f"  tierlm:       {ours_runs[-1]['output_tok_per_s']:8.1f} output tok/s "
                   f"({ours_runs[-1]['seconds']:.1f} s){tag}", flush=True)
             theirs_runs.append(run_transformers(model_dir, wl, torch_dtype, device, sampling))
@@ -240,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  ratio tierlm/transformers{' (best run of each)' if args.repeat > 1 else ''}: {ratio:.2f}x", flush=True)
         result["workloads"][name] = {"tierlm": ours, "transformers": theirs, "ratio": ratio, "repeat": args.repeat}
     if args.batch1:
-        b1 = batch1_decode(model_dir, dtype, device=device)
+        b1 = batch1_decode(model_dir, dtype, device=device, cuda_graphs=args.cuda_graphs)
         print(f"[batch-1 decode] tierlm {b1['tierlm_tok_per_s']:.1f} tok/s, transformers {b1['transformers_tok_per_s']:.1f}"
               f" tok/s, bandwidth bound {b1['bandwidth_bound_tok_per_s']:.1f} tok/s "
               f"({b1['read_bandwidth_gb_s']:.1f} GB/s)", flush=True)
@@ -272,6 +276,7 @@ def add_cli(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="both engines sample at this temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="and keep this nucleus when sampling")
+    p.add_argument("--cuda-graphs", action="store_true", help="tierlm records small steps as CUDA graphs")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: (setattr(a, "workload", a.workload or ["uniform"]), run(a)) and 0)

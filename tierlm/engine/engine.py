@@ -20,6 +20,7 @@ import torch
 
 from tierlm.config import EngineConfig, default_kv_cache_memory, host_memory
 from tierlm.engine.detokenizer import IncrementalDetokenizer
+from tierlm.engine.graphs import StepGraphsConfig
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
@@ -161,7 +162,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
-        self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels)
+        self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
+                                  graphs=self._graphs_config(config, loaded.args, bs))
         if config.warmup:
             t0 = time.monotonic()
             warm_tokens = min(self.max_num_batched_tokens, self.max_model_len)
@@ -190,6 +192,18 @@ class LLMEngine:
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                  self.model_name, self.device, str(self.dtype).replace("torch.", ""), num_blocks, bs,
                  num_blocks * per_block / 2**20, self.max_model_len)
+
+    def _graphs_config(self, config: EngineConfig, args, block_size: int) -> StepGraphsConfig | None:
+        if not config.cuda_graphs:
+            return None
+        if any(args.moe_layers):
+            log.warning("cuda_graphs: not for %s, whose MoE layers route tokens with data-dependent shapes; "
+                        "steps run eagerly", self.model_name)
+            return None
+        if self.device.type != "cuda":
+            log.info("cuda_graphs on %s: nothing to record; small steps run eagerly in fixed shapes "
+                     "(the path a graph records; not faster here)", self.device)
+        return StepGraphsConfig(max_rows=config.max_num_seqs, max_blocks=-(-self.max_model_len // block_size))
 
     # -- admission -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,

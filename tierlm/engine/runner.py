@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import torch
 
+from tierlm.engine.graphs import StepGraphs, StepGraphsConfig
 from tierlm.engine.request import Request
 from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.models import cpu_kernels as cpu_kernel_lib
@@ -26,7 +27,8 @@ def kv_bytes_per_block(args, kv_dtype: torch.dtype, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cpu_kernels: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cpu_kernels: bool = True,
+                 graphs: StepGraphsConfig | None = None) -> None:
         self.model = loaded.model
         self.cpu_kernels = cpu_kernels
         self.args = loaded.args
@@ -34,9 +36,14 @@ class ModelRunner:
         if cpu_kernels and self.device.type == "cpu":
             cpu_kernel_lib.library()  # build/load now, not inside the first decode step
         self.block_size = block_size
-        shape = (2, num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.num_blocks = num_blocks
+        # Fixed-shape steps need one more block, past the pool's, for their padding tokens' K/V.
+        shape = (2, num_blocks + (graphs is not None), block_size, self.args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=loaded.kv_dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
+        self.graphs = None if graphs is None else StepGraphs(
+            self.model, self.kv_caches, block_size, scratch_block=num_blocks, max_rows=graphs.max_rows,
+            max_blocks=graphs.max_blocks)
         # K/V copies to host (demotion) run here on CUDA, off the compute stream.
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
@@ -48,7 +55,7 @@ class ModelRunner:
         model, writing K/V only into free blocks at the start of the pool (contents of free blocks
         are never read), so the shapes of real steps find their kernels ready."""
         bs = self.block_size
-        num_blocks = self.kv_caches[0].shape[1]
+        num_blocks = self.num_blocks
         n = max(1, min(num_tokens, num_blocks * bs))
         d = max(0, min(num_decodes, num_blocks * bs // 2))
         dev = self.device
@@ -163,6 +170,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
         """Run one step; returns the requests that produce a token now and their logits rows."""
+        if self.graphs is not None and sched.scheduled:
+            done = self.graphs.execute(sched.scheduled, self._block_ids)
+            if done is not None:
+                return done
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []

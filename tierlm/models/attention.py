@@ -6,6 +6,9 @@ similar length, so padding stays small); prefill chunks follow and are attended 
 at a time with SDPA and a causal mask offset by the cached context.
 On CPU, decodes go through tierlm's own kernel (cpu_kernels), which reads the paged K/V in place;
 the PyTorch path above is the fallback and the reference. A CUDA kernel would slot in the same way.
+
+A third layout, `PaddedBatch`, gives a step fixed shapes (rows x width query tokens over a fixed
+block-table width) so it can be recorded once as a CUDA graph and replayed (engine/graphs.py).
 """
 from __future__ import annotations
 
@@ -64,12 +67,49 @@ class DecodeGroup:
 
 
 @dataclass
+class PaddedBatch:
+    """A step of fixed shape: `rows` sequences of `width` query tokens each (token t of the flat
+    batch is row t // width), every row reading `block_tables.shape[1]` blocks.
+
+    Padding tokens sit at position 0 and write their K/V to a scratch slot no block table names;
+    padding table entries are masked out by position (their keys lie past every query). Every
+    tensor here is a view of the step's static input buffer, and the mask is computed from them
+    inside the forward, so a recorded graph recomputes it from the new contents at each replay.
+    """
+
+    rows: int
+    width: int
+    block_tables: torch.Tensor  # [rows, blocks] long
+    positions: torch.Tensor  # [rows, width] long: each query token's position
+    _masks: dict = field(default_factory=dict)  # per window, built by the first layer
+
+    def mask(self, num_keys: int, window: int | None, group: int) -> torch.Tensor:
+        """[rows, 1, width * group, num_keys] bool, queries laid out as (token, head of the group)."""
+        if window not in self._masks:
+            kpos = torch.arange(num_keys, device=self.positions.device)
+            qpos = self.positions[:, :, None]
+            allowed = kpos <= qpos
+            if window is not None:
+                allowed &= kpos > qpos - window
+            B, W = self.rows, self.width
+            self._masks[window] = allowed[:, None, :, None, :].expand(B, 1, W, group, num_keys).reshape(
+                B, 1, W * group, num_keys)
+        return self._masks[window]
+
+    def reset(self) -> None:
+        """Forget the masks: the next forward builds them from the buffers' current contents (an
+        eager replay must; a capture must, or the graph would hold the old mask as a constant)."""
+        self._masks.clear()
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the first tokens of the batch
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
     cpu_kernels: bool = True  # decode attention through tierlm's CPU kernel where it applies
+    padded: PaddedBatch | None = None  # set: the whole step is this fixed-shape batch
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -98,6 +138,8 @@ def paged_attention(
     # Blocks as rows: one index_select gathers a sequence's blocks, keys and values together
     # (several times faster than advanced indexing on CPU; one op, not two, per layer).
     kv_rows = cache.view(2, cache.shape[1], -1)
+    if meta.padded is not None:
+        return _padded_attention(q, kv_rows, meta.padded, meta.block_size, scale, window)
     use_kernel = meta.cpu_kernels and bool(meta.decode_groups) and cpu_kernels.decode_attention_supported(q, cache)
     for g in meta.decode_groups:
         if use_kernel:
@@ -129,6 +171,21 @@ def paged_attention(
     for start, end, o in pieces:
         out[start:end] = o
     return out
+
+
+def _padded_attention(q: torch.Tensor, kv_rows: torch.Tensor, p: PaddedBatch, block_size: int, scale: float,
+                      window: int | None) -> torch.Tensor:
+    """Every row's queries over its gathered blocks in one SDPA call, a KV head's query heads
+    folded into the query length (as for decodes above), so the shapes depend on the bucket only."""
+    T, Hq, D = q.shape
+    B, W = p.rows, p.width
+    L = p.block_tables.shape[1] * block_size
+    Hkv = kv_rows.shape[2] // (block_size * D)
+    group = Hq // Hkv
+    kv = kv_rows.index_select(1, p.block_tables.view(-1)).view(2, B, L, Hkv, D).to(q.dtype).transpose(2, 3)
+    qg = q.view(B, W, Hkv, group, D).transpose(1, 2).reshape(B, Hkv, W * group, D)
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=p.mask(L, window, group), scale=scale)
+    return o.view(B, Hkv, W, group, D).transpose(1, 2).reshape(T, Hq, D)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

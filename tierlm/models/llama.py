@@ -115,6 +115,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-normed hidden states of the rows `logits_indices` picks (all rows when None):
+        everything but the vocabulary projection, which a recorded graph leaves out (its [rows,
+        vocab] output would stay allocated for every graph)."""
         h = self.embed_tokens(input_ids)
         if self.args.embedding_multiplier != 1.0:
             scale = self.args.embedding_multiplier
@@ -126,7 +133,11 @@ class CausalLM(nn.Module):
             h = layer(h, ropes, cache, meta)
         if logits_indices is not None:
             h = h[logits_indices]
-        logits = self.lm_head(self.norm(h))
+        return self.norm(h)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states."""
+        logits = self.lm_head(h)
         if self.args.logits_scaling != 1.0:
             logits = logits / self.args.logits_scaling
         return logits.float()

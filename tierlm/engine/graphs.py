@@ -1,0 +1,200 @@
+"""Small steps of fixed shape, recorded once as CUDA graphs and replayed.
+
+Why: on a GPU a small step (a batch of decodes, or the few prompt tokens left after a prefix
+hit) is bound by the host, not the GPU. On an H200 a 24-layer step launched 1,000-1,400 kernels
+from Python and kept the GPU busy 3% (32 decodes) to 11% (a prefill after a 2,000-token hit) of
+its time (`tools/device_profile.py`). A graph records the launches once and replays them with
+one call.
+
+Shapes are bucketed: rows (sequences), width (query tokens per row) and the block-table width
+each round up to a power of two, and a step that fits no bucket (a long prefill chunk, or a
+step with one) runs eagerly as before. Each bucket owns one int64 buffer on the device holding
+the step's token ids, positions, K/V slots, block tables and the rows to take logits from; a step
+fills a host copy and moves it with one copy, then replays. Padding tokens write their K/V to a
+scratch block that the block pool never hands out. The vocabulary projection runs after the
+replay, eagerly: recorded, each graph would keep a [rows, vocab] output allocated.
+
+On CPU nothing is recorded: the same fixed-shape step runs eagerly. That is what the tests check
+against transformers, so on CUDA a replay differs from a tested path only in being recorded.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierlm.engine.request import Request
+from tierlm.models.attention import AttentionMetadata, PaddedBatch
+
+log = logging.getLogger(__name__)
+
+MAX_WIDTH = 128  # query tokens per row: covers decodes and the tail of a prompt after a prefix hit
+MAX_TOKENS = 512  # rows x width of a bucket; larger steps are compute-bound anyway
+MAX_GRAPHS = 128  # buckets recorded at most; later new shapes run eagerly
+MAX_WASTE = 8  # a bucket may hold up to this many times the step's real tokens (GPU time is cheap here)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class StepGraphsConfig:
+    max_rows: int  # the engine's max_num_seqs
+    max_blocks: int  # blocks of a sequence at max_model_len
+
+
+@dataclass(frozen=True)
+class Bucket:
+    rows: int
+    width: int
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+class _BucketBuffers:
+    """One bucket's static input buffer (device) with a host copy to fill, their views, the
+    attention metadata over them, and the graph once recorded."""
+
+    def __init__(self, b: Bucket, block_size: int, device: torch.device) -> None:
+        T, B, NB = b.tokens, b.rows, b.blocks
+        self.bucket = b
+        size = 3 * T + B * NB + B
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.fill = self.host.numpy()
+        self.device_buf = torch.zeros(size, dtype=torch.long, device=device)
+        d = self.device_buf
+        self.input_ids, self.positions, self.slots = d[:T], d[T:2 * T], d[2 * T:3 * T]
+        tables = d[3 * T:3 * T + B * NB].view(B, NB)
+        self.logits_rows = d[3 * T + B * NB:]
+        self.padded = PaddedBatch(B, b.width, tables, self.positions.view(B, b.width))
+        self.meta = AttentionMetadata(slot_mapping=self.slots, block_size=block_size, cpu_kernels=False,
+                                      padded=self.padded)
+        self.copied: torch.cuda.Event | None = None  # CUDA: the copy from `host` last queued
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None  # the graph's output
+
+
+class StepGraphs:
+    """Runs the steps that fit a bucket; `execute` returns None for the others."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 scratch_block: int, max_rows: int, max_blocks: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = kv_caches[0].device
+        self.scratch_slot = scratch_block * block_size
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.record = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.record else None
+        self.buckets: dict[Bucket, _BucketBuffers] = {}
+        self.enabled = True
+        self.steps = 0  # steps run through a bucket (replayed, or on CPU run eagerly)
+        self.recorded = 0
+
+    def bucket_for(self, scheduled: list[tuple[Request, int]]) -> Bucket | None:
+        width = max(n for _, n in scheduled)
+        blocks = -(-max(r.num_computed_tokens + n for r, n in scheduled) // self.block_size)
+        if not self.enabled or width > MAX_WIDTH or len(scheduled) > self.max_rows or blocks > self.max_blocks:
+            return None
+        b = Bucket(_pow2(len(scheduled)), _pow2(width), min(_pow2(blocks), self.max_blocks))
+        real = sum(n for _, n in scheduled)
+        if b.tokens > MAX_TOKENS or b.tokens > max(MAX_WASTE * real, 64):
+            return None  # e.g. decodes beside one longer chunk: every row padded to the chunk's width
+        if b not in self.buckets and len(self.buckets) >= MAX_GRAPHS:
+            return None
+        return b
+
+    def execute(self, scheduled: list[tuple[Request, int]],
+                block_ids: Callable[[Request], np.ndarray]) -> tuple[list[Request], torch.Tensor | None] | None:
+        b = self.bucket_for(scheduled)
+        if b is None:
+            return None
+        buf = self.buckets.get(b)
+        if buf is None:
+            buf = self.buckets[b] = _BucketBuffers(b, self.block_size, self.device)
+        if buf.copied is not None:
+            buf.copied.synchronize()  # the last step's copy out of the host buffer has run
+        # Rows that sample first, so their logits are the first rows of the output.
+        rows = sorted(scheduled, key=lambda e: e[0].num_computed_tokens + e[1] != e[0].num_tokens)
+        samplers = self._fill(buf, rows, block_ids)
+        buf.device_buf.copy_(buf.host, non_blocking=True)
+        if self.record:
+            buf.copied = torch.cuda.Event()
+            buf.copied.record()
+        hidden = self._run(buf)
+        if hidden is None:
+            return None
+        self.steps += 1
+        if not samplers:
+            return [], None
+        return samplers, self.model.compute_logits(hidden[:len(samplers)])
+
+    def _fill(self, buf: _BucketBuffers, rows: list[tuple[Request, int]],
+              block_ids: Callable[[Request], np.ndarray]) -> list[Request]:
+        b, bs = buf.bucket, self.block_size
+        T, W, NB = b.tokens, b.width, b.blocks
+        a = buf.fill
+        a[:] = 0
+        a[2 * T:3 * T] = self.scratch_slot
+        samplers = []
+        for r, (req, n) in enumerate(rows):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            at = r * W
+            pos = np.arange(start, end, dtype=np.int64)
+            table = block_ids(req)
+            a[at:at + n] = req.all_token_ids[start:end]
+            a[T + at:T + at + n] = pos
+            a[2 * T + at:2 * T + at + n] = table[pos // bs] * bs + pos % bs
+            used = -(-end // bs)
+            a[3 * T + r * NB:3 * T + r * NB + used] = table[:used]
+            if end == req.num_tokens:
+                a[3 * T + b.rows * NB + r] = at + n - 1
+                samplers.append(req)
+        return samplers
+
+    def _forward(self, buf: _BucketBuffers) -> torch.Tensor:
+        buf.padded.reset()  # the masks are rebuilt from the buffers, inside the forward (and the graph)
+        return self.model.hidden_states(buf.input_ids, buf.positions, self.kv_caches, buf.meta,
+                                        logits_indices=buf.logits_rows)
+
+    def _run(self, buf: _BucketBuffers) -> torch.Tensor | None:
+        if not self.record:
+            return self._forward(buf)
+        if buf.graph is None:
+            try:
+                self._record(buf)
+            except Exception as e:  # a model this path cannot record: eager steps, not a failed server
+                log.warning("recording a CUDA graph for %s failed (%s: %s); every step runs eagerly from now on",
+                            buf.bucket, type(e).__name__, e)
+                self.enabled = False
+                return None
+        buf.graph.replay()
+        return buf.hidden
+
+    def _record(self, buf: _BucketBuffers) -> None:
+        """Warm up on a side stream (library handles, kernel choice), then record. The warm-up
+        computes this step for real (K/V written), the replay that follows writes the same values."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._forward(buf)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        forward = functools.partial(self._forward, buf)
+        # thread_local: the K/V prefetch thread may touch CUDA while this thread records.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden = forward()
+        buf.graph, buf.hidden = graph, hidden
+        self.recorded += 1
+        log.info("recorded a CUDA graph for %d rows x %d tokens over %d blocks (%d recorded)",
+                 buf.bucket.rows, buf.bucket.width, buf.bucket.blocks, self.recorded)
