@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -16,7 +16,7 @@ VOCAB = 40
 def _req(i: int, **params) -> Request:
     seed = params.get("seed")
     return Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, **params), 8, frozenset(),
-                   generator=torch.Generator().manual_seed(seed) if seed is not None else None)
+                   generator=seeded_generator(seed) if seed is not None else None)
 
 
 def _expected(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -130,3 +130,17 @@ def test_a_row_of_nan_logits_still_gives_a_token_in_the_vocabulary():
     reqs = [_req(i, temperature=1.0, seed=i) for i in range(3)]
     tokens, _ = Sampler()(logits, reqs)
     assert all(0 <= t < VOCAB for t in tokens)
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    """Seeds equal in their low 32 bits (all a CPU generator keeps) draw different tokens; the
+    same seed draws the same ones."""
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw shows the generator's state
+    seeds = [5, 5 + 2**32, 5 + 2**63, 5 - 2**32, -(2**63) + 5, 2**64 - 2**32 + 5]
+    draws = {}
+    for seed in seeds + [5]:
+        sampler = Sampler(seed=0)
+        req = _req(0, temperature=1.0, seed=seed)
+        draws.setdefault(seed, []).append(tuple(sampler(logits, [req])[0][0] for _ in range(12)))
+    assert draws[5][0] == draws[5][1]
+    assert len({d[0] for d in draws.values()}) == len(seeds)

@@ -24,7 +24,7 @@ from tierlm.engine.graphs import StepGraphsConfig
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
-from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, RequestTooLongError
@@ -257,7 +257,7 @@ class LLMEngine:
                 f"prompt + max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
                 "lower max_tokens or start the engine with more kv_cache_memory", param="max_tokens")
         rid = request_id or uuid.uuid4().hex
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
                        tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen)
 

@@ -10,6 +10,7 @@ on a GPU was 45% of a 32-row decode step (bench_results/h200/device_run2.log).
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -61,6 +62,14 @@ def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         rows = rows.scatter(1, order, sorted_rows.masked_fill(drop, float("-inf")))
     return rows
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A request's own generator. torch's CPU generator (mt19937) keeps only the low 32 bits of
+    its seed, so the API's 64-bit seeds 5 and 5 + 2**32 would draw the same tokens: all the bits
+    (sign included) are hashed into the 32 it keeps."""
+    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=4).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 class Sampler:
