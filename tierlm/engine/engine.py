@@ -237,8 +237,10 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         vocab = self.args.vocab_size
-        # numpy integers are integers too (a tokenizer may hand them out); bools and floats are not
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
+        # numpy integers are integers too (a tokenizer may hand them out); bools and floats are not.
+        # Plain ints, the usual case, are checked without the ABC test per token (~1 ms per 2,000).
+        if (not (0 <= min(ids) and max(ids) < vocab) if all(type(t) is int for t in ids) else
+                any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids)):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
         n = len(ids)
