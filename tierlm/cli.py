@@ -25,7 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="record decode steps and short prefill chunks as CUDA graphs and replay them "
-                        "(dense models; not yet measured on a GPU, so off by default)")
+                        "(not yet measured on a GPU, so off by default)")
     kv = p.add_argument_group("KV cache tiers")
     kv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     help="turn off automatic prefix caching")

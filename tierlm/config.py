@@ -32,8 +32,8 @@ class EngineConfig:
     cpu_kernels: bool = True
     # Record small steps (decodes, short prefill chunks) as CUDA graphs and replay them: on a GPU
     # such steps are bound by Python's kernel launches. Off until measured on a GPU; on CPU the
-    # same fixed-shape steps run eagerly (what the tests check), which is not faster. Dense models
-    # only: MoE routing has data-dependent shapes.
+    # same fixed-shape steps run eagerly (what the tests check), which is not faster. MoE steps
+    # with fewer tokens than experts / top-k stay eager (see engine/graphs.py).
     cuda_graphs: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None

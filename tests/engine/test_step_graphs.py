@@ -88,14 +88,21 @@ def test_prefix_hit_runs_its_tail_as_one_small_fixed_shape_step(llama_dir):
     assert Bucket(rows=1, width=16, blocks=16) in llm.engine.runner.graphs.buckets
 
 
-def test_moe_models_refuse_graphs_and_run_eagerly(checkpoints, caplog):
-    with caplog.at_level(logging.WARNING, logger="tierlm.engine.engine"):
-        llm = _engine(checkpoints["mixtral"], cuda_graphs=True)
-    assert llm.engine.runner.graphs is None
-    assert "MoE layers route tokens with data-dependent shapes" in caplog.text
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 3
-    assert llm.engine.runner.kv_caches[0].shape[1] == llm.engine.pool.num_blocks  # no scratch block
+def test_moe_steps_run_every_expert_when_grouping_would_touch_them_all(checkpoints):
+    """Mixtral's test model: 4 experts, top-2. Steps of 2+ tokens go through fixed shapes (every
+    expert on every token, weighted by routing); single decodes stay eager and grouped."""
+    prompts = _prompts(6, seed=6, hi=30)
+    params = [SamplingParams(max_tokens=3 + i, temperature=0, ignore_eos=True) for i in range(6)]
+    runs = {}
+    for graphs in (False, True):
+        llm = _engine(checkpoints["mixtral"], cuda_graphs=graphs, max_num_batched_tokens=32)
+        runs[graphs] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                        params)]
+    g = llm.engine.runner.graphs
+    assert g.min_tokens == 2 and g.steps > 5
+    assert g.bucket_for([(_Req(3, 4), 1)]) is None and g.bucket_for([(_Req(3, 4), 1)] * 2) is not None
+    assert runs[True] == runs[False]
+    assert not any(m.static_shapes for m in g.moe)  # set only while a fixed-shape step runs
 
 
 def test_the_cli_flag_reaches_the_engine():

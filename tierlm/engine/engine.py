@@ -196,14 +196,13 @@ class LLMEngine:
     def _graphs_config(self, config: EngineConfig, args, block_size: int) -> StepGraphsConfig | None:
         if not config.cuda_graphs:
             return None
-        if any(args.moe_layers):
-            log.warning("cuda_graphs: not for %s, whose MoE layers route tokens with data-dependent shapes; "
-                        "steps run eagerly", self.model_name)
-            return None
         if self.device.type != "cuda":
             log.info("cuda_graphs on %s: nothing to record; small steps run eagerly in fixed shapes "
                      "(the path a graph records; not faster here)", self.device)
-        return StepGraphsConfig(max_rows=config.max_num_seqs, max_blocks=-(-self.max_model_len // block_size))
+        # MoE: a graph runs every expert on every token; worth it once grouping would touch them all.
+        min_tokens = -(-args.num_experts // args.num_experts_per_tok) if any(args.moe_layers) else 1
+        return StepGraphsConfig(max_rows=config.max_num_seqs, max_blocks=-(-self.max_model_len // block_size),
+                                min_tokens=min_tokens)
 
     # -- admission -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,

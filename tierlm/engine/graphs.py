@@ -12,7 +12,9 @@ step with one) runs eagerly as before. Each bucket owns one int64 buffer on the 
 the step's token ids, positions, K/V slots, block tables and the rows to take logits from; a step
 fills a host copy and moves it with one copy, then replays. Padding tokens write their K/V to a
 scratch block that the block pool never hands out. The vocabulary projection runs after the
-replay, eagerly: recorded, each graph would keep a [rows, vocab] output allocated.
+replay, eagerly: recorded, each graph would keep a [rows, vocab] output allocated. MoE layers run
+every expert on every token inside a graph (models/moe.py), so MoE steps use graphs only when
+they have at least experts / top-k real tokens.
 
 On CPU nothing is recorded: the same fixed-shape step runs eagerly. That is what the tests check
 against transformers, so on CUDA a replay differs from a tested path only in being recorded.
@@ -29,6 +31,7 @@ import torch
 
 from tierlm.engine.request import Request
 from tierlm.models.attention import AttentionMetadata, PaddedBatch
+from tierlm.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,9 @@ def _pow2(n: int) -> int:
 class StepGraphsConfig:
     max_rows: int  # the engine's max_num_seqs
     max_blocks: int  # blocks of a sequence at max_model_len
+    # MoE models: fewer real tokens than this (experts / top-k) run eagerly, where grouping by
+    # expert reads fewer expert weights than running every expert on every token would.
+    min_tokens: int = 1
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,10 @@ class StepGraphs:
     """Runs the steps that fit a bucket; `execute` returns None for the others."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 scratch_block: int, max_rows: int, max_blocks: int) -> None:
+                 scratch_block: int, max_rows: int, max_blocks: int, min_tokens: int = 1) -> None:
         self.model = model
+        self.moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self.min_tokens = min_tokens
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = kv_caches[0].device
@@ -107,6 +115,8 @@ class StepGraphs:
             return None
         b = Bucket(_pow2(len(scheduled)), _pow2(width), min(_pow2(blocks), self.max_blocks))
         real = sum(n for _, n in scheduled)
+        if real < self.min_tokens:
+            return None
         if b.tokens > MAX_TOKENS or b.tokens > max(MAX_WASTE * real, 64):
             return None  # e.g. decodes beside one longer chunk: every row padded to the chunk's width
         if b not in self.buckets and len(self.buckets) >= MAX_GRAPHS:
@@ -163,8 +173,14 @@ class StepGraphs:
 
     def _forward(self, buf: _BucketBuffers) -> torch.Tensor:
         buf.padded.reset()  # the masks are rebuilt from the buffers, inside the forward (and the graph)
-        return self.model.hidden_states(buf.input_ids, buf.positions, self.kv_caches, buf.meta,
-                                        logits_indices=buf.logits_rows)
+        for m in self.moe:
+            m.static_shapes = True
+        try:
+            return self.model.hidden_states(buf.input_ids, buf.positions, self.kv_caches, buf.meta,
+                                            logits_indices=buf.logits_rows)
+        finally:
+            for m in self.moe:
+                m.static_shapes = False
 
     def _run(self, buf: _BucketBuffers) -> torch.Tensor | None:
         if not self.record:

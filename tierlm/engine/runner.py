@@ -43,7 +43,7 @@ class ModelRunner:
                           for _ in range(self.args.num_layers)]
         self.graphs = None if graphs is None else StepGraphs(
             self.model, self.kv_caches, block_size, scratch_block=num_blocks, max_rows=graphs.max_rows,
-            max_blocks=graphs.max_blocks)
+            max_blocks=graphs.max_blocks, min_tokens=graphs.min_tokens)
         # K/V copies to host (demotion) run here on CUDA, off the compute stream.
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None

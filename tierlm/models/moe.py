@@ -3,6 +3,12 @@
 Tokens are grouped by expert (one sort), so each routed expert does one matmul over exactly
 the tokens sent to it; experts nobody chose cost nothing. Expert weights are stacked
 ([E, 2I, H] and [E, H, I]) so loading and a future fused kernel see one tensor per layer.
+
+Grouping has data-dependent shapes, which a CUDA graph cannot record. For fixed-shape steps
+(engine/graphs.py) `static_shapes` is set while the step runs, and every expert runs on every
+token, weighted by its routing weight (zero where not chosen). The engine takes that path only
+for steps with enough tokens that grouping would touch every expert anyway (tokens x top-k >=
+experts), so it reads no more weights than grouping does; the extra arithmetic is small there.
 """
 from __future__ import annotations
 
@@ -40,15 +46,35 @@ class SparseMoE(nn.Module):
         self.weights_in_fp32 = args.model_type == "mixtral"
         # Set by cpu_linear.add_bf16_decode_path: bf16 expert weights for small token groups.
         self.bf16_experts: Bf16Experts | None = None
+        self.static_shapes = False  # set while a fixed-shape step runs: every expert on every token
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k routing weights and experts, [T, k] each."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.weights_in_fp32:
             weights = weights.to(x.dtype)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._all_experts(x) if self.static_shapes else self._grouped(x)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self._route(x)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, experts, weights)  # [T, E]: the routing weight, 0 where not chosen
+        h = torch.matmul(x, self.w13.transpose(1, 2))  # [E, T, 2I]
+        gate, up = h.split(self.inter, dim=-1)
+        y = torch.matmul(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, T, H]
+        return (y * dense.t().unsqueeze(-1)).to(x.dtype).sum(dim=0)
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self._route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
@@ -73,6 +99,4 @@ class SparseMoE(nn.Module):
             y = y * w_sorted[start:start + c, None]
             out.index_add_(0, idx, y.to(x.dtype))
             start += c
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
