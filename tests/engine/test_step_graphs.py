@@ -144,3 +144,22 @@ def test_rows_that_sample_come_first_whatever_the_step_order(llama_dir):
     runner.graphs = graphs
     assert eager_samplers == [a]
     torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_shapes_recorded_ahead_write_only_the_scratch_block(llama_dir):
+    """What start-up records on CUDA, run here eagerly: buffers of padding only. The real blocks
+    (here holding a finished request's cached prefix) are left bit for bit as they were."""
+    llm = _engine(llama_dir, cuda_graphs=True, max_num_seqs=4)
+    llm.generate({"prompt_token_ids": _prompts(1, seed=7, lo=60, hi=60)[0]}, SamplingParams(max_tokens=2))
+    runner = llm.engine.runner
+    n = llm.engine.pool.num_blocks
+    before = [c[:, :n].clone() for c in runner.kv_caches]
+    runner.graphs.record_decode_buckets(max_blocks=8)
+    assert {(b.rows, b.width, b.blocks) for b in runner.graphs.buckets} >= {
+        (r, 1, k) for r in (1, 2, 4) for k in (1, 2, 4, 8)}
+    assert all(torch.equal(c[:, :n], old) for c, old in zip(runner.kv_caches, before))
+    assert any(c[:, n].abs().sum() > 0 for c in runner.kv_caches)  # the padding's K/V went to the scratch block
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    p = _prompts(1, seed=7, lo=60, hi=60)[0]
+    assert llm.generate({"prompt_token_ids": p}, greedy)[0].outputs[0].token_ids == \
+        _engine(llama_dir).generate({"prompt_token_ids": p}, greedy)[0].outputs[0].token_ids

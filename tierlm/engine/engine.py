@@ -170,6 +170,11 @@ class LLMEngine:
             self.runner.warm_up(warm_tokens, config.max_num_seqs)
             log.info("warm-up forward (%d prefill tokens, %d decode rows) took %.2f s (warmup=False skips it)",
                      warm_tokens, config.max_num_seqs, time.monotonic() - t0)
+        if self.runner.graphs is not None and self.runner.graphs.record:
+            t0 = time.monotonic()
+            n = self.runner.graphs.record_decode_buckets()
+            log.info("recorded %d CUDA graphs for decode steps in %.1f s (longer contexts are recorded when "
+                     "first seen)", n, time.monotonic() - t0)
         model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype)
         self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,

@@ -148,6 +148,28 @@ class StepGraphs:
             return [], None
         return samplers, self.model.compute_logits(hidden[:len(samplers)])
 
+    @torch.inference_mode()
+    def record_decode_buckets(self, max_blocks: int = 256) -> int:
+        """Record the decode shapes ahead (rows and block-table widths, powers of two up to
+        `max_blocks`), as vLLM captures its batch sizes at start-up: recorded lazily, a busy
+        server's first steps would pay for one recording each. Buffers hold padding only, so
+        the forward writes nothing but the scratch block. Returns how many were recorded."""
+        before = self.recorded
+        rows = 1
+        while rows <= _pow2(self.max_rows) and self.enabled:
+            blocks = 1
+            while blocks <= min(max_blocks, self.max_blocks) and self.enabled:
+                b = Bucket(rows, 1, blocks)
+                if b not in self.buckets and len(self.buckets) < MAX_GRAPHS and rows >= self.min_tokens:
+                    buf = self.buckets[b] = _BucketBuffers(b, self.block_size, self.device)
+                    buf.fill[:] = 0
+                    buf.fill[2 * b.tokens:3 * b.tokens] = self.scratch_slot
+                    buf.device_buf.copy_(buf.host)
+                    self._run(buf)
+                blocks *= 2
+            rows *= 2
+        return self.recorded - before
+
     def _fill(self, buf: _BucketBuffers, rows: list[tuple[Request, int]],
               block_ids: Callable[[Request], np.ndarray]) -> list[Request]:
         b, bs = buf.bucket, self.block_size
