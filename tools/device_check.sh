@@ -70,7 +70,7 @@ llm = LLM(str(d), load_progress=False)
 out = llm.generate(['The cache'], SamplingParams(max_tokens=8, temperature=0))
 print('engine device', llm.engine.device, 'tokens', out[0].outputs[0].token_ids)
 assert llm.engine.device.type == 'cuda'"
-step graphs 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
+step graphs 180 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
   tests/models/test_parity.py -k "graphs or fixed_shape or step"
 step bench-prefix-graphs 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \
   --json "$OUT/prefix_graphs.json" --plot "$OUT/prefix_graphs.png"
