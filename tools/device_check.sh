@@ -5,7 +5,7 @@
 # start (30-60 s). Since then the parity tests cover 16 architectures instead of 6 (perhaps
 # 150 s) and a sampled throughput step was added (perhaps 40 s), so the last step, the rest of
 # the suite, may not finish inside LIMIT_S: it matters least. The CUDA-graph steps (0) came later
-# still and run first (perhaps 250 s); for one call, skip what the session needs least, e.g.
+# still and run first (perhaps 300 s); for one call, skip what the session needs least, e.g.
 # SKIP="bench-throughput-sampled bench-prefix-long rest-of-suite".
 #
 #   bash tools/device_check.sh        # results in $OUT (default ./device-out): log.txt, *.json, *.png
