@@ -71,7 +71,7 @@ out = llm.generate(['The cache'], SamplingParams(max_tokens=8, temperature=0))
 print('engine device', llm.engine.device, 'tokens', out[0].outputs[0].token_ids)
 assert llm.engine.device.type == 'cuda'"
 step graphs 180 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
-  tests/models/test_parity.py -k "graphs or fixed_shape or step"
+  tests/models/test_parity.py -k "graphs or step"
 step bench-prefix-graphs 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \
   --json "$OUT/prefix_graphs.json" --plot "$OUT/prefix_graphs.png"
 step bench-throughput-graphs 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
@@ -79,7 +79,7 @@ step bench-throughput-graphs 170 python3 -m tierlm.cli bench throughput --device
   --plot "$OUT/throughput_graphs.png"
 step profile-graphs 60 python3 tools/device_profile.py "$BENCH_MODEL" --cuda-graphs
 step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
-  tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py -k "not packed"
+  tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py -k "not packed and not graphs"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
   --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
 step bench-throughput-sampled 90 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \

@@ -29,13 +29,16 @@ class _Capture:
         return self.sampler(logits, reqs)
 
 
-# PyTorch ops only, and the fast CPU configuration (oneDNN-packed weights, tierlm's kernels).
-@pytest.mark.parametrize("cpu_linear,cpu_kernels", [("plain", False), ("packed", True)])
+# PyTorch ops only, the fast CPU configuration (oneDNN-packed weights, tierlm's kernels), and
+# every step through the fixed-shape path a CUDA graph records (padded rows and tokens, scratch
+# slots, one SDPA call; on CPU run eagerly).
+@pytest.mark.parametrize("cpu_linear,cpu_kernels,graphs", [("plain", False, False), ("packed", True, False),
+                                                           ("plain", False, True)], ids=["plain", "packed", "graphs"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, cpu_kernels, checkpoints, hf_models):
+def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, cpu_kernels, graphs, checkpoints, hf_models):
     hf = hf_models[arch]
     llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=20,
-              load_progress=False, cpu_linear=cpu_linear, cpu_kernels=cpu_kernels)
+              load_progress=False, cpu_linear=cpu_linear, cpu_kernels=cpu_kernels, cuda_graphs=graphs)
     if cpu_linear == "packed":
         from tierlm.models.cpu_linear import PackedLinear
         assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, PackedLinear)
@@ -51,6 +54,10 @@ def test_prefill_and_decode_logits_match_transformers(arch, cpu_linear, cpu_kern
     expect = ref[len(prompt) - 1: len(prompt) - 1 + len(gen)]
     assert ours.shape == expect.shape
     assert (ours - expect).abs().max().item() < 1e-3
+    if graphs:
+        _assert_fixed_shape_steps_ran(llm, arch)
+        # All 4 chunks and 5 decodes; an MoE model's one-token decodes stay eager.
+        assert llm.engine.runner.graphs.steps == (4 if any(llm.engine.args.moe_layers) else llm.engine.steps)
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -107,28 +114,6 @@ def _assert_fixed_shape_steps_ran(llm, arch: str) -> None:
     if any(llm.engine.args.moe_layers):  # every expert on every token, from experts / top-k tokens up
         args = llm.engine.args
         assert graphs.min_tokens == -(-args.num_experts // args.num_experts_per_tok) > 1
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fixed_shape_step_logits_match_transformers(arch, checkpoints, hf_models):
-    """Every step of a 64-token prompt (chunks of <= 20 tokens) and its decodes through the
-    fixed-shape path a CUDA graph records: padded rows and tokens, scratch slots, one SDPA call."""
-    hf = hf_models[arch]
-    llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=20,
-              load_progress=False, cuda_graphs=True)
-    cap = _Capture(llm.engine.sampler)
-    llm.engine.sampler = cap
-    prompt = _prompts(7, hf.config.get_text_config().vocab_size)[6]
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    gen = out[0].outputs[0].token_ids
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt + gen])).logits[0]
-    ours = torch.cat([row for row, _ in cap.rows])
-    expect = ref[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-    assert (ours - expect).abs().max().item() < 1e-3
-    _assert_fixed_shape_steps_ran(llm, arch)
-    # All 4 chunks and 5 decodes; an MoE model's one-token decodes stay eager.
-    assert llm.engine.runner.graphs.steps == (4 if any(llm.engine.args.moe_layers) else llm.engine.steps)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
