@@ -1,7 +1,7 @@
 """Per-request sampling settings, shaped like vLLM's so its users feel at home."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tierlm.errors import InvalidRequestError
 
@@ -59,6 +59,8 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1] (got {self.top_p})")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             bad("top_k", f"must be an integer (got {self.top_k!r})")
+        if self.top_k < -1:  # vLLM's rule: -1 or 0 mean no limit
+            bad("top_k", f"must be -1 or 0 (no limit) or at least 1 (got {self.top_k})")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1] (got {self.min_p})")
         if not 0.0 < self.repetition_penalty <= 10.0:

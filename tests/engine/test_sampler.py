@@ -144,3 +144,11 @@ def test_every_bit_of_a_64_bit_seed_counts():
         draws.setdefault(seed, []).append(tuple(sampler(logits, [req])[0][0] for _ in range(12)))
     assert draws[5][0] == draws[5][1]
     assert len({d[0] for d in draws.values()}) == len(seeds)
+
+
+def test_top_k_below_minus_one_is_refused_by_name():
+    from tierlm.errors import InvalidRequestError
+    for ok in (-1, 0, 1, 2**70):
+        SamplingParams(top_k=ok)  # validated on construction
+    with pytest.raises(InvalidRequestError, match="'top_k' must be -1 or 0"):
+        SamplingParams(top_k=-2)

@@ -4,7 +4,6 @@ eagerly in the shapes a CUDA graph records; tests/models/test_parity.py checks t
 transformers for every architecture."""
 from __future__ import annotations
 
-import logging
 import random
 
 import pytest

@@ -62,7 +62,7 @@ def test_only_bf16_exact_float32_weights_are_wrapped():
 
 
 def _reference_decode(q, cache, tables, lens, scale, window):
-    bs, hkv, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    hkv, d = cache.shape[3], cache.shape[4]
     g = q.shape[1] // hkv
     out = torch.empty_like(q)
     for i in range(q.shape[0]):

@@ -116,6 +116,34 @@ def test_prefill_continues_the_assistant_turn(client, engine, requests_to):
     assert msg["content"][0]["text"] == PREFILL_REPLY == "B) Helios"
 
 
+@pytest.mark.parametrize("prefill", ["The answer is ", "The answer is\n", "The answer is (\t", [
+    {"type": "text", "text": "The answer"}, {"type": "text", "text": "is "}]])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_prefill_ending_in_whitespace_is_refused(client, requests_to, prefill, path):
+    """As Anthropic's API does: the model would continue after a space no tokenizer puts there."""
+    asked = requests_to(MODEL)
+    r = client.post(path, json=body(messages=[{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": prefill}]))
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"] == (
+        "messages.1.content: final assistant content cannot end with trailing whitespace; remove it from the prefill")
+    assert asked == []
+
+
+def test_whitespace_inside_or_before_the_last_turn_is_fine(client):
+    messages = [{"role": "user", "content": "Hi "}, {"role": "assistant", "content": "Sure. "},
+                {"role": "user", "content": "Go on\n"}]
+    assert client.post("/v1/messages", json=body(messages=messages)).status_code == 200
+    prefill = [*messages, {"role": "assistant", "content": "Well, the answer is ("}]
+    assert client.post("/v1/messages", json=body(messages=prefill)).status_code == 200
+
+
+def test_huge_top_k_means_no_limit(client, requests_to):
+    asked = requests_to(MODEL)
+    assert client.post("/v1/messages", json=body(top_k=2**70, max_tokens=2)).status_code == 200
+    assert asked[-1].params.top_k == -1
+
+
 def test_same_role_turns_merge_and_system_blocks_join(client, engine, requests_to):
     asked = requests_to(MODEL)
     client.post("/v1/messages", json=body(

@@ -162,3 +162,49 @@ def test_engine_streams_report_to_the_scope_observer(checkpoints, monkeypatch):
     reply = checkpoints["small"].reply_tokens("from small")
     assert [e[0] for e in ok.events[1:]] == ["delta"] * (len(reply) + 1) and ok.events[-1][1]
     assert failed.events == [("request", "observed", 20, None), ("delta", False), ("error", 500)]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/v1/chat/completion", "/v1/chat",
+                                  "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/files",
+                                  "/v1/batches/b1", "/v1/completions/x"])
+def test_unknown_openai_routes_answer_in_openai_shape(scripted_server, path):
+    assert api_style_for(path, {}) == "openai"
+    r = httpx.post(scripted_server.url + path, json={}, headers={"authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404
+    assert set(r.json()) == {"error"} and r.json()["error"]["message"] == f"no such route: POST {path}"
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "not_found"
+
+
+def test_unknown_routes_otherwise_answer_in_anthropic_shape(scripted_server):
+    # Anthropic's SDK always sends anthropic-version (Anthropic has a /v1/files API too)
+    assert api_style_for("/v1/files", {"anthropic-version": "2023-06-01"}) == "anthropic"
+    for path in ("/v1/messagez", "/v1/complete", "/v1/completionsx", "/v2/chat/completions"):
+        assert api_style_for(path, {}) == "anthropic"
+    r = httpx.post(scripted_server.url + "/v1/files", json={}, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("method, path, allowed, style", [
+    ("GET", "/v1/messages", {"POST"}, "anthropic"),
+    ("DELETE", "/v1/messages/count_tokens", {"POST"}, "anthropic"),
+    ("GET", "/v1/chat/completions", {"POST"}, "openai"),
+    ("PUT", "/v1/completions", {"POST"}, "openai"),
+    ("POST", "/health", {"GET", "HEAD"}, "anthropic"),
+    ("POST", "/v1/models", {"GET", "HEAD"}, "openai"),
+])
+def test_405_names_the_allowed_methods(scripted_server, method, path, allowed, style):
+    r = httpx.request(method, scripted_server.url + path, headers={"x-api-key": API_KEY})
+    assert r.status_code == 405
+    assert set(r.headers["allow"].split(", ")) == allowed
+    error = r.json()["error"]
+    assert (r.json().get("type") == "error") == (style == "anthropic")
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{method} is not allowed on {path}; use ")
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/v1/models", "/v1/models/scripted", "/metrics"])
+def test_head_is_answered_wherever_get_is(scripted_server, path):
+    get = httpx.get(scripted_server.url + path, headers={"x-api-key": API_KEY})
+    head = httpx.head(scripted_server.url + path, headers={"x-api-key": API_KEY})
+    assert get.status_code == head.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]

@@ -204,6 +204,8 @@ def test_out_of_vocab_token_prompt_is_400(client):
     ("/v1/chat/completions", chat(seed=10**20), 400, "seed"),  # beyond 64 bits: was a 500
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
     ("/v1/chat/completions", chat(cache_salt=""), 400, "cache_salt"),
+    ("/v1/chat/completions", chat(top_k=-5), 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
 ])
 def test_openai_error_shape(client, path, payload, status, param):
     r = client.post(path, json=payload)
@@ -211,6 +213,20 @@ def test_openai_error_shape(client, path, payload, status, param):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert "type" not in r.json() or r.json().get("type") != "error"
+
+
+@pytest.mark.parametrize("top_k, sent", [(-1, -1), (0, -1), (1, 1), (40, 40), (10**6, -1), (2**70, -1)])
+def test_top_k_follows_vllm(client, asked, top_k, sent):
+    """-1 and 0 mean no limit, and so do values past the vocabulary (however large)."""
+    for path, payload in (("/v1/chat/completions", chat(top_k=top_k, max_tokens=2)),
+                          ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": top_k})):
+        assert client.post(path, json=payload).status_code == 200
+        assert asked[-1].params.top_k == sent
+
+
+def test_negative_top_k_is_refused_naming_the_rule(client):
+    error = client.post("/v1/chat/completions", json=chat(top_k=-5)).json()["error"]
+    assert error["message"] == "top_k: must be -1 or 0 (no limit) or at least 1 (got -5)"
 
 
 def test_openai_auth_error_shape(scripted_server):

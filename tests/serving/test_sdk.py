@@ -103,6 +103,12 @@ def test_assistant_prefill(claude, model):
     assert msg.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_prefill_with_trailing_whitespace_is_a_bad_request(claude, model):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is "}]
+    with pytest.raises(anthropic.BadRequestError, match="final assistant content cannot end with trailing whitespace"):
+        claude.messages.create(model=model, max_tokens=6, messages=messages)
+
+
 def test_models(claude, oai, model):
     assert model in [m.id for m in claude.models.list()]
     assert claude.models.retrieve(model).id == model

@@ -103,6 +103,7 @@ def test_count_tokens_needs_no_max_tokens():
     ({"model": "m", "messages": USER, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ({"model": "m", "messages": USER, "response_format": {"type": "json_object"}}, "response_format.type", "'text'"),
     ({"model": "m", "messages": USER, "tool_choice": "required"}, "tool_choice", "non-empty 'tools'"),
+    ({"model": "m", "messages": USER, "top_k": -5}, "top_k", "must be -1 or 0 (no limit) or at least 1"),
 ])
 def test_openai_chat_rejections_name_the_field(body, param, words):
     err = rejected(ChatCompletionRequest, body)
@@ -143,3 +144,23 @@ def test_json_path_skips_union_labels():
     loc = ("messages", 0, "content", "list[tagged-union[A,B]]", 0, "text", "text")
     assert json_path(loc, data) == "messages.0.content.0.text"
     assert json_path(("messages", 0, "content", "str"), data) == "messages.0.content"
+
+
+@pytest.mark.parametrize("raw, what, param", [
+    (rb'{"prompt": "\ud800"}', "the string at prompt", "prompt"),
+    (rb'{"messages": [{"content": [{"text": "a\uDC00b"}]}]}', "the string at messages.0.content.0.text",
+     "messages.0.content.0.text"),
+    (rb'{"stop": ["x", "\udbff"]}', "the string at stop.1", "stop.1"),
+    (rb'{"\ud800": 1}', "a key in the body", None),
+    (rb'{"metadata": {"\udfff": "x"}}', "a key in metadata", "metadata"),
+    (rb'{"a": "\ud83d\ud83d"}', "the string at a", "a"),  # two highs are no pair
+])
+def test_lone_surrogates_are_refused(raw, what, param):
+    with pytest.raises(InvalidRequest) as info:
+        parse_json_object(raw)
+    assert info.value.message.startswith(f"invalid JSON body: {what} holds a lone UTF-16 surrogate (\\u")
+    assert info.value.message.endswith("); send valid Unicode text") and info.value.param == param
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text():
+    assert parse_json_object(rb'{"a": "\ud83d\ude00", "b": "\\ud800"}') == {"a": "\U0001f600", "b": "\\ud800"}

@@ -21,6 +21,18 @@ def load_tokenizer(model_dir: Path):
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
     """Render messages through the tokenizer's chat template and tokenize the result."""
+    return encode_rendered(tokenizer, render_chat_text(tokenizer, messages, tools, add_generation_prompt,
+                                                       continue_final_message))
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """A rendered chat's token ids: the template wrote the special tokens itself."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """Messages through the tokenizer's chat template, as text (what `render_chat` tokenizes)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "this model's tokenizer has no chat template, so chat requests cannot be rendered; "
@@ -34,4 +46,4 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
             continue_final_message=continue_final_message)
     except Exception as e:  # jinja errors: the template rejected these messages
         raise InvalidRequestError(f"the chat template could not render these messages: {e}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text

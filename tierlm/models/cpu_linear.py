@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from tierlm.models import cpu_kernels
 from tierlm.models.moe import SparseMoE

@@ -31,6 +31,7 @@ from tierlm.serving.generation import (
     chat_prompt,
     output_budget,
     sampling_params,
+    top_k_limit,
 )
 from tierlm.serving.protocol_anthropic import (
     ConversationBody,
@@ -63,13 +64,13 @@ async def create_message(request: Request) -> Response:
     context = state.admit(request)
     body = await parse_request(request, MessagesRequest, state.max_body_bytes)
     engine = state.models.get(body.model)
-    prompt = build_prompt(engine, body)
+    prompt = await build_prompt(engine, body)
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     params = sampling_params(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=body.top_k if body.top_k else None,
+        top_k=top_k_limit(engine, body.top_k),
         stop=body.stop_sequences,
     )
     stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
@@ -91,18 +92,21 @@ async def count_tokens(request: Request) -> Response:
     state.admit(request)
     body = await parse_request(request, CountTokensRequest, state.max_body_bytes)
     engine = state.models.get(body.model)
-    return JSONResponse(TokenCount(input_tokens=len(build_prompt(engine, body).token_ids)).model_dump())
+    # Counted whatever the length: the count is the answer, even past the model's context.
+    prompt = await build_prompt(engine, body, check_length=False)
+    return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())
 
 
 # ---- request → prompt ------------------------------------------------------------------
 
 
-def build_prompt(engine: "AsyncEngine", body: ConversationBody) -> ChatPrompt:
+async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True) -> ChatPrompt:
+    """The request as a rendered prompt; `check_length` refuses one certainly too long for the context."""
     check_blocks(body)
     messages = template_messages(body)
     choice = body.tool_choice.type if body.tool_choice else "auto"
     use_tools = bool(body.tools) and choice != "none"
-    return chat_prompt(
+    return await chat_prompt(
         engine,
         body.model,
         messages,
@@ -110,6 +114,7 @@ def build_prompt(engine: "AsyncEngine", body: ConversationBody) -> ChatPrompt:
         continue_final_message=messages[-1]["role"] == "assistant",
         call_required_by=choice if choice in ("any", "tool") else None,
         tool_name=body.tool_choice.name if choice == "tool" else None,
+        check_length=check_length,
     )
 
 
@@ -233,6 +238,12 @@ def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]
     elif final and not message["content"]:
         raise InvalidRequest(
             f"{where}.content: a final assistant message (prefill) needs text to continue",
+            param=f"{where}.content",
+        )
+    elif final and message["content"] != message["content"].rstrip():  # refused by Anthropic's API too
+        raise InvalidRequest(
+            f"{where}.content: final assistant content cannot end with trailing whitespace; "
+            "remove it from the prefill",
             param=f"{where}.content",
         )
     return message

@@ -83,11 +83,13 @@ def build_app(
     app.state.telemetry = telemetry
     app.include_router(anthropic.router)
     app.include_router(openai.router)
-    app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/ready", ready, methods=["GET"])
-    app.add_api_route("/metrics", telemetry.metrics_endpoint, methods=["GET"], include_in_schema=False)
+    # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
+    reads = ["GET", "HEAD"]
+    app.add_api_route("/v1/models", list_models, methods=reads)
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=reads)
+    app.add_api_route("/health", health, methods=reads)
+    app.add_api_route("/ready", ready, methods=reads)
+    app.add_api_route("/metrics", telemetry.metrics_endpoint, methods=reads, include_in_schema=False)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
@@ -154,16 +156,19 @@ async def _api_error_handler(request: Request, exc: Exception) -> Response:
 async def _http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     method, path = request.method, request.url.path
+    headers = dict(exc.headers or {})  # e.g. the `Allow` header Starlette sets on a 405
     err: APIError
     if exc.status_code == 404:
-        err = NotFound(f"no such route: {method} {path}")
+        err = NotFound(f"no such route: {method} {path}", headers=headers)
     elif exc.status_code == 405:
-        err = MethodNotAllowed(f"{method} is not allowed on {path}")
+        allowed = headers.get("Allow") or headers.get("allow")
+        hint = f"; use {allowed}" if allowed else ""
+        err = MethodNotAllowed(f"{method} is not allowed on {path}{hint}", headers=headers)
     elif exc.status_code < 500:
-        err = InvalidRequest(str(exc.detail))
+        err = InvalidRequest(str(exc.detail), headers=headers)
         err.status = exc.status_code
     else:
-        err = InternalError("internal error")
+        err = InternalError("internal error", headers=headers)
     return error_response(request, err)
 
 

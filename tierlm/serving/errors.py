@@ -27,6 +27,12 @@ ApiStyle = Literal["anthropic", "openai"]
 # Routes whose errors use OpenAI's shape; everything else speaks Anthropic's, except the shared
 # /v1/models routes, which follow the client (see `api_style_for`).
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+# Where only OpenAI clients go (their 404s too: /v1/embeddings, a mistyped /v1/chat/completion);
+# each entry covers the path and everything under it.
+OPENAI_PREFIXES = (
+    "/v1/chat", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/audio", "/v1/images",
+    "/v1/moderations", "/v1/files", "/v1/batches",
+)
 
 
 class APIError(Exception):
@@ -175,11 +181,14 @@ def stream_error(exc: BaseException, request_id: str) -> APIError:
 def api_style_for(path: str, headers: Any) -> ApiStyle:
     """Which error shape a request expects: by route, and for shared routes by the client.
 
-    `/v1/models` is served to both SDKs; the Anthropic SDK always sends `anthropic-version`.
+    `/v1/models` is served to both SDKs; the Anthropic SDK always sends `anthropic-version`, which
+    also wins on the OpenAI-looking prefixes (Anthropic has a /v1/files API of its own).
     """
     if path in OPENAI_PATHS:
         return "openai"
-    if path.startswith("/v1/models") and "anthropic-version" not in headers:
+    if "anthropic-version" in headers:
+        return "anthropic"
+    if path.startswith("/v1/models") or any(path == p or path.startswith(p + "/") for p in OPENAI_PREFIXES):
         return "openai"
     return "anthropic"
 

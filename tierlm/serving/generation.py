@@ -34,6 +34,7 @@ from tierlm.serving.errors import (
     Overloaded,
     from_engine_error,
 )
+from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -61,7 +62,7 @@ class ChatPrompt:
         return parsed.text, parsed.tool_calls
 
 
-def chat_prompt(
+async def chat_prompt(
     engine: "AsyncEngine",
     model: str,
     messages: list[dict[str, Any]],
@@ -70,6 +71,7 @@ def chat_prompt(
     continue_final_message: bool = False,
     call_required_by: str | None = None,
     tool_name: str | None = None,
+    check_length: bool = True,
 ) -> ChatPrompt:
     """Render a conversation, with its tools (in chat-template form), for either API.
 
@@ -77,6 +79,7 @@ def chat_prompt(
     tool_choice that demands a call (Anthropic `any`/`tool`, OpenAI `required`/a named one): with
     a Hermes-style template the assistant turn is then started with `<tool_call>` (naming
     `tool_name` if given), because nothing else can make an unconstrained model call a tool.
+    `check_length` refuses a prompt that cannot fit the context (see `render_chat`).
     """
     forced = ""
     parse_tools = False
@@ -99,25 +102,43 @@ def chat_prompt(
             forced = toolcalls.forced_call_prefix(tool_name)
             messages = [*messages, {"role": "assistant", "content": forced}]
             continue_final_message = True
-    token_ids = render_chat(engine, model, messages, tools=tools, continue_final_message=continue_final_message)
+    token_ids = await render_chat(engine, model, messages, tools=tools, continue_final_message=continue_final_message,
+                                  check_length=check_length)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
 
 
-def render_chat(
+async def render_chat(
     engine: "AsyncEngine",
     model: str,
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
+    check_length: bool = True,
 ) -> list[int]:
     """Chat messages → prompt token ids through the model's own chat template.
 
+    Runs in a worker thread: rendering and tokenizing a long conversation takes seconds, during
+    which the event loop must keep serving everyone else. With `check_length`, a rendered text
+    certainly too long for the context is refused before it is tokenized.
     Everything a template can fail on comes from the request (roles out of order, a message
     shape it does not know), so failures are 400s that name `messages`.
     """
+    return await asyncio.to_thread(
+        _render_chat, engine, model, messages, tools, continue_final_message, check_length
+    )
+
+
+def _render_chat(
+    engine: "AsyncEngine",
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    continue_final_message: bool,
+    check_length: bool,
+) -> list[int]:
     try:
-        return engine.apply_chat_template(
+        text = engine.chat_text(
             messages,
             tools=tools,
             add_generation_prompt=not continue_final_message,
@@ -130,6 +151,36 @@ def render_chat(
             f"the chat template of model '{model}' cannot render these messages: {exc}",
             param="messages",
         ) from None
+    if check_length:  # the rendered text, not the messages: templates trim, add and repeat text
+        refuse_certainly_too_long(engine, model, text, "messages")
+    return encode_prompt_text(engine, model, text, "messages", rendered=True)
+
+
+def encode_prompt_text(engine: "AsyncEngine", model: str, text: str, prompt_field: str, rendered: bool = False) -> list[int]:
+    """A prompt text's token ids (a rendered chat: without added special tokens, the template
+    wrote them). The text is the only input, so a tokenizer failure is the client's 400."""
+    try:
+        return list(engine.encode_chat_text(text) if rendered else engine.encode(text))
+    except Exception as exc:
+        logger.warning("the tokenizer of model %s refused a prompt: %r", model, exc)
+        raise InvalidRequest(
+            f"{prompt_field}: the tokenizer of model '{model}' cannot encode this text ({type(exc).__name__}); "
+            "send valid Unicode text",
+            param=prompt_field,
+        ) from None
+
+
+def refuse_certainly_too_long(engine: "AsyncEngine", model: str, text: str, prompt_field: str) -> None:
+    """A 400 when `text` certainly encodes to more tokens than the context holds, decided from
+    its byte length alone (see vocab.Vocabulary.min_tokens), so it is never tokenized."""
+    context = int(engine.max_model_len)
+    at_least = vocabulary(engine.tokenizer).min_tokens(text)
+    if at_least is not None and at_least >= context:
+        raise InvalidRequest(
+            f"{prompt_field}: the prompt is at least {at_least} tokens, but model '{model}' has a "
+            f"context of {context} tokens; shorten the prompt",
+            param=prompt_field,
+        )
 
 
 def output_budget(
@@ -159,6 +210,14 @@ def output_budget(
             param=field_name,
         )
     return max_tokens
+
+
+def top_k_limit(engine: "AsyncEngine", top_k: int | None) -> int | None:
+    """A validated top_k as SamplingParams takes it: None (no limit) for -1, 0 and anything not
+    below the vocabulary size, so a huge value (2**70) never reaches the engine."""
+    if top_k is None or top_k <= 0 or top_k >= len(engine.tokenizer):
+        return None
+    return top_k
 
 
 def sampling_params(**kwargs: Any) -> SamplingParams:

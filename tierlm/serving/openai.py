@@ -7,6 +7,7 @@ Anthropic side.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -26,8 +27,11 @@ from tierlm.serving.generation import (
     Generation,
     StreamedAnswer,
     chat_prompt,
+    encode_prompt_text,
     output_budget,
+    refuse_certainly_too_long,
     sampling_params,
+    top_k_limit,
 )
 from tierlm.serving.protocol_openai import (
     ChatChoice,
@@ -47,6 +51,7 @@ from tierlm.serving.protocol_openai import (
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
 from tierlm.serving.validation import parse_request
+from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -54,12 +59,12 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 
-def _common_sampling(body: Any, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
     return dict(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=body.top_k,
+        top_k=top_k_limit(engine, body.top_k),
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
@@ -77,11 +82,11 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await parse_request(request, ChatCompletionRequest, state.max_body_bytes)
     engine = state.models.get(body.model)
-    prompt = build_chat_prompt(engine, body)
+    prompt = await build_chat_prompt(engine, body)
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(**_common_sampling(body, max_tokens, top_n))
+    params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n))
     stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
     await stream.open(request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -101,9 +106,9 @@ async def completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
-    prompt_ids = completion_prompt_ids(engine, body)
+    prompt_ids = await completion_prompt_ids(engine, body)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
-    params = sampling_params(**_common_sampling(body, max_tokens, body.logprobs))
+    params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs))
     stream = EngineStream(engine, body.model, prompt_ids, params, context.salted(body.cache_salt), state.inflight)
     await stream.open(request)
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
@@ -126,12 +131,12 @@ async def completions(request: Request) -> Response:
 # ---- request → prompt ------------------------------------------------------------------
 
 
-def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
+async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
     messages = [_template_message(m, i, body.model) for i, m in enumerate(body.messages)]
     choice = body.tool_choice or "auto"
     use_tools = bool(body.tools) and choice != "none"
     named = isinstance(choice, NamedToolChoice)
-    return chat_prompt(
+    return await chat_prompt(
         engine,
         body.model,
         messages,
@@ -173,9 +178,10 @@ def _arguments(text: str, index: int, k: int) -> Any:
         raise InvalidRequest(f"{where}: must be a JSON object encoded as a string", param=where) from None
 
 
-def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:
+async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:
     if isinstance(body.prompt, str):
-        return list(engine.encode(body.prompt))
+        # Off the event loop: tokenizing a long prompt takes seconds.
+        return await asyncio.to_thread(_encode_prompt, engine, body.model, body.prompt)
     vocab = len(engine.tokenizer)
     bad = [t for t in body.prompt if not 0 <= t < vocab]
     if bad:
@@ -184,6 +190,12 @@ def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> lis
             param="prompt",
         )
     return list(body.prompt)
+
+
+def _encode_prompt(engine: "AsyncEngine", model: str, text: str) -> list[int]:
+    """A text prompt's token ids; refused unencoded when certainly too long for the context."""
+    refuse_certainly_too_long(engine, model, text, "prompt")
+    return encode_prompt_text(engine, model, text, "prompt")
 
 
 def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:
@@ -213,9 +225,14 @@ def _token_text(engine: "AsyncEngine", token_id: int) -> str:
 
 
 def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int) -> dict[str, Any]:
+    # Built in a worker thread when the prompt was rendered (render_chat's length check).
+    vocab = vocabulary(engine.tokenizer)
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(engine, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        # `token` is the decoded text (U+FFFD for part of a character, as OpenAI shows it);
+        # `bytes` are the token's own raw bytes, so a client can join them into the text.
+        return {"token": _token_text(engine, token_id), "logprob": logprob,
+                "bytes": list(vocab.token_bytes(token_id))}
 
     return {
         "content": [

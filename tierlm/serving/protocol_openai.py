@@ -155,6 +155,14 @@ class _SamplingFields(_Body):
     def _stop(cls, value: Any) -> Any:
         return _check_stop(value)
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        # vLLM's rule: -1 and 0 mean no limit; values past the vocabulary too (see generation.top_k_limit).
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (no limit) or at least 1 (got {value})")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:

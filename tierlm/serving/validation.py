@@ -6,7 +6,9 @@ points at the exact JSON path, e.g. `messages.0.content: must not be empty`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -75,7 +77,40 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(
             f"request body must be a JSON object, got {_json_type(data)}"
         )
+    if _SURROGATE_ESCAPE.search(body):  # no \uD800-\uDFFF escape, no lone surrogate: skip the walk
+        _refuse_lone_surrogates(data)
     return data
+
+
+# A lone surrogate can only come from a JSON escape (strict UTF-8 cannot carry one: the decode
+# above refuses it); an escaped pair decodes to one character and passes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """A 400 naming the first string (key or value) holding a lone UTF-16 surrogate: tokenizers,
+    stop-string matching and UTF-8 encoding downstream all fail on one."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # iterative: the body may be nested as deep as json.loads allows
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, f"the string at {path or '<body>'}", path)
+        elif isinstance(value, (dict, list)):
+            for key, child in value.items() if isinstance(value, dict) else enumerate(value):
+                if isinstance(key, str):
+                    _check_unicode(key, f"a key in {path or 'the body'}", path)
+                stack.append((f"{path}.{key}" if path else str(key), child))
+
+
+def _check_unicode(text: str, what: str, path: str) -> None:
+    found = None if text.isascii() else _SURROGATE.search(text)
+    if found:
+        raise InvalidRequest(
+            f"invalid JSON body: {what} holds a lone UTF-16 surrogate (\\u{ord(found.group()):04x}); "
+            "send valid Unicode text",
+            param=path or None,
+        )
 
 
 def validate_body(model: type[M], data: dict[str, Any]) -> M:
@@ -88,8 +123,20 @@ def validate_body(model: type[M], data: dict[str, Any]) -> M:
         raise InvalidRequest("request body is nested too deeply") from None
 
 
+# Bodies this large are parsed and validated in a worker thread: a 30 MB one takes ~0.1 s,
+# long enough to stall every other request if done on the event loop.
+PARSE_OFF_LOOP_BYTES = 1 << 20
+
+
 async def parse_request(request: Request, model: type[M], limit: int) -> M:
-    return validate_body(model, parse_json_object(await read_body(request, limit)))
+    body = await read_body(request, limit)
+    if len(body) >= PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse_body, model, body)
+    return _parse_body(model, body)
+
+
+def _parse_body(model: type[M], body: bytes) -> M:
+    return validate_body(model, parse_json_object(body))
 
 
 def validation_error_to_api(exc: ValidationError, data: Any) -> InvalidRequest:

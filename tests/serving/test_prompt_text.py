@@ -1,0 +1,184 @@
+"""Prompt text a client can send but no model can take: far too long for the context (refused
+without tokenizing it, and never blocking the event loop while tokenized), or not valid
+Unicode (a lone UTF-16 surrogate in the JSON). Real server, real engines (scripted models)."""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serving.harness import API_KEY, SMALL_BODY_LIMIT
+from tests.serving.scripted_model import TEXT_MODEL
+
+MODEL = TEXT_MODEL
+HEADERS = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01", "content-type": "application/json"}
+# Route → (request body around a prompt text, API shape of its errors, field its prompt is in).
+ROUTES: dict[str, tuple[Any, str, str]] = {
+    "/v1/messages": (lambda text: {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": text}]},
+                     "anthropic", "messages"),
+    "/v1/messages/count_tokens": (lambda text: {"model": MODEL, "messages": [{"role": "user", "content": text}]},
+                                  "anthropic", "messages"),
+    "/v1/chat/completions": (lambda text: {"model": MODEL, "max_tokens": 5,
+                                           "messages": [{"role": "user", "content": text}]}, "openai", "messages"),
+    "/v1/completions": (lambda text: {"model": MODEL, "max_tokens": 5, "prompt": text}, "openai", "prompt"),
+}
+# What each route asks its engine to tokenize with.
+TOKENIZING_METHOD = {"/v1/messages": "encode_chat_text", "/v1/messages/count_tokens": "encode_chat_text",
+                     "/v1/chat/completions": "encode_chat_text", "/v1/completions": "encode"}
+
+
+@pytest.fixture
+def engine(scripted_engines):
+    return scripted_engines[MODEL]
+
+
+def post(url: str, path: str, body: Any) -> httpx.Response:
+    """POST a body serialised by hand (json.dumps escapes lone surrogates; httpx would refuse them)."""
+    return httpx.post(url + path, content=json.dumps(body).encode(), headers=HEADERS, timeout=60)
+
+
+def error_of(r: httpx.Response, style: str) -> dict[str, Any]:
+    """The error object, checked to be in the route's API shape."""
+    data = r.json()
+    if style == "anthropic":
+        assert data["type"] == "error" and set(data["error"]) == {"type", "message"}
+    else:
+        assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}
+    assert data["error"]["type"] == "invalid_request_error"
+    return data["error"]
+
+
+# ---- far too long --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions", "/v1/completions"])
+def test_a_certainly_too_long_prompt_is_refused_without_tokenizing(scripted_server, engine, monkeypatch, path):
+    make_body, style, field = ROUTES[path]
+    tokenized: list[str] = []
+
+    def tokenize(*args: Any, **kwargs: Any) -> Any:
+        tokenized.append(path)
+        raise AssertionError("the prompt was tokenized")
+
+    monkeypatch.setattr(engine, TOKENIZING_METHOD[path], tokenize)
+    text = "word " * (SMALL_BODY_LIMIT // 6)  # ~218 KB: at least 13k tokens, for a 512-token context
+    r = post(scripted_server.url, path, make_body(text))
+    assert r.status_code == 400
+    error = error_of(r, style)
+    assert error["message"].startswith(f"{field}: the prompt is at least ")
+    assert f"context of {engine.max_model_len} tokens; shorten the prompt" in error["message"]
+    assert error.get("param", field) == field
+    assert tokenized == []
+
+
+def test_count_tokens_counts_a_prompt_longer_than_the_context(scripted_server, engine):
+    """The count is the answer there, so a long prompt is counted rather than refused."""
+    make_body, _, _ = ROUTES["/v1/messages/count_tokens"]
+    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("word " * 10_000))
+    assert r.status_code == 200 and r.json()["input_tokens"] > 10_000 > engine.max_model_len
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_the_server_answers_while_a_prompt_is_tokenized(scripted_server, engine, monkeypatch, path):
+    """Tokenizing holds until /health has answered: on the event loop it would hold /health too."""
+    make_body, _, _ = ROUTES[path]
+    original = getattr(engine, TOKENIZING_METHOD[path])
+    started, health_answered = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow_tokenize(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        order.append("tokenized" if health_answered.wait(timeout=5) else "tokenized, /health still waiting")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, TOKENIZING_METHOD[path], slow_tokenize)
+    text = "word " * 1200  # 6 KB: below the early refusal's bound, yet 2400 tokens, past the 512-token context
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, scripted_server.url, path, make_body(text))
+        assert started.wait(timeout=30)
+        health = httpx.get(scripted_server.url + "/health", timeout=60)
+        order.append("/health answered")
+        health_answered.set()
+        response = big.result(timeout=60)
+    assert health.status_code == 200
+    assert order == ["/health answered", "tokenized"]
+    if path == "/v1/messages/count_tokens":
+        assert response.status_code == 200 and response.json()["input_tokens"] > engine.max_model_len
+    else:
+        assert response.status_code == 400 and "shorten the prompt" in response.text
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(scripted_server, monkeypatch):
+    from tierlm.serving import validation
+
+    parse = validation.parse_json_object
+    started, health_answered = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow_parse(body: bytes) -> dict[str, Any]:
+        started.set()
+        order.append("parsed" if health_answered.wait(timeout=5) else "parsed, /health still waiting")
+        return parse(body)
+
+    monkeypatch.setattr(validation, "PARSE_OFF_LOOP_BYTES", 64 * 1024)  # the test server takes 256 KB at most
+    monkeypatch.setattr(validation, "parse_json_object", slow_parse)
+    make_body, _, _ = ROUTES["/v1/messages"]
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, scripted_server.url, "/v1/messages", make_body("word " * 20_000))
+        assert started.wait(timeout=30)
+        health = httpx.get(scripted_server.url + "/health", timeout=60)
+        order.append("/health answered")
+        health_answered.set()
+        response = big.result(timeout=60)
+    assert health.status_code == 200 and response.status_code == 400
+    assert order == ["/health answered", "parsed"]
+
+
+# ---- not valid Unicode ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_a_lone_surrogate_in_the_prompt_is_a_clear_400(scripted_server, path):
+    make_body, style, field = ROUTES[path]
+    r = post(scripted_server.url, path, make_body("hi \ud800 there"))
+    assert r.status_code == 400
+    error = error_of(r, style)
+    where = "prompt" if field == "prompt" else "messages.0.content"
+    assert error["message"] == (f"invalid JSON body: the string at {where} holds a lone UTF-16 surrogate "
+                                "(\\ud800); send valid Unicode text")
+    assert "TextEncodeInput" not in r.text
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/messages", {"stop_sequences": ["ok", "\udfff"]}),
+    ("/v1/messages/count_tokens", {"system": "\udc80"}),
+    ("/v1/chat/completions", {"stop": "\ud83d"}),
+    ("/v1/completions", {"user": "x", "\ud800key": 1}),
+])
+def test_a_lone_surrogate_anywhere_in_the_body_is_a_clear_400(scripted_server, path, extra):
+    make_body, style, _ = ROUTES[path]
+    r = post(scripted_server.url, path, {**make_body("hi"), **extra})
+    assert r.status_code == 400
+    assert "lone UTF-16 surrogate" in error_of(r, style)["message"]
+
+
+def test_a_surrogate_pair_is_ordinary_text(scripted_server):
+    make_body, _, _ = ROUTES["/v1/completions"]
+    r = post(scripted_server.url, "/v1/completions", make_body("Hi \ud83d\ude00"))  # sent as the escaped pair of 😀
+    assert r.status_code == 200
+
+
+def test_a_tokenizer_failure_on_a_completion_prompt_is_a_400(scripted_server, engine, monkeypatch):
+    def refuse(text: str) -> list[int]:
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+
+    monkeypatch.setattr(engine, "encode", refuse)
+    r = post(scripted_server.url, "/v1/completions", ROUTES["/v1/completions"][0]("Hello"))
+    assert r.status_code == 400
+    error = error_of(r, "openai")
+    assert error["param"] == "prompt" and error["message"].startswith("prompt: the tokenizer of model ")
+    assert "TextEncodeInput" not in error["message"]
