@@ -206,7 +206,7 @@ def test_tool_use_streaming(client):
     assert starts[0]["content_block"]["type"] == "text"
     assert starts[1]["content_block"]["type"] == "tool_use" and starts[1]["content_block"]["name"] == "get_weather"
     text = "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta" and d["index"] == 0)
-    assert "<tool_call>" not in text and text.strip() == TOOL_PROSE
+    assert text == TOOL_PROSE  # as when not streamed: the newline before the call is not shown
     partial = "".join(d["delta"]["partial_json"] for e, d in frames
                       if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == {"city": "Paris"}
@@ -317,17 +317,21 @@ def test_body_over_the_limit_is_413(client):
              413, "request_too_large")
 
 
-def test_max_tokens_beyond_context_names_the_field(client, engine):
-    message = error_of(client.post("/v1/messages", json=body(max_tokens=engine.max_model_len)), 400,
-                       "invalid_request_error")
-    assert message.startswith("max_tokens:") and "context" in message
+def count(client, b) -> int:
+    return client.post("/v1/messages/count_tokens", json={k: b[k] for k in ("model", "messages")}).json()["input_tokens"]
 
 
-def test_prompt_beyond_context(client, engine):
-    long = "word " * (engine.max_model_len + 10)
-    message = error_of(client.post("/v1/messages", json=body(messages=[{"role": "user", "content": long}])),
-                       400, "invalid_request_error")
-    assert "prompt" in message
+def test_max_tokens_beyond_context_in_anthropics_words(client, engine):
+    b = body(max_tokens=engine.max_model_len)
+    message = error_of(client.post("/v1/messages", json=b), 400, "invalid_request_error")
+    assert message == (f"input length and `max_tokens` exceed context limit: {count(client, b)} + {engine.max_model_len} "
+                       f"> {engine.max_model_len}, decrease input length or `max_tokens` and try again")
+
+
+def test_prompt_beyond_context_in_anthropics_words(client, engine):
+    b = body(messages=[{"role": "user", "content": "word " * (engine.max_model_len + 10)}])
+    message = error_of(client.post("/v1/messages", json=b), 400, "invalid_request_error")
+    assert message == f"prompt is too long: {count(client, b)} tokens > {engine.max_model_len} maximum"
 
 
 def test_malformed_json_and_wrong_method(client):
@@ -355,3 +359,54 @@ def test_engine_failure_before_output_is_500_without_trace(client, engine, monke
     assert wait_until(lambda: engine.stats().kv_blocks_used == 0)
     monkeypatch.undo()  # the fault is gone: the same engine serves the retry
     assert client.post("/v1/messages", json=body()).status_code == 200
+
+
+# ---- fidelity to Anthropic's API ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_an_empty_final_assistant_message_is_no_prefill(client, engine, requests_to, empty):
+    asked = requests_to(MODEL)
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": empty}]
+    msg = client.post("/v1/messages", json=body(messages=messages))
+    assert msg.status_code == 200, msg.text
+    assert msg.json()["content"] == [{"type": "text", "text": REPLY}]  # the answer to a fresh assistant turn
+    assert prompt_text(engine, asked[-1]).endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert count(client, body(messages=messages)) == count(client, body(messages=messages[:1]))
+
+
+@pytest.mark.parametrize("messages, where", [
+    ([{"role": "user", "content": ""}], "messages.0"),
+    ([{"role": "user", "content": []}], "messages.0"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "?"}],
+     "messages.1"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ok"}, {"role": "user", "content": []}],
+     "messages.2"),
+])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_other_empty_messages_are_refused_in_anthropics_words(client, requests_to, messages, where, path):
+    asked = requests_to(MODEL)
+    message = error_of(client.post(path, json=body(messages=messages)), 400, "invalid_request_error")
+    assert message == f"{where}: all messages must have non-empty content except for the optional final assistant message"
+    assert asked == []
+
+
+def test_top_p_zero_keeps_the_top_token(client, requests_to):
+    asked = requests_to(MODEL)
+    r = client.post("/v1/messages", json=body(top_p=0, temperature=1.0))
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == [{"type": "text", "text": REPLY}] and 0 < asked[-1].params.top_p <= 1e-9
+
+
+def test_a_call_cut_off_by_max_tokens_is_text(client, scripted_models, scripted_engines):
+    ids = scripted_models[TOOLS_MODEL].reply_tokens(TOOLS_REPLY)
+    decode = scripted_engines[TOOLS_MODEL].tokenizer.decode
+    n = next(k for k in range(len(ids)) if decode(ids[:k]).endswith('"Paris"}}\n'))  # JSON done, tag not closed
+    text = decode(ids[:n])
+    b = body(model=TOOLS_MODEL, tools=[WEATHER_TOOL], max_tokens=n)
+    msg = client.post("/v1/messages", json=b).json()
+    assert (msg["stop_reason"], msg["content"]) == ("max_tokens", [{"type": "text", "text": text}])
+    frames = parse_sse(client.post("/v1/messages", json={**b, "stream": True}).text)
+    assert [d["content_block"]["type"] for e, d in frames if e == "content_block_start"] == ["text"]
+    assert "".join(d["delta"]["text"] for e, d in frames if e == "content_block_delta") == text
+    assert frames[-2][1]["delta"]["stop_reason"] == "max_tokens"

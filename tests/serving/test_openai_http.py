@@ -7,6 +7,8 @@ import json
 import httpx
 import pytest
 
+import tierlm
+
 from tests.serving.harness import API_KEY, fail_after_steps, parse_sse, wait_until
 from tests.serving.scripted_model import (
     CALL_MODEL,
@@ -16,6 +18,8 @@ from tests.serving.scripted_model import (
     TEXT_MODEL,
     TOOL_PROSE,
     TOOLS_MODEL,
+    TOOLS_REPLY,
+    chat_prompt_ids,
 )
 
 MODEL = TEXT_MODEL
@@ -56,8 +60,10 @@ def test_chat_completion_shape(client, asked, reply_len):
     assert r.status_code == 200 and r.headers["x-request-id"].startswith("req_")
     data = r.json()
     assert data["id"].startswith("chatcmpl-") and data["object"] == "chat.completion"
+    assert data["system_fingerprint"] == f"tierlm-{tierlm.__version__}"
     choice = data["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": REPLY, "tool_calls": None}
+    assert choice["message"] == {"role": "assistant", "content": REPLY, "refusal": None, "annotations": [],
+                                 "tool_calls": None}
     assert choice["finish_reason"] == "stop"
     usage = data["usage"]
     assert usage["prompt_tokens"] == len(asked[-1].prompt_token_ids)
@@ -92,7 +98,8 @@ def test_chat_streaming_with_usage(client, reply_len):
     assert frames[-1] == "[DONE]"
     chunks = frames[:-1]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["system_fingerprint"] == f"tierlm-{tierlm.__version__}" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # no tools: a text answer
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == REPLY
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
@@ -103,8 +110,8 @@ def test_chat_streaming_with_usage(client, reply_len):
 def test_chat_logprobs(client, asked, reply_len):
     data = client.post("/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2)).json()
     content = data["choices"][0]["logprobs"]["content"]
-    assert len(content) == reply_len(REPLY) + 1
-    assert "".join(t["token"] for t in content[:-1]) == REPLY
+    assert len(content) == reply_len(REPLY)  # the text's tokens; not the EOS after it
+    assert "".join(t["token"] for t in content) == REPLY
     first = content[0]
     assert len(first["top_logprobs"]) == 2 and first["bytes"] == list(first["token"].encode())
     # the scripted model is sure of its next token: it is the top alternative, at ~probability 1
@@ -129,7 +136,7 @@ def test_chat_tool_calls_streaming(client):
                                                              stream=True)).text)]
     chunks = frames[:-1]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    assert text.strip() == TOOL_PROSE
+    assert text == TOOL_PROSE  # as when not streamed: the newline before the call is not shown
     calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
     assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
@@ -178,7 +185,7 @@ def test_completions_token_prompt_logprobs_and_stream(client, engine, reply_len)
     ids = engine.encode(COMPLETION_PROMPT)
     data = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "logprobs": 1}).json()
     lp = data["choices"][0]["logprobs"]
-    assert "".join(lp["tokens"][:-1]) == COMPLETION_REPLY and lp["text_offset"][0] == 0 and len(lp["top_logprobs"][0]) == 1
+    assert "".join(lp["tokens"]) == COMPLETION_REPLY and lp["text_offset"][0] == 0 and len(lp["top_logprobs"][0]) == 1
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": COMPLETION_PROMPT, "stream": True,
                                              "stream_options": {"include_usage": True}})
     frames = [d for _, d in parse_sse(r.text)]
@@ -196,7 +203,7 @@ def test_out_of_vocab_token_prompt_is_400(client):
     ("/v1/chat/completions", chat(model="nope"), 404, "model"),
     ("/v1/chat/completions", chat(n=3), 400, "n"),
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
-    ("/v1/chat/completions", chat(max_tokens=10**6), 400, "max_tokens"),
+    ("/v1/chat/completions", chat(max_tokens=10**6), 400, "messages"),  # context_length_exceeded, as OpenAI
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "messages.0.content.0"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
@@ -240,3 +247,175 @@ def test_mid_stream_failure_is_an_error_chunk(client, engine, monkeypatch):
     assert frames[-1] == "[DONE]" and frames[-2]["error"]["type"] == "server_error"
     assert any(f["choices"] and f["choices"][0]["delta"].get("content") for f in frames[:-2])  # output had started
     assert wait_until(lambda: engine.stats().kv_blocks_used == 0)
+
+
+# ---- fidelity to OpenAI's API -------------------------------------------------------------
+
+
+def test_context_length_exceeded_in_openais_words(client, engine):
+    n = engine.max_model_len
+    p = len(chat_prompt_ids(engine.tokenizer, messages=USER))
+    error = client.post("/v1/chat/completions", json=chat(max_tokens=n)).json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("context_length_exceeded", "messages",
+                                                              "invalid_request_error")
+    assert error["message"] == (f"This model's maximum context length is {n} tokens. However, you requested "
+                                f"{p + n} tokens ({p} in the messages, {n} in the completion). Please reduce the "
+                                f"length of the messages or completion. (max_tokens can be at most {n - p} for "
+                                "these messages.)")
+    long = [{"role": "user", "content": "word " * n}]
+    p = len(chat_prompt_ids(engine.tokenizer, messages=long))
+    r = client.post("/v1/chat/completions", json=chat(messages=long))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["message"] == (f"This model's maximum context length is {n} tokens. However, your "
+                                            f"messages resulted in {p} tokens. Please reduce the length of the messages.")
+    ids = engine.encode(COMPLETION_PROMPT)
+    for prompt, p, c in ((COMPLETION_PROMPT, len(ids), n), (ids * n, len(ids) * n, 16)):  # 16: the default
+        body = {"model": MODEL, "prompt": prompt, **({"max_tokens": c} if c != 16 else {})}
+        error = client.post("/v1/completions", json=body).json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+        assert error["message"].startswith(f"This model's maximum context length is {n} tokens. However, you "
+                                           f"requested {p + c} tokens ({p} in your prompt, {c} in the completion). "
+                                           "Please reduce the length of the prompt or completion.")
+
+
+def test_empty_content_is_accepted_as_openai_does(client, asked):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for messages in (
+        [{"role": "system", "content": ""}, {"role": "user", "content": ""}, {"role": "assistant", "content": ""},
+         {"role": "developer", "content": ""}, *USER],
+        [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "call_1", "content": ""}],
+    ):
+        r = client.post("/v1/chat/completions", json=chat(messages=messages, tools=[WEATHER_TOOL]))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == REPLY
+    for message, param in (({"role": "user", "content": 5}, "messages.0.content"),
+                           ({"role": "user", "content": []}, "messages.0.content"),
+                           ({"role": "assistant", "content": None}, "messages.0")):
+        error = client.post("/v1/chat/completions", json=chat(messages=[message])).json()["error"]
+        assert error["param"] == param and error["message"].startswith(param + ": ")
+
+
+def test_every_system_and_developer_text_reaches_the_prompt(client, engine, asked):
+    """The template renders only a leading system message: all of them are merged into one."""
+    messages = [{"role": "system", "content": "Rule one."}, *USER, {"role": "developer", "content": "Rule two."},
+                {"role": "assistant", "content": "Ok."}, {"role": "system", "content": "Rule three."},
+                {"role": "user", "content": "Go on"}]
+    assert client.post("/v1/chat/completions", json=chat(messages=messages)).status_code == 200
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system\nRule one.\n\nRule two.\n\nRule three.<|im_end|>\n"
+                             "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nOk.<|im_end|>\n"
+                             "<|im_start|>user\nGo on<|im_end|>")
+    assert client.post("/v1/chat/completions", json=chat(
+        messages=[*USER, {"role": "developer", "content": "Late rule."}])).status_code == 200
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system\nLate rule.<|im_end|>\n<|im_start|>user\nHi there")
+
+
+def streamed_chat(client, **fields) -> tuple[str, list[dict], list[dict]]:
+    """(content, logprobs.content entries, chunks) of a streamed chat completion."""
+    frames = [d for _, d in parse_sse(client.post("/v1/chat/completions", json=chat(stream=True, **fields)).text)]
+    assert frames[-1] == "[DONE]"
+    chunks = [c for c in frames[:-1] if c["choices"]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    logprobs = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
+    return text, logprobs, chunks
+
+
+def joined_bytes(logprobs: list[dict]) -> bytes:
+    return b"".join(bytes(t["bytes"]) for t in logprobs)
+
+
+@pytest.mark.parametrize("stop, content", [
+    (None, REPLY),  # the EOS after the text is not in it
+    ("STOP", "alpha beta "),  # the stop string's own tokens (S, T, O, P) are dropped
+    (" STOP", "alpha beta"),
+    (";", "alpha beta STOP gamma"),
+])
+def test_chat_logprobs_cover_the_returned_content(client, stop, content):
+    data = client.post("/v1/chat/completions", json=chat(logprobs=True, top_logprobs=1, stop=stop)).json()
+    assert data["choices"][0]["message"]["content"] == content
+    assert joined_bytes(data["choices"][0]["logprobs"]["content"]) == content.encode()
+    text, logprobs, _ = streamed_chat(client, logprobs=True, stop=stop)
+    assert text == content and joined_bytes(logprobs) == content.encode()
+
+
+def test_a_token_straddling_the_stop_string_is_kept(client):
+    """'gamma' is generated as g|am|m|a: with stop 'mm' the text ends inside 'am', which stays."""
+    data = client.post("/v1/chat/completions", json=chat(logprobs=True, stop="mm")).json()
+    assert data["choices"][0]["message"]["content"] == "alpha beta STOP ga"
+    assert joined_bytes(data["choices"][0]["logprobs"]["content"]) == b"alpha beta STOP gam"
+
+
+def test_completion_logprobs_cover_the_returned_text(client, engine):
+    prompt = chat_prompt_ids(engine.tokenizer)  # the text model answers it with REPLY
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 100, "logprobs": 1, "stop": "STOP"}
+    data = client.post("/v1/completions", json=body).json()
+    lp = data["choices"][0]["logprobs"]
+    assert data["choices"][0]["text"] == "".join(lp["tokens"]) == "alpha beta "
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    frames = [d for _, d in parse_sse(client.post("/v1/completions", json={**body, "stream": True}).text)][:-1]
+    assert "".join(c["choices"][0]["text"] for c in frames) == "alpha beta "
+    streamed = {k: [v for c in frames if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"][k]]
+                for k in ("tokens", "text_offset")}
+    assert streamed == {"tokens": lp["tokens"], "text_offset": lp["text_offset"]}
+    assert all(c["system_fingerprint"] == f"tierlm-{tierlm.__version__}" for c in frames)
+
+
+def test_first_chunk_content_is_null_when_tools_may_answer(client):
+    _, _, chunks = streamed_chat(client, model=CALL_MODEL, tools=[WEATHER_TOOL])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert not any(c["choices"][0]["delta"].get("content") == "" for c in chunks)
+
+
+def tools_cut_after_the_json(scripted_models, engine) -> tuple[int, str]:
+    """(max_tokens, text) that cut the tools model's call after its JSON, before `</tool_call>`."""
+    ids = scripted_models[TOOLS_MODEL].reply_tokens(TOOLS_REPLY)
+    n = next(k for k in range(len(ids)) if engine.tokenizer.decode(ids[:k]).endswith('"Paris"}}\n'))
+    return n, engine.tokenizer.decode(ids[:n])
+
+
+def test_a_call_cut_off_by_max_tokens_is_text(client, scripted_models, engine):
+    max_tokens, text = tools_cut_after_the_json(scripted_models, engine)
+    assert text.endswith('{"name": "get_weather", "arguments": {"city": "Paris"}}\n')
+    data = client.post("/v1/chat/completions", json=chat(model=TOOLS_MODEL, tools=[WEATHER_TOOL],
+                                                         max_tokens=max_tokens)).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] is None
+    assert choice["message"]["content"] == text
+    streamed, _, chunks = streamed_chat(client, model=TOOLS_MODEL, tools=[WEATHER_TOOL], max_tokens=max_tokens)
+    assert streamed == text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+
+
+def test_top_p_zero_keeps_the_top_token(client, asked):
+    for path, payload in (("/v1/chat/completions", chat(top_p=0, temperature=1.0, seed=1)),
+                          ("/v1/completions", {"model": MODEL, "prompt": COMPLETION_PROMPT, "top_p": 0})):
+        r = client.post(path, json=payload)
+        assert r.status_code == 200, r.text
+        assert 0 < asked[-1].params.top_p <= 1e-9
+    assert r.json()["choices"][0]["text"] == COMPLETION_REPLY
+
+
+def test_models_list_pages(client, scripted_engines):
+    names = list(scripted_engines)
+    assert len(names) >= 3
+    first = client.get("/v1/models", params={"limit": 2}).json()
+    assert [m["id"] for m in first["data"]] == names[:2] and first["has_more"] is True
+    assert (first["first_id"], first["last_id"]) == (names[0], names[1])
+    rest = client.get("/v1/models", params={"after_id": names[1]}).json()
+    assert [m["id"] for m in rest["data"]] == names[2:] and rest["has_more"] is False
+    before = client.get("/v1/models", params={"before_id": names[-1], "limit": 1}).json()
+    assert [m["id"] for m in before["data"]] == [names[-2]] and before["has_more"] is (len(names) > 2)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == names
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"after_id": "nope"}, "after_id")):
+        r = client.get("/v1/models", params=query)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_request_the_kv_pool_cannot_hold_is_context_length_exceeded(client, engine, monkeypatch):
+    """The engine's own refusal (RequestTooLongError: here, more KV blocks than its whole pool)."""
+    monkeypatch.setattr(engine.engine.kv, "blocks_needed", lambda num_tokens: engine.engine.pool.num_blocks + 1)
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=5))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "KV blocks" in r.json()["error"]["message"] and r.json()["error"]["param"] == "max_tokens"

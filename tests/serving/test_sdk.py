@@ -125,7 +125,7 @@ def test_anthropic_errors_are_sdk_exceptions(claude, demo_server, model):
     assert info.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": ""}])
-    assert "messages.0.content" in info.value.message
+    assert "messages.0: all messages must have non-empty content" in info.value.message
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=model, max_tokens=10**7, messages=ok)
     with pytest.raises(anthropic.ContentTooLargeError):

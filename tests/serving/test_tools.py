@@ -16,9 +16,19 @@ def test_parses_prose_then_calls():
     assert out.tool_calls[0].id.startswith("toolu_") and out.tool_calls[0].id != out.tool_calls[1].id
 
 
-def test_unclosed_final_call_and_string_arguments():
-    out = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
+def test_string_arguments():
+    out = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", {"x": 1})]
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}',  # cut off after the JSON (max_tokens)
+    'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_',
+    CALL + '\n<tool_call>\n{"name": "f", "arguments": {}}',  # a closed call, then a cut-off one
+])
+def test_unclosed_call_is_text(text):
+    out = parse_tool_calls(text)
+    assert out.text == text and out.tool_calls == []
 
 
 @pytest.mark.parametrize("text", [
@@ -42,8 +52,18 @@ def test_stream_filter_passes_text_and_buffers_the_call():
     for size in (1, 3, 7, len(text)):
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         shown, calls = stream_through(pieces)
-        assert shown == "Sure: "
+        assert shown == "Sure:" == parse_tool_calls(text).text  # the whitespace before a call is dropped
         assert [c.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("text", ["Let me check.\n \n" + CALL, "a  b \n", "x \n<tool_cat>\n", "  \n" + CALL,
+                                  "x \n<tool_call>{broken", "x\n" + CALL[:-3]])
+def test_stream_filter_shows_what_parsing_shows(text):
+    """Held-back whitespace is dropped before a call and flushed when anything else follows."""
+    whole = parse_tool_calls(text)
+    for size in (1, 2, 5, len(text)):
+        shown, calls = stream_through([text[i:i + size] for i in range(0, len(text), size)])
+        assert shown == whole.text and [c.arguments for c in calls] == [c.arguments for c in whole.tool_calls]
 
 
 def test_stream_filter_releases_false_alarms():

@@ -32,6 +32,7 @@ from tierlm.serving.generation import (
     output_budget,
     sampling_params,
     top_k_limit,
+    top_p_value,
 )
 from tierlm.serving.protocol_anthropic import (
     ConversationBody,
@@ -69,7 +70,7 @@ async def create_message(request: Request) -> Response:
     params = sampling_params(
         max_tokens=max_tokens,
         temperature=body.temperature,
-        top_p=body.top_p,
+        top_p=top_p_value(body.top_p),
         top_k=top_k_limit(engine, body.top_k),
         stop=body.stop_sequences,
     )
@@ -119,8 +120,16 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
 
 
 def check_blocks(body: ConversationBody) -> None:
-    """Refuse blocks the model cannot read or that sit in the wrong role, naming the block."""
+    """Refuse empty messages (but the final assistant one, which means no prefill) and blocks
+    the model cannot read or that sit in the wrong role, naming the message or block."""
+    last = len(body.messages) - 1
     for i, message in enumerate(body.messages):
+        if not message.content and not (i == last and message.role == "assistant"):
+            raise InvalidRequest(  # Anthropic's own wording
+                f"messages.{i}: all messages must have non-empty content except for the optional final "
+                "assistant message",
+                param=f"messages.{i}",
+            )
         for j, block in enumerate(message.blocks()):
             where = f"messages.{i}.content.{j}"
             nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
@@ -169,6 +178,10 @@ def template_messages(body: ConversationBody) -> list[dict[str, Any]]:
     system = system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
+    if turns[-1].role == "assistant" and not turns[-1].blocks:
+        turns.pop()  # an empty final assistant message: no prefill, the answer starts a new turn
+    if not turns:
+        raise InvalidRequest("messages: needs a message with content; add a user message", param="messages")
     for turn in turns:
         if turn.role == "user":
             out.extend(_user_turn(turn))
@@ -253,11 +266,12 @@ def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]
 
 
 def stop_details(result: Generation, has_tool_calls: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) in Anthropic's terms."""
-    if has_tool_calls:
-        return "tool_use", None
+    """(stop_reason, stop_sequence) in Anthropic's terms. A cut-off answer is `max_tokens`
+    even after complete calls (a call cut off itself is text: tools.parse_tool_calls)."""
     if result.finish_reason == "length":
         return "max_tokens", None
+    if has_tool_calls:
+        return "tool_use", None
     if isinstance(result.stop_reason, str):
         return "stop_sequence", result.stop_reason
     return "end_turn", None

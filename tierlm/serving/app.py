@@ -102,16 +102,51 @@ def build_app(
 
 
 async def list_models(request: Request) -> Response:
+    """All models, or one page of them: Anthropic's `limit` (1-1000; default all, as OpenAI
+    lists all) after `after_id` or before `before_id`, with `has_more` for that direction."""
     state = server_state(request)
     state.admit(request)
-    data = [state.models.describe(name) for name in state.models.names]
+    names = state.models.names
+    query = request.query_params
+    limit = _limit_param(query.get("limit"))
+    after, before = query.get("after_id"), query.get("before_id")
+    if after is not None and before is not None:
+        raise InvalidRequest("after_id and before_id cannot be combined; send one of them", param="before_id")
+    if before is not None:
+        end = _cursor_index(names, before, "before_id")
+        start = max(0, end - limit) if limit is not None else 0
+        has_more = start > 0
+    else:
+        start = _cursor_index(names, after, "after_id") + 1 if after is not None else 0
+        end = min(len(names), start + limit) if limit is not None else len(names)
+        has_more = end < len(names)
+    data = [state.models.describe(name) for name in names[start:end]]
     return JSONResponse({
         "object": "list",
         "data": data,
-        "has_more": False,
+        "has_more": has_more,
         "first_id": data[0]["id"] if data else None,
         "last_id": data[-1]["id"] if data else None,
     })
+
+
+def _limit_param(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise InvalidRequest(f"limit: must be an integer from 1 to 1000 (got {value!r})", param="limit")
+    return limit
+
+
+def _cursor_index(names: list[str], model_id: str, param: str) -> int:
+    if model_id not in names:
+        raise InvalidRequest(f"{param}: model '{model_id}' is not served here; use an id from the list",
+                             param=param)
+    return names.index(model_id)
 
 
 async def get_model(request: Request, model_id: str) -> Response:

@@ -63,11 +63,57 @@ class APIError(Exception):
             return self.openai_status
         return self.status
 
+    def message_for(self, style: ApiStyle) -> str:
+        """The message in `style`'s words (the same for both, except where an API has its own)."""
+        return self.message
+
 
 class InvalidRequest(APIError):
     status = 400
     anthropic_type = "invalid_request_error"
     openai_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (+ max_tokens) does not fit the model's context, in each API's own words, so
+    clients that look for them (OpenAI's `context_length_exceeded` code, Anthropic's "prompt is
+    too long") recognise it. `at_least`: the prompt length is a lower bound (never tokenized)."""
+
+    default_code = "context_length_exceeded"
+
+    def __init__(self, *, context: int, prompt_tokens: int, max_tokens: int | None, prompt_field: str,
+                 field_name: str = "max_tokens", at_least: bool = False) -> None:
+        self.context, self.prompt_tokens, self.max_tokens = context, prompt_tokens, max_tokens
+        self.prompt_field, self.field_name, self.at_least = prompt_field, field_name, at_least
+        super().__init__(self._openai_message(), param=prompt_field)
+
+    def message_for(self, style: ApiStyle) -> str:
+        return self._anthropic_message() if style == "anthropic" else self.message
+
+    def _openai_message(self) -> str:
+        n, p, c = self.context, self.prompt_tokens, self.max_tokens
+        what = "messages" if self.prompt_field == "messages" else "prompt"
+        yours = "the messages" if what == "messages" else "your prompt"
+        head = f"This model's maximum context length is {n} tokens. However, "
+        if self.at_least or c is None:
+            bound = "at least " if self.at_least else ""
+            full = ", which leaves no room for the completion" if p == n and not self.at_least else ""
+            return head + f"your {what} resulted in {bound}{p} tokens{full}. Please reduce the length of the {what}."
+        message = (head + f"you requested {p + c} tokens ({p} in {yours}, {c} in the completion). "
+                   f"Please reduce the length of the {what} or completion.")
+        if p < n:  # tierlm's hint: the largest limit this prompt allows
+            these = "these messages" if what == "messages" else "this prompt"
+            message += f" ({self.field_name} can be at most {n - p} for {these}.)"
+        return message
+
+    def _anthropic_message(self) -> str:
+        n, p, c = self.context, self.prompt_tokens, self.max_tokens
+        if self.at_least:
+            return f"prompt is too long: at least {p} tokens > {n} maximum"
+        if c is None or p > n:
+            return f"prompt is too long: {p} tokens > {n} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {p} + {c} > {n}, "
+                "decrease input length or `max_tokens` and try again")
 
 
 class MethodNotAllowed(InvalidRequest):
@@ -146,8 +192,8 @@ def from_engine_error(exc: BaseException, model: str) -> APIError:
     """
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, RequestTooLongError):
-        return InvalidRequest(str(exc), param=exc.param or "max_tokens")
+    if isinstance(exc, RequestTooLongError):  # can never fit (e.g. the whole KV pool): OpenAI's code for it
+        return InvalidRequest(str(exc), param=exc.param or "max_tokens", code=ContextLengthExceeded.default_code)
     if isinstance(exc, ChatTemplateError):
         return InvalidRequest(str(exc), param=exc.param or "messages")
     if isinstance(exc, InvalidRequestError):
@@ -196,7 +242,7 @@ def api_style_for(path: str, headers: Any) -> ApiStyle:
 def anthropic_error_body(err: APIError, request_id: str | None) -> dict[str, Any]:
     return {
         "type": "error",
-        "error": {"type": err.anthropic_type, "message": err.message},
+        "error": {"type": err.anthropic_type, "message": err.message_for("anthropic")},
         "request_id": request_id,
     }
 
@@ -204,7 +250,7 @@ def anthropic_error_body(err: APIError, request_id: str | None) -> dict[str, Any
 def openai_error_body(err: APIError) -> dict[str, Any]:
     return {
         "error": {
-            "message": err.message,
+            "message": err.message_for("openai"),
             "type": err.openai_type,
             "param": err.param,
             "code": err.code,

@@ -29,6 +29,7 @@ from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import (
     APIError,
     ClientDisconnected,
+    ContextLengthExceeded,
     InternalError,
     InvalidRequest,
     Overloaded,
@@ -175,12 +176,10 @@ def refuse_certainly_too_long(engine: "AsyncEngine", model: str, text: str, prom
     its byte length alone (see vocab.Vocabulary.min_tokens), so it is never tokenized."""
     context = int(engine.max_model_len)
     at_least = vocabulary(engine.tokenizer).min_tokens(text)
-    if at_least is not None and at_least >= context:
-        raise InvalidRequest(
-            f"{prompt_field}: the prompt is at least {at_least} tokens, but model '{model}' has a "
-            f"context of {context} tokens; shorten the prompt",
-            param=prompt_field,
-        )
+    # `>`: "at least N tokens > N maximum" must be true; a prompt of exactly N is refused once counted.
+    if at_least is not None and at_least > context:
+        raise ContextLengthExceeded(context=context, prompt_tokens=at_least, max_tokens=None,
+                                    prompt_field=prompt_field, at_least=True)
 
 
 def output_budget(
@@ -192,24 +191,13 @@ def output_budget(
     field_name: str = "max_tokens",
     prompt_field: str = "messages",
 ) -> int:
-    """The max_tokens to run with, or a 400 if prompt + output cannot fit the context."""
+    """The max_tokens to run with, or a 400 (worded per API) if prompt + output cannot fit the context."""
     context = int(engine.max_model_len)
-    if num_prompt_tokens >= context:
-        raise InvalidRequest(
-            f"{prompt_field}: the prompt is {num_prompt_tokens} tokens, but model '{model}' has a "
-            f"context of {context} tokens; shorten the prompt",
-            param=prompt_field,
-        )
     room = context - num_prompt_tokens
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise InvalidRequest(
-            f"{field_name}: prompt ({num_prompt_tokens} tokens) + {field_name} ({max_tokens}) exceeds "
-            f"the context of model '{model}' ({context} tokens); set {field_name} to at most {room}",
-            param=field_name,
-        )
-    return max_tokens
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        raise ContextLengthExceeded(context=context, prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+                                    prompt_field=prompt_field, field_name=field_name)
+    return room if max_tokens is None else max_tokens
 
 
 def top_k_limit(engine: "AsyncEngine", top_k: int | None) -> int | None:
@@ -218,6 +206,16 @@ def top_k_limit(engine: "AsyncEngine", top_k: int | None) -> int | None:
     if top_k is None or top_k <= 0 or top_k >= len(engine.tokenizer):
         return None
     return top_k
+
+
+# What top_p = 0 becomes: SamplingParams needs top_p in (0, 1]; any positive value below the
+# top token's probability (at least 1/vocabulary) keeps that token alone, as 0 means in both APIs.
+TOP_P_ZERO = 1e-9
+
+
+def top_p_value(top_p: float | None) -> float | None:
+    """A validated top_p (in [0, 1]) as SamplingParams takes it."""
+    return TOP_P_ZERO if top_p == 0 else top_p
 
 
 def sampling_params(**kwargs: Any) -> SamplingParams:

@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
@@ -32,6 +33,7 @@ from tierlm.serving.generation import (
     refuse_certainly_too_long,
     sampling_params,
     top_k_limit,
+    top_p_value,
 )
 from tierlm.serving.protocol_openai import (
     ChatChoice,
@@ -58,12 +60,15 @@ if TYPE_CHECKING:
 
 router = APIRouter()
 
+# OpenAI's responses and chunks carry the backend's configuration id; here, the tierlm version.
+SYSTEM_FINGERPRINT = f"tierlm-{__version__}"
+
 
 def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
     return dict(
         max_tokens=max_tokens,
         temperature=body.temperature,
-        top_p=body.top_p,
+        top_p=top_p_value(body.top_p),
         top_k=top_k_limit(engine, body.top_k),
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
@@ -107,6 +112,8 @@ async def completions(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
     prompt_ids = await completion_prompt_ids(engine, body)
+    if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
+        await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
     params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs))
     stream = EngineStream(engine, body.model, prompt_ids, params, context.salted(body.cache_salt), state.inflight)
@@ -121,10 +128,12 @@ async def completions(request: Request) -> Response:
     choice = CompletionChoice(
         text=echo + result.text,
         finish_reason=_finish_reason(result, has_tool_calls=False),
-        logprobs=legacy_logprobs(engine, result.logprobs, body.logprobs, 0) if body.logprobs is not None else None,
+        logprobs=(legacy_logprobs(engine, returned_logprobs(engine, result), body.logprobs, 0)
+                  if body.logprobs is not None else None),
     )
     return JSONResponse(Completion(
         id=completion_id, created=int(time.time()), model=body.model, choices=[choice], usage=usage_of(result),
+        system_fingerprint=SYSTEM_FINGERPRINT,
     ).model_dump())
 
 
@@ -132,7 +141,7 @@ async def completions(request: Request) -> Response:
 
 
 async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
-    messages = [_template_message(m, i, body.model) for i, m in enumerate(body.messages)]
+    messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
     use_tools = bool(body.tools) and choice != "none"
     named = isinstance(choice, NamedToolChoice)
@@ -168,6 +177,16 @@ def _template_message(message: ChatMessage, index: int, model: str) -> dict[str,
     if message.name:
         out["name"] = message.name
     return out
+
+
+def _one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System and developer messages merged into one first system message, texts joined by a
+    blank line: chat templates render only a system message at messages[0] (others vanish)."""
+    system = [m for m in messages if m["role"] == "system"]
+    if not system or (len(system) == 1 and messages[0] is system[0]):
+        return messages
+    merged = {"role": "system", "content": "\n\n".join(m["content"] for m in system if m["content"])}
+    return [merged, *(m for m in messages if m["role"] != "system")]
 
 
 def _arguments(text: str, index: int, k: int) -> Any:
@@ -215,13 +234,46 @@ def usage_of(result: Generation) -> Usage:
 
 
 def _finish_reason(result: Generation, has_tool_calls: bool) -> str:
-    if has_tool_calls:
-        return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"
+    """A cut-off answer is `length` even after complete calls (as in Anthropic's stop_details)."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
 
 
 def _token_text(engine: "AsyncEngine", token_id: int) -> str:
     return engine.tokenizer.decode([token_id])
+
+
+class ReturnedTokens:
+    """Which generated tokens' logprobs to return: those of the returned text only, released as
+    the engine releases their text. A token that starts at or after the text's end is dropped
+    (the EOS, a stop token, every token of a matched stop string); one straddling the end (part
+    text, part stop string) is kept, since its bytes cannot be split: its `bytes` then run past
+    the text, the only case where the joined bytes are not exactly the text."""
+
+    def __init__(self, engine: "AsyncEngine") -> None:
+        self._vocab = vocabulary(engine.tokenizer)
+        self._special = set(engine.tokenizer.all_special_ids)  # no text: the detokenizer skips them
+        self._pending: list[tuple[int, TokenLogprob]] = []  # (byte offset where the token starts, logprob)
+        self._end = 0  # byte offset after the pending tokens
+        self._text_bytes = 0  # bytes of text released so far
+
+    def add(self, logprobs: list[TokenLogprob], text: str) -> list[TokenLogprob]:
+        """A delta's new tokens and new text → the logprobs now known to lie in the returned text."""
+        for lp in logprobs:
+            self._pending.append((self._end, lp))
+            if lp.token_id not in self._special:
+                self._end += len(self._vocab.token_bytes(lp.token_id))
+        self._text_bytes += len(text.encode())
+        n = 0
+        while n < len(self._pending) and self._pending[n][0] < self._text_bytes:
+            n += 1
+        released, self._pending = self._pending[:n], self._pending[n:]
+        return [lp for _, lp in released]
+
+
+def returned_logprobs(engine: "AsyncEngine", result: Generation) -> list[TokenLogprob]:
+    return ReturnedTokens(engine).add(result.logprobs, result.text)
 
 
 def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int) -> dict[str, Any]:
@@ -269,10 +321,10 @@ def chat_response(result: Generation, engine: "AsyncEngine", prompt: ChatPrompt,
     choice = ChatChoice(
         message=message,
         finish_reason=_finish_reason(result, bool(calls)),
-        logprobs=chat_logprobs(engine, result.logprobs, top_n) if top_n is not None else None,
+        logprobs=chat_logprobs(engine, returned_logprobs(engine, result), top_n) if top_n is not None else None,
     )
     return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=[choice],
-                          usage=usage_of(result))
+                          usage=usage_of(result), system_fingerprint=SYSTEM_FINGERPRINT)
 
 
 @dataclass
@@ -287,7 +339,8 @@ class _StreamFrames:
 
     def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse_data({"id": self.completion_id, "object": self.object, "created": self.created,
-                         "model": self.model, "choices": choices, **extra})
+                         "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+                         **extra})
 
     def choice(self, finish: str | None = None, logprobs: Any = None, **fields: Any) -> bytes:
         """A chunk of the one choice; `fields` are its `delta` (chat) or `text` (completions)."""
@@ -303,17 +356,24 @@ async def chat_chunks(stream: EngineStream, engine: "AsyncEngine", prompt: ChatP
                       completion_id: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage)
     answer = StreamedAnswer(stream, prompt, id_prefix="call_")
+    returned = ReturnedTokens(engine) if top_n is not None else None
+    shown = False
     try:
-        yield frames.choice(delta={"role": "assistant", "content": ""})
+        # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
+        # after a null still accumulates into the content, in the SDKs' stream helpers too).
+        yield frames.choice(delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
         async for text, delta in answer.pieces():
             logprobs = None
-            if top_n is not None and delta is not None:
-                logprobs = chat_logprobs(engine, delta.logprobs or [], top_n)
+            if returned is not None and top_n is not None and delta is not None:
+                logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
             if text or (logprobs and logprobs["content"]):
-                yield frames.choice(delta={"content": text}, logprobs=logprobs)
+                shown = shown or bool(text)
+                yield frames.choice(delta={"content": text} if text else {}, logprobs=logprobs)
         for i, call in enumerate(_tool_calls_out(answer.calls)):
             yield frames.choice(delta={"tool_calls": [{"index": i, **call.model_dump()}]})
-        yield frames.choice(delta={}, finish=_finish_reason(answer.result, bool(answer.calls)))
+        # an empty answer without calls has content "" (as when not streamed), never null
+        last = {"content": ""} if prompt.parse_tools and not shown and not answer.calls else {}
+        yield frames.choice(delta=last, finish=_finish_reason(answer.result, bool(answer.calls)))
         if include_usage:
             yield frames.usage(answer.result)
     except Exception as exc:
@@ -325,15 +385,18 @@ async def completion_chunks(stream: EngineStream, engine: "AsyncEngine", model: 
                             echo: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "text_completion", model, include_usage)
     result = Generation()
+    returned = ReturnedTokens(engine) if top_n is not None else None
     offset = len(echo)
     try:
         if echo:
             yield frames.choice(text=echo)
         async for delta in stream.deltas():
             result.add(delta)
-            logprobs = legacy_logprobs(engine, delta.logprobs or [], top_n, offset) if top_n is not None else None
-            offset += len(delta.text)
-            if delta.text or logprobs:
+            logprobs = None
+            if returned is not None and top_n is not None:
+                logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, offset)
+                offset += sum(map(len, logprobs["tokens"]))  # where the next returned token starts
+            if delta.text or (logprobs and logprobs["tokens"]):
                 yield frames.choice(text=delta.text, logprobs=logprobs)
         yield frames.choice(text="", finish=_finish_reason(result, False))
         if include_usage:

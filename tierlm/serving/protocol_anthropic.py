@@ -92,14 +92,10 @@ ContentBlock = Annotated[
 
 
 def _check_content(value: Any) -> Any:
-    """Runs before type validation so the message says what content may be."""
-    if isinstance(value, str):
-        if value == "":
-            raise ValueError("content must not be empty")
-    elif isinstance(value, list):
-        if not value:
-            raise ValueError("content must contain at least one block")
-    else:
+    """Runs before type validation so the message says what content may be. Empty content is
+    refused later (anthropic.check_blocks), where it is known whether the message is the final
+    assistant one, which may be empty."""
+    if not isinstance(value, (str, list)):
         raise ValueError("content must be a string or a list of content blocks")
     return value
 
@@ -115,7 +111,7 @@ class InputMessage(_Body):
 
     def blocks(self) -> list[Any]:
         if isinstance(self.content, str):
-            return [TextBlock(type="text", text=self.content)]
+            return [TextBlock(type="text", text=self.content)] if self.content else []
         return list(self.content)
 
 
@@ -192,7 +188,7 @@ class MessagesRequest(ConversationBody):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the top token only
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False

@@ -59,19 +59,16 @@ class ChatMessage(_Body):
             if role != "assistant":  # assistants may carry only tool_calls
                 raise ValueError(f"content is required for a {role or 'chat'} message")
             return value
-        if isinstance(value, str):
-            if value == "" and role != "assistant":
-                raise ValueError("content must not be empty")
-        elif isinstance(value, list):
+        if isinstance(value, list):
             if not value:
                 raise ValueError("content must contain at least one part")
-        else:
+        elif not isinstance(value, str):  # "" is valid content for every role, as in OpenAI's API
             raise ValueError("content must be a string or a list of content parts")
         return value
 
     @model_validator(mode="after")
     def _assistant_says_something(self) -> "ChatMessage":
-        if self.role == "assistant" and not self.content and not self.tool_calls:
+        if self.role == "assistant" and self.content is None and not self.tool_calls:  # "" is content
             raise ValueError("an assistant message needs content or tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
@@ -125,7 +122,7 @@ def _check_stop(value: Any) -> Any:
 class _SamplingFields(_Body):
     model: str = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the top token only
     n: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -287,6 +284,8 @@ class ResponseToolCall(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: str | None = None  # OpenAI's fields; tierlm models never refuse or annotate
+    annotations: list[Any] = Field(default_factory=list)
     tool_calls: list[ResponseToolCall] | None = None
 
 

@@ -8,8 +8,9 @@ Qwen form, which the template itself shows the model:
     </tool_call>
 
 Tool calls are parsed after generation. While streaming, text is passed through until a tool
-call may be starting (`ToolCallStreamFilter` holds back a possible partial `<tool_call>`), and
-everything from there on is buffered and parsed at the end, so clients never see half a call.
+call may be starting (`ToolCallStreamFilter` holds back trailing whitespace and a possible
+partial `<tool_call>`), and everything from there on is buffered and parsed at the end, so
+clients never see half a call and see the same prose as a non-streamed answer.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Any
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-_CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|\Z)", re.S)
+# A call counts only once closed: an unclosed one was cut off (max_tokens), whatever its JSON.
+_CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(" + re.escape(TOOL_CALL_END) + r"|\Z)", re.S)
 
 
 @dataclass
@@ -55,15 +57,16 @@ def new_tool_call_id(prefix: str = "toolu_") -> str:
 def parse_tool_calls(text: str, id_prefix: str = "toolu_") -> ParsedOutput:
     """Split `text` into prose and Hermes tool calls.
 
-    If any call is not valid JSON with a string `name`, nothing is treated as a call and the
-    whole text is returned as prose: a half-parsed answer is worse than the raw one.
+    If any call is not valid JSON with a string `name`, or is not closed by TOOL_CALL_END (cut
+    off by max_tokens), nothing is treated as a call and the whole text is returned as prose: a
+    half-parsed answer is worse than the raw one.
     """
     start = text.find(TOOL_CALL_START)
     if start < 0:
         return ParsedOutput(text=text, tool_calls=[])
     calls: list[ParsedToolCall] = []
     for match in _CALL_RE.finditer(text, start):
-        call = _parse_one(match.group(1), id_prefix)
+        call = _parse_one(match.group(1), id_prefix) if match.group(2) else None
         if call is None:
             return ParsedOutput(text=text, tool_calls=[])
         calls.append(call)
@@ -96,7 +99,10 @@ class ToolCallStreamFilter:
 
     def __init__(self, id_prefix: str = "toolu_") -> None:
         self._id_prefix = id_prefix
-        self._pending = ""  # text that might be the start of TOOL_CALL_START
+        # Held back: trailing whitespace (dropped if a call follows, as parse_tool_calls strips
+        # the prose before a call) and then what might be the start of TOOL_CALL_START.
+        self._pending = ""
+        self._space = ""  # the whitespace before TOOL_CALL_START, once seen
         self._buffer: str | None = None  # everything from TOOL_CALL_START on, once seen
 
     @property
@@ -110,12 +116,15 @@ class ToolCallStreamFilter:
         pending = self._pending + text
         start = pending.find(TOOL_CALL_START)
         if start >= 0:
-            self._buffer = pending[start:]
+            prose = pending[:start]
+            shown = prose.rstrip()
+            self._space, self._buffer = prose[len(shown):], pending[start:]
             self._pending = ""
-            return pending[:start]
-        keep = _partial_marker_suffix(pending)
-        self._pending = pending[len(pending) - keep:] if keep else ""
-        return pending[: len(pending) - keep]
+            return shown
+        marker = _partial_marker_suffix(pending)
+        shown = pending[: len(pending) - marker].rstrip()
+        self._pending = pending[len(shown):]
+        return shown
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """(text still to show, parsed calls). Unparseable calls come back as text."""
@@ -123,7 +132,7 @@ class ToolCallStreamFilter:
             rest, self._pending = self._pending, ""
             return rest, []
         parsed = parse_tool_calls(self._buffer, self._id_prefix)
-        buffered, self._buffer = self._buffer, None
+        buffered, self._buffer = self._space + self._buffer, None
         if not parsed.tool_calls:
             return buffered, []
         return parsed.text, parsed.tool_calls
