@@ -5,8 +5,20 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from tierlm.errors import TierlmError
+
+
+def at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused below `low` (and NaN) with a message naming the value."""
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not value >= low:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" messages
+    return parse
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes (got {self.kv_cache_memory})")
+        if self.kv_cache_memory is not None:
+            check_kv_pool_memory(self.kv_cache_memory, self.resolve_device(), available=False)
+        if self.kv_disk_dir:
+            check_disk_dir(self.kv_disk_dir)
         if self.kv_remote_ttl is not None and self.kv_remote_ttl <= 0:
             raise ValueError(f"kv_remote_ttl must be a positive number of seconds (got {self.kv_remote_ttl})")
         for knob in ("kv_host_capacity", "kv_disk_capacity", "kv_remote_capacity"):
@@ -109,6 +114,11 @@ class EngineConfig:
         if self.kv_remote and not self.kv_remote.startswith(REDIS_URL_SCHEMES):
             raise ValueError(f"kv_remote {redact_url(self.kv_remote)!r} is not a Redis URL; use redis://host:port/db "
                              "(or rediss:// for TLS, unix:///path/redis.sock)")
+        if self.kv_remote and not self.kv_remote.startswith("unix://"):
+            db = urllib.parse.urlsplit(self.kv_remote).path.strip("/")
+            if db and not db.isdigit():  # redis-py would quietly use database 0
+                raise ValueError(f"kv_remote {redact_url(self.kv_remote)!r}: the path names the database and must "
+                                 f"be a number (got {db!r}); e.g. redis://host:6379/0")
         for knob, tier in (("kv_disk_capacity", "kv_disk_dir"), ("kv_disk_write_through", "kv_disk_dir"),
                            ("kv_remote_capacity", "kv_remote"), ("kv_remote_ttl", "kv_remote")):
             if getattr(self, knob) not in (None, False) and not getattr(self, tier):
@@ -143,6 +153,43 @@ def host_memory() -> tuple[int, int] | None:
     except (OSError, StopIteration, ValueError, IndexError):
         pass
     return total, avail
+
+
+def check_kv_pool_memory(nbytes: int, device: torch.device, available: bool = True) -> None:
+    """Refuse a KV pool the device cannot hold: allocated at once, it would end in the OOM killer
+    (on CPU, the whole machine's) or a CUDA out-of-memory error. Against the total before the
+    weights load, against what is free after (`available`)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        where = f"{device} has"
+    else:
+        mem = host_memory()
+        if mem is None:
+            return
+        total, free = mem
+        where = "this machine has"
+    limit, what = (free, "free now") if available else (total, "in all")
+    if nbytes > limit:
+        raise ValueError(f"kv_cache_memory is {_size(nbytes)} but {where} {_size(limit)} {what}; "
+                         f"give less (leave it unset for a share of free memory)")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def check_disk_dir(path: str) -> None:
+    """The disk tier's directory must be a directory this process can write (or create): said
+    before the model loads, not after."""
+    p = os.path.abspath(path)
+    probe = p
+    while not os.path.exists(probe):  # the nearest existing ancestor is where it would be created
+        probe = os.path.dirname(probe)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ValueError(f"kv_disk_dir {path!r} exists and is not a directory; give a directory for the disk tier")
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_disk_dir {path!r} cannot be written here ({probe} is not a writable directory); "
+                         "give a writable directory for the disk tier")
 
 
 def default_kv_cache_memory(device: torch.device) -> int:

@@ -49,6 +49,15 @@ class SamplingParams:
         def bad(field_name: str, why: str) -> None:
             raise InvalidRequestError(f"sampling parameter '{field_name}' {why}", param=field_name)
 
+        # Types first: a bool is an int to Python, and a string would fail as a TypeError mid-step.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                bad(name, f"must be a number (got {getattr(self, name)!r})")
+        for name in ("n", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                bad(name, f"must be an integer (got {value!r})")
         if self.n != 1:
             bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -57,7 +66,7 @@ class SamplingParams:
             bad("temperature", f"must be in [0, 100] (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1] (got {self.top_p})")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+        if not _is_int(self.top_k):
             bad("top_k", f"must be an integer (got {self.top_k!r})")
         if self.top_k < -1:  # vLLM's rule: -1 or 0 mean no limit
             bad("top_k", f"must be -1 or 0 (no limit) or at least 1 (got {self.top_k})")
@@ -71,12 +80,11 @@ class SamplingParams:
             bad("frequency_penalty", f"must be in [-2, 2] (got {self.frequency_penalty})")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "entries must be non-empty strings")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 
     @property
@@ -86,3 +94,12 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """An int or a finite-or-not float; not a bool, not a string."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

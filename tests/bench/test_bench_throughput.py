@@ -99,3 +99,11 @@ def test_bench_throughput_takes_cuda_graphs(llama_dir, tmp_path, caplog):
     assert "cuda_graphs on cpu" in caplog.text
     res = json.loads(out.read_text())
     assert res["cuda_graphs"] is True and res["workloads"]["tiny"]["ratio"] > 0
+
+
+@pytest.mark.parametrize("flag, value", [("--prefix-len", "0"), ("--prefix-len", "-5"), ("--repeats", "0"),
+                                         ("--suffix-len", "0"), ("--decoders", "-1")])
+def test_bench_prefix_refuses_nonsense_by_name(flag, value, capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "prefix", flag, value, "--json", "unused.json"])
+    assert ended.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err

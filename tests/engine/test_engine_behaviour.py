@@ -318,3 +318,35 @@ def test_a_cuda_device_that_is_not_there_is_refused_before_loading(tmp_path):
     says = "torch sees no CUDA device" if count == 0 else f"does not exist: torch sees {count} CUDA"
     with pytest.raises(ValueError, match=f"device 'cuda:{count}' .*{says}"):
         LLM(str(tmp_path / "no-model-here"), device=f"cuda:{count}")
+
+
+def test_a_step_that_fails_leaves_nothing_queued_and_the_next_call_works(llm):
+    """An exception inside a step (here the sampler's) reaches the caller, and the call's
+    requests are aborted: no KV blocks held, nothing queued to fail every later call."""
+    real = llm.engine.sampler
+
+    def broken(logits, reqs):
+        raise RuntimeError("sampler broke")
+
+    llm.engine.sampler = broken
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        llm.generate([[5, 6, 7], [8, 9] * 40], SamplingParams(max_tokens=4))
+    llm.engine.sampler = real
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", True), ("max_tokens", 2.5), ("max_tokens", True), ("stop_token_ids", [True]),
+    ("temperature", "0"), ("top_p", None), ("min_p", True), ("presence_penalty", "1"),
+])
+def test_sampling_params_of_the_wrong_type_are_refused_by_name(field, value):
+    with pytest.raises(InvalidRequestError, match=f"'{field}'"):
+        SamplingParams(**{field: value})
+
+
+def test_priorities_must_match_the_prompts(llm):
+    with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+        llm.generate([[5], [6]], SamplingParams(max_tokens=1), priority=[1])
+    assert not llm.engine.has_unfinished()

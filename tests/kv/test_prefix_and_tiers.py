@@ -126,6 +126,43 @@ def test_bad_tier_settings_are_refused_before_loading(settings, says, tmp_path):
     assert not (tmp_path / "d").exists()  # nothing created either
 
 
+def test_unusable_disk_dirs_and_pools_larger_than_the_machine_are_refused_before_loading(tmp_path):
+    from tierlm.config import host_memory
+    (tmp_path / "a-file").write_text("x")
+    for settings, says in [
+        (dict(kv_disk_dir=str(tmp_path / "a-file")), "exists and is not a directory"),
+        (dict(kv_disk_dir=str(tmp_path / "a-file" / "kv")), "is not a writable directory"),
+        (dict(kv_cache_memory=host_memory()[0] + (1 << 30)), r"kv_cache_memory is .* GiB but this machine has .* GiB in all"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            LLM(str(tmp_path / "no-model-here"), device="cpu", **settings)
+
+
+def test_a_pool_larger_than_the_free_memory_is_refused_after_loading(llama_dir, monkeypatch):
+    """Past the machine's total it is refused before loading (above); past what is free once the
+    weights are in, here, before a byte of it is allocated."""
+    from tierlm import config
+    total = config.host_memory()[0]
+    monkeypatch.setattr(config, "host_memory", lambda: (total, 3 << 20))
+    with pytest.raises(ValueError, match=r"kv_cache_memory is 4.0 MiB but this machine has 3.0 MiB free now"):
+        _llm(llama_dir, kv_cache_memory=4 << 20)
+
+
+def test_a_disk_capacity_of_zero_turns_the_tier_off_and_leaves_its_directory_alone(llama_dir, tmp_path):
+    root = tmp_path / "kv"
+    with _llm(llama_dir, kv_host_capacity=0, kv_disk_dir=str(root)) as llm:
+        _run(llm, _prompt(4, 60))
+    files = sorted(root.rglob("*"))
+    assert any(f.suffix == ".kv" for f in files)
+    off = _llm(llama_dir, kv_disk_dir=str(root), kv_disk_capacity="0 blocks")
+    assert off.engine.store is None
+    _run(off, _prompt(5, 60))
+    assert sorted(root.rglob("*")) == files  # nothing trimmed, written or locked
+    with _llm(llama_dir, kv_disk_dir=str(root)) as again:  # the directory is free for another engine
+        assert _run(again, _prompt(4, 60))[1] > 0
+    off.close()
+
+
 def test_capacities_read_blocks_and_byte_units():
     from tierlm.kv.tiers import parse_capacity
     mib = 1 << 20
@@ -803,7 +840,7 @@ def test_redis_tier_size_is_the_servers_maxmemory(llama_dir, redis_server, caplo
     llm = _llm(llama_dir, kv_remote=redis_server.url, kv_remote_capacity="1000 blocks", kv_remote_ttl=600)
     block, = llm.engine.runner.read_blocks([0])
     maxmemory = int(server.config_get("maxmemory")["maxmemory"]) - 1000 * block.numel() * block.element_size()
-    assert 0.5 * overhead < maxmemory < 2 * overhead  # 1000 blocks on top of the server's own overhead
+    assert overhead < maxmemory < overhead + (2 << 20)  # 1000 blocks on top of the server's overhead (+1 MiB)
     assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
     _run(llm, _prompt(5, 40))
     llm.engine.store.flush()  # write-through landed, with the TTL
@@ -841,6 +878,25 @@ def test_redis_capacity_evicts_instead_of_refusing(redis_server):
     assert tier.stats.errors == 0 and tier.stats.stores == 40
     assert 0 < server.dbsize() < 40  # the server evicted, within its limit
     assert tier.get(bytes([40]) * 32) is not None  # the newest is kept
+
+
+def test_a_small_redis_capacity_holds_what_it_says_on_an_empty_server(redis_server):
+    """The limit is set above what the server takes with no data: with a capacity of four
+    64 KiB blocks, the writes land (the newest kept) instead of all being refused."""
+    data = torch.randn(64, 256)
+    tier = RedisTier(redis_server.url, capacity_bytes=4 * 70_000)
+    for i in range(1, 9):
+        tier.put(bytes([i]) * 32, None, data)
+    assert tier.stats.errors == 0 and tier.stats.stores == 8
+    assert tier.get(bytes([8]) * 32) is not None
+    tier.close()
+
+
+def test_a_redis_database_that_does_not_exist_is_refused_at_start(redis_server):
+    with pytest.raises(KVTierError, match="has no such database"):
+        RedisTier(redis_server.url.rsplit("/", 1)[0] + "/99")
+    with pytest.raises(ValueError, match="the path names the database and must be a number"):
+        LLM("no-model-here", kv_remote=redis_server.url.rsplit("/", 1)[0] + "/abc")
 
 
 def test_redis_with_a_password_works_and_never_shows_it(llama_dir, cold_reference, redis_server_with_password,

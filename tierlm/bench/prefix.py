@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from tierlm.cli import at_least
+
 
 def _ttft(llm, prompt: list[int], cached: dict | None = None, key: str = "") -> float:
     from tierlm import SamplingParams
@@ -233,10 +235,10 @@ def add_cli(sub) -> None:
     p.add_argument("--bench-model-dir", default=None,
                    help="where the 0.5B-shaped benchmark model is built (default: tierlm's cache)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prefix-len", type=int, default=2000)
-    p.add_argument("--suffix-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--decoders", type=int, default=4,
+    p.add_argument("--prefix-len", type=at_least(1, int), default=2000)
+    p.add_argument("--suffix-len", type=at_least(1, int), default=32)
+    p.add_argument("--repeats", type=at_least(1, int), default=3)
+    p.add_argument("--decoders", type=at_least(0, int), default=4,
                    help="requests decoding when the disk-prefixed one arrives (the stall measurement)")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

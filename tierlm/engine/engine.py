@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import EngineConfig, default_kv_cache_memory, host_memory
+from tierlm.config import EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.graphs import StepGraphsConfig
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
@@ -113,7 +113,7 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     tiers: list = []
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
-    if config.kv_disk_dir:
+    if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
         tiers.append(DiskTier(disk_tier_dir(config.kv_disk_dir, model_id), disk, config.tier_policy("disk"),
                               block_bytes=block_bytes))
     if config.kv_remote:
@@ -157,6 +157,8 @@ class LLMEngine:
         # Default pool: a share of free memory, but no more than every sequence at full length needs.
         budget = config.kv_cache_memory or min(default_kv_cache_memory(self.device),
                                                config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
+        if config.kv_cache_memory:
+            check_kv_pool_memory(budget, self.device)  # what is free once the weights are in
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")

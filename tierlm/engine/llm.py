@@ -44,6 +44,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities; pass one per prompt")
         # Validate every request before queueing any, so a bad one changes nothing.
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -57,6 +59,20 @@ class LLM:
         tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         logprobs: dict[str, list] = {r.request_id: [] for r in reqs}
         bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm)
+        try:
+            self._run(reqs, order, results, tokens, logprobs, bar)
+        except BaseException:
+            # A failed step (or Ctrl-C) must not leave these requests queued, holding KV blocks and
+            # failing every later call: abort what is still unfinished, then re-raise.
+            for r in reqs:
+                if not r.is_finished:
+                    self.engine.abort(r.request_id)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def _run(self, reqs, order, results, tokens, logprobs, bar) -> None:
         while self.engine.has_unfinished():
             for d in self.engine.step():
                 if d.request_id not in order:
@@ -71,8 +87,6 @@ class LLM:
                     results[order[d.request_id]] = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [out],
                                                                  num_cached_tokens=d.num_cached_tokens)
                     bar.update(1)
-        bar.close()
-        return results  # type: ignore[return-value]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:

@@ -862,7 +862,7 @@ class RedisTier:
 
     Its size is the Redis server's: several engines write it, so no one process can run its
     eviction. The server's `maxmemory` with an `allkeys-*` policy bounds it; `capacity_bytes`
-    sets those (maxmemory = the server's overhead now + capacity, so about that many bytes of
+    sets those (maxmemory = the server's overhead now + 1 MiB + capacity, so about that many bytes of
     blocks fit; for a Redis dedicated to the KV cache), and without it a server that would grow
     without bound or refuse writes when full is named in a warning. Entries may also expire
     (`ttl_s`). A write the server refuses (full under `noeviction`) is dropped and counted; it
@@ -889,14 +889,22 @@ class RedisTier:
         self._errors = (redis.exceptions.RedisError, OSError)
         self._refused = redis.exceptions.ResponseError  # the server answered, and said no
         self._warned_refusal = False
+        self._capacity_set = False  # maxmemory and allkeys-lru set by us (kv_remote_capacity)
         self._check_memory(capacity_bytes, redis.exceptions.AuthenticationError)
 
     def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
         try:
-            if capacity_bytes:  # on top of the server's own overhead (clients, buffers, key tables)
-                base = int(self.client.info("memory").get("used_memory_overhead", 0))
+            if capacity_bytes:
+                # On top of what the server needs with no data (its overhead now: clients, buffers,
+                # key tables), not counting keys already there (ours, from an earlier run), so
+                # restarts do not grow the limit; plus 1 MiB, as client buffers and allocator
+                # rounding move used memory by hundreds of KB (without it, a small capacity on an
+                # empty server refused every write).
+                mem = self.client.info("memory")
+                base = max(int(mem.get("used_memory_overhead", 0)), int(mem.get("used_memory_startup", 0))) + (1 << 20)
                 self.client.config_set("maxmemory", base + capacity_bytes)
                 self.client.config_set("maxmemory-policy", "allkeys-lru")
+                self._capacity_set = True
                 return
             conf = self.client.config_get("maxmemory*")
         except bad_credentials as e:  # a configuration error, not an outage: retrying cannot fix it
@@ -904,6 +912,11 @@ class RedisTier:
             raise KVTierError(f"Redis KV tier {self.url} refused the credentials ({e}); put the password in the "
                               "URL: redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@host:port/db") from None
         except self._refused as e:  # CONFIG renamed or disabled, as on many managed services
+            if "DB index is out of range" in str(e):  # the URL's database does not exist: configuration
+                self.close()
+                raise KVTierError(f"Redis KV tier {self.url}: the server has no such database ({e}); use a "
+                                  "database number below its `databases` setting (default 16), e.g. "
+                                  "redis://host:6379/0") from None
             log.warning("cannot read or set the memory limit of Redis KV tier %s (%s); set maxmemory and "
                         "maxmemory-policy allkeys-lru on the server itself", self.url, e)
             return
@@ -979,8 +992,13 @@ class RedisTier:
             self.stats.errors += 1
             if not self._warned_refusal:
                 self._warned_refusal = True
-                log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Give the server "
-                            "maxmemory-policy allkeys-lru so it evicts instead", self.url, e)
+                if self._capacity_set:  # allkeys-lru is ours: the block does not fit even after evicting
+                    log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Its maxmemory "
+                                "leaves no room for a block even after evicting: raise kv_remote_capacity",
+                                self.url, e)
+                else:
+                    log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Give the server "
+                                "maxmemory-policy allkeys-lru so it evicts instead", self.url, e)
         except self._errors as e:
             self._failed(e)
         return []

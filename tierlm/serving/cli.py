@@ -13,9 +13,9 @@ import argparse
 import ipaddress
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any
 
-from tierlm.cli import _add_engine_args, engine_kwargs
+from tierlm.cli import _add_engine_args, at_least, engine_kwargs
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("tierlm.serving")
@@ -37,16 +37,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = kind(text)
-        if not value >= low:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" messages
-    return parse
-
-
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
@@ -64,9 +54,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     auth.add_argument("--api-keys", metavar="FILE", default=None,
                       help="file of '<key-id> sha256:<hex>' lines (see `python -m tierlm.serving.auth`)")
     auth.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local use only)")
-    p.add_argument("--max-body-bytes", type=_at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
-    p.add_argument("--shutdown-timeout", type=_at_least(0, float), default=30.0,
+    p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces (OTLP/HTTP) here, e.g. http://localhost:4318 (default: no tracing)")
