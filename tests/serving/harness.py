@@ -65,6 +65,14 @@ class ServerThread:
         self._socket.close()
 
 
+def sdk_clients(url: str) -> tuple[Any, Any]:
+    """The official anthropic and openai clients for a test server (no retries: a failure shows)."""
+    import anthropic
+    import openai
+    return (anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=60),
+            openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60))
+
+
 def parse_sse(raw: str) -> list[tuple[str | None, Any]]:
     """(event name, decoded data) per frame; `[DONE]` stays a string."""
     frames = []

@@ -7,7 +7,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.serving.harness import API_KEY, SMALL_BODY_LIMIT
+from tests.serving.harness import sdk_clients, SMALL_BODY_LIMIT
 
 GREEDY = {"temperature": 0}
 
@@ -19,12 +19,12 @@ def model(demo_engine) -> str:
 
 @pytest.fixture(scope="module")
 def claude(demo_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=demo_server.url, api_key=API_KEY, max_retries=0, timeout=60)
+    return sdk_clients(demo_server.url)[0]
 
 
 @pytest.fixture(scope="module")
 def oai(demo_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return sdk_clients(demo_server.url)[1]
 
 
 def input_total(usage) -> int:

@@ -7,7 +7,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.serving.harness import API_KEY
+from tests.serving.harness import sdk_clients
 from tests.serving.scripted_model import CALL_MODEL, REPLY, TEXT_MODEL, TOOL_PROSE, TOOLS_MODEL
 
 USER = [{"role": "user", "content": "Hi there"}]
@@ -18,12 +18,12 @@ OPENAI_TOOL = {"type": "function", "function": {"name": "get_weather", "descript
 
 @pytest.fixture(scope="module")
 def claude(scripted_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=scripted_server.url, api_key=API_KEY, max_retries=0, timeout=60)
+    return sdk_clients(scripted_server.url)[0]
 
 
 @pytest.fixture(scope="module")
 def oai(scripted_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=scripted_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return sdk_clients(scripted_server.url)[1]
 
 
 def test_claude_stream_shows_the_prose_before_a_call_as_create_does(claude):
