@@ -7,7 +7,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.serving.harness import sdk_clients, SMALL_BODY_LIMIT
+from tests.serving.harness import SMALL_BODY_LIMIT, sdk_clients
 
 GREEDY = {"temperature": 0}
 
