@@ -350,3 +350,16 @@ def test_priorities_must_match_the_prompts(llm):
     with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
         llm.generate([[5], [6]], SamplingParams(max_tokens=1), priority=[1])
     assert not llm.engine.has_unfinished()
+
+
+def test_a_stop_token_ids_text_is_kept_only_with_include_stop_str_in_output(llm):
+    greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0].outputs[0].token_ids
+    i = next(i for i in range(1, len(ref)) if ref[i] not in ref[:i])  # its first appearance stops there
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    for include in (False, True):
+        out = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[ref[i]],
+                                                       include_stop_str_in_output=include))[0].outputs[0]
+        assert out.token_ids == ref[:i + 1] and out.finish_reason == "stop" and out.stop_reason == ref[i]
+        assert out.text == decode(ref[:i + 1] if include else ref[:i])
+        assert decode(ref[:i + 1]) != decode(ref[:i])  # the token has text of its own

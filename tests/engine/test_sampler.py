@@ -36,7 +36,7 @@ def _expected(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: flo
         order = np.argsort(-q, kind="stable")
         before = np.cumsum(q[order]) - q[order]
         nucleus = np.zeros(len(p), dtype=bool)
-        nucleus[order[before <= top_p]] = True
+        nucleus[order[before < top_p]] = True  # a set that reaches top_p exactly takes nothing more
         keep &= nucleus
     q = np.where(keep, p, 0.0)
     return q / q.sum()
@@ -152,3 +152,14 @@ def test_top_k_below_minus_one_is_refused_by_name():
         SamplingParams(top_k=ok)  # validated on construction
     with pytest.raises(InvalidRequestError, match="'top_k' must be -1 or 0"):
         SamplingParams(top_k=-2)
+
+
+def test_top_p_on_exact_ties_keeps_what_transformers_keeps():
+    """Uniform rows: the mass reaches p exactly at a token boundary, and nothing past it is kept."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+    from tierlm.engine.sampler import _filter_rows
+    for vocab, p in [(4, 0.5), (4, 0.25), (8, 0.75), (2, 0.5), (10, 0.3)]:
+        x = torch.zeros(1, vocab)
+        ours = torch.isfinite(_filter_rows(x.clone(), [SamplingParams(top_p=p)])).sum().item()
+        hf = torch.isfinite(TopPLogitsWarper(p)(None, x.clone())).sum().item()
+        assert ours == hf, (vocab, p, ours, hf)

@@ -327,10 +327,11 @@ class LLMEngine:
             self.logprobs[req.request_id].append(lp)
         p = req.params
         detok = self.detoks[req.request_id]
-        if tok in req.eos_token_ids and not p.ignore_eos:
-            return self._finish(req, "stop", None, new_token=tok, lp=lp)
-        if tok in p.stop_token_ids:
-            return self._finish(req, "stop", tok, new_token=tok, lp=lp)
+        stop_token = tok in req.eos_token_ids and not p.ignore_eos
+        if stop_token or tok in p.stop_token_ids:
+            if p.include_stop_str_in_output:  # the stopping token's own text too, as vLLM does
+                detok.add(tok)
+            return self._finish(req, "stop", None if stop_token else tok, new_token=tok, lp=lp)
         matched = detok.add(tok)
         if matched is not None:
             return self._finish(req, "stop", matched, new_token=tok, lp=lp)
@@ -344,8 +345,7 @@ class LLMEngine:
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.scheduler.remove(req)
         detok = self.detoks.pop(req.request_id)
-        if reason != "stop" or isinstance(stop_reason, str):
-            detok.flush()
+        detok.flush()  # a character still held for its next bytes is output too (nothing after a stop string)
         self.requests.pop(req.request_id, None)
         self.logprobs.pop(req.request_id, None)
         delta = self._delta(req, detok.delta(True), [] if new_token is None else [new_token], lp, finished=True)

@@ -57,9 +57,10 @@ def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
         top_p = torch.tensor([p.top_p for p in params], dtype=rows.dtype).to(dev, non_blocking=True)
         sorted_rows, order = torch.sort(rows, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_rows, dim=-1)
-        # Drop a token when the mass before it already reaches p (the token that crosses p stays);
+        # Drop a token when the mass before it already reaches p, equal included (as HF's and
+        # vLLM's top-p: the token that crosses p stays, one after a set of exactly p does not);
         # rows with top_p = 1 drop nothing, whatever the rounding of their sums.
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         rows = rows.scatter(1, order, sorted_rows.masked_fill(drop, float("-inf")))
     return rows
 
