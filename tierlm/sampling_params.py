@@ -13,10 +13,13 @@ class SamplingParams:
     `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
     `stop` strings are excluded from the returned text; `stop_token_ids` end the request
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
+    `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled
+    and stop strings are not looked for (vLLM's meaning).
     """
 
     n: int = 1
     max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -54,7 +57,7 @@ class SamplingParams:
                      "frequency_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(name, f"must be a number (got {getattr(self, name)!r})")
-        for name in ("n", "max_tokens", "logprobs"):
+        for name in ("n", "max_tokens", "min_tokens", "logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer (got {value!r})")
@@ -62,6 +65,8 @@ class SamplingParams:
             bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1 (got {self.max_tokens})")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be in [0, max_tokens] (got {self.min_tokens}, max_tokens {self.max_tokens})")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100] (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:

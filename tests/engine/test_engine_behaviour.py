@@ -363,3 +363,23 @@ def test_a_stop_token_ids_text_is_kept_only_with_include_stop_str_in_output(llm)
         assert out.token_ids == ref[:i + 1] and out.finish_reason == "stop" and out.stop_reason == ref[i]
         assert out.text == decode(ref[:i + 1] if include else ref[:i])
         assert decode(ref[:i + 1]) != decode(ref[:i])  # the token has text of its own
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(llm):
+    greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0].outputs[0].token_ids
+    stop = ref[1]
+    early = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[stop]))[0].outputs[0]
+    assert early.token_ids == ref[:ref.index(stop) + 1]
+    held = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[stop], min_tokens=6))[0].outputs[0]
+    assert len(held.token_ids) >= 6 and stop not in held.token_ids[:6]  # not even sampled before the 7th
+    assert held.finish_reason == "length" or held.token_ids[-1] == stop
+    text = llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0].outputs[0].text
+    word = text.strip()[:2]
+    assert word
+    cut = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop=[word]))[0].outputs[0]
+    kept = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop=[word], min_tokens=10))[0].outputs[0]
+    assert cut.finish_reason == "stop" and kept.finish_reason == "length"
+    assert kept.token_ids == ref and word in kept.text
+    with pytest.raises(InvalidRequestError, match="'min_tokens' must be in"):
+        SamplingParams(max_tokens=3, min_tokens=4)

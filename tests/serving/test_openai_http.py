@@ -397,6 +397,15 @@ def test_top_p_zero_keeps_the_top_token(client, asked):
     assert r.json()["choices"][0]["text"] == COMPLETION_REPLY
 
 
+def test_min_tokens_reaches_the_engine_and_is_checked_against_max_tokens(client, asked):
+    r = client.post("/v1/chat/completions", json=chat(min_tokens=3, max_tokens=5))
+    assert r.status_code == 200, r.text
+    assert asked[-1].params.min_tokens == 3
+    error = client.post("/v1/chat/completions", json=chat(min_tokens=6, max_tokens=5)).json()["error"]
+    assert error["param"] == "min_tokens" and "max_tokens" in error["message"]
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "min_tokens": -1}).status_code == 400
+
+
 def test_models_list_pages(client, scripted_engines):
     names = list(scripted_engines)
     assert len(names) >= 3

@@ -30,8 +30,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
-    def add(self, token_id: int) -> str | None:
-        """Add one generated token; returns the stop string if one just completed."""
+    def add(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Add one generated token; returns the stop string if one just completed (looked for only
+        with `find_stop`: not before a request's min_tokens)."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -39,7 +40,7 @@ class IncrementalDetokenizer:
             start = len(self.text)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return self._check_stop(start)
+            return self._check_stop(start) if find_stop else None
         return None
 
     def flush(self) -> None:

@@ -332,7 +332,7 @@ class LLMEngine:
             if p.include_stop_str_in_output:  # the stopping token's own text too, as vLLM does
                 detok.add(tok)
             return self._finish(req, "stop", None if stop_token else tok, new_token=tok, lp=lp)
-        matched = detok.add(tok)
+        matched = detok.add(tok, find_stop=req.num_output_tokens >= p.min_tokens)
         if matched is not None:
             return self._finish(req, "stop", matched, new_token=tok, lp=lp)
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:

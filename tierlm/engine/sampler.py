@@ -38,6 +38,18 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
     return logits
 
 
+def _hold_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Rows short of their `min_tokens`: EOS (unless ignored) and the stop tokens cannot be drawn."""
+    for i, r in enumerate(reqs):
+        p = r.params
+        if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            stops = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else r.eos_token_ids))
+                     if 0 <= t < logits.shape[1]]
+            if stops:
+                logits[i, stops] = float("-inf")
+    return logits
+
+
 def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Top-k, then min-p, then top-p, each row with its own settings, batched over the rows
     (one sort for all of them, not one per row). Filtered-out tokens become -inf."""
@@ -83,6 +95,7 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_penalties(logits.clone() if want_logprobs else logits, reqs)
+        logits = _hold_stops(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(drawn) == len(reqs):
             picked = self._draw(logits, reqs)

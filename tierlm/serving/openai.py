@@ -72,6 +72,7 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
         top_k=top_k_limit(engine, body.top_k),
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
