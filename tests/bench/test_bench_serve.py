@@ -20,6 +20,7 @@ from tierlm.bench.serve import (
     arrival_times,
     latency_stats,
     random_requests,
+    run_benchmark,
     send_request,
     summarize,
     timeline,
@@ -115,12 +116,53 @@ def test_arrivals_poisson_gamma_and_burst():
     assert arrival_times(10, 2.0, seed=3) == arrival_times(10, 2.0, seed=3)
 
 
-def test_timeline_conserves_tokens():
+@pytest.mark.parametrize("duration", [4.0, 4.3])  # 4.3: a last interval of 0.3 s
+def test_timeline_conserves_tokens(duration):
     results = [_result(i * 0.5, 0.2, 1.0, 8) for i in range(6)]
-    tl = timeline(results, duration=4.0, bins=8, min_width=0)
-    width = tl["t_s"][1] - tl["t_s"][0]
-    assert sum(x * width for x in tl["output_tok_per_s"]) == pytest.approx(48)
-    assert sum(x * width for x in tl["requests_per_s"]) == pytest.approx(6)
+    tl = timeline(results, duration=duration, bins=8, min_width=1.0)  # intervals of 1 s
+    widths = [1.0] * (len(tl["t_s"]) - 1) + [duration - (len(tl["t_s"]) - 1)]
+    assert sum(x * w for x, w in zip(tl["output_tok_per_s"], widths)) == pytest.approx(48)
+    assert sum(x * w for x, w in zip(tl["requests_per_s"], widths)) == pytest.approx(6)
+    assert tl["t_s"][-1] == pytest.approx(duration - widths[-1] / 2)  # the middle of the short last interval
+
+
+def test_timeout_bounds_the_whole_request_not_each_read():
+    """A server that keeps streaming slowly is cut off at --timeout (httpx's own timeout applies
+    to each read, so it would never fire here)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def slow(request):
+        async def events():
+            for _ in range(30):
+                await asyncio.sleep(0.1)
+                yield b'data: {"choices": [{"text": "x"}]}\n\n'
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", slow, methods=["POST"])])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        target = Target(f"http://127.0.0.1:{sock.getsockname()[1]}", "openai", "m", timeout=0.5)
+        reqs = random_requests(3, 10, 5, seed=1)
+        results, _ = asyncio.run(run_benchmark(target, reqs, progress=False))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert [r.ok for r in results] == [False] * 3
+    assert all(r.error == "timed out after 0.5 s (--timeout)" and r.e2el < 2.5 for r in results)
 
 
 # ---- workloads ---------------------------------------------------------------------------

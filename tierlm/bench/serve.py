@@ -277,43 +277,49 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
     usage_in: int | None = None
     usage_out: int | None = None
     try:
-        async with client.stream("POST", target.url, json=target.body(req), headers=target.headers()) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {body[:300]}"
-                res.e2el = time.perf_counter() - start
-                return res
-            async for event, data in _sse(r):
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                msg = json.loads(data)
-                if event == "error" or (isinstance(msg, dict) and "error" in msg and msg.get("type") != "message"):
-                    err = msg.get("error", msg)
-                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                    res.e2el = now - start
+        async with asyncio.timeout(target.timeout):  # the whole request: httpx's timeout is per read
+            async with client.stream("POST", target.url, json=target.body(req), headers=target.headers()) as r:
+                if r.status_code != 200:
+                    body = (await r.aread()).decode(errors="replace")
+                    res.error = f"HTTP {r.status_code}: {body[:300]}"
+                    res.e2el = time.perf_counter() - start
                     return res
-                kind, u_in, u_out, cached = _parse_chunk(target.api, msg)
-                if u_in is not None:
-                    usage_in = u_in
-                if u_out is not None:
-                    usage_out = u_out
-                if cached is not None:
-                    res.cached_tokens = cached
-                if kind is None:
-                    continue
-                if first_any is None:
-                    first_any = now
-                if kind != "output":
-                    continue
-                text_chunks += 1
-                if res.ttft is None:
-                    res.ttft = now - start
-                elif last is not None:
-                    res.itl.append(now - last)
-                last = now
-                res.chunk_times.append(now - t0)
+                async for event, data in _sse(r):
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    msg = json.loads(data)
+                    failed = isinstance(msg, dict) and "error" in msg and msg.get("type") != "message"
+                    if event == "error" or failed:
+                        err = msg.get("error", msg)
+                        res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                        res.e2el = now - start
+                        return res
+                    kind, u_in, u_out, cached = _parse_chunk(target.api, msg)
+                    if u_in is not None:
+                        usage_in = u_in
+                    if u_out is not None:
+                        usage_out = u_out
+                    if cached is not None:
+                        res.cached_tokens = cached
+                    if kind is None:
+                        continue
+                    if first_any is None:
+                        first_any = now
+                    if kind != "output":
+                        continue
+                    text_chunks += 1
+                    if res.ttft is None:
+                        res.ttft = now - start
+                    elif last is not None:
+                        res.itl.append(now - last)
+                    last = now
+                    res.chunk_times.append(now - t0)
         end = time.perf_counter()
+    except TimeoutError:
+        res.error = f"timed out after {target.timeout:g} s (--timeout)"
+        res.e2el = time.perf_counter() - start
+        return res
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         res.e2el = time.perf_counter() - start
@@ -577,10 +583,12 @@ def timeline(results: Sequence[RequestResult], duration: float, bins: int = 30,
         done[min(int(r.end / width), n - 1)] += 1
     ttft = sorted((r.start + r.ttft, r.ttft * 1000) for r in ok if r.ttft is not None)
     e2el = sorted((r.end, (r.e2el or 0.0) * 1000) for r in ok)
+    # The last interval may be shorter than the others: rates over its own width.
+    widths = [width] * (n - 1) + [max(duration - (n - 1) * width, 1e-3)]
     return {
-        "t_s": [(i + 0.5) * width for i in range(n)],
-        "output_tok_per_s": [x / width for x in tokens],
-        "requests_per_s": [x / width for x in done],
+        "t_s": [i * width + w / 2 for i, w in enumerate(widths)],
+        "output_tok_per_s": [x / w for x, w in zip(tokens, widths)],
+        "requests_per_s": [x / w for x, w in zip(done, widths)],
         "ttft_at_s": [t for t, _ in ttft], "ttft_ms": [v for _, v in ttft],
         "e2el_at_s": [t for t, _ in e2el], "e2el_ms": [v for _, v in e2el],
     }
@@ -696,7 +704,8 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
                         "that decode to no text (random-weight models whose vocab outruns the tokenizer)")
     p.add_argument("--num-warmups", type=int, default=1 if sweep else 0,
                    help="requests sent (and not counted) before the run")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request may take in all (a slow stream is cut off too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, help="write the results here (plots go next to it)")
     if not sweep:

@@ -428,9 +428,11 @@ class RequestTelemetry:
         span.update_name(f"{GENERATION_ROUTES.get(self.route, 'chat')} {self.model}")
         span.set_attributes(attrs)
         if self.status is not None and self.status >= 400:
-            span.set_status(Status(StatusCode.ERROR, self.error_type or f"HTTP {self.status}"))
-            if self.error_type:
-                span.set_attribute("error.type", self.error_type)
+            # OpenTelemetry's HTTP conventions: error.type on every failure; a server span's status
+            # is ERROR only for 5xx (a 4xx is the client's error, not the server's).
+            span.set_attribute("error.type", self.error_type or str(self.status))
+            if self.status >= 500:
+                span.set_status(Status(StatusCode.ERROR, self.error_type or f"HTTP {self.status}"))
         # Children from the engine's own clock: queue → prefill → decode.
         parent = trace.set_span_in_context(span)
         tracer = self.owner.tracer
