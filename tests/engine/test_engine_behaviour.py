@@ -156,6 +156,18 @@ def test_logprobs_top_n(llm):
         assert lp.token_id == tok and len(lp.top) == 3
         assert lp.top[0][0] == tok  # greedy picks the most likely token
         assert abs(lp.top[0][1] - lp.logprob) < 1e-6 and lp.logprob <= 0
+        assert lp.rank == 1
+
+
+def test_logprobs_rank_of_a_sampled_token(llm):
+    """High temperature draws unlikely tokens: each one's rank is its place by raw logprob."""
+    out = llm.generate("abc", SamplingParams(max_tokens=12, temperature=5.0, seed=7, logprobs=2,
+                                             ignore_eos=True))[0].outputs[0]
+    ranks = [lp.rank for lp in out.logprobs]
+    assert max(ranks) > 2  # some drawn token was outside the top 2
+    for lp in out.logprobs:
+        better = [v for _, v in lp.top if v > lp.logprob]
+        assert lp.rank >= len(better) + 1 and (lp.rank > 2) == (lp.token_id not in [t for t, _ in lp.top])
 
 
 def test_stop_token_ids_and_max_tokens(llm):

@@ -11,6 +11,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 1  # the sampled token's place in the distribution (1 = most likely), as vLLM reports it
 
 
 @dataclass

@@ -113,9 +113,11 @@ class Sampler:
                     continue
                 row = raw_logprobs[i]
                 top = torch.topk(row, n) if n > 0 else None
+                chosen = row[tokens[i]]
                 lps[i] = TokenLogprob(
-                    token_id=tokens[i], logprob=float(row[tokens[i]]),
-                    top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+                    token_id=tokens[i], logprob=float(chosen),
+                    top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+                    rank=int((row > chosen).sum()) + 1)
         return tokens, lps
 
     def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
