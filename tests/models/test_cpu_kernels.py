@@ -93,6 +93,31 @@ def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
 
 
 @needs_avx512
+def test_decode_attention_refuses_tables_shorter_than_the_context():
+    """The kernel would read past the tables (another row's entries, or past the tensor: a
+    segfault) rather than fail: the wrapper refuses first."""
+    cache = torch.randn(2, 8, 1, 2, 16)
+    q = torch.randn(2, 2, 16)
+    tables = torch.tensor([[0], [1]])  # one 1-slot block each ...
+    with pytest.raises(ValueError, match="a context of 2 keys but block tables of 1 blocks x 1 slots"):
+        cpu_kernels.decode_attention(q, cache, tables, torch.tensor([2, 2]), 0.25, None)  # ... for 2 keys
+
+
+@needs_avx512
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_engine_with_one_slot_blocks_warms_up_and_matches_larger_blocks(llama_dir, block_size):
+    """The start-up warm-up's decodes attend to two keys: with 1-slot blocks their tables need
+    two entries (one made the kernel read past them and crash)."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = []
+    for bs in (block_size, 16):
+        llm = LLM(str(llama_dir), dtype="float32", block_size=bs, max_num_seqs=64, kv_cache_memory=1 << 22,
+                  max_num_batched_tokens=8, load_progress=False)
+        outs.append([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], list(range(3, 40))], greedy)])
+    assert outs[0] == outs[1]
+
+
+@needs_avx512
 @pytest.mark.parametrize("hq,hkv,d", [(4, 1, 24), (34, 2, 32), (4, 2, 272)])
 def test_attention_shapes_off_the_vector_path_use_pytorch(hq, hkv, d):
     """Head sizes that are not a multiple of 16 (or past 256) and more than 16 query heads per KV

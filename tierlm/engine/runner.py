@@ -65,9 +65,10 @@ class ModelRunner:
         self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), self.kv_caches, meta,
                    logits_indices=torch.tensor([n - 1], device=dev))
         if d:
-            # `d` decodes at position 1, each attending to two keys of one of the first blocks.
+            # `d` decodes at position 1, each attending to two keys (slots 2i and 2i + 1): one
+            # block, or two when a block holds one slot (the tables must cover every key).
             slots = torch.arange(d, device=dev) * 2 + 1
-            tables = (slots // bs)[:, None]
+            tables = ((slots - 1) // bs)[:, None] + torch.arange(-(-2 // bs), device=dev)[None, :]
             group = DecodeGroup(0, d, tables, torch.full((d,), 2, dtype=torch.long, device=dev))
             meta = AttentionMetadata(slot_mapping=slots, decode_groups=[group], block_size=bs,
                                      cpu_kernels=self.cpu_kernels)

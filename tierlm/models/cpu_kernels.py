@@ -173,6 +173,11 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = lens.contiguous()
+    if b and int(lens.max()) > tables.shape[1] * cache.shape[2]:
+        # The kernel trusts the tables to cover every key: reading past them reads another
+        # row's entries, or past the tensor (a crash, not an exception). Refuse instead.
+        raise ValueError(f"decode attention: a context of {int(lens.max())} keys but block tables of "
+                         f"{tables.shape[1]} blocks x {cache.shape[2]} slots")
     out = torch.empty_like(q)
     kc, vc = cache[0], cache[1]
     rc = lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
