@@ -171,6 +171,20 @@ def test_assistant_tool_call_history_renders(client, engine, asked):
     assert '"arguments": {"city": "Rome"}' in prompt and "<tool_response>\nrainy\n</tool_response>" in prompt
 
 
+@pytest.mark.parametrize("arguments", ["[1, 2]", '"x"', "null", '{"a": NaN}', '{"a": Infinity}', "{oops"])
+def test_tool_call_history_arguments_must_be_a_json_object(client, arguments):
+    r = client.post("/v1/chat/completions", json=chat(tools=[WEATHER_TOOL], messages=[
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rainy"},
+    ]))
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages.1.tool_calls.0.function.arguments"
+    assert "must be a JSON object encoded as a string" in error["message"]
+
+
 def test_completions(client, engine, asked):
     data = client.post("/v1/completions", json={"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 10,
                                                 "echo": True}).json()

@@ -51,6 +51,7 @@ def rejected(model, body) -> APIError:
     (anthropic(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "tool", "name": "g"}),
      "tool_choice", "not in tools"),
     (anthropic(tools=[{"name": "bad name!", "input_schema": {}}]), "tools.0.name", "letters, digits"),
+    (anthropic(tools=[{"name": "get_weather\n", "input_schema": {}}]), "tools.0.name", "letters, digits"),
     (anthropic(stream="yes"), "stream", "boolean"),
     ({"max_tokens": 8, "messages": USER}, "model", "field required"),
 ])
@@ -105,6 +106,13 @@ def test_count_tokens_needs_no_max_tokens():
     ({"model": "m", "messages": USER, "response_format": {"type": "json_object"}}, "response_format.type", "'text'"),
     ({"model": "m", "messages": USER, "tool_choice": "required"}, "tool_choice", "non-empty 'tools'"),
     ({"model": "m", "messages": USER, "top_k": -5}, "top_k", "must be -1 or 0 (no limit) or at least 1"),
+    ({"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"name": 'a"b'}}]},
+     "tools.0.function.name", "pattern"),
+    ({"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools.0.function.name", "pattern"),
+    ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "x y", "arguments": "{}"}}]}, *USER]},
+     "messages.0.tool_calls.0.function.name", "pattern"),
 ])
 def test_openai_chat_rejections_name_the_field(body, param, words):
     err = rejected(ChatCompletionRequest, body)

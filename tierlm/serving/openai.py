@@ -193,9 +193,17 @@ def _one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _arguments(text: str, index: int, k: int) -> Any:
     where = f"messages.{index}.tool_calls.{k}.function.arguments"
     try:
-        return json.loads(text) if text.strip() else {}
+        # NaN and Infinity are not JSON: the prompt would show the model invalid arguments.
+        value = json.loads(text, parse_constant=_no_constant) if text.strip() else {}
     except (ValueError, RecursionError):
-        raise InvalidRequest(f"{where}: must be a JSON object encoded as a string", param=where) from None
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{where}: must be a JSON object encoded as a string", param=where)
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:

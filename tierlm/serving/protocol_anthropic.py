@@ -127,7 +127,7 @@ class Tool(_Body):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _TOOL_NAME.match(value):
+        if not _TOOL_NAME.fullmatch(value):  # not match: `$` would let a trailing newline through
             raise ValueError("tool names must be 1-128 characters of letters, digits, '_' or '-'")
         return value
 

@@ -33,8 +33,13 @@ class ImagePart(_Body):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
+# OpenAI's rule for function names. Chat templates write names into the prompt unescaped, so a
+# quote or a space would break the JSON the model is shown.
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class FunctionCall(_Body):
-    name: str
+    name: str = Field(pattern=_FUNCTION_NAME)
     arguments: str  # JSON text, as OpenAI sends it
 
 
@@ -84,7 +89,7 @@ class ChatMessage(_Body):
 
 
 class FunctionDef(_Body):
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
