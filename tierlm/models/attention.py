@@ -55,6 +55,12 @@ class DecodeGroup:
     ctx_lens: torch.Tensor  # [end - start] long: keys per decode incl. the new one
     _masks: dict = field(default_factory=dict)  # per sliding window, shared by every layer
 
+    def longest(self) -> int:
+        """The longest context in the group, read once per step (not once per layer)."""
+        if "longest" not in self._masks:
+            self._masks["longest"] = int(self.ctx_lens.max()) if self.end > self.start else 0
+        return self._masks["longest"]
+
     def mask(self, max_len: int, window: int | None) -> torch.Tensor:
         if window not in self._masks:
             pos = torch.arange(max_len, device=self.ctx_lens.device)[None, :]
@@ -144,7 +150,8 @@ def paged_attention(
     for g in meta.decode_groups:
         if use_kernel:
             # tierlm's CPU kernel reads the paged (bf16) K/V in place: no gather, convert or mask.
-            o = cpu_kernels.decode_attention(q[g.start:g.end], cache, g.block_tables, g.ctx_lens, scale, window)
+            o = cpu_kernels.decode_attention(q[g.start:g.end], cache, g.block_tables, g.ctx_lens, scale, window,
+                                             longest=g.longest())
             if o is not None:
                 pieces.append((g.start, g.end, o))
                 continue

@@ -165,18 +165,20 @@ def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                     scale: float, window: int | None) -> torch.Tensor | None:
+                     scale: float, window: int | None, longest: int | None = None) -> torch.Tensor | None:
     """q [B, Hq, D] float32, one token per sequence; cache [2, blocks, block_size, Hkv, D].
+    `longest`: max(lens) when the caller knows it (read once per step, not per layer).
     None where the kernel declined (see decode_attention_supported; or out of scratch memory)."""
     lib = library()
     b, hq, d = q.shape
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = lens.contiguous()
-    if b and int(lens.max()) > tables.shape[1] * cache.shape[2]:
+    longest = (int(lens.max()) if b else 0) if longest is None else longest
+    if longest > tables.shape[1] * cache.shape[2]:
         # The kernel trusts the tables to cover every key: reading past them reads another
         # row's entries, or past the tensor (a crash, not an exception). Refuse instead.
-        raise ValueError(f"decode attention: a context of {int(lens.max())} keys but block tables of "
+        raise ValueError(f"decode attention: a context of {longest} keys but block tables of "
                          f"{tables.shape[1]} blocks x {cache.shape[2]} slots")
     out = torch.empty_like(q)
     kc, vc = cache[0], cache[1]
