@@ -107,7 +107,7 @@ def test_bad_policy_names_are_refused_before_loading(knob, name, says, tmp_path)
     assert knob in str(err.value) and "lru" in str(err.value)
 
 
-@pytest.mark.parametrize("settings, says", [
+@pytest.mark.parametrize("bad, says", [
     (dict(kv_disk_dir="d", kv_disk_capacity="abc"), "kv_disk_capacity: cannot read"),
     (dict(kv_host_capacity=-5), "kv_host_capacity: cannot read"),
     (dict(kv_host_capacity="-1GiB"), "kv_host_capacity: cannot read"),
@@ -120,22 +120,22 @@ def test_bad_policy_names_are_refused_before_loading(knob, name, says, tmp_path)
     (dict(kv_remote_ttl=60), "kv_remote_ttl is set but kv_remote is not"),
     (dict(kv_remote_capacity="1GiB"), "kv_remote_capacity is set but kv_remote is not"),
 ])
-def test_bad_tier_settings_are_refused_before_loading(settings, says, tmp_path):
+def test_bad_tier_settings_are_refused_before_loading(bad, says, tmp_path):
     with pytest.raises(ValueError, match=says):
-        LLM(str(tmp_path / "no-model-here"), **settings)
+        LLM(str(tmp_path / "no-model-here"), **bad)
     assert not (tmp_path / "d").exists()  # nothing created either
 
 
 def test_unusable_disk_dirs_and_pools_larger_than_the_machine_are_refused_before_loading(tmp_path):
     from tierlm.config import host_memory
     (tmp_path / "a-file").write_text("x")
-    for settings, says in [
+    for bad, says in [
         (dict(kv_disk_dir=str(tmp_path / "a-file")), "exists and is not a directory"),
         (dict(kv_disk_dir=str(tmp_path / "a-file" / "kv")), "is not a writable directory"),
         (dict(kv_cache_memory=host_memory()[0] + (1 << 30)), r"kv_cache_memory is .* GiB but this machine has .* GiB in all"),
     ]:
         with pytest.raises(ValueError, match=says):
-            LLM(str(tmp_path / "no-model-here"), device="cpu", **settings)
+            LLM(str(tmp_path / "no-model-here"), device="cpu", **bad)
 
 
 def test_a_pool_larger_than_the_free_memory_is_refused_after_loading(llama_dir, monkeypatch):
