@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from tierlm.errors import TierlmError
 
@@ -106,8 +107,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad command-line input is one `error:` line and a pointer to --help (argparse's default
+    prints the whole usage first, two dozen lines for `serve`); subcommands inherit this."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nsee: {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierlm", description="tierlm: multi-tenant LLM inference server")
+    parser = _Parser(prog="tierlm", description="tierlm: multi-tenant LLM inference server")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 

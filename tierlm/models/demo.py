@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 DEMO_VERSION = "v2"
 RANDOM_WEIGHTS_NOTICE = (
     "tierlm is serving its built-in demo model: its weights are RANDOM, so its output is gibberish. "
-    "Serve a real checkpoint with: tierlm serve /path/to/hf-model-dir")
+    "Give a real checkpoint instead: tierlm serve /path/to/hf-model-dir, tierlm generate --model DIR")
 
 # ChatML with Hermes-style tool calls: tools are listed in the system turn and the model
 # answers a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.

@@ -147,6 +147,13 @@ def keys_file_line(key_id: str, key: str) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: echo -n \"$KEY\" | python -m tierlm.serving.auth KEY_ID")
-    print(keys_file_line(sys.argv[1], sys.stdin.read()))
+    usage = ("usage: echo -n \"$KEY\" | python -m tierlm.serving.auth KEY_ID\n"
+             "prints the keys-file line (KEY_ID sha256:<digest>) for the key read from standard input")
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(usage, file=sys.stdout if len(sys.argv) == 2 else sys.stderr)
+        sys.exit(0 if len(sys.argv) == 2 else 2)
+    key = sys.stdin.read()
+    if not key.strip():
+        sys.exit("error: no key on standard input; pipe the key in: echo -n \"$KEY\" | python -m "
+                 "tierlm.serving.auth KEY_ID")
+    print(keys_file_line(sys.argv[1], key))

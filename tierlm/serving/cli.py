@@ -21,7 +21,7 @@ from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
 logger = logging.getLogger("tierlm.serving")
 
 NO_AUTH_BANNER = (
-    "\n" + "!" * 78 + "\n"
+    "!" * 78 + "\n"
     "!!  AUTHENTICATION IS OFF: anyone who can reach {where} can use this server.\n"
     "!!  Use --api-keys FILE for anything but local experiments.\n" + "!" * 78 + "\n"
 )

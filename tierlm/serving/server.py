@@ -9,6 +9,7 @@ own, slightly later, deadline.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 from typing import Any
 
@@ -58,7 +59,14 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or stop what "
-                      "is using it") from None
+        if e.errno == errno.EADDRINUSE:
+            advice = "pick another --port or stop what is using it"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            advice = "give --host an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+        elif e.errno == errno.EACCES:
+            advice = "ports below 1024 need root: pick a --port of 1024 or more"
+        else:
+            advice = "check --host and --port"
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); {advice}") from None
     return sock
 
