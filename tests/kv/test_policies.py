@@ -70,19 +70,42 @@ def test_lfu_evicts_least_frequent_ties_by_recency() -> None:
     assert p.victim() == "c"
 
 
-def test_tlp_decays_old_frequency() -> None:
+def test_tlp_scores_count_decayed_by_age_since_last_access() -> None:
     p = TLPPolicy(alpha=0.5)
     for t in range(4):
-        p.access("hot", None, t)  # four accesses long ago
+        p.access("hot", None, t)  # four accesses long ago, the last at t=3
     p.access("new", None, 10)
-    expected = sum(0.5 ** (10 - t) for t in range(4))
-    assert math.isclose(p.score("hot", 10), expected) and p.score("new", 10) == 1.0
+    assert p.score("hot", 10) == 4 * 0.5 ** 7 and p.score("new", 10) == 1.0
     assert p.victim() == "hot"  # decayed below one fresh access
     q = TLPPolicy(alpha=0.99)  # slow decay: frequency wins
     for t in range(4):
         q.access("hot", None, t)
     q.access("new", None, 10)
     assert q.victim() == "new"
+    # count x alpha**age, not a sum of per-access decays: at t=3, A (3 accesses, the last at 2)
+    # scores 3 * 0.5 = 1.5 and outlives B (1 access at 3); a decayed sum would give A only
+    # 0.5 + 0.25 + 0.125 and evict it. The order holds at any later time (both decay alike).
+    r = TLPPolicy(alpha=0.5)
+    for t, key in enumerate("AAAB"):
+        r.access(key, None, t)
+    assert r.score("A", 3) == 1.5 and r.victim() == "B"
+
+
+def test_tlp_matches_a_brute_force_of_its_formula_on_random_traces() -> None:
+    rng = random.Random(7)
+    for alpha in (0.5, 0.9, 0.995, 1.0):
+        p, count, last = TLPPolicy(alpha=alpha), {}, {}
+        for now in range(300):
+            key = rng.randrange(12)
+            p.access(key, None, now)
+            count[key], last[key] = count.get(key, 0) + 1, now
+            if len(count) > 8:
+                want = min(count, key=lambda k: (count[k] * alpha ** (now - last[k]), last[k]))
+                got = p.victim()
+                assert math.isclose(count[got] * alpha ** (now - last[got]),
+                                    count[want] * alpha ** (now - last[want]), rel_tol=1e-9)
+                p.remove(got)
+                del count[got], last[got]
 
 
 def test_tlp_rejects_bad_alpha() -> None:
@@ -144,6 +167,20 @@ def test_s3fifo_promotes_reused_and_evicts_one_hit_wonder() -> None:
     p.remove("b")
     p.access("b", None, 3)  # ghost hit: comes back straight into main
     assert p._queue["b"] == S3FIFOPolicy._MAIN
+
+
+def test_s3fifo_promotes_a_chain_with_its_ancestors_so_small_stays_small() -> None:
+    # Chains of 3 blocks, each asked for twice: the second visit promotes them. A parent can only
+    # leave small after its children; were the leaf promoted alone, its parents would stay in
+    # small for good, and small would fill up with them (it did: a third of the cache or more).
+    p, capacity = S3FIFOPolicy(small_ratio=0.1), 60
+    requests = [[(c, 0), (c, 1), (c, 2)] for c in range(200) for _ in range(2)]
+    replay(p, requests, capacity)
+    small = sum(q == S3FIFOPolicy._SMALL for q in p._queue.values())
+    assert len(p) == capacity and small <= 0.1 * capacity + 3, small
+    for key, q in p._queue.items():  # no block in a lower queue than its own children
+        if q == S3FIFOPolicy._MAIN and p._parent[key] is not None:
+            assert p._queue[p._parent[key]] == S3FIFOPolicy._MAIN
 
 
 def test_belady_evicts_farthest_next_use() -> None:
