@@ -183,8 +183,9 @@ def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser(prog="tierlm")
     bench = parser.add_subparsers(dest="cmd").add_parser("bench").add_subparsers(dest="bench")
     add_cli(bench)
-    out_json = tmp_path / "c.json"
-    args = parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--trace", tiny_trace,
+    out_json, other = tmp_path / "c.json", tmp_path / "other.jsonl"
+    other.write_text(open(tiny_trace).read())
+    args = parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--trace", str(other),
                               "--capacities", "2,3", "--policies", "lru,arc", "--seed", "3",
                               "--json", str(out_json)])
     assert args.capacities == [2, 3] and args.policies == ["lru", "arc"] and args.seed == 3
@@ -192,10 +193,134 @@ def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
     assert "belady" in capsys.readouterr().out
     written = json.loads(out_json.read_text())
     assert len(written["results"]) == 2 * 2 * 4 and written["seed"] == 3  # + belady, oracle_pop
+    assert written["trace"] == ["tiny", "other"]
     for bad in ("x", "0", "10,-5", ","):
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", bad])
         assert "block counts of at least 1" in capsys.readouterr().err
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`tierlm bench cache ...` in-process: exit status, stdout, stderr (argparse exits)."""
+    from tierlm.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(["bench", "cache", *argv])
+    except SystemExit as e:
+        rc = int(e.code)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _refused(argv: list[str], capsys, *says: str) -> str:
+    """Bad input is exit status 2 and one `error:` line naming what is wrong, no traceback."""
+    rc, _, err = _cli(argv, capsys)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if "error:" in ln)
+    assert len([ln for ln in err.splitlines() if ln and not ln.startswith("see:")]) == 1, err
+    for s in says:
+        assert s in line, line
+    return line
+
+
+@pytest.mark.parametrize("hash_ids", [[[1], [2]], "abc", {"a": 1}, [1.5, None], [1, True], None])
+def test_hash_ids_must_be_a_list_of_integers(tmp_path, capsys, hash_ids: object) -> None:
+    # a nested list used to end in a TypeError traceback, a string in one block per character
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n" + json.dumps({"hash_ids": hash_ids}) + "\n")
+    out = tmp_path / "out.json"
+    _refused(["--trace", str(path), "--capacities", "2", "--policies", "lru", "--json", str(out)],
+             capsys, f"{path}:2", "'hash_ids' must be a JSON list of integers")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", '{"hash_ids": []}\n\n{"hash_ids": []}\n'])
+def test_trace_without_block_references_is_refused(tmp_path, capsys, text: str) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text(text)
+    _refused(["--trace", str(path), "--capacities", "2", "--policies", "lru",
+              "--json", str(tmp_path / "out.json")], capsys, f"no block references in {path}")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_binary_trace_names_the_file(tmp_path, capsys) -> None:
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b'{"hash_ids": [1]}\n\xff\xfe\x00\x81 not text\n')
+    _refused(["--trace", str(path), "--capacities", "2", "--json", str(tmp_path / "o.json")],
+             capsys, f"{path}:2", "UTF-8")
+
+
+def test_repeated_capacities_policies_and_traces_are_refused(tiny_trace: str, tmp_path,
+                                                             capsys) -> None:
+    # each repeat used to replay the same cells again and write duplicate JSON rows
+    base = ["--trace", tiny_trace, "--json", str(tmp_path / "o.json")]
+    _refused(base + ["--capacities", "5,5"], capsys, "--capacities", "capacity 5 is given twice")
+    _refused(base + ["--capacities", "5", "--policies", "arc,lru,arc"], capsys,
+             "policy arc is given twice")
+    _refused(base + ["--capacities", "5", "--trace", tiny_trace], capsys,
+             f"trace file {tiny_trace} is given twice")
+    with pytest.raises(ValueError, match="capacity 4 is given twice"):
+        run_cache_bench([tiny_trace], [4, 2, 4], ["lru"], quiet=True)
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("policies", [",", "", "lru,", ",lru", "lru,,arc"])
+def test_empty_policy_list_or_name_is_refused(tiny_trace: str, tmp_path, capsys,
+                                              policies: str) -> None:
+    # "," used to mean every policy
+    _refused(["--trace", tiny_trace, "--capacities", "2", "--policies", policies,
+              "--json", str(tmp_path / "o.json")], capsys, "--policies", "policy names")
+    with pytest.raises(ValueError, match="empty policy name"):
+        run_cache_bench([tiny_trace], [2], [p for p in policies.split(",")], quiet=True)
+
+
+def test_traces_with_the_same_stem_keep_distinct_names(tmp_path, capsys) -> None:
+    for sub, reqs in (("a", [[1, 2], [1, 2]]), ("b", [[3]])):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "t.jsonl").write_text("".join(json.dumps({"hash_ids": r}) + "\n"
+                                                        for r in reqs))
+    (tmp_path / "u.jsonl").write_text('{"hash_ids": [7]}\n{"hash_ids": [7]}\n')
+    out_json = tmp_path / "o.json"
+    traces = [str(tmp_path / "a" / "t.jsonl"), str(tmp_path / "b" / "t.jsonl"),
+              str(tmp_path / "u.jsonl")]
+    rc, table, _ = _cli([arg for t in traces for arg in ("--trace", t)] + [
+        "--capacities", "2", "--policies", "lru", "--json", str(out_json)], capsys)
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert data["trace"] == ["a/t.jsonl", "b/t.jsonl", "u"]
+    assert data["infinite_cache_bound"] == {"a/t.jsonl": 0.5, "b/t.jsonl": 0.0, "u": 0.5}
+    lru = {r["trace"]: r["hit_rate"] for r in data["results"] if r["policy"] == "lru"}
+    assert lru == {"a/t.jsonl": 0.5, "b/t.jsonl": 0.0, "u": 0.5}
+    assert len(data["results"]) == 3 * 3  # lru, belady, oracle_pop per trace
+    for name in data["trace"]:
+        assert sum(line.split()[:2] == [name, "lru"] for line in table.splitlines()) == 1
+
+
+def test_unwritable_outputs_are_refused_before_the_replay(tiny_trace: str, tmp_path, capsys,
+                                                          monkeypatch) -> None:
+    # found only after the whole replay (minutes on real traces), the results were lost
+    import tierlm.bench.cache as cache
+
+    def no_replay(*a: object, **k: object) -> None:
+        raise AssertionError("replayed before the output paths were checked")
+
+    monkeypatch.setattr(cache, "simulate", no_replay)
+    (tmp_path / "file").write_text("")
+    good = tmp_path / "new" / "o.json"
+    base = ["--trace", tiny_trace, "--capacities", "2", "--policies", "lru"]
+    _refused(base + ["--json", str(tmp_path)], capsys, "--json", "is a directory")
+    _refused(base + ["--json", str(good), "--plot", str(tmp_path)], capsys, "--plot",
+             "is a directory")
+    _refused(base + ["--json", str(tmp_path / "file" / "o.json")], capsys, "--json",
+             f"{tmp_path / 'file'} is not a directory")
+    _refused(base + ["--json", str(good), "--plot", str(tmp_path / "file" / "d" / "o.png")],
+             capsys, "--plot", "is not a directory")
+    _refused(base + ["--json", str(good), "--plot", str(good)], capsys, "--json and --plot")
+    if os.path.isdir("/proc/self"):  # root may write anywhere os.access says, but not here
+        _refused(base + ["--json", "/proc/self/no/o.json"], capsys, "--json", "cannot write")
+    assert not good.exists()  # the check leaves no file behind
 
 
 @pytest.mark.skipif(not os.path.exists(f"{TRACES}/synthetic_trace.jsonl"), reason="no traces")

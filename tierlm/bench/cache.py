@@ -8,9 +8,9 @@ evictable (a request longer than the whole cache), the rest of that request is n
 
 Clock: `now` advances once per *request* (`clock="request"`, the default). Measured on both
 Mooncake traces at 1k/4k/16k blocks: TLP's alpha=0.995 per *block reference* decays a block's
-history within ~6 requests and reproduces LRU exactly in all six cells, while 0.995 per request
-lets frequency count (conversation: 0.0459/0.0920/0.2643 vs LRU 0.0445/0.0865/0.2627). Scaling
-alpha to the per-block equivalent (0.9998) gives the per-request numbers again, so the unit only
+history within ~6 requests and is within 0.0007 of LRU in all six cells, while 0.995 per request
+lets frequency count (conversation: 0.0486/0.0944/0.2676 vs LRU 0.0445/0.0865/0.2627). Scaling
+alpha to the per-block equivalent (0.9998) gives the per-request numbers again (within 0.001), so the unit only
 sets alpha's scale; per request is the one that means the same on traces with different prompt
 lengths, and a request's blocks are referenced together anyway (per-block ticks would make a
 prompt's first blocks look older than its last). LRU/LFU/S3-FIFO/ARC/Belady ignore the unit;
@@ -74,26 +74,95 @@ class SimResult:
     seconds: float = 0.0
 
 
-def load_trace(path: str) -> Trace:
-    """Read a Mooncake-style JSONL trace (`hash_ids` per line) into a `Trace`."""
+def _block_ids(value: object) -> list[int]:
+    """`hash_ids` as block ids, or ValueError saying what is wrong: only a list of integers
+    stands for a chain of blocks (a string would replay as one block per character)."""
+    if not isinstance(value, list):
+        raise ValueError(f"'hash_ids' must be a JSON list of integers, got {json.dumps(value)[:40]}")
+    for i, x in enumerate(value):
+        if type(x) is not int:  # not bool either; JSON gives int, float, str, bool, None, list, dict
+            raise ValueError(f"'hash_ids' must be a JSON list of integers, item {i} is "
+                             f"{json.dumps(x)[:40]}")
+    return value
+
+
+def load_trace(path: str, name: str | None = None) -> Trace:
+    """Read a Mooncake-style JSONL trace (`hash_ids` per line) into a `Trace` named `name`
+    (default: the file's stem). Refuses what the replay could not mean, naming file and line."""
     requests: list[list[int]] = []
     outputs: list[int] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line); "
+                                 "give a JSONL trace") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                requests.append(list(row["hash_ids"]))
+            except ValueError as e:
+                raise ValueError(f"{where}: not JSON ({e}); give one JSON object per line") from None
+            if not isinstance(row, dict) or "hash_ids" not in row:
+                raise ValueError(f"{where}: expected a JSON object with 'hash_ids' (a list of "
+                                 f"integer block ids), got {line.strip()[:40]}")
+            try:
+                requests.append(_block_ids(row["hash_ids"]))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            try:
                 outputs.append(int(row.get("output_length", -1)))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with 'hash_ids' and an integer "
-                    f"'output_length' if any ({e})"
-                ) from None
-    name = os.path.splitext(os.path.basename(path))[0]
-    return Trace(name=name, requests=requests,
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: 'output_length' must be an integer if given, got "
+                                 f"{json.dumps(row['output_length'])[:40]}") from None
+    if not any(requests):
+        raise ValueError(f"no block references in {path}: it has no request with a non-empty "
+                         "'hash_ids'; give a trace with block ids to replay")
+    return Trace(name=name or os.path.splitext(os.path.basename(path))[0], requests=requests,
                  output_lengths=outputs if all(n >= 0 for n in outputs) else None)
+
+
+def _trace_names(paths: Sequence[str]) -> list[str]:
+    """One distinct name per trace for the JSON and the table: its file stem, or where stems
+    collide the shortest trailing part of its path that tells it apart (x/a/t.jsonl and
+    x/b/t.jsonl are a/t.jsonl and b/t.jsonl)."""
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    parts = [os.path.abspath(p).split(os.sep) for p in paths]
+    names = []
+    for i, stem in enumerate(stems):
+        if stems.count(stem) == 1:
+            names.append(stem)
+            continue
+        k = 2  # two parts or more always hold a "/", so never equal another trace's stem
+        while k < len(parts[i]) and any(j != i and stems[j] == stem and q[-k:] == parts[i][-k:]
+                                        for j, q in enumerate(parts)):
+            k += 1
+        names.append("/".join(parts[i][-k:]))
+    return names
+
+
+def _check_output(path: str, flag: str) -> None:
+    """Fail before a long replay, not after it, if `path` cannot be written: create its missing
+    directories (as the writers would) and open it for appending (removed again if new)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"cannot write {flag} {path}: {parent} is not a directory; give a file "
+                         "path in a writable directory")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        existed = os.path.exists(path)
+        open(path, "ab").close()  # os.access says yes to root even on /proc or read-only mounts
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ValueError(f"cannot write {flag} {path}: {e.strerror or e}; give a file path in a "
+                         "writable directory") from None
 
 
 def _requests(trace: Trace | Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
@@ -173,6 +242,11 @@ def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity:
                      seconds=time.perf_counter() - t0)
 
 
+def _repeated(values: Sequence[object]) -> int | None:
+    """Index of the first value given twice (it would be replayed twice, its JSON rows doubled)."""
+    return next((i for i, v in enumerate(values) if v in values[:i]), None)
+
+
 def _gap_closed(rate: float, lru: float, belady: float) -> float | None:
     return None if belady - lru <= 1e-12 else (rate - lru) / (belady - lru)
 
@@ -184,21 +258,46 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
     """Replay every trace × capacity × policy plus the references: lru and the offline
     `OFFLINE_POLICIES` (belady; oracle_pop, the ceiling for popularity scores). The policies
     that sample their victims get `seed`. Writes JSON and, if asked, the PNG."""
+    if policies is not None and (not policies or not all(policies)):
+        raise ValueError(f"empty policy name in {list(policies)}; give policy names from "
+                         f"{POLICIES + OFFLINE_POLICIES}, or none for all")
     chosen = list(policies) if policies else list(POLICIES)
     unknown = [p for p in chosen if p not in POLICIES and p not in OFFLINE_POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {POLICIES + OFFLINE_POLICIES}")
+    if (i := _repeated(chosen)) is not None:
+        raise ValueError(f"policy {chosen[i]} is given twice; give each policy once")
+    if not capacities or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                             for c in capacities):
+        raise ValueError(f"capacities must be block counts of at least 1, got {list(capacities)}")
+    if (i := _repeated(capacities)) is not None:
+        raise ValueError(f"capacity {capacities[i]} is given twice; give each capacity once")
+    if not trace_paths:
+        raise ValueError("no trace given; give at least one JSONL trace file")
+    real = [os.path.realpath(p) for p in trace_paths]
+    if (i := _repeated(real)) is not None:
+        first = trace_paths[real.index(real[i])]
+        also = "" if first == trace_paths[i] else f" (also as {first})"
+        raise ValueError(f"trace file {trace_paths[i]} is given twice{also}; give each trace once")
+    if json_out and plot_out and os.path.realpath(json_out) == os.path.realpath(plot_out):
+        raise ValueError(f"--json and --plot are both {json_out}; give two different files")
     order = (["lru"] + [p for p in chosen if p != "lru" and p not in OFFLINE_POLICIES]
              + OFFLINE_POLICIES)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
+    # everything that can be wrong is found before the replay, which takes minutes on real traces
+    names = _trace_names(trace_paths)
+    traces = [load_trace(path, name) for path, name in zip(trace_paths, names)]
+    for out_path, flag in ((json_out, "--json"), (plot_out, "--plot")):
+        if out_path:
+            _check_output(out_path, flag)
+
     results: list[dict] = []
     bounds: dict[str, float] = {}
     t_start = time.perf_counter()
-    for path in trace_paths:
-        trace = load_trace(path)
+    for trace in traces:
         bh, br = infinite_hit_bound(trace)
-        bounds[trace.name] = bh / br if br else 0.0
+        bounds[trace.name] = bh / br
         say(f"[cache] {trace.name}: {len(trace.requests)} requests, {br} block refs, "
             f"infinite-cache bound {bounds[trace.name]:.4f}")
         for cap in capacities:
@@ -217,7 +316,7 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
                 results.append(row)
     elapsed = time.perf_counter() - t_start
     out = {
-        "trace": [os.path.splitext(os.path.basename(p))[0] for p in trace_paths],
+        "trace": names,
         "capacities": list(capacities),
         "clock": clock,
         "seed": seed,
@@ -239,13 +338,14 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
 def format_table(out: dict) -> str:
     """Plain-text table: one row per trace × policy, hit rate (gap closed) per capacity."""
     caps = out["capacities"]
-    head = f"{'trace':<24} {'policy':<10} " + " ".join(f"{f'cap={c}':>18}" for c in caps)
-    lines = [head, "-" * len(head)]
-    by_key = {(r["trace"], r["policy"], r["capacity"]): r for r in out["results"]}
     seen: list[tuple[str, str]] = []
     for r in out["results"]:
         if (r["trace"], r["policy"]) not in seen:
             seen.append((r["trace"], r["policy"]))
+    w = max([24] + [len(t) for t, _ in seen])  # path-based names of colliding stems run longer
+    head = f"{'trace':<{w}} {'policy':<10} " + " ".join(f"{f'cap={c}':>18}" for c in caps)
+    lines = [head, "-" * len(head)]
+    by_key = {(r["trace"], r["policy"], r["capacity"]): r for r in out["results"]}
     for trace, policy in seen:
         cells = []
         for c in caps:
@@ -256,7 +356,7 @@ def format_table(out: dict) -> str:
             g = r["gap_closed_vs_lru"]
             gap = "" if g is None or policy in ("lru", "belady") else f" ({100 * g:+.0f}%)"
             cells.append(f"{r['hit_rate']:.4f}{gap}".rjust(18))
-        lines.append(f"{trace:<24} {policy:<10} " + " ".join(cells))
+        lines.append(f"{trace:<{w}} {policy:<10} " + " ".join(cells))
     lines.append(f"elapsed {out['elapsed_s']}s; (x%) = share of the LRU→Belady gap closed")
     return "\n".join(lines)
 
@@ -290,7 +390,21 @@ def _int_list(text: str) -> list[int]:
         values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated block counts of at least 1, got {text!r}")
+    if (i := _repeated(values)) is not None:
+        raise argparse.ArgumentTypeError(f"capacity {values[i]} is given twice in {text!r}; give each once")
     return values
+
+
+def _name_list(text: str) -> list[str]:
+    """Policy names; an empty list or name is refused rather than read as "all policies"."""
+    names = [x.strip() for x in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated policy names, got {text!r}; choose from "
+            f"{','.join(POLICIES + OFFLINE_POLICIES)}, or leave --policies out for all")
+    if (i := _repeated(names)) is not None:
+        raise argparse.ArgumentTypeError(f"policy {names[i]} is given twice in {text!r}; give each once")
+    return names
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -298,7 +412,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="JSONL trace with hash_ids per request (repeat for several traces)")
     p.add_argument("--capacities", type=_int_list, default=DEFAULT_CAPACITIES,
                    help="comma-separated cache sizes in blocks (default 1000,4000,16000)")
-    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=None,
+    p.add_argument("--policies", type=_name_list, default=None,
                    help=f"comma-separated subset of {','.join(POLICIES)} (default: all); "
                         "lru, belady and oracle_pop are always run as references")
     p.add_argument("--clock", choices=["request", "block"], default="request",
