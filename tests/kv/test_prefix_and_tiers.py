@@ -166,7 +166,11 @@ def test_a_disk_capacity_of_zero_turns_the_tier_off_and_leaves_its_directory_alo
 def test_capacities_read_blocks_and_byte_units():
     from tierlm.kv.tiers import parse_capacity
     mib = 1 << 20
-    assert parse_capacity("1000 blocks", mib) == parse_capacity("1000b", mib) == 1000
+    assert parse_capacity("1000 blocks", mib) == parse_capacity("1000block", mib) == 1000
+    assert parse_capacity("4194304B", mib) == parse_capacity("4194304 b", mib) == 4  # B is bytes
+    for small in (4000, "4000", "4000B", "0.5MiB"):  # not 0, under one block: refused, not "off"
+        with pytest.raises(ValueError, match="less than one KV block"):
+            parse_capacity(small, mib)
     assert parse_capacity("2TiB", mib) == parse_capacity("2Ti", mib) == 2 << 20
     assert parse_capacity("1.5 GB", mib) == 1_500_000_000 // mib and parse_capacity("512MiB", mib) == 512
     assert parse_capacity(3 * mib + 5, mib) == 3 and parse_capacity("0", mib) == 0 and parse_capacity(None, mib) == 0
@@ -826,6 +830,27 @@ def test_redis_outage_is_logged_once_backs_off_and_ends_when_redis_returns(redis
     down = [r.message for r in caplog.records if "unavailable" in r.message]
     back = [r.message for r in caplog.records if "is back" in r.message]
     assert len(down) == 1 and len(back) == 1 and "4 failed tries" in back[0]
+    tier.close()
+
+
+def test_redis_memory_limit_is_set_again_after_a_redis_restart(redis_server):
+    import redis
+
+    (h, parent, data), = _chain(1)
+    tier = RedisTier(redis_server.url, retry_after_s=0.05, capacity_bytes=4 << 20)
+    server = redis.Redis.from_url(redis_server.url)
+    limit = int(server.config_get("maxmemory")["maxmemory"])
+    assert limit > 4 << 20
+    redis_server.stop()
+    assert tier.fetch(h) is None and tier.backoff > 0  # the outage starts
+    redis_server.start()  # a fresh server: no limit, noeviction (CONFIG SET does not persist)
+    server = redis.Redis.from_url(redis_server.url)
+    assert int(server.config_get("maxmemory")["maxmemory"]) == 0
+    import time
+    time.sleep(0.06)
+    assert tier.fetch(h) is None and tier.backoff == 0  # answered: the outage is over
+    assert int(server.config_get("maxmemory")["maxmemory"]) > 4 << 20  # and the limit is back
+    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
     tier.close()
 
 

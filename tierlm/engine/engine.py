@@ -106,9 +106,15 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
                 fence: Callable[[], None] | None = None) -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
     # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
-    host = parse_capacity(config.kv_host_capacity, block_bytes)
-    disk = parse_capacity(config.kv_disk_capacity, block_bytes) if config.kv_disk_capacity else None
-    remote = parse_capacity(config.kv_remote_capacity, block_bytes) if config.kv_remote_capacity else 0
+    def blocks(knob: str) -> int:
+        try:
+            return parse_capacity(getattr(config, knob), block_bytes)
+        except ValueError as e:
+            raise ValueError(f"{knob}: {e}") from None
+
+    host = blocks("kv_host_capacity")
+    disk = blocks("kv_disk_capacity") if config.kv_disk_capacity else None
+    remote = blocks("kv_remote_capacity") if config.kv_remote_capacity else 0
     check_host_capacity(host * block_bytes)
     tiers: list = []
     if host > 0:

@@ -131,11 +131,14 @@ def decode_entry(raw: bytes) -> tuple[torch.Tensor, int | None] | None:
 
 _UNITS = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10,  # longest first
           "ti": 1 << 40, "gi": 1 << 30, "mi": 1 << 20, "ki": 1 << 10,  # Kubernetes style
-          "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3}
+          "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
 
 
 def parse_capacity(value: int | str | None, block_bytes: int) -> int:
-    """Blocks from "1000 blocks" / "1000b" / "2GiB" / "512MiB" / "1.5TB" / a byte count."""
+    """Blocks from "1000 blocks" / "2GiB" / "512MiB" / "1.5TB" / "4096B" / a byte count.
+
+    A size in bytes that is not 0 but under one block is refused: rounded down it would be 0,
+    which silently turns the tier off."""
     if value is None:
         return 0
     bad = ValueError(f"cannot read KV tier capacity {value!r}; use e.g. '1000 blocks', '2GiB', '500GB' or a "
@@ -145,9 +148,9 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
     if isinstance(value, int):
         if value < 0:
             raise bad
-        return value // block_bytes
+        return _bytes_to_blocks(value, block_bytes, value)
     s = str(value).strip().lower().replace(" ", "")
-    for suffix in ("blocks", "block", "b"):
+    for suffix in ("blocks", "block"):
         if s.endswith(suffix) and s[: -len(suffix)].isdigit():
             return int(s[: -len(suffix)])
     for u, mult in _UNITS.items():
@@ -158,10 +161,17 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
                 raise bad from None
             if not math.isfinite(amount) or amount < 0:
                 raise bad
-            return int(amount * mult) // block_bytes
+            return _bytes_to_blocks(int(amount * mult), block_bytes, value)
     if s.isdigit():
-        return int(s) // block_bytes
+        return _bytes_to_blocks(int(s), block_bytes, value)
     raise bad
+
+
+def _bytes_to_blocks(nbytes: int, block_bytes: int, given: object) -> int:
+    if 0 < nbytes < block_bytes:
+        raise ValueError(f"KV tier capacity {given!r} is less than one KV block ({block_bytes} bytes): give "
+                         f"at least {block_bytes} bytes, a count such as '1000 blocks', or 0 to turn the tier off")
+    return nbytes // block_bytes
 
 
 def redact_url(url: str) -> str:
@@ -890,7 +900,9 @@ class RedisTier:
         self._refused = redis.exceptions.ResponseError  # the server answered, and said no
         self._warned_refusal = False
         self._capacity_set = False  # maxmemory and allkeys-lru set by us (kv_remote_capacity)
-        self._check_memory(capacity_bytes, redis.exceptions.AuthenticationError)
+        self._capacity_bytes = capacity_bytes
+        self._bad_credentials = redis.exceptions.AuthenticationError
+        self._check_memory(capacity_bytes, self._bad_credentials)
 
     def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
         try:
@@ -960,11 +972,22 @@ class RedisTier:
         self.stats.errors += 1
 
     def _answered(self) -> None:
-        """Redis answered: if an outage was on, it is over."""
+        """Redis answered: if an outage was on, it is over. A restarted server has forgotten the
+        memory limit set at start (CONFIG SET does not persist), so kv_remote_capacity is set again;
+        without that it grew without bound after the first restart."""
         if self.backoff:
             log.info("Redis KV tier %s is back after %.1f s (%d failed tries); using it again", self.url,
                         time.monotonic() - self._down_since, self._failed_tries)
             self.backoff = 0.0
+            if self._capacity_bytes:
+                self._reapply_capacity()
+
+    def _reapply_capacity(self) -> None:
+        try:
+            self._check_memory(self._capacity_bytes, self._bad_credentials)
+        except KVTierError as e:  # credentials changed while it was down: this tier is now misses
+            log.warning("%s; reading the Redis KV tier as misses until the next outage ends", e)
+            self.down_until, self.backoff = time.monotonic() + self.max_retry_after, self.max_retry_after
 
     def __contains__(self, h: bytes) -> bool:
         if not self._available():
