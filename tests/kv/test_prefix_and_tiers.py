@@ -92,7 +92,7 @@ def test_eviction_policy_is_chosen_per_tier(llama_dir, tmp_path):
     host, disk = llm.engine.store.tiers
     assert type(llm.engine.pool.policy) is LRUPolicy
     assert type(host.policy) is LFUPolicy and type(disk.policy) is DuelPolicy  # disk: kv_tier_policy
-    assert llm.engine.kv.prefetching == (llm.engine.device.type == "cuda")  # kv_prefetch=None: CUDA only
+    assert llm.engine.kv.prefetching == (llm.engine.device.type == "cuda")  # kv_prefetch=None, no Redis
     cfg = EngineConfig(kv_tier_policy="lru", kv_disk_policy="arc")
     assert (cfg.tier_policy("host"), cfg.tier_policy("disk")) == ("lru", "arc")
 
@@ -274,6 +274,7 @@ def test_lower_tier_prefix_is_prefetched_on_arrival_and_read_once(tier, llama_di
     _run(llm, shared + _prompt(2, 9))
     llm.engine.offload_prefix_cache()
     eng, store = llm.engine, llm.engine.store
+    misses = store.stats()[tier]["misses"]
     req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     store.flush()  # the reader thread has staged the prefix before the request is scheduled
     assert store.stats()[tier]["hits"] == 8 and len(store.staged) == 8
@@ -282,7 +283,35 @@ def test_lower_tier_prefix_is_prefetched_on_arrival_and_read_once(tier, llama_di
     assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64
     stats = store.stats()[tier]
     assert stats["hits"] == 8 and stats["promotions"] == 8  # admission read staging, not the tier
+    assert stats["misses"] == misses + 1  # the block past the run: probed by the reader, not again
     assert not store.staged and store.staged_bytes == 0
+
+
+def test_a_request_waiting_for_room_keeps_its_lower_tier_hit(llama_dir, cold_reference, tmp_path):
+    """Admission that fails for want of device blocks keeps what the lower tiers gave: the next
+    try neither counts the host hits again nor probes disk past the run (it did, every step)."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_prefetch=False)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()  # 4 blocks on the host, the rest on disk
+    eng = llm.engine
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(req)  # driven by hand below
+    hit = eng.kv.find_cached_prefix(req)
+    assert hit.num_blocks == 8 and not hit.device
+    before = eng.store.stats()
+    assert not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit)  # no room: it waits
+    for _ in range(3):  # later steps try again
+        again = eng.kv.find_cached_prefix(req)
+        assert again.lower is hit.lower
+    assert eng.store.stats() == before  # no hit counted twice, no disk probe
+    assert eng.kv.allocate(req, 9, again)
+    assert eng.kv._held is None
+    eng.kv.free(req)
+    req2 = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    while eng.has_unfinished():
+        eng.step()
+    assert req2.output_token_ids == ref[3] and req2.num_cached_tokens == 64
 
 
 def test_steps_go_on_while_a_prefix_is_read_from_disk(llama_dir, cold_reference, tmp_path):
@@ -414,6 +443,22 @@ def test_writer_backlog_is_bounded_and_a_drain_waits_instead_of_dropping(tmp_pat
     assert len(disk) == 3 + 8
     store.close()
     drain.close()
+
+
+def test_a_block_served_from_the_writers_queue_is_a_hit_of_the_tier_it_is_going_to(tmp_path):
+    import threading
+    gate = threading.Event()
+    disk = _SlowDisk(tmp_path / "kv", 64, gate=gate)
+    store = TieredStore([HostTier(1), disk])
+    (h0, d0), (h1, d1) = [(bytes([i]) * 32, torch.full((4, 4), float(i))) for i in range(2)]
+    store.demote(h0, None, d0)
+    store.demote(h1, None, d1)  # the host evicts h0 to the writer, which waits on the disk
+    source, data, _ = store.fetch(h0)
+    assert source == "disk" and data is d0 and disk.stats.hits == 1  # was "pending", no tier's
+    store.promoted(h0, source)
+    assert disk.stats.promotions == 1  # so per tier, promotions never exceed hits
+    gate.set()
+    store.close()
 
 
 def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference, tmp_path):
@@ -798,6 +843,7 @@ def test_disk_capacity_defaults_to_half_the_free_space(tmp_path):
 def test_redis_stopped_mid_run_degrades_to_misses(llama_dir, cold_reference, redis_server):
     shared, ref = cold_reference
     llm = _llm(llama_dir, kv_remote=redis_server.url)
+    assert llm.engine.kv.prefetching  # with Redis, on by default even on CPU: round trips off the loop
     _run(llm, shared + _prompt(2, 9))
     llm.engine.offload_prefix_cache()
     redis_server.stop()

@@ -61,6 +61,10 @@ class KVCacheManager:
         self.store = store
         self.prefetching = prefetch
         self._prefetches: dict[str, Prefetch] = {}  # request id -> its lower-tier read under way
+        # The lower-tier part of the hit of a request that found no room, kept for its next try:
+        # looking it up again at every step re-counted its host hits, re-ordered the host
+        # tier's eviction queue and probed disk and Redis for the block past its run each time.
+        self._held: tuple[str, int, list] | None = None  # (request id, device blocks, lower)
         self.io = io
         if store is not None:
             if io is None:
@@ -104,6 +108,7 @@ class KVCacheManager:
         hashes, device, limit = self._device_prefix(req)
         job = self.store.prefetch(hashes[len(device):limit])
         if job is not None:
+            job.start = len(device)
             self._prefetches[req.request_id] = job
 
     def prefix_ready(self, req) -> bool:
@@ -123,6 +128,14 @@ class KVCacheManager:
             self.store.settle(job)
         hashes, hit.device, limit = self._device_prefix(req)
         if self.store is not None:
+            held = self._held
+            if held is not None and held[0] == req.request_id and held[1] == len(hit.device):
+                hit.lower = held[2]  # blocks are keyed by content: what was read is still right
+                return hit
+            if job is not None and job.finished:
+                # The reader found the run and the miss after it: read only what it staged (and
+                # host blocks), so the model loop makes no disk or Redis request of its own.
+                limit = min(limit, job.start + job.found)
             below = hashes[len(hit.device):limit]
             hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below))]
         return hit
@@ -137,7 +150,11 @@ class KVCacheManager:
         need = self.blocks_needed(total) - len(req.blocks) - len(hit.device)
         reviving = sum(1 for b in hit.device if b.ref_cnt == 0)  # cached blocks leave the free count
         if need + reviving > self.pool.num_free:
+            if hit.lower:
+                self._held = (req.request_id, len(hit.device), hit.lower)
             return False
+        if self._held is not None and self._held[0] == req.request_id:
+            self._held = None
         for i, blk in enumerate(hit.device):
             self.pool.acquire_cached(blk, req.block_hashes[i - 1] if i else None)
         req.blocks.extend(hit.device)
@@ -189,6 +206,8 @@ class KVCacheManager:
         req.num_registered_blocks = full
 
     def free(self, req) -> None:
+        if self._held is not None and self._held[0] == req.request_id:
+            self._held = None
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:  # finished or aborted before admission
             self.store.cancel(job)

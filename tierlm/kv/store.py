@@ -57,6 +57,8 @@ class Prefetch:
     started: bool = False
     cancelled: bool = False
     found: int = 0  # leading blocks it found in some lower tier
+    start: int = 0  # index of hashes[0] in the request's prefix (blocks on the device before it)
+    finished: bool = False  # ran to its end: `found` is the whole run, and the block after it a miss
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -80,7 +82,8 @@ class TieredStore:
         # calls `fence` before it reads a block's bytes (encode for disk/Redis).
         self.fence = fence
         self.slow = [t for t in tiers if not isinstance(t, HostTier)]  # worth prefetching from
-        self.pending: dict[bytes, tuple[torch.Tensor, int | None]] = {}  # queued for the writer, still servable
+        # Queued for the writer, still servable: block -> (K/V, hint, level it is on its way to).
+        self.pending: dict[bytes, tuple[torch.Tensor, int | None, int]] = {}
         self.staged: OrderedDict[bytes, tuple[str, torch.Tensor, int | None]] = OrderedDict()
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
@@ -143,7 +146,7 @@ class TieredStore:
                 return
             self.backlog += size
             if kind == "put":
-                self.pending[h] = (data, hint)
+                self.pending[h] = (data, hint, level)
         self._writes.put(item)
 
     def _serve(self, q: queue.Queue, handle: Callable, failed: str) -> None:
@@ -221,8 +224,12 @@ class TieredStore:
         Within a run, Redis answers from `ahead` (`h` is the run's `index`-th hash)."""
         with self._lock:
             hit = self.staged.get(h)
-            if hit is None and h in self.pending:
-                hit = ("pending", *self.pending[h])
+            queued = self.pending.get(h) if hit is None else None
+        if queued is not None:  # on its way down: a hit of the tier it is going to (so that
+            data, hint, level = queued  # tier's promotions count it, and never exceed its hits)
+            tier = self.tiers[level]
+            tier.stats.hits += 1
+            return tier.name, data, hint
         if hit is not None:
             return hit
         for t in self.tiers:
@@ -287,6 +294,7 @@ class TieredStore:
                     return
                 job.started = True
             job.found = len(self._find_run(job.hashes, read_host=False, stop=lambda: job.cancelled))
+            job.finished = not job.cancelled
         finally:
             job.done.set()
 
