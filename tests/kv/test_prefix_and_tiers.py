@@ -174,7 +174,7 @@ def test_capacities_read_blocks_and_byte_units():
     assert parse_capacity("2TiB", mib) == parse_capacity("2Ti", mib) == 2 << 20
     assert parse_capacity("1.5 GB", mib) == 1_500_000_000 // mib and parse_capacity("512MiB", mib) == 512
     assert parse_capacity(3 * mib + 5, mib) == 3 and parse_capacity("0", mib) == 0 and parse_capacity(None, mib) == 0
-    for bad in ("abc", "-5", -5, "nan GiB", "1e400GiB", "GiB", True, "2 kilobytes"):
+    for bad in ("abc", "-5", -5, "nan GiB", "1e400GiB", "GiB", True, "2 kilobytes", "²", "²GiB"):
         with pytest.raises(ValueError, match="cannot read KV tier capacity"):
             parse_capacity(bad, mib)
 
@@ -480,6 +480,56 @@ def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference
     truncated = disk.path(hashes[5])
     truncated.write_bytes(truncated.read_bytes()[:100])
     assert disk.get(hashes[5]) is None and disk.stats.corrupt == 2
+
+
+def test_an_intact_entry_under_another_key_is_corrupt_not_served(tmp_path, redis_server):
+    """The checksum covers the key: another block's whole entry, copied or linked where this one
+    should be (or SET under its Redis key), is detected like a damaged one."""
+    import redis
+
+    (h0, p0, d0), (h1, p1, d1) = _chain(2)
+    disk = DiskTier(tmp_path / "d", 8)
+    disk.put(h0, p0, d0)
+    disk.put(h1, p1, d1)
+    disk.path(h1).write_bytes(disk.path(h0).read_bytes())
+    assert disk.get(h1) is None and disk.stats.corrupt == 1
+    disk.put(h1, p1, d1)
+    disk.path(h1).unlink()
+    disk.path(h1).symlink_to(disk.path(h0))
+    assert disk.get(h1) is None and disk.stats.corrupt == 2
+    assert torch.equal(disk.get(h0), d0)  # the real owner of those bytes still reads
+    tier = RedisTier(redis_server.url)
+    tier.put(h0, p0, d0)
+    tier.put(h1, p1, d1)
+    server = redis.Redis.from_url(redis_server.url)
+    server.set(tier.prefix + h1.hex(), server.get(tier.prefix + h0.hex()))
+    assert tier.fetch(h1) is None and tier.stats.corrupt == 1
+    assert torch.equal(tier.fetch(h0)[0], d0)
+    tier.close()
+
+
+def test_a_fifo_where_a_disk_entry_should_be_is_dropped_without_hanging(tmp_path):
+    import os
+    import threading
+
+    (h0, p0, d0), = _chain(1)
+    disk = DiskTier(tmp_path / "d", 8, index_in_background=False)
+    disk.put(h0, p0, d0)
+    disk.path(h0).unlink()
+    os.mkfifo(disk.path(h0))  # opening or reading it would wait for a writer forever
+    got = []
+    reader = threading.Thread(target=lambda: got.append(disk.get(h0)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive() and got == [None] and disk.stats.corrupt == 1
+    os.mkfifo(disk.path(h0))  # and an earlier run's: the next engine's index drops it too
+    disk.close()
+    again = DiskTier(tmp_path / "d", 8, index_in_background=False)
+    indexer = threading.Thread(target=again.index, daemon=True)
+    indexer.start()
+    indexer.join(10)
+    assert not indexer.is_alive() and h0 not in again
+    again.close()
 
 
 def test_disk_tier_is_warm_after_a_restart_and_owned_by_one_engine(llama_dir, cold_reference, tmp_path):

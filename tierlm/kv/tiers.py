@@ -22,6 +22,7 @@ import re
 import secrets
 import shutil
 import ssl
+import stat
 import struct
 import threading
 import time
@@ -36,7 +37,7 @@ from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"TLKV1"
+_MAGIC = b"TLKV2"  # 2: the checksum covers the block's key and parent too
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
 
 
@@ -62,14 +63,25 @@ def _hint_slot(hint: int | None) -> bytes:
     return json.dumps(hint).encode().ljust(_HINT_WIDTH)
 
 
-def encode_block(data: torch.Tensor, parent: bytes | None = None, hint: int | None = None) -> bytes:
-    """Self-describing bytes: magic, header length, JSON header (dtype, shape, sha256; the parent
-    hash and output-length hint, which a disk tier re-reads on restart), payload. The hint comes
-    last in a fixed-width slot (JSON ignores the padding), so a disk entry can be given one later
-    by rewriting a few bytes (`patch_hint`) instead of the block."""
+def _checksum(key: bytes, parent: bytes | None, payload: bytes) -> str:
+    """SHA-256 over the block's own key, its parent's and the K/V: an intact entry stored under
+    another key (a file copied or linked over, a Redis value set under the wrong name) fails
+    it like a damaged one, instead of being served as this block."""
+    digest = hashlib.sha256(len(key).to_bytes(1, "little") + key + (parent or b""))
+    digest.update(payload)
+    return digest.hexdigest()
+
+
+def encode_block(data: torch.Tensor, parent: bytes | None = None, hint: int | None = None,
+                 key: bytes = b"") -> bytes:
+    """Self-describing bytes: magic, header length, JSON header (dtype, shape, checksum over
+    `key`, parent and payload; the parent hash and output-length hint, which a disk tier re-reads
+    on restart), payload. The hint comes last in a fixed-width slot (JSON ignores the padding),
+    so a disk entry can be given one later by rewriting a few bytes (`patch_hint`) instead of the
+    block."""
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
     header = json.dumps({"dtype": str(data.dtype).replace("torch.", ""), "shape": list(data.shape),
-                         "sha256": hashlib.sha256(payload).hexdigest(),
+                         "sha256": _checksum(key, parent, payload),
                          "parent": parent.hex() if parent else None}).encode()
     header = header[:-1] + b", " + _HINT_KEY + _hint_slot(hint) + b"}"
     return _MAGIC + struct.pack("<I", len(header)) + header + payload
@@ -93,6 +105,26 @@ def patch_hint(f, hint: int) -> bool:
     return True
 
 
+def _read_regular(p: Path, limit: int, whole: bool = True) -> bytes | None:
+    """Up to `limit` bytes of the regular file `p` (all of it with `whole`, or None if it is
+    longer), or None. Opened without blocking and checked with fstat first: a FIFO or device
+    put where an entry should be hung the model loop in open() or read() (a tester's find)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (whole and st.st_size > limit):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _header(raw: bytes) -> tuple[dict, int] | None:
     """(header, payload offset), or None if `raw` does not start like an entry."""
     try:
@@ -105,21 +137,23 @@ def _header(raw: bytes) -> tuple[dict, int] | None:
         return None
 
 
-def decode_block(raw: bytes) -> torch.Tensor | None:
-    """The block, or None if the bytes are not a whole, intact entry."""
-    decoded = decode_entry(raw)
+def decode_block(raw: bytes, key: bytes = b"") -> torch.Tensor | None:
+    """The block, or None if the bytes are not a whole, intact entry for `key`."""
+    decoded = decode_entry(raw, key)
     return None if decoded is None else decoded[0]
 
 
-def decode_entry(raw: bytes) -> tuple[torch.Tensor, int | None] | None:
-    """(block, output-length hint of its header), or None if the bytes are not a whole, intact entry."""
+def decode_entry(raw: bytes, key: bytes = b"") -> tuple[torch.Tensor, int | None] | None:
+    """(block, output-length hint of its header), or None if the bytes are not a whole, intact
+    entry written for `key`."""
     try:
         parsed = _header(raw)
         if parsed is None:
             return None
         header, start = parsed
         payload = raw[start:]
-        if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        parent = bytes.fromhex(header["parent"]) if header["parent"] else None
+        if _checksum(key, parent, payload) != header["sha256"]:
             return None
         dtype = getattr(torch, header["dtype"])
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
@@ -150,6 +184,8 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
             raise bad
         return _bytes_to_blocks(value, block_bytes, value)
     s = str(value).strip().lower().replace(" ", "")
+    if not s.isascii():  # str.isdigit() is true for "²", which int() refuses
+        raise bad
     for suffix in ("blocks", "block"):
         if s.endswith(suffix) and s[: -len(suffix)].isdigit():
             return int(s[: -len(suffix)])
@@ -447,6 +483,8 @@ class DiskTier(_CapacityTier):
         super().__init__(capacity_blocks or 0, policy)
         self._regrow_every = regrow_every_s
         self._regrow_at = 0.0
+        # An entry is its header (well under 4 KiB) and one block: anything longer is not one.
+        self._max_entry_bytes = block_bytes + 4096 if block_bytes else 1 << 30
         self.root = Path(root)
         self._policy_name = policy
         self._auto_capacity = capacity_blocks is None
@@ -799,11 +837,8 @@ class DiskTier(_CapacityTier):
     @staticmethod
     def _entry(p: Path, mtime: int = 0) -> Entry | None:
         """The entry at `p` from its header; `mtime` is the file time the listing read."""
-        try:
-            with open(p, "rb") as f:
-                parsed = _header(f.read(4096))
-        except OSError:
-            return None
+        head = _read_regular(p, 4096, whole=False)
+        parsed = None if head is None else _header(head)
         if parsed is None or "parent" not in parsed[0]:
             return None  # damaged, or written before headers named the parent
         parent, hint = parsed[0]["parent"], parsed[0].get("output_tokens")
@@ -821,7 +856,7 @@ class DiskTier(_CapacityTier):
         p = self.path(h)
         tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
         self._reclaim()  # one fstat: is the lock file still there?
-        raw = encode_block(data, parent, hint)
+        raw = encode_block(data, parent, hint, key=h)
         try:
             try:
                 tmp.write_bytes(raw)
@@ -841,18 +876,17 @@ class DiskTier(_CapacityTier):
         disk when it was computed had none yet: its request had not finished). A few bytes in
         place; an entry without a hint slot (an older format) is rewritten whole, once."""
         try:
-            with open(self.path(h), "r+b") as f:
-                if patch_hint(f, hint):
+            fd = os.open(self.path(h), os.O_RDWR | os.O_NONBLOCK)  # never wait on a FIFO put there
+            with os.fdopen(fd, "r+b") as f:
+                if stat.S_ISREG(os.fstat(fd).st_mode) and patch_hint(f, hint):
                     return
             self._write(h, parent, data, hint)
         except OSError:
             self.stats.errors += 1  # the old entry stays, without the new hint
 
     def _read(self, h):
-        try:
-            return decode_block(self.path(h).read_bytes())
-        except OSError:
-            return None
+        raw = _read_regular(self.path(h), self._max_entry_bytes)
+        return None if raw is None else decode_block(raw, h)
 
     def _erase(self, h):
         if self._lost:
@@ -1004,7 +1038,7 @@ class RedisTier:
         """Store a block (with its hint in the entry's header, for whichever engine reads it)."""
         if not self._available():
             return []
-        raw = encode_block(data, parent, hint)
+        raw = encode_block(data, parent, hint, key=h)
         try:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
@@ -1020,8 +1054,9 @@ class RedisTier:
                                 "leaves no room for a block even after evicting: raise kv_remote_capacity",
                                 self.url, e)
                 else:
-                    log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Give the server "
-                                "maxmemory-policy allkeys-lru so it evicts instead", self.url, e)
+                    log.warning("Redis KV tier %s refused a write (%s); dropping such writes. If the server's "
+                                "maxmemory-policy is not allkeys-lru, set it so the server evicts instead; if "
+                                "it is, its maxmemory leaves no room for a block: raise maxmemory", self.url, e)
         except self._errors as e:
             self._failed(e)
         return []
@@ -1051,8 +1086,8 @@ class RedisTier:
             return []
         self._answered()
         run = []
-        for raw in raws:
-            decoded = None if raw is None else decode_entry(raw)
+        for h, raw in zip(hashes, raws):
+            decoded = None if raw is None else decode_entry(raw, h)
             if decoded is None:
                 self.stats.corrupt += raw is not None
                 self.stats.misses += 1
