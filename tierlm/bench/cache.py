@@ -343,7 +343,8 @@ def format_table(out: dict) -> str:
         if (r["trace"], r["policy"]) not in seen:
             seen.append((r["trace"], r["policy"]))
     w = max([24] + [len(t) for t, _ in seen])  # path-based names of colliding stems run longer
-    head = f"{'trace':<{w}} {'policy':<10} " + " ".join(f"{f'cap={c}':>18}" for c in caps)
+    pw = max([10] + [len(p) for _, p in seen])  # gittins_hint is 12
+    head = f"{'trace':<{w}} {'policy':<{pw}} " + " ".join(f"{f'cap={c}':>18}" for c in caps)
     lines = [head, "-" * len(head)]
     by_key = {(r["trace"], r["policy"], r["capacity"]): r for r in out["results"]}
     for trace, policy in seen:
@@ -356,7 +357,7 @@ def format_table(out: dict) -> str:
             g = r["gap_closed_vs_lru"]
             gap = "" if g is None or policy in ("lru", "belady") else f" ({100 * g:+.0f}%)"
             cells.append(f"{r['hit_rate']:.4f}{gap}".rjust(18))
-        lines.append(f"{trace:<{w}} {policy:<10} " + " ".join(cells))
+        lines.append(f"{trace:<{w}} {policy:<{pw}} " + " ".join(cells))
     lines.append(f"elapsed {out['elapsed_s']}s; (x%) = share of the LRU→Belady gap closed")
     return "\n".join(lines)
 
