@@ -433,7 +433,7 @@ def test_known_traffic_gives_exact_counts_and_histograms(traced_server, caplog):
     lbl = dict(model=model, tenant="default")
     assert delta("tierlm:requests_total", route="/v1/completions", status="200", **lbl) == 3
     assert delta("tierlm:requests_total", route="/v1/messages", status="200", **lbl) == 2
-    assert delta("tierlm:requests_total", route="/v1/completions", status="400") == 1
+    assert delta("tierlm:requests_total", route="/v1/completions", status="400", model=model) == 1  # served
     assert delta("tierlm:requests_total", route="/v1/completions", status="404", model="unknown") == 1
     assert delta("tierlm:request_success_total", **lbl) == 5
     assert delta("tierlm:prompt_tokens_total", **lbl) == prompt_tokens

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -13,6 +14,9 @@ from tierlm.serving.errors import Overloaded
 from tierlm.serving.generation import InflightRequests
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -31,6 +35,16 @@ class ServerState:
             raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id)
+
+    def engine_for(self, request: Request, name: str) -> "AsyncEngine":
+        """The engine serving model `name` (404 if none). From here on the request's telemetry
+        carries the model, so a 400 for a served model (too long, bad parameters) is counted
+        under it, not under "unknown"."""
+        engine = self.models.get(name)
+        observer = request.scope.get("state", {}).get("telemetry")
+        if observer is not None:
+            observer.model = name
+        return engine
 
 
     async def drain(self, timeout: float) -> None:
