@@ -274,6 +274,15 @@ def test_lower_tier_counters_and_occupancy_from_a_real_engine(llama_dir, tmp_pat
         assert value(s, "tierlm:kv_tier_blocks", model="m", tier="disk") == demoted - 4
         assert value(s, "tierlm:kv_tier_capacity_blocks", model="m", tier="disk") == 64
         assert value(s, "tierlm:kv_tier_evictions_total", model="m", tier="host") == demoted - 4
+        assert value(s, "tierlm:kv_write_backlog_bytes", model="m") == 0  # all written
+        req = llm.engine.add_request({"prompt_token_ids": list(range(5, 85))}, SamplingParams(max_tokens=2))
+        llm.engine.kv.prefetching = True
+        llm.engine.kv.prefetch(req)  # the disk part of its prefix read into host memory
+        llm.engine.store.flush()
+        staged = llm.engine.store.staged_bytes
+        assert staged > 0 and value(samples(tel.render().decode()), "tierlm:kv_staged_bytes", model="m") == staged
+        while llm.engine.has_unfinished():
+            llm.engine.step()
 
 
 def test_apps_do_not_share_registries():

@@ -680,7 +680,8 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L·[1-r, 1+r]")
     p.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
-                   help="token ids (exact lengths; OpenAI completions only) or text; auto picks ids where possible")
+                   help="token ids (exact lengths; OpenAI completions only) or text (lengths in words: ~1.3 "
+                        "tokens each with real tokenizers, ~3 with the demo model's); auto picks ids where possible")
     p.add_argument("--token-id-range", default=f"{DEFAULT_TOKEN_RANGE[0]}:{DEFAULT_TOKEN_RANGE[1]}",
                    help="LO:HI, token ids of synthetic prompts are drawn from [LO, HI)")
     if not sweep:

@@ -155,6 +155,11 @@ ENGINE_FIGURES = (
                    "counter"),
     _EngineFigures("tierlm:kv_demoted_bytes", "Bytes of KV demoted from the device.", "kv_demoted_bytes",
                    "counter"),
+    _EngineFigures("tierlm:kv_write_backlog_bytes", "Bytes of KV queued in host memory for the disk or Redis "
+                   "writer (beyond the host tier; bounded at 1 GiB, writes past it are dropped).",
+                   "kv_write_backlog_bytes", "gauge"),
+    _EngineFigures("tierlm:kv_staged_bytes", "Bytes of KV read from disk or Redis, held in host memory until "
+                   "promoted to the device.", "kv_staged_bytes", "gauge"),
 )
 
 
