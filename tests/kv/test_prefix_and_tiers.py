@@ -179,6 +179,23 @@ def test_capacities_read_blocks_and_byte_units():
             parse_capacity(bad, mib)
 
 
+def test_a_disk_capacity_in_bytes_counts_each_entry_file_whole(tmp_path):
+    from tierlm.engine.engine import build_tiers
+    from tierlm.kv.tiers import ENTRY_HEADER_BYTES
+
+    block_bytes = 64 << 10
+    for size, fits in [(10 * (block_bytes + ENTRY_HEADER_BYTES), 10), (10 * block_bytes, 9)]:
+        store = build_tiers(EngineConfig(kv_disk_dir=str(tmp_path / str(size)), kv_disk_capacity=size),
+                            block_bytes, torch.device("cpu"), "id")
+        disk, = store.tiers
+        assert disk.capacity == fits
+        data = torch.zeros(block_bytes // 4)
+        h = b"\x07" * 32
+        disk.put(h, None, data)
+        assert disk.path(h).stat().st_size <= block_bytes + ENTRY_HEADER_BYTES  # the header bound holds
+        store.close()
+
+
 def test_host_tier_larger_than_the_machine_is_refused(llama_dir, tmp_path):
     from tierlm.config import host_memory
     total = host_memory()[0]

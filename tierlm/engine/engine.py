@@ -31,7 +31,8 @@ from tierlm.errors import InvalidRequestError, RequestTooLongError
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
-from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, parse_capacity
+from tierlm.kv.tiers import ENTRY_HEADER_BYTES, DiskTier, HostTier, RedisTier, parse_capacity
+from tierlm.models.fingerprint import BackgroundFingerprint, weights_fingerprint
 from tierlm.models.loader import check_model_dir, load_model
 from tierlm.sampling_params import SamplingParams
 
@@ -60,6 +61,11 @@ class EngineStats:
     kv_demoted_bytes: int = 0
     kv_tiers: dict | None = None  # per lower tier: hits, misses, stores, evictions, promotions, bytes, corrupt, errors
     kv_tier_usage: dict | None = None  # host and disk: {"blocks": held now, "capacity": blocks}
+    # Host memory the lower tiers use beyond the host tier itself: blocks queued for the disk or
+    # Redis writer (up to 1 GiB when they cannot keep up), and blocks read from disk or Redis
+    # waiting to go back to the device.
+    kv_write_backlog_bytes: int = 0
+    kv_staged_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -67,21 +73,24 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
-    """Mixed into every block hash: engines share cached K/V only for the same weights and dtype."""
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json", "model.safetensors"):
-        p = model_dir / name
-        if p.is_file():
-            digest.update(name.encode())
-            digest.update(p.read_bytes() if p.suffix == ".json" else str(p.stat().st_size).encode())
-    return f"{model_dir.name}:{dtype}:{kv_dtype}:{digest.hexdigest()[:16]}"
+def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype, fingerprint: str | None = None) -> str:
+    """Mixed into every block hash: engines share cached K/V only for the same weights and dtypes.
+
+    The weights part is `weights_fingerprint` (a SHA-256 of config.json and every weight file the
+    loader reads, cached per file), passed in when it was computed already; never the directory's
+    name, so equal weights under any path share blocks and different weights never do."""
+    if fingerprint is None:
+        fingerprint = weights_fingerprint(model_dir)
+    return f"{fingerprint[:32]}:{dtype}:{kv_dtype}"
 
 
-def disk_tier_dir(root: str | Path, model_id: str) -> Path:
+def disk_tier_dir(root: str | Path, model_id: str, label: str = "model") -> Path:
     """Each model's blocks in a directory of its own under `kv_disk_dir`, so that several models
-    (one server, or one after another) never count against or scan each other's entries."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", model_id.split(":", 1)[0])[:64]
+    (one server, or one after another) never count against or scan each other's entries.
+    `label` (the checkpoint directory's name) only makes it readable and keeps two engines serving
+    equal weights from different paths out of each other's locked directory; it is not in any
+    block key, which `model_id` alone decides."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", label)[:64] or "model"
     return Path(root) / f"{name}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
 
 
@@ -103,24 +112,25 @@ def check_host_capacity(nbytes: int) -> None:
 
 
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
-                fence: Callable[[], None] | None = None) -> TieredStore | None:
+                fence: Callable[[], None] | None = None, label: str = "model") -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
     # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
-    def blocks(knob: str) -> int:
+    def blocks(knob: str, entry_bytes: int = block_bytes) -> int:
         try:
-            return parse_capacity(getattr(config, knob), block_bytes)
+            return parse_capacity(getattr(config, knob), entry_bytes)
         except ValueError as e:
             raise ValueError(f"{knob}: {e}") from None
 
     host = blocks("kv_host_capacity")
-    disk = blocks("kv_disk_capacity") if config.kv_disk_capacity else None
+    # A disk entry is a file: its header counts against a size in bytes too.
+    disk = blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES) if config.kv_disk_capacity else None
     remote = blocks("kv_remote_capacity") if config.kv_remote_capacity else 0
     check_host_capacity(host * block_bytes)
     tiers: list = []
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
     if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
-        tiers.append(DiskTier(disk_tier_dir(config.kv_disk_dir, model_id), disk, config.tier_policy("disk"),
+        tiers.append(DiskTier(disk_tier_dir(config.kv_disk_dir, model_id, label), disk, config.tier_policy("disk"),
                               block_bytes=block_bytes))
     if config.kv_remote:
         try:
@@ -149,9 +159,14 @@ class LLMEngine:
             "tierlm-demo" if config.model is None else model_dir.name)
         self.tokenizer = load_tokenizer(model_dir)
         torch.manual_seed(config.seed)
-        loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
-                            progress=config.load_progress, compute_dtype=config.compute_dtype,
-                            cpu_linear=config.cpu_linear, cpu_kernels=config.cpu_kernels)
+        fingerprint = BackgroundFingerprint(model_dir)  # for the KV-cache keys; overlaps the load
+        try:
+            loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
+                                progress=config.load_progress, compute_dtype=config.compute_dtype,
+                                cpu_linear=config.cpu_linear, cpu_kernels=config.cpu_kernels)
+        except BaseException:
+            fingerprint.cancel()
+            raise
         self.args = loaded.args
         self.dtype = loaded.dtype
         self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
@@ -183,11 +198,13 @@ class LLMEngine:
             n = self.runner.graphs.record_decode_buckets()
             log.info("recorded %d CUDA graphs for decode steps in %.1f s (longer contexts are recorded when "
                      "first seen)", n, time.monotonic() - t0)
-        model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype)
-        self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done)
+        model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype, fingerprint.result())
+        self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done,
+                                 label=model_dir.name)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,
                                  io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
-                                 prefetch=self.device.type == "cuda" if config.kv_prefetch is None else config.kv_prefetch)
+                                 prefetch=(self.device.type == "cuda" or bool(config.kv_remote))
+                                 if config.kv_prefetch is None else config.kv_prefetch)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         eos = set(loaded.eos_token_ids)
@@ -381,7 +398,9 @@ class LLMEngine:
             kv_promoted_bytes=self.kv.stats.promoted_bytes, kv_demoted_blocks=self.kv.stats.demoted_blocks,
             kv_demoted_bytes=self.kv.stats.demoted_bytes,
             kv_tiers=self.store.stats() if self.store is not None else None,
-            kv_tier_usage=self.store.usage() if self.store is not None else None)
+            kv_tier_usage=self.store.usage() if self.store is not None else None,
+            kv_write_backlog_bytes=self.store.backlog if self.store is not None else 0,
+            kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0)
 
     def persist_kv(self) -> int:
         """With a disk tier: move every cached block from the device and host memory down to it

@@ -38,6 +38,7 @@ from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 log = logging.getLogger(__name__)
 
 _MAGIC = b"TLKV2"  # 2: the checksum covers the block's key and parent too
+ENTRY_HEADER_BYTES = 320  # at most, per disk entry or Redis value: magic, length, JSON header (~250)
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
 
 

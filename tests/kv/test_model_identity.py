@@ -1,0 +1,255 @@
+"""The model part of every KV block key follows the weights' content, not the directory's name."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tierlm import LLM, SamplingParams
+from tierlm.engine.engine import disk_tier_dir, model_identity
+from tierlm.models import fingerprint
+from tierlm.models.fingerprint import weights_fingerprint
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+F32 = torch.float32
+
+
+def _ident(path, dtype=F32, kv_dtype=F32) -> str:
+    return model_identity(path, dtype, kv_dtype)
+
+
+def _perturb(path, name: str = "layers.0.self_attn.k_proj.weight") -> None:
+    """Change one tensor's values: same config, same shapes, same file size."""
+    size = path.stat().st_size
+    tensors = load_file(str(path))
+    key = next(k for k in tensors if k.endswith(name))
+    tensors[key] = tensors[key] + 0.5 * torch.randn(tensors[key].shape, generator=torch.Generator().manual_seed(7))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == size
+
+
+def _copy(src, dst):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(autouse=True)
+def fp_cache(tmp_path, monkeypatch):
+    """A fingerprint cache of this test's own (never ~/.cache)."""
+    d = tmp_path / "tierlm-cache"
+    monkeypatch.setenv("TIERLM_CACHE", str(d))
+    return d / "fingerprints"
+
+
+@pytest.fixture
+def not_racy(monkeypatch):
+    """Cache digests of files written a moment ago too (the test's checkpoints all are)."""
+    monkeypatch.setattr(fingerprint, "RACY_S", 0.0)
+
+
+@pytest.fixture(scope="module")
+def runs(llama_dir, tmp_path_factory):
+    """runA/checkpoint-500 and runB/checkpoint-500: equal config, name and size, different weights."""
+    root = tmp_path_factory.mktemp("runs")
+    a = _copy(llama_dir, root / "runA" / "checkpoint-500")
+    b = _copy(llama_dir, root / "runB" / "checkpoint-500")
+    _perturb(b / "model.safetensors")
+    _perturb(b / "model.safetensors", "layers.0.self_attn.v_proj.weight")
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def sharded(runs, tmp_path_factory):
+    """The same two checkpoints saved in shards (model-0000X-of-0000N.safetensors + index)."""
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("sharded")
+    out = []
+    for run in runs:
+        d = root / run.parent.name / "checkpoint-500"
+        d.mkdir(parents=True)
+        AutoModelForCausalLM.from_pretrained(str(run), dtype=torch.float32).save_pretrained(
+            str(d), max_shard_size="200KB")
+        for f in run.iterdir():  # tokenizer files
+            if not (d / f.name).exists() and not f.name.endswith(".safetensors"):
+                shutil.copy2(f, d / f.name)
+        out.append(d)
+    return out
+
+
+def test_same_weights_under_another_name_same_id(runs, tmp_path):
+    a, _ = runs
+    other = _copy(a, tmp_path / "somewhere" / "renamed-model")
+    assert _ident(other) == _ident(a)
+    assert "checkpoint-500" not in _ident(a) and "renamed" not in _ident(other)
+    assert _ident(a, kv_dtype=torch.bfloat16) != _ident(a) != _ident(a, dtype=torch.bfloat16)
+
+
+def test_same_config_and_size_different_weights_differ(runs):
+    a, b = runs
+    assert a.name == b.name and (a / "config.json").read_bytes() == (b / "config.json").read_bytes()
+    assert (a / "model.safetensors").stat().st_size == (b / "model.safetensors").stat().st_size
+    assert _ident(a) != _ident(b)
+
+
+def test_sharded_checkpoints_hash_every_shard(sharded, runs, tmp_path):
+    a, b = sharded
+    shards = sorted(p.name for p in a.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (a / "model.safetensors.index.json").is_file()
+    assert _ident(a) != _ident(b)
+    assert _ident(a) != _ident(runs[0])  # the same tensors in other files: not assumed equal
+    # a later shard changed, same size: a new id
+    c = _copy(a, tmp_path / "c" / "checkpoint-500")
+    index = json.loads((c / "model.safetensors.index.json").read_text())["weight_map"]
+    name, shard = next((k, v) for k, v in sorted(index.items()) if v == shards[-1])
+    _perturb(c / shard, name)
+    assert _ident(c) != _ident(a)
+    assert _ident(_copy(a, tmp_path / "d" / "copy")) == _ident(a)
+
+
+def test_rewritten_in_place_gets_a_new_id_despite_the_cache(runs, tmp_path, fp_cache, not_racy, monkeypatch):
+    a, b = runs
+    c = _copy(a, tmp_path / "run" / "model")
+    weights = c / "model.safetensors"
+    first = _ident(c)
+    entries = [json.loads(p.read_text()) for p in fp_cache.glob("*.json")]
+    assert [e["path"] for e in entries] == [os.path.realpath(weights)]
+    # the cache is used: nothing is hashed again while the file is unchanged
+    real_hash = fingerprint._hash_file
+    monkeypatch.setattr(fingerprint, "_hash_file", lambda *a: pytest.fail("hashed a cached file"))
+    assert _ident(c) == first
+    monkeypatch.setattr(fingerprint, "_hash_file", real_hash)
+    # new weights written over the old bytes (same file, same size), mtime put back as `cp -p` would
+    st = weights.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    with open(weights, "r+b") as f:
+        f.write((b / "model.safetensors").read_bytes())
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = weights.stat()
+    assert (now.st_size, now.st_mtime_ns, now.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    assert _ident(c) == _ident(b) != first
+    # copied over (a new inode) and back: each change is seen
+    time.sleep(0.05)
+    shutil.copy2(a / "model.safetensors", weights)
+    assert _ident(c) == first
+
+
+def test_a_just_written_file_is_hashed_but_not_cached(runs, tmp_path, fp_cache):
+    c = _copy(runs[0], tmp_path / "fresh")
+    assert _ident(c) == _ident(runs[0])
+    assert not list(fp_cache.glob("*.json"))  # it may change again within one timestamp tick
+
+
+def test_corrupt_or_unwritable_cache_never_fails_a_load(runs, tmp_path, fp_cache, not_racy, monkeypatch):
+    a, b = runs
+    c = _copy(a, tmp_path / "m")
+    want = _ident(c)
+    (entry,) = fp_cache.glob("*.json")
+    good = json.loads(entry.read_text())
+    for bad in ("{not json", "[]", json.dumps({**good, "sha256": 5}), json.dumps({**good, "sha256": "ab"}),
+                json.dumps({**good, "path": "/elsewhere"}), "\xff\xfe"):
+        entry.write_text(bad)
+        assert _ident(c) == want
+        assert json.loads(entry.read_text()) == good  # hashed and cached again
+    entry.unlink()
+    entry.mkdir()  # unreadable and unwritable as a file
+    assert _ident(c) == want
+    entry.rmdir()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TIERLM_CACHE", str(blocker / "cache"))  # its directory cannot be created
+    assert _ident(c) == want
+    assert _ident(b) != want
+
+
+def test_cache_forgets_files_that_are_gone(runs, tmp_path, fp_cache, not_racy):
+    gone = _copy(runs[0], tmp_path / "gone")
+    _ident(gone)
+    shutil.rmtree(gone)
+    kept = _copy(runs[1], tmp_path / "kept")
+    _ident(kept)
+    assert [json.loads(p.read_text())["path"] for p in fp_cache.glob("*.json")] == \
+        [os.path.realpath(kept / "model.safetensors")]
+
+
+def test_large_checkpoints_log_progress(runs, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(fingerprint, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(fingerprint, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(fingerprint, "CHUNK", 64 << 10)
+    c = _copy(runs[0], tmp_path / "big")
+    with caplog.at_level(logging.INFO, logger="tierlm.models.fingerprint"):
+        assert weights_fingerprint(c) == weights_fingerprint(runs[0])
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(f"fingerprinting the weights of {c} for KV-cache keys: " in m and " / " in m for m in msgs)
+
+
+def test_config_metadata_does_not_matter_but_config_does(runs, tmp_path):
+    a = runs[0]
+    c = _copy(a, tmp_path / "meta")
+    cfg = json.loads((c / "config.json").read_text())
+    (c / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "/x", "transformers_version": "9"}, indent=4))
+    assert _ident(c) == _ident(a)
+    (c / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
+    assert _ident(c) != _ident(a)
+
+
+def test_disk_dir_is_labelled_but_keyed_by_the_id(runs):
+    a, b = runs
+    ia, ib = _ident(a), _ident(b)
+    assert disk_tier_dir("/kv", ia, a.name) != disk_tier_dir("/kv", ib, b.name)
+    assert disk_tier_dir("/kv", ia, a.name).name.startswith("checkpoint-500-")
+    assert disk_tier_dir("/kv", ia, "x/y z").name.startswith("x_y_z-")
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 600) for _ in range(n)]
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64,
+               load_progress=False, **kw)
+
+
+def _run(llm: LLM, prompt: list[int]):
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_other_weights_same_name_get_no_blocks_from_a_shared_disk_dir(layout, runs, sharded, tmp_path):
+    a, b = runs if layout == "single" else sharded
+    prompt = _prompt(1, 70)
+    cold_b = _run(_llm(b, enable_prefix_caching=False), prompt)[0]
+    kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    with _llm(a, **kw) as first:
+        out_a = _run(first, prompt)[0]
+        assert first.engine.offload_prefix_cache() > 0
+    assert out_a != cold_b  # the perturbation shows: served A's K/V, B would answer differently
+    with _llm(b, **kw) as second:
+        assert second.engine.store.tiers[0].wait_indexed(timeout=30)
+        assert _run(second, prompt) == (cold_b, 0)
+    with _llm(a, **kw) as again:  # control: A's own blocks are there and found
+        assert again.engine.store.tiers[0].wait_indexed(timeout=30)
+        assert _run(again, prompt) == (out_a, 64)
+
+
+def test_equal_weights_under_another_path_share_blocks_through_redis(runs, tmp_path, redis_server):
+    a, _ = runs
+    other = _copy(a, tmp_path / "mirror" / "served-copy")
+    prompt = _prompt(2, 70)
+    first = _llm(a, kv_remote=redis_server.url)
+    out = _run(first, prompt)[0]
+    first.engine.store.flush()
+    second = _llm(other, kv_remote=redis_server.url)
+    assert second.engine.kv.model_id == first.engine.kv.model_id
+    assert _run(second, prompt) == (out, 64)
