@@ -88,3 +88,27 @@ async def test_too_long_raises_before_streaming(engine):
     with pytest.raises(RequestTooLongError):
         await _collect(engine, {"prompt_token_ids": [3] * 600}, SamplingParams(max_tokens=4))
     assert engine.stats().num_waiting == 0
+
+
+async def test_free_heap_goes_back_to_the_os_once_per_idle_spell(engine):
+    import sys
+
+    from tierlm.engine.heap import release_free_heap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("malloc_trim is glibc's")
+    assert release_free_heap()
+    engine.heap.quiet_s = 0.2
+    await asyncio.sleep(0.5)
+    assert engine.heap.trims == 0  # nothing ran yet: nothing to give back
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    await _collect(engine, "abc", p)
+    await asyncio.sleep(0.1)
+    assert engine.heap.trims == 0  # not while requests may still come
+    await asyncio.sleep(0.6)
+    assert engine.heap.trims == 1
+    await asyncio.sleep(0.5)
+    assert engine.heap.trims == 1  # once per idle spell, not at every wait
+    await _collect(engine, "abc", p)
+    await asyncio.sleep(0.8)
+    assert engine.heap.trims == 2

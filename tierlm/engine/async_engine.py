@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 from tierlm.config import EngineConfig
 from tierlm.engine.engine import EngineStats, LLMEngine
+from tierlm.engine.heap import IdleTrimmer
 from tierlm.engine.outputs import StreamDelta
 from tierlm.errors import EngineDeadError, EngineStepError
 from tierlm.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        self.heap = IdleTrimmer()
 
     @classmethod
     def from_model(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
@@ -175,9 +177,11 @@ class AsyncEngine:
         while not self._stopping:
             self._send(self._drain_inbox())
             if not eng.has_unfinished():
+                self.heap.idle()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self.heap.busy()
             try:
                 self._send(eng.step())
             except Exception as e:  # fail the requests in flight, keep serving new ones
