@@ -253,3 +253,104 @@ def test_equal_weights_under_another_path_share_blocks_through_redis(runs, tmp_p
     second = _llm(other, kv_remote=redis_server.url)
     assert second.engine.kv.model_id == first.engine.kv.model_id
     assert _run(second, prompt) == (out, 64)
+
+
+# -- start-up edges (from a tester) -------------------------------------------------------------
+
+def test_weights_replaced_while_loading_are_refused_not_served_under_the_wrong_key(runs, tmp_path, monkeypatch):
+    """The loader and the hash read the files separately: if a copy replaces them meanwhile, the
+    engine could serve one version under the other's key and poison a shared cache."""
+    import tierlm.engine.engine as engine_mod
+
+    a, b = runs
+    d = _copy(a, tmp_path / "ckpt")
+    real_load = engine_mod.load_model
+
+    def load_then_replace(*args, **kw):
+        loaded = real_load(*args, **kw)
+        tmp = d / "incoming.tmp"
+        shutil.copy(b / "model.safetensors", tmp)
+        os.replace(tmp, d / "model.safetensors")  # as rsync or a downloader finishes a file
+        return loaded
+
+    monkeypatch.setattr(engine_mod, "load_model", load_then_replace)
+    with pytest.raises(Exception, match="changed while tierlm was loading them"):
+        _llm(d, kv_disk_dir=str(tmp_path / "kv"))
+    monkeypatch.setattr(engine_mod, "load_model", real_load)
+    with _llm(d, kv_disk_dir=str(tmp_path / "kv")) as again:  # complete now: it starts
+        assert again.engine.kv.model_id == _ident(b)
+
+
+def test_without_disk_or_redis_nothing_is_hashed(runs, fp_cache, not_racy):
+    import threading
+
+    a, _ = runs
+    llm = _llm(a)
+    assert llm.engine.kv.model_id.startswith("process-")  # blocks never leave this process
+    assert not fp_cache.exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierlm-fingerprint")]
+
+
+def test_a_start_that_fails_after_loading_stops_the_hash(runs, tmp_path):
+    import threading
+
+    a, _ = runs
+    with pytest.raises(ValueError, match="holds no KV block"):
+        LLM(str(a), dtype="float32", kv_cache_memory=10, load_progress=False, kv_disk_dir=str(tmp_path / "kv"))
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name.startswith("tierlm-fingerprint")]:
+        assert time.monotonic() < deadline, "the fingerprint thread outlived the failed start"
+        time.sleep(0.05)
+
+
+def test_an_index_naming_shards_by_absolute_path_is_fingerprinted(runs, tmp_path):
+    from safetensors import safe_open
+
+    a, _ = runs
+    d = _copy(a, tmp_path / "ckpt")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(d / "model.safetensors", elsewhere)
+    with safe_open(str(elsewhere), "pt") as f:
+        keys = list(f.keys())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        k: str(elsewhere) for k in keys}}))
+    assert len(weights_fingerprint(d)) == 64  # it was a ValueError from relative_to
+
+
+def test_a_fifo_in_the_fingerprint_cache_does_not_hang_start_up(runs, fp_cache, not_racy):
+    import threading
+
+    a, _ = runs
+    first = weights_fingerprint(a)
+    entries = list(fp_cache.glob("*.json"))
+    assert entries
+    for e in entries:
+        e.unlink()
+        os.mkfifo(e)
+    (fp_cache / "other.json").symlink_to("/dev/zero")  # read without bound it would fill memory
+    got = []
+    t = threading.Thread(target=lambda: got.append(weights_fingerprint(a)), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and got == [first]
+
+
+def test_an_empty_tierlm_cache_means_the_default(monkeypatch):
+    from pathlib import Path
+
+    from tierlm.models.demo import cache_root
+
+    monkeypatch.setenv("TIERLM_CACHE", "")
+    assert cache_root() == Path.home() / ".cache" / "tierlm"  # not the current directory
+
+
+def test_other_model_directories_under_kv_disk_dir_are_named_at_start(runs, tmp_path, caplog):
+    a, b = runs
+    kv = tmp_path / "kv"
+    with _llm(b, kv_disk_dir=str(kv)):
+        pass
+    with caplog.at_level(logging.INFO, logger="tierlm.engine.engine"):
+        with _llm(a, kv_disk_dir=str(kv)) as llm:
+            own = llm.engine.store.tiers[0].root.name
+    said = [r.message for r in caplog.records if "also holds 1 other model directory" in r.message]
+    assert len(said) == 1 and own not in said[0] and "tierlm never deletes them" in said[0]

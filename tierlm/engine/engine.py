@@ -27,12 +27,12 @@ from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
 from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
-from tierlm.errors import InvalidRequestError, RequestTooLongError
+from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import ENTRY_HEADER_BYTES, DiskTier, HostTier, RedisTier, parse_capacity
-from tierlm.models.fingerprint import BackgroundFingerprint, weights_fingerprint
+from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
 from tierlm.models.loader import check_model_dir, load_model
 from tierlm.sampling_params import SamplingParams
 
@@ -111,6 +111,22 @@ def check_host_capacity(nbytes: int) -> None:
                     nbytes / gib, avail / gib)
 
 
+def _report_other_disk_dirs(root: Path, own: Path) -> None:
+    """Name the other model directories under `kv_disk_dir`: each is another model's, or blocks
+    of weights this model no longer has (new weights get a new directory, since the block keys
+    change). tierlm never deletes them, as another server may be using them, and each counts
+    only against its own capacity, so say they are there."""
+    try:
+        others = sorted(p.name for p in root.iterdir() if p.is_dir() and p != own)
+    except OSError:
+        return
+    if others:
+        shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        log.info("kv_disk_dir %s also holds %d other model director%s (other models, or earlier weights of "
+                 "this one): %s. tierlm never deletes them; remove those whose weights are gone",
+                 root, len(others), "y" if len(others) == 1 else "ies", shown)
+
+
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
                 fence: Callable[[], None] | None = None, label: str = "model") -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
@@ -130,8 +146,9 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
     if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
-        tiers.append(DiskTier(disk_tier_dir(config.kv_disk_dir, model_id, label), disk, config.tier_policy("disk"),
-                              block_bytes=block_bytes))
+        own = disk_tier_dir(config.kv_disk_dir, model_id, label)
+        tiers.append(DiskTier(own, disk, config.tier_policy("disk"), block_bytes=block_bytes))
+        _report_other_disk_dirs(Path(config.kv_disk_dir), own)
     if config.kv_remote:
         try:
             tiers.append(RedisTier(config.kv_remote, ttl_s=config.kv_remote_ttl,
@@ -159,46 +176,58 @@ class LLMEngine:
             "tierlm-demo" if config.model is None else model_dir.name)
         self.tokenizer = load_tokenizer(model_dir)
         torch.manual_seed(config.seed)
-        fingerprint = BackgroundFingerprint(model_dir)  # for the KV-cache keys; overlaps the load
+        # Cached K/V that outlives this process (disk) or leaves it (Redis) is keyed by a hash of
+        # the weights, computed alongside the load; blocks that stay in memory need no such key.
+        persistent = bool(config.kv_disk_dir or config.kv_remote)
+        stamps = weight_stamps(model_dir) if persistent else None
+        fingerprint = BackgroundFingerprint(model_dir) if persistent else None
         try:
             loaded = load_model(model_dir, self.device, config.dtype, config.max_model_len,
                                 progress=config.load_progress, compute_dtype=config.compute_dtype,
                                 cpu_linear=config.cpu_linear, cpu_kernels=config.cpu_kernels)
+            self.args = loaded.args
+            self.dtype = loaded.dtype
+            self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
+            if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
+                log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
+                            self.max_model_len, loaded.args.max_position_embeddings)
+            bs = config.block_size
+            per_block = kv_bytes_per_block(loaded.args, loaded.kv_dtype, bs)
+            # Default pool: a share of free memory, but no more than every sequence at full length needs.
+            budget = config.kv_cache_memory or min(default_kv_cache_memory(self.device),
+                                                   config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
+            if config.kv_cache_memory:
+                check_kv_pool_memory(budget, self.device)  # what is free once the weights are in
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
+            self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+            self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
+            self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
+                                      graphs=self._graphs_config(config, loaded.args, bs))
+            if config.warmup:
+                t0 = time.monotonic()
+                warm_tokens = min(self.max_num_batched_tokens, self.max_model_len)
+                self.runner.warm_up(warm_tokens, config.max_num_seqs)
+                log.info("warm-up forward (%d prefill tokens, %d decode rows) took %.2f s (warmup=False skips it)",
+                         warm_tokens, config.max_num_seqs, time.monotonic() - t0)
+            if self.runner.graphs is not None and self.runner.graphs.record:
+                t0 = time.monotonic()
+                n = self.runner.graphs.record_decode_buckets()
+                log.info("recorded %d CUDA graphs for decode steps in %.1f s (longer contexts are recorded when "
+                         "first seen)", n, time.monotonic() - t0)
+            if fingerprint is None:
+                model_id = f"process-{uuid.uuid4().hex}:{self.dtype}:{loaded.kv_dtype}"
+            else:
+                model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype, fingerprint.result())
+                if weight_stamps(model_dir) != stamps:  # hashed and loaded bytes may differ
+                    raise ModelLoadError(
+                        f"the weights in {model_dir} changed while tierlm was loading them (a copy or download "
+                        "still under way?); start again once they are complete")
         except BaseException:
-            fingerprint.cancel()
+            if fingerprint is not None:
+                fingerprint.cancel()  # nobody will ask for it: stop hashing
             raise
-        self.args = loaded.args
-        self.dtype = loaded.dtype
-        self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
-        if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
-                        self.max_model_len, loaded.args.max_position_embeddings)
-        bs = config.block_size
-        per_block = kv_bytes_per_block(loaded.args, loaded.kv_dtype, bs)
-        # Default pool: a share of free memory, but no more than every sequence at full length needs.
-        budget = config.kv_cache_memory or min(default_kv_cache_memory(self.device),
-                                               config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
-        if config.kv_cache_memory:
-            check_kv_pool_memory(budget, self.device)  # what is free once the weights are in
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
-        self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
-                                  graphs=self._graphs_config(config, loaded.args, bs))
-        if config.warmup:
-            t0 = time.monotonic()
-            warm_tokens = min(self.max_num_batched_tokens, self.max_model_len)
-            self.runner.warm_up(warm_tokens, config.max_num_seqs)
-            log.info("warm-up forward (%d prefill tokens, %d decode rows) took %.2f s (warmup=False skips it)",
-                     warm_tokens, config.max_num_seqs, time.monotonic() - t0)
-        if self.runner.graphs is not None and self.runner.graphs.record:
-            t0 = time.monotonic()
-            n = self.runner.graphs.record_decode_buckets()
-            log.info("recorded %d CUDA graphs for decode steps in %.1f s (longer contexts are recorded when "
-                     "first seen)", n, time.monotonic() - t0)
-        model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype, fingerprint.result())
         self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done,
                                  label=model_dir.name)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tierlm.errors import KVTierError
+from tierlm.files import read_regular
 from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger(__name__)
@@ -104,26 +105,6 @@ def patch_hint(f, hint: int) -> bool:
     f.seek(slot_at)
     f.write(slot)
     return True
-
-
-def _read_regular(p: Path, limit: int, whole: bool = True) -> bytes | None:
-    """Up to `limit` bytes of the regular file `p` (all of it with `whole`, or None if it is
-    longer), or None. Opened without blocking and checked with fstat first: a FIFO or device
-    put where an entry should be hung the model loop in open() or read() (a tester's find)."""
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (whole and st.st_size > limit):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _header(raw: bytes) -> tuple[dict, int] | None:
@@ -838,7 +819,7 @@ class DiskTier(_CapacityTier):
     @staticmethod
     def _entry(p: Path, mtime: int = 0) -> Entry | None:
         """The entry at `p` from its header; `mtime` is the file time the listing read."""
-        head = _read_regular(p, 4096, whole=False)
+        head = read_regular(p, 4096, whole=False)
         parsed = None if head is None else _header(head)
         if parsed is None or "parent" not in parsed[0]:
             return None  # damaged, or written before headers named the parent
@@ -886,7 +867,7 @@ class DiskTier(_CapacityTier):
             self.stats.errors += 1  # the old entry stays, without the new hint
 
     def _read(self, h):
-        raw = _read_regular(self.path(h), self._max_entry_bytes)
+        raw = read_regular(self.path(h), self._max_entry_bytes)
         return None if raw is None else decode_block(raw, h)
 
     def _erase(self, h):

@@ -60,7 +60,8 @@ Français: où est la bibliothèque? Deutsch: Größe, Straße. Español: ¿qué
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TIERLM_CACHE", Path.home() / ".cache" / "tierlm"))
+    """$TIERLM_CACHE, or ~/.cache/tierlm (also when it is set but empty: Path("") is the cwd)."""
+    return Path(os.environ.get("TIERLM_CACHE") or Path.home() / ".cache" / "tierlm")
 
 
 def _synthetic_corpus(vocab_size: int) -> list[str]:

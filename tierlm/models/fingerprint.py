@@ -13,7 +13,10 @@ JSON under $TIERLM_CACHE/fingerprints (default ~/.cache/tierlm/fingerprints, bes
 model and the CPU kernels), one file per weight file, named after its real path and valid only
 while the file's (size, mtime_ns, ctime_ns, inode, device) are unchanged: any rewrite, copy
 or rename over it hashes again. A cache that cannot be read or written costs a re-hash, never
-a failed load.
+a failed load. (As with git, a file rewritten through a writable mmap without its times
+changing is not noticed; rewrite checkpoints by writing files.) The engine compares the
+files' stamps before loading with those after loading and hashing, and refuses to start if
+they differ: the weights it serves could then be other than the ones it hashed.
 """
 from __future__ import annotations
 
@@ -22,11 +25,13 @@ import json
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tierlm.files import read_regular
 from tierlm.models.demo import cache_root
 from tierlm.models.loader import weight_files
 
@@ -60,9 +65,16 @@ def _entry_path(real: str) -> Path:
     return cache_dir() / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
 
 
+def _read_entry(p: Path) -> dict:
+    raw = read_regular(p, 64 << 10)  # a FIFO or device there must not hang start-up
+    if raw is None:
+        raise FileNotFoundError(p)
+    return json.loads(raw)
+
+
 def _cached(real: str, st: os.stat_result) -> str | None:
     try:
-        entry = json.loads(_entry_path(real).read_text())
+        entry = _read_entry(_entry_path(real))
         if (entry.get("version") == _VERSION and entry.get("path") == real
                 and all(entry.get(k) == v for k, v in _stamp(st).items())):
             digest = entry["sha256"]
@@ -103,7 +115,7 @@ def _prune(d: Path, keep: Path) -> None:
         if p == keep:
             continue
         try:
-            if not os.path.exists(json.loads(p.read_text())["path"]):
+            if not os.path.exists(_read_entry(p)["path"]):
                 p.unlink()
         except Exception:
             pass  # another process's entry half-seen, or unreadable: left alone
@@ -143,7 +155,11 @@ def _hash_file(path: Path, progress: _Progress, stop: threading.Event | None) ->
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(real, "rb", buffering=0) as f:
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there must not hang start-up
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"weight file {path} is not a regular file")
+    with os.fdopen(fd, "rb", buffering=0) as f:
         before = os.fstat(f.fileno())
         while n := f.readinto(buf):
             h.update(view[:n])
@@ -209,11 +225,31 @@ def weights_fingerprint(model_dir: str | Path, stop: threading.Event | None = No
                     digests[f] = digest
         progress.finish()
     for f in files:
-        parts.append((f.relative_to(model_dir).as_posix(), digests[f]))
+        try:
+            name = f.relative_to(model_dir).as_posix()
+        except ValueError:  # an index may name shards by absolute path, outside the checkpoint
+            name = os.path.realpath(f)
+        parts.append((name, digests[f]))
     total = hashlib.sha256(b"tierlm-weights-fingerprint-v1\n")
     for name, digest in parts:
         total.update(f"{name}\0{digest}\n".encode())
     return total.hexdigest()
+
+
+def weight_stamps(model_dir: str | Path) -> list[tuple]:
+    """(name, size, mtime, ctime, inode, device) of config.json and each weight file: equal
+    before and after loading and hashing means both read the same bytes (a file replaced or
+    rewritten meanwhile changes its inode or times)."""
+    model_dir = Path(model_dir)
+    out = []
+    for f in [model_dir / "config.json", *weight_files(model_dir)]:
+        try:
+            st = os.stat(f)
+        except OSError:
+            out.append((str(f), None))
+            continue
+        out.append((str(f), *_stamp(st).values()))
+    return out
 
 
 class BackgroundFingerprint:
