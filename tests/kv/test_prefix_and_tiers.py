@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import random
+import time
 
 import pytest
 import torch
@@ -320,9 +321,13 @@ def test_a_request_waiting_for_room_keeps_its_lower_tier_hit(llama_dir, cold_ref
     assert not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit)  # no room: it waits
     for _ in range(3):  # later steps try again
         again = eng.kv.find_cached_prefix(req)
-        assert again.lower is hit.lower
+        assert again.lower == hit.lower and all(a[2] is b[2] for a, b in zip(again.lower, hit.lower))
     assert eng.store.stats() == before  # no hit counted twice, no disk probe
-    assert eng.kv.allocate(req, 9, again)
+    _run(llm, shared + _prompt(5, 9))  # meanwhile another request brings the prefix to the device
+    before = eng.store.stats()
+    moved = eng.kv.find_cached_prefix(req)
+    assert len(moved.device) == 8 and moved.lower == [] and eng.store.stats() == before
+    assert eng.kv.allocate(req, 9, moved)
     assert eng.kv._held is None
     eng.kv.free(req)
     req2 = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
@@ -357,6 +362,51 @@ def test_steps_go_on_while_a_prefix_is_read_from_disk(llama_dir, cold_reference,
     assert late.output_token_ids == ref[3] and late.num_cached_tokens == 64
     assert eng.store.stats()["disk"]["hits"] == 8
     assert eng.pool.num_used == 0
+
+
+def test_a_request_needing_no_read_does_not_wait_behind_one_being_read(llama_dir, cold_reference, tmp_path):
+    """With nothing running, the first waiting request's prefix is still being read: the one
+    behind it, whose prefix needs no read, starts at once (it waited out the read, up to a
+    Redis timeout, when the step waited for the first)."""
+    import threading
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    _run(llm, _prompt(4, 12))  # its one full block is now on the device: it needs no read
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    gate, read = threading.Event(), disk._read
+    disk._read = lambda h: read(h) if gate.wait(10) else None  # hold the reader thread
+    reading = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    free = eng.add_request({"prompt_token_ids": _prompt(4, 12)}, SamplingParams(max_tokens=3, temperature=0,
+                                                                                 ignore_eos=True))
+    t0 = time.monotonic()
+    eng.step()
+    assert time.monotonic() - t0 < 5 and free.status.name == "RUNNING" and reading in eng.scheduler.waiting
+    gate.set()
+    while eng.has_unfinished():
+        eng.step()
+    assert reading.output_token_ids == ref[3] and reading.num_cached_tokens == 64
+    assert len(free.output_token_ids) == 3 and eng.pool.num_used == 0
+
+
+def test_one_slow_prefix_read_does_not_hold_up_the_next_requests_reads(redis_server):
+    import threading
+
+    (h0, p0, d0), (h1, p1, d1) = _chain(2)
+    tier = RedisTier(redis_server.url)
+    tier.put(h0, p0, d0)
+    tier.put(h1, p1, d1)
+    gate, fetch_run = threading.Event(), tier.fetch_run
+    tier.fetch_run = lambda hashes: fetch_run(hashes) if h0 not in hashes or gate.wait(10) else []
+    store = TieredStore([tier])
+    slow = store.prefetch([h0])  # a Redis that answers late, for this one
+    fast = store.prefetch([h1])
+    assert fast.done.wait(5) and fast.found == 1 and not slow.done.is_set()
+    gate.set()
+    assert slow.done.wait(5) and slow.found == 1
+    store.close()
 
 
 def test_without_prefetch_the_admitting_step_reads_the_disk(llama_dir, cold_reference, tmp_path):
@@ -396,7 +446,7 @@ def test_prefetch_jobs_settle_cancel_and_stay_within_staging_bytes(tmp_path):
         disk.put(h, None, data)
     gate.clear()
     block_bytes = 4 * 4 * 4
-    store = TieredStore([disk], staging_bytes=2 * block_bytes)
+    store = TieredStore([disk], staging_bytes=2 * block_bytes, readers=1)
     (h0, d0), (h1, _), (h2, _) = blocks
     first = store.prefetch([h0])
     assert first.done.wait(0.05) is False  # the reader is inside disk.get(h0), held by the gate

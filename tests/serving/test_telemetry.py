@@ -431,6 +431,8 @@ def test_known_traffic_gives_exact_counts_and_histograms(traced_server, caplog):
         # Failures: a prompt that cannot fit (400, before the engine) and an unknown model (404).
         assert c.post("/v1/completions", json={"model": model, "prompt": [5] * 10,
                                                "max_tokens": 5000}).status_code == 400
+        assert c.post("/v1/completions", json={"model": model, "prompt": "x",
+                                               "temperature": 9}).status_code == 400  # a bad field
         assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
         time.sleep(0.1)  # each request is recorded just after its last byte is sent
         text = c.get("/metrics").text
@@ -442,7 +444,7 @@ def test_known_traffic_gives_exact_counts_and_histograms(traced_server, caplog):
     lbl = dict(model=model, tenant="default")
     assert delta("tierlm:requests_total", route="/v1/completions", status="200", **lbl) == 3
     assert delta("tierlm:requests_total", route="/v1/messages", status="200", **lbl) == 2
-    assert delta("tierlm:requests_total", route="/v1/completions", status="400", model=model) == 1  # served
+    assert delta("tierlm:requests_total", route="/v1/completions", status="400", model=model) == 2  # served
     assert delta("tierlm:requests_total", route="/v1/completions", status="404", model="unknown") == 1
     assert delta("tierlm:request_success_total", **lbl) == 5
     assert delta("tierlm:prompt_tokens_total", **lbl) == prompt_tokens
@@ -465,7 +467,8 @@ def test_known_traffic_gives_exact_counts_and_histograms(traced_server, caplog):
     assert delta("tierlm:computed_prompt_tokens_total", model=model) == prompt_tokens - cached
     # One JSON log line per request, failures included.
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "tierlm.requests"]
-    assert sorted(ln["status"] for ln in lines) == [200] * 5 + [400, 404]
+    assert sorted(ln["status"] for ln in lines) == [200] * 5 + [400, 400, 404]
+    assert sorted(ln["model"] for ln in lines if ln["status"] >= 400) == sorted([model, model, "unknown"])
     assert sum(ln["output_tokens"] for ln in lines) == output_tokens
     assert all(ln["request_id"].startswith("req_") for ln in lines)
 

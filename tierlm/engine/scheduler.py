@@ -81,32 +81,43 @@ class Scheduler:
                 chosen[req] = n
                 budget -= n
         # 2) waiting requests, best priority first, while budget and sequence slots remain. One
-        #    whose prefix is still being read from disk/Redis waits while there is other work,
-        #    so that read never stalls a step.
+        #    whose prefix is still being read from disk/Redis is passed over, so that read never
+        #    stalls a step, nor the requests behind it that need no read; only when nothing at
+        #    all can run does the step wait for the first such read.
         self.waiting.sort(key=Request.sort_key)
+        reading = None
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
             if req in out.preempted:
                 break  # do not re-admit what this step just evicted
-            if chosen and not self.kv.prefix_ready(req):
+            if not self.kv.prefix_ready(req):
+                reading = reading or req
                 continue
-            hit = self.kv.find_cached_prefix(req)
-            num_cached = hit.num_blocks * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, n, hit):
+            if not self._admit(req, budget, chosen):
                 break
-            self.waiting.remove(req)
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-                self.kv.stats.queries += req.num_prompt_tokens
-                self.kv.stats.hits += num_cached
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            chosen[req] = n
-            budget -= n
+            budget -= chosen[req]
+        if not chosen and reading is not None:
+            self._admit(reading, budget, chosen)
         out.scheduled = sorted(chosen.items(), key=lambda kv: kv[1] > 1)
         return out
+
+    def _admit(self, req: Request, budget: int, chosen: dict[Request, int]) -> bool:
+        """Start `req` after its cached prefix, within `budget` tokens; False if there is no room."""
+        hit = self.kv.find_cached_prefix(req)
+        num_cached = hit.num_blocks * self.kv.block_size
+        n = min(req.num_tokens - num_cached, budget)
+        if not self.kv.allocate(req, n, hit):
+            return False
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_cached
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+            self.kv.stats.queries += req.num_prompt_tokens
+            self.kv.stats.hits += num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        chosen[req] = n
+        return True

@@ -129,8 +129,17 @@ class KVCacheManager:
         hashes, hit.device, limit = self._device_prefix(req)
         if self.store is not None:
             held = self._held
-            if held is not None and held[0] == req.request_id and held[1] == len(hit.device):
-                hit.lower = held[2]  # blocks are keyed by content: what was read is still right
+            if held is not None and held[0] == req.request_id:
+                # Blocks are keyed by content, so what was read is still right. Only the split
+                # moved if other requests' demand pushed some of this prefix off the device (read
+                # those few back, from host or the writer's queue) or brought more of it there.
+                start, lower, d = held[1], held[2], len(hit.device)
+                if d >= start:
+                    hit.lower = lower[d - start:]
+                else:
+                    gap = hashes[d:start]
+                    found = self.store.fetch_run(gap)
+                    hit.lower = [(h, *f) for h, f in zip(gap, found)] + (lower if len(found) == len(gap) else [])
                 return hit
             if job is not None and job.finished:
                 # The reader found the run and the miss after it: read only what it staged (and

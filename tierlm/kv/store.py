@@ -70,7 +70,8 @@ class TieredStore:
 
     def __init__(self, tiers: list, write_through_remote: bool = True,
                  fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30,
-                 backlog_bytes: int = 1 << 30, remote_batch: int = 32, write_through_disk: bool = False) -> None:
+                 backlog_bytes: int = 1 << 30, remote_batch: int = 32, write_through_disk: bool = False,
+                 readers: int = 4) -> None:
         self.tiers = tiers
         self.remote_batch = remote_batch  # Redis blocks per round trip when reading a prefix
         # Where a freshly computed block is written at once (levels), besides the device.
@@ -95,11 +96,16 @@ class TieredStore:
         self._closed = False
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
+        # Several readers: one request's slow read (a Redis that answers late, a cold disk) must
+        # not hold up the reads of the requests that arrived after it.
+        self._readers = max(1, readers)
         self._threads = [
             threading.Thread(target=self._serve, name="tierlm-kv-writer", daemon=True, args=(
                 self._writes, self._write_one, "KV tier write failed; the block will be recomputed when needed")),
-            threading.Thread(target=self._serve, name="tierlm-kv-reader", daemon=True, args=(
-                self._reads, self._read_one, "KV prefetch failed; the blocks will be read when the request is scheduled")),
+        ] + [
+            threading.Thread(target=self._serve, name=f"tierlm-kv-reader-{i}", daemon=True, args=(
+                self._reads, self._read_one, "KV prefetch failed; the blocks will be read when the request is scheduled"))
+            for i in range(self._readers)
         ]
         for t in self._threads:
             t.start()
@@ -330,7 +336,8 @@ class TieredStore:
             self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
             self._room.notify_all()
         self._writes.put(None)
-        self._reads.put(None)
+        for _ in range(self._readers):
+            self._reads.put(None)
         for t in self._threads:
             t.join()
         for tier in self.tiers:

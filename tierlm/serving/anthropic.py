@@ -51,7 +51,6 @@ from tierlm.serving.protocol_anthropic import (
 )
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
-from tierlm.serving.validation import parse_request
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -63,7 +62,7 @@ router = APIRouter()
 async def create_message(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
-    body = await parse_request(request, MessagesRequest, state.max_body_bytes)
+    body = await state.parse(request, MessagesRequest)
     engine = state.engine_for(request, body.model)
     prompt = await build_prompt(engine, body)
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
@@ -91,7 +90,7 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     state.admit(request)
-    body = await parse_request(request, CountTokensRequest, state.max_body_bytes)
+    body = await state.parse(request, CountTokensRequest)
     engine = state.engine_for(request, body.model)
     # Counted whatever the length: the count is the answer, even past the model's context.
     prompt = await build_prompt(engine, body, check_length=False)

@@ -52,7 +52,6 @@ from tierlm.serving.protocol_openai import (
 )
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
-from tierlm.serving.validation import parse_request
 from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
@@ -86,7 +85,7 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
-    body = await parse_request(request, ChatCompletionRequest, state.max_body_bytes)
+    body = await state.parse(request, ChatCompletionRequest)
     engine = state.engine_for(request, body.model)
     prompt = await build_chat_prompt(engine, body)
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -108,7 +107,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
-    body = await parse_request(request, CompletionRequest, state.max_body_bytes)
+    body = await state.parse(request, CompletionRequest)
     engine = state.engine_for(request, body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 
@@ -13,10 +13,12 @@ from tierlm.serving.auth import Authenticator, RequestContext
 from tierlm.serving.errors import Overloaded
 from tierlm.serving.generation import InflightRequests
 from tierlm.serving.models import ModelRegistry
-from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, parse_request
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
+
+M = TypeVar("M")
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -35,6 +37,19 @@ class ServerState:
             raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id)
+
+    async def parse(self, request: Request, cls: type[M]) -> M:
+        """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON
+        decodes, a "model" this server serves labels the request's telemetry, so a request
+        refused for a bad field (max_tokens 0, temperature 9) counts under its model."""
+        observer = request.scope.get("state", {}).get("telemetry")
+
+        def label(data: dict) -> None:
+            name = data.get("model")
+            if observer is not None and isinstance(name, str) and name in self.models.names:
+                observer.model = name
+
+        return await parse_request(request, cls, self.max_body_bytes, on_json=label)
 
     def engine_for(self, request: Request, name: str) -> "AsyncEngine":
         """The engine serving model `name` (404 if none). From here on the request's telemetry

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -128,15 +129,21 @@ def validate_body(model: type[M], data: dict[str, Any]) -> M:
 PARSE_OFF_LOOP_BYTES = 1 << 20
 
 
-async def parse_request(request: Request, model: type[M], limit: int) -> M:
+async def parse_request(request: Request, model: type[M], limit: int,
+                        on_json: Callable[[dict], None] | None = None) -> M:
+    """The body as `model`; `on_json` sees the decoded object before it is validated (telemetry
+    reads its "model" there, so a request refused for a bad field still counts under it)."""
     body = await read_body(request, limit)
     if len(body) >= PARSE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(_parse_body, model, body)
-    return _parse_body(model, body)
+        return await asyncio.to_thread(_parse_body, model, body, on_json)
+    return _parse_body(model, body, on_json)
 
 
-def _parse_body(model: type[M], body: bytes) -> M:
-    return validate_body(model, parse_json_object(body))
+def _parse_body(model: type[M], body: bytes, on_json: Callable[[dict], None] | None = None) -> M:
+    data = parse_json_object(body)
+    if on_json is not None:
+        on_json(data)
+    return validate_body(model, data)
 
 
 def validation_error_to_api(exc: ValidationError, data: Any) -> InvalidRequest:
