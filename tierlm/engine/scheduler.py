@@ -92,7 +92,8 @@ class Scheduler:
             if req in out.preempted:
                 break  # do not re-admit what this step just evicted
             if not self.kv.prefix_ready(req):
-                reading = reading or req
+                if reading is None:
+                    reading = req
                 continue
             if not self._admit(req, budget, chosen):
                 break
