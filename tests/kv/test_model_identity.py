@@ -291,12 +291,18 @@ def test_without_disk_or_redis_nothing_is_hashed(runs, fp_cache, not_racy):
     assert not [t for t in threading.enumerate() if t.name.startswith("tierlm-fingerprint")]
 
 
-def test_a_start_that_fails_after_loading_stops_the_hash(runs, tmp_path):
+def test_a_start_that_fails_after_loading_stops_the_hash(runs, tmp_path, monkeypatch):
     import threading
 
+    from tierlm.engine.runner import ModelRunner
+
+    def fail(self, *args, **kw):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(ModelRunner, "warm_up", fail)  # a failure after the weights loaded
     a, _ = runs
-    with pytest.raises(ValueError, match="holds no KV block"):
-        LLM(str(a), dtype="float32", kv_cache_memory=10, load_progress=False, kv_disk_dir=str(tmp_path / "kv"))
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        LLM(str(a), dtype="float32", load_progress=False, kv_disk_dir=str(tmp_path / "kv"))
     deadline = time.monotonic() + 5
     while [t for t in threading.enumerate() if t.name.startswith("tierlm-fingerprint")]:
         assert time.monotonic() < deadline, "the fingerprint thread outlived the failed start"

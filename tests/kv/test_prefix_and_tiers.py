@@ -197,6 +197,23 @@ def test_a_disk_capacity_in_bytes_counts_each_entry_file_whole(tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("bad, says", [
+    (dict(kv_host_capacity="1000"), "kv_host_capacity: KV tier capacity '1000' is less than one KV block"),
+    (dict(kv_disk_dir="DIR", kv_disk_capacity="2KiB"), "kv_disk_capacity: .* less than one KV block"),
+    (dict(kv_cache_memory=10), "kv_cache_memory=10 bytes holds no KV block"),
+])
+def test_sizes_under_one_block_are_refused_before_the_weights_load(llama_dir, tmp_path, monkeypatch, bad, says):
+    import tierlm.engine.engine as engine_mod
+
+    def no_load(*args, **kw):
+        raise AssertionError("the weights were loaded before the sizes were checked")
+
+    monkeypatch.setattr(engine_mod, "load_model", no_load)
+    bad = {k: str(tmp_path / "kv") if v == "DIR" else v for k, v in bad.items()}
+    with pytest.raises(ValueError, match=says):
+        _llm(llama_dir, **bad)
+
+
 def test_host_tier_larger_than_the_machine_is_refused(llama_dir, tmp_path):
     from tierlm.config import host_memory
     total = host_memory()[0]

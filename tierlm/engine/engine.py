@@ -33,7 +33,9 @@ from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import ENTRY_HEADER_BYTES, DiskTier, HostTier, RedisTier, parse_capacity
 from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
-from tierlm.models.loader import check_model_dir, load_model
+from tierlm.models.config import load_config_dict, parse_config
+from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
+from tierlm.models.registry import resolve_architecture
 from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -127,10 +129,9 @@ def _report_other_disk_dirs(root: Path, own: Path) -> None:
                  root, len(others), "y" if len(others) == 1 else "ies", shown)
 
 
-def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
-                fence: Callable[[], None] | None = None, label: str = "model") -> TieredStore | None:
-    """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
-    # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
+def tier_capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int | None, int]:
+    """(host, disk or None for the default, remote) capacities in blocks of `block_bytes`; a
+    ValueError names the setting that cannot be read or is under one block."""
     def blocks(knob: str, entry_bytes: int = block_bytes) -> int:
         try:
             return parse_capacity(getattr(config, knob), entry_bytes)
@@ -141,6 +142,26 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     # A disk entry is a file: its header counts against a size in bytes too.
     disk = blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES) if config.kv_disk_capacity else None
     remote = blocks("kv_remote_capacity") if config.kv_remote_capacity else 0
+    return host, disk, remote
+
+
+def check_sizes_before_loading(config: EngineConfig, model_dir: Path, device: torch.device) -> None:
+    """Sizes that depend on the KV block's size, which config.json alone gives: a tier capacity
+    or a kv_cache_memory under one block is refused before the weights load, not minutes after."""
+    cfg = load_config_dict(model_dir)
+    args = parse_config(cfg, resolve_architecture(cfg))
+    per_block = kv_bytes_per_block(args, resolve_dtype(config.dtype, args, device), config.block_size)
+    tier_capacities(config, per_block)
+    if config.kv_cache_memory is not None and config.kv_cache_memory < per_block:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block ({per_block} bytes "
+                         "each); raise it")
+
+
+def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
+                fence: Callable[[], None] | None = None, label: str = "model") -> TieredStore | None:
+    """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
+    # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
+    host, disk, remote = tier_capacities(config, block_bytes)
     check_host_capacity(host * block_bytes)
     tiers: list = []
     if host > 0:
@@ -178,6 +199,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # Cached K/V that outlives this process (disk) or leaves it (Redis) is keyed by a hash of
         # the weights, computed alongside the load; blocks that stay in memory need no such key.
+        check_sizes_before_loading(config, model_dir, self.device)
         persistent = bool(config.kv_disk_dir or config.kv_remote)
         stamps = weight_stamps(model_dir) if persistent else None
         fingerprint = BackgroundFingerprint(model_dir) if persistent else None
