@@ -408,6 +408,44 @@ def test_a_request_needing_no_read_does_not_wait_behind_one_being_read(llama_dir
     assert len(free.output_token_ids) == 3 and eng.pool.num_used == 0
 
 
+def test_disk_reads_run_side_by_side_and_a_raced_read_is_not_called_corrupt(tmp_path):
+    import threading
+
+    (h0, p0, d0), (h1, p1, d1) = _chain(2)
+    gate = threading.Event()
+
+    class SlowFirst(DiskTier):
+        def _read(self, h):
+            if h == h0:
+                assert gate.wait(10)
+            return super()._read(h)
+
+    disk = SlowFirst(tmp_path / "d", 8)
+    disk.put(h0, p0, d0)
+    disk.put(h1, p1, d1)
+    got = []
+    slow = threading.Thread(target=lambda: got.append(disk.get(h0)))
+    slow.start()
+    assert torch.equal(disk.get(h1), d1)  # while h0's read is under way (it held the tier's lock)
+    gate.set()
+    slow.join(10)
+    assert torch.equal(got[0], d0) and disk.stats.corrupt == 0
+    flaky = {"left": 1}
+
+    class RacedOnce(DiskTier):  # as if a hint were being patched in place during the read
+        def _read(self, h):
+            if flaky["left"]:
+                flaky["left"] -= 1
+                return None
+            return super()._read(h)
+
+    disk.close()
+    raced = RacedOnce(tmp_path / "d", 8, index_in_background=False)
+    raced.index()
+    assert torch.equal(raced.get(h1), d1) and raced.stats.corrupt == 0 and h1 in raced
+    raced.close()
+
+
 def test_one_slow_prefix_read_does_not_hold_up_the_next_requests_reads(redis_server):
     import threading
 

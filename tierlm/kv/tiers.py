@@ -558,12 +558,37 @@ class DiskTier(_CapacityTier):
             return h in self.parents or self._unindexed_entry(h) is not None
 
     def get(self, h: bytes) -> torch.Tensor | None:
+        """As any tier's, but the file is read and checked outside the lock, so the reader
+        threads' disk reads (and the model loop's lookups) do not queue behind one another.
+        A read that fails is tried again under the lock before the entry is called corrupt: a
+        hint being patched in place, or an eviction, may have raced it."""
         with self.lock:
             hint = self._adopt_on_demand(h)
-            data = super().get(h)
-            if data is not None and hint is not None:
-                self.policy.finished([h], hint)  # tracked by now
+            if h not in self.parents:
+                self.stats.misses += 1
+                return None
+        data = self._read(h)
+        with self.lock:
+            if data is None and h in self.parents:
+                data = self._read(h)
+                if data is None:  # corrupt: drop it, the caller recomputes
+                    self.stats.corrupt += 1
+                    self._drop(h)
+            if data is None:
+                self.stats.misses += 1
+                return None
+            if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
+                self.clock += 1
+                self.policy.access(h, self.parents[h], self.clock)
+                if hint is not None:
+                    self.policy.finished([h], hint)
+            self.stats.hits += 1
+            self.stats.bytes_out += data.numel() * data.element_size()
             return data
+
+    def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
+        data = self.get(h)  # not under the lock: see get
+        return None if data is None else (data, self.hint_of(h))
 
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list[Demoted]:
         with self.lock:
