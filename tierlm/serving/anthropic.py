@@ -63,7 +63,7 @@ async def create_message(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, MessagesRequest)
-    engine = state.engine_for(request, body.model)
+    engine = state.models.get(body.model)
     prompt = await build_prompt(engine, body)
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     params = sampling_params(
@@ -91,7 +91,7 @@ async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     state.admit(request)
     body = await state.parse(request, CountTokensRequest)
-    engine = state.engine_for(request, body.model)
+    engine = state.models.get(body.model)
     # Counted whatever the length: the count is the answer, even past the model's context.
     prompt = await build_prompt(engine, body, check_length=False)
     return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())

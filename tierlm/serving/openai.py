@@ -86,7 +86,7 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
-    engine = state.engine_for(request, body.model)
+    engine = state.models.get(body.model)
     prompt = await build_chat_prompt(engine, body)
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
@@ -108,7 +108,7 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, CompletionRequest)
-    engine = state.engine_for(request, body.model)
+    engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
     prompt_ids = await completion_prompt_ids(engine, body)

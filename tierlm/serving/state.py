@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -14,9 +14,6 @@ from tierlm.serving.errors import Overloaded
 from tierlm.serving.generation import InflightRequests
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, parse_request
-
-if TYPE_CHECKING:
-    from tierlm.engine.async_engine import AsyncEngine
 
 M = TypeVar("M")
 
@@ -50,16 +47,6 @@ class ServerState:
                 observer.model = name
 
         return await parse_request(request, cls, self.max_body_bytes, on_json=label)
-
-    def engine_for(self, request: Request, name: str) -> "AsyncEngine":
-        """The engine serving model `name` (404 if none). From here on the request's telemetry
-        carries the model, so a 400 for a served model (too long, bad parameters) is counted
-        under it, not under "unknown"."""
-        engine = self.models.get(name)
-        observer = request.scope.get("state", {}).get("telemetry")
-        if observer is not None:
-            observer.model = name
-        return engine
 
 
     async def drain(self, timeout: float) -> None:
