@@ -315,21 +315,37 @@ class _CapacityTier:
         return True
 
     def get(self, h: bytes) -> torch.Tensor | None:
+        """The block, read outside the lock (a disk read must not queue other lookups behind
+        it). A read that fails is tried again under the lock before the entry is called corrupt
+        and dropped: an eviction or a hint patched in place may have raced it."""
         with self.lock:
+            hint = self._before_read(h)
             if h not in self.parents:
                 self.stats.misses += 1
                 return None
-            data = self._read(h)
-            if data is None:  # corrupt or vanished: drop it, the caller recomputes
-                self.stats.corrupt += 1
+        data = self._read(h)
+        with self.lock:
+            if data is None and h in self.parents:
+                data = self._read(h)
+                if data is None:  # corrupt: drop it, the caller recomputes
+                    self.stats.corrupt += 1
+                    self._drop(h)
+            if data is None:
                 self.stats.misses += 1
-                self._drop(h)
                 return None
-            self.clock += 1
-            self.policy.access(h, self.parents[h], self.clock)
+            if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
+                self.clock += 1
+                self.policy.access(h, self.parents[h], self.clock)
+                if hint is not None:
+                    self.policy.finished([h], hint)
             self.stats.hits += 1
             self.stats.bytes_out += data.numel() * data.element_size()
             return data
+
+    def _before_read(self, h: bytes) -> int | None:
+        """Under the lock, before a lookup: make `h` known if it is stored but not yet indexed;
+        returns its hint, for the policy once the access has made it tracked."""
+        return None
 
     def _hint(self, h: bytes, hint: int | None) -> None:
         if hint is not None:
@@ -342,9 +358,8 @@ class _CapacityTier:
 
     def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
         """A hit as (block, its output-length hint), or None."""
-        with self.lock:
-            data = self.get(h)
-            return None if data is None else (data, self.hints.get(h))
+        data = self.get(h)
+        return None if data is None else (data, self.hint_of(h))
 
     def take(self, h: bytes) -> Demoted | None:
         """Remove `h` and return it as it moves down (None if its bytes are gone); hold `lock`."""
@@ -557,38 +572,8 @@ class DiskTier(_CapacityTier):
         with self.lock:
             return h in self.parents or self._unindexed_entry(h) is not None
 
-    def get(self, h: bytes) -> torch.Tensor | None:
-        """As any tier's, but the file is read and checked outside the lock, so the reader
-        threads' disk reads (and the model loop's lookups) do not queue behind one another.
-        A read that fails is tried again under the lock before the entry is called corrupt: a
-        hint being patched in place, or an eviction, may have raced it."""
-        with self.lock:
-            hint = self._adopt_on_demand(h)
-            if h not in self.parents:
-                self.stats.misses += 1
-                return None
-        data = self._read(h)
-        with self.lock:
-            if data is None and h in self.parents:
-                data = self._read(h)
-                if data is None:  # corrupt: drop it, the caller recomputes
-                    self.stats.corrupt += 1
-                    self._drop(h)
-            if data is None:
-                self.stats.misses += 1
-                return None
-            if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
-                self.clock += 1
-                self.policy.access(h, self.parents[h], self.clock)
-                if hint is not None:
-                    self.policy.finished([h], hint)
-            self.stats.hits += 1
-            self.stats.bytes_out += data.numel() * data.element_size()
-            return data
-
-    def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
-        data = self.get(h)  # not under the lock: see get
-        return None if data is None else (data, self.hint_of(h))
+    def _before_read(self, h: bytes) -> int | None:
+        return self._adopt_on_demand(h)
 
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list[Demoted]:
         with self.lock:
