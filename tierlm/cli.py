@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # serving layer not installed in this build
         pass
 
+    from tierlm.kv.cli import add_cli as add_kv_cli
+    add_kv_cli(sub)
+
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG, ratios against a peer in the same run)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from tierlm.bench import throughput

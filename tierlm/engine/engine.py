@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import logging
 import numbers
+import os
 import re
 import time
 import uuid
@@ -28,6 +29,7 @@ from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
+from tierlm.kv.admin import write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
@@ -125,8 +127,8 @@ def _report_other_disk_dirs(root: Path, own: Path) -> None:
     if others:
         shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
         log.info("kv_disk_dir %s also holds %d other model director%s (other models, or earlier weights of "
-                 "this one): %s. tierlm never deletes them; remove those whose weights are gone",
-                 root, len(others), "y" if len(others) == 1 else "ies", shown)
+                 "this one): %s. tierlm never deletes them; `tierlm kv ls %s` says which hold weights that are gone",
+                 root, len(others), "y" if len(others) == 1 else "ies", shown, root)
 
 
 def tier_capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int | None, int]:
@@ -158,8 +160,11 @@ def check_sizes_before_loading(config: EngineConfig, model_dir: Path, device: to
 
 
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
-                fence: Callable[[], None] | None = None, label: str = "model") -> TieredStore | None:
-    """The lower KV tiers named in the config, in order host -> disk -> redis (None if none)."""
+                fence: Callable[[], None] | None = None, label: str = "model",
+                about: dict | None = None) -> TieredStore | None:
+    """The lower KV tiers named in the config, in order host -> disk -> redis (None if none).
+    `about` (the checkpoint's path and fingerprint) is recorded in the disk tier's directory,
+    for `tierlm kv ls` to tell whether those weights are still there."""
     # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
     host, disk, remote = tier_capacities(config, block_bytes)
     check_host_capacity(host * block_bytes)
@@ -169,6 +174,8 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
         own = disk_tier_dir(config.kv_disk_dir, model_id, label)
         tiers.append(DiskTier(own, disk, config.tier_policy("disk"), block_bytes=block_bytes))
+        if about is not None:
+            write_about(own, about | {"model_id": model_id, "block_bytes": block_bytes, "started": time.time()})
         _report_other_disk_dirs(Path(config.kv_disk_dir), own)
     if config.kv_remote:
         try:
@@ -238,10 +245,13 @@ class LLMEngine:
                 n = self.runner.graphs.record_decode_buckets()
                 log.info("recorded %d CUDA graphs for decode steps in %.1f s (longer contexts are recorded when "
                          "first seen)", n, time.monotonic() - t0)
+            about = None
             if fingerprint is None:
                 model_id = f"process-{uuid.uuid4().hex}:{self.dtype}:{loaded.kv_dtype}"
             else:
-                model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype, fingerprint.result())
+                digest = fingerprint.result()
+                model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype, digest)
+                about = {"model_dir": os.path.abspath(model_dir), "fingerprint": digest}
                 if weight_stamps(model_dir) != stamps:  # hashed and loaded bytes may differ
                     raise ModelLoadError(
                         f"the weights in {model_dir} changed while tierlm was loading them (a copy or download "
@@ -251,7 +261,7 @@ class LLMEngine:
                 fingerprint.cancel()  # nobody will ask for it: stop hashing
             raise
         self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done,
-                                 label=model_dir.name)
+                                 label=model_dir.name, about=about)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,
                                  io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
                                  prefetch=(self.device.type == "cuda" or bool(config.kv_remote))

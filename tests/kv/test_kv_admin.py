@@ -1,0 +1,208 @@
+"""`tierlm kv ls` / `tierlm kv prune`: the model directories a kv_disk_dir accumulates, with real
+engines writing them, holding their locks and serving from them afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tierlm import LLM, SamplingParams
+from tierlm.cli import main
+from tierlm.errors import KVTierError
+from tierlm.kv import admin
+from tierlm.kv.tiers import DiskTier
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "tierlm-cache"))
+
+
+def _perturb(path) -> None:
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    key = next(k for k in tensors if k.endswith("layers.0.self_attn.k_proj.weight"))
+    tensors[key] = tensors[key] + 0.5
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def _llm(path, kv) -> LLM:
+    return LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64,
+               load_progress=False, kv_disk_dir=str(kv), warmup=False)
+
+
+def _fill(llm: LLM, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(5, 600) for _ in range(40)]
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+    assert llm.engine.offload_prefix_cache() > 0
+    llm.engine.store.flush()
+    return prompt
+
+
+def _files(d) -> list:
+    return [p for p in d.rglob("*.kv")]
+
+
+def _ls(capsys, kv) -> dict:
+    capsys.readouterr()
+    assert main(["kv", "ls", str(kv), "--json"]) == 0
+    return {d["model_dir"] and os.path.basename(d["model_dir"]) or d["name"]: d
+            for d in json.loads(capsys.readouterr().out)["dirs"]}
+
+
+@pytest.fixture
+def site(llama_dir, tmp_path):
+    """A kv_disk_dir after three checkpoints were served: `alpha` (still served, by an engine
+    this test holds open), `beta` (weights changed since) and `gamma` (deleted since), plus
+    `delta`, current and not served, and a directory tierlm did not make."""
+    kv = tmp_path / "kv"
+    ck = {n: shutil.copytree(llama_dir, tmp_path / "ckpt" / n) for n in ("alpha", "beta", "gamma", "delta")}
+    _perturb(ck["beta"])  # distinct weights from alpha's, so distinct block keys
+    for name in ("beta", "gamma", "delta"):
+        with _llm(ck[name], kv) as llm:
+            _fill(llm, seed=1)
+    _perturb(ck["beta"])
+    shutil.rmtree(ck["gamma"])
+    (kv / "operator-notes").mkdir()
+    (kv / "operator-notes" / "README").write_text("not tierlm's")
+    alpha = _llm(ck["alpha"], kv)
+    _fill(alpha, seed=2)
+    yield kv, ck, alpha
+    alpha.close()
+
+
+def test_ls_says_what_each_directory_holds_who_holds_it_and_whether_its_weights_are_there(site, capsys):
+    kv, ck, alpha = site
+    dirs = _ls(capsys, kv)
+    assert set(dirs) == {"alpha", "beta", "gamma", "delta"}  # operator-notes is not a model directory
+    assert dirs["alpha"]["in_use_by"] == f"tierlm pid {os.getpid()}"
+    assert {n: d["weights"] for n, d in dirs.items()} == {
+        "alpha": "current", "beta": "changed", "gamma": "gone", "delta": "current"}
+    assert [n for n, d in dirs.items() if d["stale"]] == ["beta", "gamma"]
+    for n, d in dirs.items():
+        files = _files(kv / d["name"])
+        assert d["entries"] == len(files) > 0
+        assert d["bytes"] == sum(f.stat().st_size for f in files)
+        assert d["model_dir"] == os.path.abspath(ck[n])
+        assert d["last_used"] >= d["last_write"] > time.time() - 600
+    assert dirs["alpha"]["name"] == alpha.engine.store.tiers[0].root.name
+    capsys.readouterr()
+    assert main(["kv", "ls", str(kv)]) == 0
+    table = capsys.readouterr().out
+    assert "4 model directories" in table and "operator-notes" not in table
+    assert f"tierlm kv prune {kv} --stale" in table  # beta and gamma: the hint names the command
+
+
+def test_prune_stale_removes_free_stale_directories_only(site, capsys):
+    kv, ck, alpha = site
+    before = _ls(capsys, kv)
+    _perturb(ck["alpha"])  # alpha's weights change under its running engine: stale, but held
+    assert main(["kv", "prune", str(kv), "--stale"]) == 0
+    out = capsys.readouterr().out
+    assert "kept: in use by tierlm pid" in out and "removed: " + before["beta"]["name"] in out
+    left = {p.name for p in kv.iterdir()}
+    assert left == {before["alpha"]["name"], before["delta"]["name"], "operator-notes"}
+    assert (kv / "operator-notes" / "README").read_text() == "not tierlm's"
+    # The engine holding alpha still serves from it, and beta starts afresh in a new directory.
+    prompt = _fill(alpha, seed=3)
+    assert alpha.generate([{"prompt_token_ids": prompt}], GREEDY)[0].num_cached_tokens > 0
+    with _llm(ck["beta"], kv) as beta:
+        assert beta.engine.store.tiers[0].root.is_dir()
+
+
+def test_dry_run_and_filters_that_match_nothing_remove_nothing(site, capsys):
+    kv, _, _ = site
+    snapshot = sorted(str(p) for p in kv.rglob("*"))
+    assert main(["kv", "prune", str(kv), "--stale", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("would remove") == 2 and "would free" in out
+    assert main(["kv", "prune", str(kv), "--stale", "--unused-for", "30d"]) == 0  # used minutes ago
+    assert "nothing matches" in capsys.readouterr().out
+    assert sorted(str(p) for p in kv.rglob("*")) == snapshot
+
+
+def test_unused_for_counts_from_the_last_start_or_write(site):
+    kv, _, _ = site
+    later = time.time() + 2 * 3600
+    assert admin.prune(kv, unused_for_s=3 * 3600, now=lambda: later) == []
+    gone = admin.prune(kv, unused_for_s=3600, now=lambda: later)
+    assert sorted((os.path.basename(r.dir.model_dir), r.removed) for r in gone) == [
+        ("alpha", False), ("beta", True), ("delta", True), ("gamma", True)]
+
+
+def test_a_directory_named_while_in_use_is_kept_and_the_exit_status_says_so(site, capsys):
+    kv, _, alpha = site
+    held = alpha.engine.store.tiers[0].root
+    assert main(["kv", "prune", str(kv), held.name]) == 1
+    assert "kept: in use by tierlm pid" in capsys.readouterr().out
+    assert _files(held)
+
+
+def test_an_engine_starting_on_a_directory_being_pruned_is_refused(site, monkeypatch):
+    """prune holds the directory's lock while it deletes: an engine starting then is told the
+    directory is in use, rather than indexing entries that are vanishing under it."""
+    kv, _, _ = site
+    target = next(d for d in admin.scan(kv) if os.path.basename(d.model_dir or "") == "delta")
+    real_rmtree, seen = shutil.rmtree, []
+
+    def rmtree(path, *a, **kw):
+        with pytest.raises(KVTierError, match="in use"):
+            DiskTier(path, 64, block_bytes=1024)
+        seen.append(path)
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(admin.shutil, "rmtree", rmtree)
+    [r] = admin.prune(kv, names=[target.name])
+    assert r.removed and seen and not os.path.exists(target.path)
+
+
+def test_bad_requests_are_one_line_errors(site, capsys):
+    kv, _, _ = site
+    cases = [
+        (["kv", "prune", str(kv)], "say what to remove"),
+        (["kv", "prune", str(kv), "no-such-0123456789ab"], "no model directory 'no-such-0123456789ab'"),
+        (["kv", "prune", str(kv), "--unused-for", "soon"], "cannot read duration 'soon'"),
+        (["kv", "ls", str(kv / "missing")], "is not a directory"),
+    ]
+    snapshot = sorted(str(p) for p in kv.rglob("*"))
+    for argv, said in cases:
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
+    d = next(iter(admin.scan(kv, check_weights=False)))
+    with pytest.raises(ValueError, match="not both"):
+        admin.prune(kv, names=[d.name], stale=True)
+    assert sorted(str(p) for p in kv.rglob("*")) == snapshot
+
+
+def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_path, capsys):
+    """A directory of an earlier tierlm (no model.json) or one whose record is damaged."""
+    kv = tmp_path / "kv"
+    for name, about in (("old-0123456789ab", None), ("bad-ba9876543210", "{not json")):
+        (kv / name / "ab").mkdir(parents=True)
+        (kv / name / ".lock").write_text("")
+        (kv / name / "ab" / ("ab" * 32 + ".kv")).write_bytes(b"x" * 100)
+        if about is not None:
+            (kv / name / "model.json").write_text(about)
+    dirs = _ls(capsys, kv)
+    assert {n: (d["weights"], d["entries"], d["bytes"], d["stale"]) for n, d in dirs.items()} == {
+        "old-0123456789ab": ("unknown", 1, 100, False), "bad-ba9876543210": ("unknown", 1, 100, False)}
+    assert admin.prune(kv, stale=True) == []
+
+
+def test_durations():
+    assert [admin.parse_duration(s) for s in ("90s", "45m", "1.5h", "30d", "2w", " 3D ")] == [
+        90, 2700, 5400, 30 * 86400, 14 * 86400, 3 * 86400]
+    for bad in ("", "10", "d", "-1d", "1y"):
+        with pytest.raises(ValueError, match="cannot read duration"):
+            admin.parse_duration(bad)

@@ -1,0 +1,253 @@
+"""What a `kv_disk_dir` holds, and removing what no model will use again.
+
+Each model gets a directory of its own under `kv_disk_dir` (`disk_tier_dir`), named after the
+checkpoint and its weights' fingerprint. New weights mean a new directory (the block keys
+change), so directories of old weights, and of models no longer served, stay behind: each one
+counted only against its own capacity, and tierlm never deletes one by itself, since another
+server may be using it. An engine records, in `model.json`, which checkpoint a directory is for;
+`tierlm kv ls` reads that to say whether those weights are still there, and `tierlm kv prune`
+removes directories that no engine holds, chosen by that or by age, holding each directory's
+lock while it deletes it so an engine cannot start on it halfway.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tierlm.files import read_regular
+
+log = logging.getLogger("tierlm.kv")
+
+ABOUT_FILE = "model.json"
+LOCK_FILE = ".lock"
+_DIR_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}")  # disk_tier_dir's names
+_ENTRY = re.compile(r"[0-9a-f]{64}\.kv")
+
+# Whether a directory's recorded weights are still at their recorded path.
+CURRENT, CHANGED, GONE, UNKNOWN, UNCHECKED = "current", "changed", "gone", "unknown", "unchecked"
+STALE = (CHANGED, GONE)
+
+
+def write_about(directory: Path, about: dict) -> None:
+    """Record which checkpoint `directory` holds blocks for (atomically: a reader never sees half
+    a file). Not needed to serve, so a failure is a warning."""
+    tmp = directory / f".{ABOUT_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(about, indent=1) + "\n")
+        os.replace(tmp, directory / ABOUT_FILE)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("could not write %s (%s); `tierlm kv ls` will not know which model it is for",
+                    directory / ABOUT_FILE, e)
+
+
+def read_about(directory: Path) -> dict:
+    raw = read_regular(directory / ABOUT_FILE, 1 << 16)
+    try:
+        about = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return about if isinstance(about, dict) else {}
+
+
+@dataclass
+class ModelDir:
+    """One model's directory under a kv_disk_dir."""
+    name: str
+    path: str
+    entries: int
+    bytes: int
+    last_write: float | None  # newest entry's file time (epoch seconds)
+    started: float | None  # when an engine last started on it (model.json)
+    in_use_by: str | None  # the lock holder ("tierlm pid 42"), or None when free
+    model_dir: str | None  # the checkpoint it holds blocks for (model.json)
+    weights: str  # CURRENT, CHANGED, GONE, UNKNOWN (no model.json) or UNCHECKED
+
+    @property
+    def last_used(self) -> float | None:
+        times = [t for t in (self.last_write, self.started) if t is not None]
+        return max(times) if times else None
+
+    @property
+    def stale(self) -> bool:
+        return self.weights in STALE
+
+
+def _is_model_dir(entry: os.DirEntry) -> bool:
+    if not entry.is_dir(follow_symlinks=False) or not _DIR_NAME.fullmatch(entry.name):
+        return False
+    p = Path(entry.path)
+    return (p / LOCK_FILE).is_file() or (p / ABOUT_FILE).is_file()
+
+
+def _lock_holder(directory: Path) -> str | None:
+    """Who holds the directory's engine lock, or None if nobody does."""
+    fd = _try_lock(directory)
+    if isinstance(fd, int):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _try_lock(directory: Path) -> int | str | None:
+    """The directory's lock taken (its fd), the holder's name if an engine holds it, or None if
+    there is no lock file (then nothing can hold it)."""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"unknown ({e})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        try:
+            holder = os.read(fd, 256).decode(errors="replace").strip()
+        except OSError:
+            holder = ""
+        os.close(fd)
+        return holder or "another engine"
+
+
+def _entries(directory: Path) -> tuple[int, int, float | None]:
+    """(entries, bytes, newest entry's time) of the block files in the directory's shards."""
+    n = size = 0
+    newest: float | None = None
+    for shard in os.scandir(directory):
+        if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
+            continue
+        for f in os.scandir(shard.path):
+            if not _ENTRY.fullmatch(f.name):
+                continue
+            try:
+                st = f.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            n += 1
+            size += st.st_size
+            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+    return n, size, newest
+
+
+def _weights(about: dict) -> str:
+    from tierlm.models.fingerprint import weights_fingerprint
+
+    model_dir, recorded = about.get("model_dir"), about.get("fingerprint")
+    if not isinstance(model_dir, str) or not isinstance(recorded, str):
+        return UNKNOWN
+    if not Path(model_dir).is_dir():
+        return GONE
+    try:
+        return CURRENT if weights_fingerprint(model_dir) == recorded else CHANGED
+    except Exception as e:  # no config.json or no weights left: nothing there computes these blocks
+        log.debug("fingerprinting %s failed: %s", model_dir, e)
+        return GONE
+
+
+def scan(root: str | Path, check_weights: bool = True) -> list[ModelDir]:
+    """Every model directory under `root`, by name. With `check_weights`, each recorded
+    checkpoint is fingerprinted (cached per file, so only changed files are read again)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"{root} is not a directory; give the kv_disk_dir a server was started with")
+    found = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if not _is_model_dir(entry):
+            continue
+        p = Path(entry.path)
+        about = read_about(p)
+        n, size, newest = _entries(p)
+        started = about.get("started")
+        found.append(ModelDir(
+            name=entry.name, path=str(p), entries=n, bytes=size, last_write=newest,
+            started=float(started) if isinstance(started, (int, float)) else None,
+            in_use_by=_lock_holder(p),
+            model_dir=about.get("model_dir") if isinstance(about.get("model_dir"), str) else None,
+            weights=_weights(about) if check_weights else UNCHECKED))
+    return found
+
+
+@dataclass
+class Pruned:
+    dir: ModelDir
+    removed: bool
+    why: str  # what was done, or why not
+
+
+def _remove(d: ModelDir) -> tuple[bool, str]:
+    """Delete a directory while holding its lock, so an engine starting now is refused rather
+    than starting on entries that are being deleted."""
+    p = Path(d.path)
+    fd = _try_lock(p)
+    if isinstance(fd, str):
+        return False, f"kept: in use by {fd}"
+    try:
+        shutil.rmtree(p)
+    except OSError as e:
+        return False, f"kept: could not delete it ({e})"
+    finally:
+        if isinstance(fd, int):
+            os.close(fd)
+    return True, "removed"
+
+
+def prune(root: str | Path, *, names: Sequence[str] = (), stale: bool = False,
+          unused_for_s: float | None = None, dry_run: bool = False,
+          now: Callable[[], float] = time.time) -> list[Pruned]:
+    """Remove the model directories named, or those matching every filter given: `stale`
+    (the recorded weights are gone or changed) and `unused_for_s` (no engine started on it and
+    no block was written for that long). A directory an engine holds is never removed."""
+    if names and (stale or unused_for_s is not None):
+        raise ValueError("name directories or give filters (--stale, --unused-for), not both")
+    if not names and not stale and unused_for_s is None:
+        raise ValueError("say what to remove: directory names, --stale, --unused-for, or both filters")
+    dirs = scan(root, check_weights=stale)
+    by_name = {d.name: d for d in dirs}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"no model directory {', '.join(map(repr, unknown))} under {root}; "
+                         f"`tierlm kv ls {root}` lists them")
+    if names:
+        chosen = [by_name[n] for n in dict.fromkeys(names)]
+    else:
+        cutoff = now() - unused_for_s if unused_for_s is not None else None
+        chosen = [d for d in dirs
+                  if (not stale or d.stale)
+                  and (cutoff is None or (d.last_used is not None and d.last_used < cutoff))]
+    results = []
+    for d in chosen:
+        if d.in_use_by is not None:
+            results.append(Pruned(d, False, f"kept: in use by {d.in_use_by}"))
+        elif dry_run:
+            results.append(Pruned(d, False, "would remove"))
+        else:
+            removed, why = _remove(d)
+            results.append(Pruned(d, removed, why))
+            if removed:
+                log.info("removed KV disk directory %s (%d entries, %d bytes)", d.path, d.entries, d.bytes)
+    return results
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '45m', '12h', '30d', '2w' -> seconds."""
+    m = _DURATION.fullmatch(text.strip().lower())
+    if m is None:
+        raise ValueError(f"cannot read duration {text!r}; use a number and a unit: '90s', '45m', '12h', '30d', '2w'")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def as_json(dirs: Sequence[ModelDir]) -> list[dict]:
+    return [asdict(d) | {"stale": d.stale, "last_used": d.last_used} for d in dirs]
