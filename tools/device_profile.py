@@ -6,7 +6,8 @@ Profiles three kinds of step on the 0.5B-shaped benchmark model: a batch of 32 d
 2,048-token prefill (cold), and a 48-token prefill whose 2,000-token prefix is cached on the
 device (the `bench prefix` device hit). For each it prints wall time, the summed kernel time
 (so the share of the step the GPU sat idle waiting for the host), the kernels launched, and
-the top operators by host time: the numbers a CUDA-graph or fusion change has to beat.
+the top operators by host time: the numbers a CUDA-graph or fusion change has to beat. First
+it says which fused SDPA kernels accept the cold prefill's attention, and why the others not.
 With --cuda-graphs the small steps replay recorded graphs (each shape is seen once, unprofiled,
 before it is profiled, so recording is not counted).
 """
@@ -46,6 +47,35 @@ def _profile_steps(llm: LLM, label: str, steps: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
 
 
+def _sdpa_backends(llm: LLM, tokens: int) -> None:
+    """Which fused SDPA kernels accept a cold prefill's attention as the engine calls it
+    (causal, GQA folded with enable_gqa, the model's compute dtype), and why not: on the H200
+    the cold prefill ran SDPA's unfused math path (bmm + softmax), 29 of its 35 ms of kernels."""
+    if not torch.cuda.is_available():
+        return
+    import warnings
+    from torch.backends import cuda as bc
+
+    a = llm.engine.runner.args
+    dtype = next(p.dtype for p in llm.engine.runner.model.parameters() if p.is_floating_point())
+    q = torch.empty(1, a.num_attention_heads, tokens, a.head_dim, dtype=dtype, device="cuda")
+    kv = torch.empty(1, a.num_key_value_heads, tokens, a.head_dim, dtype=dtype, device="cuda")
+    print(f"\n## SDPA backends for a cold {tokens}-token prefill ({dtype}, {a.num_attention_heads}/"
+          f"{a.num_key_value_heads} heads, head_dim {a.head_dim}, causal, enable_gqa)")
+    for name in ("can_use_flash_attention", "can_use_efficient_attention", "can_use_cudnn_attention"):
+        check = getattr(bc, name, None)
+        if check is None:
+            continue
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                ok = check(bc.SDPAParams(q, kv, kv, None, 0.0, True, True), True)
+            except Exception as e:  # the signature moves between torch versions
+                ok = f"not asked ({e})"
+        reasons = "; ".join(str(w.message).splitlines()[0] for w in said)
+        print(f"{name}: {ok}{' - ' + reasons if reasons else ''}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -58,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     eng = llm.engine
     vocab = eng.runner.args.vocab_size
     ids = lambda n: [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]  # noqa: E731
+    _sdpa_backends(llm, args.prefix_len + 48)
 
     for _ in range(args.batch):
         eng.add_request({"prompt_token_ids": ids(128)}, SamplingParams(max_tokens=64, ignore_eos=True))
