@@ -279,14 +279,9 @@ class LRUPolicy(_ScoredPolicy):
         return self._last[key]
 
 
-class LFUPolicy(_ScoredPolicy):
-    """Least frequently used leaf goes first; ties go to the least recent.
-
-    Counts are forgotten on eviction (no history), so a once-hot block that was evicted starts
-    over - the classic LFU weakness against shifting popularity.
-    """
-
-    name = "lfu"
+class _CountingPolicy(_ScoredPolicy):
+    """A scored policy that keeps each tracked block's access count and last access time, and
+    forgets both on eviction (no history)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -305,11 +300,21 @@ class LFUPolicy(_ScoredPolicy):
         del self._count[key], self._last[key]
         self._heap.discard(key)
 
+
+class LFUPolicy(_CountingPolicy):
+    """Least frequently used leaf goes first; ties go to the least recent.
+
+    Counts are forgotten on eviction (no history), so a once-hot block that was evicted starts
+    over - the classic LFU weakness against shifting popularity.
+    """
+
+    name = "lfu"
+
     def _priority(self, key: Hashable) -> object:
         return (self._count[key], self._last[key])
 
 
-class TLPPolicy(_ScoredPolicy):
+class TLPPolicy(_CountingPolicy):
     """Temporal-locality predictor, as the issue defines it: a block's score is its access count
     decayed by alpha ** age, `count * alpha**(now - last access)`; the lowest score goes first.
 
@@ -329,20 +334,6 @@ class TLPPolicy(_ScoredPolicy):
         super().__init__()
         self.alpha = alpha
         self._neg_log_alpha = -math.log(alpha)
-        self._count: dict[Hashable, int] = {}
-        self._last: dict[Hashable, int] = {}
-
-    def _on_insert(self, key: Hashable, now: int) -> None:
-        self._count[key] = 1
-        self._last[key] = now
-
-    def _on_hit(self, key: Hashable, now: int) -> None:
-        self._count[key] += 1
-        self._last[key] = now
-
-    def _on_remove(self, key: Hashable) -> None:
-        del self._count[key], self._last[key]
-        self._heap.discard(key)
 
     def _priority(self, key: Hashable) -> object:
         return (math.log(self._count[key]) + self._last[key] * self._neg_log_alpha, self._last[key])
