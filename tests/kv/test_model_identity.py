@@ -355,8 +355,10 @@ def test_other_model_directories_under_kv_disk_dir_are_named_at_start(runs, tmp_
     kv = tmp_path / "kv"
     with _llm(b, kv_disk_dir=str(kv)):
         pass
+    (kv / "operator-notes").mkdir()  # not a model directory: not named
     with caplog.at_level(logging.INFO, logger="tierlm.engine.engine"):
         with _llm(a, kv_disk_dir=str(kv)) as llm:
             own = llm.engine.store.tiers[0].root.name
     said = [r.message for r in caplog.records if "also holds 1 other model directory" in r.message]
     assert len(said) == 1 and own not in said[0] and "tierlm never deletes them" in said[0]
+    assert "operator-notes" not in said[0] and f"tierlm kv ls {kv}" in said[0]

@@ -29,7 +29,7 @@ from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
-from tierlm.kv.admin import write_about
+from tierlm.kv.admin import model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
@@ -121,7 +121,7 @@ def _report_other_disk_dirs(root: Path, own: Path) -> None:
     change). tierlm never deletes them, as another server may be using them, and each counts
     only against its own capacity, so say they are there."""
     try:
-        others = sorted(p.name for p in root.iterdir() if p.is_dir() and p != own)
+        others = [name for name in model_dir_names(root) if name != own.name]
     except OSError:
         return
     if others:

@@ -88,6 +88,11 @@ def _is_model_dir(entry: os.DirEntry) -> bool:
     return (p / LOCK_FILE).is_file() or (p / ABOUT_FILE).is_file()
 
 
+def model_dir_names(root: Path) -> list[str]:
+    """The names of the model directories under `root` (cheap: no entry is looked at)."""
+    return sorted(e.name for e in os.scandir(root) if _is_model_dir(e))
+
+
 def _lock_holder(directory: Path) -> str | None:
     """Who holds the directory's engine lock, or None if nobody does."""
     fd = _try_lock(directory)
@@ -160,15 +165,13 @@ def scan(root: str | Path, check_weights: bool = True) -> list[ModelDir]:
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; give the kv_disk_dir a server was started with")
     found = []
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if not _is_model_dir(entry):
-            continue
-        p = Path(entry.path)
+    for name in model_dir_names(root):
+        p = root / name
         about = read_about(p)
         n, size, newest = _entries(p)
         started = about.get("started")
         found.append(ModelDir(
-            name=entry.name, path=str(p), entries=n, bytes=size, last_write=newest,
+            name=name, path=str(p), entries=n, bytes=size, last_write=newest,
             started=float(started) if isinstance(started, (int, float)) else None,
             in_use_by=_lock_holder(p),
             model_dir=about.get("model_dir") if isinstance(about.get("model_dir"), str) else None,
