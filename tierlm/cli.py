@@ -154,7 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse takes a subcommand's positional list only before its options
+        more = getattr(args, "more_positionals", None)
+        unknown = [x for x in extra if x.startswith("-")] if more else extra
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        getattr(args, more).extend(extra)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

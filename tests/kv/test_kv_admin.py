@@ -6,6 +6,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import threading
 import time
 
 import pytest
@@ -52,11 +54,15 @@ def _files(d) -> list:
     return [p for p in d.rglob("*.kv")]
 
 
+def _strict(token: str):
+    raise AssertionError(f"not JSON: {token}")
+
+
 def _ls(capsys, kv) -> dict:
     capsys.readouterr()
     assert main(["kv", "ls", str(kv), "--json"]) == 0
     return {d["model_dir"] and os.path.basename(d["model_dir"]) or d["name"]: d
-            for d in json.loads(capsys.readouterr().out)["dirs"]}
+            for d in json.loads(capsys.readouterr().out, parse_constant=_strict)["dirs"]}
 
 
 @pytest.fixture
@@ -147,22 +153,51 @@ def test_a_directory_named_while_in_use_is_kept_and_the_exit_status_says_so(site
     assert _files(held)
 
 
-def test_an_engine_starting_on_a_directory_being_pruned_is_refused(site, monkeypatch):
-    """prune holds the directory's lock while it deletes: an engine starting then is told the
-    directory is in use, rather than indexing entries that are vanishing under it."""
+def test_an_engine_starting_while_a_directory_is_pruned_never_starts_on_its_entries(site, monkeypatch):
+    """prune holds the directory's lock and renames it aside before deleting: an engine starting
+    before the rename is refused (in use), one starting after it gets a fresh, empty directory."""
     kv, _, _ = site
     target = next(d for d in admin.scan(kv) if os.path.basename(d.model_dir or "") == "delta")
-    real_rmtree, seen = shutil.rmtree, []
+    real_rename, real_rmtree, seen = os.rename, shutil.rmtree, []
+
+    def rename(src, dst):
+        with pytest.raises(KVTierError, match="in use"):
+            DiskTier(target.path, 64, block_bytes=1024)
+        seen.append("refused")
+        return real_rename(src, dst)
 
     def rmtree(path, *a, **kw):
-        with pytest.raises(KVTierError, match="in use"):
-            DiskTier(path, 64, block_bytes=1024)
-        seen.append(path)
+        fresh = DiskTier(target.path, 64, block_bytes=1024)
+        assert len(fresh) == 0 and not _files(fresh.root)  # none of the entries being deleted
+        fresh.close()
+        seen.append("fresh")
         return real_rmtree(path, *a, **kw)
 
+    monkeypatch.setattr(admin.os, "rename", rename)
     monkeypatch.setattr(admin.shutil, "rmtree", rmtree)
     [r] = admin.prune(kv, names=[target.name])
-    assert r.removed and seen and not os.path.exists(target.path)
+    assert r.removed and seen == ["refused", "fresh"]
+    assert not _files(kv / target.name) and not [p for p in kv.iterdir() if p.name.startswith(".tierlm-prune")]
+
+
+def test_a_prune_that_fails_partway_is_listed_and_finished_by_the_next(site, capsys):
+    """A file that cannot be deleted (immutable) stops the deletion partway: what is left is
+    listed as 'partly removed', counts as stale, and the next prune removes it."""
+    kv, _, _ = site
+    target = next(d for d in admin.scan(kv) if os.path.basename(d.model_dir or "") == "delta")
+    stuck = _files(kv / target.name)[0]
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        assert main(["kv", "prune", str(kv), target.name]) == 1
+        assert "partly removed" in capsys.readouterr().out
+        [left] = [d for d in admin.scan(kv) if d.leftover]
+        assert left.weights == "partly removed" and left.stale and left.entries == 1
+        assert not (kv / target.name).exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(left.path + str(stuck)[len(str(kv / target.name)):])], check=True)
+    assert main(["kv", "prune", str(kv), "--stale", "--unused-for", "30d"]) == 0  # leftovers match any filter
+    assert not [d for d in admin.scan(kv) if d.leftover]
 
 
 def test_bad_requests_are_one_line_errors(site, capsys):
@@ -183,6 +218,53 @@ def test_bad_requests_are_one_line_errors(site, capsys):
     with pytest.raises(ValueError, match="not both"):
         admin.prune(kv, names=[d.name], stale=True)
     assert sorted(str(p) for p in kv.rglob("*")) == snapshot
+    capsys.readouterr()
+    assert main(["kv", "ls", ""]) == 2 and "empty path" in capsys.readouterr().err
+
+
+def test_names_may_follow_the_options_and_a_held_name_fails_a_dry_run_too(site, capsys):
+    kv, _, alpha = site
+    held = alpha.engine.store.tiers[0].root.name
+    free = next(d.name for d in admin.scan(kv, check_weights=False) if d.name != held)
+    assert main(["kv", "prune", str(kv), "--dry-run", free]) == 0
+    assert f"would remove: {free}" in capsys.readouterr().out
+    assert main(["kv", "prune", str(kv), "--dry-run", held]) == 1
+    with pytest.raises(SystemExit) as exited:
+        main(["kv", "prune", str(kv), "--dry-run", free, "--bogus"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert (kv / free).is_dir()
+
+
+def test_a_checkpoint_that_cannot_be_read_is_unknown_not_gone(site, capsys):
+    """Shards missing (a download or copy under way) or a FIFO for config.json: the blocks may
+    still be right, so the weights are 'unknown' and --stale leaves them; nothing hangs."""
+    kv, ck, _ = site
+    (ck["delta"] / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (ck["alpha"] / "config.json").unlink()
+    os.mkfifo(ck["alpha"] / "config.json")
+    done = {}
+    t = threading.Thread(target=lambda: done.update(dirs=_ls(capsys, kv)), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert "dirs" in done, "kv ls hung on a FIFO config.json"
+    assert {n: d["weights"] for n, d in done["dirs"].items()} == {
+        "alpha": "unknown", "beta": "changed", "gamma": "gone", "delta": "unknown"}
+    assert sorted(os.path.basename(r.dir.model_dir) for r in admin.prune(kv, stale=True)) == ["beta", "gamma"]
+
+
+def test_each_checkpoint_is_fingerprinted_once_per_scan(site, monkeypatch):
+    from tierlm.models import fingerprint
+    kv, ck, _ = site
+    for i in range(3):  # more directories recording the same checkpoint (e.g. started under other dtypes)
+        d = kv / f"delta-{i:012x}"
+        d.mkdir()
+        admin.write_about(d, admin.read_about(next(kv.glob("delta-*"))))
+    real, calls = fingerprint.weights_fingerprint, []
+    monkeypatch.setattr(fingerprint, "weights_fingerprint", lambda p, *a: calls.append(p) or real(p, *a))
+    assert len(admin.scan(kv)) == 7
+    assert sorted(calls) == sorted(os.path.abspath(ck[n]) for n in ("alpha", "beta", "delta"))
 
 
 def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_path, capsys):
@@ -194,10 +276,20 @@ def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_
         (kv / name / "ab" / ("ab" * 32 + ".kv")).write_bytes(b"x" * 100)
         if about is not None:
             (kv / name / "model.json").write_text(about)
-    dirs = _ls(capsys, kv)
-    assert {n: (d["weights"], d["entries"], d["bytes"], d["stale"]) for n, d in dirs.items()} == {
-        "old-0123456789ab": ("unknown", 1, 100, False), "bad-ba9876543210": ("unknown", 1, 100, False)}
-    assert admin.prune(kv, stale=True) == []
+    odd = kv / "odd-00000000000a"  # a record with numbers JSON has no place for, and a dangling lock link
+    (odd / "ab").mkdir(parents=True)
+    (odd / ".lock").symlink_to(tmp_path / "nowhere")
+    (odd / "model.json").write_text('{"started": 1e999, "model_dir": "/gone\\u001b[2J", "fingerprint": "x"}')
+    dirs = _ls(capsys, kv)  # strict JSON: no NaN or Infinity in the output
+    assert {n: (d["weights"], d["entries"], d["bytes"], d["stale"], d["started"]) for n, d in dirs.items()} == {
+        "old-0123456789ab": ("unknown", 1, 100, False, None), "bad-ba9876543210": ("unknown", 1, 100, False, None),
+        "gone\x1b[2J": ("gone", 0, 0, True, None)}
+    assert dirs["gone\x1b[2J"]["in_use_by"] is None  # nothing can hold a dangling link
+    capsys.readouterr()
+    assert main(["kv", "ls", str(kv)]) == 0
+    assert "\x1b" not in capsys.readouterr().out  # escaped: the terminal is not cleared
+    assert [r.dir.name for r in admin.prune(kv, stale=True)] == ["odd-00000000000a"]
+    assert not odd.exists() and (tmp_path / "nowhere").exists() is False
 
 
 def test_durations():

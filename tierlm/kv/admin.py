@@ -11,11 +11,14 @@ lock while it deletes it so an engine cannot start on it halfway.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -29,11 +32,14 @@ log = logging.getLogger("tierlm.kv")
 ABOUT_FILE = "model.json"
 LOCK_FILE = ".lock"
 _DIR_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}")  # disk_tier_dir's names
+_LEFTOVER = re.compile(r"\.tierlm-prune-[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}-[0-9a-f]{8}")  # a prune that failed partway
 _ENTRY = re.compile(r"[0-9a-f]{64}\.kv")
 
-# Whether a directory's recorded weights are still at their recorded path.
+# Whether a directory's recorded weights are still at their recorded path. UNKNOWN: no record, or
+# the checkpoint could not be read (permissions, a download under way); never pruned as stale.
 CURRENT, CHANGED, GONE, UNKNOWN, UNCHECKED = "current", "changed", "gone", "unknown", "unchecked"
-STALE = (CHANGED, GONE)
+PARTLY_REMOVED = "partly removed"  # what an interrupted prune left behind
+STALE = (CHANGED, GONE, PARTLY_REMOVED)
 
 
 def write_about(directory: Path, about: dict) -> None:
@@ -69,7 +75,7 @@ class ModelDir:
     started: float | None  # when an engine last started on it (model.json)
     in_use_by: str | None  # the lock holder ("tierlm pid 42"), or None when free
     model_dir: str | None  # the checkpoint it holds blocks for (model.json)
-    weights: str  # CURRENT, CHANGED, GONE, UNKNOWN (no model.json) or UNCHECKED
+    weights: str  # CURRENT, CHANGED, GONE, UNKNOWN, UNCHECKED, or PARTLY_REMOVED for a leftover
 
     @property
     def last_used(self) -> float | None:
@@ -81,16 +87,29 @@ class ModelDir:
         return self.weights in STALE
 
 
-def _is_model_dir(entry: os.DirEntry) -> bool:
-    if not entry.is_dir(follow_symlinks=False) or not _DIR_NAME.fullmatch(entry.name):
+    @property
+    def leftover(self) -> bool:
+        return self.weights == PARTLY_REMOVED
+
+
+def _is_model_dir(entry: os.DirEntry, leftovers: bool = False) -> bool:
+    try:
+        if not entry.is_dir(follow_symlinks=False):
+            return False
+        if leftovers and _LEFTOVER.fullmatch(entry.name):
+            return True
+        if not _DIR_NAME.fullmatch(entry.name):
+            return False
+        return any(os.path.lexists(os.path.join(entry.path, f)) for f in (LOCK_FILE, ABOUT_FILE))
+    except OSError as e:
+        log.warning("skipped %s: %s", entry.path, e)
         return False
-    p = Path(entry.path)
-    return (p / LOCK_FILE).is_file() or (p / ABOUT_FILE).is_file()
 
 
-def model_dir_names(root: Path) -> list[str]:
-    """The names of the model directories under `root` (cheap: no entry is looked at)."""
-    return sorted(e.name for e in os.scandir(root) if _is_model_dir(e))
+def model_dir_names(root: Path, leftovers: bool = False) -> list[str]:
+    """The names of the model directories under `root` (cheap: no entry is looked at), and with
+    `leftovers` what an interrupted prune left."""
+    return sorted(e.name for e in os.scandir(root) if _is_model_dir(e, leftovers))
 
 
 def _lock_holder(directory: Path) -> str | None:
@@ -104,13 +123,13 @@ def _lock_holder(directory: Path) -> str | None:
 
 def _try_lock(directory: Path) -> int | str | None:
     """The directory's lock taken (its fd), the holder's name if an engine holds it, or None if
-    there is no lock file (then nothing can hold it)."""
-    try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
+    there is no lock file an engine could hold (none, a dangling link, a socket)."""
+    try:  # followed, as the engine's open follows a link there
+        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
-        return f"unknown ({e})"
+        if e.errno in (errno.ENOENT, errno.ENXIO, errno.ELOOP, errno.ENOTDIR):
+            return None
+        return f"unknown ({e.strerror})"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
@@ -143,39 +162,71 @@ def _entries(directory: Path) -> tuple[int, int, float | None]:
     return n, size, newest
 
 
-def _weights(about: dict) -> str:
+def _fingerprint(model_dir: str) -> str | None:
+    """The checkpoint's fingerprint; GONE when nothing is there; None when it cannot be read
+    (no permission, a download under way): then nobody can say the blocks are stale."""
     from tierlm.models.fingerprint import weights_fingerprint
 
-    model_dir, recorded = about.get("model_dir"), about.get("fingerprint")
-    if not isinstance(model_dir, str) or not isinstance(recorded, str):
-        return UNKNOWN
-    if not Path(model_dir).is_dir():
-        return GONE
+    for must in (model_dir, os.path.join(model_dir, "config.json")):
+        try:
+            os.stat(must)
+        except (FileNotFoundError, NotADirectoryError):
+            return GONE
+        except OSError:
+            return None
     try:
-        return CURRENT if weights_fingerprint(model_dir) == recorded else CHANGED
-    except Exception as e:  # no config.json or no weights left: nothing there computes these blocks
-        log.debug("fingerprinting %s failed: %s", model_dir, e)
-        return GONE
+        return weights_fingerprint(model_dir)
+    except Exception as e:
+        log.warning("could not fingerprint %s (%s); its directories' weights are 'unknown'", model_dir, e)
+        return None
+
+
+def _weights(about: dict, seen: dict[str, str | None]) -> str:
+    """`seen`: fingerprints already taken in this scan, by checkpoint path (each hashed once)."""
+    model_dir, recorded = about.get("model_dir"), about.get("fingerprint")
+    if not isinstance(model_dir, str) or not isinstance(recorded, str) or not model_dir:
+        return UNKNOWN
+    if model_dir not in seen:
+        seen[model_dir] = _fingerprint(model_dir)
+    now = seen[model_dir]
+    if now is None:
+        return UNKNOWN
+    return now if now == GONE else CURRENT if now == recorded else CHANGED
+
+
+def _finite(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _describe(root: Path, name: str, check_weights: bool, seen: dict[str, str | None]) -> ModelDir:
+    p = root / name
+    about = read_about(p)
+    n, size, newest = _entries(p)
+    model_dir = about.get("model_dir") if isinstance(about.get("model_dir"), str) else None
+    if _LEFTOVER.fullmatch(name):
+        weights = PARTLY_REMOVED
+    else:
+        weights = _weights(about, seen) if check_weights else UNCHECKED
+    return ModelDir(name=name, path=str(p), entries=n, bytes=size, last_write=newest,
+                    started=_finite(about.get("started")), in_use_by=_lock_holder(p), model_dir=model_dir,
+                    weights=weights)
 
 
 def scan(root: str | Path, check_weights: bool = True) -> list[ModelDir]:
-    """Every model directory under `root`, by name. With `check_weights`, each recorded
-    checkpoint is fingerprinted (cached per file, so only changed files are read again)."""
+    """Every model directory under `root`, by name, and what an interrupted prune left. With
+    `check_weights`, each recorded checkpoint is fingerprinted once (cached per file, so only
+    changed files are read again). A directory that cannot be read is skipped with a warning."""
+    if not str(root):
+        raise ValueError("no kv_disk_dir given (an empty path); give the directory a server was started with")
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; give the kv_disk_dir a server was started with")
-    found = []
-    for name in model_dir_names(root):
-        p = root / name
-        about = read_about(p)
-        n, size, newest = _entries(p)
-        started = about.get("started")
-        found.append(ModelDir(
-            name=name, path=str(p), entries=n, bytes=size, last_write=newest,
-            started=float(started) if isinstance(started, (int, float)) else None,
-            in_use_by=_lock_holder(p),
-            model_dir=about.get("model_dir") if isinstance(about.get("model_dir"), str) else None,
-            weights=_weights(about) if check_weights else UNCHECKED))
+    found, seen = [], {}
+    for name in model_dir_names(root, leftovers=True):
+        try:
+            found.append(_describe(root, name, check_weights, seen))
+        except OSError as e:  # unreadable, or removed meanwhile (another prune)
+            log.warning("skipped %s: %s", root / name, e)
     return found
 
 
@@ -184,23 +235,35 @@ class Pruned:
     dir: ModelDir
     removed: bool
     why: str  # what was done, or why not
+    failed: bool = False  # a removal was tried and did not complete
 
 
-def _remove(d: ModelDir) -> tuple[bool, str]:
-    """Delete a directory while holding its lock, so an engine starting now is refused rather
-    than starting on entries that are being deleted."""
+def _remove(d: ModelDir) -> Pruned:
+    """Delete a directory no engine holds. Holding its lock, it is first renamed aside (one
+    atomic step): an engine starting now either found the lock held and is refused, or finds
+    no directory and makes a fresh one; none ever starts on entries being deleted. A deletion
+    that fails partway leaves the renamed directory, which `scan` lists as PARTLY_REMOVED."""
     p = Path(d.path)
     fd = _try_lock(p)
     if isinstance(fd, str):
-        return False, f"kept: in use by {fd}"
+        return Pruned(d, False, f"kept: in use by {fd}")
     try:
-        shutil.rmtree(p)
-    except OSError as e:
-        return False, f"kept: could not delete it ({e})"
+        target = p
+        if not d.leftover:
+            target = p.with_name(f".tierlm-prune-{p.name}-{secrets.token_hex(4)}")
+            try:
+                os.rename(p, target)
+            except OSError as e:
+                return Pruned(d, False, f"kept: could not move it aside to delete it ({e.strerror})", failed=True)
+        errors: list[str] = []
+        shutil.rmtree(target, onerror=lambda _fn, path, exc: errors.append(f"{path}: {exc[1]}"))
     finally:
         if isinstance(fd, int):
             os.close(fd)
-    return True, "removed"
+    if os.path.lexists(target):
+        return Pruned(d, False, f"partly removed ({len(errors)} error(s), first: {errors[0] if errors else '?'}); "
+                                f"the rest is {target.name}, which prune removes when asked again", failed=True)
+    return Pruned(d, True, "removed")
 
 
 def prune(root: str | Path, *, names: Sequence[str] = (), stale: bool = False,
@@ -208,7 +271,8 @@ def prune(root: str | Path, *, names: Sequence[str] = (), stale: bool = False,
           now: Callable[[], float] = time.time) -> list[Pruned]:
     """Remove the model directories named, or those matching every filter given: `stale`
     (the recorded weights are gone or changed) and `unused_for_s` (no engine started on it and
-    no block was written for that long). A directory an engine holds is never removed."""
+    no block was written for that long). What an interrupted prune left matches any filter. A
+    directory an engine holds is never removed."""
     if names and (stale or unused_for_s is not None):
         raise ValueError("name directories or give filters (--stale, --unused-for), not both")
     if not names and not stale and unused_for_s is None:
@@ -223,9 +287,8 @@ def prune(root: str | Path, *, names: Sequence[str] = (), stale: bool = False,
         chosen = [by_name[n] for n in dict.fromkeys(names)]
     else:
         cutoff = now() - unused_for_s if unused_for_s is not None else None
-        chosen = [d for d in dirs
-                  if (not stale or d.stale)
-                  and (cutoff is None or (d.last_used is not None and d.last_used < cutoff))]
+        chosen = [d for d in dirs if d.leftover or (
+            (not stale or d.stale) and (cutoff is None or (d.last_used is not None and d.last_used < cutoff)))]
     results = []
     for d in chosen:
         if d.in_use_by is not None:
@@ -233,9 +296,8 @@ def prune(root: str | Path, *, names: Sequence[str] = (), stale: bool = False,
         elif dry_run:
             results.append(Pruned(d, False, "would remove"))
         else:
-            removed, why = _remove(d)
-            results.append(Pruned(d, removed, why))
-            if removed:
+            results.append(_remove(d))
+            if results[-1].removed:
                 log.info("removed KV disk directory %s (%d entries, %d bytes)", d.path, d.entries, d.bytes)
     return results
 

@@ -16,14 +16,20 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _printable(text: str) -> str:
+    """Text from files (a recorded path, a lock's owner) with control characters escaped, so
+    it cannot move the terminal's cursor or break the table."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t is not None else "-"
 
 
 def _table(dirs: Sequence[admin.ModelDir]) -> str:
     rows = [("DIRECTORY", "ENTRIES", "SIZE", "LAST USED", "IN USE BY", "WEIGHTS", "MODEL")]
-    rows += [(d.name, f"{d.entries:,}", _size(d.bytes), _when(d.last_used), d.in_use_by or "-", d.weights,
-              d.model_dir or "-") for d in dirs]
+    rows += [(d.name, f"{d.entries:,}", _size(d.bytes), _when(d.last_used), _printable(d.in_use_by or "-")[:40],
+              d.weights, _printable(d.model_dir or "-")) for d in dirs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
 
@@ -41,8 +47,8 @@ def _ls(args: argparse.Namespace) -> int:
     print(_table(dirs))
     stale = [d for d in dirs if d.stale and d.in_use_by is None]
     if stale:
-        print(f"{len(stale)} hold blocks of weights that are gone or changed ({_size(sum(d.bytes for d in stale))}); "
-              f"`tierlm kv prune {args.dir} --stale` removes them")
+        print(f"{len(stale)} hold blocks of weights that are gone or changed, or are what an interrupted prune "
+              f"left ({_size(sum(d.bytes for d in stale))}); `tierlm kv prune {args.dir} --stale` removes them")
     return 0
 
 
@@ -54,12 +60,14 @@ def _prune(args: argparse.Namespace) -> int:
         return 0
     for r in results:
         print(f"{r.why}: {r.dir.name} ({r.dir.entries:,} entries, {_size(r.dir.bytes)}; weights {r.dir.weights})")
-    freed = sum(r.dir.bytes for r in results if r.removed)
-    kept = [r for r in results if not r.removed and not args.dry_run]
-    verb = "would free" if args.dry_run else "freed"
-    planned = sum(r.dir.bytes for r in results if r.why == "would remove") if args.dry_run else freed
-    print(f"{verb} {_size(planned)}" + (f"; {len(kept)} kept" if kept else ""))
-    return 1 if kept and args.names else 0  # a directory asked for by name is still there
+    if args.dry_run:
+        print(f"would free {_size(sum(r.dir.bytes for r in results if r.why == 'would remove'))}")
+    else:
+        kept = sum(not r.removed for r in results)
+        print(f"freed {_size(sum(r.dir.bytes for r in results if r.removed))}" + (f"; {kept} kept" if kept else ""))
+    held = [r for r in results if r.why.startswith("kept: in use")]
+    # 1: a removal failed, or a directory asked for by name is (or would be) still there
+    return 1 if any(r.failed for r in results) or (held and args.names) else 0
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -80,4 +88,4 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--unused-for", metavar="DURATION",
                     help="directories no server started on and no block was written to for this long: 12h, 30d, 2w")
     pr.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
-    pr.set_defaults(func=_prune)
+    pr.set_defaults(func=_prune, more_positionals="names")  # names may also follow the options

@@ -179,8 +179,22 @@ def _hash_file(path: Path, progress: _Progress, stop: threading.Event | None) ->
     return digest
 
 
+CONFIG_LIMIT = 64 << 20  # a config.json or safetensors index is kilobytes; anything this long is not one
+
+
+def _small_file(path: Path) -> bytes:
+    """A config or index file's bytes: read without blocking, regular files only, bounded (a
+    FIFO or /dev/zero there hung, or filled memory)."""
+    raw = read_regular(path, CONFIG_LIMIT)
+    if raw is None:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing")
+        raise ValueError(f"{path} is not a readable regular file under {CONFIG_LIMIT >> 20} MiB")
+    return raw
+
+
 def _config_digest(path: Path) -> str:
-    raw = path.read_bytes()
+    raw = _small_file(path)
     try:
         cfg = json.loads(raw)
     except ValueError:
@@ -200,7 +214,7 @@ def weights_fingerprint(model_dir: str | Path, stop: threading.Event | None = No
     parts = [("config.json", _config_digest(model_dir / "config.json"))]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        parts.append((index.name, hashlib.sha256(index.read_bytes()).hexdigest()))
+        parts.append((index.name, hashlib.sha256(_small_file(index)).hexdigest()))
     digests: dict[Path, str] = {}
     todo: list[Path] = []
     for f in files:
