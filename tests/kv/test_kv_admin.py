@@ -2,6 +2,7 @@
 engines writing them, holding their locks and serving from them afterwards."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -276,6 +277,10 @@ def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_
         (kv / name / "ab" / ("ab" * 32 + ".kv")).write_bytes(b"x" * 100)
         if about is not None:
             (kv / name / "model.json").write_text(about)
+    for name, about in (("huge-00000000000b", {"started": 10 ** 400, "model_dir": "/x\0y", "fingerprint": "x"}),
+                        ("far-00000000000c", {"started": 1e300, "model_dir": 7})):
+        (kv / name).mkdir()
+        admin.write_about(kv / name, about)  # numbers and paths that broke the whole listing
     odd = kv / "odd-00000000000a"  # a record with numbers JSON has no place for, and a dangling lock link
     (odd / "ab").mkdir(parents=True)
     (odd / ".lock").symlink_to(tmp_path / "nowhere")
@@ -283,6 +288,7 @@ def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_
     dirs = _ls(capsys, kv)  # strict JSON: no NaN or Infinity in the output
     assert {n: (d["weights"], d["entries"], d["bytes"], d["stale"], d["started"]) for n, d in dirs.items()} == {
         "old-0123456789ab": ("unknown", 1, 100, False, None), "bad-ba9876543210": ("unknown", 1, 100, False, None),
+        "huge-00000000000b": ("unknown", 0, 0, False, None), "far-00000000000c": ("unknown", 0, 0, False, None),
         "gone\x1b[2J": ("gone", 0, 0, True, None)}
     assert dirs["gone\x1b[2J"]["in_use_by"] is None  # nothing can hold a dangling link
     capsys.readouterr()
@@ -290,6 +296,56 @@ def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_
     assert "\x1b" not in capsys.readouterr().out  # escaped: the terminal is not cleared
     assert [r.dir.name for r in admin.prune(kv, stale=True)] == ["odd-00000000000a"]
     assert not odd.exists() and (tmp_path / "nowhere").exists() is False
+
+
+def test_an_engine_waits_out_a_probe_and_is_told_who_holds_a_directory(tmp_path):
+    """`kv ls` locks each directory for a moment to see whether it is free: an engine starting
+    then waits that moment out instead of being refused. A lock held for longer (a prune
+    deleting) refuses it, naming the prune."""
+    root = tmp_path / "kv" / "m-0123456789ab"
+    DiskTier(root, 8, block_bytes=64).close()
+    fd = admin._try_lock(root, mine=True)
+    threading.Timer(0.1, os.close, (fd,)).start()
+    tier = DiskTier(root, 8, block_bytes=64)  # waits for the release
+    assert admin.scan(root.parent, check_weights=False)[0].in_use_by == f"tierlm pid {os.getpid()}"
+    tier.close()
+    fd = admin._try_lock(root, mine=True)
+    try:
+        with pytest.raises(KVTierError, match=f"in use by tierlm kv prune pid {os.getpid()}"):
+            DiskTier(root, 8, block_bytes=64)
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_file_moved_away_while_an_engine_takes_it_is_not_the_engines_lock(tmp_path, monkeypatch):
+    """A prune renames a directory aside between an engine's open of `.lock` and its flock: the
+    flock then succeeds on the moved file, which guards nothing; the engine must lock the file
+    at its path instead (before, it went on in a directory that was no longer there)."""
+    from tierlm.kv import tiers
+    root = tmp_path / "kv" / "m-0123456789ab"
+    DiskTier(root, 8, block_bytes=64).close()
+    real_flock, moved = fcntl.flock, []
+
+    def flock(f, op):
+        if not moved:
+            moved.append(root.rename(root.with_name(".tierlm-prune-m-0123456789ab-00000000")))
+        return real_flock(f, op)
+
+    monkeypatch.setattr(tiers.fcntl, "flock", flock)
+    tier = DiskTier(root, None, block_bytes=64)  # default capacity: reads the directory's free space
+    monkeypatch.setattr(tiers.fcntl, "flock", real_flock)
+    assert moved and (root / ".lock").is_file()
+    held = {d.name: d.in_use_by for d in admin.scan(root.parent, check_weights=False)}
+    assert held == {root.name: f"tierlm pid {os.getpid()}", ".tierlm-prune-m-0123456789ab-00000000": None}
+    tier.close()
+
+
+def test_of_two_prunes_removing_one_directory_only_one_counts_it(site):
+    kv, _, _ = site
+    target = next(d for d in admin.scan(kv) if os.path.basename(d.model_dir or "") == "delta")
+    first, second = admin._remove(target, kv), admin._remove(target, kv)
+    assert (first.removed, second.removed, second.failed) == (True, False, False)
+    assert "gone meanwhile" in second.why
 
 
 def test_durations():

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ ABOUT_FILE = "model.json"
 LOCK_FILE = ".lock"
 _DIR_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}")  # disk_tier_dir's names
 _LEFTOVER = re.compile(r"\.tierlm-prune-[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}-[0-9a-f]{8}")  # a prune that failed partway
+_LEFTOVER_OF = re.compile(r"^\.tierlm-prune-|-[0-9a-f]{8}$")  # a leftover's name -> the directory's
 _ENTRY = re.compile(r"[0-9a-f]{64}\.kv")
 
 # Whether a directory's recorded weights are still at their recorded path. UNKNOWN: no record, or
@@ -121,9 +123,10 @@ def _lock_holder(directory: Path) -> str | None:
     return fd
 
 
-def _try_lock(directory: Path) -> int | str | None:
+def _try_lock(directory: Path, mine: bool = False) -> int | str | None:
     """The directory's lock taken (its fd), the holder's name if an engine holds it, or None if
-    there is no lock file an engine could hold (none, a dangling link, a socket)."""
+    there is no lock file an engine could hold (none, a dangling link, a socket). `mine`: say
+    in the file who holds it, for an engine refused meanwhile."""
     try:  # followed, as the engine's open follows a link there
         fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
@@ -132,7 +135,6 @@ def _try_lock(directory: Path) -> int | str | None:
         return f"unknown ({e.strerror})"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
     except OSError:
         try:
             holder = os.read(fd, 256).decode(errors="replace").strip()
@@ -140,6 +142,26 @@ def _try_lock(directory: Path) -> int | str | None:
             holder = ""
         os.close(fd)
         return holder or "another engine"
+    if mine:
+        _label(directory / LOCK_FILE, f"tierlm kv prune pid {os.getpid()}\n")
+    return fd
+
+
+def _label(lock: Path, text: str) -> None:
+    """Write who holds the lock into its file: only the directory's own regular file (never
+    through a link, which could point anywhere), and only as a courtesy."""
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+            os.write(fd, text.encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _entries(directory: Path) -> tuple[int, int, float | None]:
@@ -183,8 +205,8 @@ def _fingerprint(model_dir: str) -> str | None:
 
 def _weights(about: dict, seen: dict[str, str | None]) -> str:
     """`seen`: fingerprints already taken in this scan, by checkpoint path (each hashed once)."""
-    model_dir, recorded = about.get("model_dir"), about.get("fingerprint")
-    if not isinstance(model_dir, str) or not isinstance(recorded, str) or not model_dir:
+    model_dir, recorded = _recorded_dir(about), about.get("fingerprint")
+    if model_dir is None or not isinstance(recorded, str):
         return UNKNOWN
     if model_dir not in seen:
         seen[model_dir] = _fingerprint(model_dir)
@@ -194,21 +216,38 @@ def _weights(about: dict, seen: dict[str, str | None]) -> str:
     return now if now == GONE else CURRENT if now == recorded else CHANGED
 
 
-def _finite(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+_LATEST = 32503680000.0  # the year 3000, in epoch seconds: a later "time" is a damaged record
+
+
+def _time(value: object) -> float | None:
+    """A recorded time, or None if the record holds no plausible one (NaN, 1e300, a 400-digit
+    integer: each once broke the listing of every directory)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        t = float(value)
+    except OverflowError:
+        return None
+    return t if math.isfinite(t) and 0.0 <= t <= _LATEST else None
+
+
+def _recorded_dir(about: dict) -> str | None:
+    """The checkpoint path a record names, if it is one a file system could hold."""
+    model_dir = about.get("model_dir")
+    return model_dir if isinstance(model_dir, str) and model_dir and "\0" not in model_dir else None
 
 
 def _describe(root: Path, name: str, check_weights: bool, seen: dict[str, str | None]) -> ModelDir:
     p = root / name
     about = read_about(p)
     n, size, newest = _entries(p)
-    model_dir = about.get("model_dir") if isinstance(about.get("model_dir"), str) else None
+    model_dir = _recorded_dir(about)
     if _LEFTOVER.fullmatch(name):
         weights = PARTLY_REMOVED
     else:
         weights = _weights(about, seen) if check_weights else UNCHECKED
     return ModelDir(name=name, path=str(p), entries=n, bytes=size, last_write=newest,
-                    started=_finite(about.get("started")), in_use_by=_lock_holder(p), model_dir=model_dir,
+                    started=_time(about.get("started")), in_use_by=_lock_holder(p), model_dir=model_dir,
                     weights=weights)
 
 
@@ -225,7 +264,7 @@ def scan(root: str | Path, check_weights: bool = True) -> list[ModelDir]:
     for name in model_dir_names(root, leftovers=True):
         try:
             found.append(_describe(root, name, check_weights, seen))
-        except OSError as e:  # unreadable, or removed meanwhile (another prune)
+        except (OSError, ValueError) as e:  # unreadable, or removed meanwhile (another prune)
             log.warning("skipped %s: %s", root / name, e)
     return found
 
@@ -238,23 +277,25 @@ class Pruned:
     failed: bool = False  # a removal was tried and did not complete
 
 
-def _remove(d: ModelDir) -> Pruned:
+def _remove(d: ModelDir, root: Path) -> Pruned:
     """Delete a directory no engine holds. Holding its lock, it is first renamed aside (one
-    atomic step): an engine starting now either found the lock held and is refused, or finds
-    no directory and makes a fresh one; none ever starts on entries being deleted. A deletion
-    that fails partway leaves the renamed directory, which `scan` lists as PARTLY_REMOVED."""
+    atomic step; a leftover too, so of two prunes only one deletes it): an engine starting now
+    finds the lock held and waits, or finds no directory and makes a fresh one; none ever
+    starts on entries being deleted. A deletion that fails partway leaves the renamed
+    directory, which `scan` lists as PARTLY_REMOVED."""
     p = Path(d.path)
-    fd = _try_lock(p)
+    fd = _try_lock(p, mine=True)
     if isinstance(fd, str):
         return Pruned(d, False, f"kept: in use by {fd}")
     try:
-        target = p
-        if not d.leftover:
-            target = p.with_name(f".tierlm-prune-{p.name}-{secrets.token_hex(4)}")
-            try:
-                os.rename(p, target)
-            except OSError as e:
-                return Pruned(d, False, f"kept: could not move it aside to delete it ({e.strerror})", failed=True)
+        base = _LEFTOVER_OF.sub("", p.name) if d.leftover else p.name
+        target = p.with_name(f".tierlm-prune-{base}-{secrets.token_hex(4)}")
+        try:
+            os.rename(p, target)
+        except FileNotFoundError:
+            return Pruned(d, False, "gone meanwhile (another prune?)")
+        except OSError as e:
+            return Pruned(d, False, f"kept: could not move it aside to delete it ({e.strerror})", failed=True)
         errors: list[str] = []
         shutil.rmtree(target, onerror=lambda _fn, path, exc: errors.append(f"{path}: {exc[1]}"))
     finally:
@@ -262,7 +303,8 @@ def _remove(d: ModelDir) -> Pruned:
             os.close(fd)
     if os.path.lexists(target):
         return Pruned(d, False, f"partly removed ({len(errors)} error(s), first: {errors[0] if errors else '?'}); "
-                                f"the rest is {target.name}, which prune removes when asked again", failed=True)
+                                f"the rest is in {target.name}: `tierlm kv prune {root} {target.name}` "
+                                "(or any filter) removes it", failed=True)
     return Pruned(d, True, "removed")
 
 
@@ -296,7 +338,7 @@ def prune(root: str | Path, *, names: Sequence[str] = (), stale: bool = False,
         elif dry_run:
             results.append(Pruned(d, False, "would remove"))
         else:
-            results.append(_remove(d))
+            results.append(_remove(d, Path(root)))
             if results[-1].removed:
                 log.info("removed KV disk directory %s (%d entries, %d bytes)", d.path, d.entries, d.bytes)
     return results

@@ -497,7 +497,6 @@ class DiskTier(_CapacityTier):
         self._trimmed: set[bytes] = set()  # old entries past capacity, being deleted: never adopted
         self._pending: dict[bytes, int] | None = None  # old entries not yet indexed, oldest first, once listed
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
             self._lock_file = self._claim()
             if self._auto_capacity:  # half the free space, plus what the index finds already ours
                 self.capacity = shutil.disk_usage(self.root).free // 2 // max(block_bytes, 1)
@@ -516,16 +515,35 @@ class DiskTier(_CapacityTier):
             self._indexer = threading.Thread(target=self.index, name="tierlm-kv-disk-index", daemon=True)
             self._indexer.start()
 
-    def _claim(self):
-        f = open(self.root / ".lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            owner = f.read().strip() or "another engine"
+    def _claim(self, patience_s: float = 0.25):
+        """Take the directory's lock. Held by someone else for `patience_s` (not a moment's
+        probe by `tierlm kv ls`): refused. A lock file renamed aside or deleted by `tierlm kv
+        prune` between opening and locking it locks nothing: open the one at the path again."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            self.root.mkdir(parents=True, exist_ok=True)
+            f = open(self.root / ".lock", "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                owner = f.read().strip() or "another engine"
+                f.close()
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                raise KVTierError(f"KV disk directory {self.root} is in use by {owner}; give each engine its own "
+                                  "kv_disk_dir (engines share KV blocks through kv_remote)") from None
+            try:
+                current = os.path.samestat(os.fstat(f.fileno()), os.stat(self.root / ".lock"))
+            except OSError:
+                current = False
+            if current:
+                break
             f.close()
-            raise KVTierError(f"KV disk directory {self.root} is in use by {owner}; give each engine its own "
-                              "kv_disk_dir (engines share KV blocks through kv_remote)") from None
+            if time.monotonic() >= deadline + 5.0:  # never for long: each round follows a prune's rename
+                raise KVTierError(f"KV disk directory {self.root} keeps being moved or deleted while this engine "
+                                  "takes it; stop whatever removes it (tierlm kv prune?) and start again")
         f.truncate(0)
         f.write(f"tierlm pid {os.getpid()}\n")
         f.flush()
@@ -541,8 +559,7 @@ class DiskTier(_CapacityTier):
         if f is None or os.fstat(f.fileno()).st_nlink > 0:
             return  # the lock file is still where a second engine would look for it
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._lock_file = self._claim()
+            self._lock_file = self._claim(patience_s=0.0)
         except KVTierError as e:
             self._lost = str(e)
             raise OSError(self._lost) from None
