@@ -301,6 +301,8 @@ def _remove(d: ModelDir, root: Path) -> Pruned:
     finally:
         if isinstance(fd, int):
             os.close(fd)
+    if errors and not os.path.lexists(target):  # renamed away mid-deletion by another prune, which finished it
+        return Pruned(d, False, "gone meanwhile (another prune?)")
     if os.path.lexists(target):
         return Pruned(d, False, f"partly removed ({len(errors)} error(s), first: {errors[0] if errors else '?'}); "
                                 f"the rest is in {target.name}: `tierlm kv prune {root} {target.name}` "

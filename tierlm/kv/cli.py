@@ -63,7 +63,7 @@ def _prune(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"would free {_size(sum(r.dir.bytes for r in results if r.why == 'would remove'))}")
     else:
-        kept = sum(not r.removed for r in results)
+        kept = sum(r.why.startswith("kept") for r in results)
         print(f"freed {_size(sum(r.dir.bytes for r in results if r.removed))}" + (f"; {kept} kept" if kept else ""))
     held = [r for r in results if r.why.startswith("kept: in use")]
     # 1: a removal failed, or a directory asked for by name is (or would be) still there
