@@ -541,6 +541,7 @@ class DiskTier(_CapacityTier):
             if current:
                 break
             f.close()
+            time.sleep(0.001)
             if time.monotonic() >= deadline + 5.0:  # never for long: each round follows a prune's rename
                 raise KVTierError(f"KV disk directory {self.root} keeps being moved or deleted while this engine "
                                   "takes it; stop whatever removes it (tierlm kv prune?) and start again")
