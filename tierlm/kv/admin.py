@@ -168,6 +168,7 @@ def _entries(directory: Path) -> tuple[int, int, float | None]:
     """(entries, bytes, newest entry's time) of the block files in the directory's shards."""
     n = size = 0
     newest: float | None = None
+    t0 = time.monotonic()
     for shard in os.scandir(directory):
         if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
             continue
@@ -179,6 +180,8 @@ def _entries(directory: Path) -> tuple[int, int, float | None]:
             except OSError:
                 continue
             n += 1
+            if n % 500_000 == 0:  # a million entries take seconds to count: show it is moving
+                log.info("%s: %d entries counted in %.0f s", directory.name, n, time.monotonic() - t0)
             size += st.st_size
             newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
     return n, size, newest
