@@ -14,7 +14,8 @@
 # Packages the machine lacks (tierlm's server stack, the SDKs the tests drive) travel as cp312
 # wheels in .whl/, fetched beforehand by tools/device_wheels.sh; they are installed first.
 #
-# 0. CUDA graphs (`--cuda-graphs`, recorded small steps; first run on a GPU pending): their tests
+# 0. CUDA graphs (`--cuda-graphs`, recorded small steps; first run on a GPU pending): first the
+#    one recorded-vs-eager test alone (graphs-smoke, ~20 s: a failed recording's cause shows first), then their tests
 #    on CUDA (logits and greedy tokens against transformers for every architecture, tokens equal
 #    to eager steps), then `bench prefix`, `bench throughput` and the step profile with graphs;
 #    the eager runs below are the comparison;
@@ -70,6 +71,8 @@ llm = LLM(str(d), load_progress=False)
 out = llm.generate(['The cache'], SamplingParams(max_tokens=8, temperature=0))
 print('engine device', llm.engine.device, 'tokens', out[0].outputs[0].token_ids)
 assert llm.engine.device.type == 'cuda'"
+# One recorded-vs-eager test alone first: if recording fails, its cause is the first thing in the log.
+step graphs-smoke 60 python3 -m pytest -q -x -p no:cacheprovider -rfE tests/engine/test_step_graphs.py -k cuda
 step graphs 180 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
   tests/models/test_parity.py -k "graphs or step"
 step bench-prefix-graphs 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \

@@ -73,7 +73,8 @@ SETTINGS = {
     "odd_block": dict(block_size=7, max_num_batched_tokens=40),
     "preempt": dict(block_size=8, max_num_batched_tokens=64, small_pool=True),
     # Fixed-shape steps (what a CUDA graph records), with prefill chunks small enough to use them too.
-    "graphs": dict(block_size=16, max_num_batched_tokens=40, cuda_graphs=True),
+    # 16 rows cover the 9 prompts; fewer recorded decode shapes on a GPU.
+    "graphs": dict(block_size=16, max_num_batched_tokens=40, max_num_seqs=16, cuda_graphs=True),
 }
 
 

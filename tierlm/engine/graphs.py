@@ -155,19 +155,21 @@ class StepGraphs:
         server's first steps would pay for one recording each. Buffers hold padding only, so
         the forward writes nothing but the scratch block. Returns how many were recorded."""
         before = self.recorded
-        rows = 1
-        while rows <= _pow2(self.max_rows) and self.enabled:
-            blocks = 1
-            while blocks <= min(max_blocks, self.max_blocks) and self.enabled:
-                b = Bucket(rows, 1, blocks)
-                if b not in self.buckets and len(self.buckets) < MAX_GRAPHS and rows >= self.min_tokens:
-                    buf = self.buckets[b] = _BucketBuffers(b, self.block_size, self.device)
-                    buf.fill[:] = 0
-                    buf.fill[2 * b.tokens:3 * b.tokens] = self.scratch_slot
-                    buf.device_buf.copy_(buf.host)
-                    self._run(buf)
-                blocks *= 2
-            rows *= 2
+        top_blocks = min(max_blocks, self.max_blocks)
+        shapes = [Bucket(1 << r, 1, 1 << k)
+                  for r in range(_pow2(min(self.max_rows, MAX_TOKENS)).bit_length())
+                  for k in range(_pow2(top_blocks).bit_length()) if 1 << k <= top_blocks]
+        # Largest first (as vLLM captures): the graphs share one memory pool, and smaller ones
+        # then fit in what the larger ones left, instead of the pool growing with each.
+        for b in sorted(shapes, key=lambda b: (b.rows * b.blocks, b.rows), reverse=True):
+            if not self.enabled:
+                break
+            if b not in self.buckets and len(self.buckets) < MAX_GRAPHS and b.rows >= self.min_tokens:
+                buf = self.buckets[b] = _BucketBuffers(b, self.block_size, self.device)
+                buf.fill[:] = 0
+                buf.fill[2 * b.tokens:3 * b.tokens] = self.scratch_slot
+                buf.device_buf.copy_(buf.host)
+                self._run(buf)
         return self.recorded - before
 
     def _fill(self, buf: _BucketBuffers, rows: list[tuple[Request, int]],
@@ -211,12 +213,31 @@ class StepGraphs:
             try:
                 self._record(buf)
             except Exception as e:  # a model this path cannot record: eager steps, not a failed server
+                if "device-side assert" in str(e) or type(e).__name__ == "AcceleratorError":
+                    raise  # the CUDA context is unusable: no eager step can run either
+                cause = e.__context__ or e  # capture_end's own error hides what broke the capture
                 log.warning("recording a CUDA graph for %s failed (%s: %s); every step runs eagerly from now on",
-                            buf.bucket, type(e).__name__, e)
+                            buf.bucket, type(cause).__name__, cause, exc_info=True)
                 self.enabled = False
                 return None
+        # The buckets share one memory pool: a replay may overwrite memory that another graph's
+        # output lives in, so each replay's output is used (compute_logits, queued on this
+        # stream) before any other graph replays.
         buf.graph.replay()
         return buf.hidden
+
+    def _undo_failed_capture(self, current: torch.cuda.Stream) -> None:
+        """torch.cuda.graph's exit raises from capture_end before it restores the stream, and
+        the allocator's capture is not ended then: every later eager step would run on the
+        capture stream and the next recording (or empty_cache) trip the allocator's check that
+        no capture is under way. Put both back."""
+        torch.cuda.set_stream(current)
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(self.device.index if self.device.index is not None else torch.cuda.current_device(), self.pool)
+            except Exception:  # already ended (the failure came after capture_end): nothing to undo
+                pass
 
     def _record(self, buf: _BucketBuffers) -> None:
         """Warm up on a side stream (library handles, kernel choice), then record. The warm-up
@@ -230,8 +251,13 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         forward = functools.partial(self._forward, buf)
         # thread_local: the K/V prefetch thread may touch CUDA while this thread records.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden = forward()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                hidden = forward()
+        except BaseException:
+            self._undo_failed_capture(current)
+            raise
+        buf.padded.reset()  # the masks made while recording: the graph rebuilds its own on each replay
         buf.graph, buf.hidden = graph, hidden
         self.recorded += 1
         log.info("recorded a CUDA graph for %d rows x %d tokens over %d blocks (%d recorded)",
