@@ -111,14 +111,8 @@ class EngineConfig:
                 parse_capacity(getattr(self, knob), 1)
             except ValueError as e:
                 raise ValueError(f"{knob}: {e}") from None
-        if self.kv_remote and not self.kv_remote.startswith(REDIS_URL_SCHEMES):
-            raise ValueError(f"kv_remote {redact_url(self.kv_remote)!r} is not a Redis URL; use redis://host:port/db "
-                             "(or rediss:// for TLS, unix:///path/redis.sock)")
-        if self.kv_remote and not self.kv_remote.startswith("unix://"):
-            db = urllib.parse.urlsplit(self.kv_remote).path.strip("/")
-            if db and not db.isdigit():  # redis-py would quietly use database 0
-                raise ValueError(f"kv_remote {redact_url(self.kv_remote)!r}: the path names the database and must "
-                                 f"be a number (got {db!r}); e.g. redis://host:6379/0")
+        if self.kv_remote:
+            check_redis_url(self.kv_remote)
         for knob, tier in (("kv_disk_capacity", "kv_disk_dir"), ("kv_disk_write_through", "kv_disk_dir"),
                            ("kv_remote_capacity", "kv_remote"), ("kv_remote_ttl", "kv_remote")):
             if getattr(self, knob) not in (None, False) and not getattr(self, tier):
@@ -172,6 +166,38 @@ def check_kv_pool_memory(nbytes: int, device: torch.device, available: bool = Tr
     if nbytes > limit:
         raise ValueError(f"kv_cache_memory is {_size(nbytes)} but {where} {_size(limit)} {what}; "
                          f"give less (leave it unset for a share of free memory)")
+
+
+def check_redis_url(url: str) -> None:
+    """Refuse a kv_remote that redis-py would misread, before the weights load: a password with
+    an unencoded / # ? or @ (redis-py took part of it for the port or database, and the error
+    came minutes later without naming kv_remote), a bad port, a database that is not a
+    number, a TLS file that is not there. Errors show the URL with its password hidden."""
+    shown = redact_url(url)
+    if not url.lower().startswith(REDIS_URL_SCHEMES):
+        raise ValueError(f"kv_remote {shown!r} is not a Redis URL; use redis://host:port/db "
+                         "(or rediss:// for TLS, unix:///path/redis.sock)")
+    parts = urllib.parse.urlsplit(url)
+    encode = ("percent-encode the password (and user name): in Python urllib.parse.quote(password, safe=''), "
+              "e.g. / is %2F, # is %23, ? is %3F, @ is %40, : is %3A")
+    query_at = parts.query.find("@")
+    cut_short = "@" in parts.path or "@" in parts.fragment or (query_at >= 0 and "=" not in parts.query[:query_at])
+    if cut_short and "@" not in parts.netloc and parts.scheme != "unix":
+        raise ValueError(f"kv_remote {shown!r}: the password seems to hold a / # or ? that cuts the URL short; "
+                         + encode)
+    if parts.scheme != "unix":
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number in range
+        except ValueError as e:
+            raise ValueError(f"kv_remote {shown!r}: cannot read the port ({e}); if the password holds a : or @, "
+                             + encode) from None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():  # redis-py would quietly use database 0
+            raise ValueError(f"kv_remote {shown!r}: the path names the database and must be a number "
+                             f"(got {db!r}); e.g. redis://host:6379/0")
+    for name, value in urllib.parse.parse_qsl(parts.query):
+        if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path") and not os.path.exists(value):
+            raise ValueError(f"kv_remote {shown!r}: {name} names {value!r}, which does not exist")
 
 
 def _size(nbytes: int) -> str:

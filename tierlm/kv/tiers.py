@@ -192,13 +192,20 @@ def _bytes_to_blocks(nbytes: int, block_bytes: int, given: object) -> int:
     return nbytes // block_bytes
 
 
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@")  # greedy: up to the last @
+_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """`url` with its password, if any, shown as *** (for logs and errors)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    """`url` with any password shown as *** (for logs and errors): the one before the host, up
+    to the last @ (so one with an unencoded / # ? or @ is hidden whole, not cut at that
+    character), and a `?password=` query value, which redis-py also reads."""
+    m = _USERINFO.match(url)
+    if m is not None:
+        user, sep, _ = m.group(2).partition(":")
+        shown = f"{user}:***" if sep else "***"
+        url = m.group(1) + shown + "@" + url[m.end():]
+    return _PASSWORD_PARAM.sub(r"\1***", url)
 
 
 Demoted = tuple[bytes, "bytes | None", torch.Tensor, "int | None"]  # (key, parent, K/V, output-length hint)
@@ -907,6 +914,19 @@ class DiskTier(_CapacityTier):
             pass
 
 
+def _refusal_advice(e: Exception) -> str | None:
+    """What to do about a Redis refusal that is configuration, not load or memory."""
+    kind, text = type(e).__name__, str(e)  # redis-py strips the error code into the exception's class
+    if kind == "ReadOnlyError" or "READONLY" in text or "read only replica" in text:
+        return "it is a read-only replica: point kv_remote at the primary"
+    if kind == "NoPermissionError" or "NOPERM" in text or "no permissions" in text:
+        return ("its user lacks a permission tierlm needs (GET, SET, MGET, EXISTS, PING; INFO and CONFIG for "
+                "kv_remote_capacity): grant them, e.g. ACL SETUSER <user> +@read +@write +ping on ~tierlm:kv:*")
+    if "CROSSSLOT" in text or "hash to the same slot" in text or text.startswith(("MOVED", "ASK ")):
+        return "it is a Redis Cluster node, which tierlm does not support: use a standalone Redis (or its primary)"
+    return None
+
+
 class RedisTier:
     """A remote tier shared by several engine processes. Any Redis failure is a miss or a
     dropped write. An outage is logged once when it starts and once when it ends; meanwhile the
@@ -946,11 +966,31 @@ class RedisTier:
         self._capacity_set = False  # maxmemory and allkeys-lru set by us (kv_remote_capacity)
         self._capacity_bytes = capacity_bytes
         self._bad_credentials = redis.exceptions.AuthenticationError
+        self._started = False
         self._check_memory(capacity_bytes, self._bad_credentials)
+        self._started = True
+
+    def _foreign_data(self) -> str | None:
+        """Keys on this server that are not tierlm's: in another database (INFO keyspace), or
+        in its own among a sample of 16 random keys. None if none were seen."""
+        own = f"db{int(self.client.connection_pool.connection_kwargs.get('db', 0) or 0)}"
+        others = {name: v.get("keys", 0) for name, v in self.client.info("keyspace").items()
+                  if name != own and isinstance(v, dict) and v.get("keys", 0)}
+        if others:
+            return ", ".join(f"{n} keys in {name}" for name, n in sorted(others.items()))
+        prefix = self.prefix.encode()
+        for _ in range(16):
+            key = self.client.randomkey()
+            if key is None:
+                break
+            if not key.startswith(prefix):
+                return f"keys such as {key[:40]!r} in {own}"
+        return None
 
     def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
+        foreign = None
         try:
-            if capacity_bytes:
+            if capacity_bytes and (foreign := self._foreign_data()) is None:
                 # On top of what the server needs with no data (its overhead now: clients, buffers,
                 # key tables), not counting keys already there (ours, from an earlier run), so
                 # restarts do not grow the limit; plus 1 MiB, as client buffers and allocator
@@ -984,13 +1024,23 @@ class RedisTier:
                                   "?ssl_ca_certs=/path/ca.pem to the URL") from None
             self._failed(e)
             return
+        if foreign is not None:
+            said = (f"Redis KV tier {self.url} holds data that is not tierlm's ({foreign}); kv_remote_capacity "
+                    "sets the whole server's maxmemory with allkeys-lru, which would evict it. Give tierlm a "
+                    "Redis of its own, or leave kv_remote_capacity unset and set maxmemory on the server yourself")
+            if not self._started:
+                self.close()
+                raise KVTierError(said)
+            log.warning("%s; the limit is not set again", said)  # after an outage: serve on, evict nothing
+            return
+        policy = str(conf.get("maxmemory-policy", ""))
         if int(conf.get("maxmemory", 0) or 0) == 0:
             log.warning("Redis KV tier %s has no maxmemory: it grows without bound. Set maxmemory and "
                         "maxmemory-policy allkeys-lru on the server, or give kv_remote_capacity", self.url)
-        elif not str(conf.get("maxmemory-policy", "")).startswith("allkeys"):
-            log.warning("Redis KV tier %s uses maxmemory-policy %s: tierlm's keys have no TTL, so writes are "
-                        "refused once it is full. Use allkeys-lru (or give kv_remote_capacity)",
-                        self.url, conf.get("maxmemory-policy"))
+        elif not policy.startswith("allkeys") and not (self.ttl and policy.startswith("volatile")):
+            log.warning("Redis KV tier %s uses maxmemory-policy %s: tierlm's keys have no TTL (kv_remote_ttl), so "
+                        "writes are refused once it is full. Use allkeys-lru (or give kv_remote_capacity)",
+                        self.url, policy)
 
     def close(self) -> None:
         try:
@@ -1004,9 +1054,11 @@ class RedisTier:
     def _failed(self, e: Exception) -> None:
         now = time.monotonic()
         if not self.backoff:
-            log.warning("Redis KV tier %s unavailable (%s); reading it as misses and dropping writes to it "
-                        "until it answers again (retrying after %g s, then less often, up to every %g s)",
-                        self.url, e, self.retry_after, self.max_retry_after)
+            advice = _refusal_advice(e) if isinstance(e, self._refused) else None
+            log.warning("Redis KV tier %s %s (%s)%s; reading it as misses and dropping writes to it until it "
+                        "answers again (retrying after %g s, then less often, up to every %g s)",
+                        self.url, "refused" if advice else "unavailable", e, f": {advice}" if advice else "",
+                        self.retry_after, self.max_retry_after)
             self._down_since, self._failed_tries = now, 0
             self.backoff = self.retry_after
         elif self._available():  # a retry that failed too
@@ -1059,7 +1111,10 @@ class RedisTier:
             self.stats.errors += 1
             if not self._warned_refusal:
                 self._warned_refusal = True
-                if self._capacity_set:  # allkeys-lru is ours: the block does not fit even after evicting
+                advice = _refusal_advice(e)
+                if advice:
+                    log.warning("Redis KV tier %s refused a write (%s): %s; dropping such writes", self.url, e, advice)
+                elif self._capacity_set:  # allkeys-lru is ours: the block does not fit even after evicting
                     log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Its maxmemory "
                                 "leaves no room for a block even after evicting: raise kv_remote_capacity",
                                 self.url, e)

@@ -1,0 +1,128 @@
+"""The Redis tier against how managed Redis servers are really set up (from a tester's attack):
+passwords in every URL form never shown, URLs redis-py would misread refused before the weights
+load, a kv_remote_capacity that would evict another application's keys refused, and refusals
+that are configuration (a replica, a missing ACL permission) named as such."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tierlm import LLM
+from tierlm.config import check_redis_url
+from tierlm.errors import KVTierError
+from tierlm.kv.tiers import RedisTier, redact_url
+
+BLOCK = torch.randn(64, 256)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:s3cret@h:6379/0", "redis://:***@h:6379/0"),
+    ("redis://alice:s3cret@h:6379/0", "redis://alice:***@h:6379/0"),
+    ("redis://h:6379/0?password=s3cret&db=1", "redis://h:6379/0?password=***&db=1"),
+    ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+    ("redis://:Ab/s3cret+Q==@h:6379/0", "redis://:***@h:6379/0"),  # unencoded /: cut at the last @
+    ("redis://:Ab#s3cret@h:6379/0", "redis://:***@h:6379/0"),
+    ("redis://s3cret@h:6379/0", "redis://***@h:6379/0"),
+    ("redis://h:6379/0", "redis://h:6379/0"),
+])
+def test_passwords_are_hidden_in_every_url_form(url, shown):
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize("url, says", [
+    ("redis://:Ab/s3cret+Q==@h:6379/0", "percent-encode the password"),
+    ("redis://:Ab#s3cret@h:6379/0", "percent-encode the password"),
+    ("redis://:Ab?s3cret@h:6379/0", "percent-encode the password"),
+    ("redis://h:99999/0", "cannot read the port"),
+    ("redis://h:6379/abc", "the path names the database and must be a number"),
+    ("redis://h:6379/0?ssl_ca_certs=/no/such/ca.pem", "ssl_ca_certs names '/no/such/ca.pem', which does not exist"),
+    ("http://u:s3cret@h", "is not a Redis URL"),
+])
+def test_urls_redis_py_would_misread_are_refused_before_loading(url, says, tmp_path):
+    with pytest.raises(ValueError, match=says) as err:
+        LLM(str(tmp_path / "no-model-here"), kv_remote=url)
+    assert "s3cret" not in str(err.value) and "kv_remote" in str(err.value)
+
+
+def test_good_urls_pass_whatever_their_scheme_case(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    for url in ("REDIS://h:6379/0", "rediss://h:6380/2?ssl_ca_certs=" + str(ca), "unix:///run/r.sock?db=0",
+                "redis://:p%2Fq%23r@h:6379/0"):
+        check_redis_url(url)
+
+
+def test_a_capacity_that_would_evict_other_data_is_refused_and_evicts_nothing(redis_server):
+    import redis
+
+    other_db = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
+    other_db.set("app:session:1", "keep me")
+    with pytest.raises(KVTierError, match=r"not tierlm's \(1 keys in db1\).*evict"):
+        RedisTier(redis_server.url, capacity_bytes=1_000_000)
+    own_db = redis.Redis.from_url(redis_server.url)
+    assert int(own_db.config_get("maxmemory")["maxmemory"]) == 0  # nothing was set
+    other_db.delete("app:session:1")
+    own_db.set("app:cart:7", "keep me too")  # in tierlm's own database
+    with pytest.raises(KVTierError, match="keys such as b'app:cart:7' in db0"):
+        RedisTier(redis_server.url, capacity_bytes=1_000_000)
+    own_db.delete("app:cart:7")
+    tier = RedisTier(redis_server.url, capacity_bytes=1_000_000)  # only tierlm's data: applied
+    assert int(own_db.config_get("maxmemory")["maxmemory"]) > 1_000_000
+    tier.put(b"\x01" * 32, None, BLOCK)
+    tier.close()
+
+
+def test_other_data_found_after_an_outage_leaves_the_limit_unset_and_the_tier_serving(redis_server, caplog):
+    import redis
+
+    tier = RedisTier(redis_server.url, capacity_bytes=1_000_000, retry_after_s=0.01)
+    redis_server.stop()
+    assert tier.fetch(b"\x02" * 32) is None and tier.backoff > 0
+    redis_server.start()
+    redis.Redis.from_url(redis_server.url).set("app:session:2", "keep me")  # another app moved in meanwhile
+    import time
+    time.sleep(0.03)
+    with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+        tier.put(b"\x03" * 32, None, BLOCK)
+    server = redis.Redis.from_url(redis_server.url)
+    assert "the limit is not set again" in caplog.text and int(server.config_get("maxmemory")["maxmemory"]) == 0
+    assert server.get("app:session:2") == b"keep me"
+    assert tier.get(b"\x03" * 32) is not None  # still serving
+    tier.close()
+
+
+def test_a_read_only_replica_is_named_as_such_and_reads_go_on(redis_server, caplog):
+    import redis
+
+    server = redis.Redis.from_url(redis_server.url)
+    tier = RedisTier(redis_server.url)
+    tier.put(b"\x04" * 32, None, BLOCK)
+    server.execute_command("REPLICAOF", "127.0.0.1", "1")  # a replica (of nothing reachable): writes refused
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+            tier.put(b"\x05" * 32, None, BLOCK)
+            tier.put(b"\x06" * 32, None, BLOCK)
+        said = [r.message for r in caplog.records if "refused a write" in r.message]
+        assert len(said) == 1 and "read-only replica: point kv_remote at the primary" in said[0]
+        assert "raise maxmemory" not in said[0]
+        assert tier.stats.errors == 2 and tier._available()
+        assert tier.get(b"\x04" * 32) is not None  # reads go on
+    finally:
+        server.execute_command("REPLICAOF", "NO", "ONE")
+        tier.close()
+
+
+def test_a_user_without_a_permission_the_tier_needs_is_told_which(redis_server, caplog):
+    import redis
+
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser("kvreader", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-mget"])
+    url = redis_server.url.replace("redis://", "redis://kvreader:pw@")
+    with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+        tier = RedisTier(url)
+        assert tier.fetch_run([b"\x07" * 32]) == []  # a miss, not an error raised
+    said = [r.message for r in caplog.records if "refused" in r.message]
+    assert len(said) == 1 and "lacks a permission tierlm needs" in said[0] and ":pw@" not in said[0]
+    tier.close()
