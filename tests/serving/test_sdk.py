@@ -181,6 +181,45 @@ def test_openai_errors_are_sdk_exceptions(oai, demo_server, model):
     assert info.value.param == "messages"
 
 
+def test_api_keys_never_share_cached_prefixes(model):
+    """Usage says whether a prompt was cached, so a prefix cached for one API key must not be
+    for another (it was: bob's usage showed what alice had sent); each key shares with itself,
+    and a client's cache_salt only narrows that."""
+    import uuid
+
+    from tests.serving.harness import ServerThread
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import ApiKeyAuth
+
+    engine = AsyncEngine.from_model(None, device="cpu", max_model_len=1024, kv_cache_memory=8 << 20,
+                                    load_progress=False)  # its own: an engine runs on one server's loop
+    app = build_app({model: engine}, ApiKeyAuth.from_keys({"alice": "sk-alice", "bob": "sk-bob"}))
+    server = ServerThread(app).start()
+    try:
+        text = f"{uuid.uuid4().hex} " + "lorem ipsum dolor " * 30
+        clients = {who: (anthropic.Anthropic(base_url=server.url, api_key=f"sk-{who}", max_retries=0),
+                         openai.OpenAI(base_url=server.url + "/v1", api_key=f"sk-{who}", max_retries=0))
+                   for who in ("alice", "bob")}
+
+        def cached(who: str, salt: str | None = None) -> tuple[int, int]:
+            extra = {"cache_salt": salt} if salt else None
+            claude, oai = clients[who]
+            msg = claude.messages.create(model=model, max_tokens=1, messages=[{"role": "user", "content": text}],
+                                         extra_body=extra)
+            chat = oai.chat.completions.create(model=model, max_tokens=1, **GREEDY,
+                                               messages=[{"role": "user", "content": text}], extra_body=extra)
+            return msg.usage.cache_read_input_tokens, chat.usage.prompt_tokens_details.cached_tokens
+
+        first = cached("alice")
+        assert first[0] == 0 and first[1] > 0  # alice's second request hits her own prefix
+        assert cached("bob")[0] == 0  # not alice's
+        assert cached("bob")[0] > 0  # his own, now
+        assert cached("alice", "team")[0] == 0 and cached("bob", "team")[0] == 0  # a shared salt shares nothing
+    finally:
+        server.stop()
+
+
 def test_cache_salt_keeps_cached_prefixes_apart(claude, oai, model):
     """vLLM's `cache_salt` request field (sent with the SDKs' extra_body): equal prompts with
     different salts never share cached blocks; the same salt does."""

@@ -33,7 +33,11 @@ class ServerState:
         if self.draining:
             raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
-        return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id)
+        # Until tenancy maps keys to tenants, each key is a tenant of its own for the prefix
+        # cache: a key reads in its usage whether a prompt was cached, so no other key's prompts
+        # may be (they were: one key could tell what another had recently sent).
+        salt = None if api_key_id is None else f"key\x1f{api_key_id}"
+        return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, cache_salt=salt)
 
     async def parse(self, request: Request, cls: type[M]) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON
