@@ -971,20 +971,31 @@ class RedisTier:
         self._started = True
 
     def _foreign_data(self) -> str | None:
-        """Keys on this server that are not tierlm's: in another database (INFO keyspace), or
-        in its own among a sample of 16 random keys. None if none were seen."""
-        own = f"db{int(self.client.connection_pool.connection_kwargs.get('db', 0) or 0)}"
-        others = {name: v.get("keys", 0) for name, v in self.client.info("keyspace").items()
-                  if name != own and isinstance(v, dict) and v.get("keys", 0)}
-        if others:
-            return ", ".join(f"{n} keys in {name}" for name, n in sorted(others.items()))
+        """Keys on this server that are not tierlm's, from a sample of 16 random keys in each
+        database that has any (INFO keyspace): other engines' KV blocks in other databases are
+        tierlm's too. None if none were seen."""
+        import redis
+
+        kwargs = self.client.connection_pool.connection_kwargs
+        own = int(kwargs.get("db", 0) or 0)
         prefix = self.prefix.encode()
-        for _ in range(16):
-            key = self.client.randomkey()
-            if key is None:
-                break
-            if not key.startswith(prefix):
-                return f"keys such as {key[:40]!r} in {own}"
+        for name, v in sorted(self.client.info("keyspace").items()):
+            if not (name.startswith("db") and name[2:].isdigit() and isinstance(v, dict) and v.get("keys", 0)):
+                continue
+            db = int(name[2:])
+            client = self.client if db == own else redis.Redis(
+                connection_pool=redis.ConnectionPool(connection_class=self.client.connection_pool.connection_class,
+                                                     **{**kwargs, "db": db}))
+            try:
+                for _ in range(16):
+                    key = client.randomkey()
+                    if key is None:
+                        break
+                    if not key.startswith(prefix):
+                        return f"keys such as {key[:40]!r} in {name}"
+            finally:
+                if client is not self.client:
+                    client.close()
         return None
 
     def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
