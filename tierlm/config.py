@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
-from tierlm.kv.tiers import parse_capacity, redact_url
+from tierlm.kv.tiers import lower_scheme, parse_capacity, redact_url
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -174,10 +174,14 @@ def check_redis_url(url: str) -> None:
     came minutes later without naming kv_remote), a bad port, a database that is not a
     number, a TLS file that is not there. Errors show the URL with its password hidden."""
     shown = redact_url(url)
-    if not url.lower().startswith(REDIS_URL_SCHEMES):
+    url = lower_scheme(url)
+    if not url.startswith(REDIS_URL_SCHEMES):
         raise ValueError(f"kv_remote {shown!r} is not a Redis URL; use redis://host:port/db "
                          "(or rediss:// for TLS, unix:///path/redis.sock)")
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:  # e.g. an unclosed [ of an IPv6 host
+        raise ValueError(f"kv_remote {shown!r}: cannot read it ({e}); e.g. redis://[::1]:6379/0") from None
     encode = ("percent-encode the password (and user name): in Python urllib.parse.quote(password, safe=''), "
               "e.g. / is %2F, # is %23, ? is %3F, @ is %40, : is %3A")
     query_at = parts.query.find("@")
@@ -198,6 +202,14 @@ def check_redis_url(url: str) -> None:
     for name, value in urllib.parse.parse_qsl(parts.query):
         if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path") and not os.path.exists(value):
             raise ValueError(f"kv_remote {shown!r}: {name} names {value!r}, which does not exist")
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # the serving extras are not installed: the tier will say so when built
+        return
+    try:
+        parse_url(url)  # what redis-py itself will refuse (a db=abc option, a bad timeout), now
+    except ValueError as e:
+        raise ValueError(f"kv_remote {shown!r}: {str(e).replace(url, shown)}") from None
 
 
 def _size(nbytes: int) -> str:

@@ -1068,7 +1068,7 @@ def test_redis_memory_limit_is_set_again_after_a_redis_restart(redis_server):
     time.sleep(0.06)
     assert tier.fetch(h) is None and tier.backoff == 0  # answered: the outage is over
     assert int(server.config_get("maxmemory")["maxmemory"]) > 4 << 20  # and the limit is back
-    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
     tier.close()
 
 
@@ -1084,7 +1084,7 @@ def test_redis_tier_size_is_the_servers_maxmemory(llama_dir, redis_server, caplo
     block, = llm.engine.runner.read_blocks([0])
     maxmemory = int(server.config_get("maxmemory")["maxmemory"]) - 1000 * block.numel() * block.element_size()
     assert overhead < maxmemory < overhead + (2 << 20)  # 1000 blocks on top of the server's overhead (+1 MiB)
-    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
     _run(llm, _prompt(5, 40))
     llm.engine.store.flush()  # write-through landed, with the TTL
     keys = server.keys("tierlm:kv:*")

@@ -22,8 +22,12 @@ BLOCK = torch.randn(64, 256)
     ("redis://alice:s3cret@h:6379/0", "redis://alice:***@h:6379/0"),
     ("redis://h:6379/0?password=s3cret&db=1", "redis://h:6379/0?password=***&db=1"),
     ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
-    ("redis://:Ab/s3cret+Q==@h:6379/0", "redis://:***@h:6379/0"),  # unencoded /: cut at the last @
-    ("redis://:Ab#s3cret@h:6379/0", "redis://:***@h:6379/0"),
+    ("redis://:Ab/s3cret+Q==@h:6379/0", "redis://***@h:6379/0"),  # an unencoded / cuts the URL short
+    ("redis://:Ab#s3cret@h:6379/0", "redis://***@h:6379/0"),
+    ("redis://:Ab?s3cret@h:6379/0", "redis://***@h:6379/0"),
+    ("redis://h:6379/0?password=Srv@s3cret", "redis://h:6379/0?password=***"),  # an @ in a query password
+    ("unix:///s.sock?password=Xy@s3cret&db=3", "unix:///s.sock?password=***&db=3"),
+    ("redis://h:6379/0?x=a@b", "redis://h:6379/0?x=a@b"),  # no password: host and query shown as given
     ("redis://s3cret@h:6379/0", "redis://***@h:6379/0"),
     ("redis://h:6379/0", "redis://h:6379/0"),
 ])
@@ -39,6 +43,9 @@ def test_passwords_are_hidden_in_every_url_form(url, shown):
     ("redis://h:6379/abc", "the path names the database and must be a number"),
     ("redis://h:6379/0?ssl_ca_certs=/no/such/ca.pem", "ssl_ca_certs names '/no/such/ca.pem', which does not exist"),
     ("http://u:s3cret@h", "is not a Redis URL"),
+    ("redis://:s3cret@h:6379/0?db=abc", "Invalid value for 'db'"),  # what redis-py itself refuses
+    ("unix:///run/redis.sock?db=x&password=s3cret", "Invalid value for 'db'"),
+    ("redis://:s3cret@[::1:6379/0", "cannot read it"),
 ])
 def test_urls_redis_py_would_misread_are_refused_before_loading(url, says, tmp_path):
     with pytest.raises(ValueError, match=says) as err:
@@ -52,6 +59,25 @@ def test_good_urls_pass_whatever_their_scheme_case(tmp_path):
     for url in ("REDIS://h:6379/0", "rediss://h:6380/2?ssl_ca_certs=" + str(ca), "unix:///run/r.sock?db=0",
                 "redis://:p%2Fq%23r@h:6379/0"):
         check_redis_url(url)
+
+
+def test_with_a_capacity_only_tierlms_keys_can_be_evicted(redis_server):
+    """kv_remote_capacity makes the server evict volatile-lru and gives every tierlm key a TTL:
+    another application's keys without one survive even where the check at start missed them
+    (here they arrive after it)."""
+    import redis
+
+    server = redis.Redis.from_url(redis_server.url)
+    tier = RedisTier(redis_server.url, capacity_bytes=1_000_000)  # about 15 blocks
+    assert server.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
+    for i in range(20):
+        server.set(f"app:user:{i}", "x" * 100)
+    for i in range(1, 41):
+        tier.put(bytes([i]) * 32, None, BLOCK)
+    assert all(server.get(f"app:user:{i}") for i in range(20))  # none evicted
+    ours = server.keys("tierlm:kv:*")
+    assert 0 < len(ours) < 40 and all(0 < server.ttl(k) <= 7 * 86400 for k in ours)
+    tier.close()
 
 
 def test_a_capacity_that_would_evict_other_data_is_refused_and_evicts_nothing(redis_server):

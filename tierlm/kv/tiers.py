@@ -192,20 +192,36 @@ def _bytes_to_blocks(nbytes: int, block_bytes: int, given: object) -> int:
     return nbytes // block_bytes
 
 
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@")  # greedy: up to the last @
 _PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
+def lower_scheme(url: str) -> str:
+    """`REDIS://...` as `redis://...`: redis-py takes lower-case schemes only."""
+    head, sep, rest = url.partition("://")
+    return head.lower() + sep + rest if sep else url
+
+
 def redact_url(url: str) -> str:
-    """`url` with any password shown as *** (for logs and errors): the one before the host, up
-    to the last @ (so one with an unencoded / # ? or @ is hidden whole, not cut at that
-    character), and a `?password=` query value, which redis-py also reads."""
-    m = _USERINFO.match(url)
-    if m is not None:
-        user, sep, _ = m.group(2).partition(":")
-        shown = f"{user}:***" if sep else "***"
-        url = m.group(1) + shown + "@" + url[m.end():]
-    return _PASSWORD_PARAM.sub(r"\1***", url)
+    """`url` with any password shown as *** (for logs and errors): the user-info part of the
+    host (`:PASSWORD@`), a `?password=` value (redis-py reads that too), and, for a password with
+    an unencoded / # or ? that cuts the URL short, everything up to the @ that ends it."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        return _PASSWORD_PARAM.sub(r"\1***", url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        netloc, path, query, fragment = parts.netloc, parts.path, parts.query, parts.fragment
+    except ValueError:  # e.g. an unclosed [ of an IPv6 host: hide whatever could be a password
+        netloc, path, query, fragment = "", rest, "", ""
+    query_at = query.find("@")
+    cut_short = "@" in path or "@" in fragment or (query_at >= 0 and "=" not in query[:query_at])
+    if "@" in netloc:
+        info, host = netloc.rsplit("@", 1)
+        user, colon, _ = info.partition(":")
+        rest = (f"{user}:***" if colon else "***") + "@" + host + rest[len(netloc):]
+    elif cut_short:
+        rest = "***" + rest[rest.rfind("@"):]
+    return _PASSWORD_PARAM.sub(r"\1***", head + sep + rest)
 
 
 Demoted = tuple[bytes, "bytes | None", torch.Tensor, "int | None"]  # (key, parent, K/V, output-length hint)
@@ -927,6 +943,9 @@ def _refusal_advice(e: Exception) -> str | None:
     return None
 
 
+CAPACITY_TTL_S = 7 * 86400  # a key's lifetime in Redis with kv_remote_capacity and no kv_remote_ttl
+
+
 class RedisTier:
     """A remote tier shared by several engine processes. Any Redis failure is a miss or a
     dropped write. An outage is logged once when it starts and once when it ends; meanwhile the
@@ -936,8 +955,10 @@ class RedisTier:
 
     Its size is the Redis server's: several engines write it, so no one process can run its
     eviction. The server's `maxmemory` with an `allkeys-*` policy bounds it; `capacity_bytes`
-    sets those (maxmemory = the server's overhead now + 1 MiB + capacity, so about that many bytes of
-    blocks fit; for a Redis dedicated to the KV cache), and without it a server that would grow
+    sets maxmemory (the server's overhead now + 1 MiB + capacity, so about that many bytes of
+    blocks fit; for a Redis dedicated to the KV cache) with `volatile-lru` and a TTL on every
+    key, so only keys with a TTL are evicted, never another application's persistent ones, and
+    it is refused on a server seen to hold other keys. Without it a server that would grow
     without bound or refuse writes when full is named in a warning. Entries may also expire
     (`ttl_s`). A write the server refuses (full under `noeviction`) is dropped and counted; it
     is not an outage, so reads go on.
@@ -950,9 +971,12 @@ class RedisTier:
         import redis
 
         self.url = redact_url(url)  # for logs and errors
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=0.2, socket_timeout=0.5)
+        self.client = redis.Redis.from_url(lower_scheme(url), socket_connect_timeout=0.2, socket_timeout=0.5)
         self.prefix = prefix
-        self.ttl = ttl_s
+        # With kv_remote_capacity the server evicts volatile-lru, among keys with a TTL: every
+        # tierlm key gets one, so another application's keys (which mostly have none) are never
+        # evicted for tierlm's, even where the check for them at start missed some.
+        self.ttl = ttl_s or (CAPACITY_TTL_S if capacity_bytes else None)
         self.retry_after = retry_after_s
         self.max_retry_after = max(max_retry_after_s, retry_after_s)
         self.down_until = 0.0
@@ -963,7 +987,7 @@ class RedisTier:
         self._errors = (redis.exceptions.RedisError, OSError)
         self._refused = redis.exceptions.ResponseError  # the server answered, and said no
         self._warned_refusal = False
-        self._capacity_set = False  # maxmemory and allkeys-lru set by us (kv_remote_capacity)
+        self._capacity_set = False  # maxmemory and volatile-lru set by us (kv_remote_capacity)
         self._capacity_bytes = capacity_bytes
         self._bad_credentials = redis.exceptions.AuthenticationError
         self._started = False
@@ -1010,7 +1034,7 @@ class RedisTier:
                 mem = self.client.info("memory")
                 base = max(int(mem.get("used_memory_overhead", 0)), int(mem.get("used_memory_startup", 0))) + (1 << 20)
                 self.client.config_set("maxmemory", base + capacity_bytes)
-                self.client.config_set("maxmemory-policy", "allkeys-lru")
+                self.client.config_set("maxmemory-policy", "volatile-lru")
                 self._capacity_set = True
                 return
             conf = self.client.config_get("maxmemory*")
@@ -1037,8 +1061,9 @@ class RedisTier:
             return
         if foreign is not None:
             said = (f"Redis KV tier {self.url} holds data that is not tierlm's ({foreign}); kv_remote_capacity "
-                    "sets the whole server's maxmemory with allkeys-lru, which would evict it. Give tierlm a "
-                    "Redis of its own, or leave kv_remote_capacity unset and set maxmemory on the server yourself")
+                    "sets the whole server's maxmemory, which would evict that data (if it has TTLs) or refuse its "
+                    "writes once full. Give tierlm a Redis of its own, or leave kv_remote_capacity unset and set "
+                    "maxmemory on the server yourself")
             if not self._started:
                 self.close()
                 raise KVTierError(said)
@@ -1125,7 +1150,7 @@ class RedisTier:
                 advice = _refusal_advice(e)
                 if advice:
                     log.warning("Redis KV tier %s refused a write (%s): %s; dropping such writes", self.url, e, advice)
-                elif self._capacity_set:  # allkeys-lru is ours: the block does not fit even after evicting
+                elif self._capacity_set:  # the eviction policy is ours: the block does not fit even after evicting
                     log.warning("Redis KV tier %s refused a write (%s); dropping such writes. Its maxmemory "
                                 "leaves no room for a block even after evicting: raise kv_remote_capacity",
                                 self.url, e)
