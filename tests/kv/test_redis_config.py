@@ -27,6 +27,7 @@ BLOCK = torch.randn(64, 256)
     ("redis://:Ab?s3cret@h:6379/0", "redis://***@h:6379/0"),
     ("redis://h:6379/0?password=Srv@s3cret", "redis://h:6379/0?password=***"),  # an @ in a query password
     ("unix:///s.sock?password=Xy@s3cret&db=3", "unix:///s.sock?password=***&db=3"),
+    ("redis://h:6379/0;password=s3cret", "redis://h:6379/0;password=***"),
     ("redis://h:6379/0?x=a@b", "redis://h:6379/0?x=a@b"),  # no password: host and query shown as given
     ("redis://s3cret@h:6379/0", "redis://***@h:6379/0"),
     ("redis://h:6379/0", "redis://h:6379/0"),

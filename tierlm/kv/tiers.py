@@ -192,7 +192,7 @@ def _bytes_to_blocks(nbytes: int, block_bytes: int, given: object) -> int:
     return nbytes // block_bytes
 
 
-_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+_PASSWORD_PARAM = re.compile(r"([?&;]password=)[^&#;]*", re.IGNORECASE)
 
 
 def lower_scheme(url: str) -> str:
