@@ -77,7 +77,8 @@ def test_with_a_capacity_only_tierlms_keys_can_be_evicted(redis_server):
         tier.put(bytes([i]) * 32, None, BLOCK)
     assert all(server.get(f"app:user:{i}") for i in range(20))  # none evicted
     ours = server.keys("tierlm:kv:*")
-    assert 0 < len(ours) < 40 and all(0 < server.ttl(k) <= 7 * 86400 for k in ours)
+    ttls = [server.ttl(k) for k in ours]  # -2: evicted meanwhile (Redis evicts on any command when full)
+    assert 0 < len(ours) < 40 and -1 not in ttls and all(t <= 7 * 86400 for t in ttls) and max(ttls) > 0
     tier.close()
 
 
