@@ -197,8 +197,9 @@ def check_redis_url(url: str) -> None:
                              + encode) from None
         db = parts.path.strip("/")
         if db and not db.isdigit():  # redis-py would quietly use database 0
+            said = repr(db) if "password" not in db.lower() else "a path holding a password"
             raise ValueError(f"kv_remote {shown!r}: the path names the database and must be a number "
-                             f"(got {db!r}); e.g. redis://host:6379/0")
+                             f"(got {said}); e.g. redis://host:6379/0")
     for name, value in urllib.parse.parse_qsl(parts.query):
         if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path") and not os.path.exists(value):
             raise ValueError(f"kv_remote {shown!r}: {name} names {value!r}, which does not exist")
