@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse takes a subcommand's positional list only before its options
         more = getattr(args, "more_positionals", None)
+        if more and extra[0] == "--":
+            extra = extra[1:]
         unknown = [x for x in extra if x.startswith("-")] if more else extra
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")

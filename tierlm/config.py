@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
-from tierlm.kv.tiers import lower_scheme, parse_capacity, redact_url
+from tierlm.kv.tiers import lower_scheme, parse_capacity, redact_url, url_cut_short
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -184,9 +184,7 @@ def check_redis_url(url: str) -> None:
         raise ValueError(f"kv_remote {shown!r}: cannot read it ({e}); e.g. redis://[::1]:6379/0") from None
     encode = ("percent-encode the password (and user name): in Python urllib.parse.quote(password, safe=''), "
               "e.g. / is %2F, # is %23, ? is %3F, @ is %40, : is %3A")
-    query_at = parts.query.find("@")
-    cut_short = "@" in parts.path or "@" in parts.fragment or (query_at >= 0 and "=" not in parts.query[:query_at])
-    if cut_short and "@" not in parts.netloc and parts.scheme != "unix":
+    if url_cut_short(parts) and parts.scheme != "unix":
         raise ValueError(f"kv_remote {shown!r}: the password seems to hold a / # or ? that cuts the URL short; "
                          + encode)
     if parts.scheme != "unix":

@@ -33,6 +33,17 @@ def _graphs(max_rows: int = 64, max_blocks: int = 250) -> StepGraphs:
     return StepGraphs(torch.nn.Identity(), [cache], 16, scratch_block=8, max_rows=max_rows, max_blocks=max_blocks)
 
 
+def test_decode_shapes_recorded_ahead_keep_the_smallest_and_record_the_largest_first():
+    from tierlm.engine.graphs import MAX_GRAPHS, decode_shapes
+    few = decode_shapes(max_rows=6, max_blocks=20, min_rows=1, have=set())
+    assert {(b.rows, b.blocks) for b in few} == {(r, k) for r in (1, 2, 4, 8) for k in (1, 2, 4, 8, 16)}
+    assert [b.rows * b.blocks for b in few] == sorted((b.rows * b.blocks for b in few), reverse=True)
+    many = decode_shapes(max_rows=512, max_blocks=1 << 16, min_rows=2, have={Bucket(2, 1, 1)})
+    assert len(many) == MAX_GRAPHS - 1 < 9 * 17  # more shapes than room: the smallest are kept
+    assert Bucket(2, 1, 2) in many and Bucket(512, 1, 1 << 16) not in many and Bucket(1, 1, 1) not in many
+    assert Bucket(2, 1, 1) not in many  # recorded already
+
+
 def test_buckets_round_up_and_refuse_what_padding_would_waste():
     g = _graphs()
     assert g.bucket_for([(_Req(40, 41), 1)] * 3) == Bucket(rows=4, width=1, blocks=4)  # 41 tokens: 3 blocks -> 4

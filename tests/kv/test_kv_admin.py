@@ -187,6 +187,7 @@ def test_a_prune_that_fails_partway_is_listed_and_finished_by_the_next(site, cap
     kv, _, _ = site
     target = next(d for d in admin.scan(kv) if os.path.basename(d.model_dir or "") == "delta")
     stuck = _files(kv / target.name)[0]
+    inside = stuck.relative_to(kv / target.name)
     if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i is not available on this file system")
     try:
@@ -195,8 +196,9 @@ def test_a_prune_that_fails_partway_is_listed_and_finished_by_the_next(site, cap
         [left] = [d for d in admin.scan(kv) if d.leftover]
         assert left.weights == "partly removed" and left.stale and left.entries == 1
         assert not (kv / target.name).exists()
-    finally:
-        subprocess.run(["chattr", "-i", str(left.path + str(stuck)[len(str(kv / target.name)):])], check=True)
+    finally:  # wherever the file is now, so pytest can clean up and a failure above shows as itself
+        for p in [stuck, *kv.glob(f".tierlm-prune-*/{inside}")]:
+            subprocess.run(["chattr", "-i", str(p)], capture_output=True)
     assert main(["kv", "prune", str(kv), "--stale", "--unused-for", "30d"]) == 0  # leftovers match any filter
     assert not [d for d in admin.scan(kv) if d.leftover]
 
@@ -230,6 +232,7 @@ def test_names_may_follow_the_options_and_a_held_name_fails_a_dry_run_too(site, 
     assert main(["kv", "prune", str(kv), "--dry-run", free]) == 0
     assert f"would remove: {free}" in capsys.readouterr().out
     assert main(["kv", "prune", str(kv), "--dry-run", held]) == 1
+    assert main(["kv", "prune", str(kv), "--dry-run", "--", free]) == 0  # after --, names only
     with pytest.raises(SystemExit) as exited:
         main(["kv", "prune", str(kv), "--dry-run", free, "--bogus"])
     assert exited.value.code == 2
@@ -298,15 +301,26 @@ def test_directories_without_a_record_are_listed_as_unknown_and_never_stale(tmp_
     assert not odd.exists() and (tmp_path / "nowhere").exists() is False
 
 
-def test_an_engine_waits_out_a_probe_and_is_told_who_holds_a_directory(tmp_path):
+def test_an_engine_waits_out_a_probe_and_is_told_who_holds_a_directory(tmp_path, monkeypatch):
     """`kv ls` locks each directory for a moment to see whether it is free: an engine starting
     then waits that moment out instead of being refused. A lock held for longer (a prune
     deleting) refuses it, naming the prune."""
+    from tierlm.kv import tiers
     root = tmp_path / "kv" / "m-0123456789ab"
     DiskTier(root, 8, block_bytes=64).close()
     fd = admin._try_lock(root, mine=True)
-    threading.Timer(0.1, os.close, (fd,)).start()
+    real_sleep, waited = time.sleep, []
+
+    def sleep(s):  # the engine's first wait: the probe ends
+        if not waited:
+            os.close(fd)
+        waited.append(s)
+        real_sleep(s)
+
+    monkeypatch.setattr(tiers.time, "sleep", sleep)
     tier = DiskTier(root, 8, block_bytes=64)  # waits for the release
+    monkeypatch.setattr(tiers.time, "sleep", real_sleep)
+    assert waited
     assert admin.scan(root.parent, check_weights=False)[0].in_use_by == f"tierlm pid {os.getpid()}"
     tier.close()
     fd = admin._try_lock(root, mine=True)
@@ -338,6 +352,33 @@ def test_a_lock_file_moved_away_while_an_engine_takes_it_is_not_the_engines_lock
     held = {d.name: d.in_use_by for d in admin.scan(root.parent, check_weights=False)}
     assert held == {root.name: f"tierlm pid {os.getpid()}", ".tierlm-prune-m-0123456789ab-00000000": None}
     tier.close()
+
+
+def test_a_directory_without_a_lock_file_is_locked_before_it_is_moved(tmp_path, monkeypatch):
+    """No .lock (a record only): prune makes one and holds it, so an engine starting before the
+    rename waits and is refused rather than starting in a directory about to be deleted."""
+    kv = tmp_path / "kv"
+    d = kv / "m-0123456789ab"
+    (d / "ab").mkdir(parents=True)
+    admin.write_about(d, {"model_dir": str(tmp_path / "gone"), "fingerprint": "x"})
+    real_rename, seen = os.rename, []
+
+    def rename(src, dst):
+        with pytest.raises(KVTierError, match="in use by tierlm kv prune"):
+            DiskTier(d, 8, block_bytes=64)
+        seen.append(dst)
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(admin.os, "rename", rename)
+    [r] = admin.prune(kv, stale=True)
+    assert r.removed and seen and not d.exists()
+
+
+def test_a_checkpoint_without_config_json_yet_is_unknown_not_gone(tmp_path):
+    ck = tmp_path / "ckpt"
+    ck.mkdir()  # a copy under way: the directory is there, its config.json not yet
+    assert admin._weights({"model_dir": str(ck), "fingerprint": "x"}, {}) == admin.UNKNOWN
+    assert admin._weights({"model_dir": str(tmp_path / "nothing"), "fingerprint": "x"}, {}) == admin.GONE
 
 
 def test_of_two_prunes_removing_one_directory_only_one_counts_it(site):

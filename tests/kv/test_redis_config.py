@@ -28,6 +28,8 @@ BLOCK = torch.randn(64, 256)
     ("redis://h:6379/0?password=Srv@s3cret", "redis://h:6379/0?password=***"),  # an @ in a query password
     ("unix:///s.sock?password=Xy@s3cret&db=3", "unix:///s.sock?password=***&db=3"),
     ("redis://h:6379/0;password=s3cret", "redis://h:6379/0;password=***"),
+    ("redis://h:6379/0?password=ab;cds3cret", "redis://h:6379/0?password=***"),  # redis-py reads past the ;
+    ("redis://:p@ss/w@s3cret@h:6379/0", "redis://***@h:6379/0"),  # @ and / unencoded: cut short first
     ("redis://h:6379/0?x=a@b", "redis://h:6379/0?x=a@b"),  # no password: host and query shown as given
     ("redis://s3cret@h:6379/0", "redis://***@h:6379/0"),
     ("redis://h:6379/0", "redis://h:6379/0"),
@@ -40,6 +42,7 @@ def test_passwords_are_hidden_in_every_url_form(url, shown):
     ("redis://:Ab/s3cret+Q==@h:6379/0", "percent-encode the password"),
     ("redis://:Ab#s3cret@h:6379/0", "percent-encode the password"),
     ("redis://:Ab?s3cret@h:6379/0", "percent-encode the password"),
+    ("redis://:p@ss/w@s3cret@h:6379/0", "percent-encode the password"),
     ("redis://h:99999/0", "cannot read the port"),
     ("redis://h:6379/abc", "the path names the database and must be a number"),
     ("redis://h:6379/0?ssl_ca_certs=/no/such/ca.pem", "ssl_ca_certs names '/no/such/ca.pem', which does not exist"),
@@ -155,3 +158,29 @@ def test_a_user_without_a_permission_the_tier_needs_is_told_which(redis_server, 
     said = [r.message for r in caplog.records if "refused" in r.message]
     assert len(said) == 1 and "lacks a permission tierlm needs" in said[0] and ":pw@" not in said[0]
     tier.close()
+
+
+def test_cluster_refusals_are_named_whatever_redis_py_leaves_of_the_message():
+    """redis-py turns MOVED/ASK/CLUSTERDOWN replies into exception classes and drops the word:
+    str(MovedError) is just "3999 127.0.0.1:6381"."""
+    import redis.exceptions as rx
+
+    from tierlm.kv.tiers import _refusal_advice
+    for e in (rx.MovedError("3999 127.0.0.1:6381"), rx.AskError("3999 127.0.0.1:6381"),
+              rx.ClusterDownError("The cluster is down"),
+              rx.ResponseError("CROSSSLOT Keys in request don't hash to the same slot")):
+        assert "Redis Cluster" in (_refusal_advice(e) or ""), e
+    assert _refusal_advice(rx.ResponseError("OOM command not allowed")) is None
+
+
+def test_sampling_other_databases_leaves_no_connection_open(redis_server):
+    import redis
+
+    admin = redis.Redis.from_url(redis_server.url)
+    for db in (2, 3):
+        other = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + f"/{db}")
+        other.set("tierlm:kv:" + "cd" * 32, b"x")
+        other.close()
+    for _ in range(3):
+        RedisTier(redis_server.url, capacity_bytes=1_000_000).close()
+    assert [c for c in admin.client_list() if c["db"] in ("2", "3")] == []  # the samplers' connections

@@ -45,6 +45,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def decode_shapes(max_rows: int, max_blocks: int, min_rows: int, have: set) -> list["Bucket"]:
+    """The decode buckets to record ahead, in recording order. Which: the smallest first (the
+    shapes light load decodes in), as many as MAX_GRAPHS leaves room for beside `have`. In
+    what order: largest first (as vLLM captures), since the graphs share one memory pool and
+    smaller ones then fit in what larger ones left instead of the pool growing with each."""
+    shapes = [Bucket(1 << r, 1, 1 << k)
+              for r in range(_pow2(min(max_rows, MAX_TOKENS)).bit_length())
+              for k in range(_pow2(max_blocks).bit_length()) if 1 << k <= max_blocks]
+    size = lambda b: (b.rows * b.blocks, b.rows)  # noqa: E731
+    kept = sorted((b for b in shapes if b not in have and b.rows >= min_rows), key=size)
+    return sorted(kept[:max(0, MAX_GRAPHS - len(have))], key=size, reverse=True)
+
+
 @dataclass(frozen=True)
 class StepGraphsConfig:
     max_rows: int  # the engine's max_num_seqs
@@ -155,21 +168,14 @@ class StepGraphs:
         server's first steps would pay for one recording each. Buffers hold padding only, so
         the forward writes nothing but the scratch block. Returns how many were recorded."""
         before = self.recorded
-        top_blocks = min(max_blocks, self.max_blocks)
-        shapes = [Bucket(1 << r, 1, 1 << k)
-                  for r in range(_pow2(min(self.max_rows, MAX_TOKENS)).bit_length())
-                  for k in range(_pow2(top_blocks).bit_length()) if 1 << k <= top_blocks]
-        # Largest first (as vLLM captures): the graphs share one memory pool, and smaller ones
-        # then fit in what the larger ones left, instead of the pool growing with each.
-        for b in sorted(shapes, key=lambda b: (b.rows * b.blocks, b.rows), reverse=True):
+        for b in decode_shapes(self.max_rows, min(max_blocks, self.max_blocks), self.min_tokens, set(self.buckets)):
             if not self.enabled:
                 break
-            if b not in self.buckets and len(self.buckets) < MAX_GRAPHS and b.rows >= self.min_tokens:
-                buf = self.buckets[b] = _BucketBuffers(b, self.block_size, self.device)
-                buf.fill[:] = 0
-                buf.fill[2 * b.tokens:3 * b.tokens] = self.scratch_slot
-                buf.device_buf.copy_(buf.host)
-                self._run(buf)
+            buf = self.buckets[b] = _BucketBuffers(b, self.block_size, self.device)
+            buf.fill[:] = 0
+            buf.fill[2 * b.tokens:3 * b.tokens] = self.scratch_slot
+            buf.device_buf.copy_(buf.host)
+            self._run(buf)
         return self.recorded - before
 
     def _fill(self, buf: _BucketBuffers, rows: list[tuple[Request, int]],
@@ -213,11 +219,12 @@ class StepGraphs:
             try:
                 self._record(buf)
             except Exception as e:  # a model this path cannot record: eager steps, not a failed server
-                if "device-side assert" in str(e) or type(e).__name__ == "AcceleratorError":
+                if any("device-side assert" in str(x) for x in (e, e.__context__) if x is not None):
                     raise  # the CUDA context is unusable: no eager step can run either
-                cause = e.__context__ or e  # capture_end's own error hides what broke the capture
-                log.warning("recording a CUDA graph for %s failed (%s: %s); every step runs eagerly from now on",
-                            buf.bucket, type(cause).__name__, cause, exc_info=True)
+                # (Not every AcceleratorError: since torch 2.8 a broken capture raises one too.)
+                during = f" (while: {type(e.__context__).__name__}: {e.__context__})" if e.__context__ else ""
+                log.warning("recording a CUDA graph for %s failed (%s: %s%s); every step runs eagerly from now on",
+                            buf.bucket, type(e).__name__, e, during, exc_info=True)
                 self.enabled = False
                 return None
         # The buckets share one memory pool: a replay may overwrite memory that another graph's

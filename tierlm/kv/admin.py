@@ -127,10 +127,18 @@ def _try_lock(directory: Path, mine: bool = False) -> int | str | None:
     """The directory's lock taken (its fd), the holder's name if an engine holds it, or None if
     there is no lock file an engine could hold (none, a dangling link, a socket). `mine`: say
     in the file who holds it, for an engine refused meanwhile."""
+    lock = directory / LOCK_FILE
     try:  # followed, as the engine's open follows a link there
-        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        if not mine:
+            return None
+        try:  # no lock file: make one to hold, so an engine starting meanwhile waits for it
+            fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:  # a dangling link, or the directory is gone: nothing an engine could hold
+            return None
     except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENXIO, errno.ELOOP, errno.ENOTDIR):
+        if e.errno in (errno.ENXIO, errno.ELOOP, errno.ENOTDIR):
             return None
         return f"unknown ({e.strerror})"
     try:
@@ -188,17 +196,17 @@ def _entries(directory: Path) -> tuple[int, int, float | None]:
 
 
 def _fingerprint(model_dir: str) -> str | None:
-    """The checkpoint's fingerprint; GONE when nothing is there; None when it cannot be read
-    (no permission, a download under way): then nobody can say the blocks are stale."""
+    """The checkpoint's fingerprint; GONE when nothing is at its path; None when it cannot be
+    read (no permission, a copy under way, config.json missing so far): then nobody can say
+    the blocks are stale."""
     from tierlm.models.fingerprint import weights_fingerprint
 
-    for must in (model_dir, os.path.join(model_dir, "config.json")):
-        try:
-            os.stat(must)
-        except (FileNotFoundError, NotADirectoryError):
-            return GONE
-        except OSError:
-            return None
+    try:
+        os.stat(model_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return GONE  # nothing at that path: no engine started from it computes these blocks
+    except OSError:
+        return None
     try:
         return weights_fingerprint(model_dir)
     except Exception as e:

@@ -192,7 +192,14 @@ def _bytes_to_blocks(nbytes: int, block_bytes: int, given: object) -> int:
     return nbytes // block_bytes
 
 
-_PASSWORD_PARAM = re.compile(r"([?&;]password=)[^&#;]*", re.IGNORECASE)
+_PASSWORD_PARAM = re.compile(r"([?&;]password=)[^&#]*", re.IGNORECASE)  # redis-py reads a ; into the value
+
+
+def url_cut_short(parts: urllib.parse.SplitResult) -> bool:
+    """Whether a password with an unencoded / # or ? cut the URL short: an @ (the one that
+    ends the password) then lands in the path, the fragment, or the query before any `=`."""
+    query_at = parts.query.find("@")
+    return "@" in parts.path or "@" in parts.fragment or (query_at >= 0 and "=" not in parts.query[:query_at])
 
 
 def lower_scheme(url: str) -> str:
@@ -210,17 +217,15 @@ def redact_url(url: str) -> str:
         return _PASSWORD_PARAM.sub(r"\1***", url)
     try:
         parts = urllib.parse.urlsplit(url)
-        netloc, path, query, fragment = parts.netloc, parts.path, parts.query, parts.fragment
+        netloc, cut_short = parts.netloc, url_cut_short(parts)
     except ValueError:  # e.g. an unclosed [ of an IPv6 host: hide whatever could be a password
-        netloc, path, query, fragment = "", rest, "", ""
-    query_at = query.find("@")
-    cut_short = "@" in path or "@" in fragment or (query_at >= 0 and "=" not in query[:query_at])
-    if "@" in netloc:
+        netloc, cut_short = "", "@" in rest
+    if cut_short:  # first: an @ in the netloc may be part of such a password too
+        rest = "***" + rest[rest.rfind("@"):]
+    elif "@" in netloc:
         info, host = netloc.rsplit("@", 1)
         user, colon, _ = info.partition(":")
         rest = (f"{user}:***" if colon else "***") + "@" + host + rest[len(netloc):]
-    elif cut_short:
-        rest = "***" + rest[rest.rfind("@"):]
     return _PASSWORD_PARAM.sub(r"\1***", head + sep + rest)
 
 
@@ -938,7 +943,8 @@ def _refusal_advice(e: Exception) -> str | None:
     if kind == "NoPermissionError" or "NOPERM" in text or "no permissions" in text:
         return ("its user lacks a permission tierlm needs (GET, SET, MGET, EXISTS, PING; INFO and CONFIG for "
                 "kv_remote_capacity): grant them, e.g. ACL SETUSER <user> +@read +@write +ping on ~tierlm:kv:*")
-    if "CROSSSLOT" in text or "hash to the same slot" in text or text.startswith(("MOVED", "ASK ")):
+    if kind in ("MovedError", "AskError", "ClusterDownError", "ClusterCrossSlotError") or "CROSSSLOT" in text \
+            or "hash to the same slot" in text:
         return "it is a Redis Cluster node, which tierlm does not support: use a standalone Redis (or its primary)"
     return None
 
@@ -1007,9 +1013,9 @@ class RedisTier:
             if not (name.startswith("db") and name[2:].isdigit() and isinstance(v, dict) and v.get("keys", 0)):
                 continue
             db = int(name[2:])
-            client = self.client if db == own else redis.Redis(
-                connection_pool=redis.ConnectionPool(connection_class=self.client.connection_pool.connection_class,
-                                                     **{**kwargs, "db": db}))
+            pool = None if db == own else redis.ConnectionPool(
+                connection_class=self.client.connection_pool.connection_class, **{**kwargs, "db": db})
+            client = self.client if pool is None else redis.Redis(connection_pool=pool)
             try:
                 for _ in range(16):
                     key = client.randomkey()
@@ -1018,8 +1024,8 @@ class RedisTier:
                     if not key.startswith(prefix):
                         return f"keys such as {key[:40]!r} in {name}"
             finally:
-                if client is not self.client:
-                    client.close()
+                if pool is not None:
+                    pool.disconnect()  # a client given a pool leaves its sockets open on close()
         return None
 
     def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
