@@ -654,6 +654,19 @@ def test_a_fifo_where_a_disk_entry_should_be_is_dropped_without_hanging(tmp_path
     again.close()
 
 
+def _other_process_claims(root) -> None:
+    """A DiskTier opened on `root` by another process; re-raises its KVTierError here."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom tierlm.errors import KVTierError\nfrom tierlm.kv.tiers import DiskTier\n"
+            "try:\n    DiskTier(sys.argv[1], 8, block_bytes=64)\nexcept KVTierError as e:\n"
+            "    print(e)\n    sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
+    if done.returncode == 3:
+        raise KVTierError(done.stdout.strip())
+    raise AssertionError(f"the other process was not refused: rc {done.returncode}, {done.stderr[-500:]}")
+
+
 def test_disk_tier_is_warm_after_a_restart_and_owned_by_one_engine(llama_dir, cold_reference, tmp_path):
     shared, ref = cold_reference
     kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
@@ -661,8 +674,10 @@ def test_disk_tier_is_warm_after_a_restart_and_owned_by_one_engine(llama_dir, co
         _run(first, shared + _prompt(2, 9))
         assert first.engine.offload_prefix_cache() > 0
         on_disk = len(first.engine.store.tiers[0])
-        with pytest.raises(KVTierError, match=r"in use by tierlm pid \d+.*own kv_disk_dir"):
+        with pytest.raises(KVTierError, match=r"in use by another engine of this process.*under another name"):
             _llm(llama_dir, **kw)  # a second engine on the same directory would evict blocks unseen
+        with pytest.raises(KVTierError, match=r"in use by tierlm pid \d+.*own kv_disk_dir"):
+            _other_process_claims(first.engine.store.tiers[0].root)
     _run(first, shared + _prompt(4, 9))
     first.engine.offload_prefix_cache()  # after close: the blocks are dropped, nothing waits or writes
     with _llm(llama_dir, **kw) as second:  # the restarted server: hits whether or not indexing is done
@@ -994,7 +1009,7 @@ def test_disk_tier_stops_storing_if_another_engine_took_its_recreated_directory(
     disk.path(h3).parent.mkdir()  # a shard the other engine already made: no missing directory to notice
     with caplog.at_level("WARNING"):
         assert disk.put(h3, h2, data3) == [(h3, h2, data3, None)]  # passed on to the next tier
-    assert "in use by tierlm pid" in caplog.text
+    assert "in use by another engine of this process" in caplog.text  # both are in this test's process
     assert disk.stats.errors == 1 and h3 not in disk
     assert disk.put(h2, h, data2) == [(h2, h, data2, None)]  # no writes into the other engine's directory
     assert disk.stats.errors == 2

@@ -1,6 +1,7 @@
 """`tierlm serve` from the command line: model specs, auth choices, SIGTERM."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -142,3 +143,37 @@ def test_bad_command_line_input_gets_one_error_line(argv, says, tmp_path):
     assert says in proc.stderr and proc.stderr.count("error:") == 1
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+def test_one_checkpoint_under_two_names_with_one_kv_disk_dir(llama_dir, tmp_path):
+    """Each served name gets its own disk-tier directory: the server used to refuse its own
+    second model ("in use by tierlm pid <itself>"). Several models sharing the directory
+    without a capacity are warned about (each defaults to half the free space)."""
+    kv, port = tmp_path / "kv", free_port()
+    env_cache = {"TIERLM_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "tierlm.cli", "serve", *SMALL_ENGINE, "--port", str(port),
+                             "--model", f"x={llama_dir}", "--model", f"y={llama_dir}", "--kv-disk-dir", str(kv)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env_cache})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.2)
+        listed = subprocess.run([sys.executable, "-m", "tierlm.cli", "kv", "ls", str(kv), "--json"],
+                                capture_output=True, text=True, timeout=120, env={**os.environ, **env_cache})
+        dirs = {d["name"].rsplit("-", 1)[0]: d for d in json.loads(listed.stdout)["dirs"]}
+        assert set(dirs) == {"x", "y"}
+        assert all(d["in_use_by"] == f"tierlm pid {proc.pid}" and d["weights"] == "current" for d in dirs.values())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "2 models share --kv-disk-dir" in out and "Traceback" not in out
+    assert "also holds" not in out  # its own other model is not an "other model directory"

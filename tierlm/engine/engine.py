@@ -121,7 +121,8 @@ def _report_other_disk_dirs(root: Path, own: Path) -> None:
     change). tierlm never deletes them, as another server may be using them, and each counts
     only against its own capacity, so say they are there."""
     try:
-        others = [name for name in model_dir_names(root) if name != own.name]
+        mine = {p.name for p in DiskTier.held_here() if p.parent == root}  # this process's other engines
+        others = [name for name in model_dir_names(root) if name != own.name and name not in mine]
     except OSError:
         return
     if others:
@@ -260,8 +261,10 @@ class LLMEngine:
             if fingerprint is not None:
                 fingerprint.cancel()  # nobody will ask for it: stop hashing
             raise
+        # The directory is named after the served name, so one server can serve one checkpoint
+        # under two names (two engines, two directories) instead of refusing its own second one.
         self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done,
-                                 label=model_dir.name, about=about)
+                                 label=self.model_name, about=about)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,
                                  io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
                                  prefetch=(self.device.type == "cuda" or bool(config.kv_remote))
@@ -474,14 +477,14 @@ class LLMEngine:
         t0 = time.monotonic()
         held = len(self.pool.cached) + sum(len(t) for t in self.store.tiers if isinstance(t, HostTier))
         if held:
-            log.info("KV: writing up to %d cached blocks from the device and host memory down to the disk tier",
-                     held)
+            log.info("KV %s: writing up to %d cached blocks from the device and host memory down to the disk tier",
+                     self.model_name, held)
         device = self.pool.evict_all()
         host = sum(self.store.spill(level) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier))
         self.store.flush()
         if device or host:
-            log.info("KV: wrote %d cached blocks from the device and %d from host memory down to the disk tier "
-                     "in %.1f s, for the next start", device, host, time.monotonic() - t0)
+            log.info("KV %s: wrote %d cached blocks from the device and %d from host memory down to the disk tier "
+                     "in %.1f s, for the next start", self.model_name, device, host, time.monotonic() - t0)
         return device + host
 
     def close(self) -> None:

@@ -499,6 +499,11 @@ class DiskTier(_CapacityTier):
     """
 
     name = "disk"
+    _locked_here: set[Path] = set()  # directories this process's disk tiers hold the lock of
+
+    @classmethod
+    def held_here(cls) -> set[Path]:
+        return set(cls._locked_here)
 
     def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
                  block_bytes: int = 0, index_in_background: bool = True, regrow_every_s: float = 30.0) -> None:
@@ -560,6 +565,10 @@ class DiskTier(_CapacityTier):
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
                     continue
+                if owner == f"tierlm pid {os.getpid()}":
+                    raise KVTierError(f"KV disk directory {self.root} is in use by another engine of this process "
+                                      "(the same checkpoint under the same name twice?); serve it once, or under "
+                                      "another name") from None
                 raise KVTierError(f"KV disk directory {self.root} is in use by {owner}; give each engine its own "
                                   "kv_disk_dir (engines share KV blocks through kv_remote)") from None
             try:
@@ -576,6 +585,7 @@ class DiskTier(_CapacityTier):
         f.truncate(0)
         f.write(f"tierlm pid {os.getpid()}\n")
         f.flush()
+        DiskTier._locked_here.add(self.root)
         return f
 
     def _reclaim(self) -> None:
@@ -604,6 +614,7 @@ class DiskTier(_CapacityTier):
         if self._lock_file is not None:
             self._lock_file.close()  # releases the flock
             self._lock_file = None
+            DiskTier._locked_here.discard(self.root)
 
     @property
     def indexed(self) -> bool:
