@@ -41,6 +41,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, port: int, deadline: float) -> None:
+    """Until the server on `port` answers /ready (the process must stay alive meanwhile)."""
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.2)
+
+
 def test_refuses_an_open_host_without_keys():
     proc = serve("--host", "0.0.0.0", "--port", str(free_port()))
     out, _ = proc.communicate(timeout=120)
@@ -66,16 +79,7 @@ def test_serve_answers_then_stops_on_sigterm(tmp_path):
     proc = serve("--port", str(port), "--api-keys", str(keys), "--shutdown-timeout", "2")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_ready(proc, port, time.monotonic() + 120)
         models = httpx.get(url + "/v1/models", headers={"x-api-key": "sk-cli"}).json()["data"]
         r = httpx.post(url + "/v1/messages", headers={"x-api-key": "sk-cli"}, timeout=60,
                        json={"model": models[0]["id"], "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
@@ -111,14 +115,7 @@ def test_a_busy_port_fails_before_the_model_loads_and_port_0_picks_a_free_one():
             assert time.monotonic() < deadline
         port = int(m.group(1))
         assert port != 0
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_ready(proc, port, deadline)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
@@ -157,16 +154,7 @@ def test_one_checkpoint_under_two_names_with_one_kv_disk_dir(llama_dir, tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env_cache})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_ready(proc, port, time.monotonic() + 120)
         listed = subprocess.run([sys.executable, "-m", "tierlm.cli", "kv", "ls", str(kv), "--json"],
                                 capture_output=True, text=True, timeout=120, env={**os.environ, **env_cache})
         dirs = {d["name"].rsplit("-", 1)[0]: d for d in json.loads(listed.stdout)["dirs"]}
