@@ -1040,9 +1040,12 @@ class RedisTier:
         return None
 
     def _check_memory(self, capacity_bytes: int | None, bad_credentials: type[Exception]) -> None:
-        foreign = None
         try:
-            if capacity_bytes and (foreign := self._foreign_data()) is None:
+            if capacity_bytes:
+                foreign = self._foreign_data()
+                if foreign is not None:
+                    self._refuse_capacity(foreign)
+                    return
                 # On top of what the server needs with no data (its overhead now: clients, buffers,
                 # key tables), not counting keys already there (ours, from an earlier run), so
                 # restarts do not grow the limit; plus 1 MiB, as client buffers and allocator
@@ -1076,16 +1079,6 @@ class RedisTier:
                                   "?ssl_ca_certs=/path/ca.pem to the URL") from None
             self._failed(e)
             return
-        if foreign is not None:
-            said = (f"Redis KV tier {self.url} holds data that is not tierlm's ({foreign}); kv_remote_capacity "
-                    "sets the whole server's maxmemory, which would evict that data (if it has TTLs) or refuse its "
-                    "writes once full. Give tierlm a Redis of its own, or leave kv_remote_capacity unset and set "
-                    "maxmemory on the server yourself")
-            if not self._started:
-                self.close()
-                raise KVTierError(said)
-            log.warning("%s; the limit is not set again", said)  # after an outage: serve on, evict nothing
-            return
         policy = str(conf.get("maxmemory-policy", ""))
         if int(conf.get("maxmemory", 0) or 0) == 0:
             log.warning("Redis KV tier %s has no maxmemory: it grows without bound. Set maxmemory and "
@@ -1094,6 +1087,18 @@ class RedisTier:
             log.warning("Redis KV tier %s uses maxmemory-policy %s: tierlm's keys have no TTL (kv_remote_ttl), so "
                         "writes are refused once it is full. Use allkeys-lru (or give kv_remote_capacity)",
                         self.url, policy)
+
+    def _refuse_capacity(self, foreign: str) -> None:
+        """kv_remote_capacity on a server holding other data: refused at start; after an outage
+        (the limit set again) a warning, and the tier serves on without a limit of its own."""
+        said = (f"Redis KV tier {self.url} holds data that is not tierlm's ({foreign}); kv_remote_capacity "
+                "sets the whole server's maxmemory, which would evict that data (if it has TTLs) or refuse its "
+                "writes once full. Give tierlm a Redis of its own, or leave kv_remote_capacity unset and set "
+                "maxmemory on the server yourself")
+        if not self._started:
+            self.close()
+            raise KVTierError(said)
+        log.warning("%s; the limit is not set again", said)
 
     def close(self) -> None:
         try:
