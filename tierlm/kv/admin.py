@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tierlm.files import read_regular
+from tierlm.kv.tiers import ENTRY_NAME
 
 log = logging.getLogger("tierlm.kv")
 
@@ -35,7 +36,6 @@ LOCK_FILE = ".lock"
 _DIR_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}")  # disk_tier_dir's names
 _LEFTOVER = re.compile(r"\.tierlm-prune-[A-Za-z0-9._-]{1,64}-[0-9a-f]{12}-[0-9a-f]{8}")  # a prune that failed partway
 _LEFTOVER_OF = re.compile(r"^\.tierlm-prune-|-[0-9a-f]{8}$")  # a leftover's name -> the directory's
-_ENTRY = re.compile(r"[0-9a-f]{64}\.kv")
 
 # Whether a directory's recorded weights are still at their recorded path. UNKNOWN: no record, or
 # the checkpoint could not be read (permissions, a download under way); never pruned as stale.
@@ -181,7 +181,8 @@ def _entries(directory: Path) -> tuple[int, int, float | None]:
         if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
             continue
         for f in os.scandir(shard.path):
-            if not _ENTRY.fullmatch(f.name):
+            match = ENTRY_NAME.fullmatch(f.name)  # the disk tier's own name for an entry
+            if match is None or match.group(1) != "kv":
                 continue
             try:
                 st = f.stat(follow_symlinks=False)

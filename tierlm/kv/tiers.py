@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"TLKV2"  # 2: the checksum covers the block's key and parent too
 ENTRY_HEADER_BYTES = 320  # at most, per disk entry or Redis value: magic, length, JSON header (~250)
-_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
+ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
 
 
 @dataclass
@@ -834,7 +834,7 @@ class DiskTier(_CapacityTier):
                         return []
                     if i % 200_000 == 0:
                         log.info("KV disk tier %s: listing, %d files in %.0f s", self.root, i, time.monotonic() - t0)
-                match = _ENTRY_NAME.fullmatch(f.name)
+                match = ENTRY_NAME.fullmatch(f.name)
                 if match is None or f.name[:2] != shard.name:
                     continue
                 try:
