@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,7 @@ from tierlm.kv.policies import (
     TLPPolicy,
     _CandidateHeap,
     gittins_index,
+    gittins_tables,
     make_policy,
 )
 
@@ -236,6 +238,33 @@ def test_gittins_index_shapes() -> None:
     late = gittins_index([0.0, 0.0, 0.0, 0.0, 1.0, 0.0], edges)
     assert sure_soon[0] > unlikely[0] > 0 and sure_soon[0] > late[0] > 0
     assert sure_soon[2] == 0.0  # past the only reuse age nothing is left to gain
+
+
+def test_gittins_tables_equal_the_scalar_index_row_by_row() -> None:
+    """The refit's array version must give the scalar reference's tables exactly (same sums in
+    the same order), for the hazard shapes refits meet: dense, one spike, 0/1 and tiny values,
+    out-of-range estimates (clipped), and all zero."""
+    edges = GittinsPolicy()._edges
+    rng = random.Random(7)
+    rows = []
+    for i in range(120):
+        kind = i % 5
+        if kind == 0:
+            h = [rng.random() ** 3 for _ in edges]
+        elif kind == 1:
+            h = [0.0] * len(edges)
+            h[rng.randrange(len(edges))] = rng.random()
+        elif kind == 2:
+            h = [rng.choice([0.0, 1.0, 1e-9, rng.random()]) for _ in edges]
+        elif kind == 3:
+            h = [rng.uniform(-0.5, 1.5) for _ in edges]
+        else:
+            h = [0.0] * len(edges)
+        rows.append(h)
+    tables = gittins_tables(np.array(rows), edges)
+    assert tables.shape == (len(rows), len(edges))
+    for h, table in zip(rows, tables.tolist()):
+        assert table == gittins_index(h, edges)
 
 
 def test_gittins_learns_that_partial_tails_are_worthless() -> None:
