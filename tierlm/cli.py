@@ -34,7 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the device KV pool")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="device KV pool: a size ('8GiB'), a count ('2000 blocks') or bytes "
+                        "(default: a share of free memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="record decode steps and short prefill chunks as CUDA graphs and replay them "

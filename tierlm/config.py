@@ -40,7 +40,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    kv_cache_memory: int | None = None  # bytes for the device KV pool
+    # The device KV pool: bytes (int), a size ("8GiB", "512MiB") or a count ("2000 blocks").
+    kv_cache_memory: int | str | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
     eviction_policy: str = DEFAULT_POLICY  # device pool; measured by `tierlm bench cache`
@@ -49,7 +50,8 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_capacity: int | str | None = None
     kv_remote: str | None = None  # e.g. redis://127.0.0.1:6379/0
-    # Sets the Redis server's maxmemory (+ allkeys-lru): only for a Redis dedicated to the KV cache.
+    # Sets the Redis server's maxmemory (+ volatile-lru, every tierlm key with a TTL); refused on a
+    # Redis seen to hold other applications' keys.
     kv_remote_capacity: int | str | None = None
     kv_remote_ttl: int | None = None  # seconds an entry lives in Redis (None: until Redis evicts it)
     kv_tier_policy: str = DEFAULT_POLICY  # host and disk tiers, unless set per tier below
@@ -98,10 +100,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes (got {self.kv_cache_memory})")
         if self.kv_cache_memory is not None:
-            check_kv_pool_memory(self.kv_cache_memory, self.resolve_device(), available=False)
+            amount, in_blocks = kv_pool_size(self.kv_cache_memory)
+            if not in_blocks:  # a count of blocks is checked once config.json gives the block's size
+                check_kv_pool_memory(amount, self.resolve_device(), available=False)
         if self.kv_disk_dir:
             check_disk_dir(self.kv_disk_dir)
         if self.kv_remote_ttl is not None and self.kv_remote_ttl <= 0:
@@ -147,6 +149,28 @@ def host_memory() -> tuple[int, int] | None:
     except (OSError, StopIteration, ValueError, IndexError):
         pass
     return total, avail
+
+
+def kv_pool_size(value: int | str) -> tuple[int, bool]:
+    """(amount, in_blocks) of a kv_cache_memory: bytes (int), a size such as "8GiB", or "N blocks"."""
+    try:
+        amount = parse_capacity(value, 1)
+    except ValueError:
+        raise ValueError(f"cannot read kv_cache_memory {value!r}; use a size such as '8GiB' or '512MiB', a count "
+                         "such as '2000 blocks', or a byte count") from None
+    if amount <= 0:
+        raise ValueError(f"kv_cache_memory must be positive (got {value!r}); leave it unset for a share of free memory")
+    in_blocks = isinstance(value, str) and value.strip().lower().rstrip("s").endswith("block")
+    return amount, in_blocks
+
+
+def kv_pool_bytes(value: int | str, per_block: int) -> int:
+    """Bytes of the device KV pool that kv_cache_memory asks for, refused when it holds no block."""
+    amount, in_blocks = kv_pool_size(value)
+    nbytes = amount * per_block if in_blocks else amount
+    if nbytes < per_block:
+        raise ValueError(f"kv_cache_memory={value!r} holds no KV block ({per_block} bytes each); raise it")
+    return nbytes
 
 
 def check_kv_pool_memory(nbytes: int, device: torch.device, available: bool = True) -> None:

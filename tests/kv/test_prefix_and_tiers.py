@@ -200,7 +200,11 @@ def test_a_disk_capacity_in_bytes_counts_each_entry_file_whole(tmp_path):
 @pytest.mark.parametrize("bad, says", [
     (dict(kv_host_capacity="1000"), "kv_host_capacity: KV tier capacity '1000' is less than one KV block"),
     (dict(kv_disk_dir="DIR", kv_disk_capacity="2KiB"), "kv_disk_capacity: .* less than one KV block"),
-    (dict(kv_cache_memory=10), "kv_cache_memory=10 bytes holds no KV block"),
+    (dict(kv_cache_memory=10), "kv_cache_memory=10 holds no KV block"),
+    (dict(kv_cache_memory="1KiB"), "kv_cache_memory='1KiB' holds no KV block"),
+    (dict(kv_cache_memory="10**12 blocks"), "cannot read kv_cache_memory"),
+    (dict(kv_cache_memory="0 blocks"), "kv_cache_memory must be positive"),
+    (dict(kv_cache_memory="4000000000 blocks"), r"kv_cache_memory is .* but this machine has .* in all"),
 ])
 def test_sizes_under_one_block_are_refused_before_the_weights_load(llama_dir, tmp_path, monkeypatch, bad, says):
     import tierlm.engine.engine as engine_mod
@@ -212,6 +216,14 @@ def test_sizes_under_one_block_are_refused_before_the_weights_load(llama_dir, tm
     bad = {k: str(tmp_path / "kv") if v == "DIR" else v for k, v in bad.items()}
     with pytest.raises(ValueError, match=says):
         _llm(llama_dir, **bad)
+
+
+def test_device_pool_given_as_a_size_or_a_block_count(llama_dir):
+    """kv_cache_memory takes what the tier capacities take: a byte count, a size, or blocks."""
+    assert _llm(llama_dir, kv_cache_memory="24 blocks").engine.pool.num_blocks == 24
+    by_size = _llm(llama_dir, kv_cache_memory="1MiB")
+    by_bytes = _llm(llama_dir, kv_cache_memory=1 << 20)
+    assert by_size.engine.pool.num_blocks == by_bytes.engine.pool.num_blocks > 24
 
 
 def test_host_tier_larger_than_the_machine_is_refused(llama_dir, tmp_path):

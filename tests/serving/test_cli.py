@@ -16,7 +16,7 @@ import pytest
 from tierlm.serving.auth import keys_file_line
 from tierlm.serving.cli import parse_model_specs
 
-SMALL_ENGINE = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(4 << 20)]
+SMALL_ENGINE = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "4MiB"]
 
 
 def test_model_specs():

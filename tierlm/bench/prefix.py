@@ -240,7 +240,8 @@ def add_cli(sub) -> None:
     p.add_argument("--repeats", type=at_least(1, int), default=3)
     p.add_argument("--decoders", type=at_least(0, int), default=4,
                    help="requests decoding when the disk-prefixed one arrives (the stall measurement)")
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    p.add_argument("--kv-cache-memory", default=1 << 30,
+                   help="device KV pool: a size ('8GiB'), a count ('2000 blocks') or bytes")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-remote", default=None, metavar="URL",
                    help="also measure a prefix held only in this Redis (a second engine, Redis its only tier)")

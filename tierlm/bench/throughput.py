@@ -265,7 +265,8 @@ def add_cli(sub) -> None:
     p.add_argument("--bench-model-dir", default=str(DEFAULT_BENCH_MODEL_DIR))
     p.add_argument("--workload", action="append", choices=["uniform", "mixed", "tiny"], default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    p.add_argument("--kv-cache-memory", default=2 << 30,
+                   help="device KV pool: a size ('8GiB'), a count ('2000 blocks') or bytes")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--repeat", type=int, default=1,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory
+from tierlm.config import EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory, kv_pool_bytes
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.graphs import StepGraphsConfig
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
@@ -155,9 +155,8 @@ def check_sizes_before_loading(config: EngineConfig, model_dir: Path, device: to
     args = parse_config(cfg, resolve_architecture(cfg))
     per_block = kv_bytes_per_block(args, resolve_dtype(config.dtype, args, device), config.block_size)
     tier_capacities(config, per_block)
-    if config.kv_cache_memory is not None and config.kv_cache_memory < per_block:
-        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block ({per_block} bytes "
-                         "each); raise it")
+    if config.kv_cache_memory is not None:
+        check_kv_pool_memory(kv_pool_bytes(config.kv_cache_memory, per_block), device, available=False)
 
 
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
@@ -224,13 +223,13 @@ class LLMEngine:
             bs = config.block_size
             per_block = kv_bytes_per_block(loaded.args, loaded.kv_dtype, bs)
             # Default pool: a share of free memory, but no more than every sequence at full length needs.
-            budget = config.kv_cache_memory or min(default_kv_cache_memory(self.device),
-                                                   config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
-            if config.kv_cache_memory:
+            if config.kv_cache_memory is not None:
+                budget = kv_pool_bytes(config.kv_cache_memory, per_block)
                 check_kv_pool_memory(budget, self.device)  # what is free once the weights are in
+            else:
+                budget = min(default_kv_cache_memory(self.device),
+                             config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
             num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise it")
             self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
             self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
             self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
