@@ -267,6 +267,36 @@ def test_gittins_tables_equal_the_scalar_index_row_by_row() -> None:
         assert table == gittins_index(h, edges)
 
 
+@pytest.mark.parametrize("name", ["gittins", "gittins_hint", "duel", "shadow", "chain"])
+def test_gittins_history_stays_bounded_and_keeps_what_is_scored(name: str) -> None:
+    """Records of blocks still cached (or held by a shadow cache) are kept, the rest forgotten
+    oldest first, and the history never outgrows its limit. Before: one record at most was
+    forgotten per new one, so cached blocks made it grow for good, and `shadow` crashed with a
+    KeyError on a block its rate shadow held after the history had forgotten it."""
+    history, capacity = 64, 20
+    p = make_policy(name, history=history)
+    reqs = [[("hot", i)] for i in range(10)] * 2 + [[("new", j)] for j in range(3000)]
+    assert replay(p, reqs, capacity=capacity)[0] >= 10  # the second round of hot blocks hits
+    assert len(p) == capacity
+    assert len(p._hist) <= max(history, 2 * p._n_kept())
+    assert all(p._kept(k) or k in p._hist for k in list(p._hist))
+    assert all(k in p._hist for k in list(p._parent))
+
+
+@pytest.mark.parametrize("name", ["gittins", "gittins_hint", "duel", "shadow", "chain"])
+def test_gittins_weights_survive_a_clock_far_ahead_of_the_last_refit(name: str) -> None:
+    """Refits are counted in accesses; millions of ticks without one (requests shorter than a
+    block access nothing) overflowed 2 ** (ticks / half_life) in the reuse statistics."""
+    p = make_policy(name)
+    p.access("a", None, 0)
+    p.access("b", None, 1)
+    p.access("b", None, 3_000_000)  # its record now starts 3M ticks after the last refit
+    p.access("b", None, 3_000_001)  # a reuse, weighted 2 ** (3M / half_life) before
+    p.access("c", None, 10**12)
+    p.access("c", None, 10**12 + 1)
+    assert p.victim() in {"a", "b", "c"}
+
+
 def test_gittins_learns_that_partial_tails_are_worthless() -> None:
     """Chains reused every few ticks, each request ending in a fresh never-reused tail block."""
     p = GittinsPolicy(refit_every=50, samples=8)

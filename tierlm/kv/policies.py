@@ -729,6 +729,9 @@ class GittinsPolicy(_SampledPolicy):
         self._now = 0
         self._since_refit = 0
         self._t_ref = 0  # statistics are weighted 2 ** ((start - _t_ref) / half_life)
+        # Refits are counted in accesses; a clock that runs far ahead meanwhile (many requests
+        # shorter than a block) also triggers one, before those weights overflow a float.
+        self._max_lag = 64 * half_life
 
     # -- history and statistics ------------------------------------------------------------------
     def _last(self, key: Hashable) -> int:
@@ -762,6 +765,8 @@ class GittinsPolicy(_SampledPolicy):
 
     def access(self, key: Hashable, parent: Hashable | None, now: int) -> None:
         self._now = now
+        if now - self._t_ref > self._max_lag:  # weights are 2 ** (ticks since the last refit / half_life)
+            self.refit()
         hist = self._hist
         ph = hist.get(parent) if parent is not None else None
         h = hist.get(key)
@@ -805,14 +810,26 @@ class GittinsPolicy(_SampledPolicy):
         return _History(count=1, last=now, interval=-1, depth=depth)
 
     def _forget_oldest(self) -> None:
+        """Keep at most `history` records (or twice those still needed, if more): the oldest
+        go first, except a block's that is still cached, which moves to the back."""
         hist = self._hist
-        if len(hist) <= max(self.history, 2 * len(self._parent)):
-            return
-        key, h = hist.popitem(last=False)
-        if key in self._parent:  # still cached: keep its record, forget another one next time
-            hist[key] = h
-            return
-        self._end(h, reused=False)  # censored: we stop watching, it was not "never reused"
+        limit = max(self.history, 2 * self._n_kept())
+        moved = 0
+        while len(hist) > limit and moved < len(hist):
+            key, h = hist.popitem(last=False)
+            if self._kept(key):
+                hist[key] = h
+                moved += 1
+                continue
+            self._end(h, reused=False)  # censored: we stop watching, it was not "never reused"
+
+    def _kept(self, key: Hashable) -> bool:
+        """Whether `key`'s record must stay: something still scores the block by it."""
+        return key in self._parent
+
+    def _n_kept(self) -> int:
+        """At least the number of records `_kept` holds on to."""
+        return len(self._parent)
 
     def refit(self) -> None:
         """Rebuild the G tables from the statistics gathered so far (also called periodically).
@@ -1071,6 +1088,12 @@ class ShadowPolicy(GittinsPolicy):
     def _rate_value(self, key: Hashable) -> tuple[float, int]:
         h = self._hist[key]
         return ((h.count - 1) / (max(self._now - h.last, 0) + self.rate_offset), h.last)
+
+    def _kept(self, key: Hashable) -> bool:  # the shadows score their own blocks by these records too
+        return key in self._parent or key in self._shadows[0] or key in self._shadows[1]
+
+    def _n_kept(self) -> int:
+        return len(self._parent) + len(self._shadows[0]) + len(self._shadows[1])
 
     def pin(self, key: Hashable) -> None:
         super().pin(key)
