@@ -143,6 +143,25 @@ def test_load_trace(tiny_trace: str, tmp_path) -> None:
         load_trace(str(bad))
 
 
+@pytest.mark.parametrize("lines, says", [
+    (['{"hash_ids": [1, 2], "output_length": 1e400}'], r":1: 'output_length' must be a whole number .* Infinity"),
+    (['{"hash_ids": [1, 2], "output_length": "7"}'], r":1: 'output_length' must be a whole number"),
+    (['{"hash_ids": [1, 2], "output_length": 2.9}'], r":1: 'output_length' must be a whole number"),
+    (['{"hash_ids": [1, 2], "output_length": true}'], r":1: 'output_length' must be a whole number"),
+    (['{"hash_ids": [1, 2], "output_length": -3}'], r":1: 'output_length' must be a whole number"),
+    (['{"hash_ids": [4, 3, 3]}'], r":1: block 3 appears twice in one request"),
+    (['{"hash_ids": [1, 2]}', '{"hash_ids": [3, 2]}'], r":2: block 2 comes after block 3, but after block 1 at .*:1"),
+    (['{"hash_ids": [1, 2]}', '{"hash_ids": [2]}'], r":2: block 2 comes as the first block, but after block 1"),
+])
+def test_traces_that_cannot_be_prefix_chains_are_refused(tmp_path, lines: list[str], says: str) -> None:
+    """Ids that are not chained prefix blocks let online policies beat Belady (optimal only over
+    prefix trees) without a word; an output length that is not a token count crashed the replay."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=says):
+        load_trace(str(path))
+
+
 def test_run_cache_bench_writes_json_and_png(tiny_trace: str, tmp_path) -> None:
     out_json, out_png = tmp_path / "r" / "cache.json", tmp_path / "r" / "cache.png"
     out = run_cache_bench([tiny_trace], [2, 4], ["lru", "gittins"], str(out_json), str(out_png),
@@ -318,6 +337,8 @@ def test_unwritable_outputs_are_refused_before_the_replay(tiny_trace: str, tmp_p
     _refused(base + ["--json", str(good), "--plot", str(tmp_path / "file" / "d" / "o.png")],
              capsys, "--plot", "is not a directory")
     _refused(base + ["--json", str(good), "--plot", str(good)], capsys, "--json and --plot")
+    _refused(base + ["--json", str(good), "--plot", str(tmp_path / "o.xyz")], capsys, "--plot",
+             "matplotlib cannot write a figure as .xyz")
     if os.path.isdir("/proc/self"):  # root may write anywhere os.access says, but not here
         _refused(base + ["--json", "/proc/self/no/o.json"], capsys, "--json", "cannot write")
     assert not good.exists()  # the check leaves no file behind

@@ -86,11 +86,31 @@ def _block_ids(value: object) -> list[int]:
     return value
 
 
+def _check_chain(blocks: list[int], parents: dict[int, tuple[int | None, str]], where: str) -> None:
+    """Refuse ids that cannot be prefix blocks: a block's id covers its whole prefix, so it has
+    one parent throughout the trace and appears once per request. Replayed anyway, such a trace
+    lets online policies beat Belady's MIN, which is optimal only over prefix trees."""
+    if len(set(blocks)) != len(blocks):
+        twice = next(h for i, h in enumerate(blocks) if h in blocks[:i])
+        raise ValueError(f"{where}: block {twice} appears twice in one request: 'hash_ids' must be chained "
+                         "prefix-block ids (each id stands for its whole prefix)")
+    parent = None
+    for h in blocks:
+        seen = parents.setdefault(h, (parent, where))
+        if seen[0] != parent:
+            first = "as the first block" if seen[0] is None else f"after block {seen[0]}"
+            now = "as the first block" if parent is None else f"after block {parent}"
+            raise ValueError(f"{where}: block {h} comes {now}, but {first} at {seen[1]}: 'hash_ids' must "
+                             "be chained prefix-block ids (each id stands for its whole prefix)")
+        parent = h
+
+
 def load_trace(path: str, name: str | None = None) -> Trace:
     """Read a Mooncake-style JSONL trace (`hash_ids` per line) into a `Trace` named `name`
     (default: the file's stem). Refuses what the replay could not mean, naming file and line."""
     requests: list[list[int]] = []
     outputs: list[int] = []
+    parents: dict[int, tuple[int | None, str]] = {}  # block id -> (its parent, where first seen)
     with open(path, "rb") as f:  # decoded per line, so a bad byte is reported with its line
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -109,14 +129,16 @@ def load_trace(path: str, name: str | None = None) -> Trace:
                 raise ValueError(f"{where}: expected a JSON object with 'hash_ids' (a list of "
                                  f"integer block ids), got {line.strip()[:40]}")
             try:
-                requests.append(_block_ids(row["hash_ids"]))
+                blocks = _block_ids(row["hash_ids"])
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-            try:
-                outputs.append(int(row.get("output_length", -1)))
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}: 'output_length' must be an integer if given, got "
-                                 f"{json.dumps(row['output_length'])[:40]}") from None
+            _check_chain(blocks, parents, where)
+            requests.append(blocks)
+            n_out = row.get("output_length", -1)
+            if type(n_out) is not int or (n_out < 0 and "output_length" in row):  # not bool, float or str
+                raise ValueError(f"{where}: 'output_length' must be a whole number of tokens (>= 0) if "
+                                 f"given, got {json.dumps(n_out)[:40]}")
+            outputs.append(n_out)
     if not any(requests):
         raise ValueError(f"no block references in {path}: it has no request with a non-empty "
                          "'hash_ids'; give a trace with block ids to replay")
@@ -288,6 +310,8 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
     # everything that can be wrong is found before the replay, which takes minutes on real traces
     names = _trace_names(trace_paths)
     traces = [load_trace(path, name) for path, name in zip(trace_paths, names)]
+    from tierlm.bench.plots import check_plot_path
+    check_plot_path(plot_out)  # a format matplotlib cannot write fails now, not after the run
     for out_path, flag in ((json_out, "--json"), (plot_out, "--plot")):
         if out_path:
             _check_output(out_path, flag)

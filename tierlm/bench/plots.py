@@ -17,7 +17,20 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
 Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
-__all__ = ["Series", "Styles", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot"]
+__all__ = ["Series", "Styles", "check_plot_path", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot"]
+
+
+def check_plot_path(path: str | None, flag: str = "--plot") -> None:
+    """Refuse a figure format matplotlib cannot write before a benchmark runs, not after (no
+    extension is a PNG, as savefig makes it)."""
+    if not path:
+        return
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if ext and ext not in formats:
+        raise ValueError(f"{flag} {path}: matplotlib cannot write a figure as .{ext}; end the name with one of "
+                         + ", ".join("." + f for f in sorted(formats)))
 
 
 def _save(fig: "plt.Figure", path: str) -> str:

@@ -172,6 +172,8 @@ def _measure_remote(model: str, args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from tierlm import LLM
+    from tierlm.bench.plots import check_plot_path
+    check_plot_path(args.plot)  # a format matplotlib cannot write fails now, not after the run
     from tierlm.bench.throughput import ensure_bench_model
     from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR
     model = args.model or str(ensure_bench_model(Path(args.bench_model_dir or DEFAULT_BENCH_MODEL_DIR)))

@@ -204,6 +204,8 @@ def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device 
 def run(args: argparse.Namespace) -> dict:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    from tierlm.bench.plots import check_plot_path
+    check_plot_path(args.plot)  # a format matplotlib cannot write fails now, not after the run
     sampling = Sampling(args.temperature, args.top_p)
     sampling.validate()
     device = resolve_device(args.device)  # before minutes of building the bench model
