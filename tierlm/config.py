@@ -244,8 +244,11 @@ def check_disk_dir(path: str) -> None:
     before the model loads, not after."""
     p = os.path.abspath(path)
     probe = p
-    while not os.path.exists(probe):  # the nearest existing ancestor is where it would be created
+    while not os.path.lexists(probe):  # the nearest existing ancestor is where it would be created
         probe = os.path.dirname(probe)
+    if os.path.islink(probe) and not os.path.exists(probe):
+        raise ValueError(f"kv_disk_dir {path!r} cannot be created: {probe} is a symbolic link to nothing "
+                         f"({os.readlink(probe)!r}); create its target or give another directory")
     if os.path.exists(p) and not os.path.isdir(p):
         raise ValueError(f"kv_disk_dir {path!r} exists and is not a directory; give a directory for the disk tier")
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):

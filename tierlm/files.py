@@ -1,18 +1,29 @@
 """Reading files that something else may have put in place: never block, never read without bound."""
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 
 
-def read_regular(p: Path, limit: int, whole: bool = True) -> bytes | None:
+# What a path that is not there (or is not a readable kind of file) answers: the file is absent.
+# Any other error (out of file descriptors, permissions, I/O) says nothing about its content.
+ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.ENODEV})
+
+
+def read_regular(p: Path, limit: int, whole: bool = True, strict: bool = False) -> bytes | None:
     """Up to `limit` bytes of the regular file `p` (all of it with `whole`, or None if it is
     longer), or None. Opened without blocking and checked with fstat first: a FIFO or device
-    put where an entry should be hung the model loop in open() or read() (a tester's find)."""
+    put where an entry should be hung the model loop in open() or read() (a tester's find).
+    With `strict`, an error other than the file being absent is raised, not None: a reader that
+    deletes what it cannot read (a cache's damaged entry) must not delete an intact file because
+    the process ran out of file descriptors."""
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
+    except OSError as e:
+        if strict and e.errno not in ABSENT:
+            raise
         return None
     try:
         st = os.fstat(fd)
@@ -21,6 +32,8 @@ def read_regular(p: Path, limit: int, whole: bool = True) -> bytes | None:
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read(limit)
     except OSError:
+        if strict:
+            raise
         return None
     finally:
         os.close(fd)

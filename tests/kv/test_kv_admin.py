@@ -395,3 +395,29 @@ def test_durations():
     for bad in ("", "10", "d", "-1d", "1y"):
         with pytest.raises(ValueError, match="cannot read duration"):
             admin.parse_duration(bad)
+
+
+def test_an_unreadable_shard_does_not_hide_its_directory(llama_dir, tmp_path):
+    """One shard this user cannot list (root without its override, here) made `kv ls` say "no
+    model directories" and `prune NAME` say there was no such directory."""
+    import sys
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to drop root's permission override")
+    kv = tmp_path / "kv"
+    with _llm(llama_dir, kv) as llm:
+        _fill(llm, seed=1)
+        name = llm.engine.store.tiers[0].root.name
+    shard = _files(kv / name)[0].parent
+    shard.chmod(0)
+    try:
+        done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all",
+                               sys.executable, "-m", "tierlm.cli", "kv", "ls", str(kv), "--json",
+                               "--no-check-weights"], capture_output=True, text=True, timeout=120)
+    finally:
+        shard.chmod(0o755)
+    if "Operation not permitted" in done.stderr and done.returncode and not done.stdout:
+        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stderr
+    [listed] = json.loads(done.stdout)["dirs"]
+    assert listed["name"] == name and listed["entries"] == len(_files(kv / name)) - len(list(shard.glob("*.kv")))
+    assert f"cannot list {shard}" in done.stderr

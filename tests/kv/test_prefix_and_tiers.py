@@ -130,9 +130,11 @@ def test_bad_tier_settings_are_refused_before_loading(bad, says, tmp_path):
 def test_unusable_disk_dirs_and_pools_larger_than_the_machine_are_refused_before_loading(tmp_path):
     from tierlm.config import host_memory
     (tmp_path / "a-file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "not-mounted-yet")
     for bad, says in [
         (dict(kv_disk_dir=str(tmp_path / "a-file")), "exists and is not a directory"),
         (dict(kv_disk_dir=str(tmp_path / "a-file" / "kv")), "is not a writable directory"),
+        (dict(kv_disk_dir=str(tmp_path / "dangling" / "kv")), "is a symbolic link to nothing"),
         (dict(kv_cache_memory=host_memory()[0] + (1 << 30)), r"kv_cache_memory is .* GiB but this machine has .* GiB in all"),
     ]:
         with pytest.raises(ValueError, match=says):
@@ -157,6 +159,7 @@ def test_a_disk_capacity_of_zero_turns_the_tier_off_and_leaves_its_directory_alo
     assert any(f.suffix == ".kv" for f in files)
     off = _llm(llama_dir, kv_disk_dir=str(root), kv_disk_capacity="0 blocks")
     assert off.engine.store is None
+    assert _llm(llama_dir, kv_disk_dir=str(root), kv_disk_capacity=0).engine.store is None  # 0 as a number too
     _run(off, _prompt(5, 60))
     assert sorted(root.rglob("*")) == files  # nothing trimmed, written or locked
     with _llm(llama_dir, kv_disk_dir=str(root)) as again:  # the directory is free for another engine
@@ -164,12 +167,29 @@ def test_a_disk_capacity_of_zero_turns_the_tier_off_and_leaves_its_directory_alo
     off.close()
 
 
+def test_a_relative_disk_dir_stays_where_it_was_when_the_process_moves(llama_dir, cold_reference, tmp_path,
+                                                                      monkeypatch):
+    """A library user's chdir after start moved the tier to a second, unlocked directory, and
+    every block stored before it missed."""
+    shared, ref = cold_reference
+    monkeypatch.chdir(tmp_path)
+    llm = _llm(llama_dir, kv_disk_dir="kv", kv_disk_capacity="64 blocks")
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.persist_kv()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tokens, cached, _ = _run(llm, shared + _prompt(3, 9))
+    assert tokens == ref[3] and cached == 64
+    assert not (tmp_path / "elsewhere" / "kv").exists()
+    llm.close()
+
+
 def test_capacities_read_blocks_and_byte_units():
     from tierlm.kv.tiers import parse_capacity
     mib = 1 << 20
     assert parse_capacity("1000 blocks", mib) == parse_capacity("1000block", mib) == 1000
     assert parse_capacity("4194304B", mib) == parse_capacity("4194304 b", mib) == 4  # B is bytes
-    for small in (4000, "4000", "4000B", "0.5MiB"):  # not 0, under one block: refused, not "off"
+    for small in (4000, "4000", "4000B", "0.5MiB", "0.5B", "0.0000001kb"):  # not 0, under one block: refused, not "off"
         with pytest.raises(ValueError, match="less than one KV block"):
             parse_capacity(small, mib)
     assert parse_capacity("2TiB", mib) == parse_capacity("2Ti", mib) == 2 << 20
@@ -418,6 +438,28 @@ def test_a_request_needing_no_read_does_not_wait_behind_one_being_read(llama_dir
         eng.step()
     assert reading.output_token_ids == ref[3] and reading.num_cached_tokens == 64
     assert len(free.output_token_ids) == 3 and eng.pool.num_used == 0
+
+
+def test_blocks_read_ahead_for_a_request_aborted_before_it_starts_are_dropped(llama_dir, cold_reference, tmp_path):
+    """A request's background read stages its disk prefix in memory; aborted before admission,
+    what it staged must go (it stayed until staging overflowed at 1 GiB), except what another
+    waiting request's read needs too."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng = llm.engine
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()  # the prefix is on disk only
+    first = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.store.flush()  # its read is done: the shared prefix is staged
+    assert eng.stats().kv_staged_bytes > 0
+    second = eng.add_request({"prompt_token_ids": shared + _prompt(4, 9)}, GREEDY)
+    eng.store.flush()
+    eng.abort(first.request_id)
+    assert eng.stats().kv_staged_bytes > 0  # the second request's read holds the same blocks
+    eng.abort(second.request_id)
+    assert eng.stats().kv_staged_bytes == 0 and not eng.store.staged
+    assert _run(llm, shared + _prompt(3, 9))[0] == ref[3]  # read from disk again, as before
+    llm.close()
 
 
 def test_disk_reads_run_side_by_side_and_a_raced_read_is_not_called_corrupt(tmp_path):
@@ -778,6 +820,7 @@ def test_disk_tier_tells_its_own_temporaries_from_debris_by_name_not_time(tmp_pa
     neither delete a temporary this run is writing (the block would be lost) nor keep an earlier
     run's."""
     import os
+    import time
     (h, parent, data), = _chain(1)
     earlier = DiskTier(tmp_path, 8)  # the directory is not empty
     earlier.put(h, parent, data)
@@ -785,7 +828,7 @@ def test_disk_tier_tells_its_own_temporaries_from_debris_by_name_not_time(tmp_pa
     disk = DiskTier(tmp_path, 8, index_in_background=False)
     writing = disk.path(b"\x42" * 32).with_suffix(f".tmp{disk._tmp_tag}{12345:x}")
     debris = disk.path(b"\x43" * 32).with_suffix(".tmp1f2e3d")
-    for f, t in ((writing, 10**18), (debris, disk._started_ns + 10**12)):  # ours looks old, theirs new
+    for f, t in ((writing, 10**18), (debris, time.time_ns() + 10**12)):  # ours looks old, theirs new
         f.parent.mkdir(exist_ok=True)
         f.write_bytes(b"TLKV1")
         os.utime(f, ns=(t, t))
@@ -953,6 +996,7 @@ def test_disk_tier_that_runs_out_of_space_holds_what_fits_and_keeps_storing(smal
     held = len(disk)
     assert 5 < held < 16 and disk.capacity == held  # what 1 MiB holds, not 1000
     assert sum("ran out of space" in r.message for r in caplog.records) == 1
+    assert f"KV disk tier {small_filesystem / 'kv'} ran out of space" in caplog.text  # which directory
     assert disk.stats.errors == 0 and disk.stats.stores == 40  # every block was stored ...
     assert [h for h, *_ in moved] == [h for h, _ in blocks[:40 - held]]  # ... the oldest moved down in LRU order
     assert all(torch.equal(disk.get(h), data) for h, data in blocks[-held:])
@@ -968,6 +1012,188 @@ def test_disk_tier_that_runs_out_of_space_holds_what_fits_and_keeps_storing(smal
     assert disk.capacity == held and disk.stats.errors == 0
     files = {p.name[:64] for p in (small_filesystem / "kv").glob("*/*.kv")}
     assert files == {h.hex() for h, _ in blocks[-held + 3:] + new}
+    disk.close()
+
+
+def _fill(directory) -> None:
+    """Fill the file system under `directory` to the last byte."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError:
+            pass
+
+
+def test_a_full_disk_at_start_is_a_cold_disk_tier_not_a_refusal(llama_dir, cold_reference, small_filesystem,
+                                                                 tmp_path, caplog):
+    """New weights on a full disk: the engine refused to start (after loading the weights) because
+    the pid label of its new directory's lock could not be written; where even the directory
+    cannot be made (no inodes left), the tier is off for the run. Either way it serves."""
+    import subprocess
+    shared, ref = cold_reference
+    _fill(small_filesystem)
+    llm = _llm(llama_dir, kv_disk_dir=str(small_filesystem / "kv"), kv_disk_capacity="64 blocks")
+    assert _run(llm, shared + _prompt(2, 9))[0] == ref[2]
+    llm.engine.offload_prefix_cache()  # every write fails: passed on, dropped
+    assert _run(llm, shared + _prompt(3, 9))[0] == ref[3]
+    assert llm.engine.stats().kv_tiers["disk"]["errors"] > 0
+    llm.close()
+
+    no_inodes = tmp_path / "no-inodes"
+    no_inodes.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs", str(no_inodes)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        for i in range(100):
+            try:
+                (no_inodes / f"f{i}").touch()
+            except OSError:
+                break
+        with caplog.at_level("WARNING"):
+            llm = _llm(llama_dir, kv_disk_dir=str(no_inodes / "kv"), kv_disk_capacity="64 blocks")
+        assert f"KV disk tier {no_inodes / 'kv'}" in caplog.text and "off for this run" in caplog.text
+        assert llm.engine.store is None  # no tier but the device
+        assert _run(llm, shared + _prompt(2, 9))[0] == ref[2]
+        llm.close()
+    finally:
+        subprocess.run(["umount", "-l", str(no_inodes)], check=True)
+
+
+def test_default_disk_capacity_stays_the_same_across_restarts(small_filesystem):
+    """Half of (free + what its entries use), not half the free space plus all of them: a cache
+    that filled its half took half of the rest at the next start, and so on towards the whole disk."""
+    data = torch.zeros(64, 128)  # 32 KiB blocks
+    capacities = []
+    for run in range(4):
+        disk = DiskTier(small_filesystem / "kv", None, block_bytes=data.numel() * 4, index_in_background=False)
+        disk.index()
+        capacities.append(disk.capacity)
+        for i in range(40):
+            disk.put((run * 100 + i).to_bytes(32, "big"), None, data)
+        disk.close()
+    assert capacities[0] > 4 and max(capacities) - min(capacities) <= 1, capacities
+
+
+def test_a_read_failing_for_a_reason_not_its_entry_keeps_the_entry(tmp_path, caplog):
+    """Out of file descriptors (a server with many client sockets), reads failed like damaged
+    entries: each intact entry asked for was counted corrupt and deleted."""
+    import os
+    import resource
+    blocks = [(i.to_bytes(32, "big"), torch.full((16, 64), float(i))) for i in range(6)]
+    disk = DiskTier(tmp_path, 20)
+    for h, data in blocks:
+        disk.put(h, None, data)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+    try:
+        with caplog.at_level("WARNING"):
+            try:
+                while True:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                pass
+            got = [disk.get(h) for h, _ in blocks]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert got == [None] * 6 and disk.stats.corrupt == 0 and disk.stats.errors == 6
+    assert "cannot read entries" in caplog.text and caplog.text.count("cannot read entries") == 1
+    assert all(torch.equal(disk.get(h), data) for h, data in blocks)  # kept, and served again
+    disk.close()
+
+
+def test_links_put_at_the_lock_or_an_entry_temporary_are_never_written_through(tmp_path):
+    """A symbolic link at `.lock` had its target truncated and overwritten with the pid label; one
+    at the name of an entry's temporary had the block written into its target."""
+    import threading
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's file\n")
+    d = tmp_path / "kv"
+    d.mkdir()
+    (d / ".lock").symlink_to(victim)
+    with pytest.raises(KVTierError, match=r"\.lock is a symbolic link"):
+        DiskTier(d, 8)
+    (d / ".lock").unlink()
+    disk = DiskTier(d, 8)
+    (h, parent, data), = _chain(1)
+    tmp = disk.path(h).with_suffix(f".tmp{disk._tmp_tag}{threading.get_ident():x}")
+    tmp.parent.mkdir()
+    tmp.symlink_to(victim)
+    assert disk.put(h, parent, data) == [] and torch.equal(disk.get(h), data)
+    assert victim.read_text() == "someone else's file\n" and not tmp.exists()
+    disk.close()
+
+
+def test_entries_with_file_times_in_the_future_are_an_earlier_runs(tmp_path):
+    """After the clock stepped back (NTP, a restored VM) an earlier run's entries look newer than
+    this run's start: they were neither served, counted against capacity nor deleted."""
+    import os
+    blocks = _chain(4)
+    disk = DiskTier(tmp_path, 4)
+    for h, parent, data in blocks:
+        disk.put(h, parent, data)
+    disk.close()
+    future = time.time_ns() + 10**15
+    for p in tmp_path.glob("*/*.kv"):
+        os.utime(p, ns=(future, future))
+    disk = DiskTier(tmp_path, 4, index_in_background=False)
+    disk.index()
+    assert len(disk) == 4 and all(torch.equal(disk.get(h), data) for h, _, data in blocks)
+    disk.close()
+
+
+def test_a_directory_renamed_away_is_locked_and_recorded_again(llama_dir, cold_reference, tmp_path):
+    """Its lock file moved with it, so the recreated directory had none (a second engine could
+    start on it) and no model.json (`kv ls` could never call it stale)."""
+    from tierlm.kv import admin
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    disk = llm.engine.store.tiers[0]
+    _run(llm, shared + _prompt(2, 9))
+    disk.root.rename(tmp_path / "moved-away")
+    llm.engine.persist_kv()  # writes into a directory it has to make again
+    assert (disk.root / ".lock").is_file() and admin.read_about(disk.root)["model_dir"] == str(llama_dir.resolve())
+    with pytest.raises(KVTierError, match="in use by another engine of this process"):
+        DiskTier(disk.root, 8)
+    assert _run(llm, shared + _prompt(2, 9))[0] == ref[2]
+    llm.close()
+
+
+def test_deletes_that_failed_are_done_once_writes_work_again(tmp_path):
+    """A read-only (here immutable) shard: evicting for a write that then fails left the evicted
+    entry's file behind, unindexed, so the directory held more files than its capacity."""
+    import subprocess
+    blocks = [(bytes([7]) + i.to_bytes(31, "big"), torch.full((16, 64), float(i))) for i in range(4)]  # one shard
+    disk = DiskTier(tmp_path, 2, policy="lru")
+    for h, data in blocks[:2]:
+        disk.put(h, None, data)
+    shard = disk.path(blocks[0][0]).parent
+    if subprocess.run(["chattr", "+i", str(shard)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        moved = disk.put(blocks[2][0], None, blocks[2][1])  # evicts the oldest (its file stays), then cannot write
+        assert [m[0] for m in moved] == [blocks[0][0], blocks[2][0]] and len(disk) == 1
+    finally:
+        subprocess.run(["chattr", "-i", str(shard)], capture_output=True)
+    assert disk.put(blocks[3][0], None, blocks[3][1]) == []
+    assert {p.name[:64] for p in tmp_path.glob("*/*.kv")} == {h.hex() for h in disk.parents}
+    disk.close()
+
+
+def test_a_write_failing_now_and_then_is_warned_about_once(tmp_path, caplog):
+    disk = DiskTier(tmp_path, 100)
+    bad, good = bytes([1]) * 32, bytes([2]) * 32
+    disk.path(bad).parent.write_text("a file where the shard directory should be")
+    with caplog.at_level("WARNING"):
+        for i in range(10):
+            disk.put(bad, None, torch.zeros(4))
+            disk.put(good[:-1] + bytes([i]), None, torch.zeros(4))  # succeeds in between
+    assert disk.stats.errors == 10 and caplog.text.count("cannot store blocks") == 1
+    assert str(tmp_path) in caplog.text
     disk.close()
 
 

@@ -143,8 +143,8 @@ def tier_capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int | 
 
     host = blocks("kv_host_capacity")
     # A disk entry is a file: its header counts against a size in bytes too.
-    disk = blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES) if config.kv_disk_capacity else None
-    remote = blocks("kv_remote_capacity") if config.kv_remote_capacity else 0
+    disk = None if config.kv_disk_capacity is None else blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES)
+    remote = blocks("kv_remote_capacity")
     return host, disk, remote
 
 
@@ -172,11 +172,16 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
     if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
-        own = disk_tier_dir(config.kv_disk_dir, model_id, label)
-        tiers.append(DiskTier(own, disk, config.tier_policy("disk"), block_bytes=block_bytes))
-        if about is not None:
-            write_about(own, about | {"model_id": model_id, "block_bytes": block_bytes, "started": time.time()})
-        _report_other_disk_dirs(Path(config.kv_disk_dir), own)
+        # Absolute, so a later chdir (a library user's) does not move the tier to another directory.
+        own = disk_tier_dir(os.path.abspath(config.kv_disk_dir), model_id, label)
+        disk_tier = DiskTier(own, disk, config.tier_policy("disk"), block_bytes=block_bytes)
+        if disk_tier.usable:  # else off for this run (a full disk; it said so)
+            tiers.append(disk_tier)
+            if about is not None:
+                record = about | {"model_id": model_id, "block_bytes": block_bytes, "started": time.time()}
+                write_about(own, record)
+                disk_tier.on_reclaim = lambda: write_about(own, record)  # its directory was recreated
+            _report_other_disk_dirs(own.parent, own)
     if config.kv_remote:
         try:
             tiers.append(RedisTier(config.kv_remote, ttl_s=config.kv_remote_ttl,

@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -47,12 +48,16 @@ STALE = (CHANGED, GONE, PARTLY_REMOVED)
 def write_about(directory: Path, about: dict) -> None:
     """Record which checkpoint `directory` holds blocks for (atomically: a reader never sees half
     a file). Not needed to serve, so a failure is a warning."""
-    tmp = directory / f".{ABOUT_FILE}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(json.dumps(about, indent=1) + "\n")
+    tmp = None
+    try:  # a fresh temporary (O_EXCL): never written through a link someone put at a guessable name
+        fd, tmp = tempfile.mkstemp(prefix=f".{ABOUT_FILE}.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from `kv ls` run by another user
+            f.write(json.dumps(about, indent=1) + "\n")
         os.replace(tmp, directory / ABOUT_FILE)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         log.warning("could not write %s (%s); `tierlm kv ls` will not know which model it is for",
                     directory / ABOUT_FILE, e)
 
@@ -180,7 +185,12 @@ def _entries(directory: Path) -> tuple[int, int, float | None]:
     for shard in os.scandir(directory):
         if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
             continue
-        for f in os.scandir(shard.path):
+        try:
+            files = list(os.scandir(shard.path))
+        except OSError as e:  # one unreadable shard must not hide the rest of the directory
+            log.warning("%s: cannot list %s (%s); its entries are not counted", directory.name, shard.path, e)
+            continue
+        for f in files:
             match = ENTRY_NAME.fullmatch(f.name)  # the disk tier's own name for an entry
             if match is None or match.group(1) != "kv":
                 continue

@@ -59,6 +59,7 @@ class Prefetch:
     found: int = 0  # leading blocks it found in some lower tier
     start: int = 0  # index of hashes[0] in the request's prefix (blocks on the device before it)
     finished: bool = False  # ran to its end: `found` is the whole run, and the block after it a miss
+    ended: bool = False  # the reader is done with it (set under the store's lock)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -88,6 +89,7 @@ class TieredStore:
         self.staged: OrderedDict[bytes, tuple[str, torch.Tensor, int | None]] = OrderedDict()
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
+        self._live: set[Prefetch] = set()  # jobs whose request may still be admitted
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # signalled as the writer's backlog shrinks
         self.backlog = 0  # bytes of K/V queued for the writer
@@ -276,6 +278,8 @@ class TieredStore:
         if not hashes or not self.slow or self._closed:
             return None
         job = Prefetch(list(hashes))
+        with self._lock:
+            self._live.add(job)
         self._reads.put(job)
         return job
 
@@ -283,15 +287,30 @@ class TieredStore:
         """Called before the model loop looks up `job`'s blocks itself: a job not yet started is
         dropped, one under way is waited for (its reads would otherwise be done twice)."""
         with self._lock:
+            self._live.discard(job)  # the model loop takes over its blocks (`promoted` unstages them)
             if not job.started:
                 job.cancelled = True
                 return
         job.done.wait()
 
     def cancel(self, job: Prefetch) -> None:
-        """The request is gone: skip the job, or stop it after its current block."""
+        """The request is gone: skip the job, or stop it after its current block, and drop what
+        it staged that no other waiting request's read found too (else it stayed in memory until
+        staging overflowed)."""
         with self._lock:
             job.cancelled = True
+            self._live.discard(job)
+            if job.ended:
+                self._unstage(job)
+
+    def _unstage(self, job: Prefetch) -> None:
+        """Drop `job`'s blocks from staging unless a live job's run holds them (hold `_lock`)."""
+        needed = {h for other in self._live for h in other.hashes[:other.found]}
+        for h in job.hashes[:job.found]:
+            if h not in needed:
+                entry = self.staged.pop(h, None)
+                if entry is not None:
+                    self.staged_bytes -= _nbytes(entry[1])
 
     def _read_one(self, job: Prefetch) -> None:
         try:
@@ -302,6 +321,10 @@ class TieredStore:
             job.found = len(self._find_run(job.hashes, read_host=False, stop=lambda: job.cancelled))
             job.finished = not job.cancelled
         finally:
+            with self._lock:
+                job.ended = True
+                if job.cancelled:  # cancelled while it read: `cancel` could not unstage yet
+                    self._unstage(job)
             job.done.set()
 
     # -- maintenance -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"TLKV2"  # 2: the checksum covers the block's key and parent too
 ENTRY_HEADER_BYTES = 320  # at most, per disk entry or Redis value: magic, length, JSON header (~250)
+WRITE_WARN_EVERY_S = 300  # a tier whose writes keep failing says so again at most this often
 ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
 
 
@@ -179,7 +181,10 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
                 raise bad from None
             if not math.isfinite(amount) or amount < 0:
                 raise bad
-            return _bytes_to_blocks(int(amount * mult), block_bytes, value)
+            nbytes = int(amount * mult)
+            if nbytes == 0 and amount > 0:  # "0.5B": not 0, so not "off"; under one block, refused below
+                nbytes = 1
+            return _bytes_to_blocks(nbytes, block_bytes, value)
     if s.isdigit():
         return _bytes_to_blocks(int(s), block_bytes, value)
     raise bad
@@ -253,9 +258,15 @@ class _CapacityTier:
         self.stats = TierStats()
         self.lock = threading.RLock()
         self.clock = 0
-        self._write_failing = False
+        self._write_warned_at: float | None = None  # when a failing write was last warned about
+        self._read_warned_at: float | None = None  # likewise, a read failing for a reason not its entry's
         self._shrunk = False  # capacity was lowered to what the storage could hold
         self._wanted: int | None = None  # the capacity asked for, while lowered
+
+    @property
+    def where(self) -> str:
+        """The tier as logs name it."""
+        return f"{self.name} tier"
 
     def __contains__(self, h: bytes) -> bool:
         with self.lock:
@@ -290,12 +301,13 @@ class _CapacityTier:
             e = self._store(h, parent, data, hint, evicted)
             if e is not None:  # permissions, a disk that stays full, ...: pass the block on, keep serving
                 self.stats.errors += 1
-                if not self._write_failing:
-                    log.warning("KV %s tier cannot store blocks (%s); passing them to the next tier until "
-                                "writes succeed again. Free space or fix the cache directory", self.name, e)
-                self._write_failing = True
+                now = time.monotonic()
+                if self._write_warned_at is None or now - self._write_warned_at >= WRITE_WARN_EVERY_S:
+                    log.warning("KV %s cannot store blocks (%s); passing them to the next tier while writes fail "
+                                "(%d failed so far; said again at most every %d s). Free space or fix the cache "
+                                "directory", self.where, e, self.stats.errors, WRITE_WARN_EVERY_S)
+                    self._write_warned_at = now
                 return evicted + [(h, parent, data, hint)]
-            self._write_failing = False
             self.parents[h] = parent
             self.policy.access(h, parent, self.clock)
             self._hint(h, hint)
@@ -328,8 +340,8 @@ class _CapacityTier:
         held = self._held()
         if 0 < held < self.capacity:
             (log.warning if not self._shrunk else log.info)(
-                "KV %s tier ran out of space at %d blocks, below its capacity of %d; holding %d until space "
-                "frees up (give it a capacity that fits)", self.name, held, self.capacity, held)
+                "KV %s ran out of space at %d blocks, below its capacity of %d; holding %d until space "
+                "frees up (give it a capacity that fits)", self.where, held, self.capacity, held)
             self._shrunk = True
             self._wanted = self._wanted or self.capacity
             self.capacity = held
@@ -351,10 +363,16 @@ class _CapacityTier:
             if h not in self.parents:
                 self.stats.misses += 1
                 return None
-        data = self._read(h)
+        try:
+            data = self._read(h)
+        except OSError as e:
+            return self._unreadable(e)
         with self.lock:
             if data is None and h in self.parents:
-                data = self._read(h)
+                try:
+                    data = self._read(h)
+                except OSError as e:
+                    return self._unreadable(e)
                 if data is None:  # corrupt: drop it, the caller recomputes
                     self.stats.corrupt += 1
                     self._drop(h)
@@ -369,6 +387,20 @@ class _CapacityTier:
             self.stats.hits += 1
             self.stats.bytes_out += data.numel() * data.element_size()
             return data
+
+    def _unreadable(self, e: OSError) -> None:
+        """A read failed for a reason that says nothing about the entry (out of file descriptors,
+        permissions, I/O): a miss, and the entry is kept, to be served once reads work again."""
+        with self.lock:
+            self.stats.errors += 1
+            self.stats.misses += 1
+            now = time.monotonic()
+            if self._read_warned_at is None or now - self._read_warned_at >= WRITE_WARN_EVERY_S:
+                log.warning("KV %s cannot read entries (%s); counting them as misses and keeping them (said again "
+                            "at most every %d s). Check the process's open-file limit and the directory's "
+                            "permissions", self.where, e, WRITE_WARN_EVERY_S)
+                self._read_warned_at = now
+        return None
 
     def _before_read(self, h: bytes) -> int | None:
         """Under the lock, before a lookup: make `h` known if it is stored but not yet indexed;
@@ -391,7 +423,11 @@ class _CapacityTier:
 
     def take(self, h: bytes) -> Demoted | None:
         """Remove `h` and return it as it moves down (None if its bytes are gone); hold `lock`."""
-        data, hint = self._read(h), self.hints.get(h)
+        try:
+            data = self._read(h)
+        except OSError:  # evicted all the same; its bytes cannot move down
+            data = None
+        hint = self.hints.get(h)
         parent = self._drop(h)
         return None if data is None else (h, parent, data, hint)
 
@@ -505,6 +541,15 @@ class DiskTier(_CapacityTier):
     def held_here(cls) -> set[Path]:
         return set(cls._locked_here)
 
+    @property
+    def where(self) -> str:
+        return f"disk tier {self.root}"
+
+    @property
+    def usable(self) -> bool:
+        """False when it could not set up its directory (a full disk) and is off for this run."""
+        return self._lock_file is not None
+
     def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
                  block_bytes: int = 0, index_in_background: bool = True, regrow_every_s: float = 30.0) -> None:
         """`index_in_background=False` leaves the scan to a call of `index()` (tests place tier
@@ -520,7 +565,9 @@ class DiskTier(_CapacityTier):
         self._auto_capacity = capacity_blocks is None
         self._lock_file = None
         self._lost: str | None = None  # why this tier no longer owns its directory (see _reclaim)
-        self._started_ns = time.time_ns()  # entries older than this are an earlier run's
+        self.on_reclaim: Callable[[], None] | None = None  # after the lock was taken again (rewrites model.json)
+        self._undeleted: set[bytes] = set()  # entries dropped from the index whose file could not be deleted
+        self._entry_bytes = 1
         # Temporaries are named by run, not judged by file time: a clock step back would make this
         # run's look old, and deleting one mid-write loses the block.
         self._tmp_tag = secrets.token_hex(4)
@@ -531,15 +578,24 @@ class DiskTier(_CapacityTier):
         self._pending: dict[bytes, int] | None = None  # old entries not yet indexed, oldest first, once listed
         try:
             self._lock_file = self._claim()
-            if self._auto_capacity:  # half the free space, plus what the index finds already ours
-                self.capacity = shutil.disk_usage(self.root).free // 2 // max(block_bytes, 1)
-                log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space; set "
-                         "kv_disk_capacity to choose)", self.root, self.capacity)
+            self._entry_bytes = self._on_disk(block_bytes)
+            if self._auto_capacity:  # half the free space, plus half of what the listing finds ours
+                self.capacity = shutil.disk_usage(self.root).free // 2 // self._entry_bytes
+                log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space, and half of "
+                         "what an earlier run's entries use once they are listed; set kv_disk_capacity to choose)",
+                         self.root, self.capacity)
             earlier = any(self.root.glob("??"))
         except OSError as e:
             self.close()
-            raise KVTierError(f"cannot use {self.root} as the KV disk directory ({e}); give a writable "
-                              "kv_disk_dir") from None
+            if e.errno not in _OUT_OF_SPACE:
+                raise KVTierError(f"cannot use {self.root} as the KV disk directory ({e}); give a writable "
+                                  "kv_disk_dir") from None
+            # A full disk is no reason to refuse to serve: the tier is off for this run.
+            log.warning("KV disk tier %s is off for this run: no space left to set up its directory (%s). Free "
+                        "space there and restart to use it", self.root, e)
+            self.capacity, self._auto_capacity, self._lost = 0, False, f"no space to set up {self.root}"
+            self._indexed.set()
+            return
         if not earlier:
             self._indexed.set()
             return
@@ -555,12 +611,12 @@ class DiskTier(_CapacityTier):
         deadline = time.monotonic() + patience_s
         while True:
             self.root.mkdir(parents=True, exist_ok=True)
-            f = open(self.root / ".lock", "a+")
+            f = self._open_lock()
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 f.seek(0)
-                owner = f.read().strip() or "another engine"
+                owner = f.read(200).decode(errors="replace").strip() or "another engine"
                 f.close()
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -582,11 +638,29 @@ class DiskTier(_CapacityTier):
             if time.monotonic() >= deadline + 5.0:  # never for long: each round follows a prune's rename
                 raise KVTierError(f"KV disk directory {self.root} keeps being moved or deleted while this engine "
                                   "takes it; stop whatever removes it (tierlm kv prune?) and start again")
-        f.truncate(0)
-        f.write(f"tierlm pid {os.getpid()}\n")
-        f.flush()
+        try:  # who holds it, for the next one refused; unbuffered, so a full disk fails here only
+            f.truncate(0)
+            f.write(f"tierlm pid {os.getpid()}\n".encode())
+        except OSError as e:  # the flock holds all the same
+            log.info("KV disk tier %s: could not write this engine's pid into .lock (%s)", self.root, e)
         DiskTier._locked_here.add(self.root)
         return f
+
+    def _open_lock(self):
+        """The directory's lock file, opened without following a symbolic link (whose target the
+        pid label would overwrite) and only if it is a regular file."""
+        path = self.root / ".lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise KVTierError(f"{path} is a symbolic link; tierlm does not write through one (it would "
+                                  "overwrite the link's target). Remove it and start again") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise KVTierError(f"{path} is not a regular file; remove it and start again")
+        return os.fdopen(fd, "r+b", buffering=0)
 
     def _reclaim(self) -> None:
         """Take the lock again if its file went with a deleted directory (a /tmp cleaner): without
@@ -595,16 +669,24 @@ class DiskTier(_CapacityTier):
         if self._lost:
             raise OSError(self._lost)
         f = self._lock_file
-        if f is None or os.fstat(f.fileno()).st_nlink > 0:
-            return  # the lock file is still where a second engine would look for it
+        if f is None:
+            return
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(self.root / ".lock")):
+                return  # the lock file is still where a second engine would look for it
+        except OSError:
+            pass
         try:
             self._lock_file = self._claim(patience_s=0.0)
-        except KVTierError as e:
+        except (KVTierError, OSError) as e:
             self._lost = str(e)
             raise OSError(self._lost) from None
         f.close()
-        log.warning("KV disk directory %s was deleted while in use; recreated it and took its lock again "
-                    "(the blocks it held will be recomputed)", self.root)
+        log.warning("KV disk directory %s lost its lock file while in use (deleted, or the directory was moved or "
+                    "deleted); took its lock again. Entries that went with it are recomputed when next asked for",
+                    self.root)
+        if self.on_reclaim is not None:
+            self.on_reclaim()
 
     def close(self) -> None:
         """Stop indexing (what is not indexed stays on disk for the next run) and release the lock."""
@@ -650,7 +732,7 @@ class DiskTier(_CapacityTier):
             free = shutil.disk_usage(self.root).free
         except OSError:
             return
-        per = block_bytes + 1024  # + the header, and file-system slack
+        per = self._on_disk(block_bytes)
         promised = max(0, self.capacity - self._held()) * per  # granted already, not yet written
         room = max(0, free - promised) // 2 // per
         grown = min(self._wanted or 0, self.capacity + room)
@@ -663,6 +745,15 @@ class DiskTier(_CapacityTier):
 
     def _held(self) -> int:
         return len(self.parents) + len(self._pending or ())
+
+    def _on_disk(self, block_bytes: int) -> int:
+        """Bytes one entry takes on this file system: the block, its header, rounded up to whole
+        fragments (what free space goes down by)."""
+        try:
+            frag = os.statvfs(self.root).f_frsize or 4096
+        except OSError:
+            frag = 4096
+        return -(-(max(block_bytes, 1) + ENTRY_HEADER_BYTES) // frag) * frag
 
     def _make_room_when_full(self, evicted: list[Demoted]) -> bool:
         """As for any tier, but an earlier run's entries not yet indexed go first."""
@@ -695,7 +786,10 @@ class DiskTier(_CapacityTier):
         if self._pending is not None and h not in self._pending:  # listed: no file to look for
             return None
         p = self.path(h)
-        entry = self._entry(p)
+        try:
+            entry = self._entry(p)
+        except OSError:  # unreadable for now, not damaged: neither adopted nor deleted
+            return None
         if entry is None and p.exists():  # there, but damaged: never served
             self.stats.corrupt += 1
             p.unlink(missing_ok=True)
@@ -743,8 +837,8 @@ class DiskTier(_CapacityTier):
         if self._stop.is_set():
             return
         with self.lock:
-            if self._auto_capacity:
-                self.capacity += len(listed)
+            if self._auto_capacity:  # half of (free + ours): the same size restart after restart
+                self.capacity += len(listed) // 2
             self._pending = {h: t for t, h in listed if h not in self.parents}
             excess = self._trim_pending(room=0)
         for h in excess:  # a lock hold each, not one long one
@@ -843,9 +937,7 @@ class DiskTier(_CapacityTier):
                             os.unlink(f.path)
                             dropped += 1
                         continue
-                    mtime = f.stat().st_mtime_ns
-                    if mtime >= self._started_ns:
-                        continue  # this run's
+                    mtime = f.stat().st_mtime_ns  # a time in the future (a clock stepped back) sorts newest
                 except OSError:
                     continue
                 listed.append((mtime, bytes.fromhex(f.name[:64])))
@@ -871,7 +963,10 @@ class DiskTier(_CapacityTier):
                              time.monotonic() - t0)
             if h not in self._pending:  # adopted or deleted meanwhile
                 continue
-            entry = self._entry(self.path(h), self._pending.get(h, 0))
+            try:
+                entry = self._entry(self.path(h), self._pending.get(h, 0))
+            except OSError:  # unreadable for now, not damaged: left for the next run to index
+                continue
             if entry is not None:
                 found.append(entry)
                 continue
@@ -886,7 +981,7 @@ class DiskTier(_CapacityTier):
     @staticmethod
     def _entry(p: Path, mtime: int = 0) -> Entry | None:
         """The entry at `p` from its header; `mtime` is the file time the listing read."""
-        head = read_regular(p, 4096, whole=False)
+        head = read_regular(p, 4096, whole=False, strict=True)
         parsed = None if head is None else _header(head)
         if parsed is None or "parent" not in parsed[0]:
             return None  # damaged, or written before headers named the parent
@@ -908,10 +1003,10 @@ class DiskTier(_CapacityTier):
         raw = encode_block(data, parent, hint, key=h)
         try:
             try:
-                tmp.write_bytes(raw)
+                _write_new(tmp, raw)
             except FileNotFoundError:  # a new shard directory
                 p.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_bytes(raw)
+                _write_new(tmp, raw)
             os.replace(tmp, p)
         except OSError:
             try:
@@ -919,6 +1014,8 @@ class DiskTier(_CapacityTier):
             except OSError:
                 pass
             raise
+        if self._undeleted:
+            self._erase_undeleted()
 
     def _rehint(self, h, parent, data, hint):
         """Put the new hint into the entry, so it outlives a restart (a block written through to
@@ -934,7 +1031,7 @@ class DiskTier(_CapacityTier):
             self.stats.errors += 1  # the old entry stays, without the new hint
 
     def _read(self, h):
-        raw = read_regular(self.path(h), self._max_entry_bytes)
+        raw = read_regular(self.path(h), self._max_entry_bytes, strict=True)
         return None if raw is None else decode_block(raw, h)
 
     def _erase(self, h):
@@ -942,8 +1039,39 @@ class DiskTier(_CapacityTier):
             return  # another engine owns the directory now: its files are not ours to delete
         try:
             self.path(h).unlink()
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError:  # a read-only directory: tried again once writes work, so files stay within capacity
+            self._undeleted.add(h)
+
+    def _erase_undeleted(self) -> None:
+        """Delete the files of entries dropped while deletes failed (hold `lock`); one stored
+        again since is the tier's again and stays."""
+        for h in list(self._undeleted):
+            if h not in self.parents:
+                try:
+                    self.path(h).unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    return
+            self._undeleted.discard(h)
+
+
+def _write_new(path: Path, raw: bytes) -> None:
+    """Write `raw` to a file created at `path`, never through a link or file put there."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:  # left by a write that failed and could not clean up: the name is ours
+        os.unlink(path)  # the link or file itself, never a link's target
+        fd = os.open(path, flags, 0o644)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def _refusal_advice(e: Exception) -> str | None:
