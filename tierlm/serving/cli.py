@@ -10,7 +10,9 @@ explicit --no-auth), and says so loudly: an open port with no keys serves anyone
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
+import time
 import logging
 import sys
 from typing import Any
@@ -81,6 +83,19 @@ def parse_model_specs(model_dir: str | None, specs: list[str]) -> dict[str, str 
     return models
 
 
+def freeze_startup_objects() -> int:
+    """Move what start-up allocated (torch, transformers, the models' modules: some 340,000
+    objects) out of the garbage collector's sight; returns how many. None of it is garbage, yet
+    each full collection walked all of it, stalling the engine loop ~100-200 ms on this machine
+    (vLLM's engine freezes its start-up objects for the same reason)."""
+    t0 = time.perf_counter()
+    gc.collect()  # cyclic garbage from loading is freed first, not frozen for good
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.debug("froze %d start-up objects for the garbage collector in %.2f s", frozen, time.perf_counter() - t0)
+    return frozen
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -142,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if telemetry.tracer is not None:
         logger.info("sending traces to %s", args.otlp_endpoint)
     app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry)
+    freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())
     server.run(sockets=[sock])  # returns after SIGTERM/SIGINT and a graceful shutdown
