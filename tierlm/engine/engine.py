@@ -143,8 +143,9 @@ def tier_capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int | 
 
     host = blocks("kv_host_capacity")
     # A disk entry is a file: its header counts against a size in bytes too.
-    disk = None if config.kv_disk_capacity is None else blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES)
-    remote = blocks("kv_remote_capacity")
+    # None (or an empty string from a config file) is the default; 0 in any form turns the tier off.
+    disk = None if config.kv_disk_capacity in (None, "") else blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES)
+    remote = blocks("kv_remote_capacity") if config.kv_remote_capacity != "" else 0
     return host, disk, remote
 
 

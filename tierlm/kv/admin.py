@@ -133,7 +133,7 @@ def _try_lock(directory: Path, mine: bool = False) -> int | str | None:
     there is no lock file an engine could hold (none, a dangling link, a socket). `mine`: say
     in the file who holds it, for an engine refused meanwhile."""
     lock = directory / LOCK_FILE
-    try:  # followed, as the engine's open follows a link there
+    try:  # a link is followed here (read-only); the engine refuses one at .lock
         fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         if not mine:

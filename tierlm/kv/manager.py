@@ -216,6 +216,8 @@ class KVCacheManager:
 
     def free(self, req) -> None:
         if self._held is not None and self._held[0] == req.request_id:
+            if self.store is not None:  # held for room, gone before admission: what it read goes too
+                self.store.unstage([entry[0] for entry in self._held[2]])
             self._held = None
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:  # finished or aborted before admission

@@ -301,13 +301,22 @@ class TieredStore:
             job.cancelled = True
             self._live.discard(job)
             if job.ended:
-                self._unstage(job)
+                self._unstage(job.hashes[:job.found])
 
-    def _unstage(self, job: Prefetch) -> None:
-        """Drop `job`'s blocks from staging unless a live job's run holds them (hold `_lock`)."""
-        needed = {h for other in self._live for h in other.hashes[:other.found]}
-        for h in job.hashes[:job.found]:
-            if h not in needed:
+    def unstage(self, hashes: list[bytes]) -> None:
+        """Drop these blocks from staging (a request gone before admission), except those a
+        waiting request's read may still want."""
+        with self._lock:
+            self._unstage(hashes)
+
+    def _unstage(self, hashes: list[bytes]) -> None:
+        """`unstage`, holding `_lock`. A live job's whole prefix counts as wanted, not just what
+        it has found so far: one still reading may have counted a block already."""
+        if not self.staged:
+            return
+        wanted = {h for other in self._live for h in other.hashes}
+        for h in hashes:
+            if h not in wanted:
                 entry = self.staged.pop(h, None)
                 if entry is not None:
                     self.staged_bytes -= _nbytes(entry[1])
@@ -324,7 +333,7 @@ class TieredStore:
             with self._lock:
                 job.ended = True
                 if job.cancelled:  # cancelled while it read: `cancel` could not unstage yet
-                    self._unstage(job)
+                    self._unstage(job.hashes[:job.found])
             job.done.set()
 
     # -- maintenance -----------------------------------------------------------------------

@@ -304,7 +304,7 @@ class _CapacityTier:
                 now = time.monotonic()
                 if self._write_warned_at is None or now - self._write_warned_at >= WRITE_WARN_EVERY_S:
                     log.warning("KV %s cannot store blocks (%s); passing them to the next tier while writes fail "
-                                "(%d failed so far; said again at most every %d s). Free space or fix the cache "
+                                "(%d errors so far; said again at most every %d s). Free space or fix the cache "
                                 "directory", self.where, e, self.stats.errors, WRITE_WARN_EVERY_S)
                     self._write_warned_at = now
                 return evicted + [(h, parent, data, hint)]
@@ -366,13 +366,13 @@ class _CapacityTier:
         try:
             data = self._read(h)
         except OSError as e:
-            return self._unreadable(e)
+            return self._unreadable(h, e)
         with self.lock:
             if data is None and h in self.parents:
                 try:
                     data = self._read(h)
                 except OSError as e:
-                    return self._unreadable(e)
+                    return self._unreadable(h, e)
                 if data is None:  # corrupt: drop it, the caller recomputes
                     self.stats.corrupt += 1
                     self._drop(h)
@@ -388,10 +388,13 @@ class _CapacityTier:
             self.stats.bytes_out += data.numel() * data.element_size()
             return data
 
-    def _unreadable(self, e: OSError) -> None:
+    def _unreadable(self, h: bytes, e: OSError) -> None:
         """A read failed for a reason that says nothing about the entry (out of file descriptors,
         permissions, I/O): a miss, and the entry is kept, to be served once reads work again."""
         with self.lock:
+            if h in self.parents and h not in self.policy:  # adopted for this read: evictable like any
+                self.clock += 1
+                self.policy.access(h, self.parents[h], self.clock)
             self.stats.errors += 1
             self.stats.misses += 1
             now = time.monotonic()
@@ -567,6 +570,7 @@ class DiskTier(_CapacityTier):
         self._lost: str | None = None  # why this tier no longer owns its directory (see _reclaim)
         self.on_reclaim: Callable[[], None] | None = None  # after the lock was taken again (rewrites model.json)
         self._undeleted: set[bytes] = set()  # entries dropped from the index whose file could not be deleted
+        self._undeleted_retry_at = 0.0
         self._entry_bytes = 1
         # Temporaries are named by run, not judged by file time: a clock step back would make this
         # run's look old, and deleting one mid-write loses the block.
@@ -674,11 +678,12 @@ class DiskTier(_CapacityTier):
         try:
             if os.path.samestat(os.fstat(f.fileno()), os.stat(self.root / ".lock")):
                 return  # the lock file is still where a second engine would look for it
-        except OSError:
-            pass
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise  # cannot tell (permissions, I/O): this write fails, a later one looks again
         try:
-            self._lock_file = self._claim(patience_s=0.0)
-        except (KVTierError, OSError) as e:
+            self._lock_file = self._claim()
+        except KVTierError as e:  # another engine holds the recreated directory now: it is theirs
             self._lost = str(e)
             raise OSError(self._lost) from None
         f.close()
@@ -837,9 +842,9 @@ class DiskTier(_CapacityTier):
         if self._stop.is_set():
             return
         with self.lock:
-            if self._auto_capacity:  # half of (free + ours): the same size restart after restart
-                self.capacity += len(listed) // 2
             self._pending = {h: t for t, h in listed if h not in self.parents}
+            if self._auto_capacity:  # half of (free at start + an earlier run's): the same size each restart
+                self.capacity += len(self._pending) // 2
             excess = self._trim_pending(room=0)
         for h in excess:  # a lock hold each, not one long one
             with self.lock:
@@ -997,6 +1002,7 @@ class DiskTier(_CapacityTier):
         return self.root / hx[:2] / f"{hx}.kv"
 
     def _write(self, h, parent, data, hint):
+        self._undeleted.discard(h)  # its file is about to be this block again, not a leftover
         p = self.path(h)
         tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
         self._reclaim()  # one fstat: is the lock file still there?
@@ -1014,7 +1020,7 @@ class DiskTier(_CapacityTier):
             except OSError:
                 pass
             raise
-        if self._undeleted:
+        if self._undeleted and time.monotonic() >= self._undeleted_retry_at:
             self._erase_undeleted()
 
     def _rehint(self, h, parent, data, hint):
@@ -1046,15 +1052,17 @@ class DiskTier(_CapacityTier):
 
     def _erase_undeleted(self) -> None:
         """Delete the files of entries dropped while deletes failed (hold `lock`); one stored
-        again since is the tier's again and stays."""
+        again since is the tier's again and stays. Files that still cannot go are tried again
+        on a write at least `_regrow_every` seconds later, not on every write."""
+        self._undeleted_retry_at = time.monotonic() + self._regrow_every
         for h in list(self._undeleted):
-            if h not in self.parents:
+            if h not in self.parents and h not in (self._pending or ()):
                 try:
                     self.path(h).unlink()
                 except FileNotFoundError:
                     pass
                 except OSError:
-                    return
+                    continue
             self._undeleted.discard(h)
 
 
