@@ -295,7 +295,7 @@ class TieredStore:
 
     def cancel(self, job: Prefetch) -> None:
         """The request is gone: skip the job, or stop it after its current block, and drop what
-        it staged that no other waiting request's read found too (else it stayed in memory until
+        it staged that no other waiting request's read wants (else it stayed in memory until
         staging overflowed)."""
         with self._lock:
             job.cancelled = True

@@ -1005,7 +1005,7 @@ class DiskTier(_CapacityTier):
         self._undeleted.discard(h)  # its file is about to be this block again, not a leftover
         p = self.path(h)
         tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
-        self._reclaim()  # one fstat: is the lock file still there?
+        self._reclaim()  # an fstat and a stat: is the lock file at its path still ours?
         raw = encode_block(data, parent, hint, key=h)
         try:
             try:
