@@ -184,6 +184,22 @@ def test_a_relative_disk_dir_stays_where_it_was_when_the_process_moves(llama_dir
     llm.close()
 
 
+def test_lower_tiers_policies_tick_once_per_request_like_the_device_pool(llama_dir, cold_reference, tmp_path):
+    """Their constants (TLP's alpha, Gittins' half-life, chain's same-request segments) are per
+    request; the host and disk tiers ticked once per block stored or read, so a Gittins
+    half-life of 2,000 requests forgot within some 20."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    eng = llm.engine
+    host, disk = eng.store.tiers
+    for i in (2, 3, 2):
+        assert _run(llm, shared + _prompt(i, 9))[0] == ref[i]
+        eng.offload_prefix_cache()  # ten blocks or so through the host tier, most on to disk
+    assert host.stats.stores > 10 and disk.stats.stores > 5
+    assert host.clock == disk.clock == eng.pool._clock == 3
+    llm.close()
+
+
 def test_capacities_read_blocks_and_byte_units():
     from tierlm.kv.tiers import parse_capacity
     mib = 1 << 20

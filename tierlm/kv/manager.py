@@ -123,6 +123,8 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return hit
         self.pool.tick()
+        if self.store is not None:
+            self.store.tick()
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:
             self.store.settle(job)

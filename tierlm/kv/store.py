@@ -74,6 +74,9 @@ class TieredStore:
                  backlog_bytes: int = 1 << 30, remote_batch: int = 32, write_through_disk: bool = False,
                  readers: int = 4) -> None:
         self.tiers = tiers
+        self._ticked = [t for t in tiers if isinstance(t, _CapacityTier)]
+        for t in self._ticked:
+            t.auto_tick = False  # one tick per request (`tick`), as the device pool's policy gets
         self.remote_batch = remote_batch  # Redis blocks per round trip when reading a prefix
         # Where a freshly computed block is written at once (levels), besides the device.
         self.write_through_levels = [i for i, t in enumerate(tiers)
@@ -198,6 +201,11 @@ class TieredStore:
         with self._lock:
             if h in self.pending and self.pending[h][0] is data:
                 del self.pending[h]
+
+    def tick(self) -> None:
+        """A request's prefix is being looked up: advance the tiers' policy clocks, once."""
+        for t in self._ticked:
+            t.tick()
 
     # -- reads -----------------------------------------------------------------------------
     def fetch(self, h: bytes) -> tuple[str, torch.Tensor, int | None] | None:

@@ -257,7 +257,11 @@ class _CapacityTier:
         self.hints: dict[bytes, int] = {}
         self.stats = TierStats()
         self.lock = threading.RLock()
+        # The policy's clock. Alone, a tier ticks once per store or read; in a TieredStore the
+        # engine ticks it once per request looked up (`tick`), the unit the policies' constants
+        # (TLP's alpha, Gittins' half-life, chain's same-request segments) were tuned in.
         self.clock = 0
+        self.auto_tick = True
         self._write_warned_at: float | None = None  # when a failing write was last warned about
         self._read_warned_at: float | None = None  # likewise, a read failing for a reason not its entry's
         self._shrunk = False  # capacity was lowered to what the storage could hold
@@ -267,6 +271,11 @@ class _CapacityTier:
     def where(self) -> str:
         """The tier as logs name it."""
         return f"{self.name} tier"
+
+    def tick(self) -> None:
+        """One request looked up (see `clock`)."""
+        with self.lock:
+            self.clock += 1
 
     def __contains__(self, h: bytes) -> bool:
         with self.lock:
@@ -281,7 +290,7 @@ class _CapacityTier:
             return [(h, parent, data, hint)]
         evicted: list[Demoted] = []
         with self.lock:
-            self.clock += 1
+            self.clock += self.auto_tick
             if h in self.parents:
                 if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
@@ -380,7 +389,7 @@ class _CapacityTier:
                 self.stats.misses += 1
                 return None
             if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
-                self.clock += 1
+                self.clock += self.auto_tick
                 self.policy.access(h, self.parents[h], self.clock)
                 if hint is not None:
                     self.policy.finished([h], hint)
@@ -393,7 +402,7 @@ class _CapacityTier:
         permissions, I/O): a miss, and the entry is kept, to be served once reads work again."""
         with self.lock:
             if h in self.parents and h not in self.policy:  # adopted for this read: evictable like any
-                self.clock += 1
+                self.clock += self.auto_tick
                 self.policy.access(h, self.parents[h], self.clock)
             self.stats.errors += 1
             self.stats.misses += 1
