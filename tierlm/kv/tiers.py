@@ -260,8 +260,10 @@ class _CapacityTier:
         # The policy's clock. Alone, a tier ticks once per store or read; in a TieredStore the
         # engine ticks it once per request looked up (`tick`), the unit the policies' constants
         # (TLP's alpha, Gittins' half-life, chain's same-request segments) were tuned in.
-        self.clock = 0
         self.auto_tick = True
+        # Three counters, each written from one place only, so no update is lost between threads:
+        # stores and reads (under `lock`), the model loop's ticks, and the disk index's shift.
+        self._ops = self._ticks = self._shift = 0
         self._write_warned_at: float | None = None  # when a failing write was last warned about
         self._read_warned_at: float | None = None  # likewise, a read failing for a reason not its entry's
         self._shrunk = False  # capacity was lowered to what the storage could hold
@@ -272,10 +274,14 @@ class _CapacityTier:
         """The tier as logs name it."""
         return f"{self.name} tier"
 
+    @property
+    def clock(self) -> int:
+        return self._ops + self._ticks + self._shift
+
     def tick(self) -> None:
-        """One request looked up (see `clock`)."""
-        with self.lock:
-            self.clock += 1
+        """One request looked up (see `clock`). Only the model loop ticks, so no lock: the disk
+        tier holds its lock while it writes a block, and the loop must not wait for that."""
+        self._ticks += 1
 
     def __contains__(self, h: bytes) -> bool:
         with self.lock:
@@ -290,7 +296,8 @@ class _CapacityTier:
             return [(h, parent, data, hint)]
         evicted: list[Demoted] = []
         with self.lock:
-            self.clock += self.auto_tick
+            if self.auto_tick:
+                self._ops += 1
             if h in self.parents:
                 if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
@@ -389,7 +396,8 @@ class _CapacityTier:
                 self.stats.misses += 1
                 return None
             if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
-                self.clock += self.auto_tick
+                if self.auto_tick:
+                    self._ops += 1
                 self.policy.access(h, self.parents[h], self.clock)
                 if hint is not None:
                     self.policy.finished([h], hint)
@@ -402,7 +410,8 @@ class _CapacityTier:
         permissions, I/O): a miss, and the entry is kept, to be served once reads work again."""
         with self.lock:
             if h in self.parents and h not in self.policy:  # adopted for this read: evictable like any
-                self.clock += self.auto_tick
+                if self.auto_tick:
+                    self._ops += 1
                 self.policy.access(h, self.parents[h], self.clock)
             self.stats.errors += 1
             self.stats.misses += 1
@@ -904,7 +913,7 @@ class DiskTier(_CapacityTier):
                 if hint is not None:
                     self.hints[h] = hint
             self.policy = rebuilt
-            self.clock += shift
+            self._shift += shift
             self._trimmed.clear()
             self._pending = {}
             self._indexed.set()
