@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
-from tierlm.kv.tiers import lower_scheme, parse_capacity, redact_url, url_cut_short
+from tierlm.kv.tiers import block_count, lower_scheme, parse_capacity, redact_url, url_cut_short
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -160,8 +160,7 @@ def kv_pool_size(value: int | str) -> tuple[int, bool]:
                          "such as '2000 blocks', or a byte count") from None
     if amount <= 0:
         raise ValueError(f"kv_cache_memory must be positive (got {value!r}); leave it unset for a share of free memory")
-    in_blocks = isinstance(value, str) and value.lower().replace(" ", "").rstrip("s").endswith("block")  # as parse_capacity reads it
-    return amount, in_blocks
+    return amount, block_count(value) is not None
 
 
 def kv_pool_bytes(value: int | str, per_block: int) -> int:

@@ -170,9 +170,9 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
     s = str(value).strip().lower().replace(" ", "")
     if not s.isascii():  # str.isdigit() is true for "²", which int() refuses
         raise bad
-    for suffix in ("blocks", "block"):
-        if s.endswith(suffix) and s[: -len(suffix)].isdigit():
-            return int(s[: -len(suffix)])
+    count = block_count(s)
+    if count is not None:
+        return count
     for u, mult in _UNITS.items():
         if s.endswith(u):
             try:
@@ -188,6 +188,17 @@ def parse_capacity(value: int | str | None, block_bytes: int) -> int:
     if s.isdigit():
         return _bytes_to_blocks(int(s), block_bytes, value)
     raise bad
+
+
+def block_count(value: object) -> int | None:
+    """N of a capacity given as "N blocks" (or "N block", any case and spacing), else None."""
+    if not isinstance(value, str):
+        return None
+    s = value.strip().lower().replace(" ", "")
+    for suffix in ("blocks", "block"):
+        if s.endswith(suffix) and s[: -len(suffix)].isascii() and s[: -len(suffix)].isdigit():
+            return int(s[: -len(suffix)])
+    return None
 
 
 def _bytes_to_blocks(nbytes: int, block_bytes: int, given: object) -> int:
@@ -261,11 +272,11 @@ class _CapacityTier:
         # engine ticks it once per request looked up (`tick`), the unit the policies' constants
         # (TLP's alpha, Gittins' half-life, chain's same-request segments) were tuned in.
         self.auto_tick = True
-        # Three counters, each written from one place only, so no update is lost between threads:
-        # stores and reads (under `lock`), the model loop's ticks, and the disk index's shift.
-        self._ops = self._ticks = self._shift = 0
-        self._write_warned_at: float | None = None  # when a failing write was last warned about
-        self._read_warned_at: float | None = None  # likewise, a read failing for a reason not its entry's
+        # Two counters, each with one writer, so no update is lost between threads: the ticks (the
+        # tier's own stores and reads under `lock`, or else only the model loop's `tick`) and the
+        # disk index's shift past an earlier run's entries.
+        self._ticks = self._shift = 0
+        self._warned_at: dict[str, float] = {}  # "write" / "read": when failing ones were last warned about
         self._shrunk = False  # capacity was lowered to what the storage could hold
         self._wanted: int | None = None  # the capacity asked for, while lowered
 
@@ -276,7 +287,7 @@ class _CapacityTier:
 
     @property
     def clock(self) -> int:
-        return self._ops + self._ticks + self._shift
+        return self._ticks + self._shift
 
     def tick(self) -> None:
         """One request looked up (see `clock`). Only the model loop ticks, so no lock: the disk
@@ -297,7 +308,7 @@ class _CapacityTier:
         evicted: list[Demoted] = []
         with self.lock:
             if self.auto_tick:
-                self._ops += 1
+                self._ticks += 1
             if h in self.parents:
                 if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
@@ -317,12 +328,10 @@ class _CapacityTier:
             e = self._store(h, parent, data, hint, evicted)
             if e is not None:  # permissions, a disk that stays full, ...: pass the block on, keep serving
                 self.stats.errors += 1
-                now = time.monotonic()
-                if self._write_warned_at is None or now - self._write_warned_at >= WRITE_WARN_EVERY_S:
+                if self._warn_due("write"):
                     log.warning("KV %s cannot store blocks (%s); passing them to the next tier while writes fail "
                                 "(%d errors so far; said again at most every %d s). Free space or fix the cache "
                                 "directory", self.where, e, self.stats.errors, WRITE_WARN_EVERY_S)
-                    self._write_warned_at = now
                 return evicted + [(h, parent, data, hint)]
             self.parents[h] = parent
             self.policy.access(h, parent, self.clock)
@@ -397,7 +406,7 @@ class _CapacityTier:
                 return None
             if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
                 if self.auto_tick:
-                    self._ops += 1
+                    self._ticks += 1
                 self.policy.access(h, self.parents[h], self.clock)
                 if hint is not None:
                     self.policy.finished([h], hint)
@@ -411,17 +420,25 @@ class _CapacityTier:
         with self.lock:
             if h in self.parents and h not in self.policy:  # adopted for this read: evictable like any
                 if self.auto_tick:
-                    self._ops += 1
+                    self._ticks += 1
                 self.policy.access(h, self.parents[h], self.clock)
             self.stats.errors += 1
             self.stats.misses += 1
-            now = time.monotonic()
-            if self._read_warned_at is None or now - self._read_warned_at >= WRITE_WARN_EVERY_S:
+            if self._warn_due("read"):
                 log.warning("KV %s cannot read entries (%s); counting them as misses and keeping them (said again "
                             "at most every %d s). Check the process's open-file limit and the directory's "
                             "permissions", self.where, e, WRITE_WARN_EVERY_S)
-                self._read_warned_at = now
         return None
+
+    def _warn_due(self, kind: str) -> bool:
+        """Whether failing `kind` operations may be warned about again (at most every
+        WRITE_WARN_EVERY_S); True marks it done. Hold `lock`."""
+        now = time.monotonic()
+        last = self._warned_at.get(kind)
+        if last is not None and now - last < WRITE_WARN_EVERY_S:
+            return False
+        self._warned_at[kind] = now
+        return True
 
     def _before_read(self, h: bytes) -> int | None:
         """Under the lock, before a lookup: make `h` known if it is stored but not yet indexed;
@@ -589,7 +606,6 @@ class DiskTier(_CapacityTier):
         self.on_reclaim: Callable[[], None] | None = None  # after the lock was taken again (rewrites model.json)
         self._undeleted: set[bytes] = set()  # entries dropped from the index whose file could not be deleted
         self._undeleted_retry_at = 0.0
-        self._entry_bytes = 1
         # Temporaries are named by run, not judged by file time: a clock step back would make this
         # run's look old, and deleting one mid-write loses the block.
         self._tmp_tag = secrets.token_hex(4)
@@ -600,9 +616,8 @@ class DiskTier(_CapacityTier):
         self._pending: dict[bytes, int] | None = None  # old entries not yet indexed, oldest first, once listed
         try:
             self._lock_file = self._claim()
-            self._entry_bytes = self._on_disk(block_bytes)
             if self._auto_capacity:  # half the free space, plus half of what the listing finds ours
-                self.capacity = shutil.disk_usage(self.root).free // 2 // self._entry_bytes
+                self.capacity = shutil.disk_usage(self.root).free // 2 // self._on_disk(block_bytes)
                 log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space, and half of "
                          "what an earlier run's entries use once they are listed; set kv_disk_capacity to choose)",
                          self.root, self.capacity)
