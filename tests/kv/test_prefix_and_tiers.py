@@ -233,6 +233,24 @@ def test_a_disk_capacity_in_bytes_counts_each_entry_file_whole(tmp_path):
         store.close()
 
 
+def test_a_host_capacity_in_bytes_counts_pinned_blocks_at_their_rounded_size():
+    """On CUDA each host block is pinned, and torch's pinned allocator rounds it up to a power of
+    two: a byte budget buys fewer blocks there, so the tier stays within what it was given."""
+    from tierlm.engine.engine import tier_capacities
+    from tierlm.kv.tiers import host_block_bytes
+
+    qwen_05b = 196_608  # 24 layers x 2 x 16 tokens x 2 KV heads x 64 x 2 bytes
+    assert host_block_bytes(qwen_05b, pinned=True) == 262_144 and host_block_bytes(qwen_05b, pinned=False) == qwen_05b
+    assert host_block_bytes(1 << 20, pinned=True) == 1 << 20 and host_block_bytes(5 << 20, pinned=True) == 8 << 20
+    cfg = EngineConfig(kv_host_capacity="1GiB", kv_remote_capacity="1GiB")
+    host_cpu, _, remote_cpu = tier_capacities(cfg, qwen_05b, torch.device("cpu"))
+    host_cuda, _, remote_cuda = tier_capacities(cfg, qwen_05b, torch.device("cuda"))
+    assert (host_cpu, host_cuda) == ((1 << 30) // qwen_05b, (1 << 30) // 262_144)
+    assert remote_cpu == remote_cuda == (1 << 30) // qwen_05b  # Redis stores the bytes themselves
+    blocks = EngineConfig(kv_host_capacity="100 blocks")
+    assert tier_capacities(blocks, qwen_05b, torch.device("cuda"))[0] == 100  # a count is a count
+
+
 @pytest.mark.parametrize("bad, says", [
     (dict(kv_host_capacity="1000"), "kv_host_capacity: KV tier capacity '1000' is less than one KV block"),
     (dict(kv_disk_dir="DIR", kv_disk_capacity="2KiB"), "kv_disk_capacity: .* less than one KV block"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierlm.models.attention import PrefillSeq, _causal_attention
+from tierlm.models.attention import (AttentionMetadata, DecodeGroup, PrefillSeq, _causal_attention, paged_attention,
+                                     write_kv)
 
 
 def _reference(q, k, v, scale, window):
@@ -42,3 +43,34 @@ def test_one_chunk_shares_its_masks_across_layers_of_different_windows():
         assert torch.allclose(_causal_attention(q, k, v, 0.3, window, seq), _reference(q, k, v, 0.3, window),
                               atol=1e-5), window
     assert set(seq._masks) == {("allowed", None), ("allowed", 9), ("allowed", 4)}
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_one_sequences_overflow_never_reaches_another_through_masked_keys(stale):
+    """A float16 cache: request A's keys and values overflow to inf/NaN. Request B's decode
+    gathers A's block as padding (block tables are padded with block 0), or as the stale tail of
+    a block A freed and B now owns. Masked or not, an inf there made B's output NaN; B must get
+    exactly what its own keys give."""
+    bs, hkv, d = 4, 1, 8
+    cache = torch.zeros(2, 3, bs, hkv, d, dtype=torch.float16)
+    bad = torch.full((bs, hkv, d), float("inf"))
+    bad[1] = float("nan")
+    a_block = 1 if stale else 0
+    write_kv(cache, -bad, bad, torch.arange(a_block * bs, (a_block + 1) * bs))  # A's whole block
+    g = torch.Generator().manual_seed(3)
+    n_b = 6  # B: block 2, then the first 2 slots of A's old block (stale) - or block 2 alone, padded with 0
+    k_b = torch.randn(n_b if stale else 3, hkv, d, generator=g)
+    v_b = torch.randn(n_b if stale else 3, hkv, d, generator=g)
+    slots = torch.tensor([8, 9, 10, 11, 4, 5]) if stale else torch.tensor([8, 9, 10])
+    write_kv(cache, k_b[:-1], v_b[:-1], slots[:-1])  # B's earlier tokens; its newest comes with the step
+    table = torch.tensor([[2, 1]]) if stale else torch.tensor([[2, 0]])
+    q = torch.randn(1, 2, d, generator=g)
+    group = DecodeGroup(0, 1, table, torch.tensor([len(slots)]))
+    meta = AttentionMetadata(slot_mapping=slots[-1:], decode_groups=[group], block_size=bs, cpu_kernels=False)
+    out = paged_attention(q, k_b[-1:], v_b[-1:], cache, meta, scale=0.35)
+    ks, vs = (x.to(torch.float16).float() for x in (k_b, v_b))
+    expected = _reference(q, ks, vs, 0.35, None)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, expected, atol=1e-3)
+    kept = cache[:, a_block].float()
+    assert torch.isfinite(kept).all()  # clamped where it was written: A's own rows are garbage either way

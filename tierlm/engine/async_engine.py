@@ -13,6 +13,8 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
+import torch
+
 from tierlm.config import EngineConfig
 from tierlm.engine.engine import EngineStats, LLMEngine
 from tierlm.engine.heap import IdleTrimmer
@@ -174,6 +176,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        if eng.device.type == "cuda" and eng.device.index is not None:
+            torch.cuda.set_device(eng.device)  # per thread: a server's models may sit on different GPUs
         while not self._stopping:
             self._send(self._drain_inbox())
             if not eng.has_unfinished():

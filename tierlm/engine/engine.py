@@ -33,7 +33,7 @@ from tierlm.kv.admin import model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
-from tierlm.kv.tiers import ENTRY_HEADER_BYTES, DiskTier, HostTier, RedisTier, parse_capacity
+from tierlm.kv.tiers import ENTRY_HEADER_BYTES, DiskTier, HostTier, RedisTier, host_block_bytes, parse_capacity
 from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
@@ -132,7 +132,7 @@ def _report_other_disk_dirs(root: Path, own: Path) -> None:
                  root, len(others), "y" if len(others) == 1 else "ies", shown, root)
 
 
-def tier_capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int | None, int]:
+def tier_capacities(config: EngineConfig, block_bytes: int, device: torch.device) -> tuple[int, int | None, int]:
     """(host, disk or None for the default, remote) capacities in blocks of `block_bytes`; a
     ValueError names the setting that cannot be read or is under one block."""
     def blocks(knob: str, entry_bytes: int = block_bytes) -> int:
@@ -141,7 +141,8 @@ def tier_capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int | 
         except ValueError as e:
             raise ValueError(f"{knob}: {e}") from None
 
-    host = blocks("kv_host_capacity")
+    # A size in bytes is what the host tier may take of the machine's memory, pinned rounding included.
+    host = blocks("kv_host_capacity", host_block_bytes(block_bytes, pinned=device.type == "cuda"))
     # A disk entry is a file: its header counts against a size in bytes too.
     # None (or an empty string from a config file) is the default; 0 in any form turns the tier off.
     disk = None if config.kv_disk_capacity in (None, "") else blocks("kv_disk_capacity", block_bytes + ENTRY_HEADER_BYTES)
@@ -155,7 +156,7 @@ def check_sizes_before_loading(config: EngineConfig, model_dir: Path, device: to
     cfg = load_config_dict(model_dir)
     args = parse_config(cfg, resolve_architecture(cfg))
     per_block = kv_bytes_per_block(args, resolve_dtype(config.dtype, args, device), config.block_size)
-    tier_capacities(config, per_block)
+    tier_capacities(config, per_block, device)
     if config.kv_cache_memory is not None:
         check_kv_pool_memory(kv_pool_bytes(config.kv_cache_memory, per_block), device, available=False)
 
@@ -167,8 +168,8 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     `about` (the checkpoint's path and fingerprint) is recorded in the disk tier's directory,
     for `tierlm kv ls` to tell whether those weights are still there."""
     # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
-    host, disk, remote = tier_capacities(config, block_bytes)
-    check_host_capacity(host * block_bytes)
+    host, disk, remote = tier_capacities(config, block_bytes, device)
+    check_host_capacity(host * host_block_bytes(block_bytes, pinned=device.type == "cuda"))
     tiers: list = []
     if host > 0:
         tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))

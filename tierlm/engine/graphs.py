@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ MAX_WIDTH = 128  # query tokens per row: covers decodes and the tail of a prompt
 MAX_TOKENS = 512  # rows x width of a bucket; larger steps are compute-bound anyway
 MAX_GRAPHS = 128  # buckets recorded at most; later new shapes run eagerly
 MAX_WASTE = 8  # a bucket may hold up to this many times the step's real tokens (GPU time is cheap here)
+# torch allows one capture at a time per process, and starting one synchronises the device and
+# empties the allocator's caches: the engines of a server with several models take turns.
+_CAPTURE_LOCK = threading.Lock()
 
 
 def _pow2(n: int) -> int:
@@ -152,7 +156,7 @@ class StepGraphs:
         buf.device_buf.copy_(buf.host, non_blocking=True)
         if self.record:
             buf.copied = torch.cuda.Event()
-            buf.copied.record()
+            buf.copied.record(torch.cuda.current_stream(self.device))  # this device's, not the thread's
         hidden = self._run(buf)
         if hidden is None:
             return None
@@ -217,7 +221,10 @@ class StepGraphs:
             return self._forward(buf)
         if buf.graph is None:
             try:
-                self._record(buf)
+                # On cuda:N the capture stream and the capture itself must be on that device, not
+                # on the thread's current one (cuda:0 unless set): else nothing is captured.
+                with _CAPTURE_LOCK, torch.cuda.device(self.device):
+                    self._record(buf)
             except Exception as e:  # a model this path cannot record: eager steps, not a failed server
                 if any("device-side assert" in str(x) for x in (e, e.__context__) if x is not None):
                     raise  # the CUDA context is unusable: no eager step can run either
@@ -259,7 +266,8 @@ class StepGraphs:
         forward = functools.partial(self._forward, buf)
         # thread_local: the K/V prefetch thread may touch CUDA while this thread records.
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(self.device),
+                                  capture_error_mode="thread_local"):
                 hidden = forward()
         except BaseException:
             self._undo_failed_capture(current)

@@ -122,8 +122,15 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     """Scatter new keys/values into their slots. cache: [2, num_blocks, block_size, Hkv, D]."""
     kc = cache[0].view(-1, *k.shape[1:])
     vc = cache[1].view(-1, *v.shape[1:])
-    kc.index_copy_(0, slots, k.to(kc.dtype))
-    vc.index_copy_(0, slots, v.to(vc.dtype))
+    k, v = k.to(kc.dtype), v.to(vc.dtype)
+    if kc.dtype == torch.float16:
+        # float16 overflows at 65504 where bfloat16 and float32 do not. An inf or NaN kept in the
+        # pool would reach *other* sequences: attention gathers keys it then masks out (padding
+        # table entries, the stale tail of a reused block), and a masked inf still gives NaN
+        # (inf - inf in the scores, 0 * inf in the values). Finite values are written unchanged.
+        k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+    kc.index_copy_(0, slots, k)
+    vc.index_copy_(0, slots, v)
 
 
 def paged_attention(
