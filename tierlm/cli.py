@@ -53,14 +53,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "default: only what host memory evicts, and everything on a clean stop)")
     kv.add_argument("--kv-remote", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0")
     kv.add_argument("--kv-remote-capacity", default=None,
-                    help="sets the Redis server's maxmemory (allkeys-lru): '50GiB', blocks or bytes; "
-                         "only for a Redis dedicated to the KV cache (default: the server's own limit)")
+                    help="sets the Redis server's maxmemory (volatile-lru, a TTL on every tierlm key): '50GiB', "
+                         "blocks or bytes; only for a Redis dedicated to the KV cache (default: the server's own limit)")
     kv.add_argument("--kv-remote-ttl", type=int, default=None, help="seconds a block lives in Redis")
     kv.add_argument("--kv-tier-policy", default=DEFAULT_POLICY, choices=POLICIES,
                     help="eviction policy of the host and disk tiers (unless set per tier)")
     kv.add_argument("--kv-prefetch", default=None, action=argparse.BooleanOptionalAction,
                     help="read a new request's disk/Redis prefix in the background while the engine steps "
-                         "(default: on for CUDA, off on CPU)")
+                         "(default: on for CUDA or with --kv-remote, else off on CPU)")
+    kv.add_argument("--kv-read-timeout", type=float, default=5.0,
+                    help="seconds a request waits for its disk/Redis prefix before starting without the rest "
+                         "(recomputed); a slower Redis round trip counts as an outage (default: 5)")
     kv.add_argument("--kv-host-policy", default=None, choices=POLICIES, help="host tier policy (default: --kv-tier-policy)")
     kv.add_argument("--kv-disk-policy", default=None, choices=POLICIES, help="disk tier policy (default: --kv-tier-policy)")
 
@@ -76,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_tier_policy=args.kv_tier_policy,
                 kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
                 kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through,
+                kv_read_timeout=args.kv_read_timeout,
                 cuda_graphs=args.cuda_graphs)
 
 

@@ -64,9 +64,13 @@ class EngineConfig:
     kv_disk_write_through: bool = False
     # Read a new request's disk/Redis prefix on a background thread while the engine keeps
     # stepping, and admit it when the read is done; False: the step that admits it reads it.
-    # None: on for CUDA, off on CPU, where `tierlm bench prefix` measured the read competing
-    # with the model for the same cores (the newcomer waits a step, the others gain ~4-19%).
+    # None: on for CUDA or with a Redis tier, off otherwise on CPU, where `tierlm bench prefix`
+    # measured a disk read competing with the model for the same cores (the newcomer waits a
+    # step, the others gain ~4-19%).
     kv_prefetch: bool | None = None
+    # Seconds a request waits for its background disk/Redis read before it starts without the
+    # rest of it (recomputed); a Redis round trip slower than this counts as an outage.
+    kv_read_timeout: float = 5.0
     served_model_name: str | None = None
     load_progress: bool = True
     # One full-budget forward pass at start-up, so the first real steps do not pay for kernel
@@ -106,6 +110,8 @@ class EngineConfig:
                 check_kv_pool_memory(amount, self.resolve_device(), available=False)
         if self.kv_disk_dir:
             check_disk_dir(self.kv_disk_dir)
+        if not (isinstance(self.kv_read_timeout, (int, float)) and 0 < self.kv_read_timeout < float("inf")):
+            raise ValueError(f"kv_read_timeout must be a positive number of seconds (got {self.kv_read_timeout!r})")
         if self.kv_remote_ttl is not None and self.kv_remote_ttl <= 0:
             raise ValueError(f"kv_remote_ttl must be a positive number of seconds (got {self.kv_remote_ttl})")
         for knob in ("kv_host_capacity", "kv_disk_capacity", "kv_remote_capacity"):
@@ -216,14 +222,27 @@ def check_redis_url(url: str) -> None:
         except ValueError as e:
             raise ValueError(f"kv_remote {shown!r}: cannot read the port ({e}); if the password holds a : or @, "
                              + encode) from None
+        if parts.port == 0:
+            raise ValueError(f"kv_remote {shown!r}: port 0 is no server's port; Redis listens on 6379 by default")
+        host = parts.hostname or ""
+        if host and not (host.isascii() and host.isprintable() and " " not in host):
+            raise ValueError(f"kv_remote {shown!r}: the host name {host!r} holds spaces or characters a host "
+                             "name cannot; e.g. redis://127.0.0.1:6379/0")
         db = parts.path.strip("/")
-        if db and not db.isdigit():  # redis-py would quietly use database 0
+        if db and not (db.isascii() and db.isdigit()):  # redis-py would quietly use database 0
             said = repr(db) if "password" not in db.lower() else "a path holding a password"
             raise ValueError(f"kv_remote {shown!r}: the path names the database and must be a number "
                              f"(got {said}); e.g. redis://host:6379/0")
     for name, value in urllib.parse.parse_qsl(parts.query):
         if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path") and not os.path.exists(value):
             raise ValueError(f"kv_remote {shown!r}: {name} names {value!r}, which does not exist")
+        if name == "db" and parts.scheme != "unix":  # redis-py takes it over the path, which logs would show
+            raise ValueError(f"kv_remote {shown!r}: give the database in the path, not as ?db=; e.g. "
+                             "redis://host:6379/3")
+        if name in ("socket_timeout", "socket_connect_timeout"):
+            raise ValueError(f"kv_remote {shown!r}: tierlm sets {name} itself (a request must never wait "
+                             "long on Redis); remove it, and use kv_read_timeout for how long a request "
+                             "may wait for its prefix")
     try:
         from redis.connection import parse_url
     except ImportError:  # the serving extras are not installed: the tier will say so when built

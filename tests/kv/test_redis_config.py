@@ -47,7 +47,13 @@ def test_passwords_are_hidden_in_every_url_form(url, shown):
     ("redis://h:6379/abc", "the path names the database and must be a number"),
     ("redis://h:6379/0?ssl_ca_certs=/no/such/ca.pem", "ssl_ca_certs names '/no/such/ca.pem', which does not exist"),
     ("http://u:s3cret@h", "is not a Redis URL"),
-    ("redis://:s3cret@h:6379/0?db=abc", "Invalid value for 'db'"),  # what redis-py itself refuses
+    ("redis://:s3cret@h:6379/0?db=abc", "give the database in the path"),
+    ("redis://:s3cret@h:6379/0?db=3", "give the database in the path"),  # redis-py took 3, logs said 0
+    ("redis://h:0/0", "port 0 is no server's port"),
+    ("redis://host name:6379/0", "the host name 'host name' holds spaces"),
+    ("redis://h:6379/\u0663", "the path names the database and must be a number"),  # an Arabic-Indic 3
+    ("redis://:s3cret@h:6379/0?socket_timeout=60", "tierlm sets socket_timeout itself"),
+    ("redis://h:6379/0?socket_connect_timeout=60", "tierlm sets socket_connect_timeout itself"),
     ("unix:///run/redis.sock?db=x&password=s3cret", "Invalid value for 'db'"),
     ("redis://:s3cret@[::1:6379/0", "cannot read it"),
 ])

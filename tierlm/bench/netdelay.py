@@ -4,7 +4,9 @@ a network while it runs on this machine.
 Each chunk read from one side is written to the other `delay_s` after it arrived, in order, so a
 round trip costs 2 × `delay_s` more and bandwidth is not limited: reading goes on while earlier
 chunks wait. Per direction one thread reads and one delivers (precise sleeps, no event-loop
-timer granularity); `delay_s` may be changed while it runs.
+timer granularity); `delay_s` may be changed while it runs. `trickle = (n, every_s)` makes the
+server's replies arrive `n` bytes at a time, `every_s` apart (a congested link: each read from
+the socket returns within any timeout, the reply takes as long as it takes); None turns it off.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class DelayProxy:
     def __init__(self, host: str, port: int, delay_s: float) -> None:
         self.upstream = (host, port)
         self.delay_s = delay_s
+        self.trickle: tuple[int, float] | None = None
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         self._sockets: list[socket.socket] = []
@@ -52,10 +55,10 @@ class DelayProxy:
                 continue
             with self._lock:
                 self._sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
+            for src, dst, replies in ((client, upstream, False), (upstream, client, True)):
                 q: queue.Queue = queue.Queue()
                 threading.Thread(target=self._read, args=(src, q), daemon=True).start()
-                threading.Thread(target=self._deliver, args=(dst, q), daemon=True).start()
+                threading.Thread(target=self._deliver, args=(dst, q, replies), daemon=True).start()
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -67,13 +70,17 @@ class DelayProxy:
             pass
         q.put(None)
 
-    @staticmethod
-    def _deliver(dst: socket.socket, q: queue.Queue) -> None:
+    def _deliver(self, dst: socket.socket, q: queue.Queue, replies: bool) -> None:
         try:
             while (item := q.get()) is not None:
                 due, data = item
                 if (wait := due - time.monotonic()) > 0:
                     time.sleep(wait)
+                while replies and self.trickle is not None and data:
+                    n, every_s = self.trickle
+                    dst.sendall(data[:n])
+                    data = data[n:]
+                    time.sleep(every_s)
                 dst.sendall(data)
             dst.shutdown(socket.SHUT_WR)
         except OSError:

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from tierlm.config import EngineConfig
-from tierlm.engine.engine import EngineStats, LLMEngine
+from tierlm.engine.engine import READ_POLL_S, EngineStats, LLMEngine
 from tierlm.engine.heap import IdleTrimmer
 from tierlm.engine.outputs import StreamDelta
 from tierlm.errors import EngineDeadError, EngineStepError
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
+        self.engine.read_wait_s = READ_POLL_S  # between waits the loop takes new requests and aborts
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -91,8 +92,17 @@ class AsyncEngine:
             return
         self._thread = None
         if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
-            await asyncio.to_thread(self.engine.persist_kv)
-            await asyncio.to_thread(self.engine.store.flush)
+            await asyncio.to_thread(self._drain)
+
+    def _drain(self) -> None:
+        """Persist and flush within the store's shutdown deadline (a slow Redis must not hold
+        a shutdown up for as long as its backlog takes)."""
+        store = self.engine.store
+        with store.deadline():
+            self.engine.persist_kv()
+            if not store.flush():
+                log.warning("KV tier writes of %s were still under way after %g s at shutdown (a slow disk or "
+                            "Redis); they go on in the background", self.model_name, store.close_timeout_s)
 
     # -- requests --------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,

@@ -33,7 +33,8 @@ from tierlm.kv.admin import model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.store import TieredStore
-from tierlm.kv.tiers import ENTRY_HEADER_BYTES, DiskTier, HostTier, RedisTier, host_block_bytes, parse_capacity
+from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, RedisTier, host_block_bytes,
+                             parse_capacity)
 from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
@@ -41,6 +42,10 @@ from tierlm.models.registry import resolve_architecture
 from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# With nothing else to run, an AsyncEngine's step waits this long at most for a prefix read,
+# then returns, so its loop takes new requests and aborts while the read goes on.
+READ_POLL_S = 0.02
 
 
 @dataclass
@@ -163,7 +168,7 @@ def check_sizes_before_loading(config: EngineConfig, model_dir: Path, device: to
 
 def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, model_id: str,
                 fence: Callable[[], None] | None = None, label: str = "model",
-                about: dict | None = None) -> TieredStore | None:
+                about: dict | None = None, layout: Layout | None = None) -> TieredStore | None:
     """The lower KV tiers named in the config, in order host -> disk -> redis (None if none).
     `about` (the checkpoint's path and fingerprint) is recorded in the disk tier's directory,
     for `tierlm kv ls` to tell whether those weights are still there."""
@@ -192,8 +197,8 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
             for t in tiers:
                 t.close()
             raise
-    return TieredStore(tiers, config.kv_remote_write_through, fence,
-                       write_through_disk=config.kv_disk_write_through) if tiers else None
+    return TieredStore(tiers, config.kv_remote_write_through, fence, write_through_disk=config.kv_disk_write_through,
+                       read_timeout_s=config.kv_read_timeout, layout=layout) if tiers else None
 
 
 class LLMEngine:
@@ -270,12 +275,15 @@ class LLMEngine:
         # The directory is named after the served name, so one server can serve one checkpoint
         # under two names (two engines, two directories) instead of refusing its own second one.
         self.store = build_tiers(config, per_block, self.device, model_id, fence=self.runner.copies_done,
-                                 label=self.model_name, about=about)
+                                 label=self.model_name, about=about, layout=self.runner.block_layout)
         self.kv = KVCacheManager(self.pool, bs, model_id=model_id, store=self.store,
                                  io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
                                  prefetch=(self.device.type == "cuda" or bool(config.kv_remote))
                                  if config.kv_prefetch is None else config.kv_prefetch)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
+        # How long a step with nothing to run but a prefix read waits for it: None, until it is
+        # done or overdue (a caller stepping in a loop); an AsyncEngine polls (READ_POLL_S).
+        self.read_wait_s: float | None = None
         self.sampler = Sampler(config.seed)
         eos = set(loaded.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -392,6 +400,11 @@ class LLMEngine:
 
     def step(self) -> list[StreamDelta]:
         sched = self.scheduler.schedule()
+        if not sched.scheduled and sched.reading is not None:
+            # Only a prefix read to wait for: wait (up to `read_wait_s`, never past the read
+            # timeout), then run the request in this step if its read is done or overdue.
+            self.kv.wait_for_read(sched.reading, self.read_wait_s)
+            sched = self.scheduler.schedule()
         self.steps += 1
         self.last_step = (sched.num_tokens, len(sched.scheduled))
         if not sched.scheduled:
@@ -498,8 +511,9 @@ class LLMEngine:
         the tiers (the disk directory, which keeps its blocks for the next engine). The engine
         takes no requests after this."""
         if self.store is not None and not self.store.closed:
-            self.persist_kv()
-            self.store.close()
+            with self.store.deadline():  # persisting and closing together: up to close_timeout_s
+                self.persist_kv()
+                self.store.close()
 
     def offload_prefix_cache(self) -> int:
         """Push every unreferenced cached device block down to the lower tiers (or drop it if none)."""

@@ -113,6 +113,11 @@ class ModelRunner:
         self._last_copy = done
         return out
 
+    @property
+    def block_layout(self) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) of one block as `read_blocks` returns it and `write_blocks` takes it."""
+        return self.kv_caches[0].dtype, (len(self.kv_caches), *self.kv_caches[0][:, 0].shape)
+
     def _gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Blocks `idx` of every layer as one [n, layers, 2, block_size, kv_heads, head_dim] view."""
         return torch.stack([c.index_select(1, idx) for c in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)

@@ -20,6 +20,8 @@ class SchedulerOutput:
     # Ordered: single-token entries (decodes) first, then multi-token prefill chunks.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Nothing could run: this request's prefix is still being read (wait for it, briefly).
+    reading: Request | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,8 +84,10 @@ class Scheduler:
                 budget -= n
         # 2) waiting requests, best priority first, while budget and sequence slots remain. One
         #    whose prefix is still being read from disk/Redis is passed over, so that read never
-        #    stalls a step, nor the requests behind it that need no read; only when nothing at
-        #    all can run does the step wait for the first such read.
+        #    stalls a step, nor the requests behind it that need no read. When nothing at all can
+        #    run, the step reports the first such read for the caller to wait on briefly (new
+        #    arrivals and aborts are still taken between waits); past the store's read timeout
+        #    that request starts with what was read so far.
         self.waiting.sort(key=Request.sort_key)
         reading = None
         for req in list(self.waiting):
@@ -99,7 +103,10 @@ class Scheduler:
                 break
             budget -= chosen[req]
         if not chosen and reading is not None:
-            self._admit(reading, budget, chosen)
+            if self.kv.read_overdue(reading):
+                self._admit(reading, budget, chosen)
+            else:
+                out.reading = reading
         out.scheduled = sorted(chosen.items(), key=lambda kv: kv[1] > 1)
         return out
 

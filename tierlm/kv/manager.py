@@ -7,6 +7,7 @@ those blocks get fresh device blocks and their K/V is copied back in (promotion)
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -116,6 +117,20 @@ class KVCacheManager:
         job = self._prefetches.get(req.request_id)
         return job is None or job.done.is_set()
 
+    def read_overdue(self, req) -> bool:
+        """`req`'s read has run past the store's read timeout: admit it with what it has."""
+        job = self._prefetches.get(req.request_id)
+        return job is not None and self.store.overdue(job)
+
+    def wait_for_read(self, req, timeout: float | None) -> None:
+        """Block until `req`'s read is done, for at most `timeout` s (None: until it is overdue;
+        an AsyncEngine gives a short one, to get back to new arrivals and aborts)."""
+        job = self._prefetches.get(req.request_id)
+        if job is None:
+            return
+        left = job.created + self.store.read_timeout_s - time.monotonic() + 1e-3
+        job.done.wait(max(0.0, left if timeout is None else min(timeout, left)))
+
     def find_cached_prefix(self, req) -> PrefixHit:
         """Longest run of leading full blocks cached in any tier (never the whole prompt:
         the last token must be computed to produce logits)."""
@@ -148,7 +163,10 @@ class KVCacheManager:
                 # host blocks), so the model loop makes no disk or Redis request of its own.
                 limit = min(limit, job.start + job.found)
             below = hashes[len(hit.device):limit]
-            hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below))]
+            # A read that did not finish (overdue, or failed) is not redone here: the model loop
+            # takes what was staged and the host tier holds, never waits on disk or Redis itself.
+            slow = job is None or job.finished
+            hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=slow))]
         return hit
 
     def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

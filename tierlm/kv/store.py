@@ -17,16 +17,18 @@ content hash, so a staged copy can never be stale. A prefix's run of Redis block
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, _CapacityTier
+from tierlm.kv.tiers import DiskTier, HostTier, Layout, RedisTier, _CapacityTier
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,35 @@ class Prefetch:
     start: int = 0  # index of hashes[0] in the request's prefix (blocks on the device before it)
     finished: bool = False  # ran to its end: `found` is the whole run, and the block after it a miss
     ended: bool = False  # the reader is done with it (set under the store's lock)
+    created: float = field(default_factory=time.monotonic)
+    tier: object = None  # the tier its reader is reading now (which one was slow, if it overruns)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _join(q: queue.Queue, deadline: float) -> bool:
+    """`q.join()` until `deadline` (time.monotonic()); False if items were still unfinished then."""
+    with q.all_tasks_done:
+        while q.unfinished_tasks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            q.all_tasks_done.wait(left)
+    return True
+
+
+def _drain(q: queue.Queue) -> int:
+    """Take out every item still queued (each marked done); how many there were."""
+    n = 0
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return n
+        q.task_done()
+        n += 1
 
 
 class TieredStore:
@@ -72,8 +99,21 @@ class TieredStore:
     def __init__(self, tiers: list, write_through_remote: bool = True,
                  fence: Callable[[], None] | None = None, staging_bytes: int = 1 << 30,
                  backlog_bytes: int = 1 << 30, remote_batch: int = 32, write_through_disk: bool = False,
-                 readers: int = 4) -> None:
+                 readers: int = 4, read_timeout_s: float = 5.0, close_timeout_s: float = 10.0,
+                 layout: Layout | None = None) -> None:
         self.tiers = tiers
+        for t in tiers:
+            t.layout = layout  # disk and Redis entries of another dtype or shape are never served
+        # A request waits at most this long for its prefix to be read, when nothing else can run
+        # either; then it starts with what was read so far. A Redis round trip slower than this
+        # counts as an outage (its socket timeout bounds each read from the socket, not a reply
+        # that trickles in).
+        self.read_timeout_s = read_timeout_s
+        self.close_timeout_s = close_timeout_s  # queued writes wait at most this long at shutdown
+        self._deadline: float | None = None  # set during a shutdown (`deadline`): no wait goes past it
+        for t in tiers:
+            if isinstance(t, RedisTier):
+                t.slow_after_s = read_timeout_s
         self._ticked = [t for t in tiers if isinstance(t, _CapacityTier)]
         for t in self._ticked:
             t.auto_tick = False  # one tick per request (`tick`), as the device pool's policy gets
@@ -145,14 +185,15 @@ class TieredStore:
         size = _nbytes(data)
         with self._room:
             while self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
-                if not wait:
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if not wait or (left is not None and left <= 0):
                     self.tiers[level].stats.dropped += 1
                     if not self._shedding:
                         log.warning("KV tier writes are %d MiB behind (%s cannot keep up); dropping new ones "
                                     "until the backlog halves", self.backlog >> 20, self.tiers[level].name)
                     self._shedding = True
                     return
-                self._room.wait()
+                self._room.wait(left)
             if self._closed:
                 return
             self.backlog += size
@@ -190,17 +231,19 @@ class TieredStore:
         if kind == "remote":
             self.tiers[level].put(h, parent, data)
             return
-        # Walk down from `level` until some tier keeps the block.
-        todo = [(h, parent, data, hint, level)]
-        while todo:
-            *block, lv = todo.pop()
-            if lv >= len(self.tiers):
-                continue
-            for evicted in self.tiers[lv].put(*block):
-                todo.append((*evicted, lv + 1))
-        with self._lock:
-            if h in self.pending and self.pending[h][0] is data:
-                del self.pending[h]
+        try:
+            # Walk down from `level` until some tier keeps the block.
+            todo = [(h, parent, data, hint, level)]
+            while todo:
+                *block, lv = todo.pop()
+                if lv >= len(self.tiers):
+                    continue
+                for evicted in self.tiers[lv].put(*block):
+                    todo.append((*evicted, lv + 1))
+        finally:  # stored, or failed (then recomputed when needed): no longer queued either way
+            with self._lock:
+                if h in self.pending and self.pending[h][0] is data:
+                    del self.pending[h]
 
     def tick(self) -> None:
         """A request's prefix is being looked up: advance the tiers' policy clocks, once."""
@@ -213,31 +256,35 @@ class TieredStore:
         the first tier holding it."""
         return self._find(h, read_host=True)
 
-    def fetch_run(self, hashes: list[bytes]) -> list[tuple[str, torch.Tensor, int | None]]:
-        """`fetch` for each of `hashes` up to the first miss: a request's prefix below the device."""
-        return self._find_run(hashes, read_host=True)
+    def fetch_run(self, hashes: list[bytes], slow: bool = True) -> list[tuple[str, torch.Tensor, int | None]]:
+        """`fetch` for each of `hashes` up to the first miss: a request's prefix below the device.
+        With `slow` False only staging, the writer's queue and the host tier are looked in: no
+        disk or Redis read on the caller's thread."""
+        return self._find_run(hashes, read_host=True, slow=slow)
 
-    def _find_run(self, hashes: list[bytes], read_host: bool,
-                  stop: Callable[[], bool] | None = None) -> list[tuple[str, torch.Tensor | None, int | None]]:
-        """`_find` up to the first miss (or `stop()`), with Redis read ahead `remote_batch` blocks
-        per round trip (one MGET) rather than one round trip per block: with a remote server
-        at 0.5 ms, a 32k-token prefix is 2,000 blocks, a second of round trips."""
-        remote = next((t for t in self.tiers if isinstance(t, RedisTier)), None)
+    def _find_run(self, hashes: list[bytes], read_host: bool, job: Prefetch | None = None,
+                  slow: bool = True) -> list[tuple[str, torch.Tensor | None, int | None]]:
+        """`_find` up to the first miss (or `job`'s cancellation), with Redis read ahead
+        `remote_batch` blocks per round trip (one MGET) rather than one round trip per block:
+        with a remote server at 0.5 ms, a 32k-token prefix is 2,000 blocks, a second of round
+        trips."""
+        remote = next((t for t in self.tiers if isinstance(t, RedisTier)), None) if slow else None
         ahead = None if remote is None else _ReadAhead(remote, hashes, self.remote_batch)
         run = []
         for i, h in enumerate(hashes):
-            found = None if stop is not None and stop() else self._find(h, read_host, ahead, i)
+            found = None if job is not None and job.cancelled else self._find(h, read_host, ahead, i, job, slow)
             if found is None:
                 break
             run.append(found)
         return run
 
-    def _find(self, h: bytes, read_host: bool, ahead: _ReadAhead | None = None,
-              index: int = 0) -> tuple[str, torch.Tensor | None, int | None] | None:
-        """Look `h` up in staging, the writer's queue, then each tier in order; a block read from
-        disk or Redis is staged. With `read_host` False a host block is only checked for (data
-        None), so that a prefetch does not count a host hit the admission will count again.
-        Within a run, Redis answers from `ahead` (`h` is the run's `index`-th hash)."""
+    def _find(self, h: bytes, read_host: bool, ahead: _ReadAhead | None = None, index: int = 0,
+              job: Prefetch | None = None, slow: bool = True) -> tuple[str, torch.Tensor | None, int | None] | None:
+        """Look `h` up in staging, the writer's queue, then each tier in order (disk and Redis
+        only if `slow`); a block read from disk or Redis is staged. With `read_host` False a host
+        block is only checked for (data None), so that a prefetch does not count a host hit the
+        admission will count again. Within a run, Redis answers from `ahead` (`h` is the run's
+        `index`-th hash). A `job`'s reader notes which tier it is reading."""
         with self._lock:
             hit = self.staged.get(h)
             queued = self.pending.get(h) if hit is None else None
@@ -253,6 +300,10 @@ class TieredStore:
                 if h in t:
                     return t.name, None, None
                 continue
+            if not slow and not isinstance(t, HostTier):
+                return None
+            if job is not None:
+                job.tier = t
             found = ahead.fetch(index) if ahead is not None and t is ahead.tier else t.fetch(h)
             if found is not None:
                 data, hint = found
@@ -291,15 +342,27 @@ class TieredStore:
         self._reads.put(job)
         return job
 
+    def overdue(self, job: Prefetch) -> bool:
+        """`job` has read for longer than `read_timeout_s` (or waited that long to start)."""
+        return not job.done.is_set() and time.monotonic() - job.created > self.read_timeout_s
+
     def settle(self, job: Prefetch) -> None:
-        """Called before the model loop looks up `job`'s blocks itself: a job not yet started is
-        dropped, one under way is waited for (its reads would otherwise be done twice)."""
+        """Called when the model loop admits `job`'s request: it takes over the blocks (`promoted`
+        unstages them). A job not done (overdue) is stopped, never waited for: the request
+        starts with what was staged so far, and a Redis that held the read up counts as down."""
         with self._lock:
-            self._live.discard(job)  # the model loop takes over its blocks (`promoted` unstages them)
-            if not job.started:
-                job.cancelled = True
+            self._live.discard(job)
+            if job.done.is_set():
                 return
-        job.done.wait()
+            job.cancelled = True
+            stuck = job.tier if job.started else None
+        waited = time.monotonic() - job.created
+        if isinstance(stuck, RedisTier):
+            stuck.too_slow(waited)
+        elif stuck is not None:
+            log.warning("KV %s has taken %.1f s to read a request's prefix (over %g s); starting the request "
+                        "without the rest (it is recomputed). Check that storage", stuck.where, waited,
+                        self.read_timeout_s)
 
     def cancel(self, job: Prefetch) -> None:
         """The request is gone: skip the job, or stop it after its current block, and drop what
@@ -335,7 +398,7 @@ class TieredStore:
                 if job.cancelled:
                     return
                 job.started = True
-            job.found = len(self._find_run(job.hashes, read_host=False, stop=lambda: job.cancelled))
+            job.found = len(self._find_run(job.hashes, read_host=False, job=job))
             job.finished = not job.cancelled
         finally:
             with self._lock:
@@ -355,31 +418,60 @@ class TieredStore:
         self.flush()
         return len(blocks)
 
-    def flush(self) -> None:
-        """Wait until every queued write and prefetch is done (tests, shutdown)."""
+    def flush(self) -> bool:
+        """Wait until every queued write and prefetch is done (tests, shutdown); within a
+        `deadline`, only until then. False if it gave up."""
         if self._closed:
+            return True
+        if self._deadline is None:
+            self._writes.join()
+            self._reads.join()
+            return True
+        return _join(self._writes, self._deadline) and _join(self._reads, self._deadline)
+
+    @contextlib.contextmanager
+    def deadline(self) -> Iterator[None]:
+        """A shutdown: for `close_timeout_s` from here, every wait on the writer (`flush`, a
+        `spill` waiting for room) ends at the same deadline. A disk or Redis too slow for its
+        backlog must not hold a shutdown up for as long as that backlog takes (an orchestrator
+        kills the process after its grace period anyway, losing more)."""
+        if self._deadline is not None:  # nested: the outer deadline holds
+            yield
             return
-        self._writes.join()
-        self._reads.join()
+        self._deadline = time.monotonic() + self.close_timeout_s
+        try:
+            yield
+        finally:
+            self._deadline = None
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """Finish queued writes, stop the threads and release the tiers (the disk directory's
-        lock): blocks already on disk stay there for the next engine."""
+        """Finish queued writes (for up to `close_timeout_s`: a Redis that answers slowly must
+        not hold up a shutdown for as long as its backlog takes), stop the threads and release
+        the tiers (the disk directory's lock): blocks already on disk stay there for the next
+        engine."""
         if self._closed:
             return
-        self.flush()
+        with self.deadline():
+            finished = self.flush()
+            stop_by = max(self._deadline, time.monotonic()) + 1.0  # the threads' last second to end
         with self._room:
             self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
             self._room.notify_all()
+        if not finished:
+            dropped = _drain(self._writes)
+            _drain(self._reads)
+            log.warning("KV tier writes were still under way after %g s at shutdown (a slow disk or Redis); "
+                        "dropped the %d still queued: those blocks are recomputed when needed",
+                        self.close_timeout_s, dropped)
         self._writes.put(None)
         for _ in range(self._readers):
             self._reads.put(None)
         for t in self._threads:
-            t.join()
+            t.join(max(0.0, stop_by - time.monotonic()))  # one stuck in a slow call is left to it
         for tier in self.tiers:
             tier.close()
 

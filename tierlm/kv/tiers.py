@@ -39,7 +39,7 @@ from tierlm.kv.policies import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"TLKV2"  # 2: the checksum covers the block's key and parent too
+_MAGIC = b"TLKV3"  # 2: the checksum covers the block's key and parent too; 3: and its dtype and shape
 ENTRY_HEADER_BYTES = 320  # at most, per disk entry or Redis value: magic, length, JSON header (~250)
 WRITE_WARN_EVERY_S = 300  # a tier whose writes keep failing says so again at most this often
 ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
@@ -67,11 +67,13 @@ def _hint_slot(hint: int | None) -> bytes:
     return json.dumps(hint).encode().ljust(_HINT_WIDTH)
 
 
-def _checksum(key: bytes, parent: bytes | None, payload: bytes) -> str:
-    """SHA-256 over the block's own key, its parent's and the K/V: an intact entry stored under
-    another key (a file copied or linked over, a Redis value set under the wrong name) fails
-    it like a damaged one, instead of being served as this block."""
+def _checksum(key: bytes, parent: bytes | None, payload: bytes, dtype: str, shape: list) -> str:
+    """SHA-256 over the block's own key, its parent's, its dtype and shape, and the K/V: an
+    intact entry stored under another key (a file copied or linked over, a Redis value set
+    under the wrong name) fails it like a damaged one, instead of being served as this block;
+    so does a header whose dtype or shape was changed (the same bytes read as other numbers)."""
     digest = hashlib.sha256(len(key).to_bytes(1, "little") + key + (parent or b""))
+    digest.update(f"{dtype}:{','.join(map(str, shape))};".encode())
     digest.update(payload)
     return digest.hexdigest()
 
@@ -84,8 +86,8 @@ def encode_block(data: torch.Tensor, parent: bytes | None = None, hint: int | No
     so a disk entry can be given one later by rewriting a few bytes (`patch_hint`) instead of the
     block."""
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
-    header = json.dumps({"dtype": str(data.dtype).replace("torch.", ""), "shape": list(data.shape),
-                         "sha256": _checksum(key, parent, payload),
+    dtype, shape = str(data.dtype).replace("torch.", ""), list(data.shape)
+    header = json.dumps({"dtype": dtype, "shape": shape, "sha256": _checksum(key, parent, payload, dtype, shape),
                          "parent": parent.hex() if parent else None}).encode()
     header = header[:-1] + b", " + _HINT_KEY + _hint_slot(hint) + b"}"
     return _MAGIC + struct.pack("<I", len(header)) + header + payload
@@ -121,15 +123,20 @@ def _header(raw: bytes) -> tuple[dict, int] | None:
         return None
 
 
-def decode_block(raw: bytes, key: bytes = b"") -> torch.Tensor | None:
-    """The block, or None if the bytes are not a whole, intact entry for `key`."""
-    decoded = decode_entry(raw, key)
+#: (dtype, shape) of a block as the engine holds it: [layers, 2, block_size, kv_heads, head_dim].
+Layout = tuple[torch.dtype, tuple[int, ...]]
+
+
+def decode_block(raw: bytes, key: bytes = b"", layout: Layout | None = None) -> torch.Tensor | None:
+    """The block, or None if the bytes are not a whole, intact entry for `key` (of `layout`)."""
+    decoded = decode_entry(raw, key, layout)
     return None if decoded is None else decoded[0]
 
 
-def decode_entry(raw: bytes, key: bytes = b"") -> tuple[torch.Tensor, int | None] | None:
+def decode_entry(raw: bytes, key: bytes = b"", layout: Layout | None = None) -> tuple[torch.Tensor, int | None] | None:
     """(block, output-length hint of its header), or None if the bytes are not a whole, intact
-    entry written for `key`."""
+    entry written for `key` or, given a `layout`, not a block of that dtype and shape (whatever
+    a header says, the engine copies only its own layout back to the device)."""
     try:
         parsed = _header(raw)
         if parsed is None:
@@ -137,9 +144,13 @@ def decode_entry(raw: bytes, key: bytes = b"") -> tuple[torch.Tensor, int | None
         header, start = parsed
         payload = raw[start:]
         parent = bytes.fromhex(header["parent"]) if header["parent"] else None
-        if _checksum(key, parent, payload) != header["sha256"]:
+        if _checksum(key, parent, payload, header["dtype"], header["shape"]) != header["sha256"]:
             return None
         dtype = getattr(torch, header["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            return None
+        if layout is not None and (dtype, tuple(header["shape"])) != layout:
+            return None
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
         hint = header.get("output_tokens")
         return data, hint if isinstance(hint, int) else None
@@ -260,6 +271,7 @@ class _CapacityTier:
     """
 
     name = "tier"
+    layout: Layout | None = None  # what a block read back must be (set by the TieredStore), if known
 
     def __init__(self, capacity_blocks: int, policy: str) -> None:
         self.capacity = capacity_blocks
@@ -1078,7 +1090,7 @@ class DiskTier(_CapacityTier):
 
     def _read(self, h):
         raw = read_regular(self.path(h), self._max_entry_bytes, strict=True)
-        return None if raw is None else decode_block(raw, h)
+        return None if raw is None else decode_block(raw, h, self.layout)
 
     def _erase(self, h):
         if self._lost:
@@ -1133,6 +1145,10 @@ def _refusal_advice(e: Exception) -> str | None:
     if kind in ("MovedError", "AskError", "ClusterDownError", "ClusterCrossSlotError") or "CROSSSLOT" in text \
             or "hash to the same slot" in text:
         return "it is a Redis Cluster node, which tierlm does not support: use a standalone Redis (or its primary)"
+    if kind == "AuthenticationError" or "NOAUTH" in text or "WRONGPASS" in text or "must be called with the client " \
+            "already authenticated" in text:
+        return ("it wants other credentials than the URL gives: put the password in the URL, "
+                "redis://:PASSWORD@host:port/db or redis://USER:PASSWORD@host:port/db")
     return None
 
 
@@ -1158,6 +1174,7 @@ class RedisTier:
     """
 
     name = "redis"
+    layout: Layout | None = None  # what a block read back must be (set by the TieredStore), if known
 
     def __init__(self, url: str, prefix: str = "tierlm:kv:", ttl_s: int | None = None, retry_after_s: float = 1.0,
                  capacity_bytes: int | None = None, max_retry_after_s: float = 15.0):
@@ -1183,6 +1200,10 @@ class RedisTier:
         self._capacity_set = False  # maxmemory and volatile-lru set by us (kv_remote_capacity)
         self._capacity_bytes = capacity_bytes
         self._bad_credentials = redis.exceptions.AuthenticationError
+        # A round trip slower than this is an outage (the store sets it to its read timeout): the
+        # socket timeout bounds each read from the socket, not a reply that trickles in.
+        self.slow_after_s: float | None = None
+        self._warned_corrupt = 0.0
         self._started = False
         self._check_memory(capacity_bytes, self._bad_credentials)
         self._started = True
@@ -1229,7 +1250,16 @@ class RedisTier:
                 # empty server refused every write).
                 mem = self.client.info("memory")
                 base = max(int(mem.get("used_memory_overhead", 0)), int(mem.get("used_memory_startup", 0))) + (1 << 20)
-                self.client.config_set("maxmemory", base + capacity_bytes)
+                want = base + capacity_bytes
+                now = int(self.client.config_get("maxmemory").get("maxmemory", 0) or 0)
+                if now > want:  # another engine sharing this Redis asked for more: never shrink it under that
+                    if now > want + (1 << 20):  # ignore the overhead's drift between engines
+                        log.warning("Redis KV tier %s already has maxmemory %d bytes, above the %d that "
+                                    "kv_remote_capacity asks for (another engine sharing it asked for more); "
+                                    "keeping the larger. Give every engine on this Redis the same "
+                                    "kv_remote_capacity", self.url, now, want)
+                    want = now
+                self.client.config_set("maxmemory", want)
                 self.client.config_set("maxmemory-policy", "volatile-lru")
                 self._capacity_set = True
                 return
@@ -1255,6 +1285,13 @@ class RedisTier:
                                   "?ssl_ca_certs=/path/ca.pem to the URL") from None
             self._failed(e)
             return
+        except Exception as e:  # the client could not make sense of the answers: not a Redis server
+            if self._started:
+                self._failed(e)
+                return
+            self.close()
+            raise KVTierError(f"Redis KV tier {self.url} does not answer like a Redis server ({type(e).__name__}: "
+                              f"{e}); check the host and port in kv_remote") from None
         policy = str(conf.get("maxmemory-policy", ""))
         if int(conf.get("maxmemory", 0) or 0) == 0:
             log.warning("Redis KV tier %s has no maxmemory: it grows without bound. Set maxmemory and "
@@ -1279,16 +1316,44 @@ class RedisTier:
     def close(self) -> None:
         try:
             self.client.close()
-        except self._errors:
+        except Exception:
             pass
 
     def _available(self) -> bool:
         return time.monotonic() >= self.down_until
 
+    def too_slow(self, waited_s: float) -> None:
+        """A read has been under way for `waited_s`, longer than a request may wait: an outage
+        (the next requests skip this tier for the back-off), not a wait for everyone."""
+        self._failed(TimeoutError(f"a read has taken {waited_s:.1f} s, over kv_read_timeout"))
+
+    def _took(self, t0: float) -> bool:
+        """Whether the round trip begun at `t0` was slow enough to count as an outage."""
+        took = time.monotonic() - t0
+        if self.slow_after_s is None or took <= self.slow_after_s:
+            return False
+        self._failed(TimeoutError(f"a round trip took {took:.1f} s, over kv_read_timeout"))
+        return True
+
+    def _corrupt(self, key: str) -> None:
+        """A value under one of tierlm's keys is not an intact entry for that key: delete it, so
+        it is not read and counted again on every request, and say so (at most every 5 minutes)."""
+        self.stats.corrupt += 1
+        now = time.monotonic()
+        if now - self._warned_corrupt >= WRITE_WARN_EVERY_S or not self._warned_corrupt:
+            self._warned_corrupt = now
+            log.warning("Redis KV tier %s holds a damaged or foreign value at %s (%d so far; said again at most "
+                        "every %d s); deleting it, the block is recomputed. Something other than tierlm may be "
+                        "writing tierlm's keys", self.url, key, self.stats.corrupt, WRITE_WARN_EVERY_S)
+        try:
+            self.client.delete(key)
+        except Exception:  # a miss all the same
+            pass
+
     def _failed(self, e: Exception) -> None:
         now = time.monotonic()
         if not self.backoff:
-            advice = _refusal_advice(e) if isinstance(e, self._refused) else None
+            advice = _refusal_advice(e)
             log.warning("Redis KV tier %s %s (%s)%s; reading it as misses and dropping writes to it until it "
                         "answers again (retrying after %g s, then less often, up to every %g s)",
                         self.url, "refused" if advice else "unavailable", e, f": {advice}" if advice else "",
@@ -1324,7 +1389,7 @@ class RedisTier:
             return False
         try:
             found = bool(self.client.exists(self.prefix + h.hex()))
-        except self._errors as e:
+        except Exception as e:  # any failure of the client is a miss, never an error
             self._failed(e)
             return False
         self._answered()
@@ -1335,11 +1400,13 @@ class RedisTier:
         if not self._available():
             return []
         raw = encode_block(data, parent, hint, key=h)
+        t0 = time.monotonic()
         try:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
             self.stats.bytes_in += len(raw)
-            self._answered()
+            if not self._took(t0):
+                self._answered()
         except self._refused as e:  # e.g. OOM under noeviction: drop this write, keep the tier
             self._answered()
             self.stats.errors += 1
@@ -1356,7 +1423,7 @@ class RedisTier:
                     log.warning("Redis KV tier %s refused a write (%s); dropping such writes. If the server's "
                                 "maxmemory-policy is not allkeys-lru, set it so the server evicts instead; if "
                                 "it is, its maxmemory leaves no room for a block: raise maxmemory", self.url, e)
-        except self._errors as e:
+        except Exception as e:  # any failure of the client is a dropped write, never an error
             self._failed(e)
         return []
 
@@ -1377,18 +1444,26 @@ class RedisTier:
         if not self._available():
             self.stats.misses += 1
             return []
+        keys = [self.prefix + h.hex() for h in hashes]
+        t0 = time.monotonic()
         try:
-            raws = self.client.mget([self.prefix + h.hex() for h in hashes])
-        except self._errors as e:
+            raws = self.client.mget(keys)
+            if not isinstance(raws, list) or len(raws) != len(keys):
+                raise TypeError(f"MGET of {len(keys)} keys answered {type(raws).__name__}")
+        except Exception as e:  # any failure of the client is a miss, never an error
             self._failed(e)
+            self.stats.misses += 1
+            return []
+        if self._took(t0):  # a reply that trickled in: the blocks are good, the server is not
             self.stats.misses += 1
             return []
         self._answered()
         run = []
-        for h, raw in zip(hashes, raws):
-            decoded = None if raw is None else decode_entry(raw, h)
+        for key, h, raw in zip(keys, hashes, raws):
+            decoded = None if raw is None else decode_entry(raw, h, self.layout)
             if decoded is None:
-                self.stats.corrupt += raw is not None
+                if raw is not None:
+                    self._corrupt(key)
                 self.stats.misses += 1
                 break
             self.stats.hits += 1

@@ -1,0 +1,243 @@
+"""The Redis tier when Redis misbehaves without going away: replies that trickle in, values
+whose header was changed, a server that is not Redis, credentials changed under it, two engines
+asking for different sizes, and writes that cannot finish by shutdown. Real redis-servers."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from tierlm import AsyncEngine, SamplingParams
+from tierlm.bench.netdelay import DelayProxy
+from tierlm.kv.store import TieredStore
+from tierlm.kv.tiers import DiskTier, KVTierError, RedisTier, decode_entry, encode_block
+
+from .test_prefix_and_tiers import GREEDY, _chain, _llm, _prompt, _run, cold_reference  # noqa: F401 (a fixture)
+
+ENGINE = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64, load_progress=False)
+
+
+async def _timed(engine, prompt, t0, params=GREEDY, request_id=None):
+    deltas = [d async for d in engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id)]
+    return deltas, time.monotonic() - t0
+
+
+async def test_a_trickling_redis_delays_only_its_own_readers_and_at_most_the_read_timeout(
+        llama_dir, cold_reference, redis_server):
+    """Replies arrive 64 bytes every 0.2 s: every socket read returns well within the client's
+    timeout, so no error is ever raised, and one prefix read takes minutes. The request reading it
+    starts without it after kv_read_timeout (recomputing, same tokens); a request arriving
+    meanwhile that needs nothing from Redis, and an abort of another reading request, are served
+    at once (they waited out the whole read: the step that admitted the reader waited for it,
+    and the engine's loop took no new request or abort meanwhile)."""
+    shared, ref = cold_reference
+    writer = _llm(llama_dir, kv_remote=redis_server.url)
+    _run(writer, shared + _prompt(2, 9))
+    writer.close()  # the shared prefix is in Redis
+    proxy = DelayProxy("127.0.0.1", redis_server.port, delay_s=0.0)
+    with proxy as port:
+        engine = AsyncEngine.from_model(str(llama_dir), kv_remote=f"redis://127.0.0.1:{port}/0", kv_read_timeout=1.0,
+                                        **ENGINE)
+        await engine.start()
+        remote = engine.engine.store.tiers[-1]
+        try:
+            proxy.trickle = (64, 0.2)
+            t0 = time.monotonic()
+            late = asyncio.create_task(_timed(engine, shared + _prompt(3, 9), t0))
+            gone = asyncio.create_task(_timed(engine, shared + _prompt(2, 9), t0, request_id="gone"))
+            await asyncio.sleep(0.3)
+            await engine.abort("gone")
+            # Shorter than a block: nothing to look up (a longer one reads Redis, through the trickle, too).
+            free = asyncio.create_task(_timed(engine, _prompt(4, 6), t0,
+                                              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+            (gone_out, gone_s), (free_out, free_s) = await gone, await free
+            assert gone_out[-1].finish_reason == "abort" and gone_s < 0.9
+            assert free_out[-1].num_output_tokens == 3 and free_s < 0.9  # before the read timeout
+            late_out, late_s = await late
+            assert [t for d in late_out for t in d.token_ids] == ref[3] and 1.0 <= late_s < 4.0
+            assert remote.stats.errors >= 1 and remote.backoff > 0  # a read that slow is an outage
+        finally:
+            # Still trickling: the write-through of what it computed (a reply per SET) is slow too.
+            engine.engine.store.close_timeout_s = 1.0
+            t1 = time.monotonic()
+            await engine.shutdown()
+            engine.engine.close()
+        assert time.monotonic() - t1 < 5  # without the bound, minutes: the backlog at a reply per 0.2 s
+        assert engine.engine.pool.num_used == 0
+
+
+def _retagged(raw: bytes, **changes) -> bytes:
+    """An entry with header fields changed and nothing else (payload and checksum as they were)."""
+    (n,) = struct.unpack("<I", raw[5:9])
+    header = json.loads(raw[9:9 + n])
+    header.update(changes)
+    new = json.dumps(header).encode()
+    return raw[:5] + struct.pack("<I", len(new)) + new + raw[9 + n:]
+
+
+def test_a_header_whose_dtype_or_shape_was_changed_is_never_served():
+    (h, parent, data), = _chain(1)
+    data = torch.randn(2, 2, 8, 2, 16)
+    raw = encode_block(data, parent, key=h)
+    got, _ = decode_entry(raw, h)
+    assert torch.equal(got, data)
+    for changes in ({"dtype": "int32"}, {"shape": [2, 2, 8, 16, 2]}, {"shape": [4, 2, 8, 2, 8]}):
+        assert decode_entry(_retagged(raw, **changes), h) is None  # the checksum covers them
+    layout = (torch.float32, (2, 2, 8, 2, 16))
+    assert decode_entry(raw, h, layout) is not None
+    other = encode_block(torch.randn(2, 2, 8, 2, 8), parent, key=h)  # intact, but not this engine's layout
+    assert decode_entry(other, h) is not None and decode_entry(other, h, layout) is None
+    assert decode_entry(encode_block(data.to(torch.bfloat16), parent, key=h), h, layout) is None
+
+
+def test_an_engine_never_serves_a_redis_value_of_another_layout_and_deletes_it(llama_dir, cold_reference,
+                                                                              redis_server, caplog):
+    shared, ref = cold_reference
+    writer = _llm(llama_dir, kv_remote=redis_server.url)
+    _run(writer, shared + _prompt(2, 9))
+    writer.close()
+    client = redis.Redis.from_url(redis_server.url)
+    keys = sorted(client.keys("tierlm:kv:*"))
+    assert keys
+    raw = client.get(keys[0])
+    (n,) = struct.unpack("<I", raw[5:9])
+    shape = json.loads(raw[9:9 + n])["shape"]
+    h = bytes.fromhex(keys[0].decode().rsplit(":", 1)[1])
+    parent = json.loads(raw[9:9 + n])["parent"]
+    foreign = encode_block(torch.zeros(*shape[:-1], shape[-1] // 2, 2), bytes.fromhex(parent) if parent else None,
+                           key=h)  # intact and checksummed, but of another shape
+    for bad in (_retagged(raw, dtype="int32"), foreign):
+        client.set(keys[0], bad)
+        reader = _llm(llama_dir, kv_remote=redis_server.url, kv_remote_write_through=False)
+        with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+            tokens, _, _ = _run(reader, shared + _prompt(2, 9))
+        remote = reader.engine.store.tiers[-1]
+        assert tokens == ref[2] and remote.stats.corrupt >= 1
+        assert client.get(keys[0]) is None  # deleted: not read and counted again on every request
+        assert any("damaged or foreign value" in r.message for r in caplog.records)
+        assert reader.engine.stats().kv_staged_bytes == 0
+        reader.close()
+        client.set(keys[0], raw)
+
+
+class _NotRedis:
+    """A TCP server that answers +OK to everything: what sits at a port that is not Redis's."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _answer(conn: socket.socket) -> None:
+        try:
+            while conn.recv(65536):
+                conn.sendall(b"+OK\r\n")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_server_that_is_not_redis_is_refused_at_start_and_a_miss_later(redis_server):
+    fake = _NotRedis()
+    try:
+        with pytest.raises(KVTierError, match="does not answer like a Redis server"):
+            RedisTier(f"redis://127.0.0.1:{fake.port}/0")
+        (h0, p0, d0), = _chain(1)
+        tier = RedisTier(redis_server.url)
+        tier.put(h0, p0, d0)
+        tier.client = redis.Redis.from_url(f"redis://127.0.0.1:{fake.port}/0", socket_timeout=0.5)  # swapped under it
+        assert tier.fetch_run([h0]) == [] and h0 not in tier  # misses, never an exception
+        tier.down_until = 0.0
+        assert tier.put(h0, p0, d0) == [] and tier.stats.errors >= 1
+        tier.close()
+    finally:
+        fake.close()
+
+
+def test_credentials_changed_while_running_are_named_as_such(redis_server, caplog):
+    (h0, p0, d0), = _chain(1)
+    tier = RedisTier(redis_server.url)
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.config_set("requirepass", "n3w-pw")
+    try:
+        tier.client.connection_pool.disconnect()  # new connections must now authenticate
+        with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+            assert tier.fetch_run([h0]) == []
+        said = " ".join(r.message for r in caplog.records)
+        assert "wants other credentials than the URL gives" in said and "redis://:PASSWORD@" in said
+    finally:
+        redis.Redis(host="127.0.0.1", port=redis_server.port, password="n3w-pw").config_set("requirepass", "")
+        tier.close()
+
+
+def test_engines_asking_for_different_remote_capacities_never_shrink_each_others(redis_server, caplog):
+    big = RedisTier(redis_server.url, capacity_bytes=10 << 20)
+    admin = redis.Redis.from_url(redis_server.url)
+    limit = int(admin.config_get("maxmemory")["maxmemory"])
+    assert limit >= 10 << 20
+    with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+        small = RedisTier(redis_server.url, capacity_bytes=1 << 20)
+    assert int(admin.config_get("maxmemory")["maxmemory"]) == limit  # kept, not lowered to 1 MiB
+    assert any("Give every engine on this Redis the same kv_remote_capacity" in r.message for r in caplog.records)
+    bigger = RedisTier(redis_server.url, capacity_bytes=20 << 20)
+    assert int(admin.config_get("maxmemory")["maxmemory"]) >= 20 << 20  # raised for the one asking for more
+    for t in (big, small, bigger):
+        t.close()
+
+
+class _StuckDisk(DiskTier):
+    def __init__(self, *args, gate, **kw):
+        super().__init__(*args, **kw)
+        self.gate = gate
+
+    def _write(self, h, parent, data, hint):
+        self.gate.wait(30)
+        super()._write(h, parent, data, hint)
+
+
+def test_close_gives_up_on_writes_a_stuck_tier_cannot_finish(tmp_path, caplog):
+    gate = threading.Event()
+    store = TieredStore([_StuckDisk(tmp_path / "kv", 64, gate=gate)], close_timeout_s=0.3)
+    for h, parent, data in _chain(5):
+        store.demote(h, parent, data)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tierlm.kv.store"):
+        store.close()
+    assert time.monotonic() - t0 < 3
+    assert any("dropped the 4 still queued" in r.message for r in caplog.records)  # one was being written
+    gate.set()
+
+
+class _BrokenDisk(DiskTier):
+    def _write(self, h, parent, data, hint):
+        raise RuntimeError("a bug, not an OSError")
+
+
+def test_a_write_that_raises_leaves_nothing_queued_behind(tmp_path):
+    """The block stays servable while queued; once its write has failed it is a miss, and its
+    K/V is not kept in memory for good."""
+    store = TieredStore([_BrokenDisk(tmp_path / "kv", 64)])
+    (h0, p0, d0), = _chain(1)
+    store.demote(h0, p0, d0)
+    store.flush()
+    assert not store.pending and store.backlog == 0 and store.fetch(h0) is None
+    store.close()
