@@ -411,7 +411,7 @@ def test_a_request_waiting_for_room_keeps_its_lower_tier_hit(llama_dir, cold_ref
     moved = eng.kv.find_cached_prefix(req)
     assert len(moved.device) == 8 and moved.lower == [] and eng.store.stats() == before
     assert eng.kv.allocate(req, 9, moved)
-    assert eng.kv._held is None
+    assert not eng.kv._held
     eng.kv.free(req)
     req2 = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     while eng.has_unfinished():
@@ -512,10 +512,50 @@ def test_blocks_read_for_a_request_held_for_room_and_then_aborted_are_dropped(ll
     held = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     eng.store.flush()
     eng.step()
-    assert eng.kv._held is not None and eng.kv._held[0] == held.request_id  # read, but no room
+    assert list(eng.kv._held) == [held.request_id]  # read, but no room
     assert eng.stats().kv_staged_bytes > 0
     eng.abort(held.request_id)
     assert eng.stats().kv_staged_bytes == 0
+    eng.abort(hog.request_id)
+    assert eng.pool.num_used == 0
+    llm.close()
+
+
+def test_every_request_held_for_room_keeps_and_drops_its_own_reads(llama_dir, tmp_path):
+    """Two requests held for room in turn (each step tries the first waiting request that is
+    ready): only the last one's reads were remembered, so the other's stayed staged for good
+    when its client went away (a tester saw 139 KB held at idle, up to staging's 1 GiB)."""
+    import threading
+
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    p, q = _prompt(1, 70), _prompt(5, 70)
+    _run(llm, p + _prompt(2, 9))
+    eng.persist_kv()
+    on_disk = set(disk.parents)
+    _run(llm, q + _prompt(2, 9))
+    eng.persist_kv()
+    slow, gate, read = set(disk.parents) - on_disk, threading.Event(), disk._read
+    disk._read = lambda h: read(h) if h not in slow or gate.wait(10) else None  # q's reads wait
+    hog = eng.add_request({"prompt_token_ids": _prompt(9, 120)}, SamplingParams(max_tokens=40, temperature=0,
+                                                                                 ignore_eos=True))
+    eng.step()
+    eng.step()
+    first = eng.add_request({"prompt_token_ids": q + _prompt(3, 9)}, GREEDY)  # reading
+    second = eng.add_request({"prompt_token_ids": p + _prompt(3, 9)}, GREEDY)
+    time.sleep(0.2)
+    eng.step()
+    assert list(eng.kv._held) == [second.request_id]  # first was still reading: passed over
+    gate.set()
+    eng.store.flush()
+    eng.step()
+    assert set(eng.kv._held) == {first.request_id, second.request_id}  # first came first this time
+    staged_both = eng.stats().kv_staged_bytes
+    eng.abort(second.request_id)
+    assert 0 < eng.stats().kv_staged_bytes < staged_both  # first's reads stay, second's go
+    eng.abort(first.request_id)
+    assert eng.stats().kv_staged_bytes == 0 and not eng.store.staged
     eng.abort(hog.request_id)
     assert eng.pool.num_used == 0
     llm.close()
@@ -1781,3 +1821,42 @@ def test_random_traffic_through_every_tier_and_a_restart_matches_cold_runs(llama
     with disk.lock:
         assert {bytes.fromhex(p.stem) for p in disk.root.rglob("*.kv")} == set(disk.parents)
     llm.close()
+
+
+def test_entries_deleted_behind_the_disk_tiers_back_are_misses_and_stored_again(tmp_path):
+    """A cleaner deletes entry files, or the whole directory, while the engine runs. A read of
+    one is a miss (not "corrupt"), the index forgets it, and a block stored again is written
+    again (it was skipped as already there: a tester saw a hot prefix mostly uncached for ~18
+    rounds, and the tier counting 107 blocks over 38 files)."""
+    import shutil
+
+    blocks = _chain(3)
+    disk = DiskTier(tmp_path / "kv", 8, index_in_background=False)
+    disk.index()
+    for block in blocks:
+        disk.put(*block)
+    (h0, p0, d0), (h1, p1, d1), (h2, p2, d2) = blocks
+    for h, _, _ in blocks:
+        disk.path(h).unlink()
+    assert disk.get(h0) is None and h0 not in disk
+    assert disk.stats.lost == 1 and disk.stats.corrupt == 0
+    disk.put(h1, p1, d1)  # indexed, but its file is gone: written again
+    assert disk.path(h1).exists() and torch.equal(disk.get(h1), d1) and disk.stats.lost == 2
+    shutil.rmtree(tmp_path / "kv")  # the whole directory, lock file included
+    disk.put(h0, p0, d0)
+    assert h0 in disk and torch.equal(disk.get(h0), d0)
+    assert len(disk) == 1 and h1 not in disk and h2 not in disk  # what went with the old directory is forgotten
+    assert disk.stats.corrupt == 0
+    disk.close()
+
+
+def test_every_tier_counts_bytes_of_k_v_not_of_its_encoding(tmp_path, redis_server):
+    """Host and disk counted the K/V payload, Redis the encoded entry with its header: the
+    per-tier byte counters could not be compared."""
+    (h0, p0, d0), = _chain(1)
+    size = d0.numel() * d0.element_size()
+    for tier in (HostTier(4), DiskTier(tmp_path / "kv", 4, index_in_background=False), RedisTier(redis_server.url)):
+        tier.put(h0, p0, d0)
+        assert torch.equal(tier.fetch(h0)[0], d0)
+        assert tier.stats.bytes_in == tier.stats.bytes_out == size, tier.name
+        tier.close()

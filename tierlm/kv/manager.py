@@ -65,7 +65,10 @@ class KVCacheManager:
         # The lower-tier part of the hit of a request that found no room, kept for its next try:
         # looking it up again at every step re-counted its host hits, re-ordered the host
         # tier's eviction queue and probed disk and Redis for the block past its run each time.
-        self._held: tuple[str, int, list] | None = None  # (request id, device blocks, lower)
+        # Requests that found a lower-tier prefix but no device room: request id -> (device blocks
+        # then, the lower-tier blocks read), kept until admitted or gone (one per request: several
+        # may be held at once, each turn a different one is tried first).
+        self._held: dict[str, tuple[int, list]] = {}
         self.io = io
         if store is not None:
             if io is None:
@@ -145,12 +148,12 @@ class KVCacheManager:
             self.store.settle(job)
         hashes, hit.device, limit = self._device_prefix(req)
         if self.store is not None:
-            held = self._held
-            if held is not None and held[0] == req.request_id:
+            held = self._held.get(req.request_id)
+            if held is not None:
                 # Blocks are keyed by content, so what was read is still right. Only the split
                 # moved if other requests' demand pushed some of this prefix off the device (read
                 # those few back, from host or the writer's queue) or brought more of it there.
-                start, lower, d = held[1], held[2], len(hit.device)
+                (start, lower), d = held, len(hit.device)
                 if d >= start:
                     hit.lower = lower[d - start:]
                 else:
@@ -180,10 +183,9 @@ class KVCacheManager:
         reviving = sum(1 for b in hit.device if b.ref_cnt == 0)  # cached blocks leave the free count
         if need + reviving > self.pool.num_free:
             if hit.lower:
-                self._held = (req.request_id, len(hit.device), hit.lower)
+                self._held[req.request_id] = (len(hit.device), hit.lower)
             return False
-        if self._held is not None and self._held[0] == req.request_id:
-            self._held = None
+        self._held.pop(req.request_id, None)
         for i, blk in enumerate(hit.device):
             self.pool.acquire_cached(blk, req.block_hashes[i - 1] if i else None)
         req.blocks.extend(hit.device)
@@ -235,10 +237,9 @@ class KVCacheManager:
         req.num_registered_blocks = full
 
     def free(self, req) -> None:
-        if self._held is not None and self._held[0] == req.request_id:
-            if self.store is not None:  # held for room, gone before admission: what it read goes too
-                self.store.unstage([entry[0] for entry in self._held[2]])
-            self._held = None
+        held = self._held.pop(req.request_id, None)
+        if held is not None and self.store is not None:  # held for room, gone before admission: what it read goes too
+            self.store.unstage([entry[0] for entry in held[1]])  # (another held request keeps its own references)
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:  # finished or aborted before admission
             self.store.cancel(job)

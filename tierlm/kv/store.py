@@ -292,6 +292,7 @@ class TieredStore:
             data, hint, level = queued  # tier's promotions count it, and never exceed its hits)
             tier = self.tiers[level]
             tier.stats.hits += 1
+            tier.stats.bytes_out += _nbytes(data)
             return tier.name, data, hint
         if hit is not None:
             return hit

@@ -55,6 +55,7 @@ class TierStats:
     bytes_in: int = 0
     bytes_out: int = 0
     corrupt: int = 0
+    lost: int = 0  # indexed entries found deleted by something else (disk)
     errors: int = 0
     dropped: int = 0  # writes for this tier dropped because the writer was too far behind
 
@@ -321,6 +322,8 @@ class _CapacityTier:
         with self.lock:
             if self.auto_tick:
                 self._ticks += 1
+            if h in self.parents and not self._still_there(h):
+                self._forget_deleted(h)  # its file was deleted behind the tier's back: store the block again
             if h in self.parents:
                 if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
@@ -402,12 +405,16 @@ class _CapacityTier:
                 return None
         try:
             data = self._read(h)
+        except FileNotFoundError:
+            return self._vanished(h)
         except OSError as e:
             return self._unreadable(h, e)
         with self.lock:
             if data is None and h in self.parents:
                 try:
                     data = self._read(h)
+                except FileNotFoundError:
+                    return self._vanished(h)
                 except OSError as e:
                     return self._unreadable(h, e)
                 if data is None:  # corrupt: drop it, the caller recomputes
@@ -425,6 +432,28 @@ class _CapacityTier:
             self.stats.hits += 1
             self.stats.bytes_out += data.numel() * data.element_size()
             return data
+
+    def _vanished(self, h: bytes) -> None:
+        """The entry's file is not there (deleted behind the tier's back: a cleaner, a person), or
+        it was evicted while read: a miss, and the index forgets it; not "corrupt"."""
+        with self.lock:
+            if h in self.parents:
+                self._forget_deleted(h)
+            self.stats.misses += 1
+        return None
+
+    def _forget_deleted(self, h: bytes) -> None:
+        """Drop the index entry of `h`, whose bytes something else deleted. Hold `lock`."""
+        self._drop(h)
+        self.stats.lost += 1
+        if self._warn_due("vanished"):
+            log.warning("KV %s: entries were deleted by something else (%d so far; said again at most every %d s); "
+                        "they are misses, recomputed and stored again. Keep cleaners away from kv_disk_dir",
+                        self.where, self.stats.lost, WRITE_WARN_EVERY_S)
+
+    def _still_there(self, h: bytes) -> bool:
+        """Whether an indexed entry's bytes still exist (a file can be deleted behind our back)."""
+        return True
 
     def _unreadable(self, h: bytes, e: OSError) -> None:
         """A read failed for a reason that says nothing about the entry (out of file descriptors,
@@ -621,6 +650,7 @@ class DiskTier(_CapacityTier):
         self._policy_name = policy
         self._auto_capacity = capacity_blocks is None
         self._lock_file = None
+        self._root_id: tuple[int, int] | None = None  # (device, inode) of the directory this tier locked
         self._lost: str | None = None  # why this tier no longer owns its directory (see _reclaim)
         self.on_reclaim: Callable[[], None] | None = None  # after the lock was taken again (rewrites model.json)
         self._undeleted: set[bytes] = set()  # entries dropped from the index whose file could not be deleted
@@ -700,6 +730,11 @@ class DiskTier(_CapacityTier):
         except OSError as e:  # the flock holds all the same
             log.info("KV disk tier %s: could not write this engine's pid into .lock (%s)", self.root, e)
         DiskTier._locked_here.add(self.root)
+        try:
+            st = os.stat(self.root)
+            self._root_id = (st.st_dev, st.st_ino)
+        except OSError:
+            self._root_id = None
         return f
 
     def _open_lock(self):
@@ -733,17 +768,36 @@ class DiskTier(_CapacityTier):
         except OSError as e:
             if e.errno not in (errno.ENOENT, errno.ENOTDIR):
                 raise  # cannot tell (permissions, I/O): this write fails, a later one looks again
+        before = self._root_id
         try:
             self._lock_file = self._claim()
         except KVTierError as e:  # another engine holds the recreated directory now: it is theirs
             self._lost = str(e)
             raise OSError(self._lost) from None
         f.close()
+        forgotten = self._forget_all() if before is None or before != self._root_id else 0
         log.warning("KV disk directory %s lost its lock file while in use (deleted, or the directory was moved or "
-                    "deleted); took its lock again. Entries that went with it are recomputed when next asked for",
-                    self.root)
+                    "deleted); took its lock again%s", self.root,
+                    f", in a new directory: its {forgotten} entries went with the old one and are recomputed when "
+                    "next asked for" if forgotten else ". Entries deleted with it are recomputed when next asked for")
         if self.on_reclaim is not None:
             self.on_reclaim()
+
+    def _forget_all(self) -> int:
+        """The directory was deleted and made anew: every entry indexed went with the old one
+        (else the tier counted ghosts against capacity, and re-stored none of them). Hold `lock`."""
+        n = len(self.parents)
+        for h in list(self.parents):
+            if h in self.policy:
+                self.policy.remove(h)
+            del self.parents[h]
+        self.hints.clear()
+        if self._pending:
+            self._pending.clear()
+        self._undeleted.clear()
+        self._trimmed.clear()
+        self.stats.lost += n
+        return n
 
     def close(self) -> None:
         """Stop indexing (what is not indexed stays on disk for the next run) and release the lock."""
@@ -1089,8 +1143,17 @@ class DiskTier(_CapacityTier):
             self.stats.errors += 1  # the old entry stays, without the new hint
 
     def _read(self, h):
-        raw = read_regular(self.path(h), self._max_entry_bytes, strict=True)
+        raw = read_regular(self.path(h), self._max_entry_bytes, strict=True, absent_raises=True)
         return None if raw is None else decode_block(raw, h, self.layout)
+
+    def _still_there(self, h):
+        try:
+            os.stat(self.path(h))
+        except FileNotFoundError:
+            return False
+        except OSError:  # cannot tell: keep it (a read that fails for this reason keeps it too)
+            return True
+        return True
 
     def _erase(self, h):
         if self._lost:
@@ -1404,7 +1467,7 @@ class RedisTier:
         try:
             self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
             self.stats.stores += 1
-            self.stats.bytes_in += len(raw)
+            self.stats.bytes_in += data.numel() * data.element_size()  # K/V bytes, as the other tiers count
             if not self._took(t0):
                 self._answered()
         except self._refused as e:  # e.g. OOM under noeviction: drop this write, keep the tier
@@ -1467,6 +1530,6 @@ class RedisTier:
                 self.stats.misses += 1
                 break
             self.stats.hits += 1
-            self.stats.bytes_out += len(raw)
+            self.stats.bytes_out += decoded[0].numel() * decoded[0].element_size()
             run.append(decoded)
         return run
