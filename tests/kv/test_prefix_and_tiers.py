@@ -447,6 +447,38 @@ def test_steps_go_on_while_a_prefix_is_read_from_disk(llama_dir, cold_reference,
     assert eng.pool.num_used == 0
 
 
+def test_a_read_past_the_timeout_starts_its_request_even_while_others_run(llama_dir, cold_reference, tmp_path):
+    """A read that never ends (a hung disk or Redis) must not keep its request waiting for as
+    long as other requests keep the engine busy: past kv_read_timeout it starts, recomputing."""
+    import threading
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True,
+               kv_read_timeout=0.3)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    gate, read = threading.Event(), disk._read
+    disk._read = lambda h: read(h) if gate.wait(30) else None  # this read hangs
+    busy = eng.add_request({"prompt_token_ids": _prompt(4, 12)}, SamplingParams(max_tokens=400, temperature=0,
+                                                                                 ignore_eos=True))
+    late = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    t0 = time.monotonic()
+    while late in eng.scheduler.waiting and time.monotonic() - t0 < 10:
+        eng.step()
+    assert late.status.name == "RUNNING" and busy.status.name == "RUNNING"  # started beside it, busy or not
+    assert 0.3 <= time.monotonic() - t0 < 5 and late.num_cached_tokens == 0
+    while late.request_id in eng.requests:
+        eng.step()
+    assert late.output_token_ids == ref[3]
+    gate.set()
+    eng.abort(busy.request_id)
+    eng.store.flush()
+    assert eng.pool.num_used == 0 and not eng.kv._held and not eng.kv._prefetches
+    assert eng.stats().kv_staged_bytes == 0  # what the hung read staged once it ended was dropped
+    llm.close()
+
+
 def test_a_request_needing_no_read_does_not_wait_behind_one_being_read(llama_dir, cold_reference, tmp_path):
     """With nothing running, the first waiting request's prefix is still being read: the one
     behind it, whose prefix needs no read, starts at once (it waited out the read, up to a

@@ -20,7 +20,7 @@ from tierlm.bench.netdelay import DelayProxy
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import DiskTier, KVTierError, RedisTier, decode_entry, encode_block
 
-from .test_prefix_and_tiers import GREEDY, _chain, _llm, _prompt, _run, cold_reference  # noqa: F401 (a fixture)
+from .test_prefix_and_tiers import GREEDY, _chain, _llm, _prompt, _run, _SlowDisk, cold_reference  # noqa: F401 (a fixture)
 
 ENGINE = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64, load_progress=False)
 
@@ -204,19 +204,9 @@ def test_engines_asking_for_different_remote_capacities_never_shrink_each_others
         t.close()
 
 
-class _StuckDisk(DiskTier):
-    def __init__(self, *args, gate, **kw):
-        super().__init__(*args, **kw)
-        self.gate = gate
-
-    def _write(self, h, parent, data, hint):
-        self.gate.wait(30)
-        super()._write(h, parent, data, hint)
-
-
 def test_close_gives_up_on_writes_a_stuck_tier_cannot_finish(tmp_path, caplog):
     gate = threading.Event()
-    store = TieredStore([_StuckDisk(tmp_path / "kv", 64, gate=gate)], close_timeout_s=0.3)
+    store = TieredStore([_SlowDisk(tmp_path / "kv", 64, gate=gate)], close_timeout_s=0.3)
     for h, parent, data in _chain(5):
         store.demote(h, parent, data)
     t0 = time.monotonic()

@@ -86,8 +86,8 @@ class Scheduler:
         #    whose prefix is still being read from disk/Redis is passed over, so that read never
         #    stalls a step, nor the requests behind it that need no read. When nothing at all can
         #    run, the step reports the first such read for the caller to wait on briefly (new
-        #    arrivals and aborts are still taken between waits); past the store's read timeout
-        #    that request starts with what was read so far.
+        #    arrivals and aborts are still taken between waits). Past the store's read timeout a
+        #    request counts as ready, busy or not, and starts with what was read so far.
         self.waiting.sort(key=Request.sort_key)
         reading = None
         for req in list(self.waiting):
@@ -95,7 +95,7 @@ class Scheduler:
                 break
             if req in out.preempted:
                 break  # do not re-admit what this step just evicted
-            if not self.kv.prefix_ready(req):
+            if not self.kv.prefix_ready(req) and not self.kv.read_overdue(req):
                 if reading is None:
                     reading = req
                 continue
@@ -103,10 +103,7 @@ class Scheduler:
                 break
             budget -= chosen[req]
         if not chosen and reading is not None:
-            if self.kv.read_overdue(reading):
-                self._admit(reading, budget, chosen)
-            else:
-                out.reading = reading
+            out.reading = reading
         out.scheduled = sorted(chosen.items(), key=lambda kv: kv[1] > 1)
         return out
 
