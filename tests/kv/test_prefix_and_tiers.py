@@ -809,7 +809,7 @@ def test_an_intact_entry_under_another_key_is_corrupt_not_served(tmp_path, redis
     tier.put(h0, p0, d0)
     tier.put(h1, p1, d1)
     server = redis.Redis.from_url(redis_server.url)
-    server.set(tier.prefix + h1.hex(), server.get(tier.prefix + h0.hex()))
+    server.set(tier.key(h1), server.get(tier.key(h0)))
     assert tier.fetch(h1) is None and tier.stats.corrupt == 1
     assert torch.equal(tier.fetch(h0)[0], d0)
     tier.close()
@@ -1640,7 +1640,7 @@ def test_redis_run_reads_stop_at_the_first_missing_or_damaged_block(redis_server
     run = tier.fetch_run(hashes)
     assert [torch.equal(d, blocks[i][2]) and hint == 7 for i, (d, hint) in enumerate(run)] == [True] * 5
     assert (tier.stats.hits, tier.stats.misses) == (5, 1)
-    redis.Redis.from_url(redis_server.url).set(tier.prefix + hashes[2].hex(), b"TLKV1 truncated")
+    redis.Redis.from_url(redis_server.url).set(tier.key(hashes[2]), b"TLKV1 truncated")
     assert len(tier.fetch_run(hashes)) == 2 and tier.stats.corrupt == 1
     store = TieredStore([tier], remote_batch=2)  # read ahead two at a time: the same run
     assert [src for src, _, _ in store.fetch_run(hashes)] == ["redis"] * 2
@@ -1892,3 +1892,35 @@ def test_every_tier_counts_bytes_of_k_v_not_of_its_encoding(tmp_path, redis_serv
         assert torch.equal(tier.fetch(h0)[0], d0)
         assert tier.stats.bytes_in == tier.stats.bytes_out == size, tier.name
         tier.close()
+
+
+def test_with_prefetch_the_model_loop_never_reads_disk_itself(llama_dir, cold_reference, tmp_path):
+    """Requests sharing a prefix on disk, more than the pool holds: some are held for room, some
+    preempted and admitted again. Every disk read runs on a reader (or the writer) thread, none on
+    the model loop: a preempted request re-admitted without a read of its own read a hung tier on
+    the loop, stalling every request (a reviewer measured 16.8 s, and 64 s on a hung disk)."""
+    import threading
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_cache_memory="18 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    readers, read = [], disk._read
+
+    def spy(h):
+        readers.append(threading.current_thread().name)
+        return read(h)
+
+    disk._read = spy
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    reqs = [eng.add_request({"prompt_token_ids": shared + _prompt(k, 9)}, params) for k in (2, 3, 2, 3)]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.num_preemptions > 0 and readers
+    assert all(name.startswith("tierlm-kv-") for name in readers), set(readers)
+    for k, req in zip((2, 3, 2, 3), reqs):
+        assert req.output_token_ids[:10] == ref[k]
+    assert eng.pool.num_used == 0 and not eng.kv._held and not eng.kv._prefetches
+    llm.close()

@@ -96,7 +96,8 @@ def test_a_capacity_that_would_evict_other_data_is_refused_and_evicts_nothing(re
 
     other_db = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
     other_db.set("app:session:1", "keep me")
-    with pytest.raises(KVTierError, match=r"not tierlm's \(keys such as b'app:session:1' in db1\).*evict"):
+    with pytest.raises(KVTierError, match=r"^Redis KV tier \S+ holds data that is not tierlm's \(keys such as "
+                                          r"b'app:session:1' in db1\).*evict"):
         RedisTier(redis_server.url, capacity_bytes=1_000_000)
     own_db = redis.Redis.from_url(redis_server.url)
     assert int(own_db.config_get("maxmemory")["maxmemory"]) == 0  # nothing was set

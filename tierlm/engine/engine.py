@@ -405,10 +405,10 @@ class LLMEngine:
             # timeout), then run the request in this step if its read is done or overdue.
             self.kv.wait_for_read(sched.reading, self.read_wait_s)
             sched = self.scheduler.schedule()
-        self.steps += 1
-        self.last_step = (sched.num_tokens, len(sched.scheduled))
         if not sched.scheduled:
             return []
+        self.steps += 1
+        self.last_step = (sched.num_tokens, len(sched.scheduled))
         samplers, logits = self.runner.execute(sched)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n

@@ -120,6 +120,9 @@ class StepGraphs:
         self.max_rows, self.max_blocks = max_rows, max_blocks
         self.record = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.record else None
+        # One capture stream for every graph: the pool's memory is shared between captures only
+        # when they use the same stream (torch.cuda.graph's docs), else it grows graph by graph.
+        self._capture_stream = torch.cuda.Stream(self.device) if self.record else None
         self.buckets: dict[Bucket, _BucketBuffers] = {}
         self.enabled = True
         self.steps = 0  # steps run through a bucket (replayed, or on CPU run eagerly)
@@ -266,7 +269,7 @@ class StepGraphs:
         forward = functools.partial(self._forward, buf)
         # thread_local: the K/V prefetch thread may touch CUDA while this thread records.
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(self.device),
+            with torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream,
                                   capture_error_mode="thread_local"):
                 hidden = forward()
         except BaseException:

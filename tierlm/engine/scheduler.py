@@ -55,6 +55,7 @@ class Scheduler:
         victim = max(self.running, key=Request.sort_key)
         self.running.remove(victim)
         self.kv.free(victim)
+        self.kv.prefetch(victim)  # what of its prefix moves down meanwhile is read back off the loop
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1

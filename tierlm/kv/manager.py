@@ -66,8 +66,8 @@ class KVCacheManager:
         # looking it up again at every step re-counted its host hits, re-ordered the host
         # tier's eviction queue and probed disk and Redis for the block past its run each time.
         # Requests that found a lower-tier prefix but no device room: request id -> (device blocks
-        # then, the lower-tier blocks read), kept until admitted or gone (one per request: several
-        # may be held at once, each turn a different one is tried first).
+        # then, the lower-tier blocks read), kept until admitted or gone. Several may be held at
+        # once (a request that reads first may be tried first next step).
         self._held: dict[str, tuple[int, list]] = {}
         self.io = io
         if store is not None:
@@ -158,7 +158,7 @@ class KVCacheManager:
                     hit.lower = lower[d - start:]
                 else:
                     gap = hashes[d:start]
-                    found = self.store.fetch_run(gap)
+                    found = self.store.fetch_run(gap, slow=not self.prefetching)
                     hit.lower = [(h, *f) for h, f in zip(gap, found)] + (lower if len(found) == len(gap) else [])
                 return hit
             if job is not None and job.finished:
@@ -166,10 +166,10 @@ class KVCacheManager:
                 # host blocks), so the model loop makes no disk or Redis request of its own.
                 limit = min(limit, job.start + job.found)
             below = hashes[len(hit.device):limit]
-            # A read that did not finish (overdue, or failed) is not redone here: the model loop
-            # takes what was staged and the host tier holds, never waits on disk or Redis itself.
-            slow = job is None or job.finished
-            hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=slow))]
+            # With prefetching the model loop never reads disk or Redis itself, not even for a
+            # read that did not finish (overdue, or failed) or a request without one (preempted):
+            # it takes what was staged and what the host tier and the writer's queue hold.
+            hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=not self.prefetching))]
         return hit
 
     def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

@@ -63,7 +63,8 @@ class Prefetch:
     finished: bool = False  # ran to its end: `found` is the whole run, and the block after it a miss
     ended: bool = False  # the reader is done with it (set under the store's lock)
     created: float = field(default_factory=time.monotonic)
-    tier: object = None  # the tier its reader is reading now (which one was slow, if it overruns)
+    tier: object = None  # the tier its reader is reading now, since `tier_since` (which one was slow)
+    tier_since: float = 0.0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -149,7 +150,8 @@ class TieredStore:
                 self._writes, self._write_one, "KV tier write failed; the block will be recomputed when needed")),
         ] + [
             threading.Thread(target=self._serve, name=f"tierlm-kv-reader-{i}", daemon=True, args=(
-                self._reads, self._read_one, "KV prefetch failed; the blocks will be read when the request is scheduled"))
+                self._reads, self._read_one, "KV prefetch failed; the request starts with the blocks read so far "
+                                             "and recomputes the rest"))
             for i in range(self._readers)
         ]
         for t in self._threads:
@@ -304,7 +306,7 @@ class TieredStore:
             if not slow and not isinstance(t, HostTier):
                 return None
             if job is not None:
-                job.tier = t
+                job.tier, job.tier_since = t, time.monotonic()
             found = ahead.fetch(index) if ahead is not None and t is ahead.tier else t.fetch(h)
             if found is not None:
                 data, hint = found
@@ -353,16 +355,18 @@ class TieredStore:
         starts with what was staged so far, and a Redis that held the read up counts as down."""
         with self._lock:
             self._live.discard(job)
-            if job.done.is_set():
+            if job.ended:
                 return
             job.cancelled = True
-            stuck = job.tier if job.started else None
-        waited = time.monotonic() - job.created
+            # Blame the tier only for its own round trip, not for time the job spent queued for
+            # a reader (a burst of requests is no outage).
+            waited = time.monotonic() - job.tier_since
+            stuck = job.tier if job.started and job.tier is not None and waited > self.read_timeout_s else None
         if isinstance(stuck, RedisTier):
             stuck.too_slow(waited)
         elif stuck is not None:
-            log.warning("KV %s has taken %.1f s to read a request's prefix (over %g s); starting the request "
-                        "without the rest (it is recomputed). Check that storage", stuck.where, waited,
+            log.warning("KV %s has taken %.1f s to read one block (over %g s); starting the request without the "
+                        "rest of its prefix (it is recomputed). Check that storage", stuck.where, waited,
                         self.read_timeout_s)
 
     def cancel(self, job: Prefetch) -> None:
@@ -428,7 +432,7 @@ class TieredStore:
             self._writes.join()
             self._reads.join()
             return True
-        return _join(self._writes, self._deadline) and _join(self._reads, self._deadline)
+        return _join(self._writes, self._deadline)  # shutting down: reads are for requests that are gone
 
     @contextlib.contextmanager
     def deadline(self) -> Iterator[None]:
@@ -456,6 +460,11 @@ class TieredStore:
         engine."""
         if self._closed:
             return
+        with self._lock:  # reads are for requests that are gone: stop them, never wait for them
+            for job in self._live:
+                job.cancelled = True
+            self._live.clear()
+        _drain(self._reads)
         with self.deadline():
             finished = self.flush()
             stop_by = max(self._deadline, time.monotonic()) + 1.0  # the threads' last second to end
@@ -464,15 +473,17 @@ class TieredStore:
             self._room.notify_all()
         if not finished:
             dropped = _drain(self._writes)
-            _drain(self._reads)
             log.warning("KV tier writes were still under way after %g s at shutdown (a slow disk or Redis); "
                         "dropped the %d still queued: those blocks are recomputed when needed",
                         self.close_timeout_s, dropped)
         self._writes.put(None)
         for _ in range(self._readers):
             self._reads.put(None)
-        for t in self._threads:
-            t.join(max(0.0, stop_by - time.monotonic()))  # one stuck in a slow call is left to it
+        writer, *readers = self._threads
+        writer.join(max(0.0, stop_by - time.monotonic()))  # one stuck in a slow call is left to it
+        readers_by = time.monotonic() + 0.1  # reads are for nobody now: a hung one is not waited for
+        for t in readers:
+            t.join(max(0.0, readers_by - time.monotonic()))
         for tier in self.tiers:
             tier.close()
 

@@ -405,19 +405,19 @@ class _CapacityTier:
                 return None
         try:
             data = self._read(h)
-        except FileNotFoundError:
-            return self._vanished(h)
+        except FileNotFoundError:  # evicted (and maybe stored again) meanwhile, or deleted: look again
+            data = None
         except OSError as e:
             return self._unreadable(h, e)
         with self.lock:
             if data is None and h in self.parents:
                 try:
                     data = self._read(h)
-                except FileNotFoundError:
-                    return self._vanished(h)
+                except FileNotFoundError:  # indexed, under the lock, and not there: deleted by something else
+                    self._forget_deleted(h)
                 except OSError as e:
                     return self._unreadable(h, e)
-                if data is None:  # corrupt: drop it, the caller recomputes
+                if data is None and h in self.parents:  # there, but damaged: drop it, the caller recomputes
                     self.stats.corrupt += 1
                     self._drop(h)
             if data is None:
@@ -432,15 +432,6 @@ class _CapacityTier:
             self.stats.hits += 1
             self.stats.bytes_out += data.numel() * data.element_size()
             return data
-
-    def _vanished(self, h: bytes) -> None:
-        """The entry's file is not there (deleted behind the tier's back: a cleaner, a person), or
-        it was evicted while read: a miss, and the index forgets it; not "corrupt"."""
-        with self.lock:
-            if h in self.parents:
-                self._forget_deleted(h)
-            self.stats.misses += 1
-        return None
 
     def _forget_deleted(self, h: bytes) -> None:
         """Drop the index entry of `h`, whose bytes something else deleted. Hold `lock`."""
@@ -1216,6 +1207,7 @@ def _refusal_advice(e: Exception) -> str | None:
 
 
 CAPACITY_TTL_S = 7 * 86400  # a key's lifetime in Redis with kv_remote_capacity and no kv_remote_ttl
+_KEY_FORMAT = "v3:"  # the entry format (_MAGIC) in every Redis key: tierlm:kv:v3:<block hash>
 
 
 class RedisTier:
@@ -1246,6 +1238,9 @@ class RedisTier:
         self.url = redact_url(url)  # for logs and errors
         self.client = redis.Redis.from_url(lower_scheme(url), socket_connect_timeout=0.2, socket_timeout=0.5)
         self.prefix = prefix
+        # Keys name the entry format, so engines of two tierlm versions sharing one Redis during a
+        # rolling upgrade neither read nor delete (nor overwrite) each other's values.
+        self._keys = prefix + _KEY_FORMAT
         # With kv_remote_capacity the server evicts volatile-lru, among keys with a TTL: every
         # tierlm key gets one, so another application's keys (which mostly have none) are never
         # evicted for tierlm's, even where the check for them at start missed some.
@@ -1315,13 +1310,10 @@ class RedisTier:
                 base = max(int(mem.get("used_memory_overhead", 0)), int(mem.get("used_memory_startup", 0))) + (1 << 20)
                 want = base + capacity_bytes
                 now = int(self.client.config_get("maxmemory").get("maxmemory", 0) or 0)
-                if now > want:  # another engine sharing this Redis asked for more: never shrink it under that
-                    if now > want + (1 << 20):  # ignore the overhead's drift between engines
-                        log.warning("Redis KV tier %s already has maxmemory %d bytes, above the %d that "
-                                    "kv_remote_capacity asks for (another engine sharing it asked for more); "
-                                    "keeping the larger. Give every engine on this Redis the same "
-                                    "kv_remote_capacity", self.url, now, want)
-                    want = now
+                if now > want + (1 << 20):  # beyond the overhead's drift between engines
+                    log.warning("Redis KV tier %s: lowering its maxmemory from %d to %d bytes for kv_remote_capacity. "
+                                "If other engines share this Redis with a larger kv_remote_capacity, the last one "
+                                "to start wins: give them all the same", self.url, now, want)
                 self.client.config_set("maxmemory", want)
                 self.client.config_set("maxmemory-policy", "volatile-lru")
                 self._capacity_set = True
@@ -1348,6 +1340,8 @@ class RedisTier:
                                   "?ssl_ca_certs=/path/ca.pem to the URL") from None
             self._failed(e)
             return
+        except KVTierError:  # a refusal of ours (data that is not tierlm's), already worded
+            raise
         except Exception as e:  # the client could not make sense of the answers: not a Redis server
             if self._started:
                 self._failed(e)
@@ -1375,6 +1369,10 @@ class RedisTier:
             self.close()
             raise KVTierError(said)
         log.warning("%s; the limit is not set again", said)
+
+    def key(self, h: bytes) -> str:
+        """The Redis key of block `h`."""
+        return self._keys + h.hex()
 
     def close(self) -> None:
         try:
@@ -1451,7 +1449,7 @@ class RedisTier:
         if not self._available():
             return False
         try:
-            found = bool(self.client.exists(self.prefix + h.hex()))
+            found = bool(self.client.exists(self.key(h)))
         except Exception as e:  # any failure of the client is a miss, never an error
             self._failed(e)
             return False
@@ -1465,7 +1463,7 @@ class RedisTier:
         raw = encode_block(data, parent, hint, key=h)
         t0 = time.monotonic()
         try:
-            self.client.set(self.prefix + h.hex(), raw, ex=self.ttl)
+            self.client.set(self.key(h), raw, ex=self.ttl)
             self.stats.stores += 1
             self.stats.bytes_in += data.numel() * data.element_size()  # K/V bytes, as the other tiers count
             if not self._took(t0):
@@ -1507,7 +1505,7 @@ class RedisTier:
         if not self._available():
             self.stats.misses += 1
             return []
-        keys = [self.prefix + h.hex() for h in hashes]
+        keys = [self.key(h) for h in hashes]
         t0 = time.monotonic()
         try:
             raws = self.client.mget(keys)
