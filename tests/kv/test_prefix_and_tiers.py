@@ -1924,3 +1924,58 @@ def test_with_prefetch_the_model_loop_never_reads_disk_itself(llama_dir, cold_re
         assert req.output_token_ids[:10] == ref[k]
     assert eng.pool.num_used == 0 and not eng.kv._held and not eng.kv._prefetches
     llm.close()
+
+
+def test_blocks_a_reader_stages_after_another_request_brought_them_up_are_dropped(llama_dir, cold_reference,
+                                                                                  tmp_path):
+    """Two requests read the same disk prefix; one's read ends first, it is admitted and its
+    blocks go to the device. The other's reader then stages them again, and its request finds
+    them on the device: nothing took them from staging, which held them for good."""
+    import threading
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    gates, owners, lock, read = [threading.Event(), threading.Event()], {}, threading.Lock(), disk._read
+
+    def gated(h):  # the first reader thread to read waits on gates[0], the second on gates[1]
+        with lock:
+            i = owners.setdefault(threading.current_thread().name, len(owners))
+        assert gates[i].wait(10)
+        return read(h)
+
+    disk._read = gated
+    reqs = [eng.add_request({"prompt_token_ids": shared + _prompt(k, 9)}, GREEDY) for k in (2, 3)]
+    time.sleep(0.2)
+    assert len(owners) == 2
+    gates[0].set()  # one read ends
+    while not any(r.status.name == "RUNNING" for r in reqs):
+        eng.step()
+    gates[1].set()  # the other reads the same blocks from disk, after they went to the device
+    eng.store.flush()
+    assert eng.stats().kv_staged_bytes > 0
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == [ref[2], ref[3]]
+    assert eng.stats().kv_staged_bytes == 0 and not eng.store.staged
+    llm.close()
+
+
+def test_a_read_timeout_too_large_for_a_wait_means_no_timeout(llama_dir, cold_reference, tmp_path):
+    """kv_read_timeout=1e12 (how one asks for "never give up"): the step's wait for the read
+    raised OverflowError (past threading.TIMEOUT_MAX) instead of waiting."""
+    import threading
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True,
+               kv_read_timeout=1e12)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    disk, gate = llm.engine.store.tiers[0], threading.Event()
+    read = disk._read
+    disk._read = lambda h: read(h) if gate.wait(10) else None
+    threading.Timer(0.3, gate.set).start()
+    assert _run(llm, shared + _prompt(3, 9))[:2] == (ref[3], 64)  # waited for the whole read
+    llm.close()

@@ -102,7 +102,8 @@ class AsyncEngine:
             self.engine.persist_kv()
             if not store.flush():
                 log.warning("KV tier writes of %s were still under way after %g s at shutdown (a slow disk or "
-                            "Redis); they go on in the background", self.model_name, store.close_timeout_s)
+                            "Redis); they go on while this process lives, and what is unwritten when it exits is "
+                            "recomputed when needed", self.model_name, store.close_timeout_s)
 
     # -- requests --------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,

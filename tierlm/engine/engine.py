@@ -500,10 +500,15 @@ class LLMEngine:
                      self.model_name, held)
         device = self.pool.evict_all()
         host = sum(self.store.spill(level) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier))
-        self.store.flush()
-        if device or host:
+        landed = self.store.flush()
+        if (device or host) and landed:
             log.info("KV %s: wrote %d cached blocks from the device and %d from host memory down to the disk tier "
                      "in %.1f s, for the next start", self.model_name, device, host, time.monotonic() - t0)
+        elif device or host:
+            log.warning("KV %s: %d cached blocks from the device and %d from host memory were queued for the disk "
+                        "tier, but not all of them were written within the shutdown's %g s (a slow disk or Redis); "
+                        "the rest is recomputed after the next start", self.model_name, device, host,
+                        self.store.close_timeout_s)
         return device + host
 
     def close(self) -> None:

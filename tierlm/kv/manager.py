@@ -7,6 +7,7 @@ those blocks get fresh device blocks and their K/V is copied back in (promotion)
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,7 +133,7 @@ class KVCacheManager:
         if job is None:
             return
         left = job.created + self.store.read_timeout_s - time.monotonic() + 1e-3
-        job.done.wait(max(0.0, left if timeout is None else min(timeout, left)))
+        job.done.wait(min(max(0.0, left if timeout is None else min(timeout, left)), threading.TIMEOUT_MAX))
 
     def find_cached_prefix(self, req) -> PrefixHit:
         """Longest run of leading full blocks cached in any tier (never the whole prompt:
@@ -156,6 +157,7 @@ class KVCacheManager:
                 (start, lower), d = held, len(hit.device)
                 if d >= start:
                     hit.lower = lower[d - start:]
+                    self.store.unstage([entry[0] for entry in lower[:d - start]])  # on the device now
                 else:
                     gap = hashes[d:start]
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
@@ -170,6 +172,11 @@ class KVCacheManager:
             # read that did not finish (overdue, or failed) or a request without one (preempted):
             # it takes what was staged and what the host tier and the writer's queue hold.
             hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=not self.prefetching))]
+            if job is not None and job.finished:
+                # What its reader staged that this request does not take (another request brought
+                # it to the device meanwhile) goes now; else it stayed staged for good.
+                used = {entry[0] for entry in hit.lower}
+                self.store.unstage([h for h in job.hashes[:job.found] if h not in used])
         return hit
 
     def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierlm.kv.tiers import DiskTier, HostTier, Layout, RedisTier, _CapacityTier
+from tierlm.kv.tiers import WRITE_WARN_EVERY_S, DiskTier, HostTier, Layout, RedisTier, _CapacityTier
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class TieredStore:
         self.read_timeout_s = read_timeout_s
         self.close_timeout_s = close_timeout_s  # queued writes wait at most this long at shutdown
         self._deadline: float | None = None  # set during a shutdown (`deadline`): no wait goes past it
+        self._slow_warned_at = 0.0  # when a read over the timeout was last warned about
         for t in tiers:
             if isinstance(t, RedisTier):
                 t.slow_after_s = read_timeout_s
@@ -140,14 +141,21 @@ class TieredStore:
         self.backlog_bytes = backlog_bytes
         self._shedding = False
         self._closed = False
+        # Two writers: disk (and host spills) on one, Redis on the other, so disk writes never
+        # queue behind a slow Redis (at shutdown they were lost behind it).
         self._writes: queue.Queue = queue.Queue()
+        self._remote_writes: queue.Queue = queue.Queue()
+        self._write_queues = (self._writes, self._remote_writes)
         self._reads: queue.Queue = queue.Queue()
         # Several readers: one request's slow read (a Redis that answers late, a cold disk) must
         # not hold up the reads of the requests that arrived after it.
         self._readers = max(1, readers)
+        failed_write = "KV tier write failed; the block will be recomputed when needed"
         self._threads = [
-            threading.Thread(target=self._serve, name="tierlm-kv-writer", daemon=True, args=(
-                self._writes, self._write_one, "KV tier write failed; the block will be recomputed when needed")),
+            threading.Thread(target=self._serve, name="tierlm-kv-writer", daemon=True,
+                             args=(self._writes, self._write_one, failed_write)),
+            threading.Thread(target=self._serve, name="tierlm-kv-writer-redis", daemon=True,
+                             args=(self._remote_writes, self._write_one, failed_write)),
         ] + [
             threading.Thread(target=self._serve, name=f"tierlm-kv-reader-{i}", daemon=True, args=(
                 self._reads, self._read_one, "KV prefetch failed; the request starts with the blocks read so far "
@@ -201,7 +209,7 @@ class TieredStore:
             self.backlog += size
             if kind == "put":
                 self.pending[h] = (data, hint, level)
-        self._writes.put(item)
+        (self._remote_writes if isinstance(self.tiers[level], RedisTier) else self._writes).put(item)
 
     def _serve(self, q: queue.Queue, handle: Callable, failed: str) -> None:
         """A worker thread's loop: handle items until None; a failing tier must not kill it."""
@@ -234,11 +242,15 @@ class TieredStore:
             self.tiers[level].put(h, parent, data)
             return
         try:
-            # Walk down from `level` until some tier keeps the block.
+            # Walk down from `level` until some tier keeps the block; what goes on to Redis is
+            # queued for its own writer (and stays servable from `pending` meanwhile).
             todo = [(h, parent, data, hint, level)]
             while todo:
                 *block, lv = todo.pop()
                 if lv >= len(self.tiers):
+                    continue
+                if isinstance(self.tiers[lv], RedisTier) and lv != level:
+                    self._enqueue(("put", *block, lv))
                     continue
                 for evicted in self.tiers[lv].put(*block):
                     todo.append((*evicted, lv + 1))
@@ -365,9 +377,12 @@ class TieredStore:
         if isinstance(stuck, RedisTier):
             stuck.too_slow(waited)
         elif stuck is not None:
-            log.warning("KV %s has taken %.1f s to read one block (over %g s); starting the request without the "
-                        "rest of its prefix (it is recomputed). Check that storage", stuck.where, waited,
-                        self.read_timeout_s)
+            now = time.monotonic()  # (no tier lock here: the disk tier holds its own while it writes)
+            if now - self._slow_warned_at >= WRITE_WARN_EVERY_S or not self._slow_warned_at:
+                self._slow_warned_at = now
+                log.warning("KV %s has taken %.1f s to read one block (over %g s); starting the request without "
+                            "the rest of its prefix (it is recomputed). Check that storage (said again at most "
+                            "every %d s)", stuck.where, waited, self.read_timeout_s, WRITE_WARN_EVERY_S)
 
     def cancel(self, job: Prefetch) -> None:
         """The request is gone: skip the job, or stop it after its current block, and drop what
@@ -429,10 +444,14 @@ class TieredStore:
         if self._closed:
             return True
         if self._deadline is None:
+            # The disk writer may queue for Redis, never the other way round: disk first.
             self._writes.join()
+            self._remote_writes.join()
             self._reads.join()
             return True
-        return _join(self._writes, self._deadline)  # shutting down: reads are for requests that are gone
+        # Shutting down: reads are for requests that are gone. The disk's writes are not held up
+        # by Redis's: whatever Redis leaves undone, the disk's land first.
+        return _join(self._writes, self._deadline) & _join(self._remote_writes, self._deadline)
 
     @contextlib.contextmanager
     def deadline(self) -> Iterator[None]:
@@ -472,15 +491,17 @@ class TieredStore:
             self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
             self._room.notify_all()
         if not finished:
-            dropped = _drain(self._writes)
+            dropped = {name: _drain(q) for name, q in (("disk", self._writes), ("Redis", self._remote_writes))}
             log.warning("KV tier writes were still under way after %g s at shutdown (a slow disk or Redis); "
-                        "dropped the %d still queued: those blocks are recomputed when needed",
-                        self.close_timeout_s, dropped)
-        self._writes.put(None)
+                        "dropped those still queued (%s): those blocks are recomputed when needed",
+                        self.close_timeout_s, ", ".join(f"{n} for {k}" for k, n in dropped.items() if n) or "none")
+        for q in self._write_queues:
+            q.put(None)
         for _ in range(self._readers):
             self._reads.put(None)
-        writer, *readers = self._threads
-        writer.join(max(0.0, stop_by - time.monotonic()))  # one stuck in a slow call is left to it
+        writers, readers = self._threads[:2], self._threads[2:]
+        for t in writers:
+            t.join(max(0.0, stop_by - time.monotonic()))  # one stuck in a slow call is left to it
         readers_by = time.monotonic() + 0.1  # reads are for nobody now: a hung one is not waited for
         for t in readers:
             t.join(max(0.0, readers_by - time.monotonic()))

@@ -1385,8 +1385,14 @@ class RedisTier:
 
     def too_slow(self, waited_s: float) -> None:
         """A read has been under way for `waited_s`, longer than a request may wait: an outage
-        (the next requests skip this tier for the back-off), not a wait for everyone."""
+        (the next requests skip this tier for the back-off), not a wait for everyone. Its
+        connections are closed, so reader threads stuck on a reply that trickles in are freed
+        for the reads queued behind them (the disk's too)."""
         self._failed(TimeoutError(f"a read has taken {waited_s:.1f} s, over kv_read_timeout"))
+        try:
+            self.client.connection_pool.disconnect()  # in-use ones too: their blocked reads fail now
+        except Exception:
+            pass
 
     def _took(self, t0: float) -> bool:
         """Whether the round trip begun at `t0` was slow enough to count as an outage."""
@@ -1399,17 +1405,18 @@ class RedisTier:
     def _corrupt(self, key: str) -> None:
         """A value under one of tierlm's keys is not an intact entry for that key: delete it, so
         it is not read and counted again on every request, and say so (at most every 5 minutes)."""
+        try:
+            if not self.client.delete(key):
+                return  # a concurrent read of the same value deleted and counted it already
+        except Exception:  # a miss all the same
+            pass
         self.stats.corrupt += 1
         now = time.monotonic()
         if now - self._warned_corrupt >= WRITE_WARN_EVERY_S or not self._warned_corrupt:
             self._warned_corrupt = now
-            log.warning("Redis KV tier %s holds a damaged or foreign value at %s (%d so far; said again at most "
-                        "every %d s); deleting it, the block is recomputed. Something other than tierlm may be "
+            log.warning("Redis KV tier %s held a damaged or foreign value at %s (%d so far; said again at most "
+                        "every %d s); deleted it, the block is recomputed. Something other than tierlm may be "
                         "writing tierlm's keys", self.url, key, self.stats.corrupt, WRITE_WARN_EVERY_S)
-        try:
-            self.client.delete(key)
-        except Exception:  # a miss all the same
-            pass
 
     def _failed(self, e: Exception) -> None:
         now = time.monotonic()
