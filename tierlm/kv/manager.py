@@ -37,6 +37,10 @@ class PrefixHit:
     device: list[KVBlock] = field(default_factory=list)
     # (hash, tier, K/V, output length of the last finished request that used it, if known)
     lower: list[tuple[BlockHash, str, torch.Tensor, int | None]] = field(default_factory=list)
+    # Blocks read (staged) for this request that it does not take now (another request brought
+    # them to the device meanwhile): unstaged once it is admitted or gone, not before, as they
+    # may leave the device again while it waits for room.
+    spare: list[BlockHash] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -69,7 +73,7 @@ class KVCacheManager:
         # Requests that found a lower-tier prefix but no device room: request id -> (device blocks
         # then, the lower-tier blocks read), kept until admitted or gone. Several may be held at
         # once (a request that reads first may be tried first next step).
-        self._held: dict[str, tuple[int, list]] = {}
+        self._held: dict[str, tuple[int, list, list]] = {}  # id -> (device blocks then, lower, spare)
         self.io = io
         if store is not None:
             if io is None:
@@ -154,10 +158,10 @@ class KVCacheManager:
                 # Blocks are keyed by content, so what was read is still right. Only the split
                 # moved if other requests' demand pushed some of this prefix off the device (read
                 # those few back, from host or the writer's queue) or brought more of it there.
-                (start, lower), d = held, len(hit.device)
+                (start, lower, hit.spare), d = held, len(hit.device)
                 if d >= start:
                     hit.lower = lower[d - start:]
-                    self.store.unstage([entry[0] for entry in lower[:d - start]])  # on the device now
+                    hit.spare = hit.spare + [entry[0] for entry in lower[:d - start]]  # on the device now
                 else:
                     gap = hashes[d:start]
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
@@ -174,9 +178,9 @@ class KVCacheManager:
             hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=not self.prefetching))]
             if job is not None and job.finished:
                 # What its reader staged that this request does not take (another request brought
-                # it to the device meanwhile) goes now; else it stayed staged for good.
+                # it to the device meanwhile): else it stayed staged for good.
                 used = {entry[0] for entry in hit.lower}
-                self.store.unstage([h for h in job.hashes[:job.found] if h not in used])
+                hit.spare = [h for h in job.hashes[:job.found] if h not in used]
         return hit
 
     def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
@@ -189,10 +193,12 @@ class KVCacheManager:
         need = self.blocks_needed(total) - len(req.blocks) - len(hit.device)
         reviving = sum(1 for b in hit.device if b.ref_cnt == 0)  # cached blocks leave the free count
         if need + reviving > self.pool.num_free:
-            if hit.lower:
-                self._held[req.request_id] = (len(hit.device), hit.lower)
+            if hit.lower or hit.spare:
+                self._held[req.request_id] = (len(hit.device), hit.lower, hit.spare)
             return False
         self._held.pop(req.request_id, None)
+        if hit.spare and self.store is not None:
+            self.store.unstage(hit.spare)
         for i, blk in enumerate(hit.device):
             self.pool.acquire_cached(blk, req.block_hashes[i - 1] if i else None)
         req.blocks.extend(hit.device)
@@ -246,7 +252,7 @@ class KVCacheManager:
     def free(self, req) -> None:
         held = self._held.pop(req.request_id, None)
         if held is not None and self.store is not None:  # held for room, gone before admission: what it read goes too
-            self.store.unstage([entry[0] for entry in held[1]])  # (another held request keeps its own references)
+            self.store.unstage([entry[0] for entry in held[1]] + held[2])  # (another held request keeps its own references)
         job = self._prefetches.pop(req.request_id, None)
         if job is not None:  # finished or aborted before admission
             self.store.cancel(job)

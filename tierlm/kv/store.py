@@ -185,16 +185,16 @@ class TieredStore:
         for i in self.write_through_levels:
             self._enqueue(("remote" if isinstance(self.tiers[i], RedisTier) else "put", h, parent, data, None, i))
 
-    def _enqueue(self, item, wait: bool = False) -> None:
+    def _enqueue(self, item, wait: bool = False, force: bool = False) -> None:
         """Queue (kind, key, parent, K/V, hint, level) for the writer, within the backlog bound
-        (dropped past it, or with `wait` held until there is room); a demoted block stays
+        (dropped past it, with `wait` held until there is room, with `force` queued all the same); a demoted block stays
         servable from `pending` meanwhile."""
         kind, h, _, data, hint, level = item
         if level >= len(self.tiers):
             return  # evicted from the last tier: nowhere further down
         size = _nbytes(data)
         with self._room:
-            while self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
+            while not force and self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
                 left = None if self._deadline is None else self._deadline - time.monotonic()
                 if not wait or (left is not None and left <= 0):
                     self.tiers[level].stats.dropped += 1
@@ -250,7 +250,9 @@ class TieredStore:
                 if lv >= len(self.tiers):
                     continue
                 if isinstance(self.tiers[lv], RedisTier) and lv != level:
-                    self._enqueue(("put", *block, lv))
+                    # Past the bound if need be: written inline before, it was never dropped (and
+                    # only this writer could make the room it would wait for).
+                    self._enqueue(("put", *block, lv), force=True)
                     continue
                 for evicted in self.tiers[lv].put(*block):
                     todo.append((*evicted, lv + 1))
