@@ -167,7 +167,8 @@ class KVCacheManager:
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
                     hit.lower = [(h, *f) for h, f in zip(gap, found)] + (lower if len(found) == len(gap) else [])
                 return hit
-            if job is not None and job.finished:
+            finished = job is not None and job.finished
+            if finished:
                 # The reader found the run and the miss after it: read only what it staged (and
                 # host blocks), so the model loop makes no disk or Redis request of its own.
                 limit = min(limit, job.start + job.found)
@@ -176,7 +177,7 @@ class KVCacheManager:
             # read that did not finish (overdue, or failed) or a request without one (preempted):
             # it takes what was staged and what the host tier and the writer's queue hold.
             hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=not self.prefetching))]
-            if job is not None and job.finished:
+            if finished:
                 # What its reader staged that this request does not take (another request brought
                 # it to the device meanwhile): else it stayed staged for good.
                 used = {entry[0] for entry in hit.lower}

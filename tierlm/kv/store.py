@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierlm.kv.tiers import WRITE_WARN_EVERY_S, DiskTier, HostTier, Layout, RedisTier, _CapacityTier
+from tierlm.kv.tiers import WRITE_WARN_EVERY_S, DiskTier, HostTier, Layout, RedisTier, _CapacityTier, warn_due
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class TieredStore:
         self.read_timeout_s = read_timeout_s
         self.close_timeout_s = close_timeout_s  # queued writes wait at most this long at shutdown
         self._deadline: float | None = None  # set during a shutdown (`deadline`): no wait goes past it
-        self._slow_warned_at = 0.0  # when a read over the timeout was last warned about
+        self._warned_at: dict[str, float] = {}  # kind of trouble -> when last warned about
         for t in tiers:
             if isinstance(t, RedisTier):
                 t.slow_after_s = read_timeout_s
@@ -379,9 +379,8 @@ class TieredStore:
         if isinstance(stuck, RedisTier):
             stuck.too_slow(waited)
         elif stuck is not None:
-            now = time.monotonic()  # (no tier lock here: the disk tier holds its own while it writes)
-            if now - self._slow_warned_at >= WRITE_WARN_EVERY_S or not self._slow_warned_at:
-                self._slow_warned_at = now
+            # (The store's own times, not the tier's: the disk tier holds its lock while it writes.)
+            if warn_due(self._warned_at, "slow read"):
                 log.warning("KV %s has taken %.1f s to read one block (over %g s); starting the request without "
                             "the rest of its prefix (it is recomputed). Check that storage (said again at most "
                             "every %d s)", stuck.where, waited, self.read_timeout_s, WRITE_WARN_EVERY_S)

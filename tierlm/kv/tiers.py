@@ -64,6 +64,17 @@ _HINT_KEY = b'"output_tokens": '
 _HINT_WIDTH = 12  # the hint's value is padded to this width, so it can be patched in place
 
 
+def warn_due(warned_at: dict[str, float], kind: str) -> bool:
+    """Whether a `kind` of trouble may be warned about again (at most every WRITE_WARN_EVERY_S,
+    by the times kept in `warned_at`); True marks it done."""
+    now = time.monotonic()
+    last = warned_at.get(kind)
+    if last is not None and now - last < WRITE_WARN_EVERY_S:
+        return False
+    warned_at[kind] = now
+    return True
+
+
 def _hint_slot(hint: int | None) -> bytes:
     return json.dumps(hint).encode().ljust(_HINT_WIDTH)
 
@@ -463,14 +474,8 @@ class _CapacityTier:
         return None
 
     def _warn_due(self, kind: str) -> bool:
-        """Whether failing `kind` operations may be warned about again (at most every
-        WRITE_WARN_EVERY_S); True marks it done. Hold `lock`."""
-        now = time.monotonic()
-        last = self._warned_at.get(kind)
-        if last is not None and now - last < WRITE_WARN_EVERY_S:
-            return False
-        self._warned_at[kind] = now
-        return True
+        """`warn_due` for this tier's warnings. Hold `lock`."""
+        return warn_due(self._warned_at, kind)
 
     def _before_read(self, h: bytes) -> int | None:
         """Under the lock, before a lookup: make `h` known if it is stored but not yet indexed;
@@ -1261,7 +1266,7 @@ class RedisTier:
         # A round trip slower than this is an outage (the store sets it to its read timeout): the
         # socket timeout bounds each read from the socket, not a reply that trickles in.
         self.slow_after_s: float | None = None
-        self._warned_corrupt = 0.0
+        self._warned_at: dict[str, float] = {}  # kind of trouble -> when last warned about
         self._started = False
         self._check_memory(capacity_bytes, self._bad_credentials)
         self._started = True
@@ -1411,9 +1416,7 @@ class RedisTier:
         except Exception:  # a miss all the same
             pass
         self.stats.corrupt += 1
-        now = time.monotonic()
-        if now - self._warned_corrupt >= WRITE_WARN_EVERY_S or not self._warned_corrupt:
-            self._warned_corrupt = now
+        if warn_due(self._warned_at, "corrupt"):
             log.warning("Redis KV tier %s held a damaged or foreign value at %s (%d so far; said again at most "
                         "every %d s); deleted it, the block is recomputed. Something other than tierlm may be "
                         "writing tierlm's keys", self.url, key, self.stats.corrupt, WRITE_WARN_EVERY_S)
