@@ -419,6 +419,68 @@ def test_a_request_waiting_for_room_keeps_its_lower_tier_hit(llama_dir, cold_ref
     assert req2.output_token_ids == ref[3] and req2.num_cached_tokens == 64
 
 
+def test_what_requests_waiting_for_room_keep_is_bounded_and_each_block_counted_once(llama_dir, cold_reference,
+                                                                                    tmp_path):
+    """Requests held for device room kept every lower-tier run they read, without limit. Past
+    the bound a request keeps the head of its run (still a valid prefix) and recomputes the rest;
+    a block kept by two requests counts once; letting go of both frees the ledger."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_prefetch=False)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.offload_prefix_cache()
+    eng = llm.engine
+    first, second = (eng.add_request({"prompt_token_ids": shared + _prompt(k, 9)}, GREEDY) for k in (3, 4))
+    for req in (first, second):
+        eng.scheduler.waiting.remove(req)  # driven by hand below
+    hit = eng.kv.find_cached_prefix(first)
+    block = hit.lower[0][2].numel() * hit.lower[0][2].element_size()
+    assert hit.num_blocks == 8 and eng.kv.held_bytes_limit == 1 << 30
+    eng.kv.held_bytes_limit = 5 * block + block // 2
+    assert not eng.kv.allocate(first, eng.pool.num_blocks * 8, hit)
+    assert len(eng.kv._held[first.request_id][1]) == 5 and eng.kv.held_bytes == 5 * block
+    assert eng.stats().kv_held_bytes == 5 * block
+    assert not eng.kv.allocate(second, eng.pool.num_blocks * 8, eng.kv.find_cached_prefix(second))
+    assert len(eng.kv._held[second.request_id][1]) == 5 and eng.kv.held_bytes == 5 * block  # the same 5
+    again = eng.kv.find_cached_prefix(first)  # its next try: the head it kept
+    assert [e[0] for e in again.lower] == [e[0] for e in hit.lower[:5]]
+    eng.kv.free(first)
+    assert eng.kv.held_bytes == 5 * block  # still kept by the second
+    eng.kv.free(second)
+    assert eng.kv.held_bytes == 0 and not eng.kv._held_refs and not eng.kv._held
+    out = _run(llm, shared + _prompt(3, 9))
+    assert out[0] == ref[3] and out[1] == 64  # nothing lost: the blocks are still in their tiers
+
+
+def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_dir, cold_reference, tmp_path):
+    """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
+    keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng = llm.engine
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    hog = eng.add_request({"prompt_token_ids": _prompt(9, 120)}, SamplingParams(max_tokens=40, temperature=0,
+                                                                                 ignore_eos=True))
+    eng.step()
+    eng.step()
+    waiting = [eng.add_request({"prompt_token_ids": shared + _prompt(k, 9)}, GREEDY) for k in (3, 2)]
+    eng.store.flush()
+    eng.step()
+    held = eng.kv._held[waiting[0].request_id][1]
+    block = held[0][2].numel() * held[0][2].element_size()
+    assert eng.kv.held_bytes == 8 * block  # the shared 8 blocks, once
+    eng.kv.held_bytes_limit = 3 * block
+    eng.step()
+    assert 0 < eng.kv.held_bytes <= 3 * block
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_token_ids for r in waiting] == [ref[3], ref[2]]
+    assert eng.kv.held_bytes == 0 and not eng.kv._held and eng.pool.num_used == 0
+    assert hog.finish_reason == "length"
+    llm.close()
+
+
 def test_steps_go_on_while_a_prefix_is_read_from_disk(llama_dir, cold_reference, tmp_path):
     """A request whose prefix is being read from disk waits while other requests decode; it is
     admitted when the read is done, with the same tokens as a cold run."""

@@ -71,10 +71,12 @@ class EngineStats:
     kv_tiers: dict | None = None  # per lower tier: hits, misses, stores, evictions, promotions, bytes, corrupt, errors
     kv_tier_usage: dict | None = None  # host and disk: {"blocks": held now, "capacity": blocks}
     # Host memory the lower tiers use beyond the host tier itself: blocks queued for the disk or
-    # Redis writer (up to 1 GiB when they cannot keep up), and blocks read from disk or Redis
-    # waiting to go back to the device.
+    # Redis writer (up to 1 GiB when they cannot keep up), blocks read from disk or Redis
+    # waiting to go back to the device, and the lower-tier runs that requests waiting for device
+    # room keep for their next try (each up to 1 GiB).
     kv_write_backlog_bytes: int = 0
     kv_staged_bytes: int = 0
+    kv_held_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -483,7 +485,8 @@ class LLMEngine:
             kv_tiers=self.store.stats() if self.store is not None else None,
             kv_tier_usage=self.store.usage() if self.store is not None else None,
             kv_write_backlog_bytes=self.store.backlog if self.store is not None else 0,
-            kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0)
+            kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0,
+            kv_held_bytes=self.kv.held_bytes)
 
     def persist_kv(self) -> int:
         """With a disk tier: move every cached block from the device and host memory down to it

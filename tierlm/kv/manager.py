@@ -16,7 +16,7 @@ import torch
 
 from tierlm.kv.block_pool import BlockPool, KVBlock
 from tierlm.kv.prefix_cache import BlockHash, chain_hashes, extra_key
-from tierlm.kv.store import Prefetch, TieredStore
+from tierlm.kv.store import Prefetch, TieredStore, nbytes
 
 
 @dataclass
@@ -74,6 +74,12 @@ class KVCacheManager:
         # then, the lower-tier blocks read), kept until admitted or gone. Several may be held at
         # once (a request that reads first may be tried first next step).
         self._held: dict[str, tuple[int, list, list]] = {}  # id -> (device blocks then, lower, spare)
+        # What held requests' K/V weighs, each block counted once however many hold it: bounded
+        # like staging (a burst of requests waiting for room, each with a long disk or Redis
+        # prefix, kept every run it read, without limit). Block -> (holders, bytes).
+        self._held_refs: dict[BlockHash, list[int]] = {}
+        self.held_bytes = 0
+        self.held_bytes_limit = store.staging_bytes if store is not None else 0
         self.io = io
         if store is not None:
             if io is None:
@@ -106,7 +112,7 @@ class KVCacheManager:
     def _demote(self, blocks: list[KVBlock]) -> None:
         for blk, data in zip(blocks, self.io.read([blk.block_id for blk in blocks])):
             self.stats.demoted_blocks += 1
-            self.stats.demoted_bytes += data.numel() * data.element_size()
+            self.stats.demoted_bytes += nbytes(data)
             self.store.demote(blk.block_hash, blk.parent_hash, data, hint=blk.output_tokens)
 
     def prefetch(self, req) -> None:
@@ -194,10 +200,9 @@ class KVCacheManager:
         need = self.blocks_needed(total) - len(req.blocks) - len(hit.device)
         reviving = sum(1 for b in hit.device if b.ref_cnt == 0)  # cached blocks leave the free count
         if need + reviving > self.pool.num_free:
-            if hit.lower or hit.spare:
-                self._held[req.request_id] = (len(hit.device), hit.lower, hit.spare)
+            self._hold(req.request_id, len(hit.device), hit.lower, hit.spare)
             return False
-        self._held.pop(req.request_id, None)
+        self._release(req.request_id)
         if hit.spare and self.store is not None:
             self.store.unstage(hit.spare)
         for i, blk in enumerate(hit.device):
@@ -217,7 +222,7 @@ class KVCacheManager:
                 self.pool.policy.finished([h], hint)
             self.store.promoted(h, source)
             self.stats.promoted_blocks += 1
-            self.stats.promoted_bytes += data.numel() * data.element_size()
+            self.stats.promoted_bytes += nbytes(data)
         self.stats.device_hit_blocks += len(hit.device)
         req.num_registered_blocks = max(req.num_registered_blocks, hit.num_blocks)
         return True
@@ -250,8 +255,41 @@ class KVCacheManager:
                 self.store.write_through_block(h, parent, data)
         req.num_registered_blocks = full
 
+    def _hold(self, request_id: str, start: int, lower: list, spare: list) -> None:
+        """Keep what the lower tiers gave a request that found no device room, for its next try,
+        within `held_bytes_limit`: past it, the tail of its run is let go (recomputed when it is
+        admitted; the head alone is still a valid prefix), so requests that came first keep theirs."""
+        self._release(request_id)
+        kept = 0
+        for h, _, data, _ in lower:
+            ref = self._held_refs.get(h)
+            if ref is None:
+                size = nbytes(data)
+                if self.held_bytes + size > self.held_bytes_limit:
+                    break
+                ref = self._held_refs[h] = [0, size]
+                self.held_bytes += size
+            ref[0] += 1
+            kept += 1
+        if kept < len(lower) and self.store is not None:
+            self.store.unstage([entry[0] for entry in lower[kept:]])
+        if kept or spare:
+            self._held[request_id] = (start, lower[:kept], spare)
+
+    def _release(self, request_id: str):
+        """Forget `request_id`'s hold (admitted or gone) and return it, or None."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            for h, *_ in held[1]:
+                ref = self._held_refs[h]
+                ref[0] -= 1
+                if not ref[0]:
+                    del self._held_refs[h]
+                    self.held_bytes -= ref[1]
+        return held
+
     def free(self, req) -> None:
-        held = self._held.pop(req.request_id, None)
+        held = self._release(req.request_id)
         if held is not None and self.store is not None:  # held for room, gone before admission: what it read goes too
             self.store.unstage([entry[0] for entry in held[1]] + held[2])  # (another held request keeps its own references)
         job = self._prefetches.pop(req.request_id, None)

@@ -67,7 +67,8 @@ class Prefetch:
     tier_since: float = 0.0
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of K/V a tensor holds."""
     return t.numel() * t.element_size()
 
 
@@ -192,7 +193,7 @@ class TieredStore:
         kind, h, _, data, hint, level = item
         if level >= len(self.tiers):
             return  # evicted from the last tier: nowhere further down
-        size = _nbytes(data)
+        size = nbytes(data)
         with self._room:
             while not force and self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
                 left = None if self._deadline is None else self._deadline - time.monotonic()
@@ -229,7 +230,7 @@ class TieredStore:
             self._write_down(*item)
         finally:
             with self._room:
-                self.backlog -= _nbytes(item[3])
+                self.backlog -= nbytes(item[3])
                 if self.backlog <= self.backlog_bytes // 2:
                     self._shedding = False
                 self._room.notify_all()
@@ -308,7 +309,7 @@ class TieredStore:
             data, hint, level = queued  # tier's promotions count it, and never exceed its hits)
             tier = self.tiers[level]
             tier.stats.hits += 1
-            tier.stats.bytes_out += _nbytes(data)
+            tier.stats.bytes_out += nbytes(data)
             return tier.name, data, hint
         if hit is not None:
             return hit
@@ -334,17 +335,17 @@ class TieredStore:
             if h in self.staged:
                 return
             self.staged[h] = (source, data, hint)
-            self.staged_bytes += _nbytes(data)
+            self.staged_bytes += nbytes(data)
             while self.staged_bytes > self.staging_bytes and self.staged:
                 _, (_, old, _) = self.staged.popitem(last=False)
-                self.staged_bytes -= _nbytes(old)
+                self.staged_bytes -= nbytes(old)
 
     def promoted(self, h: bytes, source: str) -> None:
         """Block `h` is on the device again, copied from tier `source`: count it, unstage it."""
         with self._lock:
             entry = self.staged.pop(h, None)
             if entry is not None:
-                self.staged_bytes -= _nbytes(entry[1])
+                self.staged_bytes -= nbytes(entry[1])
         for t in self.tiers:
             if t.name == source:
                 t.stats.promotions += 1
@@ -411,7 +412,7 @@ class TieredStore:
             if h not in wanted:
                 entry = self.staged.pop(h, None)
                 if entry is not None:
-                    self.staged_bytes -= _nbytes(entry[1])
+                    self.staged_bytes -= nbytes(entry[1])
 
     def _read_one(self, job: Prefetch) -> None:
         try:

@@ -160,6 +160,9 @@ ENGINE_FIGURES = (
                    "kv_write_backlog_bytes", "gauge"),
     _EngineFigures("tierlm:kv_staged_bytes", "Bytes of KV read from disk or Redis, held in host memory until "
                    "promoted to the device.", "kv_staged_bytes", "gauge"),
+    _EngineFigures("tierlm:kv_held_bytes", "Bytes of KV from lower tiers kept by requests waiting for device "
+                   "room (bounded at 1 GiB; past it a request keeps the head of its prefix).", "kv_held_bytes",
+                   "gauge"),
 )
 
 
