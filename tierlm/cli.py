@@ -66,6 +66,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "(recomputed); a slower Redis round trip counts as an outage (default: 5)")
     kv.add_argument("--kv-host-policy", default=None, choices=POLICIES, help="host tier policy (default: --kv-tier-policy)")
     kv.add_argument("--kv-disk-policy", default=None, choices=POLICIES, help="disk tier policy (default: --kv-tier-policy)")
+    kv.add_argument("--kv-policy-history", type=int, default=1 << 18, metavar="BLOCKS",
+                    help="blocks a learning eviction policy (duel, gittins, ...) remembers per tier, ~340 bytes "
+                         "each (default: 262144, ~85 MiB)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -79,7 +82,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_tier_policy=args.kv_tier_policy,
                 kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
                 kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through,
-                kv_read_timeout=args.kv_read_timeout,
+                kv_read_timeout=args.kv_read_timeout, kv_policy_history=args.kv_policy_history,
                 cuda_graphs=args.cuda_graphs)
 
 

@@ -98,6 +98,26 @@ def test_eviction_policy_is_chosen_per_tier(llama_dir, tmp_path):
     assert (cfg.tier_policy("host"), cfg.tier_policy("disk")) == ("lru", "arc")
 
 
+def test_policy_history_reaches_every_tier_and_the_disk_tiers_rebuilt_policy(llama_dir, cold_reference, tmp_path):
+    """`kv_policy_history` bounds what each learning policy remembers (85 MiB each at the default),
+    including the policy the disk tier builds anew once it has indexed an earlier run."""
+    shared, ref = cold_reference
+    kw = dict(kv_host_capacity="4 blocks", kv_host_policy="lru", kv_disk_dir=str(tmp_path / "kv"),
+              kv_policy_history=2048)
+    llm = _llm(llama_dir, **kw)
+    _run(llm, shared + _prompt(2, 9))
+    llm.close()  # its blocks go down to disk, for the next engine to index
+    llm = _llm(llama_dir, **kw)
+    host, disk = llm.engine.store.tiers
+    assert disk.wait_indexed(30) and len(disk) > 0
+    assert llm.engine.pool.policy.history == 2048 and disk.policy.history == 2048
+    assert not hasattr(host.policy, "history")  # LRU keeps none
+    assert _run(llm, shared + _prompt(3, 9))[:2] == (ref[3], 64)
+    llm.close()
+    with pytest.raises(ValueError, match="kv_policy_history must be .* at least 1024"):
+        LLM(str(tmp_path / "no-model-here"), kv_policy_history=10)
+
+
 @pytest.mark.parametrize("knob, name, says", [("kv_host_policy", "mru", "unknown eviction policy"),
                                               ("eviction_policy", "belady", "offline reference"),
                                               ("kv_tier_policy", "oracle_pop", "offline reference")])

@@ -32,6 +32,7 @@ from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongErr
 from tierlm.kv.admin import model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
+from tierlm.kv.policies import make_policy
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, RedisTier, host_block_bytes,
                              parse_capacity)
@@ -179,11 +180,13 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     check_host_capacity(host * host_block_bytes(block_bytes, pinned=device.type == "cuda"))
     tiers: list = []
     if host > 0:
-        tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda"))
+        tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda",
+                              history=config.kv_policy_history))
     if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
         # Absolute, so a later chdir (a library user's) does not move the tier to another directory.
         own = disk_tier_dir(os.path.abspath(config.kv_disk_dir), model_id, label)
-        disk_tier = DiskTier(own, disk, config.tier_policy("disk"), block_bytes=block_bytes)
+        disk_tier = DiskTier(own, disk, config.tier_policy("disk"), block_bytes=block_bytes,
+                             history=config.kv_policy_history)
         if disk_tier.usable:  # else off for this run (a full disk; it said so)
             tiers.append(disk_tier)
             if about is not None:
@@ -245,7 +248,8 @@ class LLMEngine:
                              config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
             num_blocks = budget // per_block
             self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
-            self.pool = BlockPool(num_blocks, config.enable_prefix_caching, config.eviction_policy)
+            self.pool = BlockPool(num_blocks, config.enable_prefix_caching,
+                                  make_policy(config.eviction_policy, history=config.kv_policy_history))
             self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
                                       graphs=self._graphs_config(config, loaded.args, bs))
             if config.warmup:

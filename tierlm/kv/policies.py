@@ -1365,12 +1365,16 @@ SAMPLED_POLICIES: list[str] = [n for n in POLICIES
 DEFAULT_POLICY = "duel"
 
 
-def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
-    """Build a policy by name (`POLICIES`, or "belady" in the simulator)."""
+def make_policy(name: str, history: int | None = None, **kwargs: object) -> EvictionPolicy:
+    """Build a policy by name (`POLICIES`, or "belady" in the simulator). `history`: how many
+    blocks' records a policy that learns from its history (the Gittins family) keeps; the
+    others keep none and ignore it."""
     try:
         cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(
             f"unknown eviction policy {name!r}; choose one of {sorted(_REGISTRY)}"
         ) from None
+    if history is not None and issubclass(cls, GittinsPolicy):
+        kwargs["history"] = history
     return cls(**kwargs)

@@ -285,9 +285,10 @@ class _CapacityTier:
     name = "tier"
     layout: Layout | None = None  # what a block read back must be (set by the TieredStore), if known
 
-    def __init__(self, capacity_blocks: int, policy: str) -> None:
+    def __init__(self, capacity_blocks: int, policy: str, history: int | None = None) -> None:
         self.capacity = capacity_blocks
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, history=history)
+        self._policy_args = (policy, history)  # to build it anew (the disk tier, once it has indexed)
         self.parents: dict[bytes, bytes | None] = {}
         self.hints: dict[bytes, int] = {}
         self.stats = TierStats()
@@ -536,8 +537,9 @@ class HostTier(_CapacityTier):
 
     name = "host"
 
-    def __init__(self, capacity_blocks: int, policy: str = DEFAULT_POLICY, pin: bool = False) -> None:
-        super().__init__(capacity_blocks, policy)
+    def __init__(self, capacity_blocks: int, policy: str = DEFAULT_POLICY, pin: bool = False,
+                 history: int | None = None) -> None:
+        super().__init__(capacity_blocks, policy, history)
         self.pin = pin
         self.data: dict[bytes, torch.Tensor] = {}
 
@@ -633,17 +635,17 @@ class DiskTier(_CapacityTier):
         return self._lock_file is not None
 
     def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
-                 block_bytes: int = 0, index_in_background: bool = True, regrow_every_s: float = 30.0) -> None:
+                 block_bytes: int = 0, index_in_background: bool = True, regrow_every_s: float = 30.0,
+                 history: int | None = None) -> None:
         """`index_in_background=False` leaves the scan to a call of `index()` (tests place tier
         operations before it that way). After the disk filled up, the capacity grows back
         towards what was asked for as space frees up, looked at every `regrow_every_s`."""
-        super().__init__(capacity_blocks or 0, policy)
+        super().__init__(capacity_blocks or 0, policy, history)
         self._regrow_every = regrow_every_s
         self._regrow_at = 0.0
         # An entry is its header (well under 4 KiB) and one block: anything longer is not one.
         self._max_entry_bytes = block_bytes + 4096 if block_bytes else 1 << 30
         self.root = Path(root)
-        self._policy_name = policy
         self._auto_capacity = capacity_blocks is None
         self._lock_file = None
         self._root_id: tuple[int, int] | None = None  # (device, inode) of the directory this tier locked
@@ -964,7 +966,7 @@ class DiskTier(_CapacityTier):
         if self._stop.is_set():
             return
         t_read = time.monotonic()
-        rebuilt = make_policy(self._policy_name)  # private until swapped in: built without the lock
+        rebuilt = make_policy(self._policy_args[0], history=self._policy_args[1])  # private until swapped in: built without the lock
         for t, (_, h, parent, hint) in enumerate(found, 1):
             if t % 64 == 0:
                 self._yield()
