@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 
@@ -59,11 +60,21 @@ def test_token_ids_may_come_as_numpy_or_torch(llm):
         assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == ref
 
 
-def test_request_larger_than_whole_pool_is_rejected(llama_dir):
-    small = LLM(str(llama_dir), dtype="float32", kv_cache_memory=16 * 1024, max_model_len=512, block_size=8,
-                load_progress=False)
-    with pytest.raises(RequestTooLongError, match="whole pool"):
-        small.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=300))
+def test_a_pool_shorter_than_max_model_len_limits_requests_to_the_pool(llama_dir, caplog):
+    """Without max_tokens a request is given max_model_len minus its prompt, which a smaller pool
+    could never hold: every such request (the OpenAI API's default) was refused, however short.
+    The pool's length is the engine's limit now, said at start."""
+    with caplog.at_level(logging.WARNING, logger="tierlm"):
+        small = LLM(str(llama_dir), dtype="float32", kv_cache_memory="8 blocks", max_model_len=512, block_size=8,
+                    load_progress=False)
+    assert small.engine.max_model_len == 64
+    assert "the KV pool holds 64 tokens (8 blocks), fewer than max_model_len 512" in caplog.text
+    out = small.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=None, temperature=0,
+                                                                       ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 61 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestTooLongError, match="max_model_len"):
+        small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=30))
+    assert small.engine.pool.num_used == 0
 
 
 def test_bad_batch_is_rejected_whole(llm):

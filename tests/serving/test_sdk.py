@@ -170,6 +170,18 @@ def test_openai_completions(oai, model):
     assert chunks[-1].usage.completion_tokens >= 1
 
 
+def test_openai_sdk_none_arguments_mean_the_defaults(oai, model):
+    """The SDK sends null for a None argument, and OpenAI documents these fields as nullable
+    (null: the default). They were refused: `max_tokens: input should be a valid integer`."""
+    done = oai.completions.create(model=model, prompt="Once upon a time", max_tokens=None, echo=None, stream=None,
+                                  temperature=0)
+    assert done.object == "text_completion" and not done.choices[0].text.startswith("Once upon a time")
+    assert done.usage.completion_tokens == 16 or done.choices[0].finish_reason == "stop"  # the default: 16
+    chat = oai.chat.completions.create(model=model, max_tokens=None, stream=None, temperature=0,
+                                       messages=[{"role": "user", "content": "Hi"}], extra_body={"ignore_eos": None})
+    assert chat.object == "chat.completion" and chat.usage.completion_tokens >= 1
+
+
 def test_openai_errors_are_sdk_exceptions(oai, demo_server, model):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=demo_server.url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(

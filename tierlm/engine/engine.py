@@ -247,6 +247,13 @@ class LLMEngine:
                 budget = min(default_kv_cache_memory(self.device),
                              config.max_num_seqs * (self.max_model_len // bs + 1) * per_block)
             num_blocks = budget // per_block
+            if 0 < num_blocks * bs < self.max_model_len:
+                # No request can be longer than the pool, and one without max_tokens is given
+                # max_model_len minus its prompt: every such request (the OpenAI default) was refused.
+                log.warning("the KV pool holds %d tokens (%d blocks), fewer than max_model_len %d: requests are "
+                            "limited to %d tokens; raise kv_cache_memory (or lower max_model_len) to serve "
+                            "longer ones", num_blocks * bs, num_blocks, self.max_model_len, num_blocks * bs)
+                self.max_model_len = num_blocks * bs
             self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
             self.pool = BlockPool(num_blocks, config.enable_prefix_caching,
                                   make_policy(config.eviction_policy, history=config.kv_policy_history))

@@ -146,6 +146,13 @@ class _SamplingFields(_Body):
     # vLLM's: requests with different salts never share cached prefix blocks (mixed under the tenant's)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
+    @field_validator("stream", "ignore_eos", "max_tokens", "echo", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI documents these as "... or null", meaning the default, and the `openai` SDK sends
+        # null for a None argument (max_tokens=None, stream=None): they were refused as non-ints/bools.
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @field_validator("n")
     @classmethod
     def _n_is_one(cls, value: int | None) -> int | None:
