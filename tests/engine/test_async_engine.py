@@ -53,6 +53,24 @@ async def test_closing_the_stream_aborts(engine):
     assert engine.stats().kv_blocks_used == 0
 
 
+async def test_a_request_id_reused_right_after_its_stream_was_closed_gets_its_own_stream(engine):
+    """The closed stream's abort was still on its way through the engine thread: it reached the
+    new stream, which ended at once ('abort', the old prompt's length), while the new request ran
+    on with nobody listening. Now the new stream waits for it and gets its own tokens."""
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    for _ in range(3):
+        gen = engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, long, request_id="r1")
+        async for d in gen:
+            if d.num_output_tokens >= 3:
+                break
+        await gen.aclose()
+        deltas = await _collect(engine, {"prompt_token_ids": [9, 10, 11]},
+                                SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), request_id="r1")
+        assert deltas[-1].finish_reason == "length" and deltas[-1].num_prompt_tokens == 3
+        assert sum(len(d.token_ids) for d in deltas) == 5
+    assert not engine.engine.requests and not engine._streams and engine.stats().kv_blocks_used == 0
+
+
 async def test_concurrent_streams_and_event_loop_stays_free(engine):
     ticks = 0
     stop = False

@@ -24,6 +24,18 @@ from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+_GONE = object()  # what an abort of a request the engine no longer has delivers instead of a delta
+
+
+class _Closing:
+    """The stream of a request whose consumer left before its final delta. What still comes for
+    it is dropped, and a new stream under the same request id waits for that final delta: it
+    got the old request's abort before, and ended at once while its own request ran on with
+    nobody listening (holding KV blocks until max_tokens)."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -116,9 +128,11 @@ class AsyncEngine:
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
                                        cache_salt=cache_salt)
         rid = req.request_id
-        if rid in self._streams:
-            from tierlm.errors import InvalidRequestError
-            raise InvalidRequestError(f"request id '{rid}' is already in use", param="request_id")
+        while (old := self._streams.get(rid)) is not None:
+            if not isinstance(old, _Closing):
+                from tierlm.errors import InvalidRequestError
+                raise InvalidRequestError(f"request id '{rid}' is already in use", param="request_id")
+            await old.gone.wait()  # its abort is on its way through the engine thread
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         self._post(("add", req, None))
@@ -134,7 +148,11 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(rid, None)
+            if self._streams.get(rid) is q:
+                if finished:
+                    del self._streams[rid]
+                else:
+                    self._streams[rid] = _Closing()
             if not finished:
                 self._post(("abort", rid, None))
 
@@ -156,7 +174,11 @@ class AsyncEngine:
         for d in deltas:
             rid, item = d if isinstance(d, tuple) else (d.request_id, d)
             q = self._streams.get(rid)
-            if q is not None:
+            if isinstance(q, _Closing):
+                if item is _GONE or isinstance(item, BaseException) or item.finished:
+                    del self._streams[rid]
+                    q.gone.set()
+            elif q is not None and item is not _GONE:
                 q.put_nowait(item)
 
     def _send(self, deltas: list) -> None:
@@ -175,8 +197,7 @@ class AsyncEngine:
                     self.engine.add(arg)
                 else:
                     d = self.engine.abort(arg)
-                    if d is not None:
-                        out.append(d)
+                    out.append(d if d is not None else (arg, _GONE))
                 if fut is not None:
                     fut.set_result(None)
             except Exception as e:  # a bad add must fail that request only
