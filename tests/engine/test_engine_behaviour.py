@@ -212,6 +212,20 @@ class _Tok:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+def test_a_stop_string_found_only_when_the_last_token_is_flushed_is_the_finish_reason(llm):
+    """The 40th token is ' 🙂' plus two bytes of another emoji: its text is held back for the rest
+    of that character, so the stop string is found only by the flush at finish. The text was cut
+    there, but finish_reason stayed 'length' (and 'stop' with one more token)."""
+    prompt = "Hello, world! How"
+    free = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].outputs[0]
+    last = llm.engine.tokenizer.decode(free.token_ids[-1:])
+    assert last.startswith(" 🙂") and last.endswith("\ufffd")  # the case itself (this model, this prompt)
+    for n in (40, 41):
+        out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop=[" 🙂"]))[0]
+        assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", " 🙂")
+        assert " 🙂" not in out.outputs[0].text and free.text.startswith(out.outputs[0].text)
+
+
 def test_detokenizer_stop_split_across_tokens_and_utf8_whole():
     text = "héllo 世界 🚀 wörld END tail"
     ids = list(text.encode())

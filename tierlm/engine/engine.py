@@ -460,11 +460,16 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, stop_reason, new_token: int | None = None,
                 lp: TokenLogprob | None = None) -> StreamDelta:
+        detok = self.detoks.pop(req.request_id)
+        held_back = detok.matched_stop is None
+        detok.flush()  # a character still held for its next bytes is output too (nothing after a stop string)
+        if held_back and detok.matched_stop is not None and reason in ("length", "stop"):
+            # The last token completed a stop string but also began a character still unfinished,
+            # so the stop was only found now: the text is cut there, and the reason says so.
+            reason, stop_reason = "stop", detok.matched_stop
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.scheduler.remove(req)
-        detok = self.detoks.pop(req.request_id)
-        detok.flush()  # a character still held for its next bytes is output too (nothing after a stop string)
         self.requests.pop(req.request_id, None)
         self.logprobs.pop(req.request_id, None)
         delta = self._delta(req, detok.delta(True), [] if new_token is None else [new_token], lp, finished=True)
