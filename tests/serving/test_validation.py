@@ -53,6 +53,10 @@ def rejected(model, body) -> APIError:
     (anthropic(tools=[{"name": "bad name!", "input_schema": {}}]), "tools.0.name", "letters, digits"),
     (anthropic(tools=[{"name": "get_weather\n", "input_schema": {}}]), "tools.0.name", "letters, digits"),
     (anthropic(stream="yes"), "stream", "boolean"),
+    (anthropic(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+     "output_config.format", "structured output"),
+    (anthropic(output_format={"type": "json_schema", "schema": {}}), "output_format", "structured output"),
+    (anthropic(output_config={"effort": "extreme"}), "output_config.effort", "'low'"),
     ({"max_tokens": 8, "messages": USER}, "model", "field required"),
 ])
 def test_anthropic_rejections_name_the_field(body, param, words):
@@ -72,7 +76,7 @@ def test_anthropic_accepts_the_documented_shapes():
         ],
         tools=[{"name": "w", "description": "weather", "input_schema": {"type": "object"}}],
         tool_choice={"type": "auto"}, temperature=0, top_k=5, metadata={"user_id": "u1"},
-        stop_sequences=["\n\n"], unknown_future_field={"ignored": True},
+        stop_sequences=["\n\n"], unknown_future_field={"ignored": True}, output_config={"effort": "low"},
     ))
     assert body.temperature == 0.0 and body.tools[0].name == "w"
 

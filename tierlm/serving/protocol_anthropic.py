@@ -148,6 +148,20 @@ class Metadata(_Body):
     user_id: str | None = None
 
 
+def _no_output_schema(value: Any) -> Any:
+    if value is not None:
+        raise ValueError("structured output (a JSON schema the reply must follow) is not supported by tierlm; "
+                         "remove it and ask for JSON in the prompt")
+    return value
+
+
+class OutputConfig(_Body):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted; a hint tierlm ignores
+    format: Any = None
+
+    _no_format = field_validator("format")(_no_output_schema)
+
+
 class ConversationBody(_Body):
     """What both /v1/messages and /v1/messages/count_tokens render into a prompt."""
 
@@ -192,9 +206,16 @@ class MessagesRequest(ConversationBody):
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
+    # Structured output (the SDK's `output_config={"format": ...}`, and the beta's `output_format`)
+    # is refused, as OpenAI's response_format JSON modes are: ignored, the client got free text
+    # it took for schema-conforming JSON.
+    output_config: OutputConfig | None = None
+    output_format: Any = None
     # tierlm's (vLLM's field; send it with the SDK's extra_body): requests with different salts
     # never share cached prefix blocks, mixed under the tenant's
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+
+    _no_output_format = field_validator("output_format")(_no_output_schema)
 
     @field_validator("stop_sequences")
     @classmethod
