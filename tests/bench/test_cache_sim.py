@@ -15,6 +15,7 @@ from tierlm.bench.cache import (
     add_cli,
     infinite_hit_bound,
     load_trace,
+    plot_cache_results,
     run_cache_bench,
     simulate,
 )
@@ -269,6 +270,38 @@ def test_binary_trace_names_the_file(tmp_path, capsys) -> None:
     path.write_bytes(b'{"hash_ids": [1]}\n\xff\xfe\x00\x81 not text\n')
     _refused(["--trace", str(path), "--capacities", "2", "--json", str(tmp_path / "o.json")],
              capsys, f"{path}:2", "UTF-8")
+
+
+def test_deeply_nested_and_unreadable_traces_are_refused_in_one_line(tmp_path, capsys) -> None:
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"hash_ids": [1]}\n' + "[" * 100_000 + "\n")  # a RecursionError traceback before
+    _refused(["--trace", str(deep), "--capacities", "2", "--json", str(tmp_path / "o.json")],
+             capsys, f"{deep}:2", "nested too deeply")
+    for path, says in ((tmp_path, "Is a directory"), (tmp_path / "missing.jsonl", "No such file")):
+        _refused(["--trace", str(path), "--capacities", "2", "--json", str(tmp_path / "o.json")],
+                 capsys, f"cannot read trace {path}: {says}", "give a Mooncake JSONL file")
+
+
+def test_one_capacity_still_draws_the_infinite_cache_bound(tiny_trace: str, tmp_path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = run_cache_bench([tiny_trace], [3], policies=["lru"], quiet=True)
+    shown = []
+    real_save = plt.Figure.savefig
+
+    def save(fig, *a, **kw):
+        shown.extend(line for ax in fig.axes for line in ax.get_lines() if line.get_label() == "∞ cache")
+        return real_save(fig, *a, **kw)
+
+    plt.Figure.savefig = save
+    try:
+        plot_cache_results(out, str(tmp_path / "one.png"))
+    finally:
+        plt.Figure.savefig = real_save
+    assert len(shown) == 1 and shown[0].get_marker() not in (None, "None", "")
+    assert len(shown[0].get_xdata()) == 1
 
 
 def test_repeated_capacities_policies_and_traces_are_refused(tiny_trace: str, tmp_path,

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierlm.bench.cache import Trace, replay, simulate
+from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -285,6 +286,32 @@ def test_gittins_history_stays_bounded_and_keeps_what_is_scored(name: str) -> No
     assert len(p._hist) <= max(history, 2 * p._n_kept())
     assert all(p._kept(k) or k in p._hist for k in list(p._hist))
     assert all(k in p._hist for k in list(p._parent))
+
+
+def test_shadow_caches_come_back_to_the_real_caches_size_after_blocks_left_it_without_evictions() -> None:
+    """A pool reset (new weights) before the first eviction left every block in both shadows;
+    once full they evicted one key per insert, so they stayed 8x the real cache for good, and
+    the race between the experts ran at the wrong size (keeping those keys' history too)."""
+    pool = BlockPool(64, policy="shadow")
+    nxt = 0
+
+    def request(tag: str) -> None:
+        nonlocal nxt
+        pool.tick()
+        blocks, parent = pool.allocate(8), None
+        for blk in blocks:
+            pool.register_full(blk, (tag, nxt), parent)
+            parent, nxt = (tag, nxt), nxt + 1
+        pool.free(blocks)
+
+    for _ in range(10):
+        for _ in range(6):  # 48 blocks: the pool never fills
+            request("a")
+        pool.reset_cache()
+    assert [len(s) for s in pool.policy._shadows] == [480, 480] and pool.policy.capacity is None
+    for _ in range(200):
+        request("b")
+    assert pool.policy.capacity == 64 and [len(s) for s in pool.policy._shadows] == [64, 64]
 
 
 @pytest.mark.parametrize("name", ["gittins", "gittins_hint", "duel", "shadow", "chain"])

@@ -111,7 +111,12 @@ def load_trace(path: str, name: str | None = None) -> Trace:
     requests: list[list[int]] = []
     outputs: list[int] = []
     parents: dict[int, tuple[int | None, str]] = {}  # block id -> (its parent, where first seen)
-    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported with its line
+    try:
+        f = open(path, "rb")  # decoded per line, so a bad byte is reported with its line
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path}: {e.strerror or e}; give a Mooncake JSONL file "
+                         "(one request per line, with hash_ids)") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
@@ -125,6 +130,8 @@ def load_trace(path: str, name: str | None = None) -> Trace:
                 row = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{where}: not JSON ({e}); give one JSON object per line") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply; give one flat JSON object per line") from None
             if not isinstance(row, dict) or "hash_ids" not in row:
                 raise ValueError(f"{where}: expected a JSON object with 'hash_ids' (a list of "
                                  f"integer block ids), got {line.strip()[:40]}")
@@ -400,7 +407,9 @@ def plot_cache_results(out: dict, path: str) -> str:
         if trace in panels:
             caps = sorted({c for xs, _ in panels[trace].values() for c in xs})
             panels[trace]["∞ cache"] = (caps, [bound] * len(caps))
-    styles = {"∞ cache": {"linestyle": ":", "color": "gray", "marker": None},
+    # A short dash at each capacity, so one capacity alone still shows the bound (a one-point
+    # line without a marker draws nothing).
+    styles = {"∞ cache": {"linestyle": ":", "color": "gray", "marker": "_", "markersize": 12},
               "belady": {"linestyle": "--", "color": "black"},
               "oracle_pop": {"linestyle": "--", "color": "darkred"}}
     return panels_plot(path, panels, title="prefix-cache hit rate vs capacity (blocks)",

@@ -322,7 +322,8 @@ class TLPPolicy(_CountingPolicy):
 
     Scores at different `last` times compare alike at every `now`: count * alpha**(now - last)
     orders like log(count) - last * log(alpha), so that is the heap key and no entry ever needs
-    rescoring; ties go to the least recent. (An earlier version summed each access's own decay,
+    rescoring; ties (equal keys: two exactly equal scores may differ in the last bit, and then the
+    key decides) go to the least recent. (An earlier version summed each access's own decay,
     sum(alpha**(now - t)); the issue's form scored higher in 5 of the 6 trace cells.)
 
     `alpha` is per tick of the caller's clock; the default 0.995 assumes one tick per request.
@@ -1120,13 +1121,17 @@ class ShadowPolicy(GittinsPolicy):
                 shadow.access(key, parent, now)
                 continue
             hit_set.discard(key)
-            if cap and key not in shadow and len(shadow) >= cap:
+            # Down to below the capacity, not one out per insert: blocks the real cache lost
+            # without an eviction (a reset, a tier dropping a damaged entry) before the capacity
+            # was known stay in the shadows, which stayed that much larger for good.
+            while cap and key not in shadow and len(shadow) >= cap:
                 v = shadow.victim()
                 if v is None:  # all pinned by this request: like the real cache, skip the insert
-                    continue
+                    break
                 shadow.remove(v)
                 hit_set.discard(v)
-            shadow.access(key, parent, now)
+            else:
+                shadow.access(key, parent, now)
         super().access(key, parent, now)
 
     @property
