@@ -71,6 +71,68 @@ async def test_a_request_id_reused_right_after_its_stream_was_closed_gets_its_ow
     assert not engine.engine.requests and not engine._streams and engine.stats().kv_blocks_used == 0
 
 
+async def test_only_a_streams_own_abort_ends_the_wait_of_the_next_stream_under_its_id(llama_dir):
+    """The engine thread is played by hand to get this order: stream 1 ends as it is closed (its
+    final delta arrives after the close, so the abort posted on close finds nothing); stream 2
+    under the same id is added, then closed before its first delta; only then does what the
+    thread did for stream 1's abort arrive. That used to end stream 2's wait, and stream 3 got
+    request 2's abort while request 3 ran on unobserved."""
+    class Running:
+        def is_alive(self) -> bool:
+            return True
+
+    eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=512,
+                                 load_progress=False)
+    eng._loop, eng._thread = asyncio.get_running_loop(), Running()
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    g1 = eng.generate({"prompt_token_ids": [5, 6, 7, 8]}, params(3), request_id="r")
+    first = asyncio.ensure_future(g1.__anext__())
+    await asyncio.sleep(0)
+    eng._deliver(eng._drain_inbox())
+    deltas = []
+    while not any(d.finished for d in deltas):
+        deltas += eng.engine.step()
+    eng._deliver(deltas[:1])
+    assert (await first).num_output_tokens == 1
+    await g1.aclose()
+    eng._deliver(deltas[1:])  # stream 1's final delta, after its close
+    g2 = eng.generate({"prompt_token_ids": [1, 2]}, params(50), request_id="r")
+    second = asyncio.ensure_future(g2.__anext__())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # g2 waits for stream 1's abort
+    out = eng._drain_inbox()  # stream 1's close
+    eng._deliver(out)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    late = eng._drain_inbox()  # request 2 added
+    assert "r" in eng.engine.requests and eng.engine.requests["r"].prompt_token_ids == [1, 2]
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await g2.aclose()
+    eng._deliver(late + out)  # anything left over for the id (a repeated marker included) changes nothing
+    assert type(eng._streams["r"]).__name__ == "_Closing"
+    got = []
+
+    async def third() -> None:
+        async for d in eng.generate({"prompt_token_ids": [9, 10, 11]}, params(5), request_id="r"):
+            got.append(d)
+
+    task = asyncio.ensure_future(third())
+    for _ in range(200):
+        await asyncio.sleep(0)
+        eng._deliver(eng._drain_inbox())
+        await asyncio.sleep(0)
+        if eng.engine.has_unfinished():
+            eng._deliver(eng.engine.step())
+        if task.done():
+            break
+    await task
+    assert got[-1].finish_reason == "length" and got[-1].num_prompt_tokens == 3
+    assert sum(len(d.token_ids) for d in got) == 5
+    assert not eng.engine.requests and not eng._streams
+
+
 async def test_concurrent_streams_and_event_loop_stays_free(engine):
     ticks = 0
     stop = False

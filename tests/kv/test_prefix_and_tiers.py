@@ -471,6 +471,38 @@ def test_what_requests_waiting_for_room_keep_is_bounded_and_each_block_counted_o
     assert out[0] == ref[3] and out[1] == 64  # nothing lost: the blocks are still in their tiers
 
 
+def test_a_request_that_could_keep_nothing_does_not_read_its_prefix_again_while_it_waits(llama_dir, cold_reference,
+                                                                                          tmp_path):
+    """With the bound used up it kept nothing and had no hold, so each later try looked the whole
+    prefix up again: read from disk on the model loop, staged, dropped, every step (232 disk hits
+    over 29 steps). Held with nothing kept, it recomputes its prefix once admitted instead."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="64 blocks", kv_prefetch=False)
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    eng.kv.held_bytes_limit = 1  # less than a block
+    hog = eng.add_request({"prompt_token_ids": _prompt(9, 140)}, SamplingParams(max_tokens=40, temperature=0,
+                                                                                 ignore_eos=True))
+    eng.step()
+    eng.step()
+    waiting = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.step()
+    assert eng.kv._held[waiting.request_id][1] == [] and eng.kv.held_bytes == 0
+    hits, steps = disk.stats.hits, 0
+    while waiting.num_computed_tokens == 0 and eng.has_unfinished():  # (no room even for a first chunk)
+        eng.step()
+        steps += 1
+    assert steps > 10 and disk.stats.hits == hits  # no read while it waited
+    assert eng.kv._held == {}  # admitted
+    while eng.has_unfinished():
+        eng.step()
+    assert waiting.output_token_ids == ref[3] and not eng.kv._held and eng.store.staged_bytes == 0
+    assert hog.finish_reason == "length"
+    llm.close()
+
+
 def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_dir, cold_reference, tmp_path):
     """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
     keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""

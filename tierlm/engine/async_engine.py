@@ -24,17 +24,24 @@ from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_GONE = object()  # what an abort of a request the engine no longer has delivers instead of a delta
-
-
 class _Closing:
     """The stream of a request whose consumer left before its final delta. What still comes for
-    it is dropped, and a new stream under the same request id waits for that final delta: it
-    got the old request's abort before, and ended at once while its own request ran on with
-    nobody listening (holding KV blocks until max_tokens)."""
+    it is dropped, and a new stream under the same request id waits until the engine thread has
+    taken this stream's own abort (`_Closed`): it got the old request's abort before, and ended
+    at once while its own request ran on with nobody listening (holding KV blocks until
+    max_tokens). Only that abort ends the wait, not any final delta or abort for the id: one
+    left over from an earlier stream of the same id released a later one's wait too early."""
 
     def __init__(self) -> None:
         self.gone = asyncio.Event()
+
+
+class _Closed:
+    """Delivered once the engine thread has aborted a `_Closing` stream's request: the inbox is
+    first in, first out, so nothing of that request can come after it."""
+
+    def __init__(self, closing: _Closing) -> None:
+        self.closing = closing
 
 
 class AsyncEngine:
@@ -148,13 +155,14 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._streams.get(rid) is q:
-                if finished:
+            if finished:
+                if self._streams.get(rid) is q:
                     del self._streams[rid]
-                else:
-                    self._streams[rid] = _Closing()
-            if not finished:
-                self._post(("abort", rid, None))
+            else:
+                closing = _Closing()
+                if self._streams.get(rid) is q:
+                    self._streams[rid] = closing
+                self._post(("close", rid, closing))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free."""
@@ -174,11 +182,11 @@ class AsyncEngine:
         for d in deltas:
             rid, item = d if isinstance(d, tuple) else (d.request_id, d)
             q = self._streams.get(rid)
-            if isinstance(q, _Closing):
-                if item is _GONE or isinstance(item, BaseException) or item.finished:
+            if isinstance(item, _Closed):
+                if q is item.closing:
                     del self._streams[rid]
-                    q.gone.set()
-            elif q is not None and item is not _GONE:
+                item.closing.gone.set()
+            elif q is not None and not isinstance(q, _Closing):
                 q.put_nowait(item)
 
     def _send(self, deltas: list) -> None:
@@ -192,12 +200,19 @@ class AsyncEngine:
                 kind, arg, fut = self._inbox.get_nowait()
             except queue.Empty:
                 return out
+            if kind == "close":  # `fut` is the stream's _Closing: its wait ends whatever happens
+                try:
+                    self.engine.abort(arg)
+                finally:
+                    out.append((arg, _Closed(fut)))
+                continue
             try:
                 if kind == "add":
                     self.engine.add(arg)
                 else:
                     d = self.engine.abort(arg)
-                    out.append(d if d is not None else (arg, _GONE))
+                    if d is not None:
+                        out.append(d)
                 if fut is not None:
                     fut.set_result(None)
             except Exception as e:  # a bad add must fail that request only

@@ -259,7 +259,7 @@ class KVCacheManager:
         """Keep what the lower tiers gave a request that found no device room, for its next try,
         within `held_bytes_limit`: past it, the tail of its run is let go (recomputed when it is
         admitted; the head alone is still a valid prefix), so requests that came first keep theirs."""
-        self._release(request_id)
+        was_held = self._release(request_id) is not None
         kept = 0
         for h, _, data, _ in lower:
             ref = self._held_refs.get(h)
@@ -273,7 +273,7 @@ class KVCacheManager:
             kept += 1
         if kept < len(lower) and self.store is not None:
             self.store.unstage([entry[0] for entry in lower[kept:]])
-        if kept or spare:
+        if lower or spare or was_held:  # even with nothing kept: its next try must not look it all up again
             self._held[request_id] = (start, lower[:kept], spare)
 
     def _release(self, request_id: str):
