@@ -164,6 +164,20 @@ async def test_a_shut_down_engine_serves_again_on_the_next_request(engine):
     assert after[-1].finished and [t for d in after for t in d.token_ids] == [t for d in before for t in d.token_ids]
 
 
+async def test_a_request_posted_as_the_engine_thread_stops_ends_with_the_shutdown(engine):
+    """Added after the thread's last look at its inbox, it waited for ever."""
+    engine._stopping = True
+    engine._wake.set()
+    await asyncio.to_thread(engine._thread.join, 30)  # the thread is gone; shutdown() has not run yet
+    late = asyncio.ensure_future(_collect(engine, "hello", SamplingParams(max_tokens=4)))
+    await asyncio.sleep(0.05)
+    assert not late.done()
+    await engine.shutdown()
+    deltas = await asyncio.wait_for(late, 10)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    assert not engine.engine.requests and not engine._streams and engine.stats().kv_blocks_used == 0
+
+
 async def test_too_long_raises_before_streaming(engine):
     with pytest.raises(RequestTooLongError):
         await _collect(engine, {"prompt_token_ids": [3] * 600}, SamplingParams(max_tokens=4))

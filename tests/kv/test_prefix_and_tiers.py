@@ -503,6 +503,31 @@ def test_a_request_that_could_keep_nothing_does_not_read_its_prefix_again_while_
     llm.close()
 
 
+def test_a_held_run_whose_device_part_left_for_disk_lets_go_of_what_it_read(llama_dir, tmp_path):
+    """Held with 5 blocks on the device and 3 read from disk; the device blocks then went down to
+    disk, so the next try's run breaks at its first block and the 3 read are no longer taken.
+    They stayed staged (12 KB here, up to staging's 1 GiB) after the request was gone."""
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_prefetch=True)
+    eng, shared = llm.engine, _prompt(1, 70)
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    _run(llm, shared[:40] + _prompt(4, 9))  # the first 5 blocks back on the device
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(req)  # driven by hand below
+    assert eng.kv._prefetches[req.request_id].done.wait(10)
+    hit = eng.kv.find_cached_prefix(req)
+    assert len(hit.device) == 5 and [entry[1] for entry in hit.lower] == ["disk"] * 3
+    assert not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit) and eng.store.staged_bytes > 0
+    eng.persist_kv()  # the device part goes down to disk too; with prefetching, the loop reads no disk
+    again = eng.kv.find_cached_prefix(req)
+    assert not again.device and not again.lower and len(again.spare) == 3
+    assert not eng.kv.allocate(req, eng.pool.num_blocks * 8 + 8, again)
+    eng.kv.free(req)
+    assert eng.store.staged_bytes == 0 and not eng.store.staged and eng.kv.held_bytes == 0
+    llm.close()
+
+
 def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_dir, cold_reference, tmp_path):
     """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
     keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""

@@ -109,7 +109,10 @@ class AsyncEngine:
             log.warning("engine thread of %s did not stop within 30 s; the KV cache is not written to disk",
                         self.model_name)
             return
-        self._thread = None
+        self._thread = None  # from here a new request starts the thread again
+        # What was posted after the thread's last look at its inbox (a request added as it
+        # stopped waited for ever): the thread is gone, so this loop may touch the engine.
+        self._deliver(self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
         if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
             await asyncio.to_thread(self._drain)
 

@@ -171,7 +171,11 @@ class KVCacheManager:
                 else:
                     gap = hashes[d:start]
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
-                    hit.lower = [(h, *f) for h, f in zip(gap, found)] + (lower if len(found) == len(gap) else [])
+                    hit.lower = [(h, *f) for h, f in zip(gap, found)]
+                    if len(found) == len(gap):
+                        hit.lower += lower
+                    else:  # the run broke in the gap: what it read past it is no longer taken
+                        hit.spare = hit.spare + [entry[0] for entry in lower]
                 return hit
             finished = job is not None and job.finished
             if finished:
