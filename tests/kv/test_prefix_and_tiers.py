@@ -36,6 +36,23 @@ def _run(llm: LLM, prompt: list[int], params=GREEDY, **kw):
     return out.outputs[0].token_ids, out.num_cached_tokens, llm.engine.stats().prompt_tokens - before
 
 
+def _prefix_on_disk(path, tmp_path, shared: list[int], **kw) -> LLM:
+    """An engine with a disk tier that holds `shared`'s blocks (written down from the device)."""
+    llm = _llm(path, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", **kw)
+    _run(llm, shared + _prompt(2, 9))
+    llm.engine.persist_kv()
+    return llm
+
+
+def _hog(eng, n: int):
+    """A long request, running: it holds most of a small pool for its 40 decode steps."""
+    hog = eng.add_request({"prompt_token_ids": _prompt(9, n)}, SamplingParams(max_tokens=40, temperature=0,
+                                                                               ignore_eos=True))
+    eng.step()
+    eng.step()
+    return hog
+
+
 @pytest.fixture(scope="module")
 def cold_reference(llama_dir):
     llm = _llm(llama_dir, enable_prefix_caching=False)
@@ -477,16 +494,10 @@ def test_a_request_that_could_keep_nothing_does_not_read_its_prefix_again_while_
     prefix up again: read from disk on the model loop, staged, dropped, every step (232 disk hits
     over 29 steps). Held with nothing kept, it recomputes its prefix once admitted instead."""
     shared, ref = cold_reference
-    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
-               kv_disk_capacity="64 blocks", kv_prefetch=False)
+    llm = _prefix_on_disk(llama_dir, tmp_path, shared, kv_cache_memory="24 blocks", kv_prefetch=False)
     eng, disk = llm.engine, llm.engine.store.tiers[0]
-    _run(llm, shared + _prompt(2, 9))
-    eng.persist_kv()
     eng.kv.held_bytes_limit = 1  # less than a block
-    hog = eng.add_request({"prompt_token_ids": _prompt(9, 140)}, SamplingParams(max_tokens=40, temperature=0,
-                                                                                 ignore_eos=True))
-    eng.step()
-    eng.step()
+    hog = _hog(eng, 140)
     waiting = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     eng.step()
     assert eng.kv._held[waiting.request_id][1] == [] and eng.kv.held_bytes == 0
@@ -532,15 +543,9 @@ def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_d
     """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
     keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""
     shared, ref = cold_reference
-    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
-               kv_disk_capacity="64 blocks", kv_prefetch=True)
+    llm = _prefix_on_disk(llama_dir, tmp_path, shared, kv_cache_memory="24 blocks", kv_prefetch=True)
     eng = llm.engine
-    _run(llm, shared + _prompt(2, 9))
-    eng.persist_kv()
-    hog = eng.add_request({"prompt_token_ids": _prompt(9, 120)}, SamplingParams(max_tokens=40, temperature=0,
-                                                                                 ignore_eos=True))
-    eng.step()
-    eng.step()
+    hog = _hog(eng, 120)
     waiting = [eng.add_request({"prompt_token_ids": shared + _prompt(k, 9)}, GREEDY) for k in (3, 2)]
     eng.store.flush()
     eng.step()
@@ -670,16 +675,10 @@ def test_blocks_read_ahead_for_a_request_aborted_before_it_starts_are_dropped(ll
 def test_blocks_read_for_a_request_held_for_room_and_then_aborted_are_dropped(llama_dir, tmp_path):
     """Its prefix was read (staged) at admission, the pool had no room, and it was aborted while
     held: what it read stayed staged until staging overflowed."""
-    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_disk_dir=str(tmp_path / "kv"),
-               kv_disk_capacity="64 blocks", kv_prefetch=True)
-    eng = llm.engine
     shared = _prompt(1, 70)
-    _run(llm, shared + _prompt(2, 9))
-    eng.persist_kv()
-    hog = eng.add_request({"prompt_token_ids": _prompt(9, 120)}, SamplingParams(max_tokens=40, temperature=0,
-                                                                                 ignore_eos=True))
-    eng.step()
-    eng.step()
+    llm = _prefix_on_disk(llama_dir, tmp_path, shared, kv_cache_memory="24 blocks", kv_prefetch=True)
+    eng = llm.engine
+    hog = _hog(eng, 120)
     held = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     eng.store.flush()
     eng.step()
@@ -709,10 +708,7 @@ def test_every_request_held_for_room_keeps_and_drops_its_own_reads(llama_dir, tm
     eng.persist_kv()
     slow, gate, read = set(disk.parents) - on_disk, threading.Event(), disk._read
     disk._read = lambda h: read(h) if h not in slow or gate.wait(10) else None  # q's reads wait
-    hog = eng.add_request({"prompt_token_ids": _prompt(9, 120)}, SamplingParams(max_tokens=40, temperature=0,
-                                                                                 ignore_eos=True))
-    eng.step()
-    eng.step()
+    hog = _hog(eng, 120)
     first = eng.add_request({"prompt_token_ids": q + _prompt(3, 9)}, GREEDY)  # reading
     second = eng.add_request({"prompt_token_ids": p + _prompt(3, 9)}, GREEDY)
     time.sleep(0.2)
@@ -2041,11 +2037,8 @@ def test_with_prefetch_the_model_loop_never_reads_disk_itself(llama_dir, cold_re
     import threading
 
     shared, ref = cold_reference
-    llm = _llm(llama_dir, kv_cache_memory="18 blocks", kv_disk_dir=str(tmp_path / "kv"),
-               kv_disk_capacity="64 blocks", kv_prefetch=True)
+    llm = _prefix_on_disk(llama_dir, tmp_path, shared, kv_cache_memory="18 blocks", kv_prefetch=True)
     eng, disk = llm.engine, llm.engine.store.tiers[0]
-    _run(llm, shared + _prompt(2, 9))
-    eng.persist_kv()
     readers, read = [], disk._read
 
     def spy(h):
