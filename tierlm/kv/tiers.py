@@ -1264,6 +1264,12 @@ class RedisTier:
         self._warned_refusal = False
         self._capacity_set = False  # maxmemory and volatile-lru set by us (kv_remote_capacity)
         self._capacity_bytes = capacity_bytes
+        # A server restarted quickly is never an outage here (redis-py reconnects on the next
+        # call), yet it has forgotten the limit: its run id, looked at every `restart_check_s`
+        # while it answers, tells.
+        self._run_id: str | None = None
+        self._run_id_seen = 0.0
+        self.restart_check_s = 10.0
         self._bad_credentials = redis.exceptions.AuthenticationError
         # A round trip slower than this is an outage (the store sets it to its read timeout): the
         # socket timeout bounds each read from the socket, not a reply that trickles in.
@@ -1324,6 +1330,7 @@ class RedisTier:
                 self.client.config_set("maxmemory", want)
                 self.client.config_set("maxmemory-policy", "volatile-lru")
                 self._capacity_set = True
+                self._run_id, self._run_id_seen = self._server_run_id(), time.monotonic()
                 return
             conf = self.client.config_get("maxmemory*")
         except bad_credentials as e:  # a configuration error, not an outage: retrying cannot fix it
@@ -1449,6 +1456,26 @@ class RedisTier:
             self.backoff = 0.0
             if self._capacity_bytes:
                 self._reapply_capacity()
+        elif self._capacity_bytes and time.monotonic() - self._run_id_seen > self.restart_check_s:
+            self._check_restart()
+
+    def _server_run_id(self) -> str | None:
+        return self.client.info("server").get("run_id")
+
+    def _check_restart(self) -> None:
+        """Set kv_remote_capacity again on a server restarted without tierlm seeing an outage (a
+        quick `systemctl restart`): it came back with no limit and grew without bound."""
+        self._run_id_seen = time.monotonic()
+        try:
+            run_id = self._server_run_id()
+        except Exception as e:  # any failure of the client is an outage, never an error
+            self._failed(e)
+            return
+        if self._run_id is None or run_id == self._run_id:  # (None: the limit is not ours to set again)
+            return
+        log.info("Redis KV tier %s was restarted (its run id changed); setting kv_remote_capacity again", self.url)
+        self._run_id = run_id
+        self._reapply_capacity()
 
     def _reapply_capacity(self) -> None:
         try:
