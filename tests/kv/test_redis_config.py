@@ -156,6 +156,21 @@ def test_a_server_restarted_between_two_calls_gets_its_limit_again(redis_server,
     tier.close()
 
 
+def test_a_server_that_stops_answering_info_is_not_an_outage(redis_server):
+    """Where INFO is refused (an ACL, a renamed command on a managed service), the restart check
+    gives up; it must not turn every 10 s into an outage."""
+    import redis
+
+    tier = RedisTier(redis_server.url, capacity_bytes=1_000_000)
+    tier.restart_check_s = 0.0
+    redis.Redis.from_url(redis_server.url).execute_command("ACL", "SETUSER", "default", "-info")
+    for i in range(3):
+        tier.put(bytes([7 + i]) * 32, None, BLOCK)
+    assert tier.backoff == 0 and tier.stats.errors == 0 and tier.stats.stores == 3
+    assert tier.get(b"\x09" * 32) is not None
+    tier.close()
+
+
 def test_a_read_only_replica_is_named_as_such_and_reads_go_on(redis_server, caplog):
     import redis
 

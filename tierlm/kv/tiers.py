@@ -1456,7 +1456,7 @@ class RedisTier:
             self.backoff = 0.0
             if self._capacity_bytes:
                 self._reapply_capacity()
-        elif self._capacity_bytes and time.monotonic() - self._run_id_seen > self.restart_check_s:
+        elif self._run_id is not None and time.monotonic() - self._run_id_seen > self.restart_check_s:
             self._check_restart()
 
     def _server_run_id(self) -> str | None:
@@ -1468,6 +1468,9 @@ class RedisTier:
         self._run_id_seen = time.monotonic()
         try:
             run_id = self._server_run_id()
+        except self._refused:  # INFO refused (renamed or an ACL): no restart can be told; not an outage
+            self._run_id = None
+            return
         except Exception as e:  # any failure of the client is an outage, never an error
             self._failed(e)
             return
