@@ -24,6 +24,7 @@ from tierlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+
 class _Closing:
     """The stream of a request whose consumer left before its final delta. What still comes for
     it is dropped, and a new stream under the same request id waits until the engine thread has
