@@ -966,7 +966,8 @@ class DiskTier(_CapacityTier):
         if self._stop.is_set():
             return
         t_read = time.monotonic()
-        rebuilt = make_policy(self._policy_args[0], history=self._policy_args[1])  # private until swapped in: built without the lock
+        # Private until swapped in: built without the lock.
+        rebuilt = make_policy(self._policy_args[0], history=self._policy_args[1])
         for t, (_, h, parent, hint) in enumerate(found, 1):
             if t % 64 == 0:
                 self._yield()
