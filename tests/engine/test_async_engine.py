@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tierlm import AsyncEngine, LLM, SamplingParams
-from tierlm.errors import RequestTooLongError
+from tierlm.errors import EngineDeadError, RequestTooLongError
 
 
 @pytest.fixture
@@ -165,10 +165,21 @@ async def test_a_shut_down_engine_serves_again_on_the_next_request(engine):
 
 
 async def test_a_request_posted_as_the_engine_thread_stops_ends_with_the_shutdown(engine):
-    """Added after the thread's last look at its inbox, it waited for ever."""
+    """Added after the thread's last look at its inbox, it waited for ever. Played with a
+    stand-in for a thread that is still alive when the request is posted and gone once joined."""
+    class Stopping:
+        alive = True
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+        def join(self, timeout=None) -> None:
+            self.alive = False
+
     engine._stopping = True
     engine._wake.set()
-    await asyncio.to_thread(engine._thread.join, 30)  # the thread is gone; shutdown() has not run yet
+    await asyncio.to_thread(engine._thread.join, 30)  # the real thread is gone
+    engine._thread = Stopping()
     late = asyncio.ensure_future(_collect(engine, "hello", SamplingParams(max_tokens=4)))
     await asyncio.sleep(0.05)
     assert not late.done()
@@ -176,6 +187,58 @@ async def test_a_request_posted_as_the_engine_thread_stops_ends_with_the_shutdow
     deltas = await asyncio.wait_for(late, 10)
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
     assert not engine.engine.requests and not engine._streams and engine.stats().kv_blocks_used == 0
+
+
+async def test_a_thread_that_stopped_without_a_shutdown_is_started_again(engine):
+    """A thread that outlived shutdown's wait and stopped later left the engine unable to serve:
+    a new request neither started a thread nor got an answer."""
+    engine._stopping = True
+    engine._wake.set()
+    await asyncio.to_thread(engine._thread.join, 30)
+    deltas = await asyncio.wait_for(_collect(engine, "hello", SamplingParams(max_tokens=4, ignore_eos=True)), 30)
+    assert deltas[-1].finish_reason == "length"
+
+
+async def test_concurrent_shutdowns_and_a_request_during_one(engine):
+    """A second shutdown failed (AttributeError on the thread the first had let go), and a
+    request arriving while the cache was written down started a thread that stepped the pool
+    under it."""
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    before = await _collect(engine, "hello", p)
+    first, second = asyncio.ensure_future(engine.shutdown()), asyncio.ensure_future(engine.shutdown())
+    await asyncio.sleep(0)
+    after = await asyncio.wait_for(_collect(engine, "hello", p), 60)
+    await asyncio.wait_for(asyncio.gather(first, second), 60)
+    assert [t for d in after for t in d.token_ids] == [t for d in before for t in d.token_ids]
+
+
+async def test_a_fault_of_the_engine_loop_itself_ends_every_stream_and_refuses_new_ones(engine, monkeypatch):
+    """An abort whose caller had given up (its Future cancelled) raised InvalidStateError out of
+    the loop: the thread died silently and every later request hung."""
+    gen = engine.generate("abc", SamplingParams(max_tokens=400, ignore_eos=True))
+    await gen.__anext__()
+    monkeypatch.setattr(engine, "_drain_inbox", lambda: 1 / 0)  # a bug in the loop, not in a step
+    engine._wake.set()
+    with pytest.raises(EngineDeadError):
+        async for _ in gen:
+            pass
+    with pytest.raises(EngineDeadError):
+        await _collect(engine, "abc", SamplingParams(max_tokens=2))
+    engine.dead = None  # let the fixture shut down
+
+
+async def test_an_abort_its_caller_gave_up_on_does_not_stop_the_engine(engine):
+    gen = engine.generate("abc", SamplingParams(max_tokens=400, ignore_eos=True), request_id="given-up")
+    await gen.__anext__()
+    from concurrent.futures import Future
+
+    given_up = Future()
+    given_up.cancel()  # what asyncio.wait_for(engine.abort(...), 10) leaves when it times out
+    engine._post(("abort", "given-up", given_up))
+    rest = [d async for d in gen]
+    assert rest[-1].finish_reason == "abort" and engine._thread.is_alive() and engine.dead is None
+    deltas = await _collect(engine, "abc", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert deltas[-1].finish_reason == "length"
 
 
 async def test_too_long_raises_before_streaming(engine):

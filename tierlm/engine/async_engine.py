@@ -1,8 +1,10 @@
 """asyncio front of the engine: the model loop runs in its own thread, never on the event loop.
 
 Requests and aborts are handed to the engine thread through a queue and applied between
-steps, so only that thread ever mutates engine state; deltas come back to each request's
-asyncio.Queue via call_soon_threadsafe. Closing a `generate` iterator early aborts the request.
+steps, so only that thread ever mutates engine state while it runs (starting it and shutting it
+down hold one lock, and a shutdown finishes off what is left once the thread is gone); deltas
+come back to each request's asyncio.Queue via call_soon_threadsafe. Closing a `generate`
+iterator early aborts the request.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.dead: BaseException | None = None
+        self.dead: BaseException | None = None  # what stopped the engine thread for good
+        self._lifecycle = asyncio.Lock()  # start() and shutdown(): no thread starts while one shuts down
         self.heap = IdleTrimmer()
 
     @classmethod
@@ -92,30 +95,38 @@ class AsyncEngine:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._stopping = False  # a shut-down engine starts again on its next request
-        self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
-        self._thread.start()
+        """Start the engine thread, unless it runs (a shut-down engine starts again on its next
+        request; one whose shutdown is under way, once it is done)."""
+        async with self._lifecycle:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine stopped after an internal error ({self.dead}); restart the server")
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._loop = asyncio.get_running_loop()
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
+            self._thread.start()
 
     async def shutdown(self) -> None:
         """Abort whatever is still running and stop the engine thread."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._wake.set()
-        await asyncio.to_thread(self._thread.join, 30)
-        if self._thread.is_alive():  # a step outlived the wait: its blocks are not ours to move
-            log.warning("engine thread of %s did not stop within 30 s; the KV cache is not written to disk",
-                        self.model_name)
-            return
-        self._thread = None  # from here a new request starts the thread again
-        # What was posted after the thread's last look at its inbox (a request added as it
-        # stopped waited for ever): the thread is gone, so this loop may touch the engine.
-        self._deliver(self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
-        if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
-            await asyncio.to_thread(self._drain)
+        async with self._lifecycle:  # a second call waits for the first, then finds nothing to do
+            thread = self._thread
+            if thread is None:
+                return
+            self._stopping = True
+            self._wake.set()
+            await asyncio.to_thread(thread.join, 30)
+            if thread.is_alive():  # a step outlived the wait: its blocks are not ours to move
+                log.warning("engine thread of %s did not stop within 30 s; the KV cache is not written to disk",
+                            self.model_name)
+                return
+            self._thread = None
+            # What was posted after the thread's last look at its inbox (a request added as it
+            # stopped waited for ever): the thread is gone and none starts before this lock is
+            # free, so this loop (and `_drain`'s worker) may touch the engine.
+            self._deliver(self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
+            if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
+                await asyncio.to_thread(self._drain)
 
     def _drain(self) -> None:
         """Persist and flush within the store's shutdown deadline (a slow Redis must not hold
@@ -132,10 +143,7 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped after an internal error ({self.dead}); restart the server")
-        if self._thread is None:
-            await self.start()
+        await self.start()
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
                                        cache_salt=cache_salt)
         rid = req.request_id
@@ -144,6 +152,7 @@ class AsyncEngine:
                 from tierlm.errors import InvalidRequestError
                 raise InvalidRequestError(f"request id '{rid}' is already in use", param="request_id")
             await old.gone.wait()  # its abort is on its way through the engine thread
+            await self.start()  # (a shutdown may have come in between)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         self._post(("add", req, None))
@@ -171,8 +180,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free."""
         if self._thread is None or not self._thread.is_alive():
-            self.engine.abort(request_id)  # no loop running: nothing else touches the engine
-            return
+            async with self._lifecycle:  # not while a shutdown writes the cache down
+                if self._thread is None or not self._thread.is_alive():
+                    self.engine.abort(request_id)  # no thread running: nothing else touches the engine
+                    return
         fut: Future = Future()
         self._post(("abort", request_id, fut))
         await asyncio.wrap_future(fut)
@@ -207,8 +218,9 @@ class AsyncEngine:
             if kind == "close":  # `fut` is the stream's _Closing: its wait ends whatever happens
                 try:
                     self.engine.abort(arg)
-                finally:
-                    out.append((arg, _Closed(fut)))
+                except Exception:
+                    log.exception("aborting request %s of a closed stream failed", arg)
+                out.append((arg, _Closed(fut)))
                 continue
             try:
                 if kind == "add":
@@ -217,15 +229,34 @@ class AsyncEngine:
                     d = self.engine.abort(arg)
                     if d is not None:
                         out.append(d)
-                if fut is not None:
+                if fut is not None and not fut.done():  # (its caller may have given up waiting)
                     fut.set_result(None)
             except Exception as e:  # a bad add must fail that request only
                 if kind == "add":
                     out.append((arg.request_id, e))
-                if fut is not None:
+                if fut is not None and not fut.done():
                     fut.set_exception(e)
 
     def _run(self) -> None:
+        try:
+            self._loop_until_stopped()
+        except BaseException as e:  # a fault of the loop itself: every waiting caller is told, none hangs
+            log.exception("the engine thread of %s stopped after an internal error", self.model_name)
+            self.dead = e
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(
+                    f"the engine stopped after an internal error ({type(e).__name__}: {e}); restart the server"))
+
+    def _fail_all(self, err: BaseException) -> None:
+        """On the event loop: end every stream with `err`, and every wait for a closed one."""
+        for rid, q in list(self._streams.items()):
+            if isinstance(q, _Closing):
+                del self._streams[rid]
+                q.gone.set()
+            else:
+                q.put_nowait(err)
+
+    def _loop_until_stopped(self) -> None:
         eng = self.engine
         if eng.device.type == "cuda" and eng.device.index is not None:
             torch.cuda.set_device(eng.device)  # per thread: a server's models may sit on different GPUs
