@@ -1482,6 +1482,7 @@ class RedisTier:
         self._reapply_capacity()
 
     def _reapply_capacity(self) -> None:
+        self._run_id = None  # set again if the limit is set; else there is nothing to watch for
         try:
             self._check_memory(self._capacity_bytes, self._bad_credentials)
         except KVTierError as e:  # credentials changed while it was down: this tier is now misses
