@@ -227,6 +227,60 @@ async def test_a_fault_of_the_engine_loop_itself_ends_every_stream_and_refuses_n
     engine.dead = None  # let the fixture shut down
 
 
+async def test_an_abort_waiting_in_the_inbox_when_the_loop_faults_is_answered(engine, monkeypatch):
+    gen = engine.generate("abc", SamplingParams(max_tokens=400, ignore_eos=True), request_id="a")
+    await gen.__anext__()
+    monkeypatch.setattr(engine, "_drain_inbox", lambda: 1 / 0)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(engine.abort("a"), 10)  # it waited for ever
+    await gen.aclose()
+    engine.dead = None
+
+
+def test_one_engine_serves_several_event_loops_in_turn(llama_dir):
+    """asyncio.run twice (a notebook, a sync wrapper): the start/shutdown lock belonged to the
+    first loop that waited on it, and the second run failed with 'bound to a different loop'."""
+    eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=512,
+                                 load_progress=False)
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def run() -> list:
+        await eng.start()
+        stopping = asyncio.ensure_future(eng.shutdown())
+        await asyncio.sleep(0)
+        deltas = await _collect(eng, "hello", p)  # waits for the shutdown, then starts again
+        await stopping
+        await eng.shutdown()
+        return [t for d in deltas for t in d.token_ids]
+
+    assert asyncio.run(run()) == asyncio.run(run())
+
+
+async def test_a_cancelled_shutdown_still_holds_new_requests_until_the_cache_is_written(llama_dir, tmp_path):
+    import threading
+
+    eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=512,
+                                 load_progress=False, kv_disk_dir=str(tmp_path / "kv"))
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    await _collect(eng, "hello", p)
+    gate, drain = threading.Event(), eng._drain
+    eng._drain = lambda: (gate.wait(10), drain())
+    stopping = asyncio.ensure_future(eng.shutdown())
+    for _ in range(100):  # until the write has begun
+        await asyncio.sleep(0.01)
+        if eng._thread is None:
+            break
+    stopping.cancel()
+    late = asyncio.ensure_future(_collect(eng, "hello", p))
+    await asyncio.sleep(0.2)
+    assert not late.done() and eng._thread is None  # no engine thread while the cache is written
+    gate.set()
+    assert (await asyncio.wait_for(late, 30))[-1].finish_reason == "length"
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    await eng.shutdown()
+
+
 async def test_an_abort_its_caller_gave_up_on_does_not_stop_the_engine(engine):
     gen = engine.generate("abc", SamplingParams(max_tokens=400, ignore_eos=True), request_id="given-up")
     await gen.__anext__()

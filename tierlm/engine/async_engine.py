@@ -58,7 +58,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None  # what stopped the engine thread for good
-        self._lifecycle = asyncio.Lock()  # start() and shutdown(): no thread starts while one shuts down
+        # start() and shutdown() hold it: no thread starts while one shuts down. One per event loop
+        # (an asyncio lock belongs to the loop that first waited on it; asyncio.run twice made two).
+        self._lifecycle_lock: asyncio.Lock | None = None
+        self._lifecycle_loop: asyncio.AbstractEventLoop | None = None
         self.heap = IdleTrimmer()
 
     @classmethod
@@ -94,10 +97,16 @@ class AsyncEngine:
         return self.engine.stats()
 
     # -- lifecycle -------------------------------------------------------------------------
+    def _lifecycle(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._lifecycle_loop is not loop:
+            self._lifecycle_lock, self._lifecycle_loop = asyncio.Lock(), loop
+        return self._lifecycle_lock
+
     async def start(self) -> None:
         """Start the engine thread, unless it runs (a shut-down engine starts again on its next
         request; one whose shutdown is under way, once it is done)."""
-        async with self._lifecycle:
+        async with self._lifecycle():
             if self.dead is not None:
                 raise EngineDeadError(f"the engine stopped after an internal error ({self.dead}); restart the server")
             if self._thread is not None and self._thread.is_alive():
@@ -109,7 +118,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort whatever is still running and stop the engine thread."""
-        async with self._lifecycle:  # a second call waits for the first, then finds nothing to do
+        async with self._lifecycle():  # a second call waits for the first, then finds nothing to do
             thread = self._thread
             if thread is None:
                 return
@@ -126,7 +135,12 @@ class AsyncEngine:
             # free, so this loop (and `_drain`'s worker) may touch the engine.
             self._deliver(self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
             if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
-                await asyncio.to_thread(self._drain)
+                drain = asyncio.ensure_future(asyncio.to_thread(self._drain))
+                try:
+                    await asyncio.shield(drain)
+                except asyncio.CancelledError:  # the write goes on in its worker: hold the lock until it ends
+                    await asyncio.wait([drain])
+                    raise
 
     def _drain(self) -> None:
         """Persist and flush within the store's shutdown deadline (a slow Redis must not hold
@@ -180,7 +194,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free."""
         if self._thread is None or not self._thread.is_alive():
-            async with self._lifecycle:  # not while a shutdown writes the cache down
+            async with self._lifecycle():  # not while a shutdown writes the cache down
                 if self._thread is None or not self._thread.is_alive():
                     self.engine.abort(request_id)  # no thread running: nothing else touches the engine
                     return
@@ -243,9 +257,17 @@ class AsyncEngine:
         except BaseException as e:  # a fault of the loop itself: every waiting caller is told, none hangs
             log.exception("the engine thread of %s stopped after an internal error", self.model_name)
             self.dead = e
+            err = EngineDeadError(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
+                                  "restart the server")
+            while True:  # aborts waiting in the inbox are answered too (`abort()` waited for ever)
+                try:
+                    _, _, fut = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(fut, Future) and not fut.done():
+                    fut.set_exception(err)
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(
-                    f"the engine stopped after an internal error ({type(e).__name__}: {e}); restart the server"))
+                self._loop.call_soon_threadsafe(self._fail_all, err)
 
     def _fail_all(self, err: BaseException) -> None:
         """On the event loop: end every stream with `err`, and every wait for a closed one."""
