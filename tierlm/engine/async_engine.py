@@ -108,13 +108,18 @@ class AsyncEngine:
         request; one whose shutdown is under way, once it is done)."""
         async with self._lifecycle():
             if self.dead is not None:
-                raise EngineDeadError(f"the engine stopped after an internal error ({self.dead}); restart the server")
+                raise self._dead_error()
             if self._thread is not None and self._thread.is_alive():
                 return
             self._loop = asyncio.get_running_loop()
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
             self._thread.start()
+
+    def _dead_error(self) -> EngineDeadError:
+        e = self.dead
+        return EngineDeadError(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
+                               "restart the server")
 
     async def shutdown(self) -> None:
         """Abort whatever is still running and stop the engine thread."""
@@ -157,7 +162,7 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
-        await self.start()
+        await self.start()  # (a free lock is taken without waiting)
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
                                        cache_salt=cache_salt)
         rid = req.request_id
@@ -257,8 +262,7 @@ class AsyncEngine:
         except BaseException as e:  # a fault of the loop itself: every waiting caller is told, none hangs
             log.exception("the engine thread of %s stopped after an internal error", self.model_name)
             self.dead = e
-            err = EngineDeadError(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
-                                  "restart the server")
+            err = self._dead_error()
             while True:  # aborts waiting in the inbox are answered too (`abort()` waited for ever)
                 try:
                     _, _, fut = self._inbox.get_nowait()
