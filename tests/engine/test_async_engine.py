@@ -224,6 +224,7 @@ async def test_a_fault_of_the_engine_loop_itself_ends_every_stream_and_refuses_n
             pass
     with pytest.raises(EngineDeadError):
         await _collect(engine, "abc", SamplingParams(max_tokens=2))
+    assert not engine.engine.requests and engine.stats().kv_blocks_used == 0  # held until a shutdown before
     engine.dead = None  # let the fixture shut down
 
 

@@ -539,6 +539,37 @@ def test_a_held_run_whose_device_part_left_for_disk_lets_go_of_what_it_read(llam
     llm.close()
 
 
+def test_a_held_run_whose_device_part_left_for_disk_reads_it_back_off_the_loop(llama_dir, cold_reference, tmp_path):
+    """The same, end to end: the part that went down to disk while the request waited was
+    recomputed once admitted (the model loop reads no disk). Now the scheduler's readiness check
+    starts a background read of it, and the request starts with its whole prefix cached."""
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_prefetch=True)
+    eng, disk = llm.engine, llm.engine.store.tiers[1]
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    _run(llm, shared[:40] + _prompt(4, 9))  # the first 5 blocks back on the device
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(req)
+    assert eng.kv._prefetches[req.request_id].done.wait(10)
+    hit = eng.kv.find_cached_prefix(req)
+    assert len(hit.device) == 5 and not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit)  # held for room
+    eng.persist_kv()  # its device part goes down to disk while it waits
+    eng.kv.prefix_ready(req)  # the scheduler's check, before it tries the request again
+    job = eng.kv._prefetches[req.request_id]  # a read of the 5 blocks that left
+    assert job.done.wait(10) and job.found == 5
+    assert eng.kv.prefix_ready(req) and eng.kv._prefetches[req.request_id] is job  # one read, not one per try
+    hits = disk.stats.hits
+    eng.scheduler.waiting.append(req)
+    while eng.has_unfinished():
+        eng.step()
+    assert disk.stats.hits == hits  # the model loop read no disk
+    assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64  # recomputed from 0 before
+    assert eng.store.staged_bytes == 0 and not eng.kv._held and eng.kv.held_bytes == 0
+    llm.close()
+
+
 def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_dir, cold_reference, tmp_path):
     """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
     keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""

@@ -270,8 +270,19 @@ class AsyncEngine:
                     break
                 if isinstance(fut, Future) and not fut.done():
                     fut.set_exception(err)
+            self._free_all()
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, err)
+
+    def _free_all(self) -> None:
+        """On the dying engine thread: let go of every request's KV blocks (they stayed taken
+        until a shutdown). Best effort: the fault may have left the engine in a state that fails
+        here too, and what cannot be freed is logged."""
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("freeing the KV blocks of request %s after the engine thread's fault failed", rid)
 
     def _fail_all(self, err: BaseException) -> None:
         """On the event loop: end every stream with `err`, and every wait for a closed one."""

@@ -129,7 +129,27 @@ class KVCacheManager:
     def prefix_ready(self, req) -> bool:
         """False while `req`'s background read of its lower-tier prefix is still under way."""
         job = self._prefetches.get(req.request_id)
+        if job is None and req.request_id in self._held:
+            job = self._read_gap(req)
         return job is None or job.done.is_set()
+
+    def _read_gap(self, req) -> Prefetch | None:
+        """With prefetching, start reading back the part of a held request's prefix that left the
+        device for disk or Redis while it waited for room: the model loop reads neither, so that
+        part (and the run it had read past it) was recomputed once admitted. The hold is renewed
+        with the device split of its next try, so one loss of device blocks starts one read."""
+        if not self.prefetching or self.store is None or not self.store.slow:
+            return None
+        start = self._held[req.request_id][0]
+        hashes, device, _ = self._device_prefix(req)
+        gap = hashes[len(device):start]
+        if not gap or self.store.in_memory_run(gap) == len(gap):
+            return None
+        job = self.store.prefetch(gap)
+        if job is not None:
+            job.start = len(device)
+            self._prefetches[req.request_id] = job
+        return job
 
     def read_overdue(self, req) -> bool:
         """`req`'s read has run past the store's read timeout: admit it with what it has."""
@@ -176,6 +196,9 @@ class KVCacheManager:
                         hit.lower += lower
                     else:  # the run broke in the gap: what it read past it is no longer taken
                         hit.spare = hit.spare + [entry[0] for entry in lower]
+                if job is not None and job.finished:  # a read of the gap: what it staged and this try does not take
+                    used = {entry[0] for entry in hit.lower}
+                    hit.spare = hit.spare + [h for h in job.hashes[:job.found] if h not in used]
                 return hit
             finished = job is not None and job.finished
             if finished:

@@ -279,6 +279,20 @@ class TieredStore:
         disk or Redis read on the caller's thread."""
         return self._find_run(hashes, read_host=True, slow=slow)
 
+    def in_memory_run(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, staging, the writer's queue or the host tier hold:
+        what the model loop can take without a disk or Redis read. A check: nothing is counted
+        or touched."""
+        host = [t for t in self.tiers if isinstance(t, HostTier)]
+        n = 0
+        for h in hashes:
+            with self._lock:
+                there = h in self.staged or h in self.pending
+            if not there and not any(h in t for t in host):
+                break
+            n += 1
+        return n
+
     def _find_run(self, hashes: list[bytes], read_host: bool, job: Prefetch | None = None,
                   slow: bool = True) -> list[tuple[str, torch.Tensor | None, int | None]]:
         """`_find` up to the first miss (or `job`'s cancellation), with Redis read ahead
