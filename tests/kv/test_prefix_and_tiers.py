@@ -2048,6 +2048,29 @@ def test_entries_deleted_behind_the_disk_tiers_back_are_misses_and_stored_again(
     disk.close()
 
 
+def test_a_full_disk_tier_forgets_entries_deleted_behind_its_back_before_evicting_live_ones(tmp_path):
+    """Deleted files that nothing asked for again kept their places in a full tier: the next
+    store evicted a live entry (LRU's oldest) instead. An audit of the directory, at most every
+    `audit_every_s` and only when the tier is full, forgets them first."""
+    live = _chain(2)
+    ghosts = [(bytes([0x40 + i]) * 32, bytes([0x40]) * 32 if i else None, torch.full((2, 2, 4), 9.0 + i))
+              for i in range(2)]
+    for every, kept in ((3600.0, False), (0.0, True)):
+        disk = DiskTier(tmp_path / f"kv{every}", 4, index_in_background=False, audit_every_s=every)
+        disk.index()
+        for block in live + ghosts:  # the live chain is older: LRU's victim
+            disk.put(*block)
+        for h, _, _ in ghosts:
+            disk.path(h).unlink()
+        (h5, p5, d5), = [(bytes([0x70]) * 32, None, torch.zeros(2, 2, 4))]
+        disk.put(h5, p5, d5)
+        assert all(h in disk for h, _, _ in live) is kept, every
+        if kept:
+            assert len(disk) == 3 and disk.stats.lost == 2 and disk.stats.evictions == 0
+            assert all(torch.equal(disk.get(h), d) for h, _, d in live) and torch.equal(disk.get(h5), d5)
+        disk.close()
+
+
 def test_every_tier_counts_bytes_of_k_v_not_of_its_encoding(tmp_path, redis_server):
     """Host and disk counted the K/V payload, Redis the encoded entry with its header: the
     per-tier byte counters could not be compared."""

@@ -636,13 +636,16 @@ class DiskTier(_CapacityTier):
 
     def __init__(self, root: str | Path, capacity_blocks: int | None, policy: str = DEFAULT_POLICY,
                  block_bytes: int = 0, index_in_background: bool = True, regrow_every_s: float = 30.0,
-                 history: int | None = None) -> None:
+                 history: int | None = None, audit_every_s: float = 300.0) -> None:
         """`index_in_background=False` leaves the scan to a call of `index()` (tests place tier
         operations before it that way). After the disk filled up, the capacity grows back
-        towards what was asked for as space frees up, looked at every `regrow_every_s`."""
+        towards what was asked for as space frees up, looked at every `regrow_every_s`. A full
+        tier looks for entries deleted behind its back at most every `audit_every_s`."""
         super().__init__(capacity_blocks or 0, policy, history)
         self._regrow_every = regrow_every_s
         self._regrow_at = 0.0
+        self._audit_every = audit_every_s
+        self._audit_at = time.monotonic() + audit_every_s
         # An entry is its header (well under 4 KiB) and one block: anything longer is not one.
         self._max_entry_bytes = block_bytes + 4096 if block_bytes else 1 << 30
         self.root = Path(root)
@@ -824,6 +827,8 @@ class DiskTier(_CapacityTier):
         return self._adopt_on_demand(h)
 
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list[Demoted]:
+        if time.monotonic() >= self._audit_at and len(self.parents) >= self.capacity and self.indexed:
+            self._audit()
         with self.lock:
             self._adopt_on_demand(h)  # already on disk from an earlier run: no second write
             if h not in self.parents:
@@ -832,6 +837,38 @@ class DiskTier(_CapacityTier):
                 for old in self._trim_pending(room=1):
                     self._erase(old)
             return super().put(h, parent, data, hint)
+
+    def _audit(self) -> None:
+        """Forget the entries whose files something else deleted (a cleaner, a person): each took
+        a place in a full tier until it was read or stored again, so a live entry was evicted in
+        its stead. Lists the directory outside the lock (about a second per 200,000 files, with
+        pauses for the model loop; the next audit waits at least 20 times as long), then checks
+        each indexed entry the listing lacks once more under the lock (it may have been written
+        since the listing passed its shard)."""
+        t0 = time.monotonic()
+        self._audit_at = t0 + self._audit_every
+        if self._lost:
+            return
+        with self.lock:
+            known = list(self.parents)
+        present: set[str] = set()
+        try:
+            for shard in os.scandir(self.root):
+                if len(shard.name) != 2 or not shard.is_dir():
+                    continue
+                for i, f in enumerate(os.scandir(shard.path)):
+                    if i % 256 == 255:
+                        self._yield()
+                    if f.name.endswith(".kv"):
+                        present.add(f.name[:-3])
+        except OSError:  # the directory is gone or unreadable: the next store deals with that
+            return
+        gone = [h for h in known if h.hex() not in present]
+        with self.lock:
+            for h in gone:
+                if h in self.parents and not self._still_there(h):
+                    self._forget_deleted(h)
+        self._audit_at = time.monotonic() + max(self._audit_every, 20 * (time.monotonic() - t0))
 
     def _regrow(self, block_bytes: int) -> None:
         """Lowered after the disk filled up: take back up to half of what is free now (as the
