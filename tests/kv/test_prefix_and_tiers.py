@@ -570,6 +570,92 @@ def test_a_held_run_whose_device_part_left_for_disk_reads_it_back_off_the_loop(l
     llm.close()
 
 
+def test_blocks_kept_staged_for_another_requests_read_are_dropped_when_that_read_is_done(llama_dir, tmp_path):
+    """X's read lists the whole prefix but finds only its first block (the second's entry was
+    deleted); Y's read stages all 8 and Y is aborted. Unstaging Y's blocks skipped those X's
+    read listed, and nothing looked at them again: they stayed staged after X finished."""
+    from tierlm.kv.prefix_cache import chain_hashes, extra_key
+
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
+    eng, store, shared = llm.engine, llm.engine.store, _prompt(1, 70)
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    hashes = chain_hashes(shared + _prompt(3, 9), 8, extra_key(eng.kv.model_id, None), [])
+    store.tiers[0].path(hashes[1]).unlink()
+    x = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(x)  # it waits (behind a full batch, say)
+    assert eng.kv._prefetches[x.request_id].done.wait(10) and eng.kv._prefetches[x.request_id].found == 1
+    _run(llm, shared + _prompt(4, 9))  # computed again, and down to disk
+    eng.persist_kv()
+    y = eng.add_request({"prompt_token_ids": shared + _prompt(5, 9)}, GREEDY)
+    assert eng.kv._prefetches[y.request_id].done.wait(10) and len(store.staged) == 8
+    eng.abort(y.request_id)
+    assert len(store.staged) == 8  # X's read may still want them
+    eng.scheduler.waiting.append(x)
+    while eng.has_unfinished():
+        eng.step()
+    assert x.num_cached_tokens == 8 and store.staged_bytes == 0 and not store.staged
+    llm.close()
+
+
+def test_a_prefix_the_reader_finds_on_its_way_to_disk_is_still_taken_once_written(llama_dir, cold_reference,
+                                                                                 tmp_path):
+    """The reader found the prefix in the writer's queue and did not stage it; the writes landed
+    before admission, which reads no disk with prefetching, so the whole prefix was recomputed
+    (and, still queued at admission, each block's hit was counted twice)."""
+    import threading
+
+    shared, ref = cold_reference
+    for land_first in (True, False):
+        llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / f"kv{land_first}"), kv_disk_capacity="64 blocks",
+                   kv_prefetch=True)
+        eng, store = llm.engine, llm.engine.store
+        _run(llm, shared + _prompt(2, 9))
+        gate = threading.Event()
+        store.fence = lambda: gate.wait(10)  # the writer waits before it writes (as for a CUDA copy)
+        eng.pool.evict_all()
+        assert len(store.pending) >= 8
+        req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+        assert eng.kv._prefetches[req.request_id].done.wait(10)
+        if land_first:
+            gate.set()
+            assert store.flush()
+        while eng.has_unfinished():
+            eng.step()
+        gate.set()
+        disk = store.stats()["disk"]
+        assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64, land_first
+        assert disk["hits"] == disk["promotions"] == 8, land_first
+        assert store.staged_bytes == 0
+        llm.close()
+
+
+def test_a_preempted_request_whose_prefix_left_for_disk_reads_it_back_off_the_loop(llama_dir, tmp_path):
+    """Preempted, its blocks were all still on the device, so no read started; they then went
+    down to disk while it waited, and with prefetching (the loop reads no disk) it recomputed
+    them. A read now starts once fewer of them are on the device than when it was preempted."""
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    prompt = _prompt(1, 70) + _prompt(3, 9)
+    ref = _run(_llm(llama_dir, enable_prefix_caching=False), prompt, params)[0]
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_prefetch=True, kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="64 blocks")
+    eng = llm.engine
+    eng.add_request({"prompt_token_ids": _prompt(9, 100)}, params)
+    victim = eng.add_request({"prompt_token_ids": prompt}, params)
+    recomputed = None
+    while eng.has_unfinished():
+        eng.step()
+        if recomputed is None and victim.num_preemptions:
+            assert victim.request_id not in eng.kv._prefetches  # nothing to read: all on the device
+            recomputed = eng.stats().prompt_tokens
+            eng.offload_prefix_cache()  # another request's demand takes its blocks off the device
+    assert recomputed is not None
+    assert victim.output_token_ids == ref
+    assert eng.stats().prompt_tokens - recomputed == 0  # 63 before
+    assert eng.store.staged_bytes == 0 and not eng.kv._device_then
+    llm.close()
+
+
 def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_dir, cold_reference, tmp_path):
     """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
     keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""

@@ -67,6 +67,10 @@ class KVCacheManager:
         self.store = store
         self.prefetching = prefetch
         self._prefetches: dict[str, Prefetch] = {}  # request id -> its lower-tier read under way
+        # Waiting request id -> how many leading blocks of its prefix were on the device when its
+        # prefix was last read (on arrival, preemption or a re-read): fewer now, and what left
+        # may be read back in the background (`_read_gap`).
+        self._device_then: dict[str, int] = {}
         # The lower-tier part of the hit of a request that found no room, kept for its next try:
         # looking it up again at every step re-counted its host hits, re-ordered the host
         # tier's eviction queue and probed disk and Redis for the block past its run each time.
@@ -121,6 +125,7 @@ class KVCacheManager:
         if not self.prefetching or self.store is None or not self.store.slow or not self.pool.enable_caching:
             return
         hashes, device, limit = self._device_prefix(req)
+        self._device_then[req.request_id] = len(device)
         job = self.store.prefetch(hashes[len(device):limit])
         if job is not None:
             job.start = len(device)
@@ -129,26 +134,33 @@ class KVCacheManager:
     def prefix_ready(self, req) -> bool:
         """False while `req`'s background read of its lower-tier prefix is still under way."""
         job = self._prefetches.get(req.request_id)
-        if job is None and req.request_id in self._held:
+        if job is None:
             job = self._read_gap(req)
         return job is None or job.done.is_set()
 
     def _read_gap(self, req) -> Prefetch | None:
-        """With prefetching, start reading back the part of a held request's prefix that left the
-        device for disk or Redis while it waited for room: the model loop reads neither, so that
-        part (and the run it had read past it) was recomputed once admitted. The hold is renewed
-        with the device split of its next try, so one loss of device blocks starts one read."""
-        if not self.prefetching or self.store is None or not self.store.slow:
+        """With prefetching, start reading back the part of a waiting request's prefix that left
+        the device for disk or Redis since its prefix was last read (it arrived, or was preempted,
+        with that part on the device) or since it was held for room: the model loop reads
+        neither, so that part (and, held, the run read past it) was recomputed once admitted.
+        One read per loss of device blocks: the split it starts from is remembered."""
+        rid = req.request_id
+        held = self._held.get(rid)
+        then = held[0] if held is not None else self._device_then.get(rid)
+        if not then or not self.prefetching or self.store is None or not self.store.slow:
             return None
-        start = self._held[req.request_id][0]
-        hashes, device, _ = self._device_prefix(req)
-        gap = hashes[len(device):start]
-        if not gap or self.store.in_memory_run(gap) == len(gap):
+        hashes, device, limit = self._device_prefix(req)
+        if len(device) >= then:
             return None
-        job = self.store.prefetch(gap)
+        gap = hashes[len(device):then]
+        if held is not None and self.store.in_memory_run(gap) == len(gap):
+            return None  # host and staging are the model loop's to read
+        self._device_then[rid] = len(device)
+        # Held: the part that left, before the run it keeps. Else all below the device, as on arrival.
+        job = self.store.prefetch(gap if held is not None else hashes[len(device):limit])
         if job is not None:
             job.start = len(device)
-            self._prefetches[req.request_id] = job
+            self._prefetches[rid] = job
         return job
 
     def read_overdue(self, req) -> bool:
@@ -230,6 +242,7 @@ class KVCacheManager:
             self._hold(req.request_id, len(hit.device), hit.lower, hit.spare)
             return False
         self._release(req.request_id)
+        self._device_then.pop(req.request_id, None)
         if hit.spare and self.store is not None:
             self.store.unstage(hit.spare)
         for i, blk in enumerate(hit.device):
@@ -316,6 +329,7 @@ class KVCacheManager:
         return held
 
     def free(self, req) -> None:
+        self._device_then.pop(req.request_id, None)
         held = self._release(req.request_id)
         if held is not None and self.store is not None:  # held for room, gone before admission: what it read goes too
             self.store.unstage([entry[0] for entry in held[1]] + held[2])  # (another held request keeps its own references)

@@ -136,6 +136,9 @@ class TieredStore:
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
         self._live: set[Prefetch] = set()  # jobs whose request may still be admitted
+        # Staged blocks an unstage kept because a live job wanted them: looked at again when a job
+        # settles or is cancelled (they stayed staged for good when that job found fewer).
+        self._kept_for_jobs: set[bytes] = set()
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # signalled as the writer's backlog shrinks
         self.backlog = 0  # bytes of K/V queued for the writer
@@ -280,14 +283,14 @@ class TieredStore:
         return self._find_run(hashes, read_host=True, slow=slow)
 
     def in_memory_run(self, hashes: list[bytes]) -> int:
-        """How many of `hashes`, from the first, staging, the writer's queue or the host tier hold:
-        what the model loop can take without a disk or Redis read. A check: nothing is counted
-        or touched."""
+        """How many of `hashes`, from the first, staging or the host tier hold: what the model
+        loop can take without a disk or Redis read. Not the writer's queue: its write may land
+        first (a prefetch stages what it finds there). A check: nothing is counted or touched."""
         host = [t for t in self.tiers if isinstance(t, HostTier)]
         n = 0
         for h in hashes:
             with self._lock:
-                there = h in self.staged or h in self.pending
+                there = h in self.staged
             if not there and not any(h in t for t in host):
                 break
             n += 1
@@ -324,7 +327,9 @@ class TieredStore:
             tier = self.tiers[level]
             tier.stats.hits += 1
             tier.stats.bytes_out += nbytes(data)
-            return tier.name, data, hint
+            if not read_host:  # a prefetch: staged, as a disk read is. Its write may land before the
+                self._stage(h, tier.name, data, hint)  # admission, which reads no disk (the whole prefix
+            return tier.name, data, hint  # was recomputed), and found queued it counted a second hit
         if hit is not None:
             return hit
         for t in self.tiers:
@@ -384,6 +389,7 @@ class TieredStore:
         starts with what was staged so far, and a Redis that held the read up counts as down."""
         with self._lock:
             self._live.discard(job)
+            self._recheck_kept(job.hashes[:job.found])  # what it found is its request's to take
             if job.ended:
                 return
             job.cancelled = True
@@ -407,6 +413,7 @@ class TieredStore:
         with self._lock:
             job.cancelled = True
             self._live.discard(job)
+            self._recheck_kept()
             if job.ended:
                 self._unstage(job.hashes[:job.found])
 
@@ -423,10 +430,23 @@ class TieredStore:
             return
         wanted = {h for other in self._live for h in other.hashes}
         for h in hashes:
-            if h not in wanted:
-                entry = self.staged.pop(h, None)
-                if entry is not None:
-                    self.staged_bytes -= nbytes(entry[1])
+            if h in wanted:
+                if h in self.staged:
+                    self._kept_for_jobs.add(h)
+                continue
+            entry = self.staged.pop(h, None)
+            if entry is not None:
+                self.staged_bytes -= nbytes(entry[1])
+
+    def _recheck_kept(self, taken: list[bytes] = ()) -> None:
+        """A job left `_live` (hold `_lock`): unstage what was kept only for live jobs and no live
+        job wants now. `taken`, what the settling job found, is its request's to take or let go
+        (promotion, a hold, or the manager's spare list), so it is no longer this set's."""
+        if not self._kept_for_jobs:
+            return
+        self._kept_for_jobs.difference_update(taken)
+        kept, self._kept_for_jobs = self._kept_for_jobs, set()
+        self._unstage(list(kept))  # (what is still wanted is kept again)
 
     def _read_one(self, job: Prefetch) -> None:
         try:
