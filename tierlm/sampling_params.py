@@ -1,6 +1,7 @@
 """Per-request sampling settings, shaped like vLLM's so its users feel at home."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tierlm.errors import InvalidRequestError
@@ -38,9 +39,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):  # list(5) raised a bare TypeError
+            if not isinstance(getattr(self, name), (list, tuple, type(None))):
+                raise InvalidRequestError(f"sampling parameter '{name}' must be a list (got "
+                                          f"{getattr(self, name)!r})", param=name)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    def checked_copy(self) -> "SamplingParams":
+        """A validated copy, taken when a request is made: fields changed after construction
+        were trusted (logprobs=10**6 failed the whole batch's step; max_tokens=0 made one token)."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:

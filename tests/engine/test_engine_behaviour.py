@@ -380,10 +380,39 @@ def test_a_step_that_fails_leaves_nothing_queued_and_the_next_call_works(llm):
 @pytest.mark.parametrize("field, value", [
     ("logprobs", True), ("max_tokens", 2.5), ("max_tokens", True), ("stop_token_ids", [True]),
     ("temperature", "0"), ("top_p", None), ("min_p", True), ("presence_penalty", "1"),
+    ("stop", 5), ("stop_token_ids", 7),  # (a bare TypeError from list())
 ])
 def test_sampling_params_of_the_wrong_type_are_refused_by_name(field, value):
     with pytest.raises(InvalidRequestError, match=f"'{field}'"):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"priority": "x"}, "priority"), ({"priority": None}, "priority"), ({"priority": True}, "priority"),
+    ({"cache_salt": 123}, "cache_salt"), ({"tenant_id": 7}, "tenant_id"), ({"request_id": 5}, "request_id"),
+])
+def test_request_fields_of_the_wrong_type_are_refused_before_they_reach_a_step(llm, kw, says):
+    """They were accepted, then failed the step they first mattered in (the scheduler's sort,
+    the block hashes), and with it every request batched alongside."""
+    with pytest.raises(InvalidRequestError, match=says):
+        llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), **kw)
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+def test_sampling_params_changed_after_construction_are_checked_when_the_request_is_made(llm):
+    """A field set after construction was trusted: logprobs=10**6 failed the whole batch's
+    step in the sampler, max_tokens=0 made one token, temperature=-1 ran greedy."""
+    for field, value in (("logprobs", 10**6), ("max_tokens", 0), ("temperature", -1.0)):
+        params = SamplingParams(max_tokens=2)
+        setattr(params, field, value)
+        with pytest.raises(InvalidRequestError, match=f"'{field}'"):
+            llm.engine.add_request([5, 6, 7], params)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    req = llm.engine.add_request([5, 6, 7], params)
+    params.max_tokens = 50  # later changes no longer reach a request already made
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert len(req.output_token_ids) == 2 and llm.engine.pool.num_used == 0
 
 
 def test_priorities_must_match_the_prompts(llm):

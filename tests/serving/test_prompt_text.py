@@ -4,6 +4,7 @@ Unicode (a lone UTF-16 surrogate in the JSON). Real server, real engines (script
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,49 @@ def test_count_tokens_counts_a_prompt_longer_than_the_context(scripted_server, e
     make_body, _, _ = ROUTES["/v1/messages/count_tokens"]
     r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("word " * 10_000))
     assert r.status_code == 200 and r.json()["input_tokens"] > 10_000 > engine.max_model_len
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_more_messages_than_the_context_holds_are_refused_before_the_template_runs(scripted_server, engine,
+                                                                                   monkeypatch, path):
+    """Each message renders to a token at least; 200,000 one-letter messages (7 MB) ran the
+    template for 8 s before the length check, slowing every other request 10x."""
+    make_body, style, _ = ROUTES[path]
+
+    def render(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the template ran")
+
+    monkeypatch.setattr(engine, "chat_text", render)
+    n = engine.max_model_len
+    body = make_body("x")
+    body["messages"] = [{"role": ("user", "assistant")[i % 2], "content": "x"} for i in range(n + 1)]
+    r = post(scripted_server.url, path, body)
+    assert r.status_code == 400 and f"at least {n + 1} tokens" in error_of(r, style)["message"]
+
+
+def test_counting_tokens_does_not_hold_up_other_requests_prompts(scripted_server, engine, monkeypatch):
+    """count_tokens renders and tokenizes a prompt of any length. In the pool every request's
+    prompt is rendered in (6 threads here), six 5 MB counts held a short request up for 50 s;
+    they now wait for each other, in a worker of their own."""
+    original, release = engine.encode_chat_text, threading.Event()
+
+    def tokenize(text: str) -> Any:
+        if "COUNT-ME" in text:
+            release.wait(timeout=60)
+        return original(text)
+
+    monkeypatch.setattr(engine, "encode_chat_text", tokenize)
+    count_body = {"model": MODEL, "messages": [{"role": "user", "content": "COUNT-ME " * 50}]}
+    n = min(32, (os.cpu_count() or 1) + 4) + 2  # more than asyncio's default pool has threads
+    with ThreadPoolExecutor(n) as pool:
+        counts = [pool.submit(post, scripted_server.url, "/v1/messages/count_tokens", count_body) for _ in range(n)]
+        try:
+            short = post(scripted_server.url, "/v1/messages", ROUTES["/v1/messages"][0]("hello"))
+            assert short.status_code == 200 and not any(c.done() for c in counts)
+        finally:
+            release.set()
+        answers = {c.result(timeout=60).json()["input_tokens"] for c in counts}
+    assert len(answers) == 1 and answers.pop() > 50
 
 
 @pytest.mark.parametrize("path", list(ROUTES))

@@ -330,7 +330,18 @@ class LLMEngine:
                      request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                      cache_salt: str | None = None) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
-        params = params or SamplingParams()
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})",
+                                      param="params")
+        params = params.checked_copy() if params is not None else SamplingParams()
+        # Checked here, not where they are first used: mid-step, one request's bad value failed
+        # every request batched with it (priority="x" in the scheduler's sort, cache_salt=123 in
+        # the block hashes).
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer (got {priority!r})", param="priority")
+        for name, value in (("request_id", request_id), ("tenant_id", tenant_id), ("cache_salt", cache_salt)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestError(f"{name} must be a string (got {type(value).__name__})", param=name)
         text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

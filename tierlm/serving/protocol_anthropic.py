@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 
 
+def _tool_name(value: str) -> str:
+    """Anthropic's rule for tool names. Chat templates write them into the prompt unescaped, so a
+    name that breaks it could close a tool call and open a turn of its own."""
+    if not _TOOL_NAME.fullmatch(value):  # not match: `$` would let a trailing newline through
+        raise ValueError("tool names must be 1-128 characters of letters, digits, '_' or '-'")
+    return value
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -54,6 +62,11 @@ class ToolUseBlock(_Body):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _tool_name(value)  # an earlier turn's call: written into the prompt too
 
 
 class ToolResultBlock(_Body):
@@ -127,9 +140,7 @@ class Tool(_Body):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _TOOL_NAME.fullmatch(value):  # not match: `$` would let a trailing newline through
-            raise ValueError("tool names must be 1-128 characters of letters, digits, '_' or '-'")
-        return value
+        return _tool_name(value)
 
 
 class ToolChoice(_Body):
