@@ -47,6 +47,26 @@ def test_openai_stream_shows_the_prose_before_a_call_as_create_does(oai):
     assert final.finish_reason == created.finish_reason == "tool_calls"
 
 
+def test_a_call_to_a_tool_the_request_did_not_offer_is_text(claude, oai):
+    """The model calls get_weather; only get_time was offered. Both APIs only ever return calls
+    to offered tools, and a client may run whatever name comes back."""
+    claude_kw = dict(model=TOOLS_MODEL, max_tokens=200, messages=USER, tools=[{**CLAUDE_TOOL, "name": "get_time"}])
+    created = claude.messages.create(**claude_kw)
+    with claude.messages.stream(**claude_kw) as stream:
+        final = stream.get_final_message()
+    for message in (created, final):
+        assert [b.type for b in message.content] == ["text"] and message.stop_reason == "end_turn"
+        assert '"name": "get_weather"' in message.content[0].text
+    oai_kw = dict(model=TOOLS_MODEL, messages=USER,
+                  tools=[{**OPENAI_TOOL, "function": {**OPENAI_TOOL["function"], "name": "get_time"}}])
+    choice = oai.chat.completions.create(**oai_kw).choices[0]
+    with oai.chat.completions.stream(**oai_kw) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for c in (choice, streamed):
+        assert not c.message.tool_calls and c.finish_reason == "stop"
+        assert '"name": "get_weather"' in c.message.content
+
+
 @pytest.mark.parametrize("model, tools, content", [
     (CALL_MODEL, [OPENAI_TOOL], None),  # tool calls alone: no content, as OpenAI streams them
     (TEXT_MODEL, [OPENAI_TOOL], REPLY),  # tools offered, text answered

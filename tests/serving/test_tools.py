@@ -79,3 +79,15 @@ def test_forced_prefix_completes_into_a_call():
     prefix = forced_call_prefix("get_weather")
     out = parse_tool_calls(prefix + '{"city": "Oslo"}}\n</tool_call>')
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_call_to_a_tool_not_offered_is_text_whole_and_streamed():
+    offered = frozenset({"get_time"})
+    text = "Sure.\n" + CALL
+    assert parse_tool_calls(text, names=offered).tool_calls == []
+    assert parse_tool_calls(text, names=offered).text == text
+    assert [c.name for c in parse_tool_calls(text, names=frozenset({"get_weather"})).tool_calls] == ["get_weather"]
+    f = ToolCallStreamFilter(names=offered)
+    shown = "".join(f.feed(text[i:i + 4]) for i in range(0, len(text), 4))
+    rest, calls = f.finish()
+    assert shown + rest == text and calls == []

@@ -59,12 +59,13 @@ class ChatPrompt:
     token_ids: list[int]
     forced_prefix: str = ""  # assistant text tierlm put in front of the answer (tool calls)
     parse_tools: bool = False
+    tool_names: frozenset[str] = frozenset()  # the tools offered: a call to another one is text
 
     def split_tool_calls(self, text: str, id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
         """A finished answer as (prose, tool calls); calls only where the template's syntax is known."""
         if not self.parse_tools:
             return text, []
-        parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix)
+        parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names)
         return parsed.text, parsed.tool_calls
 
 
@@ -110,7 +111,8 @@ async def chat_prompt(
             continue_final_message = True
     token_ids = await render_chat(engine, model, messages, tools=tools, continue_final_message=continue_final_message,
                                   check_length=check_length)
-    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools)
+    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
+                      tool_names=frozenset(t["function"]["name"] for t in tools or ()))
 
 
 async def render_chat(
@@ -300,7 +302,7 @@ class StreamedAnswer:
         self._stream = stream
         self._filter: toolcalls.ToolCallStreamFilter | None = None
         if prompt.parse_tools:
-            self._filter = toolcalls.ToolCallStreamFilter(id_prefix=id_prefix)
+            self._filter = toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=prompt.tool_names)
             self._filter.feed(prompt.forced_prefix)
         self.result = Generation()
         self.calls: list[toolcalls.ParsedToolCall] = []

@@ -54,12 +54,13 @@ def new_tool_call_id(prefix: str = "toolu_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def parse_tool_calls(text: str, id_prefix: str = "toolu_") -> ParsedOutput:
+def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str] | None = None) -> ParsedOutput:
     """Split `text` into prose and Hermes tool calls.
 
-    If any call is not valid JSON with a string `name`, or is not closed by TOOL_CALL_END (cut
-    off by max_tokens), nothing is treated as a call and the whole text is returned as prose: a
-    half-parsed answer is worse than the raw one.
+    If any call is not valid JSON with a string `name`, names a tool not in `names` (the tools
+    the request offered, when given: both APIs only ever call those), or is not closed by
+    TOOL_CALL_END (cut off by max_tokens), nothing is treated as a call and the whole text is
+    returned as prose: a half-parsed answer is worse than the raw one.
     """
     start = text.find(TOOL_CALL_START)
     if start < 0:
@@ -67,7 +68,7 @@ def parse_tool_calls(text: str, id_prefix: str = "toolu_") -> ParsedOutput:
     calls: list[ParsedToolCall] = []
     for match in _CALL_RE.finditer(text, start):
         call = _parse_one(match.group(1), id_prefix) if match.group(2) else None
-        if call is None:
+        if call is None or (names is not None and call.name not in names):
             return ParsedOutput(text=text, tool_calls=[])
         calls.append(call)
     return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
@@ -97,8 +98,9 @@ class ToolCallStreamFilter:
     `feed` returns the text that is safe to show now; `finish` parses what was held back.
     """
 
-    def __init__(self, id_prefix: str = "toolu_") -> None:
+    def __init__(self, id_prefix: str = "toolu_", names: frozenset[str] | None = None) -> None:
         self._id_prefix = id_prefix
+        self._names = names  # the tools offered (see parse_tool_calls)
         # Held back: trailing whitespace (dropped if a call follows, as parse_tool_calls strips
         # the prose before a call) and then what might be the start of TOOL_CALL_START.
         self._pending = ""
@@ -131,7 +133,7 @@ class ToolCallStreamFilter:
         if self._buffer is None:
             rest, self._pending = self._pending, ""
             return rest, []
-        parsed = parse_tool_calls(self._buffer, self._id_prefix)
+        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names)
         buffered, self._buffer = self._space + self._buffer, None
         if not parsed.tool_calls:
             return buffered, []
