@@ -399,6 +399,15 @@ def test_request_fields_of_the_wrong_type_are_refused_before_they_reach_a_step(l
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
 
 
+def test_a_numpy_integer_priority_is_still_an_integer(llm):
+    import numpy as np
+
+    req = llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), priority=np.int64(2))
+    assert req.priority == 2 and type(req.priority) is int
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
 def test_sampling_params_changed_after_construction_are_checked_when_the_request_is_made(llm):
     """A field set after construction was trusted: logprobs=10**6 failed the whole batch's
     step in the sampler, max_tokens=0 made one token, temperature=-1 ran greedy."""

@@ -656,6 +656,51 @@ def test_a_preempted_request_whose_prefix_left_for_disk_reads_it_back_off_the_lo
     llm.close()
 
 
+def test_an_overdue_read_still_takes_the_blocks_kept_staged_for_it(llama_dir, tmp_path):
+    """A reviewer's case: blocks kept staged for a live read were dropped at that read's own
+    settle when it was overdue (it counts what it found only once it ends), right before its
+    admission would take them: the prefix was recomputed."""
+    import threading
+    import time
+
+    from tierlm.kv.prefix_cache import chain_hashes, extra_key
+    llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True,
+               kv_read_timeout=0.5)
+    eng, store = llm.engine, llm.engine.store
+    disk = store.tiers[0]
+    shared = _prompt(1, 64)            # 8 blocks
+    more = _prompt(7, 16)              # 2 more blocks, A only
+    _run(llm, shared + more + _prompt(2, 9))
+    eng.persist_kv()                   # everything on disk, nothing on the device
+    y = eng.add_request({"prompt_token_ids": shared + _prompt(5, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(y)
+    assert eng.kv._prefetches[y.request_id].done.wait(10)
+    assert len(store.staged) == 8
+    hashes = chain_hashes(shared + more + _prompt(3, 9), 8, extra_key(eng.kv.model_id, None), [])
+    gate = threading.Event()
+    orig = disk.fetch
+    def slow(h):
+        if h == hashes[8]:
+            gate.wait(20)
+        return orig(h)
+    disk.fetch = slow
+    a = eng.add_request({"prompt_token_ids": shared + more + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(a)
+    time.sleep(0.2)                    # A's reader found 0..7 in staging and hangs on block 8
+    eng.abort(y.request_id)            # Y's 8 blocks: kept, A's read wants them
+    assert len(store.staged) == 8
+    time.sleep(0.6)                    # A's read is overdue
+    eng.scheduler.waiting.append(a)
+    job = eng.kv._prefetches[a.request_id]
+    eng.step()
+    gate.set()
+    while eng.has_unfinished():
+        eng.step()
+    assert a.num_cached_tokens == 64
+    assert job.done.wait(10) and eng.kv._prefetches == {} and store.staged_bytes == 0
+    llm.close()
+
+
 def test_a_request_that_kept_only_the_head_of_its_run_matches_a_cold_run(llama_dir, cold_reference, tmp_path):
     """End to end, with the bound at 3 blocks: two requests wait for room behind a long one,
     keep 3 blocks of their 8-block disk prefix, and recompute the rest once admitted."""

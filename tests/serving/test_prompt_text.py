@@ -7,6 +7,7 @@ import json
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -113,10 +114,11 @@ def test_counting_tokens_does_not_hold_up_other_requests_prompts(scripted_server
     """count_tokens renders and tokenizes a prompt of any length. In the pool every request's
     prompt is rendered in (6 threads here), six 5 MB counts held a short request up for 50 s;
     they now wait for each other, in a worker of their own."""
-    original, release = engine.encode_chat_text, threading.Event()
+    original, release, blocked = engine.encode_chat_text, threading.Event(), threading.Event()
 
     def tokenize(text: str) -> Any:
         if "COUNT-ME" in text:
+            blocked.set()
             release.wait(timeout=60)
         return original(text)
 
@@ -126,6 +128,8 @@ def test_counting_tokens_does_not_hold_up_other_requests_prompts(scripted_server
     with ThreadPoolExecutor(n) as pool:
         counts = [pool.submit(post, scripted_server.url, "/v1/messages/count_tokens", count_body) for _ in range(n)]
         try:
+            assert blocked.wait(timeout=30)
+            time.sleep(0.5)  # for the other counts to reach the server (in the shared pool: every thread of it)
             short = post(scripted_server.url, "/v1/messages", ROUTES["/v1/messages"][0]("hello"))
             assert short.status_code == 200 and not any(c.done() for c in counts)
         finally:

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 
@@ -203,8 +203,15 @@ class AsyncEngine:
                 if self._thread is None or not self._thread.is_alive():
                     self.engine.abort(request_id)  # no thread running: nothing else touches the engine
                     return
+        if self.dead is not None:
+            raise self._dead_error()
         fut: Future = Future()
         self._post(("abort", request_id, fut))
+        if self.dead is not None:  # the loop faulted meanwhile: its last look at the inbox may have missed this
+            try:
+                fut.set_exception(self._dead_error())
+            except InvalidStateError:  # it did not
+                pass
         await asyncio.wrap_future(fut)
 
     def _post(self, msg) -> None:
@@ -263,14 +270,17 @@ class AsyncEngine:
             log.exception("the engine thread of %s stopped after an internal error", self.model_name)
             self.dead = e
             err = self._dead_error()
+            self._free_all()
             while True:  # aborts waiting in the inbox are answered too (`abort()` waited for ever)
                 try:
                     _, _, fut = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(fut, Future) and not fut.done():
-                    fut.set_exception(err)
-            self._free_all()
+                if isinstance(fut, Future):
+                    try:
+                        fut.set_exception(err)
+                    except InvalidStateError:  # done already, or its caller gave up
+                        pass
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, err)
 

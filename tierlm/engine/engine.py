@@ -337,8 +337,9 @@ class LLMEngine:
         # Checked here, not where they are first used: mid-step, one request's bad value failed
         # every request batched with it (priority="x" in the scheduler's sort, cache_salt=123 in
         # the block hashes).
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise InvalidRequestError(f"priority must be an integer (got {priority!r})", param="priority")
+        priority = int(priority)  # (a numpy integer is one too)
         for name, value in (("request_id", request_id), ("tenant_id", tenant_id), ("cache_salt", cache_salt)):
             if value is not None and not isinstance(value, str):
                 raise InvalidRequestError(f"{name} must be a string (got {type(value).__name__})", param=name)

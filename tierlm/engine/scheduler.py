@@ -99,7 +99,9 @@ class Scheduler:
             if not self.kv.prefix_ready(req) and not self.kv.read_overdue(req):
                 if reading is None:
                     reading = req
-                continue
+                if self.kv.is_held(req):
+                    break  # it waited for room first: those behind it must not take that room (and
+                continue  # more of its prefix) while it reads back what left the device meanwhile
             if not self._admit(req, budget, chosen):
                 break
             budget -= chosen[req]

@@ -138,6 +138,10 @@ class KVCacheManager:
             job = self._read_gap(req)
         return job is None or job.done.is_set()
 
+    def is_held(self, req) -> bool:
+        """Whether `req` found no device room on an earlier try and waits for it."""
+        return req.request_id in self._held
+
     def _read_gap(self, req) -> Prefetch | None:
         """With prefetching, start reading back the part of a waiting request's prefix that left
         the device for disk or Redis since its prefix was last read (it arrived, or was preempted,
@@ -208,9 +212,8 @@ class KVCacheManager:
                         hit.lower += lower
                     else:  # the run broke in the gap: what it read past it is no longer taken
                         hit.spare = hit.spare + [entry[0] for entry in lower]
-                if job is not None and job.finished:  # a read of the gap: what it staged and this try does not take
-                    used = {entry[0] for entry in hit.lower}
-                    hit.spare = hit.spare + [h for h in job.hashes[:job.found] if h not in used]
+                if job is not None:  # a read of the gap: what it staged and this try does not take
+                    hit.spare = hit.spare + self._not_taken(job, hit)
                 return hit
             finished = job is not None and job.finished
             if finished:
@@ -222,12 +225,18 @@ class KVCacheManager:
             # read that did not finish (overdue, or failed) or a request without one (preempted):
             # it takes what was staged and what the host tier and the writer's queue hold.
             hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=not self.prefetching))]
-            if finished:
+            if job is not None:
                 # What its reader staged that this request does not take (another request brought
                 # it to the device meanwhile): else it stayed staged for good.
-                used = {entry[0] for entry in hit.lower}
-                hit.spare = [h for h in job.hashes[:job.found] if h not in used]
+                hit.spare = self._not_taken(job, hit)
         return hit
+
+    @staticmethod
+    def _not_taken(job: Prefetch, hit: PrefixHit) -> list[BlockHash]:
+        """What `job` staged, or may have (all it was to read, if it did not finish: staged by
+        another request's read and kept for this one), that `hit` does not take."""
+        used = {entry[0] for entry in hit.lower}
+        return [h for h in (job.hashes[:job.found] if job.finished else job.hashes) if h not in used]
 
     def allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Give `req` slots for `num_new_tokens` more tokens (after any cached prefix `hit`).

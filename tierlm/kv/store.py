@@ -389,7 +389,9 @@ class TieredStore:
         starts with what was staged so far, and a Redis that held the read up counts as down."""
         with self._lock:
             self._live.discard(job)
-            self._recheck_kept(job.hashes[:job.found])  # what it found is its request's to take
+            # What it found (all it may have, if it has not finished) is its request's to take or
+            # list as spare; the rest kept for it no longer is (`found` counts only once it ends).
+            self._recheck_kept(job.hashes[:job.found] if job.finished else job.hashes)
             if job.ended:
                 return
             job.cancelled = True
