@@ -99,9 +99,11 @@ class Scheduler:
             if not self.kv.prefix_ready(req) and not self.kv.read_overdue(req):
                 if reading is None:
                     reading = req
+                # One held for room keeps its place while it reads back what left the device
+                # meanwhile: those behind it took that room (and more of its prefix) before.
                 if self.kv.is_held(req):
-                    break  # it waited for room first: those behind it must not take that room (and
-                continue  # more of its prefix) while it reads back what left the device meanwhile
+                    break
+                continue
             if not self._admit(req, budget, chosen):
                 break
             budget -= chosen[req]
