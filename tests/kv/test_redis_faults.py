@@ -243,6 +243,32 @@ def test_time_queued_for_a_reader_is_not_blamed_on_redis(redis_server):
     store.close()
 
 
+def test_a_read_overdue_with_most_of_it_on_redis_is_blamed_though_its_reader_started_late(redis_server):
+    """The loop admits a request the moment its read is overdue, so a read whose reader started
+    a little after the job was made never had a full timeout on Redis by then: a trickling
+    Redis went unblamed (a flaky CI run). Half the timeout on Redis itself is enough."""
+    (h0, p0, d0), (h1, p1, d1) = _chain(2)
+    tier = RedisTier(redis_server.url)
+    tier.put(h0, p0, d0)
+    tier.put(h1, p1, d1)
+    fetch_run, release = tier.fetch_run, threading.Event()
+
+    def slow(hashes):
+        release.wait(0.05 if h0 in hashes else 5)  # the first read is quick; the second hangs
+        return fetch_run(hashes)
+
+    tier.fetch_run = slow
+    store = TieredStore([tier], readers=1, read_timeout_s=0.3)
+    first, late = store.prefetch([h0]), store.prefetch([h1])
+    assert first.done.wait(5)
+    time.sleep(max(0.0, late.created + 0.31 - time.monotonic()))
+    assert store.overdue(late)
+    store.settle(late)
+    release.set()
+    assert tier.stats.errors == 1 and tier.backoff > 0
+    store.close()
+
+
 def test_a_read_stuck_on_a_trickle_frees_its_reader_once_redis_counts_as_down(redis_server):
     """All readers stuck on replies that trickle in held up every read queued behind them (even
     of blocks on the local disk): each later request waited the whole read timeout and then

@@ -397,8 +397,12 @@ class TieredStore:
             job.cancelled = True
             # Blame the tier only for its own round trip, not for time the job spent queued for
             # a reader (a burst of requests is no outage).
+            # Not ended, the job is overdue (its request is admitted only then): the tier is
+            # blamed if its reader has been on it for half the timeout or more. A full timeout
+            # on the tier alone was too strict: the loop admits the request the moment the job
+            # is overdue, so a reader that started 2 ms after the job was made left it unblamed.
             waited = time.monotonic() - job.tier_since
-            stuck = job.tier if job.started and job.tier is not None and waited > self.read_timeout_s else None
+            stuck = job.tier if job.started and job.tier is not None and waited > self.read_timeout_s / 2 else None
         if isinstance(stuck, RedisTier):
             stuck.too_slow(waited)
         elif stuck is not None:
