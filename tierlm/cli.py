@@ -172,12 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         getattr(args, more).extend(extra)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command (`args.func`): bad input or a missing file is one line and exit
+    status 2, not a traceback. Also the entry of the modules runnable with `python -m`."""
+    logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (TierlmError, ValueError, OSError) as e:  # bad input or a missing file: a line, not a traceback
-        logging.getLogger("tierlm").debug("%s failed", args.command, exc_info=True)
+    except (TierlmError, ValueError, OSError) as e:
+        logging.getLogger("tierlm").debug("%s failed", getattr(args, "command", args.func.__module__),
+                                          exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

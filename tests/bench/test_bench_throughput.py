@@ -107,3 +107,16 @@ def test_bench_prefix_refuses_nonsense_by_name(flag, value, capsys):
     with pytest.raises(SystemExit) as ended:
         main(["bench", "prefix", flag, value, "--json", "unused.json"])
     assert ended.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["throughput", "prefix"])
+def test_bench_outputs_are_checked_before_the_run(bench, tmp_path, capsys):
+    # the JSON path was first tried after minutes of benchmarking; an empty one failed only then
+    (tmp_path / "taken.png").mkdir()
+    for argv, says in (([" "], "--json is empty"), ([str(tmp_path)], "is a directory"),
+                       ([str(tmp_path / "o.json"), "--plot", str(tmp_path / "taken")], "taken.png is a directory"),
+                       ([str(tmp_path / "o.png"), "--plot", str(tmp_path / "o")], "--json and --plot are both")):
+        rc = main(["bench", bench, "--model", str(tmp_path / "no-model"), "--json", *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and "Traceback" not in err, err
+    assert not (tmp_path / "no-model").exists() and not (tmp_path / "o.json").exists()

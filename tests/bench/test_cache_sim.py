@@ -377,6 +377,70 @@ def test_unwritable_outputs_are_refused_before_the_replay(tiny_trace: str, tmp_p
     assert not good.exists()  # the check leaves no file behind
 
 
+def test_outputs_that_would_overwrite_an_input_or_each_other_are_refused(tiny_trace: str, tmp_path,
+                                                                        capsys, monkeypatch) -> None:
+    # `--json TRACE` replaced the trace with the results; `--json out.png --plot out` wrote the
+    # JSON, then savefig wrote out.png over it; an empty name wrote nothing and said nothing
+    import tierlm.bench.cache as cache
+
+    def no_replay(*a: object, **k: object) -> None:
+        raise AssertionError("replayed before the output paths were checked")
+
+    monkeypatch.setattr(cache, "simulate", no_replay)
+    before = open(tiny_trace).read()
+    base = ["--trace", tiny_trace, "--capacities", "2", "--policies", "lru"]
+    _refused(base + ["--json", tiny_trace], capsys, "--json", "is the input file", "overwrite")
+    _refused(base + ["--json", str(tmp_path / "o.json"), "--plot", tiny_trace], capsys, "--plot",
+             "is the input file")
+    link = tmp_path / "alias.jsonl"
+    link.symlink_to(tiny_trace)
+    _refused(base + ["--json", str(link)], capsys, "--json", "is the input file")
+    png = tmp_path / "out.png"
+    _refused(base + ["--json", str(png), "--plot", str(tmp_path / "out")], capsys,
+             "--json and --plot are both")
+    _refused(base + ["--json", ""], capsys, "--json is empty")
+    _refused(base + ["--json", str(tmp_path / "o.json"), "--plot", " "], capsys, "--plot is empty")
+    assert open(tiny_trace).read() == before and not png.exists()
+
+
+def test_a_plot_name_without_extension_is_the_png_savefig_writes(tiny_trace: str, tmp_path,
+                                                                  capsys) -> None:
+    # the checks looked at `fig` while savefig wrote `fig.png`: a bad `fig.png` failed only
+    # after the whole replay, in a line that did not name --plot
+    (tmp_path / "figs" / "fig.png").mkdir(parents=True)
+    base = ["--trace", tiny_trace, "--capacities", "2", "--policies", "lru",
+            "--json", str(tmp_path / "o.json")]
+    _refused(base + ["--plot", str(tmp_path / "figs" / "fig")], capsys, "--plot", "fig.png",
+             "is a directory")
+    rc, _, err = _cli(base + ["--plot", str(tmp_path / "plain.")], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "plain.png").stat().st_size > 0 and not (tmp_path / "plain.").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_that_fails_after_the_replay_names_its_flag_and_file(tiny_trace: str,
+                                                                     capsys) -> None:
+    # it said only "[Errno 28] No space left on device"
+    rc, table, err = _cli(["--trace", tiny_trace, "--capacities", "2", "--policies", "lru",
+                           "--json", "/dev/full"], capsys)
+    assert rc == 2 and "Traceback" not in err and "lru" in table  # the results were printed
+    assert err.splitlines()[-1] == "error: cannot write --json /dev/full: No space left on device"
+
+
+def test_the_module_entry_point_gives_one_line_errors(tmp_path) -> None:
+    # `python -m tierlm.bench.cache` printed a traceback where `tierlm bench cache` prints a line
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tierlm.bench.cache", "--trace", str(tmp_path / "none.jsonl"),
+                        "--json", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))]
+    assert "none.jsonl" in r.stderr
+
+
 @pytest.mark.skipif(not os.path.exists(f"{TRACES}/synthetic_trace.jsonl"), reason="no traces")
 def test_real_traces_infinite_bounds() -> None:
     """README: at most 36.6% (conversation) and 64.0% (synthetic) of references can hit."""

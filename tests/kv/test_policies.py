@@ -594,3 +594,21 @@ def test_shadow_hits_follow_the_leading_run_rule() -> None:
 def test_shadow_rejects_bad_window() -> None:
     with pytest.raises(ValueError, match="window"):
         ShadowPolicy(window=0)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"samples": 0}, "samples must be"), ({"samples": -3}, "samples must be"),
+    ({"oldest": -1}, "oldest must be"), ({"growth": 1.0}, "growth=1.0"),
+    ({"half_life": 0}, "half_life=0"), ({"refit_every": 0}, "refit_every=0"),
+    ({"history": 0}, "history=0"), ({"prior": float("nan")}, "prior=nan"),
+])
+@pytest.mark.parametrize("name", ["gittins", "duel", "shadow", "chain"])
+def test_sampled_policies_refuse_settings_that_would_hang_or_divide_by_zero(name: str, kwargs: dict,
+                                                                             says: str) -> None:
+    # samples=0 was accepted, and victim() then spun for ever once leaves outnumbered it
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        make_policy(name, **kwargs)
+    p = make_policy(name, samples=1)  # the smallest sample still finds a victim among many leaves
+    for i in range(50):
+        p.access(i, None, now=i)
+    assert p.victim() in range(50)

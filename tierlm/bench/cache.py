@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
+from tierlm.bench.outputs import check_outputs, write_json
 from tierlm.kv.policies import (
     OFFLINE_POLICIES,
     POLICIES,
@@ -172,28 +173,6 @@ def _trace_names(paths: Sequence[str]) -> list[str]:
     return names
 
 
-def _check_output(path: str, flag: str) -> None:
-    """Fail before a long replay, not after it, if `path` cannot be written: create its missing
-    directories (as the writers would) and open it for appending (removed again if new)."""
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a directory; give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"cannot write {flag} {path}: {parent} is not a directory; give a file "
-                         "path in a writable directory")
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        existed = os.path.exists(path)
-        open(path, "ab").close()  # os.access says yes to root even on /proc or read-only mounts
-        if not existed:
-            os.remove(path)
-    except OSError as e:
-        raise ValueError(f"cannot write {flag} {path}: {e.strerror or e}; give a file path in a "
-                         "writable directory") from None
-
-
 def _requests(trace: Trace | Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
     return trace.requests if isinstance(trace, Trace) else trace
 
@@ -308,8 +287,6 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
         first = trace_paths[real.index(real[i])]
         also = "" if first == trace_paths[i] else f" (also as {first})"
         raise ValueError(f"trace file {trace_paths[i]} is given twice{also}; give each trace once")
-    if json_out and plot_out and os.path.realpath(json_out) == os.path.realpath(plot_out):
-        raise ValueError(f"--json and --plot are both {json_out}; give two different files")
     order = (["lru"] + [p for p in chosen if p != "lru" and p not in OFFLINE_POLICIES]
              + OFFLINE_POLICIES)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -317,11 +294,8 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
     # everything that can be wrong is found before the replay, which takes minutes on real traces
     names = _trace_names(trace_paths)
     traces = [load_trace(path, name) for path, name in zip(trace_paths, names)]
-    from tierlm.bench.plots import check_plot_path
-    check_plot_path(plot_out)  # a format matplotlib cannot write fails now, not after the run
-    for out_path, flag in ((json_out, "--json"), (plot_out, "--plot")):
-        if out_path:
-            _check_output(out_path, flag)
+    outs = check_outputs({"--json": json_out, "--plot": plot_out}, inputs=trace_paths)
+    json_out, plot_out = outs["--json"], outs["--plot"]
 
     results: list[dict] = []
     bounds: dict[str, float] = {}
@@ -357,11 +331,9 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
     }
     if not quiet:
         print(format_table(out))
-    if json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
-        with open(json_out, "w") as f:
-            json.dump(out, f, indent=2)
-    if plot_out:
+    if json_out is not None:
+        write_json(json_out, out)
+    if plot_out is not None:
         plot_cache_results(out, plot_out)
     return out
 
@@ -473,6 +445,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from tierlm.cli import run_command
     parser = _configure(argparse.ArgumentParser(prog="python -m tierlm.bench.cache",
                                                 description=__doc__.splitlines()[0]))
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_command(parser.parse_args()))

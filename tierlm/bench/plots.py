@@ -17,14 +17,26 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
 Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
-__all__ = ["Series", "Styles", "check_plot_path", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot"]
+__all__ = ["Series", "Styles", "check_plot_path", "savefig_name", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot"]
 
 
-def check_plot_path(path: str | None, flag: str = "--plot") -> None:
-    """Refuse a figure format matplotlib cannot write before a benchmark runs, not after (no
-    extension is a PNG, as savefig makes it)."""
-    if not path:
-        return
+def savefig_name(path: str) -> str:
+    """The file savefig writes for `path`: a name without an extension gets the default format's."""
+    if os.path.splitext(path)[1].lstrip("."):
+        return path
+    return path.rstrip(".") + "." + str(matplotlib.rcParams["savefig.format"])
+
+
+def check_plot_path(path: str | None, flag: str = "--plot") -> str | None:
+    """The file a figure asked for as `path` lands in (`savefig_name`), checked before a
+    benchmark runs, not after: an empty name, a directory and a format matplotlib cannot write
+    are refused."""
+    if path is None:
+        return None
+    if not path.strip():
+        raise ValueError(f"{flag} is empty; give a file path such as results.png")
+    if os.path.isdir(path):  # savefig would write `path`.png beside it: not what was meant
+        raise ValueError(f"{flag} {path} is a directory; give a file path such as {os.path.join(path, 'results.png')}")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     fig = plt.figure()
     formats = fig.canvas.get_supported_filetypes()
@@ -32,13 +44,18 @@ def check_plot_path(path: str | None, flag: str = "--plot") -> None:
     if ext and ext not in formats:
         raise ValueError(f"{flag} {path}: matplotlib cannot write a figure as .{ext}; end the name with one of "
                          + ", ".join("." + f for f in sorted(formats)))
+    return savefig_name(path)
 
 
 def _save(fig: "plt.Figure", path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise ValueError(f"cannot write the plot {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -15,7 +15,6 @@ Third part, with `--kv-remote`: the prefix held only in Redis, read several bloc
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -172,8 +171,9 @@ def _measure_remote(model: str, args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from tierlm import LLM
-    from tierlm.bench.plots import check_plot_path
-    check_plot_path(args.plot)  # a format matplotlib cannot write fails now, not after the run
+    from tierlm.bench.outputs import check_outputs
+    outs = check_outputs({"--json": args.json, "--plot": args.plot})  # fails now, not after the run
+    args.json, args.plot = outs["--json"], outs["--plot"]
     from tierlm.bench.throughput import ensure_bench_model
     from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR
     model = args.model or str(ensure_bench_model(Path(args.bench_model_dir or DEFAULT_BENCH_MODEL_DIR)))
@@ -202,9 +202,9 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{args.decoders} decodes running, a disk-prefixed request arrives ({k}): longest step "
               f"{v['max_step_s'] * 1e3:.0f} ms (decode step {v['decode_step_s'] * 1e3:.0f} ms), "
               f"its TTFT {v['ttft_s'] * 1e3:.0f} ms over {v['steps']:.0f} steps")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
+    from tierlm.bench.outputs import write_json
+    write_json(args.json, result)
+    if args.plot is not None:
         plot_prefix(result, args.plot)
     return result
 

@@ -7,7 +7,6 @@ the ratio. Also measures batch-1 decode speed against the memory-bandwidth bound
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import time
@@ -204,8 +203,9 @@ def batch1_decode(model_dir: str, dtype: str, n: int = 64, device: torch.device 
 def run(args: argparse.Namespace) -> dict:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    from tierlm.bench.plots import check_plot_path
-    check_plot_path(args.plot)  # a format matplotlib cannot write fails now, not after the run
+    from tierlm.bench.outputs import check_outputs
+    outs = check_outputs({"--json": args.json, "--plot": args.plot})  # fails now, not after the run
+    args.json, args.plot = outs["--json"], outs["--plot"]
     sampling = Sampling(args.temperature, args.top_p)
     sampling.validate()
     device = resolve_device(args.device)  # before minutes of building the bench model
@@ -251,9 +251,9 @@ def run(args: argparse.Namespace) -> dict:
               f" tok/s, bandwidth bound {b1['bandwidth_bound_tok_per_s']:.1f} tok/s "
               f"({b1['read_bandwidth_gb_s']:.1f} GB/s)", flush=True)
         result["batch1_decode"] = b1
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
+    from tierlm.bench.outputs import write_json
+    write_json(args.json, result)
+    if args.plot is not None:
         from tierlm.bench.plots import bar_plot
         values = {f"{n}\n{who}": w[who]["output_tok_per_s"]
                   for n, w in result["workloads"].items() for who in ("tierlm", "transformers")}

@@ -30,6 +30,7 @@ import bisect
 import heapq
 import itertools
 import math
+import numbers
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -608,7 +609,12 @@ class _SampledPolicy(_LeafPolicy):
 
     def __init__(self, samples: int = 64, seed: int = 0, oldest: int = 0) -> None:
         super().__init__()
-        self.samples, self.oldest = samples, oldest
+        # A sample of none could never find a victim among many leaves (victim() would spin).
+        if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 1:
+            raise ValueError(f"samples must be a whole number of at least 1, got {samples!r}")
+        if isinstance(oldest, bool) or not isinstance(oldest, numbers.Integral) or oldest < 0:
+            raise ValueError(f"oldest must be a whole number of at least 0, got {oldest!r}")
+        self.samples, self.oldest = int(samples), int(oldest)
         self._cands: list[Hashable] = []  # evictable leaves (plus stale ones, purged lazily)
         self._cand_pos: dict[Hashable, int] = {}
         self._by_last = _CandidateHeap() if oldest > 0 else None
@@ -714,6 +720,16 @@ class GittinsPolicy(_SampledPolicy):
                  max_count: int = 8, half_life: float = 2000.0, prior: float = 20.0,
                  growth: float = 1.3, seed: int = 0, oldest: int = 0, hints: bool = False) -> None:
         super().__init__(samples=samples, seed=seed, oldest=oldest)
+        bad = [f"{k}={v!r} (must be {rule})" for k, v, ok, rule in (
+            ("history", history, isinstance(history, numbers.Integral) and history >= 1, "at least 1"),
+            ("refit_every", refit_every, isinstance(refit_every, numbers.Integral) and refit_every >= 1, "at least 1"),
+            ("max_count", max_count, isinstance(max_count, numbers.Integral) and max_count >= 1, "at least 1"),
+            ("half_life", half_life, half_life > 0 and math.isfinite(half_life), "a finite number above 0"),
+            ("prior", prior, prior >= 0 and math.isfinite(prior), "a finite number of at least 0"),
+            ("growth", growth, 1.01 <= growth <= 16, "from 1.01 to 16"),
+        ) if not ok]
+        if bad:  # each would stall (a tiny growth makes millions of buckets) or divide by zero later
+            raise ValueError(f"{type(self).__name__}: bad settings {', '.join(bad)}")
         self.hints = hints
         self._n_sub = self._N_SUB * (self._N_HINT if hints else 1)  # classes per group
         self.history, self.refit_every = history, refit_every
