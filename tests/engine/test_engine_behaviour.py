@@ -226,6 +226,45 @@ def test_a_stop_string_found_only_when_the_last_token_is_flushed_is_the_finish_r
         assert " 🙂" not in out.outputs[0].text and free.text.startswith(out.outputs[0].text)
 
 
+def test_a_stop_string_made_before_min_tokens_stays_unmatched_whatever_other_stops_are_given():
+    """Stop strings are not looked for before min_tokens. A short one made then was matched on
+    the first token checked whenever a longer stop string was also given (the search reached
+    back the longest one's length for every string)."""
+    for stops in (["x"], ["x", "ZZZZZZZZ"], ["ZZZZZZZZ", "x"]):
+        d = IncrementalDetokenizer(_Tok(), [], stop=stops)
+        assert d.add(ord("x"), find_stop=False) is None  # token 1 of min_tokens=2
+        assert d.add(ord("y")) is None and d.text == "xy", stops
+        assert d.add(ord("x")) == "x" and d.text == "xy", stops  # a new one is found as ever
+    d = IncrementalDetokenizer(_Tok(), [], stop=["ab", "ZZZZZZZZ"])
+    d.add(ord("a"), find_stop=False)
+    assert d.add(ord("b")) == "ab" and d.text == ""  # one that ends in checked text still counts
+
+
+def test_recomputed_prompt_tokens_after_a_preemption_are_counted(llama_dir):
+    """stats().prompt_tokens (tierlm:computed_prompt_tokens) counts recomputation after a
+    preemption, as its help says. A recompute chunk runs past the prompt (into the tokens already
+    generated), and such chunks were left out entirely."""
+    small = LLM(str(llama_dir), dtype="float32", kv_cache_memory="10 blocks", block_size=8,
+                max_num_batched_tokens=64, enable_prefix_caching=False, load_progress=False)
+    eng = small.engine
+    ran = 0
+    execute = eng.runner.execute
+
+    def counting(sched):  # prompt positions each step runs through the model, counted here
+        nonlocal ran
+        for req, n in sched.scheduled:
+            ran += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+        return execute(sched)
+
+    eng.runner.execute = counting
+    prompts = [[5 + i + j % 7 for j in range(30)] for i in range(2)]
+    small.generate([{"prompt_token_ids": p} for p in prompts],
+                   SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    st = eng.stats()
+    assert st.num_preemptions >= 1 and ran > 60
+    assert st.prompt_tokens == ran
+
+
 def test_detokenizer_stop_split_across_tokens_and_utf8_whole():
     text = "héllo 世界 🚀 wörld END tail"
     ids = list(text.encode())

@@ -456,6 +456,33 @@ def test_a_request_waiting_for_room_keeps_its_lower_tier_hit(llama_dir, cold_ref
     assert req2.output_token_ids == ref[3] and req2.num_cached_tokens == 64
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_request_waiting_for_room_with_no_lower_tier_prefix_is_looked_up_once(prefetch, llama_dir, tmp_path):
+    """A waiting request whose lookup found nothing below the device was looked up again at
+    every step it waited (the disk probed on the model loop each time, without prefetching), so
+    each tier's misses grew with the time it queued, not with what it looked up."""
+    llm = _llm(llama_dir, kv_cache_memory="6 blocks", kv_host_capacity="4 blocks",
+               kv_disk_dir=str(tmp_path / "kv"), kv_prefetch=prefetch)
+    eng = llm.engine
+    hog = eng.add_request({"prompt_token_ids": _prompt(11, 30)}, SamplingParams(max_tokens=16, temperature=0,
+                                                                                 ignore_eos=True))
+    for _ in range(2):
+        eng.step()
+    before = {k: v["misses"] for k, v in eng.store.stats().items()}
+    waiter = eng.add_request({"prompt_token_ids": _prompt(12, 30)}, SamplingParams(max_tokens=2, temperature=0,
+                                                                                    ignore_eos=True))
+    waited = 0
+    while hog.request_id in eng.requests:
+        eng.step()
+        waited += waiter.num_computed_tokens == 0
+    while eng.has_unfinished():
+        eng.step()
+    added = {k: v["misses"] - before[k] for k, v in eng.store.stats().items()}
+    assert waited >= 5 and len(waiter.output_token_ids) == 2
+    assert added["disk"] == 1 and added["host"] <= 1, added  # were 15 and 15 (13 with prefetching)
+    assert not eng.kv._held and eng.pool.num_used == 0
+
+
 def test_what_requests_waiting_for_room_keep_is_bounded_and_each_block_counted_once(llama_dir, cold_reference,
                                                                                     tmp_path):
     """Requests held for device room kept every lower-tier run they read, without limit. Past

@@ -55,12 +55,14 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
 
     def _check_stop(self, start: int) -> str | None:
+        """The first stop string that ends in the text from `start` on (the new text): one that
+        lies wholly in earlier text was not looked for there (before min_tokens), so it is not
+        a match now either, whatever other, longer stop strings are given."""
         if not self.stop:
             return None
-        begin = max(0, start - self.hold)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, begin)
+            i = self.text.find(s, max(0, start - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

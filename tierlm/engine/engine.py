@@ -436,9 +436,9 @@ class LLMEngine:
         self.last_step = (sched.num_tokens, len(sched.scheduled))
         samplers, logits = self.runner.execute(sched)
         for req, n in sched.scheduled:
+            # The prompt's share of the chunk: a recompute after preemption runs past the prompt.
+            self.prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
             req.num_computed_tokens += n
-            if req.num_computed_tokens <= req.num_prompt_tokens:
-                self.prompt_tokens += n
             self.kv.register_computed(req)
         if not samplers:
             return []

@@ -243,12 +243,14 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply them.
         """
+        admitting = hit is not None
         hit = hit or PrefixHit()
         total = req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(req.blocks) - len(hit.device)
         reviving = sum(1 for b in hit.device if b.ref_cnt == 0)  # cached blocks leave the free count
         if need + reviving > self.pool.num_free:
-            self._hold(req.request_id, len(hit.device), hit.lower, hit.spare)
+            if admitting:  # a running request that cannot grow holds nothing
+                self._hold(req.request_id, len(hit.device), hit.lower, hit.spare)
             return False
         self._release(req.request_id)
         self._device_then.pop(req.request_id, None)
@@ -308,7 +310,7 @@ class KVCacheManager:
         """Keep what the lower tiers gave a request that found no device room, for its next try,
         within `held_bytes_limit`: past it, the tail of its run is let go (recomputed when it is
         admitted; the head alone is still a valid prefix), so requests that came first keep theirs."""
-        was_held = self._release(request_id) is not None
+        self._release(request_id)
         kept = 0
         for h, _, data, _ in lower:
             ref = self._held_refs.get(h)
@@ -322,8 +324,8 @@ class KVCacheManager:
             kept += 1
         if kept < len(lower) and self.store is not None:
             self.store.unstage([entry[0] for entry in lower[kept:]])
-        if lower or spare or was_held:  # even with nothing kept: its next try must not look it all up again
-            self._held[request_id] = (start, lower[:kept], spare)
+        # Even with nothing found or kept: its next try must not look the lower tiers up again.
+        self._held[request_id] = (start, lower[:kept], spare)
 
     def _release(self, request_id: str):
         """Forget `request_id`'s hold (admitted or gone) and return it, or None."""
