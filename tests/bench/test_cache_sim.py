@@ -450,3 +450,19 @@ def test_real_traces_infinite_bounds() -> None:
     syn = load_trace(f"{TRACES}/synthetic_trace.jsonl")
     r = simulate(syn, "lru", capacity=50_000)  # > 43,924 unique blocks: nothing is evicted
     assert round(r.hit_rate, 3) == 0.640
+
+
+def test_capacity_axis_labels_are_the_capacities_and_do_not_run_together() -> None:
+    # within one decade matplotlib labelled minor ticks as well: "3×10²4×10²" ran together
+    import matplotlib.pyplot as plt
+
+    from tierlm.bench.plots import _draw_lines
+
+    fig, ax = plt.subplots()
+    _draw_lines(ax, {"lru": ([50, 200, 800], [0.1, 0.2, 0.3]), "arc": ([50, 200, 800], [0.1, 0.2, 0.4])},
+                "capacity", "hit rate", logx=True, markers=True)
+    fig.canvas.draw()
+    shown = [t.get_text() for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True)
+             if t.get_text()]
+    plt.close(fig)
+    assert shown == ["50", "200", "800"]
