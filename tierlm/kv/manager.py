@@ -77,7 +77,8 @@ class KVCacheManager:
         # Requests that found a lower-tier prefix but no device room: request id -> (device blocks
         # then, the lower-tier blocks read), kept until admitted or gone. Several may be held at
         # once (a request that reads first may be tried first next step).
-        self._held: dict[str, tuple[int, list, list]] = {}  # id -> (device blocks then, lower, spare)
+        # id -> (device blocks then, lower, spare, the store's generation then)
+        self._held: dict[str, tuple[int, list, list, int]] = {}
         # What held requests' K/V weighs, each block counted once however many hold it: bounded
         # like staging (a burst of requests waiting for room, each with a long disk or Redis
         # prefix, kept every run it read, without limit). Block -> (holders, bytes).
@@ -200,7 +201,8 @@ class KVCacheManager:
                 # Blocks are keyed by content, so what was read is still right. Only the split
                 # moved if other requests' demand pushed some of this prefix off the device (read
                 # those few back, from host or the writer's queue) or brought more of it there.
-                (start, lower, hit.spare), d = held, len(hit.device)
+                (start, lower, hit.spare, generation), d = held, len(hit.device)
+                intact = True
                 if d >= start:
                     hit.lower = lower[d - start:]
                     hit.spare = hit.spare + [entry[0] for entry in lower[:d - start]]  # on the device now
@@ -208,10 +210,19 @@ class KVCacheManager:
                     gap = hashes[d:start]
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
                     hit.lower = [(h, *f) for h, f in zip(gap, found)]
-                    if len(found) == len(gap):
+                    intact = len(found) == len(gap)
+                    if intact:
                         hit.lower += lower
                     else:  # the run broke in the gap: what it read past it is no longer taken
                         hit.spare = hit.spare + [entry[0] for entry in lower]
+                if intact and generation != self.store.generation:
+                    # Blocks were stored below since (others' prefixes pushed off the device, as
+                    # in a burst sharing one): look past the run for any of this prompt's.
+                    tail = hashes[d + len(hit.lower):limit]
+                    more = [(h, *f) for h, f in zip(tail, self.store.fetch_run(tail, slow=not self.prefetching))]
+                    if more:
+                        hit.lower += more
+                        hit.spare = [h for h in hit.spare if h not in {entry[0] for entry in more}]
                 if job is not None:  # a read of the gap: what it staged and this try does not take
                     hit.spare = hit.spare + self._not_taken(job, hit)
                 return hit
@@ -325,7 +336,7 @@ class KVCacheManager:
         if kept < len(lower) and self.store is not None:
             self.store.unstage([entry[0] for entry in lower[kept:]])
         # Even with nothing found or kept: its next try must not look the lower tiers up again.
-        self._held[request_id] = (start, lower[:kept], spare)
+        self._held[request_id] = (start, lower[:kept], spare, self.store.generation if self.store is not None else 0)
 
     def _release(self, request_id: str):
         """Forget `request_id`'s hold (admitted or gone) and return it, or None."""

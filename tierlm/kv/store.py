@@ -135,6 +135,9 @@ class TieredStore:
         self.staged: OrderedDict[bytes, tuple[str, torch.Tensor, int | None]] = OrderedDict()
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
+        # Counts this engine's stores (demotions, write-throughs): a lookup that found nothing
+        # new need not be repeated while it is unchanged (see KVCacheManager's held requests).
+        self.generation = 0
         self._live: set[Prefetch] = set()  # jobs whose request may still be admitted
         # Staged blocks an unstage kept because a live job wanted them: looked at again when a job
         # settles or is cancelled (they stayed staged for good when that job found fewer).
@@ -176,6 +179,7 @@ class TieredStore:
         length of the last finished request that used it (`hint`), when known."""
         if start >= len(self.tiers):
             return
+        self.generation += 1
         tier = self.tiers[start]
         if start == 0 and isinstance(tier, HostTier):
             for evicted in tier.put(h, parent, data, hint):
@@ -186,6 +190,7 @@ class TieredStore:
     def write_through_block(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
         """Write a freshly computed block through to Redis (so peers can hit it) and, if asked
         for, to disk (so a crash does not lose it)."""
+        self.generation += 1
         for i in self.write_through_levels:
             self._enqueue(("remote" if isinstance(self.tiers[i], RedisTier) else "put", h, parent, data, None, i))
 
@@ -336,6 +341,7 @@ class TieredStore:
             if isinstance(t, HostTier) and not read_host:
                 if h in t:
                     return t.name, None, None
+                t.stats.misses += 1  # (its hit is counted when admission reads it)
                 continue
             if not slow and not isinstance(t, HostTier):
                 return None
