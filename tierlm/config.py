@@ -97,6 +97,11 @@ class EngineConfig:
         return dev
 
     def validate(self) -> None:
+        for knob, off in (("model", "the built-in demo model"), ("kv_disk_dir", "no disk tier"),
+                          ("kv_remote", "no Redis tier")):
+            value = getattr(self, knob)
+            if isinstance(value, str) and not value.strip():  # as "$UNSET_VARIABLE" gives
+                raise ValueError(f"{knob} is empty (an unset variable?); give a value, or leave it out for {off}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {self.block_size})")
         if self.max_model_len is not None and self.max_model_len < 1:

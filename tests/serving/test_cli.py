@@ -142,6 +142,24 @@ def test_bad_command_line_input_gets_one_error_line(argv, says, tmp_path):
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "--kv-disk-dir", ""], "kv_disk_dir is empty"),
+    (["serve", "--kv-remote", " "], "kv_remote is empty"),
+    (["serve", "--api-keys", ""], "--api-keys is empty"),
+    (["serve", ""], "model is empty"),
+    (["generate", "--model", "", "hi"], "model is empty"),
+])
+def test_an_empty_value_is_refused_not_read_as_the_feature_off(argv, says):
+    """What `--kv-disk-dir "$CACHE_DIR"` gives with the variable unset: the server started with
+    no disk tier (no Redis tier, no API keys) and said nothing of it."""
+    if argv[0] == "serve":
+        argv = argv + ["--port", str(free_port())]
+    proc = subprocess.run([sys.executable, "-m", "tierlm.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and proc.stderr.count("error:") == 1
+    assert "Traceback" not in proc.stderr + proc.stdout and "engine ready" not in proc.stderr + proc.stdout
+
+
 @pytest.mark.slow
 def test_one_checkpoint_under_two_names_with_one_kv_disk_dir(llama_dir, tmp_path):
     """Each served name gets its own disk-tier directory: the server used to refuse its own
@@ -178,3 +196,20 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collectors_sight():
         assert len(gc.get_objects()) < frozen // 10  # what a collection still walks (other threads allocate too)
     finally:
         gc.unfreeze()  # the rest of the suite keeps collecting as before
+
+
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_sigterm_quits_at_once_as_a_second_sigint_does(first, second):
+    """Process managers repeat SIGTERM, never SIGINT, to mean "now"; uvicorn forced the exit only
+    on a second SIGINT, so a second SIGTERM still waited out --shutdown-timeout."""
+    import uvicorn
+
+    from tierlm.serving.server import GracefulServer
+
+    server = GracefulServer(uvicorn.Config(app=lambda scope, receive, send: None), state=None,
+                            shutdown_timeout=30)
+    server.handle_exit(first, None)
+    assert server.should_exit and not server.force_exit  # the first one drains
+    server.handle_exit(second, None)
+    assert server.force_exit

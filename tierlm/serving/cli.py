@@ -120,6 +120,9 @@ def run_serve(args: argparse.Namespace) -> int:
                               log_requests=getattr(args, "request_log", True))
         specs = parse_model_specs(args.model_dir, args.models)
         auth: Authenticator
+        if args.api_keys is not None and not args.api_keys.strip():  # as "$UNSET_VARIABLE" gives
+            raise ValueError("--api-keys is empty (an unset variable?); give the keys file, or leave it out "
+                             "to serve a loopback address without keys")
         if args.api_keys:
             auth = ApiKeyAuth.from_file(args.api_keys)
         elif args.no_auth or _is_loopback(args.host):

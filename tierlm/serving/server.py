@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import signal
 import socket
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -27,6 +29,14 @@ class GracefulServer(uvicorn.Server):
         self.state = state
         self.shutdown_timeout = shutdown_timeout
         self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A second SIGTERM quits at once, as a second SIGINT does in uvicorn: process managers
+        (docker stop, systemd, Kubernetes) repeat SIGTERM, never SIGINT, to say "now"."""
+        again = self.should_exit
+        super().handle_exit(sig, frame)
+        if again and sig == signal.SIGTERM:
+            self.force_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._drain_task = asyncio.create_task(self.state.drain(self.shutdown_timeout))
