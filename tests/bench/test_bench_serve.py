@@ -370,3 +370,16 @@ def test_bench_sweep_cli_writes_table_and_plot(live_server, tmp_path):
     assert all(r["completed"] == 3 and r["goodput"] > 0 for r in runs)
     assert out.with_suffix(".png").is_file() and out.with_name("sweep_demo.json").is_file()
     assert "| demo | 20 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("bench", ["serve", "sweep"])
+def test_the_json_path_is_checked_before_any_load_is_sent(bench, tmp_path, capsys):
+    # a directory or unwritable --json failed only after the whole load run
+    from tierlm.cli import main
+
+    argv = ["bench", bench, "--base-url", "http://127.0.0.1:9", "--num-prompts", "2", "--json", str(tmp_path)]
+    if bench == "sweep":
+        argv += ["--request-rates", "1", "--slo", "ttft_ms=1000"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--json {tmp_path} is a directory" in err and "Traceback" not in err, err

@@ -466,3 +466,26 @@ def test_capacity_axis_labels_are_the_capacities_and_do_not_run_together() -> No
              if t.get_text()]
     plt.close(fig)
     assert shown == ["50", "200", "800"]
+
+
+def test_every_plot_with_a_log_axis_draws(tmp_path) -> None:
+    # the tick-labelling change reached cdf_plot too, where it named a variable cdf_plot lacks:
+    # every `bench serve` (latency CDFs on a log axis) crashed before writing its JSON
+    from tierlm.bench.plots import cdf_plot, line_plot
+
+    cdf = cdf_plot(str(tmp_path / "cdf.png"), {"TTFT": [3.0, 40.0, 500.0], "none": []}, title="t", xlabel="ms",
+                   logx=True)
+    line = line_plot(str(tmp_path / "line.png"), {"a": ([1, 10, 100], [0.1, 0.2, 0.3])}, title="t", xlabel="x",
+                     ylabel="y", logx=True)
+    assert os.path.getsize(cdf) > 0 and os.path.getsize(line) > 0
+
+
+def test_an_output_that_is_a_dangling_link_is_written_through_the_link(tiny_trace: str, tmp_path, capsys) -> None:
+    # the check opened the link (creating its target empty), then removed the link itself: the
+    # JSON landed in a plain file where the link was, and the target stayed empty
+    link, target = tmp_path / "latest.json", tmp_path / "runs" / "r1.json"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    rc, _, err = _cli(["--trace", tiny_trace, "--capacities", "2", "--policies", "lru", "--json", str(link)], capsys)
+    assert rc == 0, err
+    assert link.is_symlink() and json.loads(target.read_text())["capacities"] == [2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,10 +31,12 @@ def check_writable(path: str, flag: str) -> None:
                          "path in a writable directory")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        existed = os.path.exists(path)
-        open(path, "ab").close()  # os.access says yes to root even on /proc or read-only mounts
-        if not existed:
-            os.remove(path)
+        if os.path.exists(path):
+            open(path, "ab").close()  # os.access says yes to root even on /proc or read-only mounts
+        else:  # a new file, or a link to one: try its directory (opening it would create the file)
+            target_dir = os.path.dirname(os.path.realpath(path))
+            os.makedirs(target_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=target_dir).close()
     except OSError as e:
         raise ValueError(f"cannot write {flag} {path}: {e.strerror or e}; give a file path in a "
                          "writable directory") from None

@@ -62,6 +62,16 @@ def _save(fig: "plt.Figure", path: str) -> str:
 Styles = Mapping[str, Mapping[str, object]]
 
 
+def _label_x_values(ax: "plt.Axes", values: Sequence[float]) -> None:
+    """On a log x axis, label the measured x values themselves (up to 12 of them): within one
+    decade matplotlib labels minor ticks too ("3×10²4×10²" ran together for 50, 200, 800)."""
+    xs = sorted({float(x) for x in values if x > 0})
+    if 0 < len(xs) <= 12:
+        from matplotlib.ticker import NullFormatter
+        ax.set_xticks(xs, [f"{x:,.0f}" if x == int(x) else f"{x:g}" for x in xs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _draw_lines(ax: "plt.Axes", series: Series, xlabel: str, ylabel: str, logx: bool,
                 markers: bool, styles: Styles | None = None) -> None:
     for label, (xs, ys) in series.items():
@@ -70,13 +80,7 @@ def _draw_lines(ax: "plt.Axes", series: Series, xlabel: str, ylabel: str, logx: 
         ax.plot(list(xs), list(ys), label=label, **kw)
     if logx:
         ax.set_xscale("log")
-        # Label the measured x values themselves: within one decade matplotlib labels minor
-        # ticks too ("3×10²4×10²" ran together for capacities 50, 200, 800).
-        xs_all = sorted({float(x) for xs, _ in series.values() for x in xs if x > 0})
-        if 0 < len(xs_all) <= 12:
-            from matplotlib.ticker import NullFormatter
-            ax.set_xticks(xs_all, [f"{x:,.0f}" if x == int(x) else f"{x:g}" for x in xs_all])
-            ax.xaxis.set_minor_formatter(NullFormatter())
+        _label_x_values(ax, [x for xs, _ in series.values() for x in xs])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -121,13 +125,6 @@ def cdf_plot(path: str, samples: Mapping[str, Sequence[float]], title: str, xlab
         ax.step(xs, ys, where="post", label=label)
     if logx:
         ax.set_xscale("log")
-        # Label the measured x values themselves: within one decade matplotlib labels minor
-        # ticks too ("3×10²4×10²" ran together for capacities 50, 200, 800).
-        xs_all = sorted({float(x) for xs, _ in series.values() for x in xs if x > 0})
-        if 0 < len(xs_all) <= 12:
-            from matplotlib.ticker import NullFormatter
-            ax.set_xticks(xs_all, [f"{x:,.0f}" if x == int(x) else f"{x:g}" for x in xs_all])
-            ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction ≤ x")
     ax.set_ylim(0, 1.02)

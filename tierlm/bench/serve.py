@@ -762,6 +762,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rate = math.inf if args.request_rate is None else args.request_rate
     if not (rate > 0 and args.burstiness > 0):  # also refuses NaN
         raise ValueError(f"--request-rate and --burstiness must be positive, got {rate} and {args.burstiness}")
+    from tierlm.bench.outputs import check_outputs
+    check_outputs({"--json": args.json}, inputs=[args.trace] if args.trace else [])
     requests = build_requests(args)
     warmups = warmup_requests(requests, args.num_warmups, args.seed, token_range_of(args))
     slo = SLO.parse(args.slo) if args.slo else None

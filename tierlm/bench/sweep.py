@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.slo:
         raise ValueError("bench sweep measures goodput: pass --slo ttft_ms=…,tpot_ms=…")
     slo = SLO.parse(args.slo)
+    from tierlm.bench.outputs import check_outputs
+    check_outputs({"--json": args.json}, inputs=[args.trace] if args.trace else [])  # before minutes of load
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(_servers_run(args, rates, slo, out))
