@@ -456,13 +456,15 @@ def test_a_request_waiting_for_room_keeps_its_lower_tier_hit(llama_dir, cold_ref
     assert req2.output_token_ids == ref[3] and req2.num_cached_tokens == 64
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_a_request_waiting_for_room_with_no_lower_tier_prefix_is_looked_up_once(prefetch, llama_dir, tmp_path):
+@pytest.mark.parametrize("prefetch, write_through", [(False, False), (True, False), (False, True)])
+def test_a_request_waiting_for_room_with_no_lower_tier_prefix_is_looked_up_once(prefetch, write_through, llama_dir,
+                                                                                tmp_path):
     """A waiting request whose lookup found nothing below the device was looked up again at
     every step it waited (the disk probed on the model loop each time, without prefetching), so
-    each tier's misses grew with the time it queued, not with what it looked up."""
+    each tier's misses grew with the time it queued, not with what it looked up. Others' blocks
+    stored meanwhile (written through, demoted) do not make it look again: only its own."""
     llm = _llm(llama_dir, kv_cache_memory="6 blocks", kv_host_capacity="4 blocks",
-               kv_disk_dir=str(tmp_path / "kv"), kv_prefetch=prefetch)
+               kv_disk_dir=str(tmp_path / "kv"), kv_prefetch=prefetch, kv_disk_write_through=write_through)
     eng = llm.engine
     hog = eng.add_request({"prompt_token_ids": _prompt(11, 30)}, SamplingParams(max_tokens=16, temperature=0,
                                                                                  ignore_eos=True))
@@ -533,8 +535,10 @@ def test_what_requests_waiting_for_room_keep_is_bounded_and_each_block_counted_o
     assert eng.stats().kv_held_bytes == 5 * block
     assert not eng.kv.allocate(second, eng.pool.num_blocks * 8, eng.kv.find_cached_prefix(second))
     assert len(eng.kv._held[second.request_id][1]) == 5 and eng.kv.held_bytes == 5 * block  # the same 5
+    before = eng.store.stats()
     again = eng.kv.find_cached_prefix(first)  # its next try: the head it kept
     assert [e[0] for e in again.lower] == [e[0] for e in hit.lower[:5]]
+    assert eng.store.stats() == before  # the tail it let go is not read again past the head
     eng.kv.free(first)
     assert eng.kv.held_bytes == 5 * block  # still kept by the second
     eng.kv.free(second)
@@ -621,6 +625,41 @@ def test_a_held_run_whose_device_part_left_for_disk_reads_it_back_off_the_loop(l
         eng.step()
     assert disk.stats.hits == hits  # the model loop read no disk
     assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64  # recomputed from 0 before
+    assert eng.store.staged_bytes == 0 and not eng.kv._held and eng.kv.held_bytes == 0
+    llm.close()
+
+
+def test_the_end_of_a_held_requests_read_back_is_not_looked_up_again(llama_dir, cold_reference, tmp_path):
+    """The background read of a held request's lost device part stopped at a block no tier has
+    (its file deleted); the next try read that block's place again on the model loop, and its
+    host-tier miss, counted once by the reader, was counted twice."""
+    from tierlm.kv.prefix_cache import chain_hashes, extra_key
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_prefetch=True)
+    eng, host, disk = llm.engine, llm.engine.store.tiers[0], llm.engine.store.tiers[1]
+    _run(llm, shared + _prompt(2, 9))
+    eng.persist_kv()
+    _run(llm, shared[:40] + _prompt(4, 9))  # the first 5 blocks back on the device
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(req)
+    assert eng.kv._prefetches[req.request_id].done.wait(10)
+    hit = eng.kv.find_cached_prefix(req)
+    assert len(hit.device) == 5 and not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit)  # held for room
+    eng.persist_kv()  # its device part goes down to disk while it waits
+    hashes = chain_hashes(shared + _prompt(3, 9), 8, extra_key(eng.kv.model_id, None), [])
+    disk.path(hashes[2]).unlink()
+    misses = host.stats.misses
+    eng.kv.prefix_ready(req)  # starts the read of the 5 blocks that left
+    job = eng.kv._prefetches[req.request_id]
+    assert job.done.wait(10) and job.found == 2
+    assert host.stats.misses == misses + 3  # blocks 0-2, by the reader
+    again = eng.kv.find_cached_prefix(req)
+    assert host.stats.misses == misses + 3  # not block 2 once more
+    assert len(again.lower) == 2 and not again.device
+    assert not eng.kv.allocate(req, eng.pool.num_blocks * 8 + 8, again)  # still no room
+    eng.kv.free(req)
     assert eng.store.staged_bytes == 0 and not eng.kv._held and eng.kv.held_bytes == 0
     llm.close()
 

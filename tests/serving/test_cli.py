@@ -201,8 +201,8 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collectors_sight():
 @pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_sigterm_quits_at_once_as_a_second_sigint_does(first, second):
-    """Process managers repeat SIGTERM, never SIGINT, to mean "now"; uvicorn forced the exit only
-    on a second SIGINT, so a second SIGTERM still waited out --shutdown-timeout."""
+    """A second `kill PID` (SIGTERM) means "now" as a second Ctrl-C (SIGINT) does; uvicorn forced
+    the exit only on a second SIGINT, so a second SIGTERM still waited out --shutdown-timeout."""
     import uvicorn
 
     from tierlm.serving.server import GracefulServer

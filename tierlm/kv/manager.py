@@ -71,14 +71,13 @@ class KVCacheManager:
         # prefix was last read (on arrival, preemption or a re-read): fewer now, and what left
         # may be read back in the background (`_read_gap`).
         self._device_then: dict[str, int] = {}
-        # The lower-tier part of the hit of a request that found no room, kept for its next try:
-        # looking it up again at every step re-counted its host hits, re-ordered the host
-        # tier's eviction queue and probed disk and Redis for the block past its run each time.
-        # Requests that found a lower-tier prefix but no device room: request id -> (device blocks
-        # then, the lower-tier blocks read), kept until admitted or gone. Several may be held at
-        # once (a request that reads first may be tried first next step).
-        # id -> (device blocks then, lower, spare, the store's generation then)
-        self._held: dict[str, tuple[int, list, list, int]] = {}
+        # What the lookup of a request that found no device room gave (even nothing), kept for
+        # its next try until admitted or gone: looking it up again at every step re-counted its
+        # host hits, re-ordered the host tier's eviction queue and probed disk and Redis for the
+        # block past its run each time. Request id -> (device blocks then, the lower-tier run
+        # read, staged blocks it does not take, whether the run is whole: not cut short by
+        # `held_bytes_limit`). Several may be held at once.
+        self._held: dict[str, tuple[int, list, list, bool]] = {}
         # What held requests' K/V weighs, each block counted once however many hold it: bounded
         # like staging (a burst of requests waiting for room, each with a long disk or Redis
         # prefix, kept every run it read, without limit). Block -> (holders, bytes).
@@ -201,28 +200,32 @@ class KVCacheManager:
                 # Blocks are keyed by content, so what was read is still right. Only the split
                 # moved if other requests' demand pushed some of this prefix off the device (read
                 # those few back, from host or the writer's queue) or brought more of it there.
-                (start, lower, hit.spare, generation), d = held, len(hit.device)
+                (start, lower, hit.spare, whole), d = held, len(hit.device)
                 intact = True
                 if d >= start:
                     hit.lower = lower[d - start:]
                     hit.spare = hit.spare + [entry[0] for entry in lower[:d - start]]  # on the device now
                 else:
-                    gap = hashes[d:start]
+                    # A finished read of the gap found the run's end: no second look (and miss) there.
+                    end = start if job is None or not job.finished else min(start, job.start + job.found)
+                    gap = hashes[d:end]
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
                     hit.lower = [(h, *f) for h, f in zip(gap, found)]
-                    intact = len(found) == len(gap)
+                    intact = len(found) == len(gap) and end == start
                     if intact:
                         hit.lower += lower
                     else:  # the run broke in the gap: what it read past it is no longer taken
                         hit.spare = hit.spare + [entry[0] for entry in lower]
-                if intact and generation != self.store.generation:
-                    # Blocks were stored below since (others' prefixes pushed off the device, as
-                    # in a burst sharing one): look past the run for any of this prompt's.
-                    tail = hashes[d + len(hit.lower):limit]
+                past = d + len(hit.lower)
+                if intact and whole and past < limit and self.store.known_here(hashes[past], slow=not self.prefetching):
+                    # The block past the run has been stored below since (a burst sharing this
+                    # prefix may push it off the device meanwhile): read on from there.
+                    tail = hashes[past:limit]
                     more = [(h, *f) for h, f in zip(tail, self.store.fetch_run(tail, slow=not self.prefetching))]
                     if more:
                         hit.lower += more
-                        hit.spare = [h for h in hit.spare if h not in {entry[0] for entry in more}]
+                        taken = {entry[0] for entry in more}
+                        hit.spare = [h for h in hit.spare if h not in taken]
                 if job is not None:  # a read of the gap: what it staged and this try does not take
                     hit.spare = hit.spare + self._not_taken(job, hit)
                 return hit
@@ -321,7 +324,7 @@ class KVCacheManager:
         """Keep what the lower tiers gave a request that found no device room, for its next try,
         within `held_bytes_limit`: past it, the tail of its run is let go (recomputed when it is
         admitted; the head alone is still a valid prefix), so requests that came first keep theirs."""
-        self._release(request_id)
+        before = self._release(request_id)
         kept = 0
         for h, _, data, _ in lower:
             ref = self._held_refs.get(h)
@@ -336,7 +339,9 @@ class KVCacheManager:
         if kept < len(lower) and self.store is not None:
             self.store.unstage([entry[0] for entry in lower[kept:]])
         # Even with nothing found or kept: its next try must not look the lower tiers up again.
-        self._held[request_id] = (start, lower[:kept], spare, self.store.generation if self.store is not None else 0)
+        # A run once cut short stays so (its next tries pass the cut run back in).
+        whole = kept == len(lower) and (before is None or before[3])
+        self._held[request_id] = (start, lower[:kept], spare, whole)
 
     def _release(self, request_id: str):
         """Forget `request_id`'s hold (admitted or gone) and return it, or None."""

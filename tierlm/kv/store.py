@@ -135,9 +135,6 @@ class TieredStore:
         self.staged: OrderedDict[bytes, tuple[str, torch.Tensor, int | None]] = OrderedDict()
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
-        # Counts this engine's stores (demotions, write-throughs): a lookup that found nothing
-        # new need not be repeated while it is unchanged (see KVCacheManager's held requests).
-        self.generation = 0
         self._live: set[Prefetch] = set()  # jobs whose request may still be admitted
         # Staged blocks an unstage kept because a live job wanted them: looked at again when a job
         # settles or is cancelled (they stayed staged for good when that job found fewer).
@@ -179,7 +176,6 @@ class TieredStore:
         length of the last finished request that used it (`hint`), when known."""
         if start >= len(self.tiers):
             return
-        self.generation += 1
         tier = self.tiers[start]
         if start == 0 and isinstance(tier, HostTier):
             for evicted in tier.put(h, parent, data, hint):
@@ -190,7 +186,6 @@ class TieredStore:
     def write_through_block(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
         """Write a freshly computed block through to Redis (so peers can hit it) and, if asked
         for, to disk (so a crash does not lose it)."""
-        self.generation += 1
         for i in self.write_through_levels:
             self._enqueue(("remote" if isinstance(self.tiers[i], RedisTier) else "put", h, parent, data, None, i))
 
@@ -300,6 +295,20 @@ class TieredStore:
                 break
             n += 1
         return n
+
+    def known_here(self, h: bytes, slow: bool = True) -> bool:
+        """Whether staging, the writer's queue, the host tier or (if `slow`) the disk tier's
+        index holds `h`, so that `fetch_run(.., slow)` may find it: a look at memory only (no
+        read, nothing counted or touched). Redis is not asked (a round trip)."""
+        with self._lock:
+            if h in self.staged or h in self.pending:
+                return True
+        for t in self._ticked:  # the host and disk tiers
+            if slow or isinstance(t, HostTier):
+                with t.lock:
+                    if h in t.parents:
+                        return True
+        return False
 
     def _find_run(self, hashes: list[bytes], read_host: bool, job: Prefetch | None = None,
                   slow: bool = True) -> list[tuple[str, torch.Tensor | None, int | None]]:

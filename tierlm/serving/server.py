@@ -31,8 +31,8 @@ class GracefulServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """A second SIGTERM quits at once, as a second SIGINT does in uvicorn: process managers
-        (docker stop, systemd, Kubernetes) repeat SIGTERM, never SIGINT, to say "now"."""
+        """A second SIGTERM quits at once, as a second SIGINT does in uvicorn: an operator who
+        runs `kill PID` again (SIGTERM, as everything but a terminal's Ctrl-C sends) means "now"."""
         again = self.should_exit
         super().handle_exit(sig, frame)
         if again and sig == signal.SIGTERM:
