@@ -598,14 +598,12 @@ def test_a_held_run_whose_device_part_left_for_disk_lets_go_of_what_it_read(llam
     llm.close()
 
 
-def test_a_held_run_whose_device_part_left_for_disk_reads_it_back_off_the_loop(llama_dir, cold_reference, tmp_path):
-    """The same, end to end: the part that went down to disk while the request waited was
-    recomputed once admitted (the model loop reads no disk). Now the scheduler's readiness check
-    starts a background read of it, and the request starts with its whole prefix cached."""
-    shared, ref = cold_reference
+def _held_while_its_device_part_goes_to_disk(llama_dir, shared: list[int], tmp_path):
+    """An engine (prefetching) and a request held for room with 5 prefix blocks on the device and
+    3 read from disk, whose device part has since gone down to disk; driven by hand."""
     llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"),
                kv_prefetch=True)
-    eng, disk = llm.engine, llm.engine.store.tiers[1]
+    eng = llm.engine
     _run(llm, shared + _prompt(2, 9))
     eng.persist_kv()
     _run(llm, shared[:40] + _prompt(4, 9))  # the first 5 blocks back on the device
@@ -615,6 +613,16 @@ def test_a_held_run_whose_device_part_left_for_disk_reads_it_back_off_the_loop(l
     hit = eng.kv.find_cached_prefix(req)
     assert len(hit.device) == 5 and not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit)  # held for room
     eng.persist_kv()  # its device part goes down to disk while it waits
+    return llm, req
+
+
+def test_a_held_run_whose_device_part_left_for_disk_reads_it_back_off_the_loop(llama_dir, cold_reference, tmp_path):
+    """The same, end to end: the part that went down to disk while the request waited was
+    recomputed once admitted (the model loop reads no disk). Now the scheduler's readiness check
+    starts a background read of it, and the request starts with its whole prefix cached."""
+    shared, ref = cold_reference
+    llm, req = _held_while_its_device_part_goes_to_disk(llama_dir, shared, tmp_path)
+    eng, disk = llm.engine, llm.engine.store.tiers[1]
     eng.kv.prefix_ready(req)  # the scheduler's check, before it tries the request again
     job = eng.kv._prefetches[req.request_id]  # a read of the 5 blocks that left
     assert job.done.wait(10) and job.found == 5
@@ -635,19 +643,9 @@ def test_the_end_of_a_held_requests_read_back_is_not_looked_up_again(llama_dir, 
     host-tier miss, counted once by the reader, was counted twice."""
     from tierlm.kv.prefix_cache import chain_hashes, extra_key
 
-    shared, ref = cold_reference
-    llm = _llm(llama_dir, kv_cache_memory="24 blocks", kv_host_capacity="4 blocks", kv_disk_dir=str(tmp_path / "kv"),
-               kv_prefetch=True)
+    shared, _ = cold_reference
+    llm, req = _held_while_its_device_part_goes_to_disk(llama_dir, shared, tmp_path)
     eng, host, disk = llm.engine, llm.engine.store.tiers[0], llm.engine.store.tiers[1]
-    _run(llm, shared + _prompt(2, 9))
-    eng.persist_kv()
-    _run(llm, shared[:40] + _prompt(4, 9))  # the first 5 blocks back on the device
-    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
-    eng.scheduler.waiting.remove(req)
-    assert eng.kv._prefetches[req.request_id].done.wait(10)
-    hit = eng.kv.find_cached_prefix(req)
-    assert len(hit.device) == 5 and not eng.kv.allocate(req, eng.pool.num_blocks * 8, hit)  # held for room
-    eng.persist_kv()  # its device part goes down to disk while it waits
     hashes = chain_hashes(shared + _prompt(3, 9), 8, extra_key(eng.kv.model_id, None), [])
     disk.path(hashes[2]).unlink()
     misses = host.stats.misses
