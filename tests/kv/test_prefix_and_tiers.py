@@ -573,6 +573,38 @@ def test_a_request_that_could_keep_nothing_does_not_read_its_prefix_again_while_
     llm.close()
 
 
+def test_a_held_request_does_not_retry_an_unreadable_block_past_its_run_at_every_step(llama_dir, cold_reference,
+                                                                                     tmp_path):
+    """A disk entry whose reads fail (EIO) stays indexed; a held request that found nothing saw it
+    there past its (empty) run at every step and read it again on the model loop each time."""
+    import errno
+
+    shared, ref = cold_reference
+    llm = _prefix_on_disk(llama_dir, tmp_path, shared, kv_cache_memory="24 blocks", kv_prefetch=False)
+    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    reads = []
+
+    def failing(h):
+        reads.append(h)
+        raise OSError(errno.EIO, "Input/output error")
+
+    disk._read = failing
+    hog = _hog(eng, 140)
+    waiting = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.step()
+    assert eng.kv._held[waiting.request_id][1] == [] and reads
+    tried, steps = len(reads), 0
+    while waiting.num_computed_tokens == 0 and eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps > 10 and len(reads) <= tried + 1  # once more at most, not once a step
+    while eng.has_unfinished():
+        eng.step()
+    assert waiting.output_token_ids == ref[3] and hog.finish_reason == "length"
+    assert not eng.kv._held and not eng.kv._looked_past and eng.pool.num_used == 0
+    llm.close()
+
+
 def test_a_held_run_whose_device_part_left_for_disk_lets_go_of_what_it_read(llama_dir, tmp_path):
     """Held with 5 blocks on the device and 3 read from disk; the device blocks then went down to
     disk, so the next try's run breaks at its first block and the 3 read are no longer taken.
@@ -658,6 +690,44 @@ def test_the_end_of_a_held_requests_read_back_is_not_looked_up_again(llama_dir, 
     assert len(again.lower) == 2 and not again.device
     assert not eng.kv.allocate(req, eng.pool.num_blocks * 8 + 8, again)  # still no room
     eng.kv.free(req)
+    assert eng.store.staged_bytes == 0 and not eng.kv._held and eng.kv.held_bytes == 0
+    llm.close()
+
+
+def test_a_read_back_that_stopped_at_a_block_now_on_the_device_again_does_not_cut_the_run(llama_dir, cold_reference,
+                                                                                           tmp_path):
+    """Held with 6 device blocks and 2 host blocks; its device part left for the host, and the
+    read-back of that part stopped at block 2 (gone from the host). A sibling then brought blocks
+    0-3 back to the device: block 2 is no longer the run's end, but the next try cut the run
+    there all the same and recomputed the 4 blocks the host still had past the device."""
+    from tierlm.kv.prefix_cache import chain_hashes, extra_key
+
+    shared, ref = cold_reference
+    llm = _llm(llama_dir, kv_host_capacity="64 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_prefetch=True)
+    eng, host = llm.engine, llm.engine.store.tiers[0]
+    _run(llm, shared + _prompt(2, 9))
+    eng.offload_prefix_cache()  # all 8 blocks to the host
+    _run(llm, shared[:48] + _prompt(4, 9))  # blocks 0-5 back on the device
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    eng.scheduler.waiting.remove(req)  # driven by hand below
+    hit = eng.kv.find_cached_prefix(req)
+    assert len(hit.device) == 6 and len(hit.lower) == 2
+    assert not eng.kv.allocate(req, (eng.pool.num_blocks + 1) * 8, hit)  # held for room
+    eng.offload_prefix_cache()  # its device part leaves for the host
+    hashes = chain_hashes(shared + _prompt(3, 9), 8, extra_key(eng.kv.model_id, None), [])
+    with host.lock:
+        host.take(hashes[2])
+    eng.kv.prefix_ready(req)  # the read-back of blocks 0-5: it stops at block 2
+    job = eng.kv._prefetches[req.request_id]
+    assert job.done.wait(10) and (job.start, job.found) == (0, 2)
+    _run(llm, shared[:32] + _prompt(5, 9))  # a sibling: blocks 0-3 on the device again
+    again = eng.kv.find_cached_prefix(req)
+    assert len(again.device) == 4 and again.num_blocks == 8  # was 4: the host's 4-7 let go
+    assert not eng.kv.allocate(req, (eng.pool.num_blocks + 1) * 8, again)
+    eng.scheduler.waiting.append(req)
+    while eng.has_unfinished():
+        eng.step()
+    assert req.output_token_ids == ref[3] and req.num_cached_tokens == 64
     assert eng.store.staged_bytes == 0 and not eng.kv._held and eng.kv.held_bytes == 0
     llm.close()
 

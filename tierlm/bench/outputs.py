@@ -18,7 +18,8 @@ __all__ = ["check_outputs", "check_writable", "write_json"]
 
 def check_writable(path: str, flag: str) -> None:
     """Fail now if `path` cannot be written: create its missing directories (as the writers
-    would) and open it for appending (removed again if it was new)."""
+    would), then open it for appending if it exists, else make a temporary file where it (or
+    the file a link at it names) will be."""
     if not path.strip():
         raise ValueError(f"{flag} is empty; give a file path")
     if os.path.isdir(path):

@@ -78,6 +78,8 @@ class KVCacheManager:
         # read, staged blocks it does not take, whether the run is whole: not cut short by
         # `held_bytes_limit`). Several may be held at once.
         self._held: dict[str, tuple[int, list, list, bool]] = {}
+        # Held request id -> the block past its run that the store knew of but could not read.
+        self._looked_past: dict[str, bytes] = {}
         # What held requests' K/V weighs, each block counted once however many hold it: bounded
         # like staging (a burst of requests waiting for room, each with a long disk or Redis
         # prefix, kept every run it read, without limit). Block -> (holders, bytes).
@@ -206,8 +208,10 @@ class KVCacheManager:
                     hit.lower = lower[d - start:]
                     hit.spare = hit.spare + [entry[0] for entry in lower[:d - start]]  # on the device now
                 else:
-                    # A finished read of the gap found the run's end: no second look (and miss) there.
-                    end = start if job is None or not job.finished else min(start, job.start + job.found)
+                    # A finished read of the gap found the run's end: no second look (and miss) there,
+                    # unless that block is on the device again by now (another request brought it).
+                    stop = job.start + job.found if job is not None and job.finished else start
+                    end = start if stop < d else min(start, stop)
                     gap = hashes[d:end]
                     found = self.store.fetch_run(gap, slow=not self.prefetching)
                     hit.lower = [(h, *f) for h, f in zip(gap, found)]
@@ -217,11 +221,14 @@ class KVCacheManager:
                     else:  # the run broke in the gap: what it read past it is no longer taken
                         hit.spare = hit.spare + [entry[0] for entry in lower]
                 past = d + len(hit.lower)
-                if intact and whole and past < limit and self.store.known_here(hashes[past], slow=not self.prefetching):
+                if (intact and whole and past < limit and self._looked_past.get(req.request_id) != hashes[past]
+                        and self.store.known_here(hashes[past], slow=not self.prefetching)):
                     # The block past the run has been stored below since (a burst sharing this
                     # prefix may push it off the device meanwhile): read on from there.
                     tail = hashes[past:limit]
                     more = [(h, *f) for h, f in zip(tail, self.store.fetch_run(tail, slow=not self.prefetching))]
+                    if not more:  # known but unreadable (a disk entry failing its reads): once
+                        self._looked_past[req.request_id] = hashes[past]
                     if more:
                         hit.lower += more
                         taken = {entry[0] for entry in more}
@@ -267,6 +274,7 @@ class KVCacheManager:
                 self._hold(req.request_id, len(hit.device), hit.lower, hit.spare)
             return False
         self._release(req.request_id)
+        self._looked_past.pop(req.request_id, None)
         self._device_then.pop(req.request_id, None)
         if hit.spare and self.store is not None:
             self.store.unstage(hit.spare)
@@ -357,6 +365,7 @@ class KVCacheManager:
 
     def free(self, req) -> None:
         self._device_then.pop(req.request_id, None)
+        self._looked_past.pop(req.request_id, None)
         held = self._release(req.request_id)
         if held is not None and self.store is not None:  # held for room, gone before admission: what it read goes too
             self.store.unstage([entry[0] for entry in held[1]] + held[2])  # (another held request keeps its own references)
