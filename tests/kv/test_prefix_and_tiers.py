@@ -597,11 +597,58 @@ def test_a_held_request_does_not_retry_an_unreadable_block_past_its_run_at_every
     while waiting.num_computed_tokens == 0 and eng.has_unfinished():
         eng.step()
         steps += 1
-    assert steps > 10 and len(reads) <= tried + 1  # once more at most, not once a step
+    assert steps > 10 and len(reads) == tried  # not once more, let alone once a step
     while eng.has_unfinished():
         eng.step()
     assert waiting.output_token_ids == ref[3] and hog.finish_reason == "length"
     assert not eng.kv._held and not eng.kv._looked_past and eng.pool.num_used == 0
+    llm.close()
+
+
+def test_an_unreadable_block_that_cuts_a_read_past_the_run_is_not_read_again(llama_dir, tmp_path):
+    """A held request's read past its run stopped at a disk entry failing its reads, after some
+    good blocks; on the next step that entry was the first block past the longer run and was
+    read (and failed) once more before it was remembered."""
+    from tierlm.kv.tiers import DiskTier
+
+    llm = _llm(llama_dir, kv_cache_memory="12 blocks", kv_host_capacity="1 blocks", kv_disk_dir=str(tmp_path / "kv"),
+               kv_disk_capacity="200 blocks", kv_prefetch=False, max_model_len=512)
+    eng, shared = llm.engine, _prompt(1, 72)
+    _run(llm, shared + [5], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    hs = eng.kv._hashes(eng.make_request({"prompt_token_ids": shared + [7, 8, 9]}, GREEDY, "probe"))
+    tail = {i: eng.kv.io.read([eng.pool.lookup(hs[i]).block_id])[0] for i in range(4, 9)}
+    eng.persist_kv()
+    disk = next(t for t in eng.store.tiers if isinstance(t, DiskTier))
+    with disk.lock:
+        for i in range(4, 9):
+            disk.take(hs[i])  # its run below the device ends at block 4 for now
+    eng.add_request({"prompt_token_ids": _prompt(2, 80)}, SamplingParams(max_tokens=14, temperature=0,
+                                                                         ignore_eos=True))
+    eng.step()
+    eng.step()
+    held = eng.add_request({"prompt_token_ids": shared + [7, 8, 9]}, SamplingParams(max_tokens=4, temperature=0,
+                                                                                     ignore_eos=True))
+    eng.step()
+    assert len(eng.kv._held[held.request_id][1]) == 4  # blocks 0-3, read from disk
+    for i in range(4, 9):  # blocks 4-8 come back to disk while it waits; block 6 cannot be read
+        eng.store.demote(hs[i], hs[i - 1], tail[i], start=eng.store.tiers.index(disk))
+    eng.store.flush()
+    read, reads = disk._read, []
+
+    def failing(h):
+        if h == hs[6]:
+            reads.append(eng.steps)
+            raise OSError(5, "Input/output error")
+        return read(h)
+
+    disk._read = failing
+    for _ in range(6):
+        eng.step()
+    assert len(eng.kv._held[held.request_id][1]) == 6  # read on to block 5, stopped at block 6
+    assert len(reads) == 1  # was 2: block 6 once more on the next step, as the first past the run
+    while eng.has_unfinished():
+        eng.step()
+    assert held.finish_reason == "length" and not eng.kv._held and not eng.kv._looked_past and eng.pool.num_used == 0
     llm.close()
 
 

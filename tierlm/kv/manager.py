@@ -78,7 +78,8 @@ class KVCacheManager:
         # read, staged blocks it does not take, whether the run is whole: not cut short by
         # `held_bytes_limit`). Several may be held at once.
         self._held: dict[str, tuple[int, list, list, bool]] = {}
-        # Held request id -> the block past its run that the store knew of but could not read.
+        # Request id -> the block its last lookup stopped at though the store knew of it (it could
+        # not be read): not read past its run into again while held.
         self._looked_past: dict[str, bytes] = {}
         # What held requests' K/V weighs, each block counted once however many hold it: bounded
         # like staging (a burst of requests waiting for room, each with a long disk or Redis
@@ -227,8 +228,7 @@ class KVCacheManager:
                     # prefix may push it off the device meanwhile): read on from there.
                     tail = hashes[past:limit]
                     more = [(h, *f) for h, f in zip(tail, self.store.fetch_run(tail, slow=not self.prefetching))]
-                    if not more:  # known but unreadable (a disk entry failing its reads): once
-                        self._looked_past[req.request_id] = hashes[past]
+                    self._note_stop(req, hashes, past + len(more), limit)
                     if more:
                         hit.lower += more
                         taken = {entry[0] for entry in more}
@@ -246,11 +246,19 @@ class KVCacheManager:
             # read that did not finish (overdue, or failed) or a request without one (preempted):
             # it takes what was staged and what the host tier and the writer's queue hold.
             hit.lower = [(h, *found) for h, found in zip(below, self.store.fetch_run(below, slow=not self.prefetching))]
+            self._note_stop(req, hashes, len(hit.device) + len(hit.lower), limit)
             if job is not None:
                 # What its reader staged that this request does not take (another request brought
                 # it to the device meanwhile): else it stayed staged for good.
                 hit.spare = self._not_taken(job, hit)
         return hit
+
+    def _note_stop(self, req, hashes: list[BlockHash], stop: int, limit: int) -> None:
+        """A lookup of `req`'s prefix stopped at block `stop`: if the store knows that block, it
+        could not be read (a disk entry failing its reads), so a held request's next tries do
+        not read past its run into it again."""
+        if stop < limit and self.store.known_here(hashes[stop], slow=not self.prefetching):
+            self._looked_past[req.request_id] = hashes[stop]
 
     @staticmethod
     def _not_taken(job: Prefetch, hit: PrefixHit) -> list[BlockHash]:
