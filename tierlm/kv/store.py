@@ -286,26 +286,28 @@ class TieredStore:
         """How many of `hashes`, from the first, staging or the host tier hold: what the model
         loop can take without a disk or Redis read. Not the writer's queue: its write may land
         first (a prefetch stages what it finds there). A check: nothing is counted or touched."""
-        host = [t for t in self.tiers if isinstance(t, HostTier)]
         n = 0
         for h in hashes:
-            with self._lock:
-                there = h in self.staged
-            if not there and not any(h in t for t in host):
+            if not self._holds(h, queued=False, disk=False):
                 break
             n += 1
         return n
 
     def known_here(self, h: bytes, slow: bool = True) -> bool:
         """Whether staging, the writer's queue, the host tier or (if `slow`) the disk tier's
-        index holds `h`, so that `fetch_run(.., slow)` may find it: a look at memory only (no
-        read, nothing counted or touched). Redis is not asked (a round trip)."""
+        index holds `h`, so that `fetch_run(.., slow)` may find it. Redis is not asked (a round
+        trip)."""
+        return self._holds(h, queued=True, disk=slow)
+
+    def _holds(self, h: bytes, queued: bool, disk: bool) -> bool:
+        """Whether staging (with `queued`, the writer's queue too), the host tier or (with
+        `disk`) the disk tier's index holds `h`: a look at memory only, nothing counted or
+        touched. Without the tiers' locks: the disk tier holds its own while it writes a file,
+        and a stale answer costs only a lookup (one dict membership test is atomic)."""
         with self._lock:
-            if h in self.staged or h in self.pending:
+            if h in self.staged or (queued and h in self.pending):
                 return True
-        # Without the tiers' locks: the disk tier holds its own while it writes a file, and a
-        # stale answer costs only a lookup (one dict membership test is atomic).
-        return any(h in t.parents for t in self._ticked if slow or isinstance(t, HostTier))
+        return any(h in t.parents for t in self._ticked if disk or isinstance(t, HostTier))
 
     def _find_run(self, hashes: list[bytes], read_host: bool, job: Prefetch | None = None,
                   slow: bool = True) -> list[tuple[str, torch.Tensor | None, int | None]]:
