@@ -91,6 +91,26 @@ def test_with_a_capacity_only_tierlms_keys_can_be_evicted(redis_server):
     tier.close()
 
 
+def test_an_engine_without_a_capacity_keeps_the_ttls_another_one_gave(redis_server):
+    """Two engines on one server, one with kv_remote_capacity (volatile-lru, every key a TTL):
+    the other writing the same content-keyed block must not strip its TTL, or the key could
+    never be evicted and, once such keys filled maxmemory, every write was refused."""
+    import redis
+
+    server = redis.Redis.from_url(redis_server.url)
+    a = RedisTier(redis_server.url, capacity_bytes=1_000_000)
+    b = RedisTier(redis_server.url)
+    shared, own = b"\x07" * 32, b"\x08" * 32
+    a.put(shared, None, BLOCK)
+    b.put(shared, None, BLOCK)
+    b.put(own, None, BLOCK)
+    assert server.ttl(b.key(shared)) > 0
+    assert server.ttl(b.key(own)) == -1  # its own keys: no TTL, as configured (and warned about at start)
+    assert torch.equal(a.get(shared), BLOCK)
+    a.close()
+    b.close()
+
+
 def test_a_capacity_that_would_evict_other_data_is_refused_and_evicts_nothing(redis_server):
     import redis
 

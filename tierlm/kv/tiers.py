@@ -1543,7 +1543,13 @@ class RedisTier:
         raw = encode_block(data, parent, hint, key=h)
         t0 = time.monotonic()
         try:
-            self.client.set(self.key(h), raw, ex=self.ttl)
+            # Without a TTL of its own, keep the one a key has: another engine on this server with
+            # kv_remote_capacity gave it one, which volatile-lru needs to ever evict it (a plain
+            # SET cleared it, and once such keys filled maxmemory every write was refused).
+            if self.ttl:
+                self.client.set(self.key(h), raw, ex=self.ttl)
+            else:
+                self.client.set(self.key(h), raw, keepttl=True)
             self.stats.stores += 1
             self.stats.bytes_in += data.numel() * data.element_size()  # K/V bytes, as the other tiers count
             if not self._took(t0):
