@@ -370,6 +370,47 @@ def test_close_gives_up_on_writes_a_stuck_tier_cannot_finish(tmp_path, caplog):
     gate.set()
 
 
+class _IndexingBehindAHungWrite(DiskTier):
+    """Reads an earlier run's headers only once a write has hung (holding the tier's lock), so
+    the indexer then waits for that lock to swap its index in."""
+
+    def __init__(self, *args, writing, gate, **kw):
+        self.writing, self.gate = writing, gate
+        super().__init__(*args, **kw)
+
+    def _read_headers(self):
+        assert self.writing.wait(10)
+        return super()._read_headers()
+
+    def _write(self, h, parent, data, hint):
+        self.writing.set()
+        assert self.gate.wait(10)
+        super()._write(h, parent, data, hint)
+
+
+def test_close_does_not_wait_for_an_indexer_stuck_behind_a_hung_write(tmp_path, caplog):
+    earlier = DiskTier(tmp_path / "kv", 64, index_in_background=False)
+    for h, parent, data in _chain(5):
+        earlier.put(h, parent, data)
+    earlier.close()
+    writing, gate = threading.Event(), threading.Event()
+    disk = _IndexingBehindAHungWrite(tmp_path / "kv", 64, writing=writing, gate=gate)
+    store = TieredStore([disk], close_timeout_s=0.3)
+    store.demote(b"\x77" * 32, None, torch.ones(2, 2, 4))
+    assert writing.wait(10)
+    time.sleep(0.3)  # the indexer has read the headers and waits for the lock
+    closing = threading.Thread(target=store.close, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
+        closing.start()
+        closing.join(8)
+    stuck = closing.is_alive()
+    gate.set()
+    assert not stuck, "close() waited for the hung write through the indexer"
+    assert any("still indexing at shutdown" in r.message for r in caplog.records)
+    again = DiskTier(tmp_path / "kv", 64, index_in_background=False)  # the directory's lock was released
+    again.close()
+
+
 class _BrokenDisk(DiskTier):
     def _write(self, h, parent, data, hint):
         raise RuntimeError("a bug, not an OSError")

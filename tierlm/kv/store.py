@@ -561,8 +561,8 @@ class TieredStore:
         readers_by = time.monotonic() + 0.1  # reads are for nobody now: a hung one is not waited for
         for t in readers:
             t.join(max(0.0, readers_by - time.monotonic()))
-        for tier in self.tiers:
-            tier.close()
+        for tier in self.tiers:  # the disk tier's indexer may wait behind a writer stuck in a hung write
+            tier.close(timeout=max(0.0, stop_by - time.monotonic()))
 
     def stats(self) -> dict[str, dict]:
         return {t.name: asdict(t.stats) for t in self.tiers}

@@ -514,8 +514,9 @@ class _CapacityTier:
         self._erase(h)
         return self.parents.pop(h, None)
 
-    def close(self) -> None:
-        """Release what the tier holds outside this process (nothing, unless overridden)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Release what the tier holds outside this process (nothing, unless overridden), waiting
+        at most `timeout` seconds for its own threads."""
 
     # storage hooks
     def _write(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None) -> None: ...
@@ -800,12 +801,20 @@ class DiskTier(_CapacityTier):
         self.stats.lost += n
         return n
 
-    def close(self) -> None:
-        """Stop indexing (what is not indexed stays on disk for the next run) and release the lock."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop indexing (what is not indexed stays on disk for the next run) and release the lock.
+
+        The indexer is waited for at most `timeout` s: it may wait for the tier's lock, which a
+        write stuck on a hung disk holds. From here on the directory is not this tier's: a write
+        still under way finishes its one entry (a whole, valid one) but nothing more is deleted."""
         self._stop.set()
         if self._indexer is not None and self._indexer is not threading.current_thread():
-            self._indexer.join()
+            self._indexer.join(timeout)
+            if self._indexer.is_alive():
+                log.warning("KV disk tier %s: still indexing at shutdown, behind a disk operation that has not "
+                            "returned (a hung disk?); not waiting for it", self.root)
         if self._lock_file is not None:
+            self._lost = self._lost or f"KV disk tier {self.root} is closed"
             self._lock_file.close()  # releases the flock
             self._lock_file = None
             DiskTier._locked_here.discard(self.root)
@@ -1205,6 +1214,8 @@ class DiskTier(_CapacityTier):
         again since is the tier's again and stays. Files that still cannot go are tried again
         on a write at least `_regrow_every` seconds later, not on every write."""
         self._undeleted_retry_at = time.monotonic() + self._regrow_every
+        if self._lost:
+            return  # not ours to delete in any more (closed, or another engine owns the directory)
         for h in list(self._undeleted):
             if h not in self.parents and h not in (self._pending or ()):
                 try:
@@ -1425,7 +1436,7 @@ class RedisTier:
         """The Redis key of block `h`."""
         return self._keys + h.hex()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         try:
             self.client.close()
         except Exception:
