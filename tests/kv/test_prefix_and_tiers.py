@@ -1516,6 +1516,48 @@ def test_disk_tier_serves_and_stores_while_it_indexes_an_earlier_run(tmp_path):
     disk.close()
 
 
+def test_a_directory_where_an_earlier_runs_entry_was_is_a_miss_while_indexing(tmp_path):
+    """Found by name before it is indexed, a directory at an entry's path is not an entry: a
+    miss, never an error out of the tier (on the model loop that failed the engine's step)."""
+    (h, parent, data), = _chain(1)
+    first = DiskTier(tmp_path, 8)
+    first.put(h, parent, data)
+    first.close()
+    stray = b"\x66" * 32
+    first.path(stray).mkdir(parents=True)
+    for listed in (False, True):
+        disk = DiskTier(tmp_path, 8, index_in_background=False)
+        if listed:
+            disk.list_earlier()
+        assert disk.get(stray) is None and stray not in disk
+        assert disk.put(stray, None, data) == [(stray, None, data, None)]  # passed on to the next tier
+        assert torch.equal(disk.get(h), data)
+        disk.close()
+
+
+class _FailingThird(DiskTier):
+    """A disk tier whose third read raises (a bug, not an OSError)."""
+
+    def _read(self, h):
+        self.reads = getattr(self, "reads", 0) + 1
+        if self.reads == 3:
+            raise RuntimeError("a bug in a tier")
+        return super()._read(h)
+
+
+def test_a_read_a_tier_broke_off_unstages_what_it_staged_once_cancelled(tmp_path):
+    blocks = _chain(4)
+    disk = _FailingThird(tmp_path, 8)
+    for h, parent, data in blocks:
+        disk.put(h, parent, data)
+    store = TieredStore([disk])
+    job = store.prefetch([h for h, _, _ in blocks])
+    assert job.done.wait(10) and not job.finished and len(store.staged) == 2
+    store.cancel(job)  # the request is gone
+    assert not store.staged and store.staged_bytes == 0
+    store.close()
+
+
 def test_disk_tier_stays_within_capacity_while_it_indexes(tmp_path):
     """Once the earlier run's files are listed, a store that needs room deletes the oldest entry
     not yet indexed (what LRU would evict first), so the directory never exceeds capacity; the

@@ -310,14 +310,15 @@ class TieredStore:
         return any(h in t.parents for t in self._ticked if disk or isinstance(t, HostTier))
 
     def _find_run(self, hashes: list[bytes], read_host: bool, job: Prefetch | None = None,
-                  slow: bool = True) -> list[tuple[str, torch.Tensor | None, int | None]]:
+                  slow: bool = True, run: list | None = None) -> list[tuple[str, torch.Tensor | None, int | None]]:
         """`_find` up to the first miss (or `job`'s cancellation), with Redis read ahead
         `remote_batch` blocks per round trip (one MGET) rather than one round trip per block:
         with a remote server at 0.5 ms, a 32k-token prefix is 2,000 blocks, a second of round
-        trips."""
+        trips. Appends to `run` if given, so a caller knows what was found (and staged) even if
+        a tier raised."""
         remote = next((t for t in self.tiers if isinstance(t, RedisTier)), None) if slow else None
         ahead = None if remote is None else _ReadAhead(remote, hashes, self.remote_batch)
-        run = []
+        run = [] if run is None else run
         for i, h in enumerate(hashes):
             found = None if job is not None and job.cancelled else self._find(h, read_host, ahead, i, job, slow)
             if found is None:
@@ -469,14 +470,16 @@ class TieredStore:
         self._unstage(list(kept))  # (what is still wanted is kept again)
 
     def _read_one(self, job: Prefetch) -> None:
+        run: list = []
         try:
             with self._lock:
                 if job.cancelled:
                     return
                 job.started = True
-            job.found = len(self._find_run(job.hashes, read_host=False, job=job))
+            self._find_run(job.hashes, read_host=False, job=job, run=run)
             job.finished = not job.cancelled
-        finally:
+        finally:  # a tier that raised: what was staged before it is still counted, and unstaged if cancelled
+            job.found = len(run)
             with self._lock:
                 job.ended = True
                 if job.cancelled:  # cancelled while it read: `cancel` could not unstage yet

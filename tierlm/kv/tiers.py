@@ -944,9 +944,9 @@ class DiskTier(_CapacityTier):
             entry = self._entry(p)
         except OSError:  # unreadable for now, not damaged: neither adopted nor deleted
             return None
-        if entry is None and p.exists():  # there, but damaged: never served
+        if entry is None and p.exists():  # there, but damaged (or not a file): never served
             self.stats.corrupt += 1
-            p.unlink(missing_ok=True)
+            self._erase(h)  # (one that cannot be deleted, a directory, is tried again later)
         if entry is None and self._pending is not None:
             self._pending.pop(h, None)
         return entry
