@@ -1558,6 +1558,25 @@ def test_a_read_a_tier_broke_off_unstages_what_it_staged_once_cancelled(tmp_path
     store.close()
 
 
+def test_a_cancelled_read_keeps_the_blocks_another_waiting_read_wants(tmp_path):
+    blocks = _chain(4)
+    disk = DiskTier(tmp_path, 8)
+    for h, parent, data in blocks:
+        disk.put(h, parent, data)
+    store = TieredStore([disk])
+    hashes = [h for h, _, _ in blocks]
+    a = store.prefetch(hashes)
+    assert a.done.wait(10) and a.found == 4
+    b = store.prefetch(hashes[:2])
+    assert b.done.wait(10) and b.found == 2
+    store.cancel(a)  # its request is gone; the other one still waits for its two
+    assert set(store.staged) == set(hashes[:2])
+    store.settle(b)
+    store.unstage(hashes[:2])  # b's request let them go
+    assert not store.staged and store.staged_bytes == 0 and not store._wanted
+    store.close()
+
+
 def test_disk_tier_stays_within_capacity_while_it_indexes(tmp_path):
     """Once the earlier run's files are listed, a store that needs room deletes the oldest entry
     not yet indexed (what LRU would evict first), so the directory never exceeds capacity; the

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -136,6 +136,10 @@ class TieredStore:
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
         self._live: set[Prefetch] = set()  # jobs whose request may still be admitted
+        # How many live jobs want each block (their whole prefix): an unstage asks this for every
+        # block it drops, and building the set from `_live` each time cost a whole second with
+        # 1,000 long prompts waiting, under the lock the readers and the model loop share.
+        self._wanted: Counter[bytes] = Counter()
         # Staged blocks an unstage kept because a live job wanted them: looked at again when a job
         # settles or is cancelled (they stayed staged for good when that job found fewer).
         self._kept_for_jobs: set[bytes] = set()
@@ -391,6 +395,7 @@ class TieredStore:
         job = Prefetch(list(hashes))
         with self._lock:
             self._live.add(job)
+            self._wanted.update(job.hashes)
         self._reads.put(job)
         return job
 
@@ -403,7 +408,7 @@ class TieredStore:
         unstages them). A job not done (overdue) is stopped, never waited for: the request
         starts with what was staged so far, and a Redis that held the read up counts as down."""
         with self._lock:
-            self._live.discard(job)
+            self._leave_live(job)
             # What it found (all it may have, if it has not finished) is its request's to take or
             # list as spare; the rest kept for it no longer is (`found` counts only once it ends).
             self._recheck_kept(job.hashes[:job.found] if job.finished else job.hashes)
@@ -433,7 +438,7 @@ class TieredStore:
         staging overflowed)."""
         with self._lock:
             job.cancelled = True
-            self._live.discard(job)
+            self._leave_live(job)
             self._recheck_kept()
             if job.ended:
                 self._unstage(job.hashes[:job.found])
@@ -449,7 +454,7 @@ class TieredStore:
         it has found so far: one still reading may have counted a block already."""
         if not self.staged:
             return
-        wanted = {h for other in self._live for h in other.hashes}
+        wanted = self._wanted
         for h in hashes:
             if h in wanted:
                 if h in self.staged:
@@ -458,6 +463,18 @@ class TieredStore:
             entry = self.staged.pop(h, None)
             if entry is not None:
                 self.staged_bytes -= nbytes(entry[1])
+
+    def _leave_live(self, job: Prefetch) -> None:
+        """`job`'s request was admitted or is gone (hold `_lock`): its prefix is no longer wanted."""
+        if job not in self._live:
+            return
+        self._live.discard(job)
+        wanted = self._wanted
+        for h in job.hashes:
+            if wanted[h] > 1:
+                wanted[h] -= 1
+            else:
+                wanted.pop(h, None)
 
     def _recheck_kept(self, taken: list[bytes] = ()) -> None:
         """A job left `_live` (hold `_lock`): unstage what was kept only for live jobs and no live
@@ -542,6 +559,7 @@ class TieredStore:
             for job in self._live:
                 job.cancelled = True
             self._live.clear()
+            self._wanted.clear()
         _drain(self._reads)
         with self.deadline():
             finished = self.flush()
