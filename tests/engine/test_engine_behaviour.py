@@ -291,6 +291,67 @@ def test_detokenizer_stop_split_across_tokens_and_utf8_whole():
     assert "".join(parts) == text and all("\ufffd" not in p for p in parts)
 
 
+def _byte_fallback_tokenizer():
+    """A Llama-2/Mistral-style decoder (SentencePiece byte fallback): a run of byte tokens that
+    is not whole UTF-8 decodes to one U+FFFD per byte, finished characters in it included."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581end": 256, "🙂": 257, "<unk>": 258, "Hello": 259,
+                                                    "\u2581": 260}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_fallback", "byte_level"])
+def test_a_prompt_ending_part_way_through_a_character_loses_no_output_text(tokenizer):
+    """A prompt of token ids ending with the first byte of 文 (a reply cut mid-character,
+    continued): the output finishes it, then 🙂 and " end". The first text was cut by as many
+    characters as the prompt's tail decoded to, so with a byte-fallback decoder "🙂 " was lost."""
+    tok = _byte_fallback_tokenizer() if tokenizer == "byte_fallback" else _Tok()
+    tail = "文".encode()[:1]
+    prompt = list("Hello 中".encode() + tail)
+    pieces = ["文".encode()[1:2], "文".encode()[2:], "🙂".encode(), b" end"]
+    if tokenizer == "byte_fallback":  # the case itself: the tail blanks 中 too
+        prompt = [259, 260] + prompt[6:]
+        output = [pieces[0][0], pieces[1][0], 257, 256]
+        assert tok.decode(prompt) == "Hello " + "\ufffd" * 4 and tok.decode(prompt + output) == "Hello 中文🙂 end"
+    else:
+        output = [b for piece in pieces for b in piece]
+    as_bytes = b"".join(pieces) if tokenizer == "byte_fallback" else bytes(output)
+    for n in range(2, len(output) + 1):  # from the token that finishes 文 on
+        d = IncrementalDetokenizer(tok, prompt, stop=[])
+        parts = [d.delta(False) for t in output[:n] if d.add(t) is None]
+        d.flush()
+        parts.append(d.delta(True))
+        done = as_bytes[:n] if tokenizer == "byte_level" else b"".join(pieces[:n])
+        assert "".join(parts) == (tail + done).decode("utf-8", errors="replace"), n
+    assert "".join(parts) == "文🙂 end"
+
+
+def test_a_prompt_ending_in_a_whole_replacement_character_does_not_repeat_it():
+    prompt = list("odd \ufffd".encode())  # a literal U+FFFD, sent as text: whole, not unfinished
+    d = IncrementalDetokenizer(_Tok(), prompt, stop=[])
+    for t in b"ok":
+        d.add(t)
+    d.flush()
+    assert d.delta(True) == "ok"
+
+
+@pytest.mark.parametrize("split", ["one token per character", "one token for all"])
+def test_the_stop_string_that_ends_first_wins_however_the_text_is_split(split):
+    """"la" ends before " lazy" in " lazy": had generation gone a character at a time it would
+    have stopped there. With one token for the whole text the one that starts first won."""
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return "".join(" lazy dog"[i] if i < 9 else " lazy" for i in ids)
+
+    d = IncrementalDetokenizer(Chars(), [], stop=[" lazy", "la"])
+    ids = list(range(5)) if split == "one token per character" else [9]
+    stopped = next(filter(None, (d.add(t) for t in ids)))
+    assert (stopped, d.text) == ("la", " ")
+
+
 def test_multibyte_stream_through_engine_is_whole(llm):
     """Real tokenizer: streamed deltas concatenate to the final text, never with broken chars."""
     eng = llm.engine

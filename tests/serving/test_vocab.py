@@ -139,6 +139,33 @@ def test_no_bound_where_text_can_vanish():
         assert Vocabulary(tok).min_tokens("x" * 100_000) is None
 
 
+def test_skipped_ids_are_the_tokens_a_decode_skips(demo_tokenizer):
+    """Reference: the tokenizer's own decode, token by token, over the whole vocabulary."""
+    vocab = Vocabulary(demo_tokenizer)
+    skipped = {i for i in range(len(demo_tokenizer))
+               if demo_tokenizer.decode([i], skip_special_tokens=True) == ""
+               and demo_tokenizer.decode([i], skip_special_tokens=False) != ""}
+    assert vocab.skipped_ids == skipped
+    assert demo_tokenizer.convert_tokens_to_ids("<|im_start|>") in skipped  # not in all_special_ids
+    assert demo_tokenizer.convert_tokens_to_ids("<|im_start|>") not in demo_tokenizer.all_special_ids
+
+
+def test_logprobs_after_a_skipped_special_token_are_all_returned(demo_tokenizer):
+    """A generated <|im_start|> has no text: its bytes were counted towards the text all the
+    same, so the logprobs of the last tokens fell "past the text" and were dropped."""
+    from types import SimpleNamespace
+
+    from tierlm.engine.outputs import TokenLogprob
+    from tierlm.serving.openai import ReturnedTokens
+
+    tok = demo_tokenizer
+    ids = (tok.encode("Hello,", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_start|>")]
+           + tok.encode(" world!", add_special_tokens=False))
+    text = tok.decode(ids, skip_special_tokens=True)
+    returned = ReturnedTokens(SimpleNamespace(tokenizer=tok)).add([TokenLogprob(t, -1.0) for t in ids], text)
+    assert [lp.token_id for lp in returned] == ids
+
+
 # ---- OpenAI logprobs over HTTP -------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ half-sent before it is recognised.
 from __future__ import annotations
 
 _CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
+_MAX_UNFINISHED = 3  # bytes of a UTF-8 character a prompt can end with (so tokens, at most)
 
 
 class IncrementalDetokenizer:
@@ -20,6 +21,18 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(ctx)
         self.prefix_offset = 0
         self.read_offset = len(ctx)
+        # A prompt of token ids can end part-way through a character (a reply cut by max_tokens,
+        # continued): its last bytes and the output's first make one. Its unfinished tail decodes
+        # to U+FFFD, one per byte with a byte-fallback decoder (which may also blank the finished
+        # characters before it), so text was cut by those characters' count: whole characters of
+        # the output were lost. The tail is read with the output instead (the character it
+        # finishes is the output's), less the tail's own text if the output leaves it as it was.
+        self._echo = ""
+        k = len(ctx)
+        while k > max(0, len(ctx) - _MAX_UNFINISHED) and self._decode(ctx[:k]).endswith("\ufffd"):
+            k -= 1
+        if k < len(ctx) and not self._decode(ctx[:k]).endswith("\ufffd"):
+            self.read_offset, self._echo = k, self._decode(ctx[k:])
         self.text = ""
         self.sent = 0
         self.stop = stop
@@ -38,10 +51,18 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             start = len(self.text)
-            self.text += full[len(prefix):]
+            self.text += self._new_text(prefix, full)
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return self._check_stop(start) if find_stop else None
         return None
+
+    def _new_text(self, prefix: str, full: str) -> str:
+        new = full[len(prefix):]
+        if self._echo:  # the first text read with a prompt's unfinished tail
+            echo, self._echo = self._echo, ""
+            if new.startswith(echo):  # the tail was whole (a literal U+FFFD), or the output did not finish it
+                new = new[len(echo):]
+        return new
 
     def flush(self) -> None:
         """At the end, emit whatever is still pending (even an unfinished character)."""
@@ -50,24 +71,26 @@ class IncrementalDetokenizer:
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix):
                 start = len(self.text)
-                self.text += full[len(prefix):]
+                self.text += self._new_text(prefix, full)
                 self._check_stop(start)
             self.read_offset = len(self.ids)
 
     def _check_stop(self, start: int) -> str | None:
-        """The first stop string that ends in the text from `start` on (the new text): one that
-        lies wholly in earlier text was not looked for there (before min_tokens), so it is not
-        a match now either, whatever other, longer stop strings are given."""
+        """The stop string that ends first in the text from `start` on (the new text): where
+        generation would have stopped had each character been a token of its own, so the match
+        does not depend on how the text was split into tokens (of two ending together, the one
+        that starts first). One that lies wholly in earlier text was not looked for there
+        (before min_tokens), so it is not a match now either, whatever other stops are given."""
         if not self.stop:
             return None
-        best: tuple[int, str] | None = None
+        best: tuple[int, int, str] | None = None
         for s in self.stop:
             i = self.text.find(s, max(0, start - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+                best = (i + len(s), i, s)
         if best is None:
             return None
-        i, s = best
+        _, i, s = best
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.matched_stop = s
         return s

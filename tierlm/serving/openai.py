@@ -261,7 +261,7 @@ class ReturnedTokens:
 
     def __init__(self, engine: "AsyncEngine") -> None:
         self._vocab = vocabulary(engine.tokenizer)
-        self._special = set(engine.tokenizer.all_special_ids)  # no text: the detokenizer skips them
+        self._special = self._vocab.skipped_ids  # no text: the detokenizer skips them
         self._pending: list[tuple[int, TokenLogprob]] = []  # (byte offset where the token starts, logprob)
         self._end = 0  # byte offset after the pending tokens
         self._text_bytes = 0  # bytes of text released so far
