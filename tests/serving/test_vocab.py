@@ -139,39 +139,95 @@ def test_no_bound_where_text_can_vanish():
         assert Vocabulary(tok).min_tokens("x" * 100_000) is None
 
 
-def test_skipped_ids_are_the_tokens_a_decode_skips(demo_tokenizer):
-    """Reference: the tokenizer's own decode, token by token, over the whole vocabulary."""
-    vocab = Vocabulary(demo_tokenizer)
-    skipped = {i for i in range(len(demo_tokenizer))
-               if demo_tokenizer.decode([i], skip_special_tokens=True) == ""
-               and demo_tokenizer.decode([i], skip_special_tokens=False) != ""}
-    assert vocab.skipped_ids == skipped
-    assert demo_tokenizer.convert_tokens_to_ids("<|im_start|>") in skipped  # not in all_special_ids
-    assert demo_tokenizer.convert_tokens_to_ids("<|im_start|>") not in demo_tokenizer.all_special_ids
-
-
-def test_logprobs_after_a_skipped_special_token_are_all_returned(demo_tokenizer):
-    """A generated <|im_start|> has no text: its bytes were counted towards the text all the
-    same, so the logprobs of the last tokens fell "past the text" and were dropped."""
-    from types import SimpleNamespace
-
-    from tierlm.engine.outputs import TokenLogprob
-    from tierlm.serving.openai import ReturnedTokens
-
-    tok = demo_tokenizer
-    ids = (tok.encode("Hello,", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_start|>")]
-           + tok.encode(" world!", add_special_tokens=False))
-    text = tok.decode(ids, skip_special_tokens=True)
-    returned = ReturnedTokens(SimpleNamespace(tokenizer=tok)).add([TokenLogprob(t, -1.0) for t in ids], text)
-    assert [lp.token_id for lp in returned] == ids
-
-
 # ---- OpenAI logprobs over HTTP -------------------------------------------------------------
 
 
 def _logprobs_body(model: str, seed: int, stream: bool) -> dict[str, Any]:
     return {"model": model, "max_tokens": 60, "logprobs": True, "top_logprobs": 2, "seed": seed, "ignore_eos": True,
             "stream": stream, "messages": [{"role": "user", "content": "こんにちは 🙂🚀✨"}]}
+
+
+def test_logprobs_cover_the_returned_text_however_many_u_fffd_it_holds(demo_server, demo_engine):
+    """The demo model's answers hold U+FFFDs (bytes that are no character). Logprobs were matched
+    to the text by the tokens' own bytes, which the text's 3-byte U+FFFDs outran: the tokens of a
+    matched stop string were returned too. Reference: the same seed's answer without the stop,
+    cut where a stop string made of two of its tokens begins."""
+    special = {t.content for t in demo_engine.tokenizer.added_tokens_decoder.values() if t.special}
+
+    def joined(tokens: list[dict[str, Any]]) -> str:
+        return b"".join(bytes(t["bytes"]) for t in tokens if t["token"] not in special).decode("utf-8", "replace")
+
+    checked = 0
+    with httpx.Client(base_url=demo_server.url, headers={"x-api-key": API_KEY}, timeout=120) as client:
+        for seed in range(1, 13):
+            body = {**_logprobs_body(demo_engine.model_name, seed, False), "ignore_eos": False}
+            choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            text, tokens = choice["message"]["content"], choice["logprobs"]["content"]
+            if choice["finish_reason"] == "stop":
+                assert tokens[-1]["token"] not in special, seed  # the EOS ends the text, it is not in it
+            for i in range(1, len(tokens) - 1):
+                pair = tokens[i]["token"] + tokens[i + 1]["token"]
+                if "\ufffd" in pair or not pair.strip() or {tokens[i]["token"], tokens[i + 1]["token"]} & special:
+                    continue
+                at = text.find(pair)
+                if at > 0 and "\ufffd" in text[:at] and joined(tokens[:i]) == text[:at]:  # a token boundary
+                    cut = client.post("/v1/chat/completions", json={**body, "stop": [pair]}).json()["choices"][0]
+                    assert cut["message"]["content"] == text[:at], seed
+                    assert [t["token"] for t in cut["logprobs"]["content"]] == [t["token"] for t in tokens[:i]], seed
+                    checked += 1
+                    break
+    assert checked >= 3, checked
+
+
+def test_completion_text_offsets_index_the_text(demo_server, demo_engine):
+    """`text_offset` is where each token's text is in the returned text. Summing the tokens' own
+    texts ran off wherever a character spans tokens (its pieces are each a U+FFFD)."""
+    special = {t.content for t in demo_engine.tokenizer.added_tokens_decoder.values() if t.special}
+    checked = 0
+    with httpx.Client(base_url=demo_server.url, headers={"x-api-key": API_KEY}, timeout=120) as client:
+        for seed in range(1, 6):
+            body = {"model": demo_engine.model_name, "prompt": "こんにちは 🙂🚀✨", "max_tokens": 40, "seed": seed,
+                    "logprobs": 0, "ignore_eos": True}
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            text, lp = choice["text"], choice["logprobs"]
+            assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+            for token, offset in zip(lp["tokens"], lp["text_offset"]):
+                if "\ufffd" not in token and token not in special:  # whole characters: they are there
+                    assert text[offset:offset + len(token)] == token, seed
+                    checked += 1
+            streamed = [o for _, f in parse_sse(client.post("/v1/completions", json={**body, "stream": True}).text)
+                        if isinstance(f, dict) and f["choices"] and f["choices"][0]["logprobs"]
+                        for o in f["choices"][0]["logprobs"]["text_offset"]]
+            assert streamed == lp["text_offset"]
+    assert checked
+
+
+def test_the_token_that_ends_a_request_is_never_in_its_returned_logprobs():
+    """An EOS or stop token has no text (it ends the text): with U+FFFDs in the text, or a
+    character still unfinished before it (flushed as U+FFFD), it was returned all the same.
+    Here each answer is ended by a stop token right after a token that is part of a character."""
+    from tierlm import LLM, SamplingParams
+    from tierlm.serving.openai import ReturnedTokens
+
+    llm = LLM(None, device="cpu", max_model_len=256, kv_cache_memory=8 << 20, load_progress=False)
+    tok = llm.engine.tokenizer
+    prompt = {"prompt_token_ids": tok.encode("こんにちは 🙂🚀✨", add_special_tokens=False)}
+    checked = 0
+    for seed in range(1, 9):
+        free = llm.generate([prompt], SamplingParams(max_tokens=40, seed=seed, logprobs=0, ignore_eos=True))[0]
+        ids = free.outputs[0].token_ids
+        for m in range(1, len(ids)):
+            if ids[m] in ids[:m] or "\ufffd" not in tok.decode(ids[m - 1:m]):
+                continue
+            params = SamplingParams(max_tokens=40, seed=seed, logprobs=0, ignore_eos=True, stop_token_ids=[ids[m]])
+            out = llm.generate([prompt], params)[0].outputs[0]
+            assert out.token_ids == ids[:m + 1] and out.finish_reason == "stop"
+            returned = ReturnedTokens().add(out.logprobs, out.text)
+            assert [lp.token_id for lp in returned] == ids[:m], seed
+            checked += 1
+            break
+    assert checked >= 3, checked
+    llm.close()
 
 
 def test_chat_logprobs_bytes_are_each_tokens_raw_bytes(demo_server, demo_engine):

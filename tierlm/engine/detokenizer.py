@@ -8,16 +8,25 @@ half-sent before it is recognised.
 """
 from __future__ import annotations
 
+import os
+
 _CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
 _MAX_UNFINISHED = 3  # bytes of a UTF-8 character a prompt can end with (so tokens, at most)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, positions: bool = False) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
+        # With `positions`: where each output token's text begins in `text` (for logprobs: which
+        # tokens lie in a text cut at a stop string). A token held for the rest of a character
+        # is placed when the text it is part of is read: `starts[placed_from:]` changed last.
+        self.positions = positions
+        self.starts: list[int] = []
+        self.placed_from = 0
         ctx = prompt_ids[-_CONTEXT:]
+        self._n_ctx = len(ctx)
         self.ids: list[int] = list(ctx)
         self.prefix_offset = 0
         self.read_offset = len(ctx)
@@ -47,22 +56,48 @@ class IncrementalDetokenizer:
         """Add one generated token; returns the stop string if one just completed (looked for only
         with `find_stop`: not before a request's min_tokens)."""
         self.ids.append(token_id)
+        if self.positions:
+            self.starts.append(len(self.text))
+            self.placed_from = len(self.starts) - 1
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            start = len(self.text)
-            self.text += self._new_text(prefix, full)
+            start = self._read(prefix, full)
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return self._check_stop(start) if find_stop else None
         return None
 
-    def _new_text(self, prefix: str, full: str) -> str:
-        new = full[len(prefix):]
+    def _read(self, prefix: str, full: str) -> int:
+        """Append the text the tokens from `read_offset` on add (`full` past `prefix`), place
+        them, and return where that text starts."""
+        before = len(self.text)
+        new, cut = full[len(prefix):], 0
         if self._echo:  # the first text read with a prompt's unfinished tail
             echo, self._echo = self._echo, ""
             if new.startswith(echo):  # the tail was whole (a literal U+FFFD), or the output did not finish it
-                new = new[len(echo):]
-        return new
+                new, cut = new[len(echo):], len(echo)
+        self.text += new
+        if self.positions:
+            self._place(prefix, full, before, cut)
+        return before
+
+    def _place(self, prefix: str, full: str, before: int, cut: int) -> None:
+        """Where each token just read begins: where the text read before it stops agreeing with
+        the whole (a token finishing a character begins with it), or, where that text ends in a
+        U+FFFD the whole keeps, in that U+FFFD if the token added no character to it (one more
+        byte of a sequence that stays broken), else after it."""
+        first = max(self.read_offset, self._n_ctx)
+        ms = range(first, len(self.ids))
+        texts = [self._decode(self.ids[self.prefix_offset:m]) for m in ms] + [full]
+        for j, m in enumerate(ms):
+            if m == self.read_offset:
+                continue  # the first token read begins the new text
+            text = texts[j]
+            agreed = len(os.path.commonprefix([text, full]))
+            if agreed == len(text) and text.endswith("\ufffd") and texts[j + 1] == text:
+                agreed -= 1
+            self.starts[m - self._n_ctx] = before + max(0, agreed - len(prefix) - cut)
+        self.placed_from = min(self.placed_from, first - self._n_ctx)
 
     def flush(self) -> None:
         """At the end, emit whatever is still pending (even an unfinished character)."""
@@ -70,9 +105,7 @@ class IncrementalDetokenizer:
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix):
-                start = len(self.text)
-                self.text += self._new_text(prefix, full)
-                self._check_stop(start)
+                self._check_stop(self._read(prefix, full))
             self.read_offset = len(self.ids)
 
     def _check_stop(self, start: int) -> str | None:

@@ -401,7 +401,7 @@ class LLMEngine:
         self.requests[req.request_id] = req
         self.detoks[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.skip_special_tokens,
-            req.params.include_stop_str_in_output)
+            req.params.include_stop_str_in_output, positions=req.params.logprobs is not None)
         if req.params.logprobs is not None:
             self.logprobs[req.request_id] = []
         self.scheduler.add(req)
@@ -464,6 +464,7 @@ class LLMEngine:
                 detok.add(tok)
             return self._finish(req, "stop", None if stop_token else tok, new_token=tok, lp=lp)
         matched = detok.add(tok, find_stop=req.num_output_tokens >= p.min_tokens)
+        self._place_logprobs(req, detok)
         if matched is not None:
             return self._finish(req, "stop", matched, new_token=tok, lp=lp)
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
@@ -475,6 +476,7 @@ class LLMEngine:
         detok = self.detoks.pop(req.request_id)
         held_back = detok.matched_stop is None
         detok.flush()  # a character still held for its next bytes is output too (nothing after a stop string)
+        self._place_logprobs(req, detok)
         if held_back and detok.matched_stop is not None and reason in ("length", "stop"):
             # The last token completed a stop string but also began a character still unfinished,
             # so the stop was only found now: the text is cut there, and the reason says so.
@@ -488,6 +490,18 @@ class LLMEngine:
         delta.finish_reason, delta.stop_reason = reason, stop_reason
         req.final_text = detok.text
         return delta
+
+    def _place_logprobs(self, req: Request, detok: IncrementalDetokenizer) -> None:
+        """Where each token's text begins (`TokenLogprob.text_start`), as the detokenizer read it;
+        a token it was not given (the stop token ending a request) begins where the text ends."""
+        lps = self.logprobs.get(req.request_id)
+        if not lps:
+            return
+        starts = detok.starts
+        for i in range(detok.placed_from, len(starts)):
+            lps[i].text_start = starts[i]
+        for lp in lps[len(starts):]:
+            lp.text_start = len(detok.text)
 
     def _delta(self, req: Request, text: str, toks: list[int], lp, finished: bool) -> StreamDelta:
         return StreamDelta(

@@ -12,6 +12,10 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     rank: int = 1  # the sampled token's place in the distribution (1 = most likely), as vLLM reports it
+    # Where the token's text begins in the output text (characters), as the detokenizer read it:
+    # so which tokens lie in a text cut at a stop string, or hold its U+FFFDs, is exact. A token
+    # that adds no text (a skipped special token, EOS) begins where the next text will.
+    text_start: int = 0
 
 
 @dataclass

@@ -128,7 +128,7 @@ async def completions(request: Request) -> Response:
     choice = CompletionChoice(
         text=echo + result.text,
         finish_reason=_finish_reason(result, has_tool_calls=False),
-        logprobs=(legacy_logprobs(engine, returned_logprobs(engine, result), body.logprobs, 0)
+        logprobs=(legacy_logprobs(engine, returned_logprobs(result), body.logprobs, 0)
                   if body.logprobs is not None else None),
     )
     return JSONResponse(Completion(
@@ -254,34 +254,30 @@ def _token_text(engine: "AsyncEngine", token_id: int) -> str:
 
 class ReturnedTokens:
     """Which generated tokens' logprobs to return: those of the returned text only, released as
-    the engine releases their text. A token that starts at or after the text's end is dropped
-    (the EOS, a stop token, every token of a matched stop string); one straddling the end (part
-    text, part stop string) is kept, since its bytes cannot be split: its `bytes` then run past
-    the text, the only case where the joined bytes are not exactly the text."""
+    the engine releases their text. A token whose text starts at or after the text's end is
+    dropped (the EOS, a stop token, every token of a matched stop string); one straddling the end
+    (part text, part stop string) is kept, since its bytes cannot be split: its `bytes` then run
+    past the text, the only case where the joined bytes are not exactly the text. Positions are
+    the engine's (`text_start`), in the text's characters: counting the tokens' own bytes instead
+    ran ahead of the text wherever it held a U+FFFD, and released the EOS and stop tokens."""
 
-    def __init__(self, engine: "AsyncEngine") -> None:
-        self._vocab = vocabulary(engine.tokenizer)
-        self._special = self._vocab.skipped_ids  # no text: the detokenizer skips them
-        self._pending: list[tuple[int, TokenLogprob]] = []  # (byte offset where the token starts, logprob)
-        self._end = 0  # byte offset after the pending tokens
-        self._text_bytes = 0  # bytes of text released so far
+    def __init__(self) -> None:
+        self._pending: list[TokenLogprob] = []
+        self._text_len = 0  # characters of text released so far
 
     def add(self, logprobs: list[TokenLogprob], text: str) -> list[TokenLogprob]:
         """A delta's new tokens and new text → the logprobs now known to lie in the returned text."""
-        for lp in logprobs:
-            self._pending.append((self._end, lp))
-            if lp.token_id not in self._special:
-                self._end += len(self._vocab.token_bytes(lp.token_id))
-        self._text_bytes += len(text.encode())
+        self._pending.extend(logprobs)
+        self._text_len += len(text)
         n = 0
-        while n < len(self._pending) and self._pending[n][0] < self._text_bytes:
+        while n < len(self._pending) and self._pending[n].text_start < self._text_len:
             n += 1
         released, self._pending = self._pending[:n], self._pending[n:]
-        return [lp for _, lp in released]
+        return released
 
 
-def returned_logprobs(engine: "AsyncEngine", result: Generation) -> list[TokenLogprob]:
-    return ReturnedTokens(engine).add(result.logprobs, result.text)
+def returned_logprobs(result: Generation) -> list[TokenLogprob]:
+    return ReturnedTokens().add(result.logprobs, result.text)
 
 
 def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int) -> dict[str, Any]:
@@ -304,15 +300,16 @@ def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: in
 
 
 def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int, offset: int) -> dict[str, Any]:
-    """The Completions API's column-wise logprobs; `offset` is where this text starts."""
+    """The Completions API's column-wise logprobs; `offset` is where the output text starts in
+    the choice's text. `text_offset` indexes that text (a token that finishes a character begun
+    by earlier ones starts where they do), not the sum of the tokens' own texts, which differ
+    wherever a character spans tokens."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
-        text = _token_text(engine, lp.token_id)
-        tokens.append(text)
+        tokens.append(_token_text(engine, lp.token_id))
         token_logprobs.append(lp.logprob)
         tops.append({_token_text(engine, t): v for t, v in lp.top[:top_n]} if top_n else None)
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(offset + lp.text_start)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -329,7 +326,7 @@ def chat_response(result: Generation, engine: "AsyncEngine", prompt: ChatPrompt,
     choice = ChatChoice(
         message=message,
         finish_reason=_finish_reason(result, bool(calls)),
-        logprobs=chat_logprobs(engine, returned_logprobs(engine, result), top_n) if top_n is not None else None,
+        logprobs=chat_logprobs(engine, returned_logprobs(result), top_n) if top_n is not None else None,
     )
     return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=[choice],
                           usage=usage_of(result), system_fingerprint=SYSTEM_FINGERPRINT)
@@ -364,7 +361,7 @@ async def chat_chunks(stream: EngineStream, engine: "AsyncEngine", prompt: ChatP
                       completion_id: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage)
     answer = StreamedAnswer(stream, prompt, id_prefix="call_")
-    returned = ReturnedTokens(engine) if top_n is not None else None
+    returned = ReturnedTokens() if top_n is not None else None
     shown = False
     try:
         # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
@@ -393,7 +390,7 @@ async def completion_chunks(stream: EngineStream, engine: "AsyncEngine", model: 
                             echo: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "text_completion", model, include_usage)
     result = Generation()
-    returned = ReturnedTokens(engine) if top_n is not None else None
+    returned = ReturnedTokens() if top_n is not None else None
     offset = len(echo)
     try:
         if echo:
@@ -403,7 +400,6 @@ async def completion_chunks(stream: EngineStream, engine: "AsyncEngine", model: 
             logprobs = None
             if returned is not None and top_n is not None:
                 logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, offset)
-                offset += sum(map(len, logprobs["tokens"]))  # where the next returned token starts
             if delta.text or (logprobs and logprobs["tokens"]):
                 yield frames.choice(text=delta.text, logprobs=logprobs)
         yield frames.choice(text="", finish=_finish_reason(result, False))

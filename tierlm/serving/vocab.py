@@ -101,11 +101,6 @@ class Vocabulary:
         model = getattr(backend, "model", None)
         self._byte_fallback = bool(getattr(model, "byte_fallback", False)) or _has_type(decoder, "ByteFallback")
         self.max_token_bytes = self._max_token_bytes(backend, model, pre, normalizer)
-        # The ids a decode with skip_special_tokens leaves out: every added token marked special,
-        # not only the named ones in `all_special_ids` (a chat template's <|im_start|>, Llama 3's
-        # reserved and header tokens).
-        self.skipped_ids = frozenset(i for i, t in self._added.items() if getattr(t, "special", False)) | frozenset(
-            getattr(tokenizer, "all_special_ids", ()))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of text `token_id` stands for (a partial UTF-8 character stays partial)."""
