@@ -2,9 +2,28 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tierlm.errors import InvalidRequestError
+
+# Stop strings are looked for after every token, on the loop all requests share: an unbounded
+# list (200,000 of them) slowed every other stream ninefold. vLLM sets no limit, OpenAI's is 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+
+def stop_strings_problem(stops: Sequence[str]) -> str | None:
+    """Why these stop strings are refused (empty, too many, too long), or None."""
+    if any(s == "" for s in stops):
+        return "must not hold empty strings"
+    if len(stops) > MAX_STOP_STRINGS:
+        return f"may hold at most {MAX_STOP_STRINGS} strings (got {len(stops)})"
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        return f"may hold strings of at most {MAX_STOP_CHARS} characters (got one of {longest})"
+    return None
 
 
 @dataclass
@@ -67,10 +86,14 @@ class SamplingParams:
                      "frequency_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(name, f"must be a number (got {getattr(self, name)!r})")
-        for name in ("n", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer (got {value!r})")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # "false" is true to Python
+                bad(name, f"must be true or false (got {getattr(self, name)!r})")
+        self._as_python_numbers()
         if self.n != 1:
             bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -81,26 +104,37 @@ class SamplingParams:
             bad("temperature", f"must be in [0, 100] (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1] (got {self.top_p})")
-        if not _is_int(self.top_k):
-            bad("top_k", f"must be an integer (got {self.top_k!r})")
         if self.top_k < -1:  # vLLM's rule: -1 or 0 mean no limit
             bad("top_k", f"must be -1 or 0 (no limit) or at least 1 (got {self.top_k})")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1] (got {self.min_p})")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in (0, 10] (got {self.repetition_penalty})")
+        if not 0.01 <= self.repetition_penalty <= 10.0:  # (a tiny one is 0 in float32: infinite logits)
+            bad("repetition_penalty", f"must be in [0.01, 10] (got {self.repetition_penalty}); 1 is no penalty")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2] (got {self.presence_penalty})")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2] (got {self.frequency_penalty})")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            bad("stop", "entries must be non-empty strings")
+        if any(not isinstance(s, str) for s in self.stop):
+            bad("stop", "entries must be strings")
+        if (problem := stop_strings_problem(self.stop)) is not None:
+            bad("stop", problem)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
-        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
+
+    def _as_python_numbers(self) -> None:
+        """numpy's numbers pass the type checks (they are Integral or Real): stored as Python's
+        own, which the sampler and the seed hashing take."""
+        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                setattr(self, name, int(value))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if type(getattr(self, name)) not in (int, float):
+                setattr(self, name, float(getattr(self, name)))
 
     @property
     def uses_penalties(self) -> bool:
@@ -112,9 +146,10 @@ class SamplingParams:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer of Python's or numpy's; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    """An int or a finite-or-not float; not a bool, not a string."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number, finite or not, of Python's or numpy's; not a bool, not a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

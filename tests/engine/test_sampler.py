@@ -154,6 +154,43 @@ def test_top_k_below_minus_one_is_refused_by_name():
         SamplingParams(top_k=-2)
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 1e-46, 5e-324])
+def test_a_top_p_below_float32s_least_keeps_the_top_token(top_p):
+    """In float32 a top_p under 1.4e-45 is 0: every token was dropped, the top one included, and
+    the draw came from a row of -inf (the same wrong token whatever the seed)."""
+    from tierlm.engine.sampler import _filter_rows
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    kept = torch.isfinite(_filter_rows(logits.clone(), [SamplingParams(top_p=top_p)] * 3))
+    assert kept.sum(dim=-1).tolist() == [1, 1, 1]
+    assert kept.float().argmax(dim=-1).tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_sampling_params_take_numpys_numbers_and_refuse_strings_for_flags():
+    from tierlm.errors import InvalidRequestError
+    p = SamplingParams(seed=np.int64(7), max_tokens=np.int32(5), temperature=np.float32(0.5), top_k=np.int64(3))
+    assert (p.seed, p.max_tokens, p.top_k) == (7, 5, 3) and type(p.seed) is int and type(p.temperature) is float
+    assert seeded_generator(p.seed).initial_seed() == seeded_generator(7).initial_seed()
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        with pytest.raises(InvalidRequestError, match=f"'{flag}' must be true or false"):
+            SamplingParams(**{flag: "false"})  # truthy: it ignored EOS
+
+
+@pytest.mark.parametrize("stop, says", [(["x"] * 65, "at most 64 strings"), (["x" * 1025], "at most 1024 characters"),
+                                        ([""], "must not hold empty strings")])
+def test_stop_strings_are_bounded(stop, says):
+    from tierlm.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match=says):
+        SamplingParams(stop=stop)
+    SamplingParams(stop=["y" * 1024] * 64)
+
+
+def test_a_repetition_penalty_float32_cannot_hold_is_refused():
+    from tierlm.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match=r"'repetition_penalty' must be in \[0.01, 10\]"):
+        SamplingParams(repetition_penalty=5e-324)
+    SamplingParams(repetition_penalty=0.01)
+
+
 def test_top_p_on_exact_ties_keeps_what_transformers_keeps():
     """Uniform rows: the mass reaches p exactly at a token boundary, and nothing past it is kept."""
     from transformers.generation.logits_process import TopPLogitsWarper

@@ -171,7 +171,8 @@ def test_assistant_tool_call_history_renders(client, engine, asked):
     assert '"arguments": {"city": "Rome"}' in prompt and "<tool_response>\nrainy\n</tool_response>" in prompt
 
 
-@pytest.mark.parametrize("arguments", ["[1, 2]", '"x"', "null", '{"a": NaN}', '{"a": Infinity}', "{oops"])
+@pytest.mark.parametrize("arguments", ["[1, 2]", '"x"', "null", '{"a": NaN}', '{"a": Infinity}', '{"a": 1e400}',
+                                       "{oops"])
 def test_tool_call_history_arguments_must_be_a_json_object(client, arguments):
     r = client.post("/v1/chat/completions", json=chat(tools=[WEATHER_TOOL], messages=[
         *USER,

@@ -42,6 +42,8 @@ def rejected(model, body) -> APIError:
     (anthropic(messages=[{"role": ["user"], "content": "x"}]), "messages.0.role", "'user' or 'assistant'"),
     (anthropic(messages=[{"role": "user", "content": [{"type": {}, "text": "x"}]}]), "messages.0.content.0.type", ""),
     (anthropic(stop_sequences=["ok", ""]), "stop_sequences", "empty"),
+    (anthropic(stop_sequences=["s"] * 65), "stop_sequences", "at most 64 strings"),
+    (anthropic(stop_sequences=["s" * 1025]), "stop_sequences", "at most 1024 characters"),
     (anthropic(temperature=1.5), "temperature", "less than or equal to 1"),
     (anthropic(top_p=-0.1), "top_p", "greater than or equal to 0"),
     (anthropic(top_k=-1), "top_k", "greater than or equal to 0"),
@@ -108,6 +110,7 @@ def test_count_tokens_needs_no_max_tokens():
     ({"model": "m", "messages": USER, "n": 2}, "n", "only n=1"),
     ({"model": "m", "messages": USER, "stop": ""}, "stop", "empty"),
     ({"model": "m", "messages": USER, "stop": ["a", ""]}, "stop", "empty"),
+    ({"model": "m", "messages": USER, "stop": ["a"] * 65}, "stop", "at most 64 strings"),
     ({"model": "m", "messages": USER, "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"model": "m", "messages": USER, "top_logprobs": 3}, "top_logprobs", "logprobs set to true"),
     ({"model": "m", "messages": USER, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
@@ -149,7 +152,8 @@ def test_completion_prompt_rejections(prompt, words):
 @pytest.mark.parametrize("raw, words", [
     (b"", "empty"), (b"{", "not valid JSON"), (b"[1, 2]", "an array"), (b'"x"', "a string"),
     (b'{"a": NaN}', "not valid JSON"), (b"\xff\xfe", "UTF-8"), (b"[" * 100_000 + b"]" * 100_000, "nested"),
-], ids=["empty", "truncated", "array", "string", "nan", "not-utf8", "deep"])
+    (b'{"a": {"x": 1e400}}', "1e400 is out of range"), (b'{"a": -1E+999}', "out of range"),
+], ids=["empty", "truncated", "array", "string", "nan", "not-utf8", "deep", "overflow", "negative-overflow"])
 def test_body_must_be_a_json_object(raw, words):
     with pytest.raises(InvalidRequest) as info:
         parse_json_object(raw)

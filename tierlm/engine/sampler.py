@@ -73,6 +73,7 @@ def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
         # vLLM's top-p: the token that crosses p stays, one after a set of exactly p does not);
         # rows with top_p = 1 drop nothing, whatever the rounding of their sums.
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # the top token always stays: a top_p below float32's least (1e-46) is 0 here
         rows = rows.scatter(1, order, sorted_rows.masked_fill(drop, float("-inf")))
     return rows
 

@@ -52,6 +52,7 @@ from tierlm.serving.protocol_openai import (
 )
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
+from tierlm.serving.validation import loads_strict
 from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
@@ -193,16 +194,12 @@ def _arguments(text: str, index: int, k: int) -> Any:
     where = f"messages.{index}.tool_calls.{k}.function.arguments"
     try:
         # NaN and Infinity are not JSON: the prompt would show the model invalid arguments.
-        value = json.loads(text, parse_constant=_no_constant) if text.strip() else {}
+        value = loads_strict(text) if text.strip() else {}
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{where}: must be a JSON object encoded as a string", param=where)
     return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tierlm.sampling_params import stop_strings_problem
+
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 
 
@@ -231,8 +233,8 @@ class MessagesRequest(ConversationBody):
     @field_validator("stop_sequences")
     @classmethod
     def _non_empty_stops(cls, value: list[str] | None) -> list[str] | None:
-        if value and any(s == "" for s in value):
-            raise ValueError("stop sequences must not be empty strings")
+        if value and (problem := stop_strings_problem(value)) is not None:
+            raise ValueError(f"the stop sequences {problem}")
         return value
 
 

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tierlm.sampling_params import stop_strings_problem
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -119,8 +121,8 @@ class ResponseFormat(_Body):
 
 def _check_stop(value: Any) -> Any:
     stops = [value] if isinstance(value, str) else value
-    if isinstance(stops, list) and any(s == "" for s in stops):
-        raise ValueError("stop sequences must not be empty strings")
+    if isinstance(stops, list) and (problem := stop_strings_problem(stops)) is not None:
+        raise ValueError(f"the stop sequences {problem}")
     return value
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -60,6 +61,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: Python reads it as inf, which a prompt shows as Infinity
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def loads_strict(text: str) -> Any:
+    """JSON as the standard has it: no NaN or Infinity, spelled out or overflowing (1e400)."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """Strict JSON (no NaN/Infinity), and the top level must be an object."""
     if not body.strip():
@@ -69,7 +82,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = loads_strict(text)
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply") from None
     except ValueError as exc:
