@@ -21,8 +21,8 @@ def _req(i: int, **params) -> Request:
 
 def _expected(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
               min_p: float = 0.0) -> np.ndarray:
-    """The filters in turn, as Hugging Face's logits warpers apply them: top-k, then min-p, then
-    top-p over what is left (renormalised)."""
+    """The filters in turn, in vLLM's order: top-k, then min-p, then top-p over what is left
+    (renormalised). Hugging Face's warpers apply min-p after top-p, which can keep more."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()

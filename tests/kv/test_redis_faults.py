@@ -157,6 +157,25 @@ class _NotRedis:
         self.server.close()
 
 
+def test_an_answer_sent_before_an_outage_was_called_does_not_end_it(redis_server):
+    """Readers and the writer ask Redis concurrently: one's answer to a request sent before
+    another's failure called the outage ended it at once, and the next failure started a new
+    outage with its back-off reset (1 s) instead of doubled."""
+    tier = RedisTier(redis_server.url, retry_after_s=4.0)
+    (h, parent, data), = _chain(1)
+    sent = time.monotonic()
+    tier._failed(ConnectionError("another thread's request failed"))
+    tier._answered(sent)  # the answer to the earlier request
+    assert tier.backoff == 4.0 and not tier._available()
+    tier.down_until = 0.0  # the back-off is over: the next request is a retry
+    tier._failed(ConnectionError("the retry failed too"))
+    assert tier.backoff == 8.0  # doubled: the same outage
+    tier.down_until = 0.0
+    tier.put(h, parent, data)  # sent after the outage was called: it is over
+    assert tier.backoff == 0.0 and torch.equal(tier.get(h), data)
+    tier.close()
+
+
 def test_a_server_that_is_not_redis_is_refused_at_start_and_a_miss_later(redis_server):
     fake = _NotRedis()
     try:

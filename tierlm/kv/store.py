@@ -205,7 +205,7 @@ class TieredStore:
             while not force and self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
                 left = None if self._deadline is None else self._deadline - time.monotonic()
                 if not wait or (left is not None and left <= 0):
-                    self.tiers[level].stats.dropped += 1
+                    self.tiers[level].stats.count(dropped=1)
                     if not self._shedding:
                         log.warning("KV tier writes are %d MiB behind (%s cannot keep up); dropping new ones "
                                     "until the backlog halves", self.backlog >> 20, self.tiers[level].name)
@@ -343,8 +343,7 @@ class TieredStore:
         if queued is not None:  # on its way down: a hit of the tier it is going to (so that
             data, hint, level = queued  # tier's promotions count it, and never exceed its hits)
             tier = self.tiers[level]
-            tier.stats.hits += 1
-            tier.stats.bytes_out += nbytes(data)
+            tier.stats.count(hits=1, bytes_out=nbytes(data))
             if not read_host:  # a prefetch: staged, as a disk read is. Its write may land before the
                 self._stage(h, tier.name, data, hint)  # admission, which reads no disk (the whole prefix
             return tier.name, data, hint  # was recomputed), and found queued it counted a second hit
@@ -354,7 +353,7 @@ class TieredStore:
             if isinstance(t, HostTier) and not read_host:
                 if h in t:
                     return t.name, None, None
-                t.stats.misses += 1  # (its hit is counted when admission reads it)
+                t.stats.count(misses=1)  # (its hit is counted when admission reads it)
                 continue
             if not slow and not isinstance(t, HostTier):
                 return None
@@ -386,7 +385,7 @@ class TieredStore:
                 self.staged_bytes -= nbytes(entry[1])
         for t in self.tiers:
             if t.name == source:
-                t.stats.promotions += 1
+                t.stats.count(promotions=1)
 
     def prefetch(self, hashes: list[bytes]) -> Prefetch | None:
         """Read these leading blocks (stopping at the first miss) into staging in the background."""

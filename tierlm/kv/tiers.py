@@ -59,6 +59,16 @@ class TierStats:
     errors: int = 0
     dropped: int = 0  # writes for this tier dropped because the writer was too far behind
 
+    def count(self, **deltas: int) -> None:
+        """Add to counters. Readers, writers and the model loop count into one tier's stats, not
+        all under its lock, and `+=` is a read and a write another thread can come between."""
+        with _COUNTING:
+            for name, n in deltas.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+_COUNTING = threading.Lock()  # held for a few additions at a time: one for every tier is enough
+
 
 _HINT_KEY = b'"output_tokens": '
 _HINT_WIDTH = 12  # the hint's value is padded to this width, so it can be patched in place
@@ -347,14 +357,14 @@ class _CapacityTier:
                 if victim is None:
                     break
                 taken = self.take(victim)
-                self.stats.evictions += 1
+                self.stats.count(evictions=1)
                 if taken is not None:
                     evicted.append(taken)
             if len(self.parents) >= self.capacity:
                 return evicted + [(h, parent, data, hint)]
             e = self._store(h, parent, data, hint, evicted)
             if e is not None:  # permissions, a disk that stays full, ...: pass the block on, keep serving
-                self.stats.errors += 1
+                self.stats.count(errors=1)
                 if self._warn_due("write"):
                     log.warning("KV %s cannot store blocks (%s); passing them to the next tier while writes fail "
                                 "(%d errors so far; said again at most every %d s). Free space or fix the cache "
@@ -363,8 +373,7 @@ class _CapacityTier:
             self.parents[h] = parent
             self.policy.access(h, parent, self.clock)
             self._hint(h, hint)
-            self.stats.stores += 1
-            self.stats.bytes_in += data.numel() * data.element_size()
+            self.stats.count(stores=1, bytes_in=data.numel() * data.element_size())
         return evicted
 
     def _store(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None,
@@ -401,7 +410,7 @@ class _CapacityTier:
         if victim is None:
             return False
         taken = self.take(victim)
-        self.stats.evictions += 1
+        self.stats.count(evictions=1)
         if taken is not None:
             evicted.append(taken)
         return True
@@ -413,7 +422,7 @@ class _CapacityTier:
         with self.lock:
             hint = self._before_read(h)
             if h not in self.parents:
-                self.stats.misses += 1
+                self.stats.count(misses=1)
                 return None
         try:
             data = self._read(h)
@@ -430,10 +439,10 @@ class _CapacityTier:
                 except OSError as e:
                     return self._unreadable(h, e)
                 if data is None and h in self.parents:  # there, but damaged: drop it, the caller recomputes
-                    self.stats.corrupt += 1
+                    self.stats.count(corrupt=1)
                     self._drop(h)
             if data is None:
-                self.stats.misses += 1
+                self.stats.count(misses=1)
                 return None
             if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
                 if self.auto_tick:
@@ -441,14 +450,13 @@ class _CapacityTier:
                 self.policy.access(h, self.parents[h], self.clock)
                 if hint is not None:
                     self.policy.finished([h], hint)
-            self.stats.hits += 1
-            self.stats.bytes_out += data.numel() * data.element_size()
+            self.stats.count(hits=1, bytes_out=data.numel() * data.element_size())
             return data
 
     def _forget_deleted(self, h: bytes) -> None:
         """Drop the index entry of `h`, whose bytes something else deleted. Hold `lock`."""
         self._drop(h)
-        self.stats.lost += 1
+        self.stats.count(lost=1)
         if self._warn_due("vanished"):
             log.warning("KV %s: entries were deleted by something else (%d so far; said again at most every %d s); "
                         "they are misses, recomputed and stored again. Keep cleaners away from kv_disk_dir",
@@ -466,8 +474,7 @@ class _CapacityTier:
                 if self.auto_tick:
                     self._ticks += 1
                 self.policy.access(h, self.parents[h], self.clock)
-            self.stats.errors += 1
-            self.stats.misses += 1
+            self.stats.count(errors=1, misses=1)
             if self._warn_due("read"):
                 log.warning("KV %s cannot read entries (%s); counting them as misses and keeping them (said again "
                             "at most every %d s). Check the process's open-file limit and the directory's "
@@ -798,7 +805,7 @@ class DiskTier(_CapacityTier):
             self._pending.clear()
         self._undeleted.clear()
         self._trimmed.clear()
-        self.stats.lost += n
+        self.stats.count(lost=n)
         return n
 
     def close(self, timeout: float | None = None) -> None:
@@ -931,7 +938,7 @@ class DiskTier(_CapacityTier):
             del pending[h]
             self._trimmed.add(h)
             gone.append(h)
-        self.stats.evictions += len(gone)
+        self.stats.count(evictions=len(gone))
         return gone
 
     def _unindexed_entry(self, h: bytes) -> Entry | None:
@@ -945,7 +952,7 @@ class DiskTier(_CapacityTier):
         except OSError:  # unreadable for now, not damaged: neither adopted nor deleted
             return None
         if entry is None and p.exists():  # there, but damaged (or not a file): never served
-            self.stats.corrupt += 1
+            self.stats.count(corrupt=1)
             self._erase(h)  # (one that cannot be deleted, a directory, is tried again later)
         if entry is None and self._pending is not None:
             self._pending.pop(h, None)
@@ -1054,7 +1061,7 @@ class DiskTier(_CapacityTier):
                 if victim is None:
                     break
                 self._drop(victim)
-                self.stats.evictions += 1
+                self.stats.count(evictions=1)
             t_swapped = time.monotonic()
         log.info("KV disk tier %s: indexed %d blocks from an earlier run in %.1f s (headers %.1f s, policy %.1f s, "
                  "swap %.2f s)", self.root, len(old), t_swapped - t0, t_read - t0, t_built - t_read,
@@ -1184,7 +1191,7 @@ class DiskTier(_CapacityTier):
                     return
             self._write(h, parent, data, hint)
         except OSError:
-            self.stats.errors += 1  # the old entry stays, without the new hint
+            self.stats.count(errors=1)  # the old entry stays, without the new hint
 
     def _read(self, h):
         raw = read_regular(self.path(h), self._max_entry_bytes, strict=True, absent_raises=True)
@@ -1472,7 +1479,7 @@ class RedisTier:
                 return  # a concurrent read of the same value deleted and counted it already
         except Exception:  # a miss all the same
             pass
-        self.stats.corrupt += 1
+        self.stats.count(corrupt=1)
         if warn_due(self._warned_at, "corrupt"):
             log.warning("Redis KV tier %s held a damaged or foreign value at %s (%d so far; said again at most "
                         "every %d s); deleted it, the block is recomputed. Something other than tierlm may be "
@@ -1492,12 +1499,17 @@ class RedisTier:
             self.backoff = min(2 * self.backoff, self.max_retry_after)
         self._failed_tries += 1
         self.down_until = now + self.backoff
-        self.stats.errors += 1
+        self.stats.count(errors=1)
 
-    def _answered(self) -> None:
-        """Redis answered: if an outage was on, it is over. A restarted server has forgotten the
-        memory limit set at start (CONFIG SET does not persist), so kv_remote_capacity is set again;
-        without that it grew without bound after the first restart."""
+    def _answered(self, since: float) -> None:
+        """Redis answered a request sent at `since`: if an outage was on, it is over, unless the
+        request was sent before the outage was called (readers and the writer ask concurrently:
+        such an answer ended an outage just called, and the next failure began a new one, its
+        back-off reset instead of doubled). A restarted server has forgotten the memory limit
+        set at start (CONFIG SET does not persist), so kv_remote_capacity is set again; without
+        that it grew without bound after the first restart."""
+        if self.backoff and since < self._down_since:
+            return
         if self.backoff:
             log.info("Redis KV tier %s is back after %.1f s (%d failed tries); using it again", self.url,
                         time.monotonic() - self._down_since, self._failed_tries)
@@ -1539,12 +1551,13 @@ class RedisTier:
     def __contains__(self, h: bytes) -> bool:
         if not self._available():
             return False
+        t0 = time.monotonic()
         try:
             found = bool(self.client.exists(self.key(h)))
         except Exception as e:  # any failure of the client is a miss, never an error
             self._failed(e)
             return False
-        self._answered()
+        self._answered(t0)
         return found
 
     def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list:
@@ -1561,13 +1574,12 @@ class RedisTier:
                 self.client.set(self.key(h), raw, ex=self.ttl)
             else:
                 self.client.set(self.key(h), raw, keepttl=True)
-            self.stats.stores += 1
-            self.stats.bytes_in += data.numel() * data.element_size()  # K/V bytes, as the other tiers count
+            self.stats.count(stores=1, bytes_in=data.numel() * data.element_size())  # K/V bytes, as the other tiers count
             if not self._took(t0):
-                self._answered()
+                self._answered(t0)
         except self._refused as e:  # e.g. OOM under noeviction: drop this write, keep the tier
-            self._answered()
-            self.stats.errors += 1
+            self._answered(t0)
+            self.stats.count(errors=1)
             if not self._warned_refusal:
                 self._warned_refusal = True
                 advice = _refusal_advice(e)
@@ -1600,7 +1612,7 @@ class RedisTier:
         if not hashes:
             return []
         if not self._available():
-            self.stats.misses += 1
+            self.stats.count(misses=1)
             return []
         keys = [self.key(h) for h in hashes]
         t0 = time.monotonic()
@@ -1610,21 +1622,20 @@ class RedisTier:
                 raise TypeError(f"MGET of {len(keys)} keys answered {type(raws).__name__}")
         except Exception as e:  # any failure of the client is a miss, never an error
             self._failed(e)
-            self.stats.misses += 1
+            self.stats.count(misses=1)
             return []
         if self._took(t0):  # a reply that trickled in: the blocks are good, the server is not
-            self.stats.misses += 1
+            self.stats.count(misses=1)
             return []
-        self._answered()
+        self._answered(t0)
         run = []
         for key, h, raw in zip(keys, hashes, raws):
             decoded = None if raw is None else decode_entry(raw, h, self.layout)
             if decoded is None:
                 if raw is not None:
                     self._corrupt(key)
-                self.stats.misses += 1
+                self.stats.count(misses=1)
                 break
-            self.stats.hits += 1
-            self.stats.bytes_out += decoded[0].numel() * decoded[0].element_size()
+            self.stats.count(hits=1, bytes_out=decoded[0].numel() * decoded[0].element_size())
             run.append(decoded)
         return run
