@@ -1545,12 +1545,17 @@ class _FailingThird(DiskTier):
         return super()._read(h)
 
 
-def test_a_read_a_tier_broke_off_unstages_what_it_staged_once_cancelled(tmp_path):
-    blocks = _chain(4)
-    disk = _FailingThird(tmp_path, 8)
+def _store_over_disk(tmp_path, blocks, tier=DiskTier) -> TieredStore:
+    """A store whose one tier is a disk holding `blocks`."""
+    disk = tier(tmp_path, 8)
     for h, parent, data in blocks:
         disk.put(h, parent, data)
-    store = TieredStore([disk])
+    return TieredStore([disk])
+
+
+def test_a_read_a_tier_broke_off_unstages_what_it_staged_once_cancelled(tmp_path):
+    blocks = _chain(4)
+    store = _store_over_disk(tmp_path, blocks, tier=_FailingThird)
     job = store.prefetch([h for h, _, _ in blocks])
     assert job.done.wait(10) and not job.finished and len(store.staged) == 2
     store.cancel(job)  # the request is gone
@@ -1581,10 +1586,7 @@ def test_tier_counters_lose_no_update_to_threads_counting_at_once():
 
 def test_a_cancelled_read_keeps_the_blocks_another_waiting_read_wants(tmp_path):
     blocks = _chain(4)
-    disk = DiskTier(tmp_path, 8)
-    for h, parent, data in blocks:
-        disk.put(h, parent, data)
-    store = TieredStore([disk])
+    store = _store_over_disk(tmp_path, blocks)
     hashes = [h for h, _, _ in blocks]
     a = store.prefetch(hashes)
     assert a.done.wait(10) and a.found == 4
