@@ -329,6 +329,57 @@ def test_a_prompt_ending_part_way_through_a_character_loses_no_output_text(token
     assert "".join(parts) == "文🙂 end"
 
 
+def _streamed(tok, prompt: list[int], output: list[int]) -> str:
+    d = IncrementalDetokenizer(tok, prompt, stop=[])
+    parts = [d.delta(False) for t in output if d.add(t) is None]
+    d.flush()
+    return "".join(parts) + d.delta(True)
+
+
+@pytest.mark.parametrize("text", ["Hello 中文字🙂🙂 x", " 🙂 🚀 ✨ 中 文", "naïve café — 日本語テキスト 🎉🎉!"])
+def test_every_cut_of_a_prompt_into_prompt_and_output_gives_the_outputs_text(llm, text):
+    """A real byte-level BPE, the prompt cut after every token: the output's text is what the
+    whole decodes to after the prompt's, from the character the output finishes, if it finishes
+    one. A tail token holding whole characters besides the unfinished one (b' \xf0\x9f') had
+    those repeated in the output."""
+    tok = llm.engine.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        prompt, output = ids[:cut], ids[cut:]
+        before, whole = tok.decode(prompt), tok.decode(ids)
+        expected = whole[len(before):] if whole.startswith(before) else whole[len(before.rstrip("\ufffd")):]
+        assert _streamed(tok, prompt, output) == expected, (cut, tok.convert_ids_to_tokens(prompt[-2:]))
+
+
+def test_byte_fallback_prompts_cut_inside_a_run_of_byte_tokens():
+    """Llama 2 / Mistral write CJK as three byte tokens a character, and their decoder blanks a
+    whole run of byte tokens that is not whole UTF-8: a window of the prompt starting or ending
+    inside a character showed nothing of the run, and the output lost or repeated it."""
+    tok = _byte_fallback_tokenizer()
+    zh = [b for c in "中文字" for b in c.encode()]  # 9 byte tokens
+    # the window (6 tokens) starts inside 中 and ends inside 字; the output finishes 字
+    assert _streamed(tok, zh[:7], zh[7:] + [256]) == "字 end"
+    # the output leaves 文 unfinished: nothing of the prompt's tail comes back (it came back as "��")
+    assert _streamed(tok, [259, 260] + zh[:4], [256]) == " end"
+    # a prompt ending on a character boundary, its window starting inside one: the output's 字
+    # joined that run of byte tokens, all of it blanked ("���" came out)
+    assert _streamed(tok, zh[1:6], zh[6:] + [256]) == "字 end"
+
+
+def test_a_run_of_skipped_tokens_does_not_grow_the_window():
+    """3,000 EOS under ignore_eos, then text: each was decoded again with every later token (and
+    placed, with logprobs), one step of 1.6 s at the end."""
+    tok = _byte_fallback_tokenizer()
+    eos = tok.convert_tokens_to_ids("<unk>")
+    tok.add_special_tokens({"eos_token": "</s>"})
+    eos = tok.eos_token_id
+    d = IncrementalDetokenizer(tok, [259], stop=[], positions=True)
+    for _ in range(3000):
+        assert d.add(eos) is None
+    d.add(256)
+    assert d.text == " end" and len(d.ids) <= 2 and d.starts == [0] * 3001
+
+
 def test_a_prompt_ending_in_a_whole_replacement_character_does_not_repeat_it():
     prompt = list("odd \ufffd".encode())  # a literal U+FFFD, sent as text: whole, not unfinished
     d = IncrementalDetokenizer(_Tok(), prompt, stop=[])

@@ -394,11 +394,12 @@ class _IndexingBehindAHungWrite(DiskTier):
     the indexer then waits for that lock to swap its index in."""
 
     def __init__(self, *args, writing, gate, **kw):
-        self.writing, self.gate = writing, gate
+        self.writing, self.gate, self.indexing = writing, gate, threading.Event()
         super().__init__(*args, **kw)
 
     def _read_headers(self):
         assert self.writing.wait(10)
+        self.indexing.set()  # what it does first is take the lock the hung write holds
         return super()._read_headers()
 
     def _write(self, h, parent, data, hint):
@@ -416,8 +417,8 @@ def test_close_does_not_wait_for_an_indexer_stuck_behind_a_hung_write(tmp_path, 
     disk = _IndexingBehindAHungWrite(tmp_path / "kv", 64, writing=writing, gate=gate)
     store = TieredStore([disk], close_timeout_s=0.3)
     store.demote(b"\x77" * 32, None, torch.ones(2, 2, 4))
-    assert writing.wait(10)
-    time.sleep(0.3)  # the indexer has read the headers and waits for the lock
+    assert writing.wait(10) and disk.indexing.wait(10)
+    time.sleep(0.2)  # the indexer waits for the lock
     closing = threading.Thread(target=store.close, daemon=True)
     with caplog.at_level(logging.WARNING, logger="tierlm.kv.tiers"):
         closing.start()

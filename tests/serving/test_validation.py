@@ -111,6 +111,7 @@ def test_count_tokens_needs_no_max_tokens():
     ({"model": "m", "messages": USER, "stop": ""}, "stop", "empty"),
     ({"model": "m", "messages": USER, "stop": ["a", ""]}, "stop", "empty"),
     ({"model": "m", "messages": USER, "stop": ["a"] * 65}, "stop", "at most 64 strings"),
+    ({"model": "m", "messages": USER, "repetition_penalty": 0.001}, "repetition_penalty", "0.01"),
     ({"model": "m", "messages": USER, "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"model": "m", "messages": USER, "top_logprobs": 3}, "top_logprobs", "logprobs set to true"),
     ({"model": "m", "messages": USER, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),

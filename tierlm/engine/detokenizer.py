@@ -9,9 +9,28 @@ half-sent before it is recognised.
 from __future__ import annotations
 
 import os
+import weakref
 
 _CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
 _MAX_UNFINISHED = 3  # bytes of a UTF-8 character a prompt can end with (so tokens, at most)
+_skipped: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The ids a decode with skip_special_tokens leaves out: every added token marked special,
+    not only the named ones (a chat template's <|im_start|>, Llama 3's reserved tokens)."""
+    try:
+        return _skipped[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    found = frozenset(ids)
+    try:
+        _skipped[tokenizer] = found
+    except TypeError:  # not weakly referable: looked up each time
+        pass
+    return found
 
 
 class IncrementalDetokenizer:
@@ -25,23 +44,33 @@ class IncrementalDetokenizer:
         self.positions = positions
         self.starts: list[int] = []
         self.placed_from = 0
-        ctx = prompt_ids[-_CONTEXT:]
-        self._n_ctx = len(ctx)
-        self.ids: list[int] = list(ctx)
+        # Tokens a decode skips add no text: never put in the window (a run of them, EOS under
+        # ignore_eos, made every later decode, and placing, longer and longer).
+        self._skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._out: list[int] = []  # the output index of each token in the window after the prompt's
+        self._n_out = 0
+        self._late: list[int] = []  # skipped tokens that came while text was held
+        ctx = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(ctx)
         # A prompt of token ids can end part-way through a character (a reply cut by max_tokens,
         # continued): its last bytes and the output's first make one. Its unfinished tail decodes
-        # to U+FFFD, one per byte with a byte-fallback decoder (which may also blank the finished
-        # characters before it), so text was cut by those characters' count: whole characters of
-        # the output were lost. The tail is read with the output instead (the character it
-        # finishes is the output's), less the tail's own text if the output leaves it as it was.
+        # to U+FFFD, one per byte with a byte-fallback decoder (which also blanks the finished
+        # characters of the same run of bytes), so text was cut by those characters' count: whole
+        # characters of the output were lost. The tail is read with the output instead (the
+        # character it finishes is the output's), less what the output leaves of the tail's own
+        # text; the window then starts on a character too, or a byte-fallback decoder blanks it
+        # whole (a CJK prompt: three byte tokens a character).
         self._echo = ""
-        k = len(ctx)
-        while k > max(0, len(ctx) - _MAX_UNFINISHED) and self._decode(ctx[:k]).endswith("\ufffd"):
-            k -= 1
-        if k < len(ctx) and not self._decode(ctx[:k]).endswith("\ufffd"):
-            self.read_offset, self._echo = k, self._decode(ctx[k:])
+        whole = self._decode(ctx)
+        if whole.startswith("\ufffd") or whole.endswith("\ufffd"):
+            cut = self._clean_cut(ctx)
+            if cut is not None:
+                j, k, head = cut
+                ctx = ctx[j:]
+                self.read_offset, self._echo = k - j, self._decode(ctx)[len(head):]
+        self._n_ctx = len(ctx)
+        self.ids: list[int] = ctx
         self.text = ""
         self.sent = 0
         self.stop = stop
@@ -49,16 +78,35 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.matched_stop: str | None = None
 
+    def _clean_cut(self, ctx: list[int]) -> tuple[int, int, str] | None:
+        """(j, k, text of ctx[j:k]): the longest run of the context's tokens that starts after at
+        most a character's worth of leading tokens and stops before at most as many at the end,
+        whose text neither starts nor ends in U+FFFD (empty only if it is all the tail); None if
+        there is none (a literal U+FFFD there: the window is left as it is)."""
+        n = len(ctx)
+        for j in range(min(_MAX_UNFINISHED, n) + 1):
+            for k in range(n, max(j, n - _MAX_UNFINISHED) - 1, -1):
+                head = self._decode(ctx[j:k])
+                if (head or j == 0) and not head.startswith("\ufffd") and not head.endswith("\ufffd"):
+                    return j, k, head
+        return None
+
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int, find_stop: bool = True) -> str | None:
         """Add one generated token; returns the stop string if one just completed (looked for only
         with `find_stop`: not before a request's min_tokens)."""
-        self.ids.append(token_id)
+        self._n_out += 1
         if self.positions:
             self.starts.append(len(self.text))
             self.placed_from = len(self.starts) - 1
+        if token_id in self._skipped:
+            if self.positions and self.read_offset < len(self.ids):
+                self._late.append(self._n_out - 1)  # inside text not read yet: placed with it
+            return None
+        self.ids.append(token_id)
+        self._out.append(self._n_out - 1)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -72,10 +120,10 @@ class IncrementalDetokenizer:
         them, and return where that text starts."""
         before = len(self.text)
         new, cut = full[len(prefix):], 0
-        if self._echo:  # the first text read with a prompt's unfinished tail
-            echo, self._echo = self._echo, ""
-            if new.startswith(echo):  # the tail was whole (a literal U+FFFD), or the output did not finish it
-                new, cut = new[len(echo):], len(echo)
+        if self._echo:  # the first text read with a prompt's unfinished tail: less what is left of the
+            echo, self._echo = self._echo, ""  # tail's own text (all of it, if the output did not finish it)
+            cut = len(os.path.commonprefix([new, echo]))
+            new = new[cut:]
         self.text += new
         if self.positions:
             self._place(prefix, full, before, cut)
@@ -96,8 +144,15 @@ class IncrementalDetokenizer:
             agreed = len(os.path.commonprefix([text, full]))
             if agreed == len(text) and text.endswith("\ufffd") and texts[j + 1] == text:
                 agreed -= 1
-            self.starts[m - self._n_ctx] = before + max(0, agreed - len(prefix) - cut)
-        self.placed_from = min(self.placed_from, first - self._n_ctx)
+            i = self._out[m - self._n_ctx]  # (never before the token ahead of it: a literal U+FFFD spelled in
+            self.starts[i] = max(before + max(0, agreed - len(prefix) - cut), self.starts[i - 1] if i else 0)  # bytes)
+        if first < len(self.ids):
+            self.placed_from = min(self.placed_from, self._out[first - self._n_ctx])
+        for i in self._late:  # where the token after it begins, or after the text read
+            after = [self.starts[o] for o in self._out[max(0, first - self._n_ctx):] if o > i]
+            self.starts[i] = after[0] if after else len(self.text)
+            self.placed_from = min(self.placed_from, i)
+        self._late.clear()
 
     def flush(self) -> None:
         """At the end, emit whatever is still pending (even an unfinished character)."""

@@ -493,6 +493,7 @@ class TieredStore:
                     return
                 job.started = True
             self._find_run(job.hashes, read_host=False, job=job, run=run)
+            job.found = len(run)  # before `finished`: the model loop reads the two without the lock
             job.finished = not job.cancelled
         finally:  # a tier that raised: what was staged before it is still counted, and unstaged if cancelled
             job.found = len(run)

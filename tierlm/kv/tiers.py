@@ -1307,6 +1307,7 @@ class RedisTier:
         # tierlm key gets one, so another application's keys (which mostly have none) are never
         # evicted for tierlm's, even where the check for them at start missed some.
         self.ttl = ttl_s or (CAPACITY_TTL_S if capacity_bytes else None)
+        self._keepttl = True  # SET ... KEEPTTL: Redis 6.0 and later
         self.retry_after = retry_after_s
         self.max_retry_after = max(max_retry_after_s, retry_after_s)
         self.down_until = 0.0
@@ -1573,7 +1574,7 @@ class RedisTier:
             if self.ttl:
                 self.client.set(self.key(h), raw, ex=self.ttl)
             else:
-                self.client.set(self.key(h), raw, keepttl=True)
+                self._set_keeping_ttl(self.key(h), raw)
             self.stats.count(stores=1, bytes_in=data.numel() * data.element_size())  # K/V bytes, as the other tiers count
             if not self._took(t0):
                 self._answered(t0)
@@ -1600,6 +1601,20 @@ class RedisTier:
     def get(self, h: bytes) -> torch.Tensor | None:
         found = self.fetch(h)
         return None if found is None else found[0]
+
+    def _set_keeping_ttl(self, key: str, raw: bytes) -> None:
+        if self._keepttl:
+            try:
+                self.client.set(key, raw, keepttl=True)
+                return
+            except self._refused as e:
+                if "syntax" not in str(e).lower():
+                    raise
+                self._keepttl = False  # before Redis 6.0 (a syntax error): every write was refused
+                log.warning("Redis KV tier %s does not know SET KEEPTTL (Redis before 6.0): writing without it, so "
+                            "a block that another engine's kv_remote_capacity gave a TTL loses it when stored "
+                            "here again; give every engine on this server the same kv_remote_capacity", self.url)
+        self.client.set(key, raw)
 
     def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
         """A hit as (block, the output-length hint its writer knew), or None; never raises."""

@@ -142,7 +142,7 @@ class _SamplingFields(_Body):
     # vLLM-style extensions
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)  # as SamplingParams
     min_tokens: int | None = Field(default=None, ge=0)  # no EOS or stop before this many tokens
     ignore_eos: bool = False
     # vLLM's: requests with different salts never share cached prefix blocks (mixed under the tenant's)
