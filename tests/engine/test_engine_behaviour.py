@@ -370,7 +370,6 @@ def test_a_run_of_skipped_tokens_does_not_grow_the_window():
     """3,000 EOS under ignore_eos, then text: each was decoded again with every later token (and
     placed, with logprobs), one step of 1.6 s at the end."""
     tok = _byte_fallback_tokenizer()
-    eos = tok.convert_tokens_to_ids("<unk>")
     tok.add_special_tokens({"eos_token": "</s>"})
     eos = tok.eos_token_id
     d = IncrementalDetokenizer(tok, [259], stop=[], positions=True)
@@ -378,6 +377,14 @@ def test_a_run_of_skipped_tokens_does_not_grow_the_window():
         assert d.add(eos) is None
     d.add(256)
     assert d.text == " end" and len(d.ids) <= 2 and d.starts == [0] * 3001
+    # one that comes while text is held (a U+FFFD, spelled in bytes, may be the start of a
+    # character) is placed after that text once read: it was placed inside it, and returned
+    d = IncrementalDetokenizer(tok, [259], stop=[], positions=True)
+    for t in b"a\xef\xbf\xbd":
+        d.add(t)
+    d.add(eos)
+    d.flush()
+    assert d.text == "a\ufffd" and d.starts == [0, 1, 1, 1, 2]
 
 
 def test_a_prompt_ending_in_a_whole_replacement_character_does_not_repeat_it():
