@@ -366,6 +366,34 @@ def test_byte_fallback_prompts_cut_inside_a_run_of_byte_tokens():
     assert _streamed(tok, zh[1:6], zh[6:] + [256]) == "字 end"
 
 
+@pytest.mark.parametrize("style", ["llama2", "metaspace"])
+def test_every_cut_of_a_sentencepiece_prompt_gives_the_outputs_text(style):
+    """SentencePiece decoders strip the first token's leading space, so a window cut that starts
+    with "▁" decodes to nothing: such a cut was refused, the prompt's unfinished tail was not
+    handled at all, and the output lost its text ("文 🙂 文" cut inside 🙂 gave "")."""
+    from tests.serving.test_vocab import sentencepiece_like
+    tok = sentencepiece_like(style)
+    text = "文 🙂 文 ñ 🚀 é x"  # characters as runs of byte tokens, each run its own word
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        prompt, output = ids[:cut], ids[cut:]
+        before, whole = tok.decode(prompt), tok.decode(ids)
+        expected = whole[len(before):] if whole.startswith(before) else whole[len(before.rstrip("\ufffd")):]
+        assert _streamed(tok, prompt, output) == expected, (cut, tok.convert_ids_to_tokens(prompt[-3:]))
+
+
+def test_a_named_special_token_that_decodes_keeps_its_text():
+    """Only the tokens a decode with skip_special_tokens drops are kept out of the window: a
+    pad token that is an ordinary vocabulary token keeps its text, as in the tokenizer's decode."""
+    tok = _byte_fallback_tokenizer()
+    tok.pad_token = "Hello"
+    d = IncrementalDetokenizer(tok, [], stop=[])
+    d.add(259)
+    d.add(256)
+    d.flush()
+    assert d.text == tok.decode([259, 256], skip_special_tokens=True) == "Hello end"
+
+
 def test_a_run_of_skipped_tokens_does_not_grow_the_window():
     """3,000 EOS under ignore_eos, then text: each was decoded again with every later token (and
     placed, with logprobs), one step of 1.6 s at the end."""
@@ -385,6 +413,11 @@ def test_a_run_of_skipped_tokens_does_not_grow_the_window():
     d.add(eos)
     d.flush()
     assert d.text == "a\ufffd" and d.starts == [0, 1, 1, 1, 2]
+    # and the tokens after it are never placed before it (they were, from its first place)
+    d = IncrementalDetokenizer(tok, [259], stop=[], positions=True)
+    for t in [*b"a\xef\xbf\xbd\xf0", eos, *b"\x9f\x99\x82"]:
+        d.add(t)
+    assert d.text == "a\ufffd🙂" and d.starts == sorted(d.starts) and d.starts[5:] == [2, 2, 2, 2]
 
 
 def test_a_prompt_ending_in_a_whole_replacement_character_does_not_repeat_it():

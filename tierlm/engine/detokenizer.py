@@ -13,22 +13,32 @@ import weakref
 
 _CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
 _MAX_UNFINISHED = 3  # bytes of a UTF-8 character a prompt can end with (so tokens, at most)
-_skipped: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+_skipped: "weakref.WeakKeyDictionary[object, tuple[int, frozenset[int]]]" = weakref.WeakKeyDictionary()
 
 
 def skipped_ids(tokenizer) -> frozenset[int]:
-    """The ids a decode with skip_special_tokens leaves out: every added token marked special,
-    not only the named ones (a chat template's <|im_start|>, Llama 3's reserved tokens)."""
+    """The ids a decode with skip_special_tokens leaves out: of the special ones (named, or added
+    tokens marked special: a chat template's <|im_start|>, Llama 3's reserved tokens), those it
+    really drops (a named one that is an ordinary vocabulary token keeps its text). Kept per
+    tokenizer and its size (tokens added later are looked at again)."""
     try:
-        return _skipped[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    ids = set(getattr(tokenizer, "all_special_ids", ()))
-    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
-    found = frozenset(ids)
+        size = len(tokenizer)
+    except TypeError:
+        size = 0
     try:
-        _skipped[tokenizer] = found
-    except TypeError:  # not weakly referable: looked up each time
+        cached = _skipped.get(tokenizer)
+    except TypeError:  # not weakly referable: worked out each time
+        cached = None
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    candidates = set(getattr(tokenizer, "all_special_ids", ()))
+    candidates.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                      if getattr(t, "special", False))
+    found = frozenset(i for i in candidates
+                      if tokenizer.decode([i], skip_special_tokens=True, clean_up_tokenization_spaces=False) == "")
+    try:
+        _skipped[tokenizer] = (size, found)
+    except TypeError:
         pass
     return found
 
@@ -64,7 +74,7 @@ class IncrementalDetokenizer:
         self._echo = ""
         whole = self._decode(ctx)
         if whole.startswith("\ufffd") or whole.endswith("\ufffd"):
-            cut = self._clean_cut(ctx)
+            cut = self._clean_cut(ctx) or self._tail_cut(ctx)
             if cut is not None:
                 j, k, head = cut
                 ctx = ctx[j:]
@@ -87,8 +97,18 @@ class IncrementalDetokenizer:
         for j in range(min(_MAX_UNFINISHED, n) + 1):
             for k in range(n, max(j, n - _MAX_UNFINISHED) - 1, -1):
                 head = self._decode(ctx[j:k])
-                if (head or j == 0) and not head.startswith("\ufffd") and not head.endswith("\ufffd"):
+                if not head.startswith("\ufffd") and not head.endswith("\ufffd"):
                     return j, k, head
+        return None
+
+    def _tail_cut(self, ctx: list[int]) -> tuple[int, int, str] | None:
+        """(0, k, text of ctx[:k]): without the unfinished tail alone, where no cut starts on a
+        character too (a literal U+FFFD early in the window)."""
+        n = len(ctx)
+        for k in range(n - 1, max(0, n - _MAX_UNFINISHED) - 1, -1):
+            head = self._decode(ctx[:k])
+            if not head.endswith("\ufffd"):
+                return 0, k, head
         return None
 
     def _decode(self, ids: list[int]) -> str:
@@ -144,8 +164,7 @@ class IncrementalDetokenizer:
             agreed = len(os.path.commonprefix([text, full]))
             if agreed == len(text) and text.endswith("\ufffd") and texts[j + 1] == text:
                 agreed -= 1
-            i = self._out[m - self._n_ctx]  # (never before the token ahead of it: a literal U+FFFD spelled in
-            self.starts[i] = max(before + max(0, agreed - len(prefix) - cut), self.starts[i - 1] if i else 0)  # bytes)
+            self.starts[self._out[m - self._n_ctx]] = before + max(0, agreed - len(prefix) - cut)
         if first < len(self.ids):
             self.placed_from = min(self.placed_from, self._out[first - self._n_ctx])
         for i in self._late:  # where the token after it begins, or after the text read
@@ -153,6 +172,10 @@ class IncrementalDetokenizer:
             self.starts[i] = after[0] if after else len(self.text)
             self.placed_from = min(self.placed_from, i)
         self._late.clear()
+        starts = self.starts  # never before the token ahead (a literal U+FFFD spelled in byte tokens)
+        for i in range(max(self.placed_from, 1), len(starts)):
+            if starts[i] < starts[i - 1]:
+                starts[i] = starts[i - 1]
 
     def flush(self) -> None:
         """At the end, emit whatever is still pending (even an unfinished character)."""
