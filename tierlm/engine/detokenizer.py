@@ -91,8 +91,8 @@ class IncrementalDetokenizer:
     def _clean_cut(self, ctx: list[int]) -> tuple[int, int, str] | None:
         """(j, k, text of ctx[j:k]): the longest run of the context's tokens that starts after at
         most a character's worth of leading tokens and stops before at most as many at the end,
-        whose text neither starts nor ends in U+FFFD (empty only if it is all the tail); None if
-        there is none (a literal U+FFFD there: the window is left as it is)."""
+        whose text (possibly empty) neither starts nor ends in U+FFFD; None if there is none (a
+        literal U+FFFD there)."""
         n = len(ctx)
         for j in range(min(_MAX_UNFINISHED, n) + 1):
             for k in range(n, max(j, n - _MAX_UNFINISHED) - 1, -1):
