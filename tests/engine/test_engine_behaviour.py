@@ -342,13 +342,18 @@ def test_every_cut_of_a_prompt_into_prompt_and_output_gives_the_outputs_text(llm
     whole decodes to after the prompt's, from the character the output finishes, if it finishes
     one. A tail token holding whole characters besides the unfinished one (b' \xf0\x9f') had
     those repeated in the output."""
-    tok = llm.engine.tokenizer
+    _check_every_cut(llm.engine.tokenizer, text)
+
+
+def _check_every_cut(tok, text: str) -> None:
+    """The prompt cut after every token of `text`: the output's text is what the whole decodes
+    to past the prompt's text, less the U+FFFDs of the character the output finishes, if any."""
     ids = tok.encode(text, add_special_tokens=False)
     for cut in range(1, len(ids)):
         prompt, output = ids[:cut], ids[cut:]
         before, whole = tok.decode(prompt), tok.decode(ids)
         expected = whole[len(before):] if whole.startswith(before) else whole[len(before.rstrip("\ufffd")):]
-        assert _streamed(tok, prompt, output) == expected, (cut, tok.convert_ids_to_tokens(prompt[-2:]))
+        assert _streamed(tok, prompt, output) == expected, (cut, tok.convert_ids_to_tokens(prompt[-3:]))
 
 
 def test_byte_fallback_prompts_cut_inside_a_run_of_byte_tokens():
@@ -372,14 +377,7 @@ def test_every_cut_of_a_sentencepiece_prompt_gives_the_outputs_text(style):
     with "▁" decodes to nothing: such a cut was refused, the prompt's unfinished tail was not
     handled at all, and the output lost its text ("文 🙂 文" cut inside 🙂 gave "")."""
     from tests.serving.test_vocab import sentencepiece_like
-    tok = sentencepiece_like(style)
-    text = "文 🙂 文 ñ 🚀 é x"  # characters as runs of byte tokens, each run its own word
-    ids = tok.encode(text, add_special_tokens=False)
-    for cut in range(1, len(ids)):
-        prompt, output = ids[:cut], ids[cut:]
-        before, whole = tok.decode(prompt), tok.decode(ids)
-        expected = whole[len(before):] if whole.startswith(before) else whole[len(before.rstrip("\ufffd")):]
-        assert _streamed(tok, prompt, output) == expected, (cut, tok.convert_ids_to_tokens(prompt[-3:]))
+    _check_every_cut(sentencepiece_like(style), "文 🙂 文 ñ 🚀 é x")  # each run of byte tokens its own word
 
 
 def test_a_named_special_token_that_decodes_keeps_its_text():
