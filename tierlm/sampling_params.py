@@ -82,18 +82,24 @@ class SamplingParams:
             raise InvalidRequestError(f"sampling parameter '{field_name}' {why}", param=field_name)
 
         # Types first: a bool is an int to Python, and a string would fail as a TypeError mid-step.
+        # numpy's numbers pass (they are Real or Integral) and are kept as Python's own, which the
+        # sampler and the seed hashing take.
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
-            if not _is_number(getattr(self, name)):
-                bad(name, f"must be a number (got {getattr(self, name)!r})")
+            value = getattr(self, name)
+            if not _is_number(value):
+                bad(name, f"must be a number (got {value!r})")
+            if type(value) not in (int, float):
+                setattr(self, name, float(value))
         for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer (got {value!r})")
+            if value is not None and type(value) is not int:
+                setattr(self, name, int(value))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):  # "false" is true to Python
                 bad(name, f"must be true or false (got {getattr(self, name)!r})")
-        self._as_python_numbers()
         if self.n != 1:
             bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -124,17 +130,6 @@ class SamplingParams:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
-
-    def _as_python_numbers(self) -> None:
-        """numpy's numbers pass the type checks (they are Integral or Real): stored as Python's
-        own, which the sampler and the seed hashing take."""
-        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed"):
-            value = getattr(self, name)
-            if value is not None and type(value) is not int:
-                setattr(self, name, int(value))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if type(getattr(self, name)) not in (int, float):
-                setattr(self, name, float(getattr(self, name)))
 
     @property
     def uses_penalties(self) -> bool:

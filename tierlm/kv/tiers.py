@@ -1509,9 +1509,9 @@ class RedisTier:
         back-off reset instead of doubled). A restarted server has forgotten the memory limit
         set at start (CONFIG SET does not persist), so kv_remote_capacity is set again; without
         that it grew without bound after the first restart."""
-        if self.backoff and since < self._down_since:
-            return
         if self.backoff:
+            if since < self._down_since:
+                return
             log.info("Redis KV tier %s is back after %.1f s (%d failed tries); using it again", self.url,
                         time.monotonic() - self._down_since, self._failed_tries)
             self.backoff = 0.0
@@ -1568,9 +1568,6 @@ class RedisTier:
         raw = encode_block(data, parent, hint, key=h)
         t0 = time.monotonic()
         try:
-            # Without a TTL of its own, keep the one a key has: another engine on this server with
-            # kv_remote_capacity gave it one, which volatile-lru needs to ever evict it (a plain
-            # SET cleared it, and once such keys filled maxmemory every write was refused).
             if self.ttl:
                 self.client.set(self.key(h), raw, ex=self.ttl)
             else:
@@ -1603,6 +1600,9 @@ class RedisTier:
         return None if found is None else found[0]
 
     def _set_keeping_ttl(self, key: str, raw: bytes) -> None:
+        """SET without a TTL of this tier's own, keeping the one the key has: another engine on
+        this server with kv_remote_capacity gave it one, which volatile-lru needs to ever evict
+        it (a plain SET cleared it, and once such keys filled maxmemory every write was refused)."""
         if self._keepttl:
             try:
                 self.client.set(key, raw, keepttl=True)
