@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +111,33 @@ def test_missing_and_corrupt_safetensors(tmp_path, llama_dir):
     (d / "model.safetensors").write_bytes(b"\xff" * 64)  # garbage header
     with pytest.raises(ModelLoadError, match="corrupt or truncated"):
         LLM(str(d), load_progress=False)
+
+
+def _edit_weights(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint `src` at `dst` whose tensors are `edit(tensors)`."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    path = dst / "model.safetensors"
+    save_file(edit(load_file(str(path))), str(path), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("arch,missing", [
+    ("llama", "model.layers.1.self_attn.k_proj.weight"),
+    ("llama", "model.layers.0.mlp.up_proj.weight"),
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.2.w3.weight"),
+    ("qwen2_moe", "model.layers.1.mlp.experts.5.down_proj.weight"),
+])
+def test_a_checkpoint_missing_one_part_of_a_fused_tensor_is_refused(arch, missing, tmp_path, checkpoints):
+    """q/k/v, gate/up and all experts are one tensor each in tierlm (transformers saves experts
+    one by one, as hub checkpoints have them): a checkpoint lacking one part of such a tensor
+    loaded, and ran on the uninitialised rest."""
+    d = _edit_weights(checkpoints[arch], tmp_path / "lacking", lambda t: {k: v for k, v in t.items() if k != missing})
+    hf_name = missing.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+    hf_name = hf_name.replace(".w3.", ".up_proj.").replace(".w1.", ".gate_proj.").replace(".w2.", ".down_proj.")
+    with pytest.raises(ModelLoadError, match=re.escape(f"lacks tensor {hf_name};")):
+        LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
 
 
 def test_sharded_checkpoint_loads_same_outputs(tmp_path, llama_dir, llm):

@@ -181,3 +181,51 @@ def test_smollm3_nope_layers_and_ministral_layer_windows():
     del ministral["no_rope_layer_interval"]
     args = parse_config(ministral, resolve_architecture(ministral))
     assert args.sliding_windows == [None, 32768] * 4 and args.rope_layers == []
+
+
+def _hf_config(cfg: dict):
+    from transformers import CONFIG_MAPPING
+    return CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})
+
+
+def _hf_theta(hf) -> float:
+    params = getattr(hf, "rope_parameters", None)
+    return float(params["rope_theta"] if isinstance(params, dict) and "rope_theta" in params else hf.rope_theta)
+
+
+SMALL = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+# (architecture, model_type, field left out, tierlm's value, transformers' value): each field's
+# default differs between model types, so tierlm must take transformers' own.
+@pytest.mark.parametrize("arch,model_type,field,ours,theirs", [
+    ("GraniteForCausalLM", "granite", "attention_multiplier",
+     lambda a: a.attention_multiplier, lambda h: h.attention_multiplier),
+    ("Phi3ForCausalLM", "phi3", "rms_norm_eps", lambda a: a.rms_norm_eps, lambda h: h.rms_norm_eps),
+    ("MixtralForCausalLM", "mixtral", "rms_norm_eps", lambda a: a.rms_norm_eps, lambda h: h.rms_norm_eps),
+    ("SmolLM3ForCausalLM", "smollm3", "tie_word_embeddings",
+     lambda a: a.tie_word_embeddings, lambda h: h.tie_word_embeddings),
+    ("Gemma3ForCausalLM", "gemma3_text", "head_dim", lambda a: a.head_dim, lambda h: h.head_dim),
+    ("Qwen3ForCausalLM", "qwen3", "head_dim", lambda a: a.head_dim, lambda h: h.head_dim),
+    ("SmolLM3ForCausalLM", "smollm3", "rope_theta", lambda a: a.rope_theta, _hf_theta),
+    ("MixtralForCausalLM", "mixtral", "rope_theta", lambda a: a.rope_theta, _hf_theta),
+    ("MistralForCausalLM", "mistral", "sliding_window", lambda a: a.sliding_windows[0], lambda h: h.sliding_window),
+])
+def test_a_field_left_out_of_config_json_takes_transformers_default(arch, model_type, field, ours, theirs):
+    cfg = {**SMALL, "architectures": [arch], "model_type": model_type}
+    if model_type == "mixtral":
+        cfg.update(num_local_experts=4, num_experts_per_tok=2)
+    hf = _hf_config(cfg)
+    assert field not in cfg
+    assert ours(parse_config(cfg, arch)) == pytest.approx(theirs(hf))
+
+
+def test_qwen2_moe_without_qkv_biases():
+    """transformers 5's qkv_bias=False leaves Qwen2-MoE's q/k/v without biases (a checkpoint then
+    has none; tierlm used to ask for them, calling the weights incomplete)."""
+    cfg = {**SMALL, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    assert parse_config(cfg, "Qwen2MoeForCausalLM").qkv_bias  # the default: biases, as ever
+    assert not parse_config({**cfg, "qkv_bias": False}, "Qwen2MoeForCausalLM").qkv_bias
+    assert parse_config({**cfg, "model_type": "qwen2", "qkv_bias": False}, "Qwen2ForCausalLM").qkv_bias  # dense: always

@@ -5,6 +5,8 @@ this is the one place that knows both, so model code never looks at raw config d
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,9 +129,40 @@ def text_model_config(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
             "architectures": [architecture]}
 
 
+# Fields a config.json may leave out, which transformers then takes from its config class's
+# defaults: those differ by model type (Phi-3's rms_norm_eps is 1e-5, Granite's attention
+# multiplier 1.0, Gemma 3's head_dim 256, SmolLM3 ties its embeddings), so a default of tierlm's
+# own would compute another model than transformers does on the same checkpoint.
+_DEFAULTED = frozenset({
+    "rms_norm_eps", "tie_word_embeddings", "head_dim", "intermediate_size", "num_key_value_heads",
+    "max_position_embeddings", "hidden_act", "hidden_activation", "attention_bias", "qkv_bias",
+    "rope_theta", "sliding_window", "use_sliding_window", "max_window_layers", "sliding_window_pattern",
+    "rope_local_base_freq", "query_pre_attn_scalar", "embedding_multiplier", "residual_multiplier",
+    "attention_multiplier", "logits_scaling", "no_rope_layer_interval", "norm_topk_prob",
+    "decoder_sparse_step", "shared_expert_intermediate_size", "moe_intermediate_size",
+    "num_experts_per_tok"})  # not the expert count: one that is missing is refused by name
+
+
+@functools.cache
+def hf_defaults(model_type: str) -> dict[str, Any]:
+    """transformers' defaults for `model_type`'s fields in `_DEFAULTED` (empty if it does not know the type)."""
+    try:
+        from transformers import CONFIG_MAPPING
+        cls = CONFIG_MAPPING[model_type]
+    except Exception:  # an older transformers without this model type: tierlm's own defaults
+        return {}
+    found = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+             if k in _DEFAULTED and p.default is not inspect.Parameter.empty and p.default is not None}
+    theta = getattr(cls, "default_theta", None)  # transformers 5 keeps RoPE's base out of the signature
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool):
+        found.setdefault("rope_theta", float(theta))
+    return found
+
+
 def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     """Turn a HF config dict into ModelArgs for a known architecture."""
     cfg = text_model_config(cfg, architecture)
+    cfg = {**hf_defaults(str(cfg.get("model_type", ""))), **cfg}  # an explicit null stays (Mistral's window)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -177,7 +210,9 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in ("qwen2", "qwen2_moe"),
+            # Qwen2's q/k/v always have biases; Qwen2-MoE's unless qkv_bias says not (transformers 5).
+            qkv_bias=(bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
+                      or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",

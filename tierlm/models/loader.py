@@ -93,7 +93,8 @@ def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.devic
     if dtype == "auto":
         chosen = _DTYPES.get(str(args.torch_dtype), torch.float32)
         if chosen == torch.float16 and device.type == "cpu":
-            log.info("checkpoint is float16; using bfloat16 on CPU (faster, same range as float32)")
+            log.info("checkpoint is float16; using bfloat16 on CPU (faster, same range as float32; "
+                     "its weights lose 3 bits of mantissa: give dtype float16 to keep them exact)")
             chosen = torch.bfloat16
         return chosen
     if dtype not in _DTYPES:
@@ -187,6 +188,30 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
     dst.copy_(tensor.to(round_to) if round_to is not None else tensor)
 
 
+_PARTS = {"qkv": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "halves": ("gate_up_proj", ("gate_proj", "up_proj"))}
+
+
+def _unfilled(pname: str, parts: set[tuple], param: torch.Tensor) -> list[str]:
+    """The checkpoint tensors that parameter `pname` still lacks, given the `parts` of it loaded.
+
+    tierlm fuses q/k/v, gate/up and every expert into one parameter each: that one of a
+    parameter's parts was loaded says nothing of the others, and a part never loaded is
+    uninitialised memory (the model would run, on garbage)."""
+    if ("whole",) in parts:
+        return []
+    if not parts:
+        return [pname]
+    kind = next(iter(parts))[0]
+    if kind in _PARTS:
+        fused, names = _PARTS[kind]
+        return [pname.replace(fused, names[i]) for i in range(len(names)) if (kind, i) not in parts]
+    layer = pname.rsplit(".mlp.", 1)[0]
+    shards = (0, 1) if pname.endswith("w13") else (None,)
+    names = {0: "gate_proj", 1: "up_proj", None: "down_proj"}
+    return [f"{layer}.mlp.experts.{e}.{names[s]}.weight"
+            for e in range(param.shape[0]) for s in shards if ("expert", e, s) not in parts]
+
+
 def check_model_dir(model_dir: str | Path) -> Path:
     """The checkpoint directory as a Path, or a ModelLoadError saying it is not there."""
     model_dir = Path(model_dir)
@@ -215,7 +240,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
         model.lm_head.weight = model.embed_tokens.weight
     model.build_rope(max_positions, device)  # buffers, not weights: computed, not loaded
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: dict[str, set[tuple]] = {}  # parameter -> the parts of it the checkpoint filled
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc=f"Loading {model_dir.name}", disable=not progress)
     with torch.no_grad():
@@ -234,16 +259,18 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                                                  "is config.json from the same checkpoint?")
                         _copy(params[pname], where, st.get_tensor(name), args,
                               kv_dtype if kv_dtype != torch_dtype else None)
-                        loaded.add(pname)
+                        loaded.setdefault(pname, set()).add(where)
             except SafetensorError as e:
                 raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
             except OSError as e:
                 raise ModelLoadError(f"cannot read {f} ({e})") from None
             bar.update(f.stat().st_size)
     bar.close()
-    missing = sorted(n for n in params if n not in loaded and not (n == "lm_head.weight" and args.tie_word_embeddings))
+    missing = [m for n, p in params.items() if not (n == "lm_head.weight" and args.tie_word_embeddings)
+               for m in _unfilled(n, loaded.get(n, set()), p)]
     if missing:
-        raise ModelLoadError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+        which = f"tensor {missing[0]}" if len(missing) == 1 else f"{len(missing)} tensors, e.g. {', '.join(missing[:3])}"
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks {which}; "
                              "the weights are incomplete or belong to another model")
     model.eval()
     if device.type == "cpu" and torch_dtype == torch.float32 and cpu_linear != "plain":
