@@ -37,13 +37,14 @@ def test_prompt_beyond_max_model_len_is_rejected_and_changes_nothing(llm):
     ("", "the prompt is empty"),
     ({"prompt_token_ids": [-1, 5]}, "integers in"),
     ({"prompt_token_ids": [10**9]}, "integers in"),
-    ({"prompt_token_ids": [1.0, 5]}, "integers in"),
-    ({"prompt_token_ids": [True, 5]}, "integers in"),
+    ({"prompt_token_ids": [1.0, 5]}, "must be integers, got a float"),
+    ({"prompt_token_ids": [True, 5]}, "must be integers, got a bool"),
+    ([[5, 6]], "must be integers, got a list among them \\(one prompt is a flat list"),  # llm.generate([[[5, 6]]])
     ({"prompt_token_ids": "abc"}, "must be a list of token ids"),
     ({"prompt": 5}, "'prompt' must be a string"),
     ({"text": "hi"}, "needs 'prompt' or 'prompt_token_ids'"),
     (None, "got NoneType"),
-    (7, "got int"),
+    (7.5, "got float"),  # ([7] is one prompt of one token id, as in vLLM)
 ])
 def test_malformed_prompts_are_refused_by_name_and_change_nothing(llm, prompt, says):
     with pytest.raises(InvalidRequestError, match=says):
@@ -60,6 +61,17 @@ def test_token_ids_may_come_as_numpy_or_torch(llm):
                 [np.int64(5), np.int32(6), 7]):
         out = llm.generate([ids], greedy)[0]
         assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == ref
+
+
+def test_one_prompt_may_be_a_flat_list_of_token_ids_as_in_vllm(llm):
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    ref = llm.generate([[5, 6, 7]], greedy)
+    flat = llm.generate([5, 6, 7], greedy)  # was refused: each id taken for a prompt of its own
+    assert len(flat) == 1 and flat[0].prompt_token_ids == [5, 6, 7]
+    assert flat[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    both = llm.generate({"prompt": "some text", "prompt_token_ids": [5, 6, 7]}, greedy)[0]
+    assert both.prompt == "some text" and both.outputs[0].token_ids == ref[0].outputs[0].token_ids  # ids run
+    assert [len(o.prompt_token_ids) for o in llm.generate([[5, 6], [7]], greedy)] == [2, 1]  # still two prompts
 
 
 def test_a_pool_shorter_than_max_model_len_limits_requests_to_the_pool(llama_dir, caplog):

@@ -346,6 +346,8 @@ class LLMEngine:
         text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                if isinstance(prompt.get("prompt"), str):  # the ids are what runs; the text is kept, as vLLM does
+                    text = prompt["prompt"]
                 prompt = prompt["prompt_token_ids"]
                 if isinstance(prompt, str):
                     raise InvalidRequestError("'prompt_token_ids' must be a list of token ids, not a string",
@@ -371,8 +373,12 @@ class LLMEngine:
         vocab = self.args.vocab_size
         # numpy integers are integers too (a tokenizer may hand them out); bools and floats are not.
         # Plain ints, the usual case, are checked without the ABC test per token (~1 ms per 2,000).
-        if (not (0 <= min(ids) and max(ids) < vocab) if all(type(t) is int for t in ids) else
-                any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids)):
+        if not all(type(t) is int for t in ids):
+            odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if odd:
+                raise InvalidRequestError(f"prompt token ids must be integers, got a {type(odd[0]).__name__} among "
+                                          "them (one prompt is a flat list of ids)", param="prompt")
+        if not (0 <= min(ids) and max(ids) < vocab):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
         n = len(ids)

@@ -1,6 +1,7 @@
 """Offline batch inference, shaped like vLLM's `LLM` class."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -9,6 +10,12 @@ from tierlm.config import EngineConfig
 from tierlm.engine.engine import LLMEngine
 from tierlm.engine.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import SamplingParams
+
+
+def is_token_ids(prompts: object) -> bool:
+    """Whether `prompts` is one prompt's token ids (a non-empty list of integers), not a list of prompts."""
+    return (isinstance(prompts, list) and bool(prompts)
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts))
 
 
 class LLM:
@@ -35,7 +42,7 @@ class LLM:
     def generate(self, prompts: str | dict | Sequence[str | dict | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):  # one prompt (a flat list of ids, as in vLLM)
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
