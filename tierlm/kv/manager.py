@@ -139,7 +139,27 @@ class KVCacheManager:
         job = self._prefetches.get(req.request_id)
         if job is None:
             job = self._read_gap(req)
+        elif job.done.is_set() and job.finished and req.request_id not in self._held:
+            job = self._read_lost(req, job) or job
         return job is None or job.done.is_set()
+
+    def _read_lost(self, req, job: Prefetch) -> Prefetch | None:
+        """Read again, off the loop, when part of the run `job` found has left memory while its
+        request waited: blocks it found in the host tier are only checked, not copied (the model
+        loop reads host memory itself), and other traffic may push them down to disk meanwhile,
+        which the loop does not read. Else the request recomputed all of the run past them."""
+        found = job.hashes[:job.found]
+        if self.store.in_memory_run(found) == len(found):
+            return None
+        hashes, device, limit = self._device_prefix(req)
+        again = self.store.prefetch(hashes[len(device):limit])  # what it staged stays: the new read wants it
+        self.store.cancel(job)
+        self._prefetches.pop(req.request_id, None)
+        self._device_then[req.request_id] = len(device)
+        if again is not None:
+            again.start = len(device)
+            self._prefetches[req.request_id] = again
+        return again
 
     def is_held(self, req) -> bool:
         """Whether `req` found no device room on an earlier try and waits for it."""
