@@ -42,6 +42,50 @@ async def test_abort_frees_blocks_at_once(engine):
     assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
 
 
+async def test_a_request_id_is_free_again_as_soon_as_abort_returns(engine):
+    """README: a request id may be used again at once. After `abort` returned, a stream under the
+    aborted id was refused as in use: the id left only once the old stream's reader ran (and
+    the abort's answer could overtake the final delta on its way to the event loop)."""
+    quick = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    ref = [t for d in await _collect(engine, "hello again", quick) for t in d.token_ids]
+    for _ in range(20):
+        old = engine.generate("hello there", SamplingParams(max_tokens=400, ignore_eos=True), request_id="R")
+        await old.__anext__()  # running; nobody reads it while the id is reused
+        await engine.abort("R")
+        new = await _collect(engine, "hello again", quick, request_id="R")
+        assert [t for d in new for t in d.token_ids] == ref and new[-1].finish_reason == "length"
+        rest = [d async for d in old]
+        assert rest[-1].finish_reason == "abort"  # the old stream got its own end, not the new one's
+    assert engine.stats().kv_blocks_used == 0 and not engine._streams
+
+
+def test_an_engine_left_running_by_one_event_loop_serves_the_next(llama_dir):
+    """asyncio.run without a shutdown, then asyncio.run again: the engine thread went on sending
+    deltas to the first, closed loop, and the second loop's streams waited for ever."""
+    eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=512,
+                                 load_progress=False)
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def run() -> list:
+        return [t for d in await asyncio.wait_for(_collect(eng, "hello", p), 30) for t in d.token_ids]
+
+    first = asyncio.run(run())
+    assert eng._thread.is_alive()  # no shutdown
+    assert asyncio.run(run()) == first
+    asyncio.run(eng.shutdown())
+
+
+async def test_an_engine_serving_a_running_event_loop_refuses_another(engine):
+    other = asyncio.new_event_loop()
+    try:
+        def in_other_loop():
+            return other.run_until_complete(engine.start())
+        with pytest.raises(RuntimeError, match="serves another event loop that is still running"):
+            await asyncio.to_thread(in_other_loop)
+    finally:
+        other.close()
+
+
 async def test_closing_the_stream_aborts(engine):
     gen = engine.generate("abc", SamplingParams(max_tokens=400, ignore_eos=True))
     await gen.__anext__()

@@ -47,6 +47,24 @@ class _Closed:
         self.closing = closing
 
 
+class _Answer:
+    """An `abort` caller's answer, delivered after the deltas before it: resolved on the engine
+    thread, the caller woke (and reused the request id) before the request's final delta had
+    reached its stream, which then still held the id."""
+
+    def __init__(self, fut: Future, error: BaseException | None = None) -> None:
+        self.fut, self.error = fut, error
+
+    def give(self) -> None:
+        try:
+            if self.error is None:
+                self.fut.set_result(None)
+            else:
+                self.fut.set_exception(self.error)
+        except InvalidStateError:  # its caller gave up waiting, or the engine thread's fault answered it
+            pass
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
@@ -109,9 +127,15 @@ class AsyncEngine:
         async with self._lifecycle():
             if self.dead is not None:
                 raise self._dead_error()
+            loop = asyncio.get_running_loop()
             if self._thread is not None and self._thread.is_alive():
+                if self._loop is not loop:  # a later asyncio.run (the first loop closed without a shutdown)
+                    if self._loop is not None and self._loop.is_running():
+                        raise RuntimeError("this AsyncEngine serves another event loop that is still running; "
+                                           "use it from that loop, or shut it down there first")
+                    self._loop = loop  # deltas went to the closed loop, and the new streams waited for ever
                 return
-            self._loop = asyncio.get_running_loop()
+            self._loop = loop
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
             self._thread.start()
@@ -187,14 +211,13 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if finished:
-                if self._streams.get(rid) is q:
+            if self._streams.get(rid) is q:  # (else its end was delivered, and the id may be in use again)
+                if finished:
                     del self._streams[rid]
-            else:
-                closing = _Closing()
-                if self._streams.get(rid) is q:
+                else:
+                    closing = _Closing()
                     self._streams[rid] = closing
-                self._post(("close", rid, closing))
+                    self._post(("close", rid, closing))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free."""
@@ -222,6 +245,9 @@ class AsyncEngine:
     def _deliver(self, deltas: list) -> None:
         for d in deltas:
             rid, item = d if isinstance(d, tuple) else (d.request_id, d)
+            if isinstance(item, _Answer):
+                item.give()
+                continue
             q = self._streams.get(rid)
             if isinstance(item, _Closed):
                 if q is item.closing:
@@ -229,6 +255,10 @@ class AsyncEngine:
                 item.closing.gone.set()
             elif q is not None and not isinstance(q, _Closing):
                 q.put_nowait(item)
+                if isinstance(item, BaseException) or item.finished:
+                    # The request is over: its id is free from now, not once its reader gets here
+                    # (`abort` returned and a new stream under the id was refused as in use).
+                    del self._streams[rid]
 
     def _send(self, deltas: list) -> None:
         if deltas and self._loop is not None and not self._loop.is_closed():
@@ -255,13 +285,13 @@ class AsyncEngine:
                     d = self.engine.abort(arg)
                     if d is not None:
                         out.append(d)
-                if fut is not None and not fut.done():  # (its caller may have given up waiting)
-                    fut.set_result(None)
+                if fut is not None:
+                    out.append((None, _Answer(fut)))
             except Exception as e:  # a bad add must fail that request only
                 if kind == "add":
                     out.append((arg.request_id, e))
-                if fut is not None and not fut.done():
-                    fut.set_exception(e)
+                if fut is not None:
+                    out.append((None, _Answer(fut, e)))
 
     def _run(self) -> None:
         try:
