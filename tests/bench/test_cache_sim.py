@@ -267,6 +267,11 @@ def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", bad])
         assert "block counts of at least 1" in capsys.readouterr().err
+    assert written["decode_ms_per_token"] == 20.0  # output lengths reach the policies 20 ms a token late
+    for bad in ("-1", "nan", "inf", "fast"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--decode-ms-per-token", bad])
+        assert "milliseconds >= 0" in capsys.readouterr().err
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, str, str]:

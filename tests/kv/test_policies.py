@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierlm.bench.cache import Trace, replay, simulate
+from tierlm.bench.cache import Trace, load_trace, replay, simulate
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.policies import (
     DEFAULT_POLICY,
@@ -21,6 +22,7 @@ from tierlm.kv.policies import (
     EvictionPolicy,
     GittinsPolicy,
     HintedGittinsPolicy,
+    LRUPolicy,
     OFFLINE_POLICIES,
     PopularityOraclePolicy,
     S3FIFOPolicy,
@@ -383,6 +385,47 @@ def test_gittins_hint_learns_which_answers_end_a_document() -> None:
     told = simulate(Trace("t", requests, outputs), "gittins_hint", capacity, refit_every=200)
     assert told.hits == hinted_hits
     assert simulate(Trace("t", requests), "gittins_hint", capacity, refit_every=200).hits == plain_hits
+
+
+def test_replay_tells_an_output_length_when_the_request_would_be_done(tmp_path) -> None:
+    """A server learns a request's output length when it finishes, after the requests that
+    arrived while it decoded; the replay must not tell the policy any sooner."""
+    told: list[tuple[int, str, int]] = []  # (requests seen so far, first block, output length)
+
+    class Recording(LRUPolicy):
+        def access(self, key, parent, now):
+            self.seen = now + 1
+            super().access(key, parent, now)
+
+        def finished(self, keys, output_tokens):
+            told.append((self.seen, keys[0], output_tokens))
+
+    requests = [["a"], ["b"], ["c"], ["d"]]
+    arrivals, outputs = [0.0, 10.0, 20.0, 30.0], [3, 0, 1, 0]
+    finish_at = [a + 5.0 * n for a, n in zip(arrivals, outputs)]  # 15, 10, 25, 30
+    replay(Recording(), requests, 8, output_lengths=outputs, arrivals=arrivals, finish_at=finish_at)
+    # a (done at 15) and b (done at 10) before c (arrives at 20), b first; c before d; d at the end
+    assert told == [(2, "b", 0), (2, "a", 3), (3, "c", 1), (4, "d", 0)]
+    told.clear()
+    replay(Recording(), requests, 8, output_lengths=outputs)  # no times: each at once
+    assert told == [(1, "a", 3), (2, "b", 0), (3, "c", 1), (4, "d", 0)]
+    # simulate() reads them from a trace's timestamps, and 0 ms per token is at once
+    rows = [{"timestamp": a, "output_length": n, "hash_ids": [i]} for i, (a, n) in enumerate(zip(arrivals, outputs))]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = load_trace(str(path))
+    assert trace.arrivals == arrivals and trace.output_lengths == outputs
+    path.write_text("".join(json.dumps({**r, "timestamp": 40 - r["timestamp"]}) + "\n" for r in rows))
+    assert load_trace(str(path)).arrivals is None  # out of order: no times to go by
+
+
+def test_a_late_hint_still_teaches_gittins_hint() -> None:
+    requests, outputs = _answers_trace(rounds=300, gap=10)
+    capacity = 3 * 10 + 12
+    arrivals = [float(i) for i in range(len(requests))]
+    late = replay(HintedGittinsPolicy(refit_every=200), requests, capacity, output_lengths=outputs,
+                  arrivals=arrivals, finish_at=[a + 4 for a in arrivals])[0]  # four requests later
+    assert late > 0.85 * 3 * (300 - 10)
 
 
 def test_finished_hint_is_ignored_by_other_policies() -> None:

@@ -20,7 +20,9 @@ Gittins measured the same under both clocks (its half-life scaled alike).
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import math
 import os
 import sys
 import time
@@ -48,6 +50,10 @@ __all__ = [
 ]
 
 DEFAULT_CAPACITIES = [1000, 4000, 16000]
+#: How long a request decodes per output token, in the replay, before its output length (the
+#: hint `gittins_hint` learns from) reaches the policy: a GPU server's typical time per output
+#: token. Prefill time is left out, so the hint still comes a little early.
+DEFAULT_DECODE_MS_PER_TOKEN = 20.0
 
 
 @dataclass
@@ -59,6 +65,9 @@ class Trace:
     #: Tokens each request generated (the trace's `output_length`), if the trace has them: the
     #: replay hands them to the policy when the request is done (`EvictionPolicy.finished`).
     output_lengths: list[int] | None = None
+    #: Arrival of each request in ms (the trace's `timestamp`), if the trace has them: an output
+    #: length is told only once the request would have generated it (`replay`'s `finish_at`).
+    arrivals: list[float] | None = None
 
     @property
     def num_refs(self) -> int:
@@ -111,6 +120,7 @@ def load_trace(path: str, name: str | None = None) -> Trace:
     (default: the file's stem). Refuses what the replay could not mean, naming file and line."""
     requests: list[list[int]] = []
     outputs: list[int] = []
+    arrivals: list[float | None] = []
     parents: dict[int, tuple[int | None, str]] = {}  # block id -> (its parent, where first seen)
     try:
         f = open(path, "rb")  # decoded per line, so a bad byte is reported with its line
@@ -147,11 +157,15 @@ def load_trace(path: str, name: str | None = None) -> Trace:
                 raise ValueError(f"{where}: 'output_length' must be a whole number of tokens (>= 0) if "
                                  f"given, got {json.dumps(n_out)[:40]}")
             outputs.append(n_out)
+            stamp = row.get("timestamp")
+            arrivals.append(float(stamp) if type(stamp) in (int, float) and math.isfinite(stamp) else None)
     if not any(requests):
         raise ValueError(f"no block references in {path}: it has no request with a non-empty "
                          "'hash_ids'; give a trace with block ids to replay")
+    in_order = None not in arrivals and all(a <= b for a, b in zip(arrivals, arrivals[1:]))
     return Trace(name=name or os.path.splitext(os.path.basename(path))[0], requests=requests,
-                 output_lengths=outputs if all(n >= 0 for n in outputs) else None)
+                 output_lengths=outputs if all(n >= 0 for n in outputs) else None,
+                 arrivals=arrivals if in_order else None)
 
 
 def _trace_names(paths: Sequence[str]) -> list[str]:
@@ -192,18 +206,27 @@ def infinite_hit_bound(trace: Trace | Sequence[Sequence[int]]) -> tuple[int, int
 
 
 def replay(policy: EvictionPolicy, requests: Sequence[Sequence[Hashable]], capacity: int,
-           clock: str = "request", output_lengths: Sequence[int] | None = None) -> tuple[int, int]:
+           clock: str = "request", output_lengths: Sequence[int] | None = None,
+           arrivals: Sequence[float] | None = None,
+           finish_at: Sequence[float] | None = None) -> tuple[int, int]:
     """Drive `policy` through `requests` with room for `capacity` blocks; returns (hits, refs).
 
     A request hits its longest run of leading cached blocks; then each of its blocks is pinned
-    and accessed (evicting a victim first when full) and unpinned when the request is done,
-    which is also when the policy hears its output length (`finished`), if the trace has them.
+    and accessed (evicting a victim first when full) and unpinned. The policy hears its output
+    length (`finished`), if the trace has them, when the request is done: with `arrivals` and
+    `finish_at` (ms), before the first request that arrives at or after `finish_at`, as a
+    server would learn it; else at once, before the next request (which flatters the hint).
     """
     per_block = clock == "block"
     contains, access, pin, unpin = policy.__contains__, policy.access, policy.pin, policy.unpin
     victim, remove = policy.victim, policy.remove
     hits = refs = tick = 0
+    later = output_lengths is not None and arrivals is not None and finish_at is not None
+    pending: list[tuple[float, int, Sequence[Hashable]]] = []  # (done at, request, its blocks cached)
     for req_idx, blocks in enumerate(requests):
+        while pending and pending[0][0] <= arrivals[req_idx]:
+            _, j, done = heapq.heappop(pending)
+            policy.finished(done, output_lengths[j])
         n = len(blocks)
         refs += n
         h = 0
@@ -225,16 +248,23 @@ def replay(policy: EvictionPolicy, requests: Sequence[Sequence[Hashable]], capac
             tick += 1
         for key in blocks[:inserted]:
             unpin(key)
-        if output_lengths is not None:
+        if later:
+            heapq.heappush(pending, (finish_at[req_idx], req_idx, blocks[:inserted]))
+        elif output_lengths is not None:
             policy.finished(blocks[:inserted], output_lengths[req_idx])
+    for _, j, done in sorted(pending):  # the last requests end after the trace does
+        policy.finished(done, output_lengths[j])
     return hits, refs
 
 
 def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity: int,
-             clock: str = "request", **policy_kwargs: object) -> SimResult:
+             clock: str = "request", decode_ms_per_token: float = 0.0, **policy_kwargs: object) -> SimResult:
     """Replay `trace` through a fresh policy with room for `capacity` blocks.
 
     `clock` is "request" (now = request index) or "block" (now = global block-reference index).
+    `decode_ms_per_token` > 0: a request's output length reaches the policy when it would be
+    done decoding, `output_length` × that many ms after it arrived (needs the trace's
+    timestamps); 0: at once.
     """
     if clock not in ("request", "block"):
         raise ValueError(f"clock must be 'request' or 'block', got {clock!r}")
@@ -244,7 +274,11 @@ def simulate(trace: Trace | Sequence[Sequence[int]], policy_name: str, capacity:
         policy.set_future([k for blocks in requests for k in blocks])  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     outputs = trace.output_lengths if isinstance(trace, Trace) else None
-    hits, refs = replay(policy, requests, capacity, clock, outputs)
+    arrivals = trace.arrivals if isinstance(trace, Trace) and decode_ms_per_token > 0 else None
+    finish_at = None
+    if outputs is not None and arrivals is not None:
+        finish_at = [a + n * decode_ms_per_token for a, n in zip(arrivals, outputs)]
+    hits, refs = replay(policy, requests, capacity, clock, outputs, arrivals, finish_at)
     return SimResult(policy=policy_name, capacity=capacity, hits=hits, refs=refs,
                      hit_rate=hits / refs if refs else 0.0,
                      seconds=time.perf_counter() - t0)
@@ -262,10 +296,15 @@ def _gap_closed(rate: float, lru: float, belady: float) -> float | None:
 def run_cache_bench(trace_paths: list[str], capacities: list[int],
                     policies: list[str] | None = None, json_out: str | None = None,
                     plot_out: str | None = None, clock: str = "request",
-                    quiet: bool = False, seed: int = 0) -> dict:
+                    quiet: bool = False, seed: int = 0,
+                    decode_ms_per_token: float = DEFAULT_DECODE_MS_PER_TOKEN) -> dict:
     """Replay every trace × capacity × policy plus the references: lru and the offline
     `OFFLINE_POLICIES` (belady; oracle_pop, the ceiling for popularity scores). The policies
-    that sample their victims get `seed`. Writes JSON and, if asked, the PNG."""
+    that sample their victims get `seed`; output lengths reach them `decode_ms_per_token` ms
+    per token after the request arrived (`simulate`). Writes JSON and, if asked, the PNG."""
+    if isinstance(decode_ms_per_token, bool) or not isinstance(decode_ms_per_token, (int, float)) \
+            or not math.isfinite(decode_ms_per_token) or decode_ms_per_token < 0:
+        raise ValueError(f"decode_ms_per_token must be a number of ms >= 0, got {decode_ms_per_token!r}")
     if policies is not None and (not policies or not all(policies)):
         raise ValueError(f"empty policy name in {list(policies)}; give policy names from "
                          f"{POLICIES + OFFLINE_POLICIES}, or none for all")
@@ -308,7 +347,7 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
         for cap in capacities:
             rows: dict[str, SimResult] = {}
             for name in order:
-                r = simulate(trace, name, cap, clock=clock,
+                r = simulate(trace, name, cap, clock=clock, decode_ms_per_token=decode_ms_per_token,
                              **({"seed": seed} if name in SAMPLED_POLICIES else {}))
                 rows[name] = r
                 say(f"[cache]   cap={cap:<6} {name:<10} hit_rate={r.hit_rate:.4f} "
@@ -325,6 +364,7 @@ def run_cache_bench(trace_paths: list[str], capacities: list[int],
         "capacities": list(capacities),
         "clock": clock,
         "seed": seed,
+        "decode_ms_per_token": decode_ms_per_token,
         "infinite_cache_bound": bounds,
         "elapsed_s": round(elapsed, 2),
         "results": results,
@@ -413,6 +453,16 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds >= 0, got {text!r}")
+    return value
+
+
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--trace", action="append", required=True, metavar="FILE",
                    help="JSONL trace with hash_ids per request (repeat for several traces)")
@@ -426,6 +476,10 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="random seed of the policies that sample their victims "
                         f"({', '.join(SAMPLED_POLICIES)}); the others are deterministic")
+    p.add_argument("--decode-ms-per-token", type=_ms, default=DEFAULT_DECODE_MS_PER_TOKEN, metavar="MS",
+                   help="a request's output length reaches the policies (gittins_hint learns from it) "
+                        "output_length x MS after it arrived, as a server learns it when the request ends "
+                        f"(default {DEFAULT_DECODE_MS_PER_TOKEN:g}; 0: at once)")
     p.add_argument("--json", dest="json_out", default="bench_results/cache.json")
     p.add_argument("--plot", dest="plot_out", default=None, help="PNG path (optional)")
     p.set_defaults(func=main)
@@ -440,7 +494,7 @@ def add_cli(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser
 
 def main(args: argparse.Namespace) -> int:
     run_cache_bench(args.trace, args.capacities, args.policies, args.json_out, args.plot_out,
-                    clock=args.clock, seed=args.seed)
+                    clock=args.clock, seed=args.seed, decode_ms_per_token=args.decode_ms_per_token)
     return 0
 
 
