@@ -866,29 +866,32 @@ def test_a_preempted_request_whose_prefix_left_for_disk_reads_it_back_off_the_lo
     llm.close()
 
 
-def test_a_waiting_request_whose_host_prefix_left_for_disk_reads_it_back_off_the_loop(llama_dir, cold_reference,
-                                                                                       tmp_path):
-    """A load tester's case: on arrival the read found the prefix in the host tier, which it
-    only checks (the model loop reads host memory itself); while the request queued, other
-    traffic pushed those blocks down to disk, which the loop does not read with prefetching,
-    so the request recomputed its whole prefix. The read now starts again when part of what it
-    found has left memory, and the request is admitted once that read is done."""
+@pytest.mark.parametrize("found_in", ["host", "device"])
+def test_a_waiting_request_whose_prefix_left_memory_for_disk_reads_it_back_off_the_loop(found_in, llama_dir,
+                                                                                    cold_reference, tmp_path):
+    """A load tester's case: on arrival the prefix was on the device, or in the host tier, which
+    a read only checks (the model loop reads host memory itself); while the request queued,
+    other traffic pushed those blocks down to disk, which the loop does not read with
+    prefetching, so the request recomputed its whole prefix. The read now starts again when
+    part of the run has left memory, and the request is admitted once that read is done."""
     shared, refs = cold_reference
     llm = _llm(llama_dir, kv_prefetch=True, max_num_seqs=1, kv_host_capacity="64 blocks",
                kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
     eng = llm.engine
     _run(llm, shared + _prompt(2, 9))
-    eng.offload_prefix_cache()  # the prefix is in the host tier only
     host = next(t for t in eng.store.tiers if isinstance(t, HostTier))
-    assert len(host) == 11 and not eng.pool.cached  # 79 prompt + 9 output tokens
+    if found_in == "host":
+        eng.offload_prefix_cache()
+        assert len(host) == 11 and not eng.pool.cached  # 79 prompt + 9 output tokens
     hog = _hog(eng, 20)  # takes the one sequence slot: the newcomer queues
     req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
     eng.step()
     assert req.status == RequestStatus.WAITING and eng.kv._prefetches[req.request_id].done.wait(5)
-    assert eng.store.staged_bytes == 0  # found in host memory: checked, not copied
-    eng.store.spill(0)  # other traffic pushes the host tier down to disk
+    assert eng.store.staged_bytes == 0  # on the device, or checked in host memory: nothing copied
+    eng.offload_prefix_cache()  # other traffic pushes the prefix down to disk
+    eng.store.spill(0)
     eng.store.flush()
-    assert len(host) == 0
+    assert len(host) == 0 and not eng.pool.lookup(req.block_hashes[0])
     before = eng.stats().prompt_tokens
     while eng.has_unfinished():
         eng.step()

@@ -144,20 +144,21 @@ class KVCacheManager:
         return job is None or job.done.is_set()
 
     def _read_lost(self, req, job: Prefetch) -> Prefetch | None:
-        """Read again, off the loop, when part of the run `job` found has left memory while its
-        request waited: blocks it found in the host tier are only checked, not copied (the model
-        loop reads host memory itself), and other traffic may push them down to disk meanwhile,
-        which the loop does not read. Else the request recomputed all of the run past them."""
-        found = job.hashes[:job.found]
-        if self.store.in_memory_run(found) == len(found):
-            return None
+        """Read again, off the loop, when part of the run up to what `job` found has left memory
+        for disk or Redis while its request waited, which the loop does not read: blocks that
+        were on the device when it arrived, and blocks the read found in the host tier (only
+        checked, not copied: the loop reads host memory itself). Else the request recomputed
+        all of its prefix past the first of them."""
         hashes, device, limit = self._device_prefix(req)
-        again = self.store.prefetch(hashes[len(device):limit])  # what it staged stays: the new read wants it
+        end, d = job.start + job.found, len(device)
+        if d >= end or d + self.store.in_memory_run(hashes[d:end]) >= end:
+            return None
+        again = self.store.prefetch(hashes[d:limit])  # what it staged stays: the new read wants it
         self.store.cancel(job)
         self._prefetches.pop(req.request_id, None)
-        self._device_then[req.request_id] = len(device)
+        self._device_then[req.request_id] = d
         if again is not None:
-            again.start = len(device)
+            again.start = d
             self._prefetches[req.request_id] = again
         return again
 
