@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tierlm import LLM, SamplingParams
 from tierlm.engine.request import RequestStatus
+from tierlm.engine.runner import kv_bytes_per_block
 from tierlm.kv.prefix_cache import chain_hashes, extra_key
 from tierlm.config import EngineConfig
 from tierlm.errors import KVTierError
@@ -899,6 +900,35 @@ def test_a_waiting_request_whose_prefix_left_memory_for_disk_reads_it_back_off_t
     assert req.output_token_ids == refs[3]
     assert req.num_cached_tokens == 64 and eng.stats().prompt_tokens - before == 79 - 64  # 79 before
     assert eng.store.staged_bytes == 0 and not eng.kv._prefetches
+    llm.close()
+
+
+def test_a_prefix_larger_than_staging_is_read_again_once_not_for_ever(llama_dir, cold_reference, tmp_path):
+    """A reviewer's case: staging (1 GiB by default) smaller than a queued request's prefix
+    keeps only the run's last blocks, so the run never stayed in memory and the re-read of a
+    lost run started again at every step: the request was never admitted."""
+    shared, refs = cold_reference
+    llm = _llm(llama_dir, kv_prefetch=True, max_num_seqs=1, kv_host_capacity="64 blocks",
+               kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    eng = llm.engine
+    _run(llm, shared + _prompt(2, 9))
+    eng.offload_prefix_cache()
+    eng.store.spill(0)
+    eng.store.flush()  # the prefix is on disk only
+    eng.store.staging_bytes = 3 * kv_bytes_per_block(eng.args, torch.float32, 8)  # room for 3 of its 8 blocks
+    reads = []
+    prefetch = eng.store.prefetch
+    eng.store.prefetch = lambda hashes: reads.append(len(hashes)) or prefetch(hashes)
+    _hog(eng, 20)
+    reads.clear()  # (the hog's own)
+    req = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert req.finish_reason == "length" and req.output_token_ids == refs[3]
+    assert len(reads) == 2  # on arrival, and once again
+    assert eng.store.staged_bytes == 0 and not eng.kv._prefetches and not eng.kv._rereads
     llm.close()
 
 

@@ -71,6 +71,10 @@ class KVCacheManager:
         # prefix was last read (on arrival, preemption or a re-read): fewer now, and what left
         # may be read back in the background (`_read_gap`).
         self._device_then: dict[str, int] = {}
+        # Waiting request id -> the (device blocks, end of the run) split its last re-read started
+        # from, and how many it started (`_read_lost`): one per split, a few in all. A run larger
+        # than staging loses its first blocks to its own last ones, and was read for ever.
+        self._rereads: dict[str, tuple[tuple[int, int], int]] = {}
         # What the lookup of a request that found no device room gave (even nothing), kept for
         # its next try until admitted or gone: looking it up again at every step re-counted its
         # host hits, re-ordered the host tier's eviction queue and probed disk and Redis for the
@@ -143,6 +147,8 @@ class KVCacheManager:
             job = self._read_lost(req, job) or job
         return job is None or job.done.is_set()
 
+    MAX_REREADS = 4  # `_read_lost`'s reads per request, whatever the splits
+
     def _read_lost(self, req, job: Prefetch) -> Prefetch | None:
         """Read again, off the loop, when part of the run up to what `job` found has left memory
         for disk or Redis while its request waited, which the loop does not read: blocks that
@@ -153,6 +159,10 @@ class KVCacheManager:
         end, d = job.start + job.found, len(device)
         if d >= end or d + self.store.in_memory_run(hashes[d:end]) >= end:
             return None
+        last, count = self._rereads.get(req.request_id, (None, 0))
+        if last == (d, end) or count >= self.MAX_REREADS:
+            return None  # read once from here already: what it staged did not stay (staging is full)
+        self._rereads[req.request_id] = ((d, end), count + 1)
         again = self.store.prefetch(hashes[d:limit])  # what it staged stays: the new read wants it
         self.store.cancel(job)
         self._prefetches.pop(req.request_id, None)
@@ -305,6 +315,7 @@ class KVCacheManager:
         self._release(req.request_id)
         self._looked_past.pop(req.request_id, None)
         self._device_then.pop(req.request_id, None)
+        self._rereads.pop(req.request_id, None)
         if hit.spare and self.store is not None:
             self.store.unstage(hit.spare)
         for i, blk in enumerate(hit.device):
@@ -394,6 +405,7 @@ class KVCacheManager:
 
     def free(self, req) -> None:
         self._device_then.pop(req.request_id, None)
+        self._rereads.pop(req.request_id, None)
         self._looked_past.pop(req.request_id, None)
         held = self._release(req.request_id)
         if held is not None and self.store is not None:  # held for room, gone before admission: what it read goes too
