@@ -72,7 +72,22 @@ def test_an_engine_left_running_by_one_event_loop_serves_the_next(llama_dir):
     first = asyncio.run(run())
     assert eng._thread.is_alive()  # no shutdown
     assert asyncio.run(run()) == first
+
+    async def abort_only() -> None:  # its answer went to the closed loop: abort() never returned
+        await asyncio.wait_for(eng.abort("never-seen"), 30)
+
+    async def leave_open() -> None:  # a stream still open when its loop closes: its end reaches no loop
+        gen = eng.generate("hello", SamplingParams(max_tokens=400, ignore_eos=True), request_id="R")
+        await gen.__anext__()
+
+    asyncio.run(run())
+    asyncio.run(abort_only())
+    asyncio.run(leave_open())
+    time.sleep(0.2)  # the engine thread takes the close, and its answer finds the loop closed
+    assert asyncio.run(run()) == first  # the closed stream's end delivered, not lost
+    assert asyncio.run(asyncio.wait_for(_collect(eng, "hello", p, request_id="R"), 30))[-1].finish_reason == "length"
     asyncio.run(eng.shutdown())
+    assert eng.engine.pool.num_used == 0 and not eng._streams and not eng._orphans
 
 
 async def test_an_engine_serving_a_running_event_loop_refuses_another(engine):

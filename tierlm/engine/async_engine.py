@@ -73,6 +73,11 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # What the engine thread sent while no open loop would take it (the loop it served was
+        # closed without a shutdown): the next loop to use the engine delivers it (`_bind`), so
+        # abort answers and closed streams' ends are not lost. `_send_lock` guards both.
+        self._orphans: list = []
+        self._send_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None  # what stopped the engine thread for good
@@ -127,18 +132,27 @@ class AsyncEngine:
         async with self._lifecycle():
             if self.dead is not None:
                 raise self._dead_error()
-            loop = asyncio.get_running_loop()
+            self._bind(asyncio.get_running_loop())
             if self._thread is not None and self._thread.is_alive():
-                if self._loop is not loop:  # a later asyncio.run (the first loop closed without a shutdown)
-                    if self._loop is not None and self._loop.is_running():
-                        raise RuntimeError("this AsyncEngine serves another event loop that is still running; "
-                                           "use it from that loop, or shut it down there first")
-                    self._loop = loop  # deltas went to the closed loop, and the new streams waited for ever
                 return
-            self._loop = loop
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name=f"tierlm-engine-{self.model_name}", daemon=True)
             self._thread.start()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve `loop` from now on (on that loop): a later asyncio.run after one that closed
+        without a shutdown, whose deltas went to the closed loop while the new streams and
+        aborts waited for ever. A loop still running elsewhere keeps the engine."""
+        with self._send_lock:
+            if self._loop is loop:
+                return
+            if self._loop is not None and self._loop.is_running():
+                raise RuntimeError("this AsyncEngine serves another event loop that is still running; "
+                                   "use it from that loop, or shut it down there first")
+            self._loop = loop
+            orphans, self._orphans = self._orphans, []
+        if orphans:
+            self._deliver(orphans)
 
     def _dead_error(self) -> EngineDeadError:
         e = self.dead
@@ -162,7 +176,9 @@ class AsyncEngine:
             # What was posted after the thread's last look at its inbox (a request added as it
             # stopped waited for ever): the thread is gone and none starts before this lock is
             # free, so this loop (and `_drain`'s worker) may touch the engine.
-            self._deliver(self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
+            with self._send_lock:
+                orphans, self._orphans = self._orphans, []
+            self._deliver(orphans + self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
             if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
                 drain = asyncio.ensure_future(asyncio.to_thread(self._drain))
                 try:
@@ -228,6 +244,7 @@ class AsyncEngine:
                     return
         if self.dead is not None:
             raise self._dead_error()
+        self._bind(asyncio.get_running_loop())
         fut: Future = Future()
         self._post(("abort", request_id, fut))
         if self.dead is not None:  # the loop faulted meanwhile: its last look at the inbox may have missed this
@@ -261,8 +278,17 @@ class AsyncEngine:
                     del self._streams[rid]
 
     def _send(self, deltas: list) -> None:
-        if deltas and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, deltas)
+        if not deltas:
+            return
+        with self._send_lock:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._deliver, deltas)
+                    return
+                except RuntimeError:  # it closed just now
+                    pass
+            self._orphans.extend(deltas)
 
     def _drain_inbox(self) -> list:
         out = []
