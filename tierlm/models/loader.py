@@ -188,11 +188,13 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
     dst.copy_(tensor.to(round_to) if round_to is not None else tensor)
 
 
-_PARTS = {"qkv": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "halves": ("gate_up_proj", ("gate_proj", "up_proj"))}
+_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "halves": ("gate_proj", "up_proj")}
+_EXPERT_NAMES = {"w1": ("w1", "w3", "w2"), "gate_proj": ("gate_proj", "up_proj", "down_proj")}
 
 
-def _unfilled(pname: str, parts: set[tuple], param: torch.Tensor) -> list[str]:
-    """The checkpoint tensors that parameter `pname` still lacks, given the `parts` of it loaded.
+def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor) -> list[str]:
+    """The checkpoint tensors that parameter `pname` still lacks, named as the checkpoint names
+    the parts it has (`parts`: where in the parameter -> which tensor filled it).
 
     tierlm fuses q/k/v, gate/up and every expert into one parameter each: that one of a
     parameter's parts was loaded says nothing of the others, and a part never loaded is
@@ -201,14 +203,16 @@ def _unfilled(pname: str, parts: set[tuple], param: torch.Tensor) -> list[str]:
         return []
     if not parts:
         return [pname]
-    kind = next(iter(parts))[0]
+    where, seen = next(iter(parts.items()))
+    kind = where[0]
     if kind in _PARTS:
-        fused, names = _PARTS[kind]
-        return [pname.replace(fused, names[i]) for i in range(len(names)) if (kind, i) not in parts]
-    layer = pname.rsplit(".mlp.", 1)[0]
+        names = _PARTS[kind]
+        return [seen.replace(f".{names[where[1]]}.", f".{names[i]}.") for i in range(len(names))
+                if (kind, i) not in parts]
+    m = re.search(r"experts\.\d+\.(\w+)\.weight$", seen)
+    family = _EXPERT_NAMES["w1" if m.group(1) in ("w1", "w2", "w3") else "gate_proj"]
     shards = (0, 1) if pname.endswith("w13") else (None,)
-    names = {0: "gate_proj", 1: "up_proj", None: "down_proj"}
-    return [f"{layer}.mlp.experts.{e}.{names[s]}.weight"
+    return [f"{seen[:m.start()]}experts.{e}.{family[2 if s is None else s]}.weight"
             for e in range(param.shape[0]) for s in shards if ("expert", e, s) not in parts]
 
 
@@ -240,7 +244,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
         model.lm_head.weight = model.embed_tokens.weight
     model.build_rope(max_positions, device)  # buffers, not weights: computed, not loaded
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: dict[str, set[tuple]] = {}  # parameter -> the parts of it the checkpoint filled
+    loaded: dict[str, dict[tuple, str]] = {}  # parameter -> the parts of it the checkpoint filled -> by which tensor
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc=f"Loading {model_dir.name}", disable=not progress)
     with torch.no_grad():
@@ -259,7 +263,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                                                  "is config.json from the same checkpoint?")
                         _copy(params[pname], where, st.get_tensor(name), args,
                               kv_dtype if kv_dtype != torch_dtype else None)
-                        loaded.setdefault(pname, set()).add(where)
+                        loaded.setdefault(pname, {})[where] = name
             except SafetensorError as e:
                 raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
             except OSError as e:
@@ -267,7 +271,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
             bar.update(f.stat().st_size)
     bar.close()
     missing = [m for n, p in params.items() if not (n == "lm_head.weight" and args.tie_word_embeddings)
-               for m in _unfilled(n, loaded.get(n, set()), p)]
+               for m in _unfilled(n, loaded.get(n, {}), p)]
     if missing:
         which = f"tensor {missing[0]}" if len(missing) == 1 else f"{len(missing)} tensors, e.g. {', '.join(missing[:3])}"
         raise ModelLoadError(f"checkpoint in {model_dir} lacks {which}; "
