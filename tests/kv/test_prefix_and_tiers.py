@@ -903,6 +903,36 @@ def test_a_waiting_request_whose_prefix_left_memory_for_disk_reads_it_back_off_t
     llm.close()
 
 
+@pytest.mark.parametrize("moved_to", ["host", "disk"])
+def test_a_queued_request_takes_a_prefix_computed_and_moved_down_after_its_read(moved_to, llama_dir, cold_reference,
+                                                                               tmp_path):
+    """A fuzzer's case, a burst sharing a system prompt: the second request's read ran before the
+    first had computed the prefix and found nothing; the prefix then went down to host memory
+    or disk while the second waited, and it recomputed all of it, though the loop reads host
+    memory and disk can be read in the background."""
+    shared, refs = cold_reference
+    llm = _llm(llama_dir, kv_prefetch=True, max_num_seqs=1, kv_host_capacity="64 blocks",
+               kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+    eng = llm.engine
+    first = eng.add_request({"prompt_token_ids": shared + _prompt(2, 9)}, GREEDY)
+    second = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)  # queued: one sequence at a time
+    eng.step()
+    job = eng.kv._prefetches[second.request_id]
+    assert job.done.wait(5) and job.finished and job.found == 0  # nothing to read yet
+    while first.finish_reason is None:
+        eng.step()
+    eng.offload_prefix_cache()
+    if moved_to == "disk":
+        eng.store.spill(0)
+        eng.store.flush()
+    while eng.has_unfinished():
+        eng.step()
+    assert first.output_token_ids == refs[2] and second.output_token_ids == refs[3]
+    assert second.num_cached_tokens == 64  # 0 before
+    assert eng.store.staged_bytes == 0 and not eng.kv._prefetches and not eng.kv._rereads
+    llm.close()
+
+
 def test_a_prefix_larger_than_staging_is_read_again_once_not_for_ever(llama_dir, cold_reference, tmp_path):
     """A reviewer's case: staging (1 GiB by default) smaller than a queued request's prefix
     keeps only the run's last blocks, so the run never stayed in memory and the re-read of a

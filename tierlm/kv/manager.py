@@ -150,14 +150,17 @@ class KVCacheManager:
     MAX_REREADS = 4  # `_read_lost`'s reads per request, whatever the splits
 
     def _read_lost(self, req, job: Prefetch) -> Prefetch | None:
-        """Read again, off the loop, when part of the run up to what `job` found has left memory
-        for disk or Redis while its request waited, which the loop does not read: blocks that
-        were on the device when it arrived, and blocks the read found in the host tier (only
-        checked, not copied: the loop reads host memory itself). Else the request recomputed
-        all of its prefix past the first of them."""
+        """Read again, off the loop, when the prefix's run in memory (device, staging, host) now
+        stops at a block on disk, which the loop does not read, while its request waited: part of
+        the run up to what `job` found has left memory (blocks that were on the device when it
+        arrived, or that the read found in the host tier: only checked, not copied, as the loop
+        reads host memory itself), or blocks past what it found have been stored since (a burst
+        of requests sharing a prompt all read before the first computed it, which then went
+        down). Else the request recomputed all of its prefix past that block."""
         hashes, device, limit = self._device_prefix(req)
         end, d = job.start + job.found, len(device)
-        if d >= end or d + self.store.in_memory_run(hashes[d:end]) >= end:
+        m = d + self.store.in_memory_run(hashes[d:limit])
+        if m >= limit or (m >= end and not self.store.known_here(hashes[m], slow=True)):
             return None
         last, count = self._rereads.get(req.request_id, (None, 0))
         if last == (d, end) or count >= self.MAX_REREADS:
@@ -268,10 +271,12 @@ class KVCacheManager:
                     hit.spare = hit.spare + self._not_taken(job, hit)
                 return hit
             finished = job is not None and job.finished
-            if finished:
-                # The reader found the run and the miss after it: read only what it staged (and
-                # host blocks), so the model loop makes no disk or Redis request of its own.
-                limit = min(limit, job.start + job.found)
+            end = max(job.start + job.found, len(hit.device)) if finished else limit
+            if end < limit and not self.store.known_here(hashes[end], slow=False):
+                # The reader found the run and the miss after it: no second look (and miss) there,
+                # unless that block has reached memory since (computed by another request and
+                # moved down): the loop reads only memory (what was staged, the host tier).
+                limit = end
             below = hashes[len(hit.device):limit]
             # With prefetching the model loop never reads disk or Redis itself, not even for a
             # read that did not finish (overdue, or failed) or a request without one (preempted):
