@@ -933,6 +933,43 @@ def test_a_queued_request_takes_a_prefix_computed_and_moved_down_after_its_read(
     llm.close()
 
 
+def test_a_queued_request_reads_its_prefix_again_each_time_host_memory_lets_part_of_it_go(llama_dir, tmp_path):
+    """A fuzzer's case: a re-read found part of the prefix in the host tier (checked, not copied);
+    while the request then waited for a seat, those blocks went down to disk too. A second
+    re-read from the same split was refused as if staging had overflowed, and the request
+    recomputed its whole prefix though all of it was on disk or staged."""
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8, max_num_batched_tokens=64, max_num_seqs=2,
+              kv_cache_memory="32 blocks", kv_prefetch=True, kv_host_capacity="2 blocks",
+              kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", load_progress=False)
+    eng, kv, store = llm.engine, llm.engine.kv, llm.engine.store
+    prefix = _prompt(1, 32)
+    ref = _run(_llm(llama_dir, enable_prefix_caching=False), prefix + _prompt(3, 9), GREEDY)[0]
+    _run(llm, prefix + [1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    hog = eng.add_request({"prompt_token_ids": _prompt(9, 10)}, SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()  # one seat taken for long
+    req = eng.add_request({"prompt_token_ids": prefix + _prompt(3, 9)}, GREEDY)
+    kv._prefetches[req.request_id].done.wait(5)
+    eng.offload_prefix_cache()  # the prefix leaves the device: 2 blocks in host memory, 2 on disk
+    other = eng.add_request({"prompt_token_ids": _prompt(4, 10)}, SamplingParams(max_tokens=6, ignore_eos=True))
+    if other.request_id in kv._prefetches:
+        kv._prefetches[other.request_id].done.wait(5)
+    eng.step()  # the request's re-read starts and it is passed over: the other takes the last seat
+    assert req.status == RequestStatus.WAITING and other.status == RequestStatus.RUNNING
+    kv._prefetches[req.request_id].done.wait(5)
+    eng.step()
+    store.spill(0)  # host pressure while it waits: the blocks the re-read only checked go to disk
+    store.flush()
+    while req.num_cached_tokens < 0 and eng.has_unfinished():
+        eng.step()
+    assert req.num_cached_tokens == 32  # 0 before
+    eng.abort(hog.request_id)
+    while eng.has_unfinished():
+        eng.step()
+    assert req.output_token_ids == ref
+    assert store.staged_bytes == 0 and not kv._prefetches and not kv._rereads
+    llm.close()
+
+
 def test_a_prefix_larger_than_staging_is_read_again_once_not_for_ever(llama_dir, cold_reference, tmp_path):
     """A reviewer's case: staging (1 GiB by default) smaller than a queued request's prefix
     keeps only the run's last blocks, so the run never stayed in memory and the re-read of a

@@ -72,9 +72,11 @@ class KVCacheManager:
         # may be read back in the background (`_read_gap`).
         self._device_then: dict[str, int] = {}
         # Waiting request id -> the (device blocks, end of the run) split its last re-read started
-        # from, and how many it started (`_read_lost`): one per split, a few in all. A run larger
-        # than staging loses its first blocks to its own last ones, and was read for ever.
-        self._rereads: dict[str, tuple[tuple[int, int], int]] = {}
+        # from, the store's staging overflows then, and how many re-reads it started
+        # (`_read_lost`): a few in all, and none again from a split whose read staging could not
+        # keep (a run larger than staging loses its first blocks to its own last ones, and was
+        # read for ever).
+        self._rereads: dict[str, tuple[tuple[int, int], int, int]] = {}
         # What the lookup of a request that found no device room gave (even nothing), kept for
         # its next try until admitted or gone: looking it up again at every step re-counted its
         # host hits, re-ordered the host tier's eviction queue and probed disk and Redis for the
@@ -162,10 +164,10 @@ class KVCacheManager:
         m = d + self.store.in_memory_run(hashes[d:limit])
         if m >= limit or (m >= end and not self.store.known_here(hashes[m], slow=True)):
             return None
-        last, count = self._rereads.get(req.request_id, (None, 0))
-        if last == (d, end) or count >= self.MAX_REREADS:
-            return None  # read once from here already: what it staged did not stay (staging is full)
-        self._rereads[req.request_id] = ((d, end), count + 1)
+        last, overflows, count = self._rereads.get(req.request_id, (None, 0, 0))
+        if count >= self.MAX_REREADS or (last == (d, end) and self.store.overflows != overflows):
+            return None  # read from here already, and staging could not keep it all
+        self._rereads[req.request_id] = ((d, end), self.store.overflows, count + 1)
         again = self.store.prefetch(hashes[d:limit])  # what it staged stays: the new read wants it
         self.store.cancel(job)
         self._prefetches.pop(req.request_id, None)

@@ -135,6 +135,7 @@ class TieredStore:
         self.staged: OrderedDict[bytes, tuple[str, torch.Tensor, int | None]] = OrderedDict()
         self.staged_bytes = 0
         self.staging_bytes = staging_bytes
+        self.overflows = 0  # blocks pushed out of staging by newer ones (a read larger than it)
         self._live: set[Prefetch] = set()  # jobs whose request may still be admitted
         # How many live jobs want each block (their whole prefix): an unstage asks this for every
         # block it drops, and building the set from `_live` each time cost a whole second with
@@ -376,6 +377,7 @@ class TieredStore:
             while self.staged_bytes > self.staging_bytes and self.staged:
                 _, (_, old, _) = self.staged.popitem(last=False)
                 self.staged_bytes -= nbytes(old)
+                self.overflows += 1
 
     def promoted(self, h: bytes, source: str) -> None:
         """Block `h` is on the device again, copied from tier `source`: count it, unstage it."""
