@@ -150,9 +150,12 @@ class AsyncEngine:
                 raise RuntimeError("this AsyncEngine serves another event loop that is still running; "
                                    "use it from that loop, or shut it down there first")
             self._loop = loop
+        self._deliver(self._take_orphans())
+
+    def _take_orphans(self) -> list:
+        with self._send_lock:
             orphans, self._orphans = self._orphans, []
-        if orphans:
-            self._deliver(orphans)
+        return orphans
 
     def _dead_error(self) -> EngineDeadError:
         e = self.dead
@@ -176,9 +179,7 @@ class AsyncEngine:
             # What was posted after the thread's last look at its inbox (a request added as it
             # stopped waited for ever): the thread is gone and none starts before this lock is
             # free, so this loop (and `_drain`'s worker) may touch the engine.
-            with self._send_lock:
-                orphans, self._orphans = self._orphans, []
-            self._deliver(orphans + self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
+            self._deliver(self._take_orphans() + self._drain_inbox() + [self.engine.abort(rid) for rid in list(self.engine.requests)])
             if self.engine.store is not None:  # the KV cache reaches disk, queued writes land
                 drain = asyncio.ensure_future(asyncio.to_thread(self._drain))
                 try:

@@ -134,11 +134,19 @@ class KVCacheManager:
         if not self.prefetching or self.store is None or not self.store.slow or not self.pool.enable_caching:
             return
         hashes, device, limit = self._device_prefix(req)
-        self._device_then[req.request_id] = len(device)
-        job = self.store.prefetch(hashes[len(device):limit])
-        if job is not None:
-            job.start = len(device)
-            self._prefetches[req.request_id] = job
+        self._start_read(req.request_id, hashes[len(device):limit], len(device))
+
+    def _start_read(self, rid: str, hashes: list[bytes], start: int) -> Prefetch | None:
+        """Read `hashes` (the prefix from block `start`, the device's split now) in the background
+        as request `rid`'s read, in place of any it had."""
+        self._device_then[rid] = start
+        job = self.store.prefetch(hashes)
+        if job is None:
+            self._prefetches.pop(rid, None)
+        else:
+            job.start = start
+            self._prefetches[rid] = job
+        return job
 
     def prefix_ready(self, req) -> bool:
         """False while `req`'s background read of its lower-tier prefix is still under way."""
@@ -168,13 +176,8 @@ class KVCacheManager:
         if count >= self.MAX_REREADS or (last == (d, end) and self.store.overflows != overflows):
             return None  # read from here already, and staging could not keep it all
         self._rereads[req.request_id] = ((d, end), self.store.overflows, count + 1)
-        again = self.store.prefetch(hashes[d:limit])  # what it staged stays: the new read wants it
-        self.store.cancel(job)
-        self._prefetches.pop(req.request_id, None)
-        self._device_then[req.request_id] = d
-        if again is not None:
-            again.start = d
-            self._prefetches[req.request_id] = again
+        again = self._start_read(req.request_id, hashes[d:limit], d)
+        self.store.cancel(job)  # after: what it staged stays, the new read wants it
         return again
 
     def is_held(self, req) -> bool:
@@ -198,13 +201,8 @@ class KVCacheManager:
         gap = hashes[len(device):then]
         if held is not None and self.store.in_memory_run(gap) == len(gap):
             return None  # host and staging are the model loop's to read
-        self._device_then[rid] = len(device)
         # Held: the part that left, before the run it keeps. Else all below the device, as on arrival.
-        job = self.store.prefetch(gap if held is not None else hashes[len(device):limit])
-        if job is not None:
-            job.start = len(device)
-            self._prefetches[rid] = job
-        return job
+        return self._start_read(rid, gap if held is not None else hashes[len(device):limit], len(device))
 
     def read_overdue(self, req) -> bool:
         """`req`'s read has run past the store's read timeout: admit it with what it has."""
