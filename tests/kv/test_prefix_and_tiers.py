@@ -654,6 +654,45 @@ def test_an_unreadable_block_that_cuts_a_read_past_the_run_is_not_read_again(lla
     llm.close()
 
 
+def test_a_held_request_reads_a_prefix_stored_on_disk_past_its_run_while_it_waits(llama_dir, cold_reference,
+                                                                                   tmp_path):
+    """Held for room with nothing of its prefix cached; while it waited, the prefix reached disk
+    (another process's write, a sibling's blocks moved down). With prefetching the model loop
+    reads no disk, so the request recomputed all of it. Its readiness check now starts a
+    background read past its run when the disk tier's index holds the next block."""
+    from tierlm.kv.tiers import DiskTier
+
+    shared, ref = cold_reference
+    llm = _prefix_on_disk(llama_dir, tmp_path, shared, kv_cache_memory="24 blocks", kv_prefetch=True)
+    eng = llm.engine
+    disk = next(t for t in eng.store.tiers if isinstance(t, DiskTier))
+    hs = eng.kv._hashes(eng.make_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY, "probe"))
+    with disk.lock:
+        away = [disk.take(hs[i]) for i in range(8)]  # nothing of the prefix cached anywhere for now
+    assert all(away) and not eng.pool.lookup(hs[0])
+    hog = _hog(eng, 140)
+    held = eng.add_request({"prompt_token_ids": shared + _prompt(3, 9)}, GREEDY)
+    job = eng.kv._prefetches.get(held.request_id)
+    assert job is None or job.done.wait(5)
+    eng.step()
+    assert eng.kv._held[held.request_id][1] == []  # held, its run empty
+    for h, parent, data, hint in away:  # the prefix reaches disk while it waits
+        eng.store.demote(h, parent, data, start=eng.store.tiers.index(disk), hint=hint)
+    eng.store.flush()
+    reads, hits = [], disk.stats.hits
+    prefetch = eng.store.prefetch
+    eng.store.prefetch = lambda hashes: reads.append(len(hashes)) or prefetch(hashes)
+    while eng.has_unfinished():
+        eng.step()
+    assert reads == [9]  # one background read past its (empty) run, up to the last token, not one per step
+    assert disk.stats.hits == hits + 8
+    assert held.output_token_ids == ref[3] and held.num_cached_tokens == 64  # 0 before
+    assert hog.finish_reason == "length"
+    assert eng.store.staged_bytes == 0 and not eng.kv._held and eng.kv.held_bytes == 0 and not eng.kv._rereads
+    assert eng.pool.num_used == 0
+    llm.close()
+
+
 def test_a_held_run_whose_device_part_left_for_disk_lets_go_of_what_it_read(llama_dir, tmp_path):
     """Held with 5 blocks on the device and 3 read from disk; the device blocks then went down to
     disk, so the next try's run breaks at its first block and the 3 read are no longer taken.

@@ -76,7 +76,9 @@ class KVCacheManager:
         # (`_read_lost`): a few in all, and none again from a split whose read staging could not
         # keep (a run larger than staging loses its first blocks to its own last ones, and was
         # read for ever).
-        self._rereads: dict[str, tuple[tuple[int, int], int, int]] = {}
+        # Held requests' reads past their run (`_read_past`) count here too, their split marked
+        # ("past", where the run stopped).
+        self._rereads: dict[str, tuple[tuple, int, int]] = {}
         # What the lookup of a request that found no device room gave (even nothing), kept for
         # its next try until admitted or gone: looking it up again at every step re-counted its
         # host hits, re-ordered the host tier's eviction queue and probed disk and Redis for the
@@ -152,7 +154,7 @@ class KVCacheManager:
         """False while `req`'s background read of its lower-tier prefix is still under way."""
         job = self._prefetches.get(req.request_id)
         if job is None:
-            job = self._read_gap(req)
+            job = self._read_gap(req) or self._read_past(req)
         elif job.done.is_set() and job.finished and req.request_id not in self._held:
             job = self._read_lost(req, job) or job
         return job is None or job.done.is_set()
@@ -203,6 +205,28 @@ class KVCacheManager:
             return None  # host and staging are the model loop's to read
         # Held: the part that left, before the run it keeps. Else all below the device, as on arrival.
         return self._start_read(rid, gap if held is not None else hashes[len(device):limit], len(device))
+
+    def _read_past(self, req) -> Prefetch | None:
+        """With prefetching, start reading the blocks past a held request's run that have reached
+        disk since it was held (a sibling's prefix moved down, another process's writes): the
+        model loop reads only memory, so they were recomputed once it was admitted. Once from
+        each place its run stops, `MAX_REREADS` times in all; Redis is not asked (a round trip
+        at every step while it waits)."""
+        rid = req.request_id
+        held = self._held.get(rid)
+        if held is None or not held[3] or not self.prefetching or self.store is None or not self.store.slow:
+            return None
+        (start, lower, _, _), (hashes, device, limit) = held, self._device_prefix(req)
+        past = max(len(device), start + len(lower))
+        if past >= limit or self._looked_past.get(rid) == hashes[past]:
+            return None
+        if self.store.known_here(hashes[past], slow=False) or not self.store.known_here(hashes[past], slow=True):
+            return None  # in memory (the loop takes it) or not stored here
+        last, overflows, count = self._rereads.get(rid, (None, 0, 0))
+        if count >= self.MAX_REREADS or last == ("past", past):
+            return None
+        self._rereads[rid] = (("past", past), self.store.overflows, count + 1)
+        return self._start_read(rid, hashes[past:limit], past)
 
     def read_overdue(self, req) -> bool:
         """`req`'s read has run past the store's read timeout: admit it with what it has."""
