@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import random
 import time
 
@@ -1551,6 +1552,43 @@ def test_disk_tier_is_warm_after_a_restart_and_owned_by_one_engine(llama_dir, co
         assert second.engine.stats().kv_tiers["disk"]["hits"] == 8
         assert second.engine.store.tiers[0].wait_indexed(timeout=30)
         assert len(second.engine.store.tiers[0]) == on_disk
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_shutdown_writes_the_whole_cache_down_past_the_writers_backlog(host, llama_dir, tmp_path, caplog):
+    """A reviewer's case: persisting the cache at shutdown queued every device block for the
+    writer without waiting, so all past its backlog (1 GiB, against a device pool of tens of
+    GiB; 4 blocks here) was dropped, chain heads included, while the log said all was written.
+    The whole pool was also gathered on the device in one piece: now in batches."""
+    from tierlm.kv.tiers import DiskTier
+
+    kw = dict(kv_cache_memory="160 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="400 blocks")
+    if host:
+        kw["kv_host_capacity"] = "16 blocks"
+    llm = _llm(llama_dir, **kw)
+    eng = llm.engine
+    for seed in range(12):
+        _run(llm, _prompt(20 + seed, 70), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    cached = len(eng.pool.cached)
+    assert cached == 12 * 8  # 8 full blocks a prompt, nothing shared
+    disk = next(t for t in eng.store.tiers if isinstance(t, DiskTier))
+    eng.store.backlog_bytes = 4 * kv_bytes_per_block(eng.args, torch.float32, 8)
+    write, batches = disk._write, []
+    disk._write = lambda *a: (time.sleep(0.005), write(*a))[1]  # a disk slower than the copies out
+    read = eng.kv.io.read
+    eng.kv.io.read = lambda ids: batches.append(len(ids)) or read(ids)
+    with caplog.at_level(logging.INFO, logger="tierlm.engine.engine"):
+        llm.close()
+    assert disk.stats.dropped == 0  # 92 of 96 dropped before
+    assert max(batches) <= eng.pool.EVICT_ALL_BATCH and sum(batches) == cached
+    assert f"wrote {cached} cached blocks" in caplog.text and "not all" not in caplog.text
+    with _llm(llama_dir, **kw) as again:
+        tiers = again.engine.store.tiers
+        assert next(t for t in tiers if isinstance(t, DiskTier)).wait_indexed(timeout=30)
+        assert len(tiers[-1]) == cached
+        for seed in range(12):
+            assert _run(again, _prompt(20 + seed, 70), SamplingParams(max_tokens=2, temperature=0,
+                                                                     ignore_eos=True))[1] == 64
 
 
 def _chain(n: int) -> list[tuple[bytes, bytes | None, torch.Tensor]]:

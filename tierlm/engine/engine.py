@@ -544,23 +544,28 @@ class LLMEngine:
         blocks moved; requests still running keep theirs."""
         if self.store is None or self.store.closed or not any(isinstance(t, DiskTier) for t in self.store.tiers):
             return 0
-        t0 = time.monotonic()
-        held = len(self.pool.cached) + sum(len(t) for t in self.store.tiers if isinstance(t, HostTier))
-        if held:
+        t0, dropped = time.monotonic(), self.store.dropped()
+        hosts = [(level, t) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier)]
+        in_host = sum(len(t) for _, t in hosts)
+        if self.pool.cached or in_host:
             log.info("KV %s: writing up to %d cached blocks from the device and host memory down to the disk tier",
-                     self.model_name, held)
-        device = self.pool.evict_all()
-        host = sum(self.store.spill(level) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier))
-        landed = self.store.flush()
-        if (device or host) and landed:
-            log.info("KV %s: wrote %d cached blocks from the device and %d from host memory down to the disk tier "
-                     "in %.1f s, for the next start", self.model_name, device, host, time.monotonic() - t0)
-        elif device or host:
-            log.warning("KV %s: %d cached blocks from the device and %d from host memory were queued for the disk "
-                        "tier, but not all of them were written within the shutdown's %g s (a slow disk or Redis); "
-                        "the rest is recomputed after the next start", self.model_name, device, host,
-                        self.store.close_timeout_s)
-        return device + host
+                     self.model_name, len(self.pool.cached) + in_host)
+        with self.store.lossless():  # past the writer's backlog, wait for room: dropped before
+            device = self.pool.evict_all()
+            for level, _ in hosts:
+                self.store.spill(level)
+        landed, lost = self.store.flush(), self.store.dropped() - dropped
+        moved = device + in_host  # (a device block passing through host memory counted once)
+        if moved and landed and not lost:
+            log.info("KV %s: wrote %d cached blocks (%d from the device, %d from host memory) down to the disk "
+                     "tier in %.1f s, for the next start", self.model_name, moved, device, in_host,
+                     time.monotonic() - t0)
+        elif moved:
+            log.warning("KV %s: not all of %d cached blocks reached the disk tier within the shutdown's %g s "
+                        "(%d dropped, %s; a slow disk or Redis): the rest is recomputed after the next start",
+                        self.model_name, moved, self.store.close_timeout_s, lost,
+                        "all others written" if landed else "writes still queued")
+        return moved
 
     def close(self) -> None:
         """Persist the KV cache to the disk tier (`persist_kv`), finish queued writes and release

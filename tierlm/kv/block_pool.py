@@ -116,11 +116,18 @@ class BlockPool:
             else:
                 self._free.append(blk.block_id)
 
+    EVICT_ALL_BATCH = 64  # blocks per `on_evict` call when the whole cache goes
+
     def evict_all(self) -> int:
-        """Evict every cached, unreferenced block (demoting them through `on_evict`); returns how many."""
-        victims = self._evict(self._num_evictable)
-        self._free.extend(blk.block_id for blk in victims)
-        return len(victims)
+        """Evict every cached, unreferenced block (demoting them through `on_evict`); returns how
+        many. In batches: one batch of a whole pool was gathered on the device in one piece (a
+        second pool's worth of device memory) and copied to host at once."""
+        n = 0
+        while self._num_evictable:
+            victims = self._evict(min(self._num_evictable, self.EVICT_ALL_BATCH))
+            self._free.extend(blk.block_id for blk in victims)
+            n += len(victims)
+        return n
 
     def reset_cache(self) -> None:
         """Forget every cached-but-unreferenced block (e.g. after weights change)."""

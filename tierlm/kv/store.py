@@ -113,6 +113,7 @@ class TieredStore:
         self.read_timeout_s = read_timeout_s
         self.close_timeout_s = close_timeout_s  # queued writes wait at most this long at shutdown
         self._deadline: float | None = None  # set during a shutdown (`deadline`): no wait goes past it
+        self._lossless = False  # set while the cache is persisted (`lossless`): writes wait for room
         self._warned_at: dict[str, float] = {}  # kind of trouble -> when last warned about
         for t in tiers:
             if isinstance(t, RedisTier):
@@ -201,7 +202,7 @@ class TieredStore:
         kind, h, _, data, hint, level = item
         if level >= len(self.tiers):
             return  # evicted from the last tier: nowhere further down
-        size = nbytes(data)
+        size, wait = nbytes(data), wait or self._lossless
         with self._room:
             while not force and self.backlog and self.backlog + size > self.backlog_bytes and not self._closed:
                 left = None if self._deadline is None else self._deadline - time.monotonic()
@@ -545,6 +546,22 @@ class TieredStore:
             yield
         finally:
             self._deadline = None
+
+    @contextlib.contextmanager
+    def lossless(self) -> Iterator[None]:
+        """Writes queued meanwhile wait for room in the writer's backlog (up to a `deadline`)
+        rather than being dropped past it: persisting a device pool of tens of GiB through a
+        1 GiB backlog dropped most of it (the heads of chains too, so the tails that landed were
+        unreachable), while its log said all was written."""
+        before, self._lossless = self._lossless, True
+        try:
+            yield
+        finally:
+            self._lossless = before
+
+    def dropped(self) -> int:
+        """Writes dropped so far because the writer was too far behind, all tiers together."""
+        return sum(t.stats.dropped for t in self.tiers)
 
     @property
     def closed(self) -> bool:
