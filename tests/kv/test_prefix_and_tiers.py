@@ -1389,6 +1389,41 @@ def test_prefetch_jobs_settle_cancel_and_stay_within_staging_bytes(tmp_path):
     store.close()
 
 
+def test_a_read_that_ends_just_after_its_request_is_admitted_leaves_it_what_it_found(tmp_path):
+    """A reviewer's case: an overdue read is stopped when its request is admitted (`settle`),
+    which then takes what was staged; a reader that ended just then unstaged all it had found,
+    as if the request were gone, and the whole prefix was recomputed."""
+    import threading
+
+    store = TieredStore([DiskTier(tmp_path / "kv", 100)], read_timeout_s=0.2)
+    blocks = _chain(8)
+    for h, parent, data in blocks:
+        store.demote(h, parent, data)
+    store.flush()
+    found, go = threading.Event(), threading.Event()
+    find_run = store._find_run
+
+    def paused_at_its_end(*a, **kw):  # the reader descheduled between its run and its clean-up
+        run = find_run(*a, **kw)
+        found.set()
+        assert go.wait(5)
+        return run
+
+    store._find_run = paused_at_its_end
+    hashes = [h for h, _, _ in blocks]
+    job = store.prefetch(hashes)
+    assert found.wait(5)
+    store.settle(job)  # admitted with what was staged, which the model loop reads just after
+    go.set()
+    assert job.done.wait(5)
+    run = store.fetch_run(hashes, slow=False)
+    assert [torch.equal(data, b[2]) for (_, data, _), b in zip(run, blocks)] == [True] * 8  # none before
+    for h in hashes:
+        store.promoted(h, "disk")
+    assert not store.staged and store.staged_bytes == 0
+    store.close()
+
+
 class _SlowDisk(DiskTier):
     """A disk tier whose writes wait for a gate: a disk that cannot keep up."""
 

@@ -387,6 +387,9 @@ def test_close_gives_up_on_writes_a_stuck_tier_cannot_finish(tmp_path, caplog):
     assert time.monotonic() - t0 < 3
     assert any("dropped those still queued (4 for disk)" in r.message for r in caplog.records)  # one was being written
     gate.set()
+    store._threads[0].join(5)  # the write under way lands
+    # What was dropped is no longer counted as queued, nor kept (4 blocks' backlog and their K/V before)
+    assert store.backlog == 0 and not store.pending and store.tiers[0].stats.dropped == 4
 
 
 class _IndexingBehindAHungWrite(DiskTier):

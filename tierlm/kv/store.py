@@ -65,6 +65,10 @@ class Prefetch:
     created: float = field(default_factory=time.monotonic)
     tier: object = None  # the tier its reader is reading now, since `tier_since` (which one was slow)
     tier_since: float = 0.0
+    run: list = field(default_factory=list)  # what its reader has found so far, in order
+    # Stopped because its request was admitted (`settle`), not because it is gone: the blocks
+    # found by then are the request's to take, the reader unstages only those found after.
+    settled_at: int | None = None
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -83,15 +87,19 @@ def _join(q: queue.Queue, deadline: float) -> bool:
     return True
 
 
-def _drain(q: queue.Queue) -> int:
-    """Take out every item still queued (each marked done); how many there were."""
+def _drain(q: queue.Queue, each: Callable | None = None) -> int:
+    """Take out every item still queued (each marked done, and given to `each`); how many there were."""
     n = 0
     while True:
         try:
-            q.get_nowait()
+            item = q.get_nowait()
         except queue.Empty:
             return n
-        q.task_done()
+        try:
+            if each is not None and item is not None:
+                each(item)
+        finally:
+            q.task_done()
         n += 1
 
 
@@ -220,6 +228,16 @@ class TieredStore:
             if kind == "put":
                 self.pending[h] = (data, hint, level)
         (self._remote_writes if isinstance(self.tiers[level], RedisTier) else self._writes).put(item)
+
+    def _unqueue(self, item) -> None:
+        """A queued write dropped at shutdown: undo what `_enqueue` counted and kept for it (the
+        backlog reported a stale size, and `pending` held its K/V for as long as the store lived)."""
+        _, h, _, data, _, level = item
+        self.tiers[level].stats.count(dropped=1)
+        with self._room:
+            self.backlog -= nbytes(data)
+            if h in self.pending and self.pending[h][0] is data:
+                del self.pending[h]
 
     def _serve(self, q: queue.Queue, handle: Callable, failed: str) -> None:
         """A worker thread's loop: handle items until None; a failing tier must not kill it."""
@@ -416,7 +434,7 @@ class TieredStore:
             self._recheck_kept(job.hashes[:job.found] if job.finished else job.hashes)
             if job.ended:
                 return
-            job.cancelled = True
+            job.cancelled, job.settled_at = True, len(job.run)
             # Blame the tier only for its own round trip, not for time the job spent queued for
             # a reader (a burst of requests is no outage).
             # Not ended, the job is overdue (its request is admitted only then): the tier is
@@ -489,7 +507,7 @@ class TieredStore:
         self._unstage(list(kept))  # (what is still wanted is kept again)
 
     def _read_one(self, job: Prefetch) -> None:
-        run: list = []
+        run = job.run
         try:
             with self._lock:
                 if job.cancelled:
@@ -502,8 +520,10 @@ class TieredStore:
             job.found = len(run)
             with self._lock:
                 job.ended = True
-                if job.cancelled:  # cancelled while it read: `cancel` could not unstage yet
-                    self._unstage(job.hashes[:job.found])
+                if job.cancelled:  # cancelled while it read: `cancel` could not unstage yet. Settled
+                    # (admitted when overdue): what it found by then the admission takes, and
+                    # unstaging it first (the loop reads staging just after) recomputed it all.
+                    self._unstage(job.hashes[job.settled_at or 0:job.found])
             job.done.set()
 
     # -- maintenance -----------------------------------------------------------------------
@@ -587,7 +607,8 @@ class TieredStore:
             self._closed = True  # from now on writes are dropped: nothing waits on the stopped threads
             self._room.notify_all()
         if not finished:
-            dropped = {name: _drain(q) for name, q in (("disk", self._writes), ("Redis", self._remote_writes))}
+            dropped = {name: _drain(q, self._unqueue)
+                       for name, q in (("disk", self._writes), ("Redis", self._remote_writes))}
             log.warning("KV tier writes were still under way after %g s at shutdown (a slow disk or Redis); "
                         "dropped those still queued (%s): those blocks are recomputed when needed",
                         self.close_timeout_s, ", ".join(f"{n} for {k}" for k, n in dropped.items() if n) or "none")
