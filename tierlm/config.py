@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None
     # The device KV pool: bytes (int), a size ("8GiB", "512MiB") or a count ("2000 blocks").
     kv_cache_memory: int | str | None = None
-    seed: int = 0
+    seed: int | None = 0  # None: a random one
     enable_prefix_caching: bool = True
     eviction_policy: str = DEFAULT_POLICY  # device pool; measured by `tierlm bench cache`
     # Lower KV tiers (all off by default). Capacities: bytes (int), "2GiB", or "1000 blocks".
@@ -102,6 +103,11 @@ class EngineConfig:
             value = getattr(self, knob)
             if isinstance(value, str) and not value.strip():  # as "$UNSET_VARIABLE" gives
                 raise ValueError(f"{knob} is empty (an unset variable?); give a value, or leave it out for {off}")
+        if self.seed is None:  # as vLLM: a fresh seed for this engine
+            self.seed = secrets.randbits(63)
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be a whole number from -2**63 to 2**64-1, or None for a random one "
+                             f"(got {self.seed!r})")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {self.block_size})")
         if self.max_model_len is not None and self.max_model_len < 1:

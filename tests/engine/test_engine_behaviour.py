@@ -573,6 +573,10 @@ def test_start_up_warm_up_leaves_pool_free_and_outputs_unchanged(llama_dir):
     (dict(max_model_len=-3), "max_model_len must be >= 1"),
     (dict(device="tpu"), "device 'tpu' is not a device torch knows"),
     (dict(device="cuda:x"), "is not a device torch knows"),
+    (dict(seed=1.5), r"seed must be a whole number .*got 1.5"),
+    (dict(seed="x"), r"seed must be a whole number .*got 'x'"),
+    (dict(seed=2**64), r"seed must be a whole number"),
+    (dict(seed=True), r"seed must be a whole number"),
 ])
 def test_bad_engine_settings_are_refused_before_loading(settings, says, tmp_path):
     """A bad knob fails at once with its name, not minutes into loading (or with a torch traceback)."""
@@ -755,3 +759,18 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_re
             break
     assert not live and not eng.has_unfinished() and eng.pool.num_used == 0
 
+
+
+def test_the_engine_seed_counts_all_its_bits_and_none_draws_a_random_one(llama_dir):
+    """A sampler tester's case: unseeded requests drew the same tokens under engine seeds 5 and
+    5 + 2**32 (torch's generator keeps 32 bits), and seed=None (vLLM's random seed) was a TypeError."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+
+    def draw(seed):
+        llm = LLM(str(llama_dir), dtype="float32", seed=seed, kv_cache_memory=1 << 20, max_model_len=64,
+                  load_progress=False, warmup=False)
+        return llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(5 + 2**32)
+    assert draw(None) != draw(None)

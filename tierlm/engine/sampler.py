@@ -88,7 +88,7 @@ def seeded_generator(seed: int) -> torch.Generator:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = seeded_generator(seed)  # all 64 bits of the engine's seed count
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
