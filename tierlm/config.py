@@ -103,6 +103,10 @@ class EngineConfig:
             value = getattr(self, knob)
             if isinstance(value, str) and not value.strip():  # as "$UNSET_VARIABLE" gives
                 raise ValueError(f"{knob} is empty (an unset variable?); give a value, or leave it out for {off}")
+        for knob in ("model", "kv_disk_dir"):  # "~/..." from a config dict or `--kv-disk-dir=~/x`, which no shell expands
+            value = getattr(self, knob)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, knob, os.path.expanduser(value))
         if self.seed is None:  # as vLLM: a fresh seed for this engine
             self.seed = secrets.randbits(63)
         if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -2**63 <= self.seed < 2**64):

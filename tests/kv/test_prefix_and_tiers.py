@@ -224,6 +224,17 @@ def test_a_relative_disk_dir_stays_where_it_was_when_the_process_moves(llama_dir
     llm.close()
 
 
+def test_a_disk_dir_under_home_is_expanded_not_made_in_a_folder_named_tilde(llama_dir, tmp_path, monkeypatch):
+    """A disk tester's case: `kv_disk_dir="~/kv"` from a config dict (no shell to expand it)
+    made a folder named "~" in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    llm = _llm(llama_dir, kv_disk_dir="~/kv", kv_disk_capacity="64 blocks")
+    llm.close()
+    assert (tmp_path / "home" / "kv").is_dir() and not (tmp_path / "~").exists()
+
+
 def test_lower_tiers_policies_tick_once_per_request_like_the_device_pool(llama_dir, cold_reference, tmp_path):
     """Their constants (TLP's alpha, Gittins' half-life, chain's same-request segments) are per
     request; the host and disk tiers ticked once per block stored or read, so a Gittins
