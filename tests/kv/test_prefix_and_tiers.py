@@ -1993,6 +1993,38 @@ def test_disk_tier_that_runs_out_of_space_holds_what_fits_and_keeps_storing(smal
     disk.close()
 
 
+def test_a_file_left_by_a_failed_delete_goes_before_a_full_disk_lowers_capacity(small_filesystem, monkeypatch):
+    """A disk tester's case: an evicted entry's file could not be deleted (the directory was
+    read-only for a while); once writes worked again that file filled the disk, and the next
+    store lowered the tier's capacity for good instead of deleting it (it was deleted only after
+    a write that succeeded)."""
+    import pathlib
+
+    blocks = [(i.to_bytes(32, "big"), torch.full((64, 256), float(i))) for i in range(40)]  # 64 KiB each
+    disk = DiskTier(small_filesystem / "kv", 1000, policy="lru")
+    for h, data in blocks[:30]:
+        disk.put(h, None, data)
+    held = disk.capacity
+    assert held == len(disk) < 16  # full: what 1 MiB holds
+    unlink, refused = pathlib.Path.unlink, []
+
+    def read_only_once(self, *a, **kw):
+        if not refused:
+            refused.append(self)
+            raise PermissionError(13, "Read-only file system", str(self))
+        return unlink(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only_once)
+    h, data = blocks[30]
+    disk.put(h, None, data)  # evicts the oldest, whose file stays and takes the room the new one needs
+    assert refused and disk.capacity == held  # lowered to 14 of 15 before
+    assert not refused[0].exists() and not disk._undeleted  # the leftover went, not the capacity
+    for h, data in blocks[31:]:
+        disk.put(h, None, data)
+    assert disk.capacity == held and len(disk) == held and disk.stats.errors == 0
+    disk.close()
+
+
 def _fill(directory) -> None:
     """Fill the file system under `directory` to the last byte."""
     with open(directory / "filler", "wb", buffering=0) as f:

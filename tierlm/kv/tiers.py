@@ -917,7 +917,11 @@ class DiskTier(_CapacityTier):
         return -(-(max(block_bytes, 1) + ENTRY_HEADER_BYTES) // frag) * frag
 
     def _make_room_when_full(self, evicted: list[Demoted]) -> bool:
-        """As for any tier, but an earlier run's entries not yet indexed go first."""
+        """As for any tier, but files of entries dropped while deletes failed go first (they fill
+        the disk for nothing; a full disk lowered capacity for good while they stayed), then an
+        earlier run's entries not yet indexed."""
+        if self._undeleted and self._erase_undeleted():
+            return True
         if not self._pending:
             return super()._make_room_when_full(evicted)
         if self._held() < self.capacity:
@@ -1216,22 +1220,26 @@ class DiskTier(_CapacityTier):
         except OSError:  # a read-only directory: tried again once writes work, so files stay within capacity
             self._undeleted.add(h)
 
-    def _erase_undeleted(self) -> None:
+    def _erase_undeleted(self) -> int:
         """Delete the files of entries dropped while deletes failed (hold `lock`); one stored
         again since is the tier's again and stays. Files that still cannot go are tried again
-        on a write at least `_regrow_every` seconds later, not on every write."""
+        on a write at least `_regrow_every` seconds later, not on every write (or when the disk
+        is full). Returns how many files were deleted."""
         self._undeleted_retry_at = time.monotonic() + self._regrow_every
         if self._lost:
-            return  # not ours to delete in any more (closed, or another engine owns the directory)
+            return 0  # not ours to delete in any more (closed, or another engine owns the directory)
+        deleted = 0
         for h in list(self._undeleted):
             if h not in self.parents and h not in (self._pending or ()):
                 try:
                     self.path(h).unlink()
+                    deleted += 1
                 except FileNotFoundError:
                     pass
                 except OSError:
                     continue
             self._undeleted.discard(h)
+        return deleted
 
 
 def _write_new(path: Path, raw: bytes) -> None:
