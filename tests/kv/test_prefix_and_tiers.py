@@ -17,7 +17,7 @@ from tierlm.kv.prefix_cache import chain_hashes, extra_key
 from tierlm.config import EngineConfig
 from tierlm.errors import KVTierError
 from tierlm.kv.policies import DuelPolicy, LFUPolicy, LRUPolicy
-from tierlm.kv.store import TieredStore
+from tierlm.kv.store import TieredStore, nbytes
 from tierlm.kv.tiers import DiskTier, HostTier, RedisTier, decode_block, decode_entry, encode_block, patch_hint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -1432,6 +1432,27 @@ def test_a_read_that_ends_just_after_its_request_is_admitted_leaves_it_what_it_f
     for h in hashes:
         store.promoted(h, "disk")
     assert not store.staged and store.staged_bytes == 0
+    store.close()
+
+
+def test_readers_of_a_burst_sharing_a_prefix_read_each_block_once(tmp_path):
+    """A disk tester's case: four readers, one per request of a burst sharing a prefix on disk,
+    each read (and checksummed, and counted as a disk hit) the same files: 6 hits for 2 blocks.
+    A reader now waits for the one already reading a block and takes what it staged."""
+    disk = DiskTier(tmp_path / "kv", 100)
+    read = disk._read
+    disk._read = lambda h: (time.sleep(0.05), read(h))[1]  # a disk slow enough for the reads to overlap
+    store = TieredStore([disk], readers=4)
+    blocks = _chain(3)
+    for h, parent, data in blocks:
+        store.demote(h, parent, data)
+    store.flush()
+    hashes = [h for h, _, _ in blocks]
+    jobs = [store.prefetch(hashes) for _ in range(4)]
+    assert all(job.done.wait(10) and job.found == 3 for job in jobs)
+    assert disk.stats.hits == 3 and disk.stats.bytes_out == sum(nbytes(b[2]) for b in blocks)  # 12 hits at worst before
+    run = store.fetch_run(hashes, slow=False)
+    assert [torch.equal(data, b[2]) for (_, data, _), b in zip(run, blocks)] == [True] * 3
     store.close()
 
 

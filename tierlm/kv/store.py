@@ -153,6 +153,7 @@ class TieredStore:
         # Staged blocks an unstage kept because a live job wanted them: looked at again when a job
         # settles or is cancelled (they stayed staged for good when that job found fewer).
         self._kept_for_jobs: set[bytes] = set()
+        self._reading: dict[bytes, threading.Event] = {}  # blocks a reader is reading from disk or Redis now
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # signalled as the writer's backlog shrinks
         self.backlog = 0  # bytes of K/V queued for the writer
@@ -379,13 +380,46 @@ class TieredStore:
                 return None
             if job is not None:
                 job.tier, job.tier_since = t, time.monotonic()
-            found = ahead.fetch(index) if ahead is not None and t is ahead.tier else t.fetch(h)
-            if found is not None:
-                data, hint = found
-                if not isinstance(t, HostTier):  # host reads are a dict lookup already
-                    self._stage(h, t.name, data, hint)
-                return t.name, data, hint
+            if isinstance(t, HostTier):  # a dict lookup: nothing to stage
+                found = t.fetch(h)
+                if found is not None:
+                    return t.name, *found
+                continue
+            if ahead is not None and t is ahead.tier:
+                hit = self._staged(t, h, ahead.fetch(index))
+            else:
+                hit = self._read_once(t, h)
+            if hit is not None:
+                return hit
         return None
+
+    def _staged(self, t, h: bytes, found: tuple[torch.Tensor, int | None] | None):
+        """What a read of `h` from tier `t` found, staged, as `_find` returns it (or None)."""
+        if found is None:
+            return None
+        self._stage(h, t.name, *found)
+        return t.name, *found
+
+    def _read_once(self, t, h: bytes) -> tuple[str, torch.Tensor, int | None] | None:
+        """`t.fetch(h)`, staged if found, one read of a block at a time: the readers of a burst
+        of requests sharing a prefix each read (and counted a hit of) the same file. A second
+        reader waits for the first (up to the read timeout) and takes what it staged; if that
+        found nothing, it looks for itself."""
+        with self._lock:
+            busy = self._reading.get(h)
+            if busy is None:
+                self._reading[h] = mine = threading.Event()
+        if busy is not None:
+            busy.wait(self.read_timeout_s)
+            with self._lock:
+                hit = self.staged.get(h)
+            return hit if hit is not None else self._staged(t, h, t.fetch(h))
+        try:
+            return self._staged(t, h, t.fetch(h))
+        finally:
+            with self._lock:
+                del self._reading[h]
+            mine.set()
 
     def _stage(self, h: bytes, source: str, data: torch.Tensor, hint: int | None) -> None:
         with self._lock:
