@@ -75,6 +75,7 @@ async def chat_prompt(
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     call_required_by: str | None = None,
     tool_name: str | None = None,
@@ -109,8 +110,8 @@ async def chat_prompt(
             forced = toolcalls.forced_call_prefix(tool_name)
             messages = [*messages, {"role": "assistant", "content": forced}]
             continue_final_message = True
-    token_ids = await render_chat(engine, model, messages, tools=tools, continue_final_message=continue_final_message,
-                                  check_length=check_length)
+    token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, check_length=check_length)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()))
 
@@ -121,6 +122,7 @@ async def render_chat(
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     check_length: bool = True,
 ) -> list[int]:
@@ -132,7 +134,7 @@ async def render_chat(
     Everything a template can fail on comes from the request (roles out of order, a message
     shape it does not know), so failures are 400s that name `messages`.
     """
-    args = (engine, model, messages, tools, continue_final_message, check_length)
+    args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length)
     if not check_length:  # counting only: see _COUNTING
         return await asyncio.get_running_loop().run_in_executor(_COUNTING, _render_chat, *args)
     return await asyncio.to_thread(_render_chat, *args)
@@ -143,6 +145,7 @@ def _render_chat(
     model: str,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
     continue_final_message: bool,
     check_length: bool,
 ) -> list[int]:
@@ -156,7 +159,7 @@ def _render_chat(
         text = engine.chat_text(
             messages,
             tools=tools,
-            add_generation_prompt=not continue_final_message,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
         )
     except TierlmError as exc:

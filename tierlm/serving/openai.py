@@ -79,6 +79,9 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
         stop=body.stops(),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        stop_token_ids=body.stop_token_ids,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 
@@ -153,6 +156,8 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
         call_required_by="required" if choice == "required" or named else None,
         tool_name=choice.function.name if named else None,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
 
 
