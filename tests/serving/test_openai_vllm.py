@@ -10,6 +10,7 @@ import pytest
 
 from tests.serving.harness import API_KEY, parse_sse
 from tests.serving.scripted_model import (
+    FORCED_ANY_REPLY,
     FORCED_REPLY,
     FORCED_TOOL,
     PREFILL,
@@ -147,3 +148,34 @@ def test_custom_chat_template_is_refused_and_neutral_values_pass(client, scripte
     r = client.post("/v1/chat/completions", json=chat(chat_template=None, **neutral))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
     assert client.post("/v1/completions", json=completion(scripted_engines[TEXT_MODEL], **neutral)).status_code == 200
+
+
+# ---- /v1/completions top_logprobs hold the sampled token -----------------------------------
+
+
+def legacy_logprobs_of(client, body) -> list[dict]:
+    """The logprobs of a completion, non-streamed and streamed (which must agree)."""
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    frames = [d for _, d in parse_sse(client.post("/v1/completions", json={**body, "stream": True}).text)][:-1]
+    parts = [c["choices"][0]["logprobs"] for c in frames if c["choices"] and c["choices"][0]["logprobs"]]
+    assert {k: [v for p in parts for v in p[k]] for k in whole} == whole
+    return whole
+
+
+def test_completion_logprobs_zero_hold_the_sampled_token(client, scripted_engines):
+    lp = legacy_logprobs_of(client, completion(scripted_engines[TEXT_MODEL], logprobs=0))
+    assert "".join(lp["tokens"]) == REPLY
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(demo_server):
+    """OpenAI: "up to logprobs+1 elements"; the demo model's random weights sample outside the top 1."""
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Random words", "max_tokens": 30, "temperature": 1.0, "seed": 11,
+                "logprobs": 1}
+        lp = legacy_logprobs_of(c, body)
+    assert all(lp["tokens"][i] in top and top[lp["tokens"][i]] == lp["token_logprobs"][i] and len(top) <= 2
+               for i, top in enumerate(lp["top_logprobs"]))
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # a token sampled outside the top 1
+

@@ -305,12 +305,18 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
     """The Completions API's column-wise logprobs; `offset` is where the output text starts in
     the choice's text. `text_offset` indexes that text (a token that finishes a character begun
     by earlier ones starts where they do), not the sum of the tokens' own texts, which differ
-    wherever a character spans tokens."""
+    wherever a character spans tokens. Each `top_logprobs` entry holds the top `top_n` and the
+    sampled token (up to top_n + 1 entries; just the sampled one for logprobs=0), as OpenAI's
+    spec and vLLM do."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
-        tokens.append(_token_text(engine, lp.token_id))
+        token = _token_text(engine, lp.token_id)
+        tokens.append(token)
         token_logprobs.append(lp.logprob)
-        tops.append({_token_text(engine, t): v for t, v in lp.top[:top_n]} if top_n else None)
+        top = {token: lp.logprob}
+        for t, v in lp.top[:top_n]:
+            top.setdefault(_token_text(engine, t), v)
+        tops.append(top)
         offsets.append(offset + lp.text_start)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
