@@ -179,3 +179,45 @@ def test_completion_top_logprobs_hold_the_sampled_token(demo_server):
                for i, top in enumerate(lp["top_logprobs"]))
     assert any(len(top) == 2 for top in lp["top_logprobs"])  # a token sampled outside the top 1
 
+
+# ---- a forced tool call the model does not finish ------------------------------------------
+
+
+def forced_answer(client, body) -> tuple[dict, tuple[str, str, bool]]:
+    """(non-streamed choice, (streamed content, finish_reason, whether any tool_calls came))."""
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    frames = [d for _, d in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)]
+    deltas = [c["choices"][0] for c in frames[:-1] if c["choices"]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    return choice, (content, deltas[-1]["finish_reason"], any("tool_calls" in d["delta"] for d in deltas))
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": FORCED_TOOL}}, "required"])
+def test_unfinished_forced_call_is_the_models_text_without_the_prefill(client, scripted_engines, scripted_models,
+                                                                       tool_choice):
+    """tierlm starts a forced call in the prompt (`<tool_call>` ...); that start is never content."""
+    tokenizer = scripted_engines[TOOLS_MODEL].tokenizer
+    named = isinstance(tool_choice, dict)
+    reply = FORCED_REPLY if named else FORCED_ANY_REPLY
+    ids = scripted_models[TOOLS_MODEL].reply_tokens(reply)
+    body = {"model": TOOLS_MODEL, "messages": HI, "tools": [WEATHER_TOOL], "tool_choice": tool_choice}
+    cut = tokenizer.decode(ids[:4])
+    choice, streamed_answer = forced_answer(client, {**body, "max_tokens": 4})
+    assert choice["message"] == {"role": "assistant", "content": cut, "refusal": None, "annotations": [],
+                                 "tool_calls": None}
+    assert choice["finish_reason"] == "length" and streamed_answer == (cut, "length", False)
+    # cut by a stop string inside the arguments: `stop`
+    choice, streamed_answer = forced_answer(client, {**body, "stop": ["Oslo" if named else "Paris"]})
+    before = reply[:reply.index("Oslo" if named else "Paris")]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (before, "stop")
+    assert streamed_answer == (before, "stop", False)
+
+
+def test_forced_call_the_model_never_starts_is_empty_content(client):
+    """The call model has no script after the started call: EOS at once, nothing to return."""
+    body = {"model": CALL_MODEL, "messages": HI, "tools": [WEATHER_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": FORCED_TOOL}}}
+    choice, streamed_answer = forced_answer(client, body)
+    assert (choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]) == ("", None, "stop")
+    assert streamed_answer == ("", "stop", False)

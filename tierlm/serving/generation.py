@@ -66,7 +66,17 @@ class ChatPrompt:
         if not self.parse_tools:
             return text, []
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names)
-        return parsed.text, parsed.tool_calls
+        return self.without_forced_prefix(parsed.text, parsed.tool_calls), parsed.tool_calls
+
+    def without_forced_prefix(self, text: str, calls: list[toolcalls.ParsedToolCall]) -> str:
+        """A parsed answer's prose, less the call start tierlm wrote. When the model does not
+        finish the forced call (max_tokens, a stop string, bad JSON, another tool's name) no call
+        is parsed and the whole text comes back as prose: the client gets what the model wrote,
+        never tierlm's own prefill (with calls parsed, the prose lies before them and cannot
+        hold it)."""
+        if self.forced_prefix and not calls and text.startswith(self.forced_prefix):
+            return text[len(self.forced_prefix):]
+        return text
 
 
 async def chat_prompt(
@@ -303,6 +313,7 @@ class StreamedAnswer:
 
     def __init__(self, stream: "EngineStream", prompt: ChatPrompt, id_prefix: str) -> None:
         self._stream = stream
+        self._prompt = prompt
         self._filter: toolcalls.ToolCallStreamFilter | None = None
         if prompt.parse_tools:
             self._filter = toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=prompt.tool_names)
@@ -318,6 +329,7 @@ class StreamedAnswer:
             yield (self._filter.feed(delta.text) if self._filter is not None else delta.text), delta
         if self._filter is not None:
             rest, self.calls = self._filter.finish()
+            rest = self._prompt.without_forced_prefix(rest, self.calls)
             if rest:
                 yield rest, None
 

@@ -3,7 +3,8 @@
 `developer` messages are rendered as `system` (chat templates predate that role); assistant
 `tool_calls` arguments are decoded from their JSON text because templates render dicts.
 tool_choice `required` / a named function start the answer with `<tool_call>`, as on the
-Anthropic side.
+Anthropic side; a call the model does not finish comes back as the text it wrote, without that
+start (see ChatPrompt.without_forced_prefix).
 """
 from __future__ import annotations
 
