@@ -2,7 +2,7 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-logit_bias, n > 1, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
+logit_bias, best_of > 1, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
 template, prompt truncation) are rejected with a 400 naming them. vLLM's extensions that tierlm
 can honour (stop_token_ids, include_stop_str_in_output, skip_special_tokens, and on chat
 continue_final_message / add_generation_prompt) are honoured as vLLM does.
@@ -123,6 +123,7 @@ class ResponseFormat(_Body):
 
 
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 16  # choices per request (`n`)
 
 # vLLM request fields tierlm cannot honour, and why (the rest of the refusal says "remove it").
 _REFUSED_VLLM_FIELDS = {
@@ -201,11 +202,12 @@ class _SamplingFields(_Body):
         # null for a None argument (max_tokens=None, stream=None): they were refused as non-ints/bools.
         return cls.model_fields[info.field_name].default if value is None else value
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _n_is_one(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported (got {value}); send several requests instead")
+    def _n_in_range(cls, value: Any) -> Any:
+        # Each choice is an engine request of its own: bounded so one body cannot fill the batch.
+        if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= MAX_N:
+            raise ValueError(f"must be between 1 and {MAX_N} (got {value})")
         return value
 
     @field_validator("stop")
