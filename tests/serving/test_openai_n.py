@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.serving.harness import API_KEY, parse_sse, slow_steps, wait_until
+from tests.serving.harness import API_KEY, parse_sse, sdk_clients, slow_steps, wait_until
 from tests.serving.scripted_model import COMPLETION_PROMPT, COMPLETION_REPLY, LOOP_MODEL, REPLY, TEXT_MODEL
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -123,3 +123,16 @@ def test_choices_the_engine_refuses_are_one_400(client, scripted_engines, monkey
     assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=2)
     monkeypatch.undo()
     assert client.post("/v1/chat/completions", json={"model": TEXT_MODEL, "messages": HI, "n": 2}).status_code == 200
+
+
+def test_openai_sdk_reads_n_choices(scripted_server):
+    oai = sdk_clients(scripted_server.url)[1]
+    r = oai.chat.completions.create(model=TEXT_MODEL, messages=HI, n=2, seed=1)
+    assert [(c.index, c.message.content) for c in r.choices] == [(0, REPLY), (1, REPLY)]
+    texts = {0: "", 1: ""}
+    for chunk in oai.chat.completions.create(model=TEXT_MODEL, messages=HI, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: REPLY, 1: REPLY}
+    r = oai.completions.create(model=TEXT_MODEL, prompt=COMPLETION_PROMPT, n=2)
+    assert [c.text for c in r.choices] == [COMPLETION_REPLY] * 2
