@@ -66,7 +66,17 @@ class ChatPrompt:
         if not self.parse_tools:
             return text, []
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names)
-        return parsed.text, parsed.tool_calls
+        return self.without_forced_prefix(parsed.text, parsed.tool_calls), parsed.tool_calls
+
+    def without_forced_prefix(self, text: str, calls: list[toolcalls.ParsedToolCall]) -> str:
+        """A parsed answer's prose, less the call start tierlm wrote. When the model does not
+        finish the forced call (max_tokens, a stop string, bad JSON, another tool's name) no call
+        is parsed and the whole text comes back as prose: the client gets what the model wrote,
+        never tierlm's own prefill (with calls parsed, the prose lies before them and cannot
+        hold it)."""
+        if self.forced_prefix and not calls and text.startswith(self.forced_prefix):
+            return text[len(self.forced_prefix):]
+        return text
 
 
 async def chat_prompt(
@@ -75,6 +85,7 @@ async def chat_prompt(
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     call_required_by: str | None = None,
     tool_name: str | None = None,
@@ -109,8 +120,8 @@ async def chat_prompt(
             forced = toolcalls.forced_call_prefix(tool_name)
             messages = [*messages, {"role": "assistant", "content": forced}]
             continue_final_message = True
-    token_ids = await render_chat(engine, model, messages, tools=tools, continue_final_message=continue_final_message,
-                                  check_length=check_length)
+    token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, check_length=check_length)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()))
 
@@ -121,6 +132,7 @@ async def render_chat(
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     check_length: bool = True,
 ) -> list[int]:
@@ -132,7 +144,7 @@ async def render_chat(
     Everything a template can fail on comes from the request (roles out of order, a message
     shape it does not know), so failures are 400s that name `messages`.
     """
-    args = (engine, model, messages, tools, continue_final_message, check_length)
+    args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length)
     if not check_length:  # counting only: see _COUNTING
         return await asyncio.get_running_loop().run_in_executor(_COUNTING, _render_chat, *args)
     return await asyncio.to_thread(_render_chat, *args)
@@ -143,6 +155,7 @@ def _render_chat(
     model: str,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
     continue_final_message: bool,
     check_length: bool,
 ) -> list[int]:
@@ -156,7 +169,7 @@ def _render_chat(
         text = engine.chat_text(
             messages,
             tools=tools,
-            add_generation_prompt=not continue_final_message,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
         )
     except TierlmError as exc:
@@ -300,6 +313,7 @@ class StreamedAnswer:
 
     def __init__(self, stream: "EngineStream", prompt: ChatPrompt, id_prefix: str) -> None:
         self._stream = stream
+        self._prompt = prompt
         self._filter: toolcalls.ToolCallStreamFilter | None = None
         if prompt.parse_tools:
             self._filter = toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=prompt.tool_names)
@@ -315,6 +329,7 @@ class StreamedAnswer:
             yield (self._filter.feed(delta.text) if self._filter is not None else delta.text), delta
         if self._filter is not None:
             rest, self.calls = self._filter.finish()
+            rest = self._prompt.without_forced_prefix(rest, self.calls)
             if rest:
                 yield rest, None
 

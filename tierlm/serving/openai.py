@@ -3,24 +3,29 @@
 `developer` messages are rendered as `system` (chat templates predate that role); assistant
 `tool_calls` arguments are decoded from their JSON text because templates render dicts.
 tool_choice `required` / a named function start the answer with `<tool_call>`, as on the
-Anthropic side.
+Anthropic side; a call the model does not finish comes back as the text it wrote, without that
+start (see ChatPrompt.without_forced_prefix).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+import anyio
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
+from tierlm.sampling_params import SamplingParams
 from tierlm.serving import tools as toolcalls
+from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
 from tierlm.serving.generation import (
     ChatPrompt,
@@ -79,6 +84,9 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
         stop=body.stops(),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        stop_token_ids=body.stop_token_ids,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 
@@ -93,15 +101,15 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n))
-    stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
-    await stream.open(request)
+    streams = _engine_streams(state, engine, body, prompt.token_ids, params, context.salted(body.cache_salt))
+    await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = chat_chunks(stream, engine, prompt, body.model, completion_id, top_n, include_usage)
-        return EventStreamResponse(chunks, on_close=stream.close)
-    result = await stream.collect(request)
-    return JSONResponse(chat_response(result, engine, prompt, body.model, completion_id, top_n).model_dump())
+        chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n, include_usage)
+        return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
+    results = await _collect_all(streams, request)
+    return JSONResponse(chat_response(results, engine, prompt, body.model, completion_id, top_n).model_dump())
 
 
 @router.post("/v1/completions")
@@ -117,25 +125,91 @@ async def completions(request: Request) -> Response:
         await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
     params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs))
-    stream = EngineStream(engine, body.model, prompt_ids, params, context.salted(body.cache_salt), state.inflight)
-    await stream.open(request)
+    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
+    await _open_all(streams, request)
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     echo = _prompt_text(engine, body) if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(stream, engine, body.model, completion_id, echo, body.logprobs, include_usage)
-        return EventStreamResponse(chunks, on_close=stream.close)
-    result = await stream.collect(request)
-    choice = CompletionChoice(
-        text=echo + result.text,
-        finish_reason=_finish_reason(result, has_tool_calls=False),
-        logprobs=(legacy_logprobs(engine, returned_logprobs(result), body.logprobs, 0)
-                  if body.logprobs is not None else None),
-    )
+        chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs, include_usage)
+        return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
+    results = await _collect_all(streams, request)
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=echo + result.text,
+            finish_reason=_finish_reason(result, has_tool_calls=False),
+            logprobs=(legacy_logprobs(engine, returned_logprobs(result), body.logprobs, 0)
+                      if body.logprobs is not None else None),
+        )
+        for i, result in enumerate(results)
+    ]
     return JSONResponse(Completion(
-        id=completion_id, created=int(time.time()), model=body.model, choices=[choice], usage=usage_of(result),
+        id=completion_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(results),
         system_fingerprint=SYSTEM_FINGERPRINT,
     ).model_dump())
+
+
+# ---- n choices: n engine requests -------------------------------------------------------
+
+_SEED_SPAN = 2**64  # SamplingParams' seeds lie in [-2**63, 2**64)
+
+
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the request's plus the index, as vLLM derives them (so choice 0
+    draws what n=1 would); wrapped to stay a valid seed."""
+    if seed is None:
+        return None
+    child = seed + index
+    return child - _SEED_SPAN if child >= _SEED_SPAN else child
+
+
+def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
+                    context: RequestContext) -> list[EngineStream]:
+    """One engine request per choice, each with its own id (`<request id>-<index>`) and seed."""
+    n = body.n or 1
+    if n == 1:
+        return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
+    return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=_choice_seed(params.seed, i)),
+                         dataclasses.replace(context, request_id=f"{context.request_id}-{i}"), state.inflight)
+            for i in range(n)]
+
+
+def _request_id(streams: list[EngineStream]) -> str:
+    """The HTTP request's id (choice i's engine request is `<id>-<i>` when n > 1)."""
+    first = streams[0].request_id
+    return first.removesuffix("-0") if len(streams) > 1 else first
+
+
+async def _close_all(streams: list[EngineStream]) -> None:
+    await asyncio.gather(*(s.close() for s in streams))
+
+
+async def _open_all(streams: list[EngineStream], request: Request) -> None:
+    """Open every choice's request together; if any fails (a 400 the engine found, the client
+    leaving), all are closed and the first failure is the answer."""
+    outcomes = await asyncio.gather(*(s.open(request) for s in streams), return_exceptions=True)
+    failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+    if failure is not None:
+        await _close_all(streams)
+        raise failure
+
+
+async def _collect_all(streams: list[EngineStream], request: Request) -> list[Generation]:
+    """Every choice run to completion; a failure (or the client leaving) stops them all."""
+    tasks = [asyncio.ensure_future(s.collect(request)) for s in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op on finished ones; collect() closes (aborts) its request either way
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _close_all(streams)
+    failure = next((t.exception() for t in tasks if not t.cancelled() and t.exception() is not None), None)
+    if failure is not None:
+        raise failure
+    return [task.result() for task in tasks]
 
 
 # ---- request → prompt ------------------------------------------------------------------
@@ -153,6 +227,8 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
         call_required_by="required" if choice == "required" or named else None,
         tool_name=choice.function.name if named else None,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
 
 
@@ -229,12 +305,15 @@ def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:
 # ---- generation → response ---------------------------------------------------------------
 
 
-def usage_of(result: Generation) -> Usage:
+def usage_of(results: list[Generation]) -> Usage:
+    """The choices' usage: the prompt counted once (as OpenAI and vLLM), completions summed."""
+    first = results[0]
+    completion = sum(r.num_output_tokens for r in results)
     return Usage(
-        prompt_tokens=result.num_prompt_tokens,
-        completion_tokens=result.num_output_tokens,
-        total_tokens=result.num_prompt_tokens + result.num_output_tokens,
-        prompt_tokens_details={"cached_tokens": result.num_cached_tokens},
+        prompt_tokens=first.num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.num_prompt_tokens + completion,
+        prompt_tokens_details={"cached_tokens": first.num_cached_tokens},
     )
 
 
@@ -300,12 +379,18 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
     """The Completions API's column-wise logprobs; `offset` is where the output text starts in
     the choice's text. `text_offset` indexes that text (a token that finishes a character begun
     by earlier ones starts where they do), not the sum of the tokens' own texts, which differ
-    wherever a character spans tokens."""
+    wherever a character spans tokens. Each `top_logprobs` entry holds the top `top_n` and the
+    sampled token (up to top_n + 1 entries; just the sampled one for logprobs=0), as OpenAI's
+    spec and vLLM do."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
-        tokens.append(_token_text(engine, lp.token_id))
+        token = _token_text(engine, lp.token_id)
+        tokens.append(token)
         token_logprobs.append(lp.logprob)
-        tops.append({_token_text(engine, t): v for t, v in lp.top[:top_n]} if top_n else None)
+        top = {token: lp.logprob}
+        for t, v in lp.top[:top_n]:
+            top.setdefault(_token_text(engine, t), v)
+        tops.append(top)
         offsets.append(offset + lp.text_start)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
@@ -315,18 +400,21 @@ def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolC
             for c in calls]
 
 
-def chat_response(result: Generation, engine: "AsyncEngine", prompt: ChatPrompt, model: str,
+def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
                   completion_id: str, top_n: int | None) -> ChatCompletion:
-    text, calls = prompt.split_tool_calls(result.text, id_prefix="call_")
-    message = ResponseMessage(content=text if (text or not calls) else None,
-                              tool_calls=_tool_calls_out(calls) or None)
-    choice = ChatChoice(
-        message=message,
-        finish_reason=_finish_reason(result, bool(calls)),
-        logprobs=chat_logprobs(engine, returned_logprobs(result), top_n) if top_n is not None else None,
-    )
-    return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=[choice],
-                          usage=usage_of(result), system_fingerprint=SYSTEM_FINGERPRINT)
+    choices = []
+    for i, result in enumerate(results):
+        text, calls = prompt.split_tool_calls(result.text, id_prefix="call_")
+        message = ResponseMessage(content=text if (text or not calls) else None,
+                                  tool_calls=_tool_calls_out(calls) or None)
+        choices.append(ChatChoice(
+            index=i,
+            message=message,
+            finish_reason=_finish_reason(result, bool(calls)),
+            logprobs=chat_logprobs(engine, returned_logprobs(result), top_n) if top_n is not None else None,
+        ))
+    return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=choices,
+                          usage=usage_of(results), system_fingerprint=SYSTEM_FINGERPRINT)
 
 
 @dataclass
@@ -344,64 +432,114 @@ class _StreamFrames:
                          "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
                          **extra})
 
-    def choice(self, finish: str | None = None, logprobs: Any = None, **fields: Any) -> bytes:
-        """A chunk of the one choice; `fields` are its `delta` (chat) or `text` (completions)."""
+    def choice(self, index: int, finish: str | None = None, logprobs: Any = None, **fields: Any) -> bytes:
+        """A chunk of choice `index`; `fields` are its `delta` (chat) or `text` (completions)."""
         usage = {"usage": None} if self.include_usage else {}
-        return self._frame([{"index": 0, **fields, "finish_reason": finish, "logprobs": logprobs}], **usage)
+        return self._frame([{"index": index, **fields, "finish_reason": finish, "logprobs": logprobs}], **usage)
 
-    def usage(self, result: Generation) -> bytes:
+    def usage(self, results: list[Generation]) -> bytes:
         """The closing chunk of `stream_options.include_usage`: no choices, the usage."""
-        return self._frame([], usage=usage_of(result).model_dump())
+        return self._frame([], usage=usage_of(results).model_dump())
 
 
-async def chat_chunks(stream: EngineStream, engine: "AsyncEngine", prompt: ChatPrompt, model: str,
+async def _interleaved(choices: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The choices' chunks in the order they come (each choice's own in order); the first
+    failure of any choice ends them all and is raised."""
+    if len(choices) == 1:
+        async for chunk in choices[0]:
+            yield chunk
+        return
+    queue: asyncio.Queue[tuple[int, bytes | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, chunks: AsyncIterator[bytes]) -> None:
+        try:
+            async for chunk in chunks:
+                await queue.put((i, chunk))
+            await queue.put((i, None))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            _, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def chat_chunks(streams: list[EngineStream], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
                       completion_id: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage)
-    answer = StreamedAnswer(stream, prompt, id_prefix="call_")
+    answers = [StreamedAnswer(stream, prompt, id_prefix="call_") for stream in streams]
+    try:
+        async for chunk in _interleaved([_chat_choice(i, a, engine, prompt, frames, top_n)
+                                         for i, a in enumerate(answers)]):
+            yield chunk
+        if include_usage:
+            yield frames.usage([a.result for a in answers])
+    except Exception as exc:
+        yield sse_data(openai_error_body(stream_error(exc, _request_id(streams))))
+    yield sse_data("[DONE]")
+
+
+async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine", prompt: ChatPrompt,
+                       frames: _StreamFrames, top_n: int | None) -> AsyncIterator[bytes]:
+    """One choice's chunks, from its role to its finish_reason."""
     returned = ReturnedTokens() if top_n is not None else None
     shown = False
-    try:
-        # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
-        # after a null still accumulates into the content, in the SDKs' stream helpers too).
-        yield frames.choice(delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
-        async for text, delta in answer.pieces():
-            logprobs = None
-            if returned is not None and top_n is not None and delta is not None:
-                logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
-            if text or (logprobs and logprobs["content"]):
-                shown = shown or bool(text)
-                yield frames.choice(delta={"content": text} if text else {}, logprobs=logprobs)
-        for i, call in enumerate(_tool_calls_out(answer.calls)):
-            yield frames.choice(delta={"tool_calls": [{"index": i, **call.model_dump()}]})
-        # an empty answer without calls has content "" (as when not streamed), never null
-        last = {"content": ""} if prompt.parse_tools and not shown and not answer.calls else {}
-        yield frames.choice(delta=last, finish=_finish_reason(answer.result, bool(answer.calls)))
-        if include_usage:
-            yield frames.usage(answer.result)
-    except Exception as exc:
-        yield sse_data(openai_error_body(stream_error(exc, stream.request_id)))
-    yield sse_data("[DONE]")
+    # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
+    # after a null still accumulates into the content, in the SDKs' stream helpers too).
+    yield frames.choice(index, delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
+    async for text, delta in answer.pieces():
+        logprobs = None
+        if returned is not None and top_n is not None and delta is not None:
+            logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
+        if text or (logprobs and logprobs["content"]):
+            shown = shown or bool(text)
+            yield frames.choice(index, delta={"content": text} if text else {}, logprobs=logprobs)
+    for i, call in enumerate(_tool_calls_out(answer.calls)):
+        yield frames.choice(index, delta={"tool_calls": [{"index": i, **call.model_dump()}]})
+    # an empty answer without calls has content "" (as when not streamed), never null
+    last = {"content": ""} if prompt.parse_tools and not shown and not answer.calls else {}
+    yield frames.choice(index, delta=last, finish=_finish_reason(answer.result, bool(answer.calls)))
 
 
-async def completion_chunks(stream: EngineStream, engine: "AsyncEngine", model: str, completion_id: str,
+async def completion_chunks(streams: list[EngineStream], engine: "AsyncEngine", model: str, completion_id: str,
                             echo: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "text_completion", model, include_usage)
-    result = Generation()
-    returned = ReturnedTokens() if top_n is not None else None
-    offset = len(echo)
+    results = [Generation() for _ in streams]
     try:
-        if echo:
-            yield frames.choice(text=echo)
-        async for delta in stream.deltas():
-            result.add(delta)
-            logprobs = None
-            if returned is not None and top_n is not None:
-                logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, offset)
-            if delta.text or (logprobs and logprobs["tokens"]):
-                yield frames.choice(text=delta.text, logprobs=logprobs)
-        yield frames.choice(text="", finish=_finish_reason(result, False))
+        async for chunk in _interleaved([_completion_choice(i, stream, results[i], engine, frames, echo, top_n)
+                                         for i, stream in enumerate(streams)]):
+            yield chunk
         if include_usage:
-            yield frames.usage(result)
+            yield frames.usage(results)
     except Exception as exc:
-        yield sse_data(openai_error_body(stream_error(exc, stream.request_id)))
+        yield sse_data(openai_error_body(stream_error(exc, _request_id(streams))))
     yield sse_data("[DONE]")
+
+
+async def _completion_choice(index: int, stream: EngineStream, result: Generation, engine: "AsyncEngine",
+                             frames: _StreamFrames, echo: str, top_n: int | None) -> AsyncIterator[bytes]:
+    """One choice's chunks (accumulated into `result`), from the echoed prompt to its finish_reason."""
+    returned = ReturnedTokens() if top_n is not None else None
+    if echo:
+        yield frames.choice(index, text=echo)
+    async for delta in stream.deltas():
+        result.add(delta)
+        logprobs = None
+        if returned is not None and top_n is not None:
+            logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, len(echo))
+        if delta.text or (logprobs and logprobs["tokens"]):
+            yield frames.choice(index, text=delta.text, logprobs=logprobs)
+    yield frames.choice(index, text="", finish=_finish_reason(result, False))

@@ -2,7 +2,10 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-logit_bias, n > 1, suffix) are rejected with a 400 naming them.
+logit_bias, best_of > 1, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
+template, prompt truncation) are rejected with a 400 naming them. vLLM's extensions that tierlm
+can honour (stop_token_ids, include_stop_str_in_output, skip_special_tokens, and on chat
+continue_final_message / add_generation_prompt) are honoured as vLLM does.
 """
 from __future__ import annotations
 
@@ -119,6 +122,21 @@ class ResponseFormat(_Body):
     type: Literal["text"]
 
 
+MAX_STOP_TOKEN_IDS = 256
+MAX_N = 16  # choices per request (`n`)
+
+# vLLM request fields tierlm cannot honour, and why (the rest of the refusal says "remove it").
+_REFUSED_VLLM_FIELDS = {
+    "guided_json": "(guided decoding) is not supported by tierlm",
+    "guided_regex": "(guided decoding) is not supported by tierlm",
+    "guided_choice": "(guided decoding) is not supported by tierlm",
+    "guided_grammar": "(guided decoding) is not supported by tierlm",
+    "structured_outputs": "(constrained decoding) is not supported by tierlm",
+    "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
+    "truncate_prompt_tokens": "is not supported by tierlm (prompts are never truncated)",
+}
+
+
 def _check_stop(value: Any) -> Any:
     stops = [value] if isinstance(value, str) else value
     if isinstance(stops, list) and (problem := stop_strings_problem(stops)) is not None:
@@ -147,19 +165,49 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     # vLLM's: requests with different salts never share cached prefix blocks (mixed under the tenant's)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # Each generated token is looked up in this list: bounded like the stop strings.
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM's fields that would change the answer's meaning if ignored: refused unless null.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: bool = False
 
-    @field_validator("stream", "ignore_eos", "max_tokens", "echo", mode="before", check_fields=False)
+    @field_validator(*_REFUSED_VLLM_FIELDS, mode="before")
+    @classmethod
+    def _refused_vllm_field(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} {_REFUSED_VLLM_FIELDS[info.field_name]}; remove it")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("beam search is not supported by tierlm; remove use_beam_search")
+        return value
+
+    @field_validator("stream", "ignore_eos", "max_tokens", "echo", "include_stop_str_in_output",
+                     "skip_special_tokens", "use_beam_search", "add_generation_prompt", "continue_final_message",
+                     mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI documents these as "... or null", meaning the default, and the `openai` SDK sends
         # null for a None argument (max_tokens=None, stream=None): they were refused as non-ints/bools.
         return cls.model_fields[info.field_name].default if value is None else value
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _n_is_one(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported (got {value}); send several requests instead")
+    def _n_in_range(cls, value: Any) -> Any:
+        # Each choice is an engine request of its own: bounded so one body cannot fill the batch.
+        if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= MAX_N:
+            raise ValueError(f"must be between 1 and {MAX_N} (got {value})")
         return value
 
     @field_validator("stop")
@@ -205,6 +253,26 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's: render the conversation without the assistant header, or continue its final
+    # (assistant) message; both at once are refused, as vLLM does.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Any = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("cannot be true while add_generation_prompt is true (its default); "
+                             "set add_generation_prompt to false to continue the final message")
+        return value
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _no_custom_template(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("a custom chat template is not supported by tierlm (the model's own is used); remove it")
+        return value
 
     @field_validator("messages")
     @classmethod

@@ -1,0 +1,223 @@
+"""Where tierlm's OpenAI API meets vLLM's and OpenAI's: vLLM's extra request fields (honoured,
+or refused with a 400 where ignoring them would change the answer), the Completions API's
+`top_logprobs`, and a forced tool call the model does not finish. Real HTTP, real engines over
+the scripted models (see scripted_model.py) and, where a random distribution is needed, the
+demo model."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serving.harness import API_KEY, parse_sse
+from tests.serving.scripted_model import (
+    FORCED_ANY_REPLY,
+    FORCED_REPLY,
+    FORCED_TOOL,
+    PREFILL,
+    PREFILL_REPLY,
+    REPLY,
+    TEXT_MODEL,
+    TOOLS_MODEL,
+    CALL_MODEL,
+    chat_prompt_ids,
+)
+
+WEATHER_TOOL = {"type": "function", "function": {"name": FORCED_TOOL, "parameters": {"type": "object"}}}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture
+def client(scripted_server):
+    with httpx.Client(base_url=scripted_server.url, timeout=30, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture
+def asked(requests_to):
+    return requests_to(TEXT_MODEL)
+
+
+def chat(**fields):
+    return {"model": TEXT_MODEL, "messages": HI, "max_tokens": 40, **fields}
+
+
+def completion(engine, **fields):
+    """A completion whose prompt is the rendered chat prompt, which the text model answers with REPLY."""
+    return {"model": TEXT_MODEL, "prompt": chat_prompt_ids(engine.tokenizer), "max_tokens": 40, **fields}
+
+
+def streamed(client, path, body) -> tuple[str, str]:
+    """(text, finish_reason) of a streamed chat completion or completion."""
+    frames = [d for _, d in parse_sse(client.post(path, json={**body, "stream": True}).text)]
+    assert frames[-1] == "[DONE]"
+    choices = [c["choices"][0] for c in frames[:-1] if c["choices"]]
+    text = "".join((c["delta"].get("content") or "") if "delta" in c else c["text"] for c in choices)
+    return text, choices[-1]["finish_reason"]
+
+
+def both_routes(client, engine, **fields):
+    """(text, finish_reason) from chat and completions, each non-streamed and streamed."""
+    out = []
+    for path, body in (("/v1/chat/completions", chat(**fields)), ("/v1/completions", completion(engine, **fields))):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out.append((choice["message"]["content"] if "message" in choice else choice["text"], choice["finish_reason"]))
+        out.append(streamed(client, path, body))
+    return out
+
+
+# ---- vLLM's extensions, honoured -----------------------------------------------------------
+
+
+def test_include_stop_str_in_output(client, scripted_engines):
+    engine = scripted_engines[TEXT_MODEL]
+    assert both_routes(client, engine, stop=["STOP"], include_stop_str_in_output=True) == [("alpha beta STOP", "stop")] * 4
+    assert both_routes(client, engine, stop=["STOP"]) == [("alpha beta ", "stop")] * 4
+
+
+def test_stop_token_ids(client, scripted_engines, scripted_models, asked):
+    engine = scripted_engines[TEXT_MODEL]
+    ids = scripted_models[TEXT_MODEL].reply_tokens(REPLY)
+    before = engine.tokenizer.decode(ids[:3])
+    assert REPLY.startswith(before) and ids[3] not in ids[:3]
+    assert both_routes(client, engine, stop_token_ids=[ids[3]]) == [(before, "stop")] * 4
+    assert asked[-1].params.stop_token_ids == [ids[3]]
+
+
+def test_skip_special_tokens_reaches_the_engine(client, scripted_engines, asked):
+    for path, body in (("/v1/chat/completions", chat(skip_special_tokens=False)),
+                       ("/v1/completions", completion(scripted_engines[TEXT_MODEL], skip_special_tokens=False))):
+        assert client.post(path, json=body).status_code == 200
+        assert asked[-1].params.skip_special_tokens is False
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+    assert asked[-1].params.skip_special_tokens is True
+
+
+def test_continue_final_message(client, scripted_engines, asked):
+    messages = [*HI, {"role": "assistant", "content": PREFILL}]
+    body = chat(messages=messages, continue_final_message=True, add_generation_prompt=False)
+    data = client.post("/v1/chat/completions", json=body).json()
+    assert data["choices"][0]["message"]["content"] == PREFILL_REPLY  # the continuation alone, as vLLM
+    assert scripted_engines[TEXT_MODEL].tokenizer.decode(asked[-1].prompt_token_ids).endswith(PREFILL)
+    assert streamed(client, "/v1/chat/completions", body) == (PREFILL_REPLY, "stop")
+    # both true (add_generation_prompt's default is true) is refused, as vLLM does
+    for fields in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+        r = client.post("/v1/chat/completions", json=chat(messages=messages, **fields))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        assert "add_generation_prompt" in r.json()["error"]["message"]
+
+
+def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scripted_engines, asked):
+    tokenizer = scripted_engines[TEXT_MODEL].tokenizer
+    assert client.post("/v1/chat/completions", json=chat(add_generation_prompt=False)).status_code == 200
+    assert tokenizer.decode(asked[-1].prompt_token_ids).endswith("<|im_start|>user\nHi<|im_end|>\n")
+    assert client.post("/v1/chat/completions", json=chat(add_generation_prompt=None)).status_code == 200
+    assert tokenizer.decode(asked[-1].prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+# ---- vLLM's extensions that would change the answer if ignored: refused --------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[ab]"),
+    ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= 'a'"),
+    ("structured_outputs", {"choice": ["yes", "no"]}),
+    ("use_beam_search", True),
+    ("prompt_logprobs", 1),
+    ("prompt_logprobs", 0),
+    ("truncate_prompt_tokens", 5),
+])
+def test_vllm_fields_that_change_the_answer_are_refused(client, scripted_engines, field, value):
+    for path, body in (("/v1/chat/completions", chat(**{field: value})),
+                       ("/v1/completions", completion(scripted_engines[TEXT_MODEL], **{field: value}))):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and error["type"] == "invalid_request_error"
+        assert "not supported" in error["message"]
+
+
+def test_custom_chat_template_is_refused_and_neutral_values_pass(client, scripted_engines):
+    r = client.post("/v1/chat/completions", json=chat(chat_template="{{ messages }}"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    neutral = dict(guided_json=None, guided_choice=None, structured_outputs=None, use_beam_search=False,
+                   prompt_logprobs=None, truncate_prompt_tokens=None, guided_decoding_backend="auto")
+    r = client.post("/v1/chat/completions", json=chat(chat_template=None, **neutral))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
+    assert client.post("/v1/completions", json=completion(scripted_engines[TEXT_MODEL], **neutral)).status_code == 200
+
+
+# ---- /v1/completions top_logprobs hold the sampled token -----------------------------------
+
+
+def legacy_logprobs_of(client, body) -> list[dict]:
+    """The logprobs of a completion, non-streamed and streamed (which must agree)."""
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    frames = [d for _, d in parse_sse(client.post("/v1/completions", json={**body, "stream": True}).text)][:-1]
+    parts = [c["choices"][0]["logprobs"] for c in frames if c["choices"] and c["choices"][0]["logprobs"]]
+    assert {k: [v for p in parts for v in p[k]] for k in whole} == whole
+    return whole
+
+
+def test_completion_logprobs_zero_hold_the_sampled_token(client, scripted_engines):
+    lp = legacy_logprobs_of(client, completion(scripted_engines[TEXT_MODEL], logprobs=0))
+    assert "".join(lp["tokens"]) == REPLY
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(demo_server):
+    """OpenAI: "up to logprobs+1 elements"; the demo model's random weights sample outside the top 1."""
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Random words", "max_tokens": 30, "temperature": 1.0, "seed": 11,
+                "logprobs": 1}
+        lp = legacy_logprobs_of(c, body)
+    assert all(lp["tokens"][i] in top and top[lp["tokens"][i]] == lp["token_logprobs"][i] and len(top) <= 2
+               for i, top in enumerate(lp["top_logprobs"]))
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # a token sampled outside the top 1
+
+
+# ---- a forced tool call the model does not finish ------------------------------------------
+
+
+def forced_answer(client, body) -> tuple[dict, tuple[str, str, bool]]:
+    """(non-streamed choice, (streamed content, finish_reason, whether any tool_calls came))."""
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    frames = [d for _, d in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)]
+    deltas = [c["choices"][0] for c in frames[:-1] if c["choices"]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    return choice, (content, deltas[-1]["finish_reason"], any("tool_calls" in d["delta"] for d in deltas))
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": FORCED_TOOL}}, "required"])
+def test_unfinished_forced_call_is_the_models_text_without_the_prefill(client, scripted_engines, scripted_models,
+                                                                       tool_choice):
+    """tierlm starts a forced call in the prompt (`<tool_call>` ...); that start is never content."""
+    tokenizer = scripted_engines[TOOLS_MODEL].tokenizer
+    named = isinstance(tool_choice, dict)
+    reply = FORCED_REPLY if named else FORCED_ANY_REPLY
+    ids = scripted_models[TOOLS_MODEL].reply_tokens(reply)
+    body = {"model": TOOLS_MODEL, "messages": HI, "tools": [WEATHER_TOOL], "tool_choice": tool_choice}
+    cut = tokenizer.decode(ids[:4])
+    choice, streamed_answer = forced_answer(client, {**body, "max_tokens": 4})
+    assert choice["message"] == {"role": "assistant", "content": cut, "refusal": None, "annotations": [],
+                                 "tool_calls": None}
+    assert choice["finish_reason"] == "length" and streamed_answer == (cut, "length", False)
+    # cut by a stop string inside the arguments: `stop`
+    choice, streamed_answer = forced_answer(client, {**body, "stop": ["Oslo" if named else "Paris"]})
+    before = reply[:reply.index("Oslo" if named else "Paris")]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (before, "stop")
+    assert streamed_answer == (before, "stop", False)
+
+
+def test_forced_call_the_model_never_starts_is_empty_content(client):
+    """The call model has no script after the started call: EOS at once, nothing to return."""
+    body = {"model": CALL_MODEL, "messages": HI, "tools": [WEATHER_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": FORCED_TOOL}}}
+    choice, streamed_answer = forced_answer(client, body)
+    assert (choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]) == ("", None, "stop")
+    assert streamed_answer == ("", "stop", False)
