@@ -136,3 +136,19 @@ def test_openai_sdk_reads_n_choices(scripted_server):
     assert texts == {0: REPLY, 1: REPLY}
     r = oai.completions.create(model=TEXT_MODEL, prompt=COMPLETION_PROMPT, n=2)
     assert [c.text for c in r.choices] == [COMPLETION_REPLY] * 2
+
+
+def test_the_request_log_counts_every_choices_tokens(client, scripted_models, caplog):
+    """The n choices shared one telemetry record, each reporting its own running count: the log
+    line and the generation-tokens histogram showed one choice's tokens, not the answer's."""
+    import json
+    import logging
+
+    body = {"model": TEXT_MODEL, "messages": HI, "n": 3, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="tierlm.requests"):
+        usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+        wait_until(lambda: any(r.name == "tierlm.requests" for r in caplog.records))
+    line = json.loads(next(r.getMessage() for r in caplog.records if r.name == "tierlm.requests"))
+    each = reply_len(scripted_models, REPLY) + 1  # + EOS
+    assert usage["completion_tokens"] == 3 * each
+    assert line["output_tokens"] == 3 * each and line["prompt_tokens"] == usage["prompt_tokens"]  # `each` before

@@ -279,7 +279,10 @@ class RequestTelemetry:
     last_token_at: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # all choices' (OpenAI `n`: one engine request per choice)
+    # Engine request id -> its output tokens so far: the choices of one HTTP request each report
+    # their own running count (the last to report stood for all of them).
+    _outputs: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
     engine_arrival: float | None = None
     engine_first_scheduled: float | None = None
@@ -321,7 +324,8 @@ class RequestTelemetry:
             self.last_token_at = now
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
-        self.num_output_tokens = delta.num_output_tokens
+        self._outputs[delta.request_id] = delta.num_output_tokens
+        self.num_output_tokens = sum(self._outputs.values())
         # Engine-side timestamps (optional: engines that do not report them leave these None).
         self.engine_arrival = getattr(delta, "arrival_time", None) or self.engine_arrival
         self.engine_first_scheduled = getattr(delta, "first_scheduled_time", None) or self.engine_first_scheduled
@@ -364,8 +368,9 @@ class RequestTelemetry:
             out["e2e"] = self.last_token_at - self.arrival
             if self.first_token_at is not None:
                 out["decode"] = self.last_token_at - self.first_token_at
-                if self.num_output_tokens > 1:
-                    out["tpot"] = out["decode"] / (self.num_output_tokens - 1)
+                longest = max(self._outputs.values(), default=0)  # choices decode side by side
+                if longest > 1:
+                    out["tpot"] = out["decode"] / (longest - 1)
         if self.engine_arrival is not None and self.engine_first_scheduled is not None:
             out["queue"] = max(self.engine_first_scheduled - self.engine_arrival, 0.0)
             if self.engine_first_token is not None:
