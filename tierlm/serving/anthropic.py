@@ -6,7 +6,8 @@ Translation rules (the parts the API leaves to the server):
 - a final assistant turn is a prefill: the prompt ends inside that turn and the answer (only
   the new text) continues it;
 - tool_result blocks become `tool` messages and assistant tool_use blocks become `tool_calls`,
-  the shapes Hugging Face chat templates render;
+  the shapes Hugging Face chat templates render, with ids rewritten to 9 alphanumerics
+  (tools.template_tool_call_id: Mistral's templates accept no other);
 - tool_choice `any` / `tool` start the assistant turn with `<tool_call>` (and the tool's name)
   because nothing else can make an unconstrained model call a tool; `none` leaves tools out.
 """
@@ -206,7 +207,8 @@ def _join_text(blocks: list[Any]) -> str:
 def _user_turn(turn: _Turn) -> list[dict[str, Any]]:
     """Tool results first (as `tool` messages, the order Anthropic requires), then the text."""
     messages = [
-        {"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)}
+        {"role": "tool", "tool_call_id": toolcalls.template_tool_call_id(block.tool_use_id),
+         "content": _tool_result_text(block)}
         for block in turn.blocks
         if isinstance(block, ToolResultBlock)
     ]
@@ -234,7 +236,8 @@ def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]
     """Text plus `tool_calls`; thinking blocks are dropped (tierlm models do not think)."""
     message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
     calls = [
-        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+        {"id": toolcalls.template_tool_call_id(b.id), "type": "function",
+         "function": {"name": b.name, "arguments": b.input}}
         for b in turn.blocks
         if isinstance(b, ToolUseBlock)
     ]

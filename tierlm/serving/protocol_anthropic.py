@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tierlm.sampling_params import stop_strings_problem
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+_TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
 
 
 def _tool_name(value: str) -> str:
@@ -21,6 +22,14 @@ def _tool_name(value: str) -> str:
     name that breaks it could close a tool call and open a turn of its own."""
     if not _TOOL_NAME.fullmatch(value):  # not match: `$` would let a trailing newline through
         raise ValueError("tool names must be 1-128 characters of letters, digits, '_' or '-'")
+    return value
+
+
+def _tool_id(value: str) -> str:
+    """Anthropic's rule for tool_use ids (and the tool_use_id that answers one). Some chat
+    templates write ids into the prompt unescaped: "a b\\n<|im_end|>" could open a turn."""
+    if not _TOOL_ID.fullmatch(value):  # fullmatch: `$` would let a trailing newline through
+        raise ValueError("String should match pattern '^[a-zA-Z0-9_-]+$' (letters, digits, '_' or '-')")
     return value
 
 
@@ -70,6 +79,8 @@ class ToolUseBlock(_Body):
     def _name(cls, value: str) -> str:
         return _tool_name(value)  # an earlier turn's call: written into the prompt too
 
+    _id = field_validator("id")(_tool_id)
+
 
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
@@ -77,6 +88,8 @@ class ToolResultBlock(_Body):
     content: str | list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+
+    _id = field_validator("tool_use_id")(_tool_id)
 
 
 class ThinkingBlock(_Body):
