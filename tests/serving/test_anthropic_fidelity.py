@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 
+import anthropic
 import httpx
 import pytest
 
@@ -110,11 +111,31 @@ def result(call_id="toolu_1"):
 
 # (body, words the message starts with, words it contains): each as Anthropic's API refuses it
 REFUSED = {
+    "whitespace text block": (conversation({"role": "user", "content": [{"type": "text", "text": " \n"}]}),
+                              "messages.0.content.0.text: ", "text content blocks must contain non-whitespace text"),
+    "whitespace string content": (conversation({"role": "user", "content": "  "}),
+                                  "messages.0.content: ", "text content blocks must contain non-whitespace text"),
+    "whitespace assistant turn": (conversation(USER, {"role": "assistant", "content": " "}, USER),
+                                  "messages.1.content: ", "text content blocks must contain non-whitespace text"),
+    "empty text block": (conversation({"role": "user", "content": [{"type": "text", "text": ""}]}),
+                         "messages.0.content.0.text: ", "text content blocks must be non-empty"),
+    "duplicate tool names": (conversation(USER, tools=[WEATHER_TOOL, WEATHER_TOOL]),
+                             "tools: ", "ool names must be unique. 'get_weather'"),
     "tool_use id out of pattern": (conversation(USER, use("a b\n<|im_end|>"), result("a b\n<|im_end|>"),
                                                 tools=[WEATHER_TOOL]),
                                    "messages.1.content.0.id: ", "^[a-zA-Z0-9_-]+$"),
     "tool_use_id out of pattern": (conversation(USER, use(), result("toolu_1\n")),
                                    "messages.2.content.0.tool_use_id: ", "^[a-zA-Z0-9_-]+$"),
+    "tool_use without its tool_result": (
+        conversation(USER, use(), {"role": "user", "content": "go on"}, tools=[WEATHER_TOOL]),
+        "messages.1: ", "`tool_use` ids were found without `tool_result` blocks immediately after: toolu_1. "
+        "Each `tool_use` block must have a corresponding `tool_result` block in the next message."),
+    "tool_result answering another id": (
+        conversation(USER, use(), {"role": "user", "content": [*result("toolu_1")["content"],
+                                                                *result("toolu_2")["content"]]}, tools=[WEATHER_TOOL]),
+        "messages.2.content.1: ", "unexpected `tool_use_id` found in `tool_result` blocks: toolu_2."),
+    "tool_result with no tool_use before": (conversation(result("toolu_1")),
+                                            "messages.0.content.0: ", "unexpected `tool_use_id`"),
 }
 
 
@@ -126,3 +147,32 @@ def test_refused_as_anthropic_refuses(client, requests_to, name, path):
     message = refused(client.post(path, json={**body, "max_tokens": 8} if path == "/v1/messages" else body))
     assert message.startswith(start) and words in message, message
     assert asked == []
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("stop_sequences", ["\n\n"], "each stop sequence must contain non-whitespace"),
+    ("stop_sequences", ["END", " "], "each stop sequence must contain non-whitespace"),
+])
+def test_generation_fields_refused_as_anthropic_refuses(client, requests_to, field, value, words):
+    asked = requests_to(TEXT_MODEL)
+    message = refused(client.post("/v1/messages", json=conversation(USER, max_tokens=8, **{field: value})))
+    assert message.startswith(f"{field}: ") and words in message, message
+    assert asked == []
+
+
+def test_stop_sequences_around_text_still_work(client):
+    r = client.post("/v1/messages", json=conversation(USER, max_tokens=8, stop_sequences=["\n\nHuman:", " END"]))
+    assert r.status_code == 200, r.text
+
+
+def test_sdk_round_trip_with_text_after_the_results(scripted_server):
+    """The order Anthropic documents: results first, then the user's text, in one message."""
+    claude = sdk_clients(scripted_server.url)[0]
+    messages = [*ROUND_TRIP[:2], {"role": "user", "content": [
+        *ROUND_TRIP[2]["content"], {"type": "text", "text": "And tomorrow?"}]}]
+    msg = claude.messages.create(model=TOOLS_MODEL, max_tokens=64, messages=messages, tools=[WEATHER_TOOL])
+    assert msg.stop_reason == "tool_use"
+    with pytest.raises(anthropic.BadRequestError) as info:  # the call left unanswered
+        claude.messages.create(model=TOOLS_MODEL, max_tokens=64, tools=[WEATHER_TOOL],
+                               messages=[*ROUND_TRIP[:2], {"role": "user", "content": "And tomorrow?"}])
+    assert "without `tool_result` blocks" in info.value.body["error"]["message"]

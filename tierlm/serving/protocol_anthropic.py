@@ -38,8 +38,11 @@ class _Body(BaseModel):
 
 
 def _non_empty_text(value: str) -> str:
+    """Anthropic's API refuses empty and whitespace-only text blocks, in these words."""
     if value == "":
-        raise ValueError("text must not be empty")
+        raise ValueError("text content blocks must be non-empty")
+    if not value.strip():
+        raise ValueError("text content blocks must contain non-whitespace text")
     return value
 
 
@@ -125,6 +128,8 @@ def _check_content(value: Any) -> Any:
     assistant one, which may be empty."""
     if not isinstance(value, (str, list)):
         raise ValueError("content must be a string or a list of content blocks")
+    if isinstance(value, str) and value:  # a string is one text block
+        _non_empty_text(value)
     return value
 
 
@@ -196,6 +201,14 @@ class ConversationBody(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.name for t in value or ()]
+        if len(set(names)) != len(names):  # Anthropic's words, then which
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"Tool names must be unique. '{dup}' is defined more than once")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -248,6 +261,8 @@ class MessagesRequest(ConversationBody):
     def _non_empty_stops(cls, value: list[str] | None) -> list[str] | None:
         if value and (problem := stop_strings_problem(value)) is not None:
             raise ValueError(f"the stop sequences {problem}")
+        if value and any(s and not s.strip() for s in value):  # Anthropic's API refuses "\n\n", in these words
+            raise ValueError("each stop sequence must contain non-whitespace")
         return value
 
 
