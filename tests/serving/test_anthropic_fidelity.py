@@ -121,6 +121,10 @@ REFUSED = {
                          "messages.0.content.0.text: ", "text content blocks must be non-empty"),
     "duplicate tool names": (conversation(USER, tools=[WEATHER_TOOL, WEATHER_TOOL]),
                              "tools: ", "ool names must be unique. 'get_weather'"),
+    "server tool": (conversation(USER, tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+                    "tools.0: ", "tool 'web_search' has type 'web_search_20250305', a tool Anthropic defines"),
+    "mcp_servers": (conversation(USER, mcp_servers=[{"type": "url", "url": "http://x", "name": "m"}]),
+                    "mcp_servers: ", "does not connect to MCP servers"),
     "tool_use id out of pattern": (conversation(USER, use("a b\n<|im_end|>"), result("a b\n<|im_end|>"),
                                                 tools=[WEATHER_TOOL]),
                                    "messages.1.content.0.id: ", "^[a-zA-Z0-9_-]+$"),
@@ -152,6 +156,8 @@ def test_refused_as_anthropic_refuses(client, requests_to, name, path):
 @pytest.mark.parametrize("field, value, words", [
     ("stop_sequences", ["\n\n"], "each stop sequence must contain non-whitespace"),
     ("stop_sequences", ["END", " "], "each stop sequence must contain non-whitespace"),
+    ("container", "container_011CZ", "no container"),
+    ("container", {"skills": []}, "no container"),
 ])
 def test_generation_fields_refused_as_anthropic_refuses(client, requests_to, field, value, words):
     asked = requests_to(TEXT_MODEL)

@@ -151,6 +151,21 @@ class InputMessage(_Body):
 class Tool(_Body):
     """A client-side (custom) tool; rendered through the chat template as a function."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_server_tool(cls, value: Any) -> Any:
+        """Typed tools are Anthropic's: server tools (web search, code execution) run on its side,
+        and the others' schemas (bash, text_editor, computer) are built into Claude. tierlm has
+        neither; without this check the client learned only that input_schema was missing."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind is not None and kind != "custom":
+            raise ValueError(
+                f"tool {value.get('name')!r} has type {kind!r}, a tool Anthropic defines (a server tool such as "
+                "web search, or one whose schema is built into Claude, such as bash), which tierlm does not support; "
+                "remove it, or define a client tool (name, description, input_schema) and run it yourself"
+            )
+        return value
+
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -201,6 +216,18 @@ class ConversationBody(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    # MCP connector (beta): tierlm connects to no MCP servers, and ignoring the field left the
+    # client waiting for tools that never came
+    mcp_servers: Any = None
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _no_mcp(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("tierlm does not connect to MCP servers; remove 'mcp_servers' and pass the "
+                             "servers' tools as client tools in 'tools'")
+        return value
+
     @field_validator("tools")
     @classmethod
     def _unique_tool_names(cls, value: list[Tool] | None) -> list[Tool] | None:
@@ -254,7 +281,17 @@ class MessagesRequest(ConversationBody):
     # never share cached prefix blocks, mixed under the tenant's
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
+    # code execution's container (an id or settings): tierlm has no code execution to run in one
+    container: Any = None
+
     _no_output_format = field_validator("output_format")(_no_output_schema)
+
+    @field_validator("container")
+    @classmethod
+    def _no_container(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
+        return value
 
     @field_validator("stop_sequences")
     @classmethod
