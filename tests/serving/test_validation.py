@@ -30,7 +30,7 @@ def rejected(model, body) -> APIError:
     (anthropic(messages=[]), "messages", "at least one message"),
     (anthropic(messages=[{"role": "user", "content": 5}]), "messages.0.content", "string or a list"),
     (anthropic(messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]),
-     "messages.0.content.0.text", "must not be empty"),
+     "messages.0.content.0.text", "must be non-empty"),
     (anthropic(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": 3}]}]),
      "messages.0.content.0.cache_control", "dictionary"),
     (anthropic(messages=[{"role": "user", "content": [{"type": "video"}]}]), "messages.0.content.0.type", "video"),
@@ -82,7 +82,7 @@ def test_anthropic_accepts_the_documented_shapes():
         ],
         tools=[{"name": "w", "description": "weather", "input_schema": {"type": "object"}}],
         tool_choice={"type": "auto"}, temperature=0, top_k=5, metadata={"user_id": "u1"},
-        stop_sequences=["\n\n"], unknown_future_field={"ignored": True}, output_config={"effort": "low"},
+        stop_sequences=["\n\nHuman:"], unknown_future_field={"ignored": True}, output_config={"effort": "low"},
     ))
     assert body.temperature == 0.0 and body.tools[0].name == "w"
 

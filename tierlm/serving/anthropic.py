@@ -6,7 +6,8 @@ Translation rules (the parts the API leaves to the server):
 - a final assistant turn is a prefill: the prompt ends inside that turn and the answer (only
   the new text) continues it;
 - tool_result blocks become `tool` messages and assistant tool_use blocks become `tool_calls`,
-  the shapes Hugging Face chat templates render;
+  the shapes Hugging Face chat templates render, with ids rewritten to 9 alphanumerics
+  (tools.template_tool_call_id: Mistral's templates accept no other);
 - tool_choice `any` / `tool` start the assistant turn with `<tool_call>` (and the tool's name)
   because nothing else can make an unconstrained model call a tool; `none` leaves tools out.
 """
@@ -103,6 +104,7 @@ async def count_tokens(request: Request) -> Response:
 async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True) -> ChatPrompt:
     """The request as a rendered prompt; `check_length` refuses one certainly too long for the context."""
     check_blocks(body)
+    check_tool_pairing(body)
     messages = template_messages(body)
     choice = body.tool_choice.type if body.tool_choice else "auto"
     use_tools = bool(body.tools) and choice != "none"
@@ -143,6 +145,47 @@ def check_blocks(body: ConversationBody) -> None:
                 raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages", param=where)
             if isinstance(block, ToolResultBlock) and message.role == "assistant":
                 raise InvalidRequest(f"{where}: tool_result blocks belong in user messages", param=where)
+
+
+def check_tool_pairing(body: ConversationBody) -> None:
+    """Anthropic's rule, in its words: every tool_use is answered by a tool_result in the next
+    (user) turn, and every tool_result answers a tool_use of the turn before. Templates render
+    an unanswered call or a stray result as if it were fine (or fail with a template error).
+    A final assistant turn with tool_use is refused where prefills are (_assistant_turn)."""
+    turns: list[list[int]] = []  # message indices, consecutive same-role messages together
+    for i, message in enumerate(body.messages):
+        if turns and body.messages[turns[-1][0]].role == message.role:
+            turns[-1].append(i)
+        else:
+            turns.append([i])
+
+    def blocks(turn: list[int], kind: type) -> list[tuple[int, int, Any]]:
+        return [(i, j, b) for i in turn for j, b in enumerate(body.messages[i].blocks()) if isinstance(b, kind)]
+
+    for k, turn in enumerate(turns):
+        if body.messages[turn[0]].role == "assistant":
+            if k + 1 == len(turns):
+                continue
+            answered = {b.tool_use_id for _, _, b in blocks(turns[k + 1], ToolResultBlock)}
+            missing = [(i, b.id) for i, _, b in blocks(turn, ToolUseBlock) if b.id not in answered]
+            if missing:
+                where = f"messages.{missing[0][0]}"
+                raise InvalidRequest(
+                    f"{where}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                    f"{', '.join(i for _, i in missing)}. Each `tool_use` block must have a corresponding "
+                    "`tool_result` block in the next message.",
+                    param=where,
+                )
+        else:
+            asked = {b.id for _, _, b in blocks(turns[k - 1], ToolUseBlock)} if k else set()
+            for i, j, b in blocks(turn, ToolResultBlock):
+                if b.tool_use_id not in asked:
+                    where = f"messages.{i}.content.{j}"
+                    raise InvalidRequest(
+                        f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {b.tool_use_id}. "
+                        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
+                        param=where,
+                    )
 
 
 def system_text(system: str | list[TextBlock] | None) -> str | None:
@@ -206,7 +249,8 @@ def _join_text(blocks: list[Any]) -> str:
 def _user_turn(turn: _Turn) -> list[dict[str, Any]]:
     """Tool results first (as `tool` messages, the order Anthropic requires), then the text."""
     messages = [
-        {"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)}
+        {"role": "tool", "tool_call_id": toolcalls.template_tool_call_id(block.tool_use_id),
+         "content": _tool_result_text(block)}
         for block in turn.blocks
         if isinstance(block, ToolResultBlock)
     ]
@@ -234,7 +278,8 @@ def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]
     """Text plus `tool_calls`; thinking blocks are dropped (tierlm models do not think)."""
     message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
     calls = [
-        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+        {"id": toolcalls.template_tool_call_id(b.id), "type": "function",
+         "function": {"name": b.name, "arguments": b.input}}
         for b in turn.blocks
         if isinstance(b, ToolUseBlock)
     ]

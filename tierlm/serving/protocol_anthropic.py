@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tierlm.sampling_params import stop_strings_problem
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+_TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
 
 
 def _tool_name(value: str) -> str:
@@ -24,13 +25,24 @@ def _tool_name(value: str) -> str:
     return value
 
 
+def _tool_id(value: str) -> str:
+    """Anthropic's rule for tool_use ids (and the tool_use_id that answers one). Some chat
+    templates write ids into the prompt unescaped: "a b\\n<|im_end|>" could open a turn."""
+    if not _TOOL_ID.fullmatch(value):  # fullmatch: `$` would let a trailing newline through
+        raise ValueError("String should match pattern '^[a-zA-Z0-9_-]+$' (letters, digits, '_' or '-')")
+    return value
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 def _non_empty_text(value: str) -> str:
+    """Anthropic's API refuses empty and whitespace-only text blocks, in these words."""
     if value == "":
-        raise ValueError("text must not be empty")
+        raise ValueError("text content blocks must be non-empty")
+    if not value.strip():
+        raise ValueError("text content blocks must contain non-whitespace text")
     return value
 
 
@@ -70,6 +82,8 @@ class ToolUseBlock(_Body):
     def _name(cls, value: str) -> str:
         return _tool_name(value)  # an earlier turn's call: written into the prompt too
 
+    _id = field_validator("id")(_tool_id)
+
 
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
@@ -77,6 +91,8 @@ class ToolResultBlock(_Body):
     content: str | list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+
+    _id = field_validator("tool_use_id")(_tool_id)
 
 
 class ThinkingBlock(_Body):
@@ -112,6 +128,8 @@ def _check_content(value: Any) -> Any:
     assistant one, which may be empty."""
     if not isinstance(value, (str, list)):
         raise ValueError("content must be a string or a list of content blocks")
+    if isinstance(value, str) and value:  # a string is one text block
+        _non_empty_text(value)
     return value
 
 
@@ -132,6 +150,21 @@ class InputMessage(_Body):
 
 class Tool(_Body):
     """A client-side (custom) tool; rendered through the chat template as a function."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_server_tool(cls, value: Any) -> Any:
+        """Typed tools are Anthropic's: server tools (web search, code execution) run on its side,
+        and the others' schemas (bash, text_editor, computer) are built into Claude. tierlm has
+        neither; without this check the client learned only that input_schema was missing."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind is not None and kind != "custom":
+            raise ValueError(
+                f"tool {value.get('name')!r} has type {kind!r}, a tool Anthropic defines (a server tool such as "
+                "web search, or one whose schema is built into Claude, such as bash), which tierlm does not support; "
+                "remove it, or define a client tool (name, description, input_schema) and run it yourself"
+            )
+        return value
 
     name: str
     description: str | None = None
@@ -183,6 +216,26 @@ class ConversationBody(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    # MCP connector (beta): tierlm connects to no MCP servers, and ignoring the field left the
+    # client waiting for tools that never came
+    mcp_servers: Any = None
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _no_mcp(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("tierlm does not connect to MCP servers; remove 'mcp_servers' and pass the "
+                             "servers' tools as client tools in 'tools'")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.name for t in value or ()]
+        if len(set(names)) != len(names):  # Anthropic's words, then which
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"Tool names must be unique. '{dup}' is defined more than once")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -228,13 +281,25 @@ class MessagesRequest(ConversationBody):
     # never share cached prefix blocks, mixed under the tenant's
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
+    # code execution's container (an id or settings): tierlm has no code execution to run in one
+    container: Any = None
+
     _no_output_format = field_validator("output_format")(_no_output_schema)
+
+    @field_validator("container")
+    @classmethod
+    def _no_container(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
+        return value
 
     @field_validator("stop_sequences")
     @classmethod
     def _non_empty_stops(cls, value: list[str] | None) -> list[str] | None:
         if value and (problem := stop_strings_problem(value)) is not None:
             raise ValueError(f"the stop sequences {problem}")
+        if value and any(s and not s.strip() for s in value):  # Anthropic's API refuses "\n\n", in these words
+            raise ValueError("each stop sequence must contain non-whitespace")
         return value
 
 

@@ -14,8 +14,10 @@ clients never see half a call and see the same prose as a non-streamed answer.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,27 @@ def template_uses_hermes_calls(chat_template: str | None) -> bool:
 
 def new_tool_call_id(prefix: str = "toolu_") -> str:
     return prefix + uuid.uuid4().hex[:24]
+
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def template_tool_call_id(call_id: str) -> str:
+    """The id a chat template sees for the client's `call_id`: 9 letters and digits, the same
+    for a call and its result, in every request (a hash, not a counter).
+
+    Mistral's templates refuse any other shape ("Tool call IDs should be alphanumeric strings
+    with length 9!"), so a round trip with the API's own ids (`toolu_...`, `call_...`) was a 400;
+    vLLM rewrites ids for Mistral the same way. Done for every template: an id only pairs a call
+    with its result, 9 alphanumerics suit every known template, and spotting the templates
+    that check would mean parsing Jinja. Two ids meet by chance with odds of about 1 in 10^16.
+    """
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    chars = []
+    for _ in range(9):
+        n, r = divmod(n, len(_ID_ALPHABET))
+        chars.append(_ID_ALPHABET[r])
+    return "".join(chars)
 
 
 def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str] | None = None) -> ParsedOutput:

@@ -1,0 +1,184 @@
+"""The Anthropic Messages API refuses what Anthropic's own API refuses (in its words where it has
+them), and a tool round trip with Anthropic's ids works whatever the chat template demands of ids.
+Real HTTP, real SDK, real engines over the scripted models (scripted_model.py)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import anthropic
+import httpx
+import pytest
+
+from tests.serving.harness import API_KEY, ServerThread, record_requests, sdk_clients
+from tests.serving.scripted_model import ENGINE_OPTIONS, TEXT_MODEL, TOOLS_MODEL
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather for a city", "input_schema": {"type": "object"}}
+CALL_ID = "toolu_0a73513a3647450c8c42691b"  # the shape Anthropic's API (and tierlm) issues
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": CALL_ID, "name": "get_weather",
+                                       "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": CALL_ID, "content": "sunny"}]},
+]
+
+# What Mistral's templates do with tool call ids (the checks and layout of Mistral 7B Instruct v0.3's).
+MISTRAL_TEMPLATE = (
+    "{%- if tools is defined and tools %}{{- '[AVAILABLE_TOOLS] ' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}{{- '[TOOL_CALLS] [' }}"
+    "{%- for tool_call in message.tool_calls %}{%- set out = tool_call.function|tojson %}{{- out[:-1] }}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- ', \"id\": \"' + tool_call.id + '\"}' }}{%- if not loop.last %}{{- ', ' }}{%- else %}{{- ']' + eos_token }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}{{- '[TOOL_RESULTS] {\"content\": ' + message.content|string + ', ' }}"
+    "{%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- '\"call_id\": \"' + message.tool_call_id + '\"}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}"
+)
+MISTRAL_MODEL = "scripted-mistral"
+
+
+@pytest.fixture(scope="module")
+def mistral(scripted_models, tmp_path_factory):
+    """A scripted checkpoint whose chat template checks tool call ids as Mistral's do, served alone."""
+    path = tmp_path_factory.mktemp("mistral") / MISTRAL_MODEL
+    shutil.copytree(scripted_models[TOOLS_MODEL].path, path)
+    for f in path.glob("chat_template.j*"):
+        f.unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": MISTRAL_TEMPLATE}))
+    from tierlm.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_model(str(path), served_model_name=MISTRAL_MODEL, **ENGINE_OPTIONS)
+    server = ServerThread(build_app({MISTRAL_MODEL: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+    yield engine, sdk_clients(server.url)[0]
+    server.stop()
+
+
+def test_anthropic_ids_pass_a_template_that_wants_9_alphanumerics(mistral, monkeypatch):
+    engine, claude = mistral
+    asked = record_requests(engine, monkeypatch)
+    counted = claude.messages.count_tokens(model=MISTRAL_MODEL, messages=ROUND_TRIP, tools=[WEATHER_TOOL])
+    msg = claude.messages.create(model=MISTRAL_MODEL, max_tokens=5, messages=ROUND_TRIP, tools=[WEATHER_TOOL])
+    assert msg.type == "message" and counted.input_tokens == len(asked[-1].prompt_token_ids)
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    call_ids = re.findall(r'"id": "([^"]*)"', prompt)
+    result_ids = re.findall(r'"call_id": "([^"]*)"', prompt)
+    assert len(call_ids) == 1 and call_ids == result_ids and re.fullmatch("[a-zA-Z0-9]{9}", call_ids[0])
+    # the same id every time (the prompt, and so its cached prefix, does not change between requests)
+    claude.messages.create(model=MISTRAL_MODEL, max_tokens=5, messages=ROUND_TRIP, tools=[WEATHER_TOOL])
+    assert asked[-1].prompt_token_ids == asked[-2].prompt_token_ids
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(scripted_server):
+    with httpx.Client(base_url=scripted_server.url, timeout=30,
+                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}) as c:
+        yield c
+
+
+def refused(r: httpx.Response) -> str:
+    assert r.status_code == 400, r.text
+    data = r.json()
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+    return data["error"]["message"]
+
+
+def conversation(*messages, **fields):
+    return {"model": TEXT_MODEL, "messages": list(messages), **fields}
+
+
+USER = {"role": "user", "content": "Hi"}
+
+
+def use(call_id="toolu_1"):
+    return {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "get_weather", "input": {}}]}
+
+
+def result(call_id="toolu_1"):
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "sunny"}]}
+
+
+# (body, words the message starts with, words it contains): each as Anthropic's API refuses it
+REFUSED = {
+    "whitespace text block": (conversation({"role": "user", "content": [{"type": "text", "text": " \n"}]}),
+                              "messages.0.content.0.text: ", "text content blocks must contain non-whitespace text"),
+    "whitespace string content": (conversation({"role": "user", "content": "  "}),
+                                  "messages.0.content: ", "text content blocks must contain non-whitespace text"),
+    "whitespace assistant turn": (conversation(USER, {"role": "assistant", "content": " "}, USER),
+                                  "messages.1.content: ", "text content blocks must contain non-whitespace text"),
+    "empty text block": (conversation({"role": "user", "content": [{"type": "text", "text": ""}]}),
+                         "messages.0.content.0.text: ", "text content blocks must be non-empty"),
+    "duplicate tool names": (conversation(USER, tools=[WEATHER_TOOL, WEATHER_TOOL]),
+                             "tools: ", "ool names must be unique. 'get_weather'"),
+    "server tool": (conversation(USER, tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+                    "tools.0: ", "tool 'web_search' has type 'web_search_20250305', a tool Anthropic defines"),
+    "mcp_servers": (conversation(USER, mcp_servers=[{"type": "url", "url": "http://x", "name": "m"}]),
+                    "mcp_servers: ", "does not connect to MCP servers"),
+    "tool_use id out of pattern": (conversation(USER, use("a b\n<|im_end|>"), result("a b\n<|im_end|>"),
+                                                tools=[WEATHER_TOOL]),
+                                   "messages.1.content.0.id: ", "^[a-zA-Z0-9_-]+$"),
+    "tool_use_id out of pattern": (conversation(USER, use(), result("toolu_1\n")),
+                                   "messages.2.content.0.tool_use_id: ", "^[a-zA-Z0-9_-]+$"),
+    "tool_use without its tool_result": (
+        conversation(USER, use(), {"role": "user", "content": "go on"}, tools=[WEATHER_TOOL]),
+        "messages.1: ", "`tool_use` ids were found without `tool_result` blocks immediately after: toolu_1. "
+        "Each `tool_use` block must have a corresponding `tool_result` block in the next message."),
+    "tool_result answering another id": (
+        conversation(USER, use(), {"role": "user", "content": [*result("toolu_1")["content"],
+                                                                *result("toolu_2")["content"]]}, tools=[WEATHER_TOOL]),
+        "messages.2.content.1: ", "unexpected `tool_use_id` found in `tool_result` blocks: toolu_2."),
+    "tool_result with no tool_use before": (conversation(result("toolu_1")),
+                                            "messages.0.content.0: ", "unexpected `tool_use_id`"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_refused_as_anthropic_refuses(client, requests_to, name, path):
+    body, start, words = REFUSED[name]
+    asked = requests_to(TEXT_MODEL)
+    message = refused(client.post(path, json={**body, "max_tokens": 8} if path == "/v1/messages" else body))
+    assert message.startswith(start) and words in message, message
+    assert asked == []
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("stop_sequences", ["\n\n"], "each stop sequence must contain non-whitespace"),
+    ("stop_sequences", ["END", " "], "each stop sequence must contain non-whitespace"),
+    ("container", "container_011CZ", "no container"),
+    ("container", {"skills": []}, "no container"),
+])
+def test_generation_fields_refused_as_anthropic_refuses(client, requests_to, field, value, words):
+    asked = requests_to(TEXT_MODEL)
+    message = refused(client.post("/v1/messages", json=conversation(USER, max_tokens=8, **{field: value})))
+    assert message.startswith(f"{field}: ") and words in message, message
+    assert asked == []
+
+
+def test_stop_sequences_around_text_still_work(client):
+    r = client.post("/v1/messages", json=conversation(USER, max_tokens=8, stop_sequences=["\n\nHuman:", " END"]))
+    assert r.status_code == 200, r.text
+
+
+def test_sdk_round_trip_with_text_after_the_results(scripted_server):
+    """The order Anthropic documents: results first, then the user's text, in one message."""
+    claude = sdk_clients(scripted_server.url)[0]
+    messages = [*ROUND_TRIP[:2], {"role": "user", "content": [
+        *ROUND_TRIP[2]["content"], {"type": "text", "text": "And tomorrow?"}]}]
+    msg = claude.messages.create(model=TOOLS_MODEL, max_tokens=64, messages=messages, tools=[WEATHER_TOOL])
+    assert msg.stop_reason == "tool_use"
+    with pytest.raises(anthropic.BadRequestError) as info:  # the call left unanswered
+        claude.messages.create(model=TOOLS_MODEL, max_tokens=64, tools=[WEATHER_TOOL],
+                               messages=[*ROUND_TRIP[:2], {"role": "user", "content": "And tomorrow?"}])
+    assert "without `tool_result` blocks" in info.value.body["error"]["message"]
