@@ -77,6 +77,26 @@ def test_anthropic_ids_pass_a_template_that_wants_9_alphanumerics(mistral, monke
     assert asked[-1].prompt_token_ids == asked[-2].prompt_token_ids
 
 
+def test_openai_ids_pass_a_template_that_wants_9_alphanumerics(mistral, monkeypatch):
+    """The same on the OpenAI route: `call_...` ids were a 400 on a Mistral-style template."""
+    engine, claude = mistral
+    asked = record_requests(engine, monkeypatch)
+    call = {"id": "call_5b1e2a90c6d34f8e9a7b1c2d", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    body = {"model": MISTRAL_MODEL, "max_tokens": 5, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object"}}}], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]}
+    r = httpx.post(f"{claude.base_url}".rstrip("/") + "/v1/chat/completions", json=body,
+                   headers={"authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    call_ids = re.findall(r'"id": "([^"]*)"', prompt)
+    assert len(call_ids) == 1 and call_ids == re.findall(r'"call_id": "([^"]*)"', prompt)
+    assert re.fullmatch("[a-zA-Z0-9]{9}", call_ids[0])
+
+
 # ---- refusals ------------------------------------------------------------------------------
 
 

@@ -244,10 +244,10 @@ def _template_message(message: ChatMessage, index: int, model: str) -> dict[str,
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": message.text()}
     if message.role == "tool":
-        out["tool_call_id"] = message.tool_call_id
+        out["tool_call_id"] = toolcalls.template_tool_call_id(message.tool_call_id)
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": call.id, "type": "function",
+            {"id": toolcalls.template_tool_call_id(call.id), "type": "function",
              "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments, index, k)}}
             for k, call in enumerate(message.tool_calls)
         ]
