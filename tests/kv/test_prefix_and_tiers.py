@@ -2855,25 +2855,29 @@ def test_blocks_a_reader_stages_after_another_request_brought_them_up_are_droppe
 
     shared, ref = cold_reference
     llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_prefetch=True)
-    eng, disk = llm.engine, llm.engine.store.tiers[0]
+    eng = llm.engine
     _run(llm, shared + _prompt(2, 9))
     eng.persist_kv()
-    gates, owners, lock, read = [threading.Event(), threading.Event()], {}, threading.Lock(), disk._read
+    entered, lock, gate, find_run = [], threading.Lock(), threading.Event(), eng.store._find_run
 
-    def gated(h):  # the first reader thread to read waits on gates[0], the second on gates[1]
-        with lock:
-            i = owners.setdefault(threading.current_thread().name, len(owners))
-        assert gates[i].wait(10)
-        return read(h)
+    def second_waits(*a, job=None, **kw):  # the second request's reader starts once the gate opens
+        if job is not None:
+            with lock:
+                entered.append(job)
+                second = len(entered) == 2
+            if second:
+                assert gate.wait(10)
+        return find_run(*a, job=job, **kw)
 
-    disk._read = gated
+    eng.store._find_run = second_waits
     reqs = [eng.add_request({"prompt_token_ids": shared + _prompt(k, 9)}, GREEDY) for k in (2, 3)]
-    time.sleep(0.2)
-    assert len(owners) == 2
-    gates[0].set()  # one read ends
-    while not any(r.status.name == "RUNNING" for r in reqs):
+    deadline = time.monotonic() + 10
+    while len(entered) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(entered) == 2
+    while not any(r.status.name == "RUNNING" for r in reqs):  # one read ends
         eng.step()
-    gates[1].set()  # the other reads the same blocks from disk, after they went to the device
+    gate.set()  # the other reads the same blocks from disk, after they went to the device
     eng.store.flush()
     assert eng.stats().kv_staged_bytes > 0
     while eng.has_unfinished():
