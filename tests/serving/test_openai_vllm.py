@@ -221,3 +221,55 @@ def test_forced_call_the_model_never_starts_is_empty_content(client):
     choice, streamed_answer = forced_answer(client, body)
     assert (choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]) == ("", None, "stop")
     assert streamed_answer == ("", "stop", False)
+
+
+THINKING_TEMPLATE = (  # Qwen3's switch: `enable_thinking=false` opens the answer with an empty think block
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking(scripted_models, tmp_path_factory):
+    """A scripted checkpoint with a Qwen3-style `enable_thinking` switch in its template, served alone."""
+    import json
+    import shutil
+
+    from tests.serving.harness import ServerThread
+    from tests.serving.scripted_model import ENGINE_OPTIONS
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import ApiKeyAuth
+
+    path = tmp_path_factory.mktemp("thinking") / "scripted-thinking"
+    shutil.copytree(scripted_models[TEXT_MODEL].path, path)
+    for f in path.glob("chat_template.j*"):
+        f.unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    engine = AsyncEngine.from_model(str(path), served_model_name="scripted-thinking", **ENGINE_OPTIONS)
+    server = ServerThread(build_app({"scripted-thinking": engine}, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+    yield engine, server.url
+    server.stop()
+
+
+def test_chat_template_kwargs_reach_the_template(thinking, monkeypatch):
+    """vLLM's `chat_template_kwargs` (Qwen3's `enable_thinking: false`) was ignored: the model
+    thought though the client had switched it off."""
+    from tests.serving.harness import record_requests
+
+    engine, url = thinking
+    asked = record_requests(engine, monkeypatch)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    body = {"model": "scripted-thinking", "messages": HI, "max_tokens": 2}
+    for kwargs in (None, {"enable_thinking": True}, {"enable_thinking": False}):
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
+                       json={**body, **({"chat_template_kwargs": kwargs} if kwargs else {})})
+        assert r.status_code == 200, r.text
+    prompts = [engine.tokenizer.decode(req.prompt_token_ids) for req in asked]
+    assert ["<think>" in p for p in prompts] == [False, False, True]
+    r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
+                   json={**body, "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    assert "add_generation_prompt cannot be set here" in r.json()["error"]["message"]

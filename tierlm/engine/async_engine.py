@@ -110,8 +110,9 @@ class AsyncEngine:
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, continue_final_message=False):
         return self.engine.apply_chat_template(messages, tools, add_generation_prompt, continue_final_message)
 
-    def chat_text(self, messages, tools=None, add_generation_prompt=True, continue_final_message=False) -> str:
-        return self.engine.chat_text(messages, tools, add_generation_prompt, continue_final_message)
+    def chat_text(self, messages, tools=None, add_generation_prompt=True, continue_final_message=False,
+                  template_kwargs=None) -> str:
+        return self.engine.chat_text(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
 
     def encode_chat_text(self, text: str) -> list[int]:
         return self.engine.encode_chat_text(text)

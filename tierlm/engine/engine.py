@@ -589,10 +589,12 @@ class LLMEngine:
         return render_chat(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message)
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None,
-                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                  add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  template_kwargs: dict | None = None) -> str:
         """The rendered chat as text; `encode_chat_text` of it is `apply_chat_template`'s result."""
         from tierlm.engine.tokenizer import render_chat_text
-        return render_chat_text(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message)
+        return render_chat_text(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message,
+                                template_kwargs)
 
     def encode_chat_text(self, text: str) -> list[int]:
         from tierlm.engine.tokenizer import encode_rendered

@@ -19,10 +19,11 @@ def load_tokenizer(model_dir: Path):
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> list[int]:
     """Render messages through the tokenizer's chat template and tokenize the result."""
     return encode_rendered(tokenizer, render_chat_text(tokenizer, messages, tools, add_generation_prompt,
-                                                       continue_final_message))
+                                                       continue_final_message, template_kwargs))
 
 
 def encode_rendered(tokenizer, text: str) -> list[int]:
@@ -31,8 +32,11 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
 
 
 def render_chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-    """Messages through the tokenizer's chat template, as text (what `render_chat` tokenizes)."""
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     template_kwargs: dict | None = None) -> str:
+    """Messages through the tokenizer's chat template, as text (what `render_chat` tokenizes).
+    `template_kwargs` are more variables for the template (vLLM's `chat_template_kwargs`, e.g.
+    Qwen3's `enable_thinking`); they cannot replace the arguments above."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "this model's tokenizer has no chat template, so chat requests cannot be rendered; "
@@ -43,7 +47,7 @@ def render_chat_text(tokenizer, messages: list[dict], tools: list[dict] | None =
         text = tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as e:  # jinja errors: the template rejected these messages
         raise InvalidRequestError(f"the chat template could not render these messages: {e}", param="messages") from None
     return text

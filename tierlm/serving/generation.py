@@ -90,6 +90,7 @@ async def chat_prompt(
     call_required_by: str | None = None,
     tool_name: str | None = None,
     check_length: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatPrompt:
     """Render a conversation, with its tools (in chat-template form), for either API.
 
@@ -121,7 +122,8 @@ async def chat_prompt(
             messages = [*messages, {"role": "assistant", "content": forced}]
             continue_final_message = True
     token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, check_length=check_length)
+                                  continue_final_message=continue_final_message, check_length=check_length,
+                                  template_kwargs=template_kwargs)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()))
 
@@ -135,6 +137,7 @@ async def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     check_length: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Chat messages → prompt token ids through the model's own chat template.
 
@@ -144,7 +147,8 @@ async def render_chat(
     Everything a template can fail on comes from the request (roles out of order, a message
     shape it does not know), so failures are 400s that name `messages`.
     """
-    args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length)
+    args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length,
+            template_kwargs)
     if not check_length:  # counting only: see _COUNTING
         return await asyncio.get_running_loop().run_in_executor(_COUNTING, _render_chat, *args)
     return await asyncio.to_thread(_render_chat, *args)
@@ -158,6 +162,7 @@ def _render_chat(
     add_generation_prompt: bool,
     continue_final_message: bool,
     check_length: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     context = int(engine.max_model_len)
     if check_length and len(messages) > context:
@@ -171,6 +176,7 @@ def _render_chat(
             tools=tools,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
         )
     except TierlmError as exc:
         raise from_engine_error(exc, model) from None

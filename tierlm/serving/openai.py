@@ -229,6 +229,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
         tool_name=choice.function.name if named else None,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
     )
 
 

@@ -43,6 +43,13 @@ ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
+# apply_chat_template's own arguments: what the request's fields set, or what would break rendering.
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class FunctionCall(_Body):
     name: str = Field(pattern=_FUNCTION_NAME)
     arguments: str  # JSON text, as OpenAI sends it
@@ -258,6 +265,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Any = None
+    # vLLM's: more variables for the model's chat template (Qwen3's `enable_thinking`, ...);
+    # ignored, the prompt (and the answer) differed from what the client asked for.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here (tierlm sets {'it' if len(taken) == 1 else 'them'} "
+                             "from the request); use the request's own fields")
+        return value
 
     @field_validator("continue_final_message")
     @classmethod
