@@ -64,6 +64,13 @@ class BlockPool:
         """Take `n` cached, unreferenced blocks as the policy picks them, handing them to
         `on_evict` in one call: their K/V leaves the device in one batch of copies, not one
         copy per block and layer."""
+        victims = self._take(n)
+        self._hand_over(victims)
+        return victims
+
+    def _take(self, n: int) -> list[KVBlock]:
+        """`n` cached, unreferenced blocks out of the cache, in the policy's order (a chain's
+        tail before its head)."""
         victims = []
         for _ in range(n):
             key = self.policy.victim()
@@ -73,11 +80,14 @@ class BlockPool:
             self.policy.remove(key)
         self._num_evictable -= len(victims)
         self.evictions += len(victims)
+        return victims
+
+    def _hand_over(self, victims: list[KVBlock]) -> None:
+        """Demote taken blocks through `on_evict` (their K/V is read before their ids are reused)."""
         if victims and self.on_evict is not None:
             self.on_evict(victims)
         for blk in victims:
             blk.block_hash = blk.parent_hash = blk.output_tokens = None
-        return victims
 
     def lookup(self, h: BlockHash) -> KVBlock | None:
         return self.cached.get(h) if self.enable_caching else None
@@ -120,14 +130,15 @@ class BlockPool:
 
     def evict_all(self) -> int:
         """Evict every cached, unreferenced block (demoting them through `on_evict`); returns how
-        many. In batches: one batch of a whole pool was gathered on the device in one piece (a
-        second pool's worth of device memory) and copied to host at once."""
-        n = 0
-        while self._num_evictable:
-            victims = self._evict(min(self._num_evictable, self.EVICT_ALL_BATCH))
-            self._free.extend(blk.block_id for blk in victims)
-            n += len(victims)
-        return n
+        many. Chain heads go first, so that a shutdown whose writes are cut short leaves a
+        reachable prefix below, not tails (the policy's order, tails first, left nothing a restart
+        could hit). In batches: one batch of a whole pool was gathered on the device in one piece
+        (a second pool's worth of device memory) and copied to host at once."""
+        victims = self._take(self._num_evictable)[::-1]  # a parent leaves after its children: reversed, before
+        for i in range(0, len(victims), self.EVICT_ALL_BATCH):
+            self._hand_over(victims[i:i + self.EVICT_ALL_BATCH])
+        self._free.extend(blk.block_id for blk in victims)
+        return len(victims)
 
     def reset_cache(self) -> None:
         """Forget every cached-but-unreferenced block (e.g. after weights change)."""

@@ -388,7 +388,7 @@ class TieredStore:
             if ahead is not None and t is ahead.tier:
                 hit = self._staged(t, h, ahead.fetch(index))
             else:
-                hit = self._read_once(t, h)
+                hit = self._read_once(t, h, job)
             if hit is not None:
                 return hit
         return None
@@ -400,17 +400,22 @@ class TieredStore:
         self._stage(h, t.name, *found)
         return t.name, *found
 
-    def _read_once(self, t, h: bytes) -> tuple[str, torch.Tensor, int | None] | None:
+    def _read_once(self, t, h: bytes, job: Prefetch | None = None) -> tuple[str, torch.Tensor, int | None] | None:
         """`t.fetch(h)`, staged if found, one read of a block at a time: the readers of a burst
         of requests sharing a prefix each read (and counted a hit of) the same file. A second
-        reader waits for the first (up to the read timeout) and takes what it staged; if that
-        found nothing, it looks for itself."""
+        reader waits for the first, however long that read takes (reading alongside it loaded a
+        disk already slower than the read timeout all the more), or until its own job is
+        stopped, and takes what the first staged; if that found nothing, it looks for itself."""
         with self._lock:
             busy = self._reading.get(h)
             if busy is None:
                 self._reading[h] = mine = threading.Event()
         if busy is not None:
-            busy.wait(self.read_timeout_s)
+            if job is None:  # (the model loop reading for itself: no readers run then)
+                busy.wait(self.read_timeout_s)
+            while job is not None and not busy.wait(0.05):
+                if job.cancelled:
+                    return None
             with self._lock:
                 hit = self.staged.get(h)
             return hit if hit is not None else self._staged(t, h, t.fetch(h))
@@ -433,11 +438,17 @@ class TieredStore:
                 self.overflows += 1
 
     def promoted(self, h: bytes, source: str) -> None:
-        """Block `h` is on the device again, copied from tier `source`: count it, unstage it."""
+        """Block `h` is on the device again, copied from tier `source`: count it, and unstage it
+        unless another waiting request's read wants it (a held request whose read found it staged
+        by a sibling's read lost it when the sibling was admitted, and recomputed its prefix)."""
         with self._lock:
-            entry = self.staged.pop(h, None)
-            if entry is not None:
-                self.staged_bytes -= nbytes(entry[1])
+            if self._wanted.get(h):  # another waiting request's read counted it as found: kept for
+                if h in self.staged:  # that request (it may leave the device before that one's turn)
+                    self._kept_for_jobs.add(h)
+            else:
+                entry = self.staged.pop(h, None)
+                if entry is not None:
+                    self.staged_bytes -= nbytes(entry[1])
         for t in self.tiers:
             if t.name == source:
                 t.stats.count(promotions=1)
