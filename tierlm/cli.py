@@ -22,6 +22,9 @@ def at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]
     return parse
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from tierlm.kv.policies import DEFAULT_POLICY, POLICIES
 
@@ -126,7 +129,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tierlm", description="tierlm: multi-tenant LLM inference server")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="debug | info | warning | error | critical (any case; default: info)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")

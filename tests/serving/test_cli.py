@@ -213,3 +213,24 @@ def test_a_second_sigterm_quits_at_once_as_a_second_sigint_does(first, second):
     assert server.should_exit and not server.force_exit  # the first one drains
     server.handle_exit(second, None)
     assert server.force_exit
+
+
+@pytest.mark.parametrize("level", ["LOUD", "", "verbose"])
+def test_an_unknown_log_level_is_refused(level, capsys):
+    """It used to fall back to INFO silently."""
+    from tierlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--log-level", level, "kv", "ls", "/nonexistent"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --log-level: invalid choice" in err and err.count("error:") == 1
+
+
+@pytest.mark.parametrize("level", ["debug", "INFO", "Warning", "error", "critical"])
+def test_log_levels_are_taken_in_any_case(level):
+    from tierlm.cli import build_parser
+
+    args = build_parser().parse_args(["--log-level", level, "kv", "ls", "/nonexistent"])
+    assert args.log_level == level.upper()
+
