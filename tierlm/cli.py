@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command (`args.func`): bad input or a missing file is one line and exit
-    status 2, not a traceback. Also the entry of the modules runnable with `python -m`."""
+    status 2, not a traceback; Ctrl-C is exit status 130 (as a shell reports SIGINT), also without one:
+    `serve` has shut down gracefully and saved its KV cache by the time uvicorn re-raises it.
+    Also the entry of the modules runnable with `python -m`."""
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -191,6 +193,8 @@ def run_command(args: argparse.Namespace) -> int:
                                           exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -234,3 +234,22 @@ def test_log_levels_are_taken_in_any_case(level):
     args = build_parser().parse_args(["--log-level", level, "kv", "ls", "/nonexistent"])
     assert args.log_level == level.upper()
 
+
+@pytest.mark.slow
+def test_ctrl_c_stops_serve_quietly_with_130_and_keeps_the_kv_cache(tmp_path):
+    """SIGINT (Ctrl-C) shut down as gracefully as SIGTERM, but uvicorn re-raises it afterwards and
+    the process ended in a KeyboardInterrupt traceback; the KV cache must still reach the disk."""
+    port, kv = free_port(), tmp_path / "kv"
+    proc = serve("--port", str(port), "--kv-disk-dir", str(kv), "--shutdown-timeout", "1")
+    try:
+        wait_ready(proc, port, time.monotonic() + 120)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tierlm-demo", "prompt": "hello " * 40, "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert "Application shutdown complete" in out
+    assert re.search(r"wrote [1-9]\d* cached blocks .* down to the disk tier", out), out
