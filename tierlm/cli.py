@@ -22,6 +22,23 @@ def at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]
     return parse
 
 
+def in_range(kind: Callable[[str], float], low: float, high: float | None = None, *,
+             low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text within [low, high] ((low, high] with `low_open`),
+    refused (and NaN) with argparse's one-line error naming the flag, before anything loads."""
+    def parse(text: str) -> float:
+        value = kind(text)
+        ok = (value > low if low_open else value >= low) and (high is None or value <= high)
+        if not ok:  # NaN fails every comparison
+            if high is None:
+                raise argparse.ArgumentTypeError(f"must be {'more than' if low_open else 'at least'} {low:g}, "
+                                                 f"got {text}")
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -96,11 +113,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.model is None:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
+    # Checked before the model loads (seconds to minutes); the parser already checked each flag's range.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed if args.temperature > 0 else None)
+    params.validate()
     kw = engine_kwargs(args)
     kw["max_num_seqs"] = 1 if args.max_num_seqs == 64 else args.max_num_seqs  # one prompt: size KV for one
     engine = AsyncEngine.from_model(args.model, **kw)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed if args.temperature > 0 else None)
 
     async def run() -> None:
         await engine.start()
@@ -136,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     _add_engine_args(g)
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=in_range(int, 1), default=64)
+    g.add_argument("--temperature", type=in_range(float, 0, 100), default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=in_range(float, 0, 1, low_open=True), default=1.0)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(func=_generate)
 

@@ -235,6 +235,25 @@ def test_log_levels_are_taken_in_any_case(level):
     assert args.log_level == level.upper()
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--max-tokens", "0", "must be at least 1, got 0"),
+    ("--temperature", "-1", "must be in [0, 100], got -1"),
+    ("--top-p", "0", "must be in (0, 1], got 0"),
+    ("--top-p", "1.5", "must be in (0, 1], got 1.5"),
+    ("--top-p", "nan", "must be in (0, 1], got nan"),
+])
+def test_generate_refuses_bad_sampling_flags_before_the_model_loads(flag, value, says, capsys):
+    """They were checked only when the first request ran, after the model had loaded (17-30 s),
+    and named `sampling parameter 'max_tokens'` rather than the flag."""
+    from tierlm.cli import main
+
+    with pytest.raises(SystemExit) as e:  # the parser's refusal: nothing has loaded
+        main(["generate", "hi", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: {says}" in err and err.count("error:") == 1
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_serve_quietly_with_130_and_keeps_the_kv_cache(tmp_path):
     """SIGINT (Ctrl-C) shut down as gracefully as SIGTERM, but uvicorn re-raises it afterwards and
