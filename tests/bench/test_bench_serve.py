@@ -415,6 +415,8 @@ def test_out_of_range_options_are_refused_by_the_parser(bench, flags, says, tmp_
     (["--endpoint", "/v1/chat/completions", "--prompt-format", "ids"],
      "--prompt-format ids is for the OpenAI completions route only, not --endpoint /v1/chat/completions"),
     (["--api", "anthropic", "--logprobs", "1"], "--logprobs applies to the OpenAI API only"),
+    (["--trace", "no-such-trace.jsonl"], "cannot read --trace no-such-trace.jsonl: No such file or directory; "
+                                         "give a Mooncake JSONL trace file"),
 ])
 def test_conflicting_options_are_refused_before_any_request(bench, flags, says, tmp_path, capsys):
     """Port 1 has no server: had bench connected first, the error would be about that. Anthropic
@@ -426,6 +428,17 @@ def test_conflicting_options_are_refused_before_any_request(bench, flags, says, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: {says}" in err and err.count("error:") == 1 and "Connect" not in err
+
+
+def test_an_unreachable_server_is_named_with_what_to_do(tmp_path, capsys):
+    """It printed httpx's bare `error: All connection attempts failed`."""
+    from tierlm.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "1", "--input-len", "4",
+                 "--json", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot reach the server at http://127.0.0.1:1 (ConnectError: " in err
+    assert "check the URL and that the server is running" in err
 
 
 @pytest.mark.parametrize("bench", ["serve", "sweep"])

@@ -119,14 +119,17 @@ def trace_requests(path: str | Path, n: int, scaling: TraceScaling, *, start: in
     if scaling.block_tokens < 1:
         raise ValueError("--trace-block-tokens must be >= 1")
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if len(rows) >= n:
-                break
-            if line.strip():
-                rows.append(json.loads(line))
+    try:
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if i < start:
+                    continue
+                if len(rows) >= n:
+                    break
+                if line.strip():
+                    rows.append(json.loads(line))
+    except OSError as e:
+        raise ValueError(f"cannot read --trace {path}: {e.strerror or e}; give a Mooncake JSONL trace file") from None
     if not rows:
         raise ValueError(f"trace {path} has no requests from line {start}; check --trace and --trace-start")
     t0 = rows[0]["timestamp"]
@@ -558,7 +561,11 @@ async def discover_model(base_url: str, api_key: str | None) -> str:
     if api_key:
         headers.update({"authorization": f"Bearer {api_key}", "x-api-key": api_key})
     async with httpx.AsyncClient(timeout=30.0) as client:
-        r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        try:
+            r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        except httpx.TransportError as e:
+            raise ValueError(f"cannot reach the server at {base_url} ({type(e).__name__}: {e}); check the URL "
+                             "and that the server is running") from None
         r.raise_for_status()
         data = r.json().get("data") or []
     if not data:
