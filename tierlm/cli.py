@@ -22,6 +22,26 @@ def at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]
     return parse
 
 
+def in_range(kind: Callable[[str], float], low: float, high: float | None = None, *,
+             low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text within [low, high] ((low, high] with `low_open`),
+    refused (and NaN) with argparse's one-line error naming the flag, before anything loads."""
+    def parse(text: str) -> float:
+        value = kind(text)
+        ok = (value > low if low_open else value >= low) and (high is None or value <= high)
+        if not ok:  # NaN fails every comparison
+            if high is None:
+                raise argparse.ArgumentTypeError(f"must be {'more than' if low_open else 'at least'} {low:g}, "
+                                                 f"got {text}")
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from tierlm.kv.policies import DEFAULT_POLICY, POLICIES
 
@@ -93,11 +113,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.model is None:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
+    # Checked before the model loads (seconds to minutes); the parser already checked each flag's range.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed if args.temperature > 0 else None)
+    params.validate()
     kw = engine_kwargs(args)
     kw["max_num_seqs"] = 1 if args.max_num_seqs == 64 else args.max_num_seqs  # one prompt: size KV for one
     engine = AsyncEngine.from_model(args.model, **kw)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed if args.temperature > 0 else None)
 
     async def run() -> None:
         await engine.start()
@@ -126,15 +148,16 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tierlm", description="tierlm: multi-tenant LLM inference server")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="debug | info | warning | error | critical (any case; default: info)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     _add_engine_args(g)
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=in_range(int, 1), default=64)
+    g.add_argument("--temperature", type=in_range(float, 0, 100), default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=in_range(float, 0, 1, low_open=True), default=1.0)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(func=_generate)
 
@@ -177,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command (`args.func`): bad input or a missing file is one line and exit
-    status 2, not a traceback. Also the entry of the modules runnable with `python -m`."""
+    status 2, not a traceback; Ctrl-C is exit status 130 (as a shell reports SIGINT), also without one:
+    `serve` has shut down gracefully and saved its KV cache by the time uvicorn re-raises it.
+    Also the entry of the modules runnable with `python -m`."""
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -187,6 +212,8 @@ def run_command(args: argparse.Namespace) -> int:
                                           exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

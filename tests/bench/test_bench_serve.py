@@ -383,3 +383,73 @@ def test_the_json_path_is_checked_before_any_load_is_sent(bench, tmp_path, capsy
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2 and f"--json {tmp_path} is a directory" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("bench", ["serve", "sweep"])
+@pytest.mark.parametrize("flags, says", [
+    (["--trace", str(TRACE), "--trace-start", "-3"], "argument --trace-start: must be at least 0, got -3"),
+    (["--trace", str(TRACE), "--trace-time-scale", "0"], "argument --trace-time-scale: must be more than 0, got 0"),
+    (["--output-len", "0"], "argument --output-len: must be at least 1, got 0"),
+    (["--num-warmups", "-1"], "argument --num-warmups: must be at least 0, got -1"),
+    (["--timeout", "0"], "argument --timeout: must be more than 0, got 0"),
+    (["--temperature", "-1"], "argument --temperature: must be at least 0, got -1"),
+    (["--logprobs", "-1"], "argument --logprobs: must be in [0, 20], got -1"),
+    (["--logprobs", "21"], "argument --logprobs: must be in [0, 20], got 21"),
+])
+def test_out_of_range_options_are_refused_by_the_parser(bench, flags, says, tmp_path, capsys):
+    """They were taken, and the run then sent requests built from them (a negative trace start
+    read from the first line, a zero timeout failed every request)."""
+    from tierlm.cli import main
+
+    argv = ["bench", bench, "--base-url", "http://127.0.0.1:1", "--json", str(tmp_path / "o.json"), *flags]
+    with pytest.raises(SystemExit) as e:
+        main(argv + (["--slo", "ttft_ms=1000"] if bench == "sweep" else []))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {says}" in err and err.count("error:") == 1
+
+
+@pytest.mark.parametrize("bench", ["serve", "sweep"])
+@pytest.mark.parametrize("flags, says", [
+    (["--api", "anthropic", "--prompt-format", "ids"],
+     "--prompt-format ids is for the OpenAI completions route only, not --api anthropic"),
+    (["--endpoint", "/v1/chat/completions", "--prompt-format", "ids"],
+     "--prompt-format ids is for the OpenAI completions route only, not --endpoint /v1/chat/completions"),
+    (["--api", "anthropic", "--logprobs", "1"], "--logprobs applies to the OpenAI API only"),
+    (["--trace", "no-such-trace.jsonl"], "cannot read --trace no-such-trace.jsonl: No such file or directory; "
+                                         "give a Mooncake JSONL trace file"),
+])
+def test_conflicting_options_are_refused_before_any_request(bench, flags, says, tmp_path, capsys):
+    """Port 1 has no server: had bench connected first, the error would be about that. Anthropic
+    with token-id prompts used to send the whole run and fail every request on it."""
+    from tierlm.cli import main
+
+    argv = ["bench", bench, "--base-url", "http://127.0.0.1:1", "--model", "m", "--json", str(tmp_path / "o.json"),
+            *flags] + (["--slo", "ttft_ms=1000"] if bench == "sweep" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {says}" in err and err.count("error:") == 1 and "Connect" not in err
+
+
+def test_an_unreachable_server_is_named_with_what_to_do(tmp_path, capsys):
+    """It printed httpx's bare `error: All connection attempts failed`."""
+    from tierlm.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "1", "--input-len", "4",
+                 "--json", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot reach the server at http://127.0.0.1:1 (ConnectError: " in err
+    assert "check the URL and that the server is running" in err
+
+
+@pytest.mark.parametrize("bench", ["serve", "sweep"])
+def test_when_every_request_fails_the_first_error_is_on_the_console(bench, tmp_path, capsys):
+    """With --model given nothing is asked before the run; its failures were only in the JSON."""
+    from tierlm.cli import main
+
+    argv = ["bench", bench, "--base-url", "http://127.0.0.1:1", "--model", "m", "--num-prompts", "2",
+            "--input-len", "4", "--num-warmups", "0", "--json", str(tmp_path / "o.json")]
+    rc = main(argv + (["--slo", "ttft_ms=1000", "--request-rates", "inf"] if bench == "sweep" else ["--no-plot"]))
+    err = capsys.readouterr().err
+    assert rc == (1 if bench == "serve" else 0)
+    assert ("error: all 2 requests to http://127.0.0.1:1/v1/completions failed; the first: ConnectError: "
+            in err), err

@@ -120,3 +120,12 @@ def test_bench_outputs_are_checked_before_the_run(bench, tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and says in err and "Traceback" not in err, err
     assert not (tmp_path / "no-model").exists() and not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--threads", "-2"), ("--repeat", "0")])
+def test_bench_throughput_refuses_fewer_than_one_thread_or_run(flag, value, tmp_path, capsys):
+    """--threads 0 was read as "torch's default" (a falsy value), undocumented. (The missing model
+    makes a run that is not refused up front end at once.)"""
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "throughput", "--model", str(tmp_path / "none"), flag, value, "--json", "unused.json"])
+    assert ended.value.code == 2 and f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err

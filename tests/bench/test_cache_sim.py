@@ -263,7 +263,7 @@ def test_cli_parses_and_runs(tiny_trace: str, tmp_path, capsys) -> None:
     written = json.loads(out_json.read_text())
     assert len(written["results"]) == 2 * 2 * 4 and written["seed"] == 3  # + belady, oracle_pop
     assert written["trace"] == ["tiny", "other"]
-    for bad in ("x", "0", "10,-5", ","):
+    for bad in ("x", "0", "10,-5", ",", "10,,20", "10,", ""):  # an empty item was skipped
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", "cache", "--trace", tiny_trace, "--capacities", bad])
         assert "block counts of at least 1" in capsys.readouterr().err

@@ -213,3 +213,62 @@ def test_a_second_sigterm_quits_at_once_as_a_second_sigint_does(first, second):
     assert server.should_exit and not server.force_exit  # the first one drains
     server.handle_exit(second, None)
     assert server.force_exit
+
+
+@pytest.mark.parametrize("level", ["LOUD", "", "verbose"])
+def test_an_unknown_log_level_is_refused(level, capsys):
+    """It used to fall back to INFO silently."""
+    from tierlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--log-level", level, "kv", "ls", "/nonexistent"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --log-level: invalid choice" in err and err.count("error:") == 1
+
+
+@pytest.mark.parametrize("level", ["debug", "INFO", "Warning", "error", "critical"])
+def test_log_levels_are_taken_in_any_case(level):
+    from tierlm.cli import build_parser
+
+    args = build_parser().parse_args(["--log-level", level, "kv", "ls", "/nonexistent"])
+    assert args.log_level == level.upper()
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--max-tokens", "0", "must be at least 1, got 0"),
+    ("--temperature", "-1", "must be in [0, 100], got -1"),
+    ("--top-p", "0", "must be in (0, 1], got 0"),
+    ("--top-p", "1.5", "must be in (0, 1], got 1.5"),
+    ("--top-p", "nan", "must be in (0, 1], got nan"),
+])
+def test_generate_refuses_bad_sampling_flags_before_the_model_loads(flag, value, says, capsys):
+    """They were checked only when the first request ran, after the model had loaded (17-30 s),
+    and named `sampling parameter 'max_tokens'` rather than the flag."""
+    from tierlm.cli import main
+
+    with pytest.raises(SystemExit) as e:  # the parser's refusal: nothing has loaded
+        main(["generate", "hi", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: {says}" in err and err.count("error:") == 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_serve_quietly_with_130_and_keeps_the_kv_cache(tmp_path):
+    """SIGINT (Ctrl-C) shut down as gracefully as SIGTERM, but uvicorn re-raises it afterwards and
+    the process ended in a KeyboardInterrupt traceback; the KV cache must still reach the disk."""
+    port, kv = free_port(), tmp_path / "kv"
+    proc = serve("--port", str(port), "--kv-disk-dir", str(kv), "--shutdown-timeout", "1")
+    try:
+        wait_ready(proc, port, time.monotonic() + 120)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tierlm-demo", "prompt": "hello " * 40, "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert "Application shutdown complete" in out
+    assert re.search(r"wrote [1-9]\d* cached blocks .* down to the disk tier", out), out

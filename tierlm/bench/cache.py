@@ -430,8 +430,8 @@ def plot_cache_results(out: dict, path: str) -> str:
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+    try:  # an empty item ("10,,20": a typo, or an unset variable) is refused, not skipped
+        values = [int(x) for x in text.split(",")]
     except ValueError:
         values = []
     if not values or min(values) < 1:

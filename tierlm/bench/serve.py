@@ -36,10 +36,13 @@ from typing import Any, AsyncIterator, Sequence
 import httpx
 import numpy as np
 
+from tierlm.cli import in_range
+
 PERCENTILES = (50, 90, 99)
 TRACE_BLOCK = 512  # tokens per hash_id in the Mooncake traces
 DEFAULT_TOKEN_RANGE = (100, 600)  # ids valid (and not special) in every tokenizer we target, the demo one included
 ANTHROPIC_VERSION = "2023-06-01"
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (tierlm's for both routes)
 
 # Words that are one or two tokens in common BPE vocabularies; text prompts are built from them.
 WORDS = (
@@ -116,14 +119,17 @@ def trace_requests(path: str | Path, n: int, scaling: TraceScaling, *, start: in
     if scaling.block_tokens < 1:
         raise ValueError("--trace-block-tokens must be >= 1")
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if len(rows) >= n:
-                break
-            if line.strip():
-                rows.append(json.loads(line))
+    try:
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if i < start:
+                    continue
+                if len(rows) >= n:
+                    break
+                if line.strip():
+                    rows.append(json.loads(line))
+    except OSError as e:
+        raise ValueError(f"cannot read --trace {path}: {e.strerror or e}; give a Mooncake JSONL trace file") from None
     if not rows:
         raise ValueError(f"trace {path} has no requests from line {start}; check --trace and --trace-start")
     t0 = rows[0]["timestamp"]
@@ -555,7 +561,11 @@ async def discover_model(base_url: str, api_key: str | None) -> str:
     if api_key:
         headers.update({"authorization": f"Bearer {api_key}", "x-api-key": api_key})
     async with httpx.AsyncClient(timeout=30.0) as client:
-        r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        try:
+            r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        except httpx.TransportError as e:
+            raise ValueError(f"cannot reach the server at {base_url} ({type(e).__name__}: {e}); check the URL "
+                             "and that the server is running") from None
         r.raise_for_status()
         data = r.json().get("data") or []
     if not data:
@@ -676,8 +686,8 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")
     p.add_argument("--api-key", default=None, help="default: $TIERLM_API_KEY, $OPENAI_API_KEY or $ANTHROPIC_API_KEY")
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--input-len", type=in_range(int, 1), default=256)
+    p.add_argument("--output-len", type=in_range(int, 1), default=64)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L·[1-r, 1+r]")
     p.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
                    help="token ids (exact lengths; OpenAI completions only) or text (lengths in words: ~1.3 "
@@ -690,22 +700,22 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--trace", default=None, help="Mooncake trace (.jsonl) to replay instead of random prompts")
-    p.add_argument("--trace-start", type=int, default=0, help="first trace line to replay")
+    p.add_argument("--trace-start", type=in_range(int, 0), default=0, help="first trace line to replay")
     p.add_argument("--trace-block-tokens", type=int, default=32, help="tokens per hash_id block (trace: 512)")
-    p.add_argument("--trace-time-scale", type=float, default=1.0, help="multiply trace timestamps")
+    p.add_argument("--trace-time-scale", type=in_range(float, 0, low_open=True), default=1.0, help="multiply trace timestamps")
     p.add_argument("--trace-output-scale", type=float, default=1.0, help="multiply trace output lengths")
     p.add_argument("--trace-max-input", type=int, default=None, help="cap on scaled input tokens")
     p.add_argument("--trace-max-output", type=int, default=None, help="cap on scaled output tokens")
     p.add_argument("--slo", default=None, help="goodput objective, e.g. ttft_ms=2000,tpot_ms=100")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly max_tokens (OpenAI routes; an extension vLLM and tierlm accept)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+    p.add_argument("--temperature", type=in_range(float, 0), default=0.0)
+    p.add_argument("--logprobs", type=in_range(int, 0, MAX_LOGPROBS), default=None, metavar="N",
                    help="OpenAI routes: ask for logprobs so every token is streamed as a chunk, even tokens "
-                        "that decode to no text (random-weight models whose vocab outruns the tokenizer)")
-    p.add_argument("--num-warmups", type=int, default=1 if sweep else 0,
+                        "that decode to no text (random-weight models whose vocab outruns the tokenizer); 0-20")
+    p.add_argument("--num-warmups", type=in_range(int, 0), default=1 if sweep else 0,
                    help="requests sent (and not counted) before the run")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=in_range(float, 0, low_open=True), default=600.0,
                    help="seconds a request may take in all (a slow stream is cut off too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, help="write the results here (plots go next to it)")
@@ -741,11 +751,30 @@ def token_range_of(args: argparse.Namespace) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-async def make_target(args: argparse.Namespace, base_url: str) -> Target:
-    api_key = api_key_from(args)
-    model = args.model or await discover_model(base_url, api_key)
+def check_args(args: argparse.Namespace) -> None:
+    """What the parser cannot see alone (options that conflict), refused before any connection:
+    otherwise every request of the run failed on it, one by one."""
+    chat = (args.endpoint or "").endswith("/chat/completions")
+    if args.prompt_format == "ids" and (args.api == "anthropic" or chat):
+        where = "--api anthropic" if args.api == "anthropic" else f"--endpoint {args.endpoint}"
+        raise ValueError(f"--prompt-format ids is for the OpenAI completions route only, not {where}; "
+                         "use --prompt-format text (or auto)")
     if args.logprobs is not None and args.api == "anthropic":
         raise ValueError("--logprobs applies to the OpenAI API only")
+
+
+def first_failure(results: Sequence[RequestResult], url: str) -> str | None:
+    """When no request completed: the first error, for the console (not only the JSON)."""
+    if any(r.ok for r in results):
+        return None
+    return next((f"all {len(results)} requests to {url} failed; the first: {r.error}" for r in results if r.error),
+                None)
+
+
+async def make_target(args: argparse.Namespace, base_url: str) -> Target:
+    check_args(args)
+    api_key = api_key_from(args)
+    model = args.model or await discover_model(base_url, api_key)
     return Target(base_url, args.api, model, endpoint=args.endpoint, api_key=api_key,
                   ignore_eos=args.ignore_eos, temperature=args.temperature, timeout=args.timeout,
                   logprobs=args.logprobs)
@@ -764,6 +793,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--request-rate and --burstiness must be positive, got {rate} and {args.burstiness}")
     from tierlm.bench.outputs import check_outputs
     check_outputs({"--json": args.json}, inputs=[args.trace] if args.trace else [])
+    check_args(args)
     requests = build_requests(args)
     warmups = warmup_requests(requests, args.num_warmups, args.seed, token_range_of(args))
     slo = SLO.parse(args.slo) if args.slo else None
@@ -778,6 +808,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                             max_concurrency=args.max_concurrency, seed=args.seed,
                                             warmups=warmups, progress=args.progress)
     summary = summarize(results, duration, slo)
+    if (failure := first_failure(results, target.url)) is not None:
+        print(f"error: {failure}", file=sys.stderr)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
     config.update(model=model, url=target.url, arrivals=arrivals)
     out = {**summary, "config": config, "requests": request_records(results)}

@@ -30,6 +30,8 @@ import httpx
 from tierlm.bench.serve import (
     SLO,
     build_requests,
+    check_args,
+    first_failure,
     make_target,
     request_records,
     run_benchmark,
@@ -112,6 +114,8 @@ async def sweep_server(args: argparse.Namespace, url: str, rates: list[float], s
         print(f"  rate {rate:>6g} req/s: goodput {summary['goodput']:.3f} req/s, "
               f"p99 TTFT {_fmt(summary['ttft_ms']['p99'])} ms, p99 TPOT {_fmt(summary['tpot_ms']['p99'])} ms, "
               f"{summary['failed']} failed", file=sys.stderr, flush=True)
+        if (failure := first_failure(results, target.url)) is not None:
+            print(f"  error: {failure}", file=sys.stderr, flush=True)
     return runs
 
 
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slo = SLO.parse(args.slo)
     from tierlm.bench.outputs import check_outputs
     check_outputs({"--json": args.json}, inputs=[args.trace] if args.trace else [])  # before minutes of load
+    check_args(args)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(_servers_run(args, rates, slo, out))

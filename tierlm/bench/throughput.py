@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm.cli import in_range
 from tierlm.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -271,9 +272,10 @@ def add_cli(sub) -> None:
                    help="device KV pool: a size ('8GiB'), a count ('2000 blocks') or bytes")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=in_range(int, 1), default=1,
                    help="run each engine N times, alternating; report the best run of each (noisy machines)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
+    p.add_argument("--threads", type=in_range(int, 1), default=None,
+                   help="torch threads for both engines, at least 1 (default: torch's)")
     p.add_argument("--device", default="auto", help="where both engines run: auto (CUDA if present) | cpu | cuda[:N]")
     p.add_argument("--compute-dtype", default="auto", help="tierlm's compute dtype (auto | bfloat16 | float32 ...)")
     p.add_argument("--temperature", type=float, default=0.0,
