@@ -1390,6 +1390,7 @@ def test_prefetch_jobs_settle_cancel_and_stay_within_staging_bytes(tmp_path):
     assert disk.stats.hits == 1
     source, data, _ = store.fetch(h0)
     assert source == "disk" and torch.equal(data, d0) and disk.stats.hits == 1  # served from staging
+    store.settle(first)  # its request admitted (another live read would keep h0 staged for its own)
     store.promoted(h0, "disk")
     assert not store.staged and disk.stats.promotions == 1
     whole = store.prefetch([h0, h1, h2])

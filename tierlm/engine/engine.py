@@ -538,10 +538,12 @@ class LLMEngine:
 
     def persist_kv(self) -> int:
         """With a disk tier: move every cached block from the device and host memory down to it
-        and wait for the writes, so the next engine on this directory starts warm. Chains leave
-        the device tail first, so host memory holds the heads of the chains whose tails are on
-        disk: without this, what a restart finds on disk is mostly unreachable tails. Returns the
-        blocks moved; requests still running keep theirs."""
+        and wait for the writes, so the next engine on this directory starts warm. While serving,
+        chains leave the device tail first, so host memory holds the heads of the chains whose
+        tails are on disk: without writing it down too, what a restart finds on disk is mostly
+        unreachable tails. The device's blocks go heads first here, so writes cut short by the
+        shutdown's deadline still leave prefixes a restart can hit. Returns the blocks moved;
+        requests still running keep theirs."""
         if self.store is None or self.store.closed or not any(isinstance(t, DiskTier) for t in self.store.tiers):
             return 0
         t0, dropped = time.monotonic(), self.store.dropped()
@@ -551,7 +553,7 @@ class LLMEngine:
             log.info("KV %s: writing up to %d cached blocks from the device and host memory down to the disk tier",
                      self.model_name, len(self.pool.cached) + in_host)
         with self.store.lossless():  # past the writer's backlog, wait for room: dropped before
-            device = self.pool.evict_all()
+            device = self.pool.evict_all(heads_first=True)  # what lands first is reachable if cut short
             for level, _ in hosts:
                 self.store.spill(level)
         landed, lost = self.store.flush(), self.store.dropped() - dropped

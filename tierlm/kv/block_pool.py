@@ -128,13 +128,15 @@ class BlockPool:
 
     EVICT_ALL_BATCH = 64  # blocks per `on_evict` call when the whole cache goes
 
-    def evict_all(self) -> int:
+    def evict_all(self, heads_first: bool = False) -> int:
         """Evict every cached, unreferenced block (demoting them through `on_evict`); returns how
-        many. Chain heads go first, so that a shutdown whose writes are cut short leaves a
-        reachable prefix below, not tails (the policy's order, tails first, left nothing a restart
-        could hit). In batches: one batch of a whole pool was gathered on the device in one piece
-        (a second pool's worth of device memory) and copied to host at once."""
-        victims = self._take(self._num_evictable)[::-1]  # a parent leaves after its children: reversed, before
+        many. In the policy's order (a chain's tail first, so host memory keeps the heads), or with
+        `heads_first` the reverse: a shutdown whose writes are cut short then leaves prefixes a
+        restart can hit, not tails. In batches: one batch of a whole pool was gathered on the
+        device in one piece (a second pool's worth of device memory) and copied to host at once."""
+        victims = self._take(self._num_evictable)
+        if heads_first:
+            victims.reverse()  # a parent leaves after its children: reversed, before
         for i in range(0, len(victims), self.EVICT_ALL_BATCH):
             self._hand_over(victims[i:i + self.EVICT_ALL_BATCH])
         self._free.extend(blk.block_id for blk in victims)
