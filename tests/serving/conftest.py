@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import httpx
 import pytest
 
 from tests.serving.harness import API_KEY, SMALL_BODY_LIMIT, ServerThread, record_requests
@@ -46,6 +47,13 @@ def scripted_server(scripted_engines) -> Iterator[ServerThread]:
     server = ServerThread(app).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def openai_client(scripted_server) -> Iterator[httpx.Client]:
+    """An HTTP client of the scripted server, with the key as OpenAI clients send it."""
+    with httpx.Client(base_url=scripted_server.url, timeout=30, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
 
 
 @pytest.fixture

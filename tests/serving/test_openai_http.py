@@ -9,7 +9,7 @@ import pytest
 
 import tierlm
 
-from tests.serving.harness import API_KEY, fail_after_steps, parse_sse, wait_until
+from tests.serving.harness import fail_after_steps, parse_sse, wait_until
 from tests.serving.scripted_model import (
     CALL_MODEL,
     COMPLETION_PROMPT,
@@ -29,9 +29,8 @@ USER = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture
-def client(scripted_server):
-    with httpx.Client(base_url=scripted_server.url, timeout=30, headers={"authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 @pytest.fixture

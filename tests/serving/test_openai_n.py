@@ -13,9 +13,8 @@ HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture
-def client(scripted_server):
-    with httpx.Client(base_url=scripted_server.url, timeout=30, headers={"authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 def reply_len(scripted_models, text):
