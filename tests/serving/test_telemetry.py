@@ -84,14 +84,17 @@ def scripted_app(telemetry: Telemetry):
         rt.on_engine_request("m1", SamplingParams(max_tokens=4, temperature=0.5, top_p=0.9))
         t0 = time.monotonic()
         times = dict(arrival_time=t0, first_scheduled_time=t0 + 0.005, first_token_time=t0 + 0.025)
+        choices = int(request.query_params.get("choices", 1))  # OpenAI `n`: one engine request each
         for i in range(4):
-            time.sleep(0.01)
-            if i == 1 and request.query_params.get("midstream"):
-                from tierlm.serving.errors import Overloaded
-                rt.on_error(Overloaded("overloaded"))
-                return JSONResponse({"partial": True})  # the stream's 200 already went out
-            rt.on_delta(StreamDelta("r", "x", [7], finished=i == 3, finish_reason="length" if i == 3 else None,
-                                    num_prompt_tokens=12, num_cached_tokens=4, num_output_tokens=i + 1, **times))
+            for c in range(choices):
+                time.sleep(0.01)
+                if i == 1 and request.query_params.get("midstream"):
+                    from tierlm.serving.errors import Overloaded
+                    rt.on_error(Overloaded("overloaded"))
+                    return JSONResponse({"partial": True})  # the stream's 200 already went out
+                rt.on_delta(StreamDelta(f"r-{c}" if choices > 1 else "r", "x", [7], finished=i == 3,
+                                        finish_reason="length" if i == 3 else None, num_prompt_tokens=12,
+                                        num_cached_tokens=4, num_output_tokens=i + 1, **times))
         return JSONResponse({"ok": True})
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
@@ -140,6 +143,22 @@ async def test_request_metrics_count_tokens_and_latencies():
     assert 0.009 <= itl_mean < 0.05
     assert value(s, "tierlm:time_to_first_token_seconds_sum", **lbl) / 2 >= 0.009
     assert value(s, "tierlm:time_to_first_token_seconds_bucket", le="0.005", **lbl) == 0
+
+
+async def test_the_choices_of_one_request_count_their_own_token_gaps():
+    """OpenAI `n`: the choices share one request's record; each choice's gaps were measured from
+    whichever choice spoke last (a quarter of the real gap with n=4), and a choice's first token
+    counted as a gap."""
+    tel = Telemetry(log_requests=False)
+    app = scripted_app(tel)
+    assert (await _post(app, "/v1/completions?choices=2")).status_code == 200
+    s = samples((await _get(app, "/metrics")).text)
+    lbl = dict(model="m1", tenant="default")
+    assert value(s, "tierlm:generation_tokens_total", **lbl) == 8
+    assert value(s, "tierlm:request_generation_tokens_sum", **lbl) == 8  # both choices' tokens
+    assert value(s, "tierlm:inter_token_latency_seconds_count", **lbl) == 6  # 3 gaps per choice (7 before)
+    itl_mean = value(s, "tierlm:inter_token_latency_seconds_sum", **lbl) / 6
+    assert 0.019 <= itl_mean < 0.1  # each choice speaks every 20 ms (10 ms before)
 
 
 async def test_midstream_error_counts_with_the_error_status():

@@ -283,6 +283,7 @@ class RequestTelemetry:
     # Engine request id -> its output tokens so far: the choices of one HTTP request each report
     # their own running count (the last to report stood for all of them).
     _outputs: dict[str, int] = field(default_factory=dict)
+    _last_token: dict[str, float] = field(default_factory=dict)  # engine request id -> its last token's time
     finish_reason: str | None = None
     engine_arrival: float | None = None
     engine_first_scheduled: float | None = None
@@ -312,8 +313,8 @@ class RequestTelemetry:
                 metrics.ttft.labels(*lbl).observe(now - self.arrival)
                 metrics.prompt_tokens.labels(*lbl).inc(delta.num_prompt_tokens)
                 metrics.prefix_cache_hit_tokens.labels(*lbl).inc(delta.num_cached_tokens)
-            elif self.last_token_at is not None:
-                gap = (now - self.last_token_at) / n
+            if delta.request_id in self._last_token:  # a choice's gaps from its own previous token
+                gap = (now - self._last_token[delta.request_id]) / n
                 itl = metrics.itl.labels(*lbl)
                 for _ in range(n):
                     itl.observe(gap)
@@ -321,7 +322,7 @@ class RequestTelemetry:
         if n:
             if self.first_token_at is None:
                 self.first_token_at = now
-            self.last_token_at = now
+            self.last_token_at = self._last_token[delta.request_id] = now
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self._outputs[delta.request_id] = delta.num_output_tokens
