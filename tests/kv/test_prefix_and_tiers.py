@@ -1457,6 +1457,37 @@ def test_readers_of_a_burst_sharing_a_prefix_read_each_block_once(tmp_path):
     store.close()
 
 
+def test_a_block_staged_just_before_its_read_is_settled_stays_for_the_admission(tmp_path):
+    """A reviewer's case, one step earlier than the last: the reader had staged block 2 but not
+    yet added it to its run when the request was admitted; the reader's clean-up then unstaged
+    it, and the admission took 2 blocks of 3 found."""
+    import threading
+
+    store = TieredStore([DiskTier(tmp_path / "kv", 100)], read_timeout_s=0.2)
+    blocks = _chain(4)
+    for h, parent, data in blocks:
+        store.demote(h, parent, data)
+    store.flush()
+    hashes = [h for h, _, _ in blocks]
+    staged, go, find = threading.Event(), threading.Event(), store._find
+
+    def paused_after_block_2(h, *a, **kw):  # staged by `_find`, not yet in the job's run
+        found = find(h, *a, **kw)
+        if h == hashes[2]:
+            staged.set()
+            assert go.wait(5)
+        return found
+
+    store._find = paused_after_block_2
+    job = store.prefetch(hashes)
+    assert staged.wait(5)
+    store.settle(job)  # admitted now
+    go.set()
+    assert job.done.wait(5)
+    assert len(store.fetch_run(hashes, slow=False)) == 3  # 2 before
+    store.close()
+
+
 def test_a_block_one_request_takes_stays_staged_for_another_whose_read_found_it(tmp_path):
     """A fuzzer's case: a held request's read found its prefix staged by a sibling's read; the
     sibling was admitted and took the blocks out of staging, they then left the device for disk,

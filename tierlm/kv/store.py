@@ -389,8 +389,8 @@ class TieredStore:
                 hit = self._staged(t, h, ahead.fetch(index))
             else:
                 hit = self._read_once(t, h, job)
-            if hit is not None:
-                return hit
+            if hit is not None or (job is not None and job.cancelled):
+                return hit  # (a stopped job reads no further tier)
         return None
 
     def _staged(self, t, h: bytes, found: tuple[torch.Tensor, int | None] | None):
@@ -479,7 +479,12 @@ class TieredStore:
             self._recheck_kept(job.hashes[:job.found] if job.finished else job.hashes)
             if job.ended:
                 return
-            job.cancelled, job.settled_at = True, len(job.run)
+            # What its reader found by now: the run, and a block staged but not yet added to it
+            # (`_find` stages under this lock, `_find_run` appends after)
+            found = len(job.run)
+            while found < len(job.hashes) and job.hashes[found] in self.staged:
+                found += 1
+            job.cancelled, job.settled_at = True, found
             # Blame the tier only for its own round trip, not for time the job spent queued for
             # a reader (a burst of requests is no outage).
             # Not ended, the job is overdue (its request is admitted only then): the tier is
