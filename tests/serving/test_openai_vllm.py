@@ -272,3 +272,21 @@ def test_chat_template_kwargs_reach_the_template(thinking, monkeypatch):
                    json={**body, "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     assert "add_generation_prompt cannot be set here" in r.json()["error"]["message"]
+
+
+def test_best_of_below_n_and_template_arguments_in_chat_template_kwargs_are_refused(client):
+    """A reviewer's cases: `best_of` below `n` ran (vLLM refuses it), and `sanitize_control_tokens`
+    (an apply_chat_template argument the fixed list lacked) failed later as a template error."""
+    r = client.post("/v1/completions", json={"model": TEXT_MODEL, "prompt": "Hi", "n": 3, "best_of": 1,
+                                             "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    assert "best_of must be greater than or equal to n, got n=3 and best_of=1" in r.json()["error"]["message"]
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    own = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    name = "sanitize_control_tokens" if "sanitize_control_tokens" in own else "tokenize"  # (transformers 5)
+    r = client.post("/v1/chat/completions", json=chat(chat_template_kwargs={name: True}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    assert f"{name} cannot be set here" in r.json()["error"]["message"]

@@ -5,10 +5,11 @@ options that would silently change the meaning of the answer if ignored (JSON mo
 logit_bias, best_of > 1, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
 template, prompt truncation) are rejected with a 400 naming them. vLLM's extensions that tierlm
 can honour (stop_token_ids, include_stop_str_in_output, skip_special_tokens, and on chat
-continue_final_message / add_generation_prompt) are honoured as vLLM does.
+continue_final_message / add_generation_prompt / chat_template_kwargs) are honoured as vLLM does.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -43,11 +44,23 @@ ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-# apply_chat_template's own arguments: what the request's fields set, or what would break rendering.
-_TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+def _template_arguments() -> frozenset[str]:
+    """apply_chat_template's own arguments (what the request's fields set, or what would break
+    rendering), read from the installed transformers: a fixed list missed ones added since."""
+    names = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+    try:
+        from transformers import PreTrainedTokenizerBase
+
+        params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    return frozenset(names)
+
+
+_TEMPLATE_ARGUMENTS = _template_arguments()
 
 
 class FunctionCall(_Body):
@@ -361,7 +374,10 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_one(cls, value: int | None) -> int | None:
+    def _best_of_one(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value < n:  # as vLLM: the best of fewer than n cannot give n
+            raise ValueError(f"best_of must be greater than or equal to n, got n={n} and best_of={value}")
         if value is not None and value != 1:
             raise ValueError(f"only best_of=1 is supported (got {value})")
         return value
