@@ -132,11 +132,14 @@ def result(call_id="toolu_1"):
 # (body, words the message starts with, words it contains): each as Anthropic's API refuses it
 REFUSED = {
     "whitespace text block": (conversation({"role": "user", "content": [{"type": "text", "text": " \n"}]}),
-                              "messages.0.content.0.text: ", "text content blocks must contain non-whitespace text"),
+                              "messages.0: ", "text content blocks must contain non-whitespace text"),
+    "whitespace text blocks": (conversation({"role": "user", "content": [{"type": "text", "text": " "},
+                                                                        {"type": "text", "text": "\n"}]}),
+                               "messages.0: ", "text content blocks must contain non-whitespace text"),
     "whitespace string content": (conversation({"role": "user", "content": "  "}),
-                                  "messages.0.content: ", "text content blocks must contain non-whitespace text"),
-    "whitespace assistant turn": (conversation(USER, {"role": "assistant", "content": " "}, USER),
-                                  "messages.1.content: ", "text content blocks must contain non-whitespace text"),
+                                  "messages.0: ", "text content blocks must contain non-whitespace text"),
+    "whitespace system": (conversation(USER, system=[{"type": "text", "text": " "}]),
+                          "system: ", "text content blocks must contain non-whitespace text"),
     "empty text block": (conversation({"role": "user", "content": [{"type": "text", "text": ""}]}),
                          "messages.0.content.0.text: ", "text content blocks must be non-empty"),
     "duplicate tool names": (conversation(USER, tools=[WEATHER_TOOL, WEATHER_TOOL]),
@@ -161,6 +164,30 @@ REFUSED = {
     "tool_result with no tool_use before": (conversation(result("toolu_1")),
                                             "messages.0.content.0: ", "unexpected `tool_use_id`"),
 }
+
+
+# Accepted, as Anthropic's API accepts them (a false-refusal hunt's cases): a blank block beside
+# text, a blank assistant answer sent back (tierlm's own can be one: refusing it wedged the
+# conversation), a blank tool result, no MCP servers.
+ACCEPTED = {
+    "blank block beside text": conversation({"role": "user", "content": [{"type": "text", "text": "Summarise:"},
+                                                                         {"type": "text", "text": "\n"}]}),
+    "blank assistant answer sent back": conversation(USER, {"role": "assistant", "content": [{"type": "text",
+                                                                                            "text": " "}]}, USER),
+    "blank system block beside text": conversation(USER, system=[{"type": "text", "text": "Be brief."},
+                                                                 {"type": "text", "text": " "}]),
+    "blank tool result": conversation(USER, use(), {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"},
+                                                                      {"type": "text", "text": "\n"}]}]},
+        tools=[WEATHER_TOOL]),
+    "no MCP servers": conversation(USER, mcp_servers=[]),
+}
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_accepted_as_anthropic_accepts(client, name):
+    r = client.post("/v1/messages", json={**ACCEPTED[name], "max_tokens": 4})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("name", REFUSED)

@@ -226,6 +226,7 @@ THINKING_TEMPLATE = (  # Qwen3's switch: `enable_thinking=false` opens the answe
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{% if documents is defined and documents %}[{{ documents | length }} documents]{% endif %}"
 )
 
 
@@ -268,25 +269,34 @@ def test_chat_template_kwargs_reach_the_template(thinking, monkeypatch):
         assert r.status_code == 200, r.text
     prompts = [engine.tokenizer.decode(req.prompt_token_ids) for req in asked]
     assert ["<think>" in p for p in prompts] == [False, False, True]
+    # As vLLM: the kwargs may set add_generation_prompt and documents; tokenize is refused
+    docs = [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}]
+    for fields in ({"chat_template_kwargs": {"add_generation_prompt": False}}, {"documents": docs},
+                   {"chat_template_kwargs": {"documents": docs, "return_dict": True}}):
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30, json={**body, **fields})
+        assert r.status_code == 200, r.text
+    no_header, *with_docs = [engine.tokenizer.decode(req.prompt_token_ids) for req in asked[3:]]
+    assert "<|im_start|>assistant" not in no_header
+    assert all("[2 documents]" in p for p in with_docs)
     r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
-                   json={**body, "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}})
+                   json={**body, "chat_template_kwargs": {"tokenize": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
-    assert "add_generation_prompt cannot be set here" in r.json()["error"]["message"]
+    assert "tokenize cannot be set here" in r.json()["error"]["message"]
 
 
-def test_best_of_below_n_and_template_arguments_in_chat_template_kwargs_are_refused(client):
-    """A reviewer's cases: `best_of` below `n` ran (vLLM refuses it), and `sanitize_control_tokens`
-    (an apply_chat_template argument the fixed list lacked) failed later as a template error."""
+def test_best_of_n_and_output_arguments_in_chat_template_kwargs(client):
+    """A reviewer's and a false-refusal hunt's cases: `best_of` below `n` ran (OpenAI refuses
+    it), `best_of` equal to `n` was refused, and `sanitize_control_tokens` in
+    `chat_template_kwargs` failed later as a template error."""
     r = client.post("/v1/completions", json={"model": TEXT_MODEL, "prompt": "Hi", "n": 3, "best_of": 1,
                                              "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     assert "best_of must be greater than or equal to n, got n=3 and best_of=1" in r.json()["error"]["message"]
-    import inspect
-
-    from transformers import PreTrainedTokenizerBase
-
-    own = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    name = "sanitize_control_tokens" if "sanitize_control_tokens" in own else "tokenize"  # (transformers 5)
-    r = client.post("/v1/chat/completions", json=chat(chat_template_kwargs={name: True}))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
-    assert f"{name} cannot be set here" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": TEXT_MODEL, "prompt": "Hi", "n": 2, "best_of": 2,
+                                             "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2  # the best 2 of 2: the 2 themselves
+    # apply_chat_template's arguments about tokenized output change no text: left out, not a
+    # template error (sanitize_control_tokens=True failed rendering before)
+    r = client.post("/v1/chat/completions", json=chat(chat_template_kwargs={"sanitize_control_tokens": True,
+                                                                            "return_dict": True}))
+    assert r.status_code == 200, r.text

@@ -107,7 +107,7 @@ def test_count_tokens_needs_no_max_tokens():
     ({"model": "m", "messages": [{"role": [{"a": 1}], "content": "x"}]}, "messages.0.role", ""),
     ({"model": "m", "messages": USER, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"model": "m", "messages": USER, "max_completion_tokens": -5}, "max_completion_tokens", "greater"),
-    ({"model": "m", "messages": USER, "n": 17}, "n", "between 1 and 16"),
+    ({"model": "m", "messages": USER, "n": 129}, "n", "between 1 and 128"),
     ({"model": "m", "messages": USER, "stop": ""}, "stop", "empty"),
     ({"model": "m", "messages": USER, "stop": ["a", ""]}, "stop", "empty"),
     ({"model": "m", "messages": USER, "stop": ["a"] * 65}, "stop", "at most 64 strings"),

@@ -104,6 +104,8 @@ async def count_tokens(request: Request) -> Response:
 async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True) -> ChatPrompt:
     """The request as a rendered prompt; `check_length` refuses one certainly too long for the context."""
     check_blocks(body)
+    if isinstance(body.system, list) and _only_blank_text(body.system):
+        raise InvalidRequest("system: text content blocks must contain non-whitespace text", param="system")
     check_tool_pairing(body)
     messages = template_messages(body)
     choice = body.tool_choice.type if body.tool_choice else "auto"
@@ -131,7 +133,13 @@ def check_blocks(body: ConversationBody) -> None:
                 "assistant message",
                 param=f"messages.{i}",
             )
-        for j, block in enumerate(message.blocks()):
+        blocks = message.blocks()
+        if message.role == "user" and _only_blank_text(blocks):
+            # Anthropic's words. Not for assistant turns: a model's answer may be blank (tierlm's
+            # too), and refusing it when the client sends it back wedged the conversation.
+            raise InvalidRequest(f"messages.{i}: text content blocks must contain non-whitespace text",
+                                 param=f"messages.{i}")
+        for j, block in enumerate(blocks):
             where = f"messages.{i}.content.{j}"
             nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
             if isinstance(block, (ImageBlock, DocumentBlock)) or any(isinstance(b, ImageBlock) for b in nested):
@@ -145,6 +153,11 @@ def check_blocks(body: ConversationBody) -> None:
                 raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages", param=where)
             if isinstance(block, ToolResultBlock) and message.role == "assistant":
                 raise InvalidRequest(f"{where}: tool_result blocks belong in user messages", param=where)
+
+
+def _only_blank_text(blocks: list[Any]) -> bool:
+    """Text blocks only, each whitespace alone (the real API accepts a blank block beside others)."""
+    return bool(blocks) and all(isinstance(b, TextBlock) and not b.text.strip() for b in blocks)
 
 
 def check_tool_pairing(body: ConversationBody) -> None:

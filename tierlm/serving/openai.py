@@ -220,6 +220,11 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
     choice = body.tool_choice or "auto"
     use_tools = bool(body.tools) and choice != "none"
     named = isinstance(choice, NamedToolChoice)
+    add, cont, variables = body.template_settings()
+    if add and cont:  # (set so through chat_template_kwargs: the fields themselves are checked sooner)
+        raise InvalidRequest("chat_template_kwargs: continue_final_message cannot be true while "
+                             "add_generation_prompt is true; set add_generation_prompt to false",
+                             param="chat_template_kwargs")
     return await chat_prompt(
         engine,
         body.model,
@@ -227,9 +232,9 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
         call_required_by="required" if choice == "required" or named else None,
         tool_name=choice.function.name if named else None,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs,
+        add_generation_prompt=add,
+        continue_final_message=cont,
+        template_kwargs=variables,
     )
 
 

@@ -38,11 +38,11 @@ class _Body(BaseModel):
 
 
 def _non_empty_text(value: str) -> str:
-    """Anthropic's API refuses empty and whitespace-only text blocks, in these words."""
+    """Anthropic's API refuses empty text blocks, in these words. A whitespace-only block is
+    refused only where a user message or the system prompt holds nothing else
+    (anthropic.check_blocks): next to other text it is accepted, as there."""
     if value == "":
         raise ValueError("text content blocks must be non-empty")
-    if not value.strip():
-        raise ValueError("text content blocks must contain non-whitespace text")
     return value
 
 
@@ -128,8 +128,6 @@ def _check_content(value: Any) -> Any:
     assistant one, which may be empty."""
     if not isinstance(value, (str, list)):
         raise ValueError("content must be a string or a list of content blocks")
-    if isinstance(value, str) and value:  # a string is one text block
-        _non_empty_text(value)
     return value
 
 
@@ -223,7 +221,7 @@ class ConversationBody(_Body):
     @field_validator("mcp_servers")
     @classmethod
     def _no_mcp(cls, value: Any) -> Any:
-        if value is not None:
+        if value:  # (an empty list asks for none)
             raise ValueError("tierlm does not connect to MCP servers; remove 'mcp_servers' and pass the "
                              "servers' tools as client tools in 'tools'")
         return value

@@ -61,6 +61,8 @@ def _template_arguments() -> frozenset[str]:
 
 
 _TEMPLATE_ARGUMENTS = _template_arguments()
+# What `chat_template_kwargs` may not set (vLLM refuses the first two; the rest are the request's)
+_REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools"})
 
 
 class FunctionCall(_Body):
@@ -143,7 +145,7 @@ class ResponseFormat(_Body):
 
 
 MAX_STOP_TOKEN_IDS = 256
-MAX_N = 16  # choices per request (`n`)
+MAX_N = 128  # choices per request (`n`), OpenAI's bound
 
 # vLLM request fields tierlm cannot honour, and why (the rest of the refusal says "remove it").
 _REFUSED_VLLM_FIELDS = {
@@ -281,15 +283,28 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: more variables for the model's chat template (Qwen3's `enable_thinking`, ...);
     # ignored, the prompt (and the answer) differed from what the client asked for.
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render them (RAG)
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(value or ()) & _TEMPLATE_ARGUMENTS)
+        taken = sorted(set(value or ()) & _REFUSED_TEMPLATE_KWARGS)
         if taken:
-            raise ValueError(f"{', '.join(taken)} cannot be set here (tierlm sets {'it' if len(taken) == 1 else 'them'} "
-                             "from the request); use the request's own fields")
+            raise ValueError(f"{', '.join(taken)} cannot be set here; "
+                             + ("use the request's 'tools'" if taken == ["tools"] else "remove it"))
         return value
+
+    def template_settings(self) -> tuple[bool, bool, dict[str, Any]]:
+        """(add_generation_prompt, continue_final_message, the template's other variables): as
+        vLLM, `chat_template_kwargs` may set the first two and `documents`, over the request's
+        fields; apply_chat_template's arguments about tokenized output do not change the text,
+        and are left out."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        add = bool(kwargs.pop("add_generation_prompt", self.add_generation_prompt))
+        cont = bool(kwargs.pop("continue_final_message", self.continue_final_message))
+        if self.documents is not None:
+            kwargs.setdefault("documents", self.documents)
+        return add, cont, {k: v for k, v in kwargs.items() if k == "documents" or k not in _TEMPLATE_ARGUMENTS}
 
     @field_validator("continue_final_message")
     @classmethod
@@ -376,10 +391,10 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _best_of_one(cls, value: int | None, info: ValidationInfo) -> int | None:
         n = info.data.get("n") or 1
-        if value is not None and value < n:  # as vLLM: the best of fewer than n cannot give n
+        if value is not None and value < n:  # as OpenAI: the best of fewer than n cannot give n
             raise ValueError(f"best_of must be greater than or equal to n, got n={n} and best_of={value}")
-        if value is not None and value != 1:
-            raise ValueError(f"only best_of=1 is supported (got {value})")
+        if value is not None and value != n:  # best_of == n picks nothing: the n choices themselves
+            raise ValueError(f"only best_of equal to n is supported (got best_of={value}, n={n})")
         return value
 
 
