@@ -151,3 +151,20 @@ def test_the_request_log_counts_every_choices_tokens(client, scripted_models, ca
     each = reply_len(scripted_models, REPLY) + 1  # + EOS
     assert usage["completion_tokens"] == 3 * each
     assert line["output_tokens"] == 3 * each and line["prompt_tokens"] == usage["prompt_tokens"]  # `each` before
+
+
+async def test_the_choices_ready_together_are_sent_as_one_piece():
+    """A load tester's case: each step's n frames were n writes; into the socket of a client that
+    had gone, asyncio logged "socket.send() raised exception" hundreds of times."""
+    from tierlm.serving.openai import _interleaved
+
+    async def choice(i):
+        for k in range(3):
+            yield f"{i}.{k};".encode()
+
+    pieces = [p async for p in _interleaved([choice(i) for i in range(4)])]
+    assert len(pieces) < 12  # 12 writes before
+    got = b"".join(pieces).decode().split(";")[:-1]
+    assert sorted(got) == sorted(f"{i}.{k}" for i in range(4) for k in range(3))
+    for i in range(4):  # each choice's own frames in order
+        assert [g for g in got if g.startswith(f"{i}.")] == [f"{i}.{k}" for k in range(3)]
