@@ -215,7 +215,7 @@ def test_out_of_vocab_token_prompt_is_400(client):
 
 @pytest.mark.parametrize("path, payload, status, param", [
     ("/v1/chat/completions", chat(model="nope"), 404, "model"),
-    ("/v1/chat/completions", chat(n=17), 400, "n"),  # at most 16 choices
+    ("/v1/chat/completions", chat(n=129), 400, "n"),  # at most 128 choices, as OpenAI
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
     ("/v1/chat/completions", chat(max_tokens=10**6), 400, "messages"),  # context_length_exceeded, as OpenAI
