@@ -2,10 +2,10 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-logit_bias, best_of > 1, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
+logit_bias, best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
 template, prompt truncation) are rejected with a 400 naming them. vLLM's extensions that tierlm
 can honour (stop_token_ids, include_stop_str_in_output, skip_special_tokens, and on chat
-continue_final_message / add_generation_prompt / chat_template_kwargs) are honoured as vLLM does.
+continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
 """
 from __future__ import annotations
 
