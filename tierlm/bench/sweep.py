@@ -210,12 +210,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _main(args: argparse.Namespace) -> int:
+    """Exit status 2 for bad options, 1 when no request at any rate on any server completed (as
+    `bench serve`: a script running the sweep saw success), else 0."""
     try:
-        run(args)
+        result = run(args)
     except (ValueError, OSError, RuntimeError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    runs = [r for server in result["servers"].values() for r in server]
+    return 0 if any(r.get("completed") for r in runs) else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
