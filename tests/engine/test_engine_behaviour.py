@@ -675,6 +675,23 @@ def test_a_stop_token_ids_text_is_kept_only_with_include_stop_str_in_output(llm)
         assert decode(ref[:i + 1]) != decode(ref[:i])  # the token has text of its own
 
 
+def test_the_stopping_tokens_own_text_is_not_searched_for_stop_strings(llm):
+    """With include_stop_str_in_output, the stop token's text is added to the output; it was also
+    searched for stop strings, so a stop string inside it cut that text in half (and the reason
+    named the token while the text was cut at a string). vLLM stops on the token first."""
+    greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0].outputs[0].token_ids
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    # a token at its first appearance whose text is 2+ characters, the first of them new
+    i, own = next((i, decode(ref[:i + 1])[len(decode(ref[:i])):]) for i in range(1, len(ref))
+                  if ref[i] not in ref[:i] and len(decode(ref[:i + 1])[len(decode(ref[:i])):]) >= 2
+                  and decode(ref[:i + 1])[len(decode(ref[:i]))] not in decode(ref[:i]))
+    out = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[ref[i]], stop=[own[0]],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert out.token_ids == ref[:i + 1] and out.stop_reason == ref[i]
+    assert out.text == decode(ref[:i + 1])  # not cut after own[0]
+
+
 def test_min_tokens_holds_back_stop_tokens_and_stop_strings(llm):
     greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
     ref = llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0].outputs[0].token_ids
