@@ -457,6 +457,43 @@ def test_a_run_of_skipped_tokens_does_not_grow_the_window():
     assert d.text == "a\ufffd🙂" and d.starts == sorted(d.starts) and d.starts[5:] == [2, 2, 2, 2]
 
 
+class _WindowTok(_Tok):
+    """_Tok that remembers the longest run of tokens it was asked to decode."""
+
+    widest = 0
+
+    def decode(self, ids, **kwargs):
+        self.widest = max(self.widest, len(ids))
+        return super().decode(ids, **kwargs)
+
+
+def test_a_long_run_of_bytes_that_never_finish_a_character_is_read_as_it_comes():
+    """Garbage bytes (or a model repeating U+FFFD, spelled in bytes) end the text in U+FFFD after
+    every token: the whole run was held and decoded again with each new token, its cost growing
+    with the square of its length on the engine thread (4,000 tokens: 8.5 s), and nothing was
+    streamed until it ended. All but the last tokens of such a run are final: they are read on."""
+    run = [0x80] * 40 + list("🙂".encode()) + [0xFF] * 40 + list("é".encode())[:1] + [0x80] * 3000
+    tok = _WindowTok()
+    d = IncrementalDetokenizer(tok, [104, 105], stop=[], positions=True)
+    streamed = ""
+    for i, t in enumerate(run):
+        d.add(t)
+        streamed += d.delta(False)
+        if i == 2000:
+            assert len(streamed) > 1900  # streamed as it came
+    d.flush()
+    streamed += d.delta(True)
+    assert tok.widest < 32
+    assert streamed == d.text == tok.decode(run)  # "é" cut by 0x80: U+FFFD, not é
+    starts = d.starts
+    assert starts == sorted(starts) and starts[40:44] == [40] * 4 and starts[44] == 41  # 🙂's bytes at 🙂
+    # a stop string in it is found within a few tokens of where it ends (it was found only once
+    # the run ended), and the text is cut there
+    d = IncrementalDetokenizer(_WindowTok(), [104], stop=["\ufffd🙂\ufffd"])
+    at = next(i for i, t in enumerate(run) if d.add(t) is not None)
+    assert 44 <= at <= 54 and d.text == "\ufffd" * 39  # up to the stop string
+
+
 def test_a_prompt_ending_in_a_whole_replacement_character_does_not_repeat_it():
     prompt = list("odd \ufffd".encode())  # a literal U+FFFD, sent as text: whole, not unfinished
     d = IncrementalDetokenizer(_Tok(), prompt, stop=[])

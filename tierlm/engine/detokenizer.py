@@ -13,6 +13,7 @@ import weakref
 
 _CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
 _MAX_UNFINISHED = 3  # bytes of a UTF-8 character a prompt can end with (so tokens, at most)
+_MAX_HELD = 8  # tokens held for an unfinished character before the settled ones are read anyway
 _skipped: "weakref.WeakKeyDictionary[object, tuple[int, frozenset[int]]]" = weakref.WeakKeyDictionary()
 
 
@@ -129,15 +130,39 @@ class IncrementalDetokenizer:
         self._out.append(self._n_out - 1)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            start = self._read(prefix, full)
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        end = len(self.ids)
+        if full.endswith("\ufffd"):
+            end, full = self._settled(prefix, full)
+        if len(full) > len(prefix) and end > self.read_offset:
+            start = self._read(prefix, full, end)
+            self.prefix_offset, self.read_offset = self.read_offset, end
             return self._check_stop(start) if find_stop else None
         return None
 
-    def _read(self, prefix: str, full: str) -> int:
-        """Append the text the tokens from `read_offset` on add (`full` past `prefix`), place
-        them, and return where that text starts."""
+    def _settled(self, prefix: str, full: str) -> tuple[int, str]:
+        """(end, its text): the tokens held for an unfinished character that can be read all the
+        same. A character is at most 4 bytes and a token adds at least one, so of a long held run
+        (garbage bytes, a model repeating U+FFFD) all but the last 3 tokens are final: they are read
+        up to where their text agrees with the whole (not in a character that straddles the cut).
+        Else every new token decoded the whole run again, its cost growing with the square of its
+        length, on the engine's thread. (read_offset, prefix) while the run is short."""
+        n = len(self.ids)
+        if n - self.read_offset <= _MAX_HELD:
+            return self.read_offset, prefix
+        for end in range(n - _MAX_UNFINISHED, n - _MAX_UNFINISHED - 4, -1):
+            if end <= self.read_offset:
+                break
+            text = self._decode(self.ids[self.prefix_offset:end])
+            if len(text) > len(prefix) and full.startswith(text):
+                return end, text
+        # A decoder whose text of a run of bytes changes with what follows (byte fallback blanks
+        # a whole run that holds an invalid byte): the reference text is garbage there anyway.
+        end = n - _MAX_UNFINISHED
+        return end, self._decode(self.ids[self.prefix_offset:end])
+
+    def _read(self, prefix: str, full: str, end: int | None = None) -> int:
+        """Append the text the tokens from `read_offset` to `end` (all) add (`full` past
+        `prefix`), place them, and return where that text starts."""
         before = len(self.text)
         new, cut = full[len(prefix):], 0
         if self._echo:  # the first text read with a prompt's unfinished tail: less what is left of the
@@ -146,20 +171,21 @@ class IncrementalDetokenizer:
             new = new[cut:]
         self.text += new
         if self.positions:
-            self._place(prefix, full, before, cut)
+            self._place(prefix, full, before, cut, len(self.ids) if end is None else end)
         return before
 
-    def _place(self, prefix: str, full: str, before: int, cut: int) -> None:
+    def _place(self, prefix: str, full: str, before: int, cut: int, end: int) -> None:
         """Where each token just read begins: where the text read before it stops agreeing with
         the whole (a token finishing a character begins with it), or, where that text ends in a
         U+FFFD the whole keeps, in that U+FFFD if the token added no character to it (one more
         byte of a sequence that stays broken), else after it."""
         first = max(self.read_offset, self._n_ctx)
-        ms = range(first, len(self.ids))
+        ms = range(first, end)
         texts = [self._decode(self.ids[self.prefix_offset:m]) for m in ms] + [full]
         for j, m in enumerate(ms):
-            if m == self.read_offset:
-                continue  # the first token read begins the new text
+            if m == self.read_offset:  # the first token read begins the new text (placed when it
+                self.starts[self._out[m - self._n_ctx]] = before  # came, before a read of what came
+                continue  # ahead of it, if that was read while it was held)
             text = texts[j]
             agreed = len(os.path.commonprefix([text, full]))
             if agreed == len(text) and text.endswith("\ufffd") and texts[j + 1] == text:
@@ -167,11 +193,16 @@ class IncrementalDetokenizer:
             self.starts[self._out[m - self._n_ctx]] = before + max(0, agreed - len(prefix) - cut)
         if first < len(self.ids):
             self.placed_from = min(self.placed_from, self._out[first - self._n_ctx])
-        for i in self._late:  # where the token after it begins, or after the text read
-            after = [self.starts[o] for o in self._out[max(0, first - self._n_ctx):] if o > i]
-            self.starts[i] = after[0] if after else len(self.text)
-            self.placed_from = min(self.placed_from, i)
-        self._late.clear()
+        # A skipped token that came while text was held begins where the token after it does, or
+        # after the text read; one that came after the first token still held stays for later.
+        held = self._out[end - self._n_ctx] if end < len(self.ids) else None
+        read = self._out[max(0, first - self._n_ctx):end - self._n_ctx]
+        for i in self._late:
+            if held is None or i < held:
+                after = [self.starts[o] for o in read if o > i]
+                self.starts[i] = after[0] if after else len(self.text)
+                self.placed_from = min(self.placed_from, i)
+        self._late = [i for i in self._late if held is not None and i > held]
         starts = self.starts  # never before the token ahead (a literal U+FFFD spelled in byte tokens)
         for i in range(max(self.placed_from, 1), len(starts)):
             if starts[i] < starts[i - 1]:
