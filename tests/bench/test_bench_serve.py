@@ -389,6 +389,12 @@ def test_the_json_path_is_checked_before_any_load_is_sent(bench, tmp_path, capsy
 @pytest.mark.parametrize("flags, says", [
     (["--trace", str(TRACE), "--trace-start", "-3"], "argument --trace-start: must be at least 0, got -3"),
     (["--trace", str(TRACE), "--trace-time-scale", "0"], "argument --trace-time-scale: must be more than 0, got 0"),
+    (["--trace", str(TRACE), "--trace-output-scale", "-1"], "argument --trace-output-scale: must be more than 0, got -1"),
+    (["--trace", str(TRACE), "--trace-max-input", "0"], "argument --trace-max-input: must be at least 1, got 0"),
+    (["--trace", str(TRACE), "--trace-max-output", "-4"], "argument --trace-max-output: must be at least 1, got -4"),
+    (["--trace", str(TRACE), "--trace-block-tokens", "0"], "argument --trace-block-tokens: must be at least 1, got 0"),
+    (["--range-ratio", "1"], "argument --range-ratio: must be in [0, 1), got 1"),
+    (["--range-ratio", "nan"], "argument --range-ratio: must be in [0, 1), got nan"),
     (["--output-len", "0"], "argument --output-len: must be at least 1, got 0"),
     (["--num-warmups", "-1"], "argument --num-warmups: must be at least 0, got -1"),
     (["--timeout", "0"], "argument --timeout: must be more than 0, got 0"),

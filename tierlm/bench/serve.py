@@ -688,7 +688,7 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=in_range(int, 1), default=256)
     p.add_argument("--output-len", type=in_range(int, 1), default=64)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L·[1-r, 1+r]")
+    p.add_argument("--range-ratio", type=in_range(float, 0, 1, high_open=True), default=0.0, help="lengths uniform in L·[1-r, 1+r]")
     p.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
                    help="token ids (exact lengths; OpenAI completions only) or text (lengths in words: ~1.3 "
                         "tokens each with real tokenizers, ~3 with the demo model's); auto picks ids where possible")
@@ -701,11 +701,11 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--trace", default=None, help="Mooncake trace (.jsonl) to replay instead of random prompts")
     p.add_argument("--trace-start", type=in_range(int, 0), default=0, help="first trace line to replay")
-    p.add_argument("--trace-block-tokens", type=int, default=32, help="tokens per hash_id block (trace: 512)")
+    p.add_argument("--trace-block-tokens", type=in_range(int, 1), default=32, help="tokens per hash_id block (trace: 512)")
     p.add_argument("--trace-time-scale", type=in_range(float, 0, low_open=True), default=1.0, help="multiply trace timestamps")
-    p.add_argument("--trace-output-scale", type=float, default=1.0, help="multiply trace output lengths")
-    p.add_argument("--trace-max-input", type=int, default=None, help="cap on scaled input tokens")
-    p.add_argument("--trace-max-output", type=int, default=None, help="cap on scaled output tokens")
+    p.add_argument("--trace-output-scale", type=in_range(float, 0, low_open=True), default=1.0, help="multiply trace output lengths")
+    p.add_argument("--trace-max-input", type=in_range(int, 1), default=None, help="cap on scaled input tokens")
+    p.add_argument("--trace-max-output", type=in_range(int, 1), default=None, help="cap on scaled output tokens")
     p.add_argument("--slo", default=None, help="goodput objective, e.g. ttft_ms=2000,tpot_ms=100")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly max_tokens (OpenAI routes; an extension vLLM and tierlm accept)")
