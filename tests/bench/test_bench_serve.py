@@ -448,6 +448,37 @@ def test_an_unreachable_server_is_named_with_what_to_do(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bench", ["serve", "sweep"])
+def test_a_refused_model_lookup_is_one_line_with_what_to_do(bench, live_server, tmp_path, capsys, monkeypatch):
+    """Without --model, GET /v1/models is asked first; a 401 or 404 there printed httpx's two-line
+    status error (with a link to MDN) and said nothing of what to change."""
+    from tests.serving.harness import ServerThread
+    from tierlm.cli import main
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.telemetry import Telemetry
+
+    for name in ("TIERLM_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    engines = dict(live_server.app.state.tierlm.models.items())
+    keyed = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": "sk-key"}), manage_engines=False,
+                                   telemetry=Telemetry(log_requests=False))).start()
+    try:
+        for base_url, says in (
+            (keyed.url, f"error: GET {keyed.url}/v1/models answered 401 Unauthorized"),
+            (live_server.url + "/v1", f"error: GET {live_server.url}/v1/v1/models answered 404 Not Found"),
+        ):
+            argv = ["bench", bench, "--base-url", base_url, "--num-prompts", "1", "--json", str(tmp_path / "o.json")]
+            rc = main(argv + (["--slo", "ttft_ms=1000", "--request-rates", "1"] if bench == "sweep" else []))
+            err = capsys.readouterr().err
+            line = [l for l in err.splitlines() if l.startswith("error:")]
+            assert rc == 2 and len(line) == 1 and line[0].startswith(says), err
+            assert ("pass --api-key" if "401" in says else "check --base-url (the server's root, without /v1)") in err
+            assert "developer.mozilla" not in err
+    finally:
+        keyed.stop()
+
+
+@pytest.mark.parametrize("bench", ["serve", "sweep"])
 def test_when_every_request_fails_the_first_error_is_on_the_console(bench, tmp_path, capsys):
     """With --model given nothing is asked before the run; its failures were only in the JSON."""
     from tierlm.cli import main

@@ -555,19 +555,42 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], *, req
     return results, duration
 
 
+_WHAT_TO_DO = {
+    401: "pass --api-key or set $TIERLM_API_KEY",
+    403: "pass --api-key or set $TIERLM_API_KEY",
+    404: "check --base-url (the server's root, without /v1), or pass --model",
+}
+
+
+def _error_text(r: httpx.Response) -> str:
+    """The server's own error message (OpenAI and Anthropic shapes), first line, if it sent one."""
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f" ({str(message).splitlines()[0][:200]})" if message else ""
+
+
 async def discover_model(base_url: str, api_key: str | None) -> str:
     """The first model the server lists (`GET /v1/models`), for when --model is not given."""
     headers = {"anthropic-version": ANTHROPIC_VERSION}
     if api_key:
         headers.update({"authorization": f"Bearer {api_key}", "x-api-key": api_key})
+    url = base_url.rstrip("/") + "/v1/models"
     async with httpx.AsyncClient(timeout=30.0) as client:
         try:
-            r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+            r = await client.get(url, headers=headers)
         except httpx.TransportError as e:
             raise ValueError(f"cannot reach the server at {base_url} ({type(e).__name__}: {e}); check the URL "
                              "and that the server is running") from None
-        r.raise_for_status()
+    if r.is_error:  # one line, not httpx's two-line status error
+        raise ValueError(f"GET {url} answered {r.status_code} {r.reason_phrase}{_error_text(r)}; "
+                         + _WHAT_TO_DO.get(r.status_code, "check the server's log, or pass --model"))
+    try:
         data = r.json().get("data") or []
+    except (ValueError, AttributeError):
+        raise ValueError(f"GET {url} answered {r.status_code} but not with a model list; check --base-url "
+                         "(the server's root), or pass --model") from None
     if not data:
         raise ValueError(f"{base_url} lists no models; pass --model")
     return data[0]["id"]
