@@ -23,17 +23,19 @@ def at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]
 
 
 def in_range(kind: Callable[[str], float], low: float, high: float | None = None, *,
-             low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: `kind` of the text within [low, high] ((low, high] with `low_open`),
-    refused (and NaN) with argparse's one-line error naming the flag, before anything loads."""
+             low_open: bool = False, high_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text within [low, high] (an end left out with `low_open` /
+    `high_open`), refused (and NaN) with argparse's one-line error naming the flag, before anything loads."""
     def parse(text: str) -> float:
         value = kind(text)
-        ok = (value > low if low_open else value >= low) and (high is None or value <= high)
+        ok = (value > low if low_open else value >= low) and (
+            high is None or (value < high if high_open else value <= high))
         if not ok:  # NaN fails every comparison
             if high is None:
                 raise argparse.ArgumentTypeError(f"must be {'more than' if low_open else 'at least'} {low:g}, "
                                                  f"got {text}")
-            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}"
+                                             f"{')' if high_open else ']'}, got {text}")
         return value
     parse.__name__ = kind.__name__
     return parse

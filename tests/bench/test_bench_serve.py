@@ -389,6 +389,12 @@ def test_the_json_path_is_checked_before_any_load_is_sent(bench, tmp_path, capsy
 @pytest.mark.parametrize("flags, says", [
     (["--trace", str(TRACE), "--trace-start", "-3"], "argument --trace-start: must be at least 0, got -3"),
     (["--trace", str(TRACE), "--trace-time-scale", "0"], "argument --trace-time-scale: must be more than 0, got 0"),
+    (["--trace", str(TRACE), "--trace-output-scale", "-1"], "argument --trace-output-scale: must be more than 0, got -1"),
+    (["--trace", str(TRACE), "--trace-max-input", "0"], "argument --trace-max-input: must be at least 1, got 0"),
+    (["--trace", str(TRACE), "--trace-max-output", "-4"], "argument --trace-max-output: must be at least 1, got -4"),
+    (["--trace", str(TRACE), "--trace-block-tokens", "0"], "argument --trace-block-tokens: must be at least 1, got 0"),
+    (["--range-ratio", "1"], "argument --range-ratio: must be in [0, 1), got 1"),
+    (["--range-ratio", "nan"], "argument --range-ratio: must be in [0, 1), got nan"),
     (["--output-len", "0"], "argument --output-len: must be at least 1, got 0"),
     (["--num-warmups", "-1"], "argument --num-warmups: must be at least 0, got -1"),
     (["--timeout", "0"], "argument --timeout: must be more than 0, got 0"),
@@ -439,6 +445,37 @@ def test_an_unreachable_server_is_named_with_what_to_do(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: cannot reach the server at http://127.0.0.1:1 (ConnectError: " in err
     assert "check the URL and that the server is running" in err
+
+
+@pytest.mark.parametrize("bench", ["serve", "sweep"])
+def test_a_refused_model_lookup_is_one_line_with_what_to_do(bench, live_server, tmp_path, capsys, monkeypatch):
+    """Without --model, GET /v1/models is asked first; a 401 or 404 there printed httpx's two-line
+    status error (with a link to MDN) and said nothing of what to change."""
+    from tests.serving.harness import ServerThread
+    from tierlm.cli import main
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.telemetry import Telemetry
+
+    for name in ("TIERLM_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    engines = dict(live_server.app.state.tierlm.models.items())
+    keyed = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": "sk-key"}), manage_engines=False,
+                                   telemetry=Telemetry(log_requests=False))).start()
+    try:
+        for base_url, says in (
+            (keyed.url, f"error: GET {keyed.url}/v1/models answered 401 Unauthorized"),
+            (live_server.url + "/v1", f"error: GET {live_server.url}/v1/v1/models answered 404 Not Found"),
+        ):
+            argv = ["bench", bench, "--base-url", base_url, "--num-prompts", "1", "--json", str(tmp_path / "o.json")]
+            rc = main(argv + (["--slo", "ttft_ms=1000", "--request-rates", "1"] if bench == "sweep" else []))
+            err = capsys.readouterr().err
+            line = [l for l in err.splitlines() if l.startswith("error:")]
+            assert rc == 2 and len(line) == 1 and line[0].startswith(says), err
+            assert ("pass --api-key" if "401" in says else "check --base-url (the server's root, without /v1)") in err
+            assert "developer.mozilla" not in err
+    finally:
+        keyed.stop()
 
 
 @pytest.mark.parametrize("bench", ["serve", "sweep"])

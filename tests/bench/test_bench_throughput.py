@@ -36,8 +36,9 @@ def test_bench_throughput_sampled_tiny(llama_dir, tmp_path, capsys):
     out.unlink()
     for bad, says in ((["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
                       (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p")):
-        assert main(base + bad) == 2
-        assert says in capsys.readouterr().err
+        with pytest.raises(SystemExit) as ended:
+            main(base + bad)
+        assert ended.value.code == 2 and says in capsys.readouterr().err
         assert not out.exists()
 
 
@@ -129,3 +130,17 @@ def test_bench_throughput_refuses_fewer_than_one_thread_or_run(flag, value, tmp_
     with pytest.raises(SystemExit) as ended:
         main(["bench", "throughput", "--model", str(tmp_path / "none"), flag, value, "--json", "unused.json"])
     assert ended.value.code == 2 and f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, says", [("--temperature", "-0.5", "must be in [0, 100], got -0.5"),
+                                               ("--temperature", "101", "must be in [0, 100], got 101"),
+                                               ("--temperature", "nan", "must be in [0, 100], got nan"),
+                                               ("--top-p", "0", "must be in (0, 1], got 0"),
+                                               ("--top-p", "1.5", "must be in (0, 1], got 1.5")])
+def test_bench_throughput_refuses_sampling_out_of_range(flag, value, says, tmp_path, capsys):
+    """A temperature over 100 (tierlm's bound) was taken and failed in the engine after the model
+    loaded; the others were refused by the run, not as argparse refuses a flag."""
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "throughput", "--model", str(tmp_path / "none"), flag, value, "--json", "unused.json"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and f"argument {flag}: {says}" in err and err.count("error:") == 1

@@ -163,6 +163,17 @@ REFUSED = {
         "messages.2.content.1: ", "unexpected `tool_use_id` found in `tool_result` blocks: toolu_2."),
     "tool_result with no tool_use before": (conversation(result("toolu_1")),
                                             "messages.0.content.0: ", "unexpected `tool_use_id`"),
+    "tool_use id used again in a later turn": (
+        conversation(USER, use(), result(), use(), result(), tools=[WEATHER_TOOL]),
+        "messages.3.content.0: ", "`tool_use` ids must be unique; toolu_1"),
+    "tool_use id used twice in one turn": (
+        conversation(USER, {"role": "assistant", "content": [*use()["content"], *use()["content"]]}, result(),
+                     tools=[WEATHER_TOOL]),
+        "messages.1.content.1: ", "`tool_use` ids must be unique; toolu_1"),
+    "text before the tool_result": (
+        conversation(USER, use(), {"role": "user", "content": [{"type": "text", "text": "Here:"},
+                                                                *result()["content"]]}, tools=[WEATHER_TOOL]),
+        "messages.2.content.1: ", "`tool_result` blocks must come first in a user message"),
 }
 
 
@@ -181,6 +192,14 @@ ACCEPTED = {
                                                                       {"type": "text", "text": "\n"}]}]},
         tools=[WEATHER_TOOL]),
     "no MCP servers": conversation(USER, mcp_servers=[]),
+    # An agent's loop: parallel calls answered together, text after the results, then new calls.
+    "parallel calls, results then text": conversation(
+        USER,
+        {"role": "assistant", "content": [*use("toolu_1")["content"], *use("toolu_2")["content"]]},
+        {"role": "user", "content": [*result("toolu_2")["content"], *result("toolu_1")["content"],
+                                     {"type": "text", "text": "And?"}]},
+        use("toolu_3"), result("toolu_3"),
+        tools=[WEATHER_TOOL]),
 }
 
 

@@ -555,19 +555,42 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], *, req
     return results, duration
 
 
+_WHAT_TO_DO = {
+    401: "pass --api-key or set $TIERLM_API_KEY",
+    403: "pass --api-key or set $TIERLM_API_KEY",
+    404: "check --base-url (the server's root, without /v1), or pass --model",
+}
+
+
+def _error_text(r: httpx.Response) -> str:
+    """The server's own error message (OpenAI and Anthropic shapes), first line, if it sent one."""
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f" ({str(message).splitlines()[0][:200]})" if message else ""
+
+
 async def discover_model(base_url: str, api_key: str | None) -> str:
     """The first model the server lists (`GET /v1/models`), for when --model is not given."""
     headers = {"anthropic-version": ANTHROPIC_VERSION}
     if api_key:
         headers.update({"authorization": f"Bearer {api_key}", "x-api-key": api_key})
+    url = base_url.rstrip("/") + "/v1/models"
     async with httpx.AsyncClient(timeout=30.0) as client:
         try:
-            r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+            r = await client.get(url, headers=headers)
         except httpx.TransportError as e:
             raise ValueError(f"cannot reach the server at {base_url} ({type(e).__name__}: {e}); check the URL "
                              "and that the server is running") from None
-        r.raise_for_status()
+    if r.is_error:  # one line, not httpx's two-line status error
+        raise ValueError(f"GET {url} answered {r.status_code} {r.reason_phrase}{_error_text(r)}; "
+                         + _WHAT_TO_DO.get(r.status_code, "check the server's log, or pass --model"))
+    try:
         data = r.json().get("data") or []
+    except (ValueError, AttributeError):
+        raise ValueError(f"GET {url} answered {r.status_code} but not with a model list; check --base-url "
+                         "(the server's root), or pass --model") from None
     if not data:
         raise ValueError(f"{base_url} lists no models; pass --model")
     return data[0]["id"]
@@ -688,7 +711,7 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=in_range(int, 1), default=256)
     p.add_argument("--output-len", type=in_range(int, 1), default=64)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L·[1-r, 1+r]")
+    p.add_argument("--range-ratio", type=in_range(float, 0, 1, high_open=True), default=0.0, help="lengths uniform in L·[1-r, 1+r]")
     p.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
                    help="token ids (exact lengths; OpenAI completions only) or text (lengths in words: ~1.3 "
                         "tokens each with real tokenizers, ~3 with the demo model's); auto picks ids where possible")
@@ -701,11 +724,11 @@ def add_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--trace", default=None, help="Mooncake trace (.jsonl) to replay instead of random prompts")
     p.add_argument("--trace-start", type=in_range(int, 0), default=0, help="first trace line to replay")
-    p.add_argument("--trace-block-tokens", type=int, default=32, help="tokens per hash_id block (trace: 512)")
+    p.add_argument("--trace-block-tokens", type=in_range(int, 1), default=32, help="tokens per hash_id block (trace: 512)")
     p.add_argument("--trace-time-scale", type=in_range(float, 0, low_open=True), default=1.0, help="multiply trace timestamps")
-    p.add_argument("--trace-output-scale", type=float, default=1.0, help="multiply trace output lengths")
-    p.add_argument("--trace-max-input", type=int, default=None, help="cap on scaled input tokens")
-    p.add_argument("--trace-max-output", type=int, default=None, help="cap on scaled output tokens")
+    p.add_argument("--trace-output-scale", type=in_range(float, 0, low_open=True), default=1.0, help="multiply trace output lengths")
+    p.add_argument("--trace-max-input", type=in_range(int, 1), default=None, help="cap on scaled input tokens")
+    p.add_argument("--trace-max-output", type=in_range(int, 1), default=None, help="cap on scaled output tokens")
     p.add_argument("--slo", default=None, help="goodput objective, e.g. ttft_ms=2000,tpot_ms=100")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly max_tokens (OpenAI routes; an extension vLLM and tierlm accept)")

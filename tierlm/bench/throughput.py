@@ -278,9 +278,9 @@ def add_cli(sub) -> None:
                    help="torch threads for both engines, at least 1 (default: torch's)")
     p.add_argument("--device", default="auto", help="where both engines run: auto (CUDA if present) | cpu | cuda[:N]")
     p.add_argument("--compute-dtype", default="auto", help="tierlm's compute dtype (auto | bfloat16 | float32 ...)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=in_range(float, 0, 100), default=0.0,
                    help="both engines sample at this temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="and keep this nucleus when sampling")
+    p.add_argument("--top-p", type=in_range(float, 0, 1, low_open=True), default=1.0, help="and keep this nucleus when sampling")
     p.add_argument("--cuda-graphs", action="store_true", help="tierlm records small steps as CUDA graphs")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)

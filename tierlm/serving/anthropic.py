@@ -164,7 +164,27 @@ def check_tool_pairing(body: ConversationBody) -> None:
     """Anthropic's rule, in its words: every tool_use is answered by a tool_result in the next
     (user) turn, and every tool_result answers a tool_use of the turn before. Templates render
     an unanswered call or a stray result as if it were fine (or fail with a template error).
-    A final assistant turn with tool_use is refused where prefills are (_assistant_turn)."""
+    A final assistant turn with tool_use is refused where prefills are (_assistant_turn). Ids are
+    unique across the conversation (a repeat makes a result answer two calls), and a user message
+    puts its tool_result blocks before its text, as Anthropic requires."""
+    seen: set[str] = set()
+    for i, message in enumerate(body.messages):
+        text_at = None
+        for j, block in enumerate(message.blocks()):
+            where = f"messages.{i}.content.{j}"
+            if isinstance(block, ToolUseBlock):
+                if block.id in seen:
+                    raise InvalidRequest(f"{where}: `tool_use` ids must be unique; {block.id} is used twice",
+                                         param=where)
+                seen.add(block.id)
+            elif isinstance(block, TextBlock) and text_at is None:
+                text_at = j
+            elif isinstance(block, ToolResultBlock) and text_at is not None:
+                raise InvalidRequest(
+                    f"{where}: `tool_result` blocks must come first in a user message, before any text "
+                    f"(messages.{i}.content.{text_at}); move the text after them",
+                    param=where,
+                )
     turns: list[list[int]] = []  # message indices, consecutive same-role messages together
     for i, message in enumerate(body.messages):
         if turns and body.messages[turns[-1][0]].role == message.role:
