@@ -69,7 +69,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=POLICIES, help="device pool eviction policy (see tierlm bench cache)")
     kv.add_argument("--kv-host-capacity", default=None, help="host-memory tier size: '2GiB', '1000 blocks' or bytes")
     kv.add_argument("--kv-disk-dir", default=None, help="directory for the local-disk tier (off if not given; kept across restarts, one engine at a time)")
-    kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes (default: half the free space)")
+    kv.add_argument("--kv-disk-capacity", default=None, help="disk tier size: '20GiB', '100000 blocks' or bytes (default: half of the free space "
+                    "plus what the tier's own entries use)")
     kv.add_argument("--kv-disk-write-through", action="store_true",
                     help="write every computed block to disk at once (a crash then leaves the cache on disk; "
                          "default: only what host memory evicts, and everything on a clean stop)")
