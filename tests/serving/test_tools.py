@@ -34,6 +34,12 @@ def test_unclosed_call_is_text(text):
 @pytest.mark.parametrize("text", [
     "no calls here", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+    # not JSON as a request must have it (the answer was a 500, or sent back, a 400)
+    '<tool_call>{"name": "f", "arguments": {"t": NaN}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"t": -Infinity}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"t": 1e999}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"t\\": NaN}"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"t": "\\ud800"}}</tool_call>',
 ])
 def test_unparseable_output_stays_text(text):
     out = parse_tool_calls(text)

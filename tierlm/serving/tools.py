@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tierlm.serving.validation import loads_strict
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 # A call counts only once closed: an unclosed one was cut off (max_tokens), whatever its JSON.
@@ -97,9 +99,18 @@ def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str]
     return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
 
 
+def _loads_output(text: str) -> Any:
+    """A model's JSON, as strict as a request's: NaN, Infinity and 1e999 are not JSON (the answer
+    failed to serialise, a 500, or streamed arguments a strict client cannot parse and tierlm
+    itself refuses when they are sent back), nor is a lone surrogate (\\ud800) UTF-8."""
+    data = loads_strict(text)
+    json.dumps(data, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
+    return data
+
+
 def _parse_one(body: str, id_prefix: str) -> ParsedToolCall | None:
     try:
-        data = json.loads(body.strip())
+        data = _loads_output(body.strip())
     except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
@@ -107,7 +118,7 @@ def _parse_one(body: str, id_prefix: str) -> ParsedToolCall | None:
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models emit the arguments JSON-encoded
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads_output(arguments)
         except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
