@@ -361,8 +361,9 @@ class TieredStore:
         with self._lock:
             hit = self.staged.get(h)
             queued = self.pending.get(h) if hit is None else None
-        if queued is not None:  # on its way down: a hit of the tier it is going to (so that
-            data, hint, level = queued  # tier's promotions count it, and never exceed its hits)
+        if queued is not None:  # on its way down: a hit of the tier it is going to (whose
+            data, hint, level = queued  # promotions count it). A staged block is no new read: its hit
+            # was counted when it was read, and it may be promoted for several requests
             tier = self.tiers[level]
             tier.stats.count(hits=1, bytes_out=nbytes(data))
             if not read_host:  # a prefetch: staged, as a disk read is. Its write may land before the
