@@ -254,9 +254,12 @@ def check_redis_url(url: str) -> None:
             said = repr(db) if "password" not in db.lower() else "a path holding a password"
             raise ValueError(f"kv_remote {shown!r}: the path names the database and must be a number "
                              f"(got {said}); e.g. redis://host:6379/0")
+        _check_db_number(db, shown)
     for name, value in urllib.parse.parse_qsl(parts.query):
         if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path") and not os.path.exists(value):
             raise ValueError(f"kv_remote {shown!r}: {name} names {value!r}, which does not exist")
+        if name == "db" and parts.scheme == "unix" and value.isascii() and value.isdigit():
+            _check_db_number(value, shown)
         if name == "db" and parts.scheme != "unix":  # redis-py takes it over the path, which logs would show
             raise ValueError(f"kv_remote {shown!r}: give the database in the path, not as ?db=; e.g. "
                              "redis://host:6379/3")
@@ -272,6 +275,17 @@ def check_redis_url(url: str) -> None:
         parse_url(url)  # what redis-py itself will refuse (a db=abc option, a bad timeout), now
     except ValueError as e:
         raise ValueError(f"kv_remote {shown!r}: {str(e).replace(url, shown)}") from None
+
+
+_MAX_REDIS_DB = 2**31 - 1  # SELECT reads a C int: past it Redis answers "out of range", on every connect
+
+
+def _check_db_number(db: str, shown: str) -> None:
+    """A database number Redis cannot even parse (2**31 and up) started the tier, which then
+    failed every connect as an outage, with warnings blaming its memory settings."""
+    if db and int(db) > _MAX_REDIS_DB:
+        raise ValueError(f"kv_remote {shown!r}: database {db} is out of Redis's range; use a database "
+                         "number below the server's `databases` setting (default 16), e.g. redis://host:6379/0")
 
 
 def _size(nbytes: int) -> str:

@@ -56,6 +56,9 @@ def test_passwords_are_hidden_in_every_url_form(url, shown):
     ("redis://h:6379/0?socket_connect_timeout=60", "tierlm sets socket_connect_timeout itself"),
     ("unix:///run/redis.sock?db=x&password=s3cret", "Invalid value for 'db'"),
     ("redis://:s3cret@[::1:6379/0", "cannot read it"),
+    ("redis://:s3cret@h:6379/2147483648", "database 2147483648 is out of Redis's range"),  # the tier started
+    ("redis://:s3cret@h:6379/99999999999999999999", "is out of Redis's range"),  # as down, blaming memory
+    ("unix:///run/redis.sock?db=2147483648&password=s3cret", "is out of Redis's range"),
 ])
 def test_urls_redis_py_would_misread_are_refused_before_loading(url, says, tmp_path):
     with pytest.raises(ValueError, match=says) as err:
