@@ -50,6 +50,7 @@ from tierlm.serving.protocol_anthropic import (
     ToolUseContent,
     Usage,
 )
+from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
 
@@ -84,7 +85,7 @@ async def create_message(request: Request) -> Response:
         )
         return EventStreamResponse(events, on_close=stream.close)
     result = await stream.collect(request)
-    return JSONResponse(message_response(result, prompt, body.model, message_id).model_dump())
+    return await json_answer(lambda: message_response(result, prompt, body.model, message_id), result.num_output_tokens)
 
 
 @router.post("/v1/messages/count_tokens")

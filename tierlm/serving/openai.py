@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import anyio
 from fastapi import APIRouter
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
@@ -55,6 +55,7 @@ from tierlm.serving.protocol_openai import (
     ResponseToolCall,
     Usage,
 )
+from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
 from tierlm.serving.validation import loads_strict
@@ -109,7 +110,8 @@ async def chat_completions(request: Request) -> Response:
         chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n, include_usage)
         return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
     results = await _collect_all(streams, request)
-    return JSONResponse(chat_response(results, engine, prompt, body.model, completion_id, top_n).model_dump())
+    return await json_answer(lambda: chat_response(results, engine, prompt, body.model, completion_id, top_n),
+                             _entries(results, top_n))
 
 
 @router.post("/v1/completions")
@@ -134,6 +136,17 @@ async def completions(request: Request) -> Response:
         chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs, include_usage)
         return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
     results = await _collect_all(streams, request)
+    return await json_answer(lambda: completion_response(results, engine, body, completion_id, echo),
+                             _entries(results, body.logprobs))
+
+
+def _entries(results: list[Generation], top_n: int | None) -> int:
+    """How many tokens and logprob entries an answer holds: how long it takes to build."""
+    return sum(r.num_output_tokens for r in results) * (1 if top_n is None else 2 + top_n)
+
+
+def completion_response(results: list[Generation], engine: "AsyncEngine", body: CompletionRequest,
+                        completion_id: str, echo: str) -> Completion:
     choices = [
         CompletionChoice(
             index=i,
@@ -144,10 +157,10 @@ async def completions(request: Request) -> Response:
         )
         for i, result in enumerate(results)
     ]
-    return JSONResponse(Completion(
+    return Completion(
         id=completion_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(results),
         system_fingerprint=SYSTEM_FINGERPRINT,
-    ).model_dump())
+    )
 
 
 # ---- n choices: n engine requests -------------------------------------------------------
