@@ -175,3 +175,31 @@ def test_moe_sliding_window_layers_match_transformers(case, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
+
+
+def _rewrite_weights(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("stored", ["both_different", "lm_head_only"])
+def test_tied_checkpoint_storing_lm_head_loads_as_transformers_does(stored, tmp_path, caplog):
+    """tie_word_embeddings with a stored lm_head.weight: transformers keeps a different one untied
+    (and warns), and ties the other way when the checkpoint has no embeddings."""
+    from tests.conftest import _auto, build_checkpoint
+    path = build_checkpoint("qwen2", tmp_path / stored)  # tie_word_embeddings: true, embeddings stored
+    if stored == "both_different":
+        _rewrite_weights(path, lambda t: t.update({"lm_head.weight": torch.randn_like(t["model.embed_tokens.weight"])}))
+    else:
+        _rewrite_weights(path, lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}))
+    hf = _auto("qwen2").from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = _prompts(3, hf.config.vocab_size)
+    with caplog.at_level("WARNING", logger="tierlm.models.loader"):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    untied = [r.getMessage() for r in caplog.records if "untied" in r.getMessage()]
+    assert len(untied) == (stored == "both_different") and all(str(path) in m for m in untied)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]

@@ -216,6 +216,28 @@ def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor) -> list[
             for e in range(param.shape[0]) for s in shards if ("expert", e, s) not in parts]
 
 
+_TIED = {"lm_head.weight": "embed_tokens.weight", "embed_tokens.weight": "lm_head.weight"}
+
+
+def _untie_if_different(model: CausalLM, params: dict[str, torch.nn.Parameter], pname: str, tensor: torch.Tensor,
+                        round_to: torch.dtype | None, model_dir: Path) -> None:
+    """A tied checkpoint that stores both embeddings and lm_head: transformers ties them only if
+    they are equal, else it warns and keeps the stored lm_head. Called with the second of the two
+    (`tensor`, for `pname`), while the shared parameter holds the first."""
+    shared = params[pname]
+    if tuple(shared.shape) != tuple(tensor.shape):
+        return  # _copy names the mismatch
+    if torch.equal(shared, (tensor.to(round_to) if round_to is not None else tensor).to(shared.dtype)):
+        return
+    head = shared.detach().clone() if pname == "embed_tokens.weight" else torch.empty_like(shared)
+    model.lm_head.weight = torch.nn.Parameter(head, requires_grad=shared.requires_grad)
+    params["lm_head.weight"] = model.lm_head.weight
+    model.args.tie_word_embeddings = False
+    log.warning("%s: config.json ties lm_head to the embeddings (tie_word_embeddings), but the checkpoint stores "
+                "a different lm_head.weight; using it untied, as transformers does (set tie_word_embeddings to "
+                "false in config.json to silence this)", model_dir)
+
+
 def check_model_dir(model_dir: str | Path) -> Path:
     """The checkpoint directory as a Path, or a ModelLoadError saying it is not there."""
     model_dir = Path(model_dir)
@@ -257,12 +279,13 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                             continue
                         pname, where = t
                         if pname not in params:
-                            if pname == "lm_head.weight" and args.tie_word_embeddings:
-                                continue
                             raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
                                                  "is config.json from the same checkpoint?")
-                        _copy(params[pname], where, st.get_tensor(name), args,
-                              kv_dtype if kv_dtype != torch_dtype else None)
+                        tensor = st.get_tensor(name)
+                        round_to = kv_dtype if kv_dtype != torch_dtype else None
+                        if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
+                            _untie_if_different(model, params, pname, tensor, round_to, model_dir)
+                        _copy(params[pname], where, tensor, args, round_to)
                         loaded.setdefault(pname, {})[where] = name
             except SafetensorError as e:
                 raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
@@ -270,6 +293,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                 raise ModelLoadError(f"cannot read {f} ({e})") from None
             bar.update(f.stat().st_size)
     bar.close()
+    if args.tie_word_embeddings and "lm_head.weight" in loaded:  # tied, stored as lm_head only: transformers loads it
+        loaded.setdefault("embed_tokens.weight", loaded["lm_head.weight"])
     missing = [m for n, p in params.items() if not (n == "lm_head.weight" and args.tie_word_embeddings)
                for m in _unfilled(n, loaded.get(n, {}), p)]
     if missing:
