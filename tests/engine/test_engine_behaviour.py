@@ -150,6 +150,24 @@ def test_a_checkpoint_missing_one_part_of_a_fused_tensor_is_refused(arch, missin
         LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
 
 
+@pytest.mark.parametrize("arch,extra,says", [
+    ("mixtral", "block_sparse_moe.experts.4.w1.weight", "config.json's num_local_experts is 4 (experts 0-3)"),
+    ("qwen2_moe", "mlp.experts.6.down_proj.weight", "config.json's num_experts is 6 (experts 0-5)"),
+])
+def test_a_checkpoint_with_more_experts_than_its_config_is_one_error_line(arch, extra, says, tmp_path, checkpoints):
+    """An expert beyond the configured count crashed `tierlm generate` with a bare IndexError traceback."""
+    import subprocess
+    import sys
+    name = f"model.layers.0.{extra}"
+    like = re.sub(r"experts\.\d+\.", "experts.0.", name)
+    d = _edit_weights(checkpoints[arch], tmp_path / "more", lambda t: {**t, name: t[like].clone()})
+    proc = subprocess.run([sys.executable, "-m", "tierlm.cli", "generate", "--model", str(d), "--device", "cpu", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert f"tensor '{name}' in {d / 'model.safetensors'} is expert" in proc.stderr and says in proc.stderr
+
+
 def test_sharded_checkpoint_loads_same_outputs(tmp_path, llama_dir, llm):
     from transformers import AutoModelForCausalLM
     d = tmp_path / "sharded"

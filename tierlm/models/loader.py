@@ -164,7 +164,8 @@ def _target(name: str) -> tuple[str, object] | None:
 
 
 def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelArgs,
-          round_to: torch.dtype | None = None) -> None:
+          round_to: torch.dtype | None = None, label: str = "tensor") -> None:
+    """Copy checkpoint `tensor` (`label`: its name and file, for errors) into its part of `param`."""
     kind = where[0]
     if kind == "whole":
         dst = param
@@ -177,6 +178,10 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
         dst = param.narrow(0, where[1] * half, half)
     else:  # expert
         _, e, shard = where
+        if e >= param.shape[0]:
+            key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+            raise ModelLoadError(f"{label} is expert {e}, but config.json's {key} is {param.shape[0]} "
+                                 f"(experts 0-{param.shape[0] - 1}); config.json does not match the weights")
         dst = param[e]
         if shard is not None:
             half = dst.shape[0] // 2
@@ -283,9 +288,16 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                                                  "is config.json from the same checkpoint?")
                         tensor = st.get_tensor(name)
                         round_to = kv_dtype if kv_dtype != torch_dtype else None
-                        if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
-                            _untie_if_different(model, params, pname, tensor, round_to, model_dir)
-                        _copy(params[pname], where, tensor, args, round_to)
+                        label = f"tensor '{name}' in {f}"
+                        try:
+                            if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
+                                _untie_if_different(model, params, pname, tensor, round_to, model_dir)
+                            _copy(params[pname], where, tensor, args, round_to, label)
+                        except ModelLoadError:
+                            raise
+                        except Exception as e:  # whatever went wrong, say which tensor of which file
+                            raise ModelLoadError(f"cannot load {label} ({type(e).__name__}: {e}); "
+                                                 "re-export the checkpoint") from e
                         loaded.setdefault(pname, {})[where] = name
             except SafetensorError as e:
                 raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
