@@ -168,6 +168,14 @@ def test_a_checkpoint_with_more_experts_than_its_config_is_one_error_line(arch, 
     assert f"tensor '{name}' in {d / 'model.safetensors'} is expert" in proc.stderr and says in proc.stderr
 
 
+def test_a_weight_of_the_wrong_shape_is_named_with_its_file(tmp_path, llama_dir):
+    name = "model.layers.0.mlp.down_proj.weight"
+    d = _edit_weights(llama_dir, tmp_path / "shape", lambda t: {**t, name: t[name][:, :100].clone()})
+    with pytest.raises(ModelLoadError, match=re.escape(
+            f"tensor '{name}' in {d / 'model.safetensors'} has shape (64, 100), the model expects (64, 128)")):
+        LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+
+
 def test_sharded_checkpoint_loads_same_outputs(tmp_path, llama_dir, llm):
     from transformers import AutoModelForCausalLM
     d = tmp_path / "sharded"

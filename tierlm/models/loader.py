@@ -187,8 +187,8 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
             half = dst.shape[0] // 2
             dst = dst.narrow(0, shard * half, half)
     if tuple(dst.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects {tuple(dst.shape)}; "
-                             "config.json does not match the weights")
+        raise ModelLoadError(f"shape mismatch: {label} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(dst.shape)}; config.json does not match the weights")
     # Weights take the requested dtype's precision even when computed in a wider one.
     dst.copy_(tensor.to(round_to) if round_to is not None else tensor)
 
