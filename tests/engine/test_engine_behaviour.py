@@ -176,6 +176,29 @@ def test_a_weight_of_the_wrong_shape_is_named_with_its_file(tmp_path, llama_dir)
         LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
 
 
+@pytest.mark.parametrize("index", [{"weight_map": ["model.safetensors"]}, {"weight_map": "model.safetensors"},
+                                   ["model.safetensors"], {"weight_map": {"model.embed_tokens.weight": 3}}])
+def test_an_index_whose_weight_map_is_not_an_object_is_named(index, tmp_path, llama_dir):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match=re.escape(f"{d / 'model.safetensors.index.json'} is corrupt")):
+        LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+
+
+@pytest.mark.parametrize("content, holds", [("[1, 2]", "an array"), ('"greedy"', "a string"), ("7", "a number")])
+def test_a_generation_config_that_is_not_an_object_is_ignored_with_a_warning(content, holds, tmp_path, llama_dir,
+                                                                             caplog):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "generation_config.json").write_text(content)
+    with caplog.at_level(logging.WARNING, logger="tierlm.models.loader"):
+        m = LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+    assert f"{d / 'generation_config.json'} is not a JSON object (it holds {holds}); ignoring it" in caplog.text
+    out = m.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_sharded_checkpoint_loads_same_outputs(tmp_path, llama_dir, llm):
     from transformers import AutoModelForCausalLM
     d = tmp_path / "sharded"

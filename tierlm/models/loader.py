@@ -106,9 +106,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index} is corrupt ({e}); re-export the checkpoint") from None
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index} is corrupt ({type(e).__name__}: {e}); re-export the checkpoint") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{index} is corrupt (its weight_map is not an object of tensor name to file name); "
+                                 "re-export the checkpoint")
+        names = sorted(set(weight_map.values()))
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -339,7 +343,12 @@ def _generation_config(model_dir: Path) -> dict:
     if not p.is_file():
         return {}
     try:
-        return json.loads(p.read_text())
+        gen = json.loads(p.read_text())
     except json.JSONDecodeError:
         log.warning("%s is not valid JSON; ignoring it", p)
         return {}
+    if not isinstance(gen, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(gen), "a number")
+        log.warning("%s is not a JSON object (it holds %s); ignoring it", p, kind)
+        return {}
+    return gen
