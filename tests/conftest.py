@@ -13,13 +13,13 @@ ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm"
          "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
-def _config(arch: str, vocab: int):
+def _config(arch: str, vocab: int, **extra):
     from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig, Mistral3Config,
                               MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None), **extra}
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "llama31":
@@ -80,12 +80,13 @@ def _auto(arch: str):
     return AutoModelForImageTextToText if arch == "mistral3_mm" else AutoModelForCausalLM
 
 
-def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
+def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:
+    """`arch`'s tiny checkpoint in `out`; `extra` overrides or adds config fields (e.g. num_hidden_layers)."""
     from tierlm.models.demo import build_tokenizer
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     torch.manual_seed(seed)
-    model = _auto(arch).from_config(_config(arch, len(tok) + 10), dtype=torch.float32)
+    model = _auto(arch).from_config(_config(arch, len(tok) + 10, **extra), dtype=torch.float32)
     with torch.no_grad():  # norms start at all-ones: make each differ, so a swapped or skipped one shows
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -150,6 +150,55 @@ def test_a_checkpoint_missing_one_part_of_a_fused_tensor_is_refused(arch, missin
         LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
 
 
+@pytest.mark.parametrize("arch,extra,says", [
+    ("mixtral", "block_sparse_moe.experts.4.w1.weight", "config.json's num_local_experts is 4 (experts 0-3)"),
+    ("qwen2_moe", "mlp.experts.6.down_proj.weight", "config.json's num_experts is 6 (experts 0-5)"),
+])
+def test_a_checkpoint_with_more_experts_than_its_config_is_one_error_line(arch, extra, says, tmp_path, checkpoints):
+    """An expert beyond the configured count crashed `tierlm generate` with a bare IndexError traceback."""
+    import subprocess
+    import sys
+    name = f"model.layers.0.{extra}"
+    like = re.sub(r"experts\.\d+\.", "experts.0.", name)
+    d = _edit_weights(checkpoints[arch], tmp_path / "more", lambda t: {**t, name: t[like].clone()})
+    proc = subprocess.run([sys.executable, "-m", "tierlm.cli", "generate", "--model", str(d), "--device", "cpu", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert f"tensor '{name}' in {d / 'model.safetensors'} is expert" in proc.stderr and says in proc.stderr
+
+
+def test_a_weight_of_the_wrong_shape_is_named_with_its_file(tmp_path, llama_dir):
+    name = "model.layers.0.mlp.down_proj.weight"
+    d = _edit_weights(llama_dir, tmp_path / "shape", lambda t: {**t, name: t[name][:, :100].clone()})
+    with pytest.raises(ModelLoadError, match=re.escape(
+            f"tensor '{name}' in {d / 'model.safetensors'} has shape (64, 100), the model expects (64, 128)")):
+        LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["model.safetensors"]}, {"weight_map": "model.safetensors"},
+                                   ["model.safetensors"], {"weight_map": {"model.embed_tokens.weight": 3}}])
+def test_an_index_whose_weight_map_is_not_an_object_is_named(index, tmp_path, llama_dir):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match=re.escape(f"{d / 'model.safetensors.index.json'} is corrupt")):
+        LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+
+
+@pytest.mark.parametrize("content, holds", [("[1, 2]", "an array"), ('"greedy"', "a string"), ("7", "a number")])
+def test_a_generation_config_that_is_not_an_object_is_ignored_with_a_warning(content, holds, tmp_path, llama_dir,
+                                                                             caplog):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "generation_config.json").write_text(content)
+    with caplog.at_level(logging.WARNING, logger="tierlm.models.loader"):
+        m = LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+    assert f"{d / 'generation_config.json'} is not a JSON object (it holds {holds}); ignoring it" in caplog.text
+    out = m.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_sharded_checkpoint_loads_same_outputs(tmp_path, llama_dir, llm):
     from transformers import AutoModelForCausalLM
     d = tmp_path / "sharded"

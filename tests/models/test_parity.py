@@ -143,3 +143,63 @@ def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     assert next(pure.engine.runner.model.parameters()).dtype == torch.bfloat16
     assert len(pure.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))[0]
                .outputs[0].token_ids) == 3
+
+
+# Each Qwen type windows its own layers: Qwen3-MoE every layer (it ignores layer_types), Qwen2-MoE the
+# even ones below max_window_layers, or those layer_types names. Configs as transformers 5 saves them
+# and as the hub ships them (no layer_types); prompts longer than the window of 8.
+WINDOWED = {
+    "qwen3_moe": ("qwen3_moe", {}, [8, 8, 8, 8]),
+    "qwen3_moe_layer_types": ("qwen3_moe", {"layer_types": ["full_attention"] * 4}, [8, 8, 8, 8]),
+    "qwen2_moe_hub": ("qwen2_moe", {"layer_types": None, "max_window_layers": 3}, [8, None, 8, None]),
+    "qwen2_moe_layer_types": ("qwen2_moe", {"layer_types": ["full_attention", "full_attention", "sliding_attention",
+                                                            "full_attention"]}, [None, None, 8, None]),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWED))
+def test_moe_sliding_window_layers_match_transformers(case, tmp_path):
+    import json
+
+    from tests.conftest import _auto, build_checkpoint
+    arch, edit, windows = WINDOWED[case]
+    path = build_checkpoint(arch, tmp_path / case, num_hidden_layers=4, use_sliding_window=True, sliding_window=8)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(edit)
+    cfg = {k: v for k, v in cfg.items() if not (k in edit and v is None)}  # None: leave the field out
+    (path / "config.json").write_text(json.dumps(cfg))
+    hf = _auto(arch).from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = _prompts(5, hf.config.vocab_size)[1:5:2]  # 17 and 48 tokens
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, block_size=4, load_progress=False)
+    assert llm.engine.args.sliding_windows == windows
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
+
+
+def _rewrite_weights(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("stored", ["both_different", "lm_head_only"])
+def test_tied_checkpoint_storing_lm_head_loads_as_transformers_does(stored, tmp_path, caplog):
+    """tie_word_embeddings with a stored lm_head.weight: transformers keeps a different one untied
+    (and warns), and ties the other way when the checkpoint has no embeddings."""
+    from tests.conftest import _auto, build_checkpoint
+    path = build_checkpoint("qwen2", tmp_path / stored)  # tie_word_embeddings: true, embeddings stored
+    if stored == "both_different":
+        _rewrite_weights(path, lambda t: t.update({"lm_head.weight": torch.randn_like(t["model.embed_tokens.weight"])}))
+    else:
+        _rewrite_weights(path, lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}))
+    hf = _auto("qwen2").from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = _prompts(3, hf.config.vocab_size)
+    with caplog.at_level("WARNING", logger="tierlm.models.loader"):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    untied = [r.getMessage() for r in caplog.records if "untied" in r.getMessage()]
+    assert len(untied) == (stored == "both_different") and all(str(path) in m for m in untied)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]

@@ -159,6 +159,28 @@ def hf_defaults(model_type: str) -> dict[str, Any]:
     return found
 
 
+def _qwen_windows(cfg: dict[str, Any], model_type: str, layers: int) -> list[int | None]:
+    """Each layer's sliding window, by transformers' rule for that Qwen type (they differ).
+
+    All four window nothing unless use_sliding_window is set. Qwen2 and Qwen3 window the layers
+    from max_window_layers on; Qwen2-MoE the even-numbered layers below max_window_layers; both
+    follow layer_types when config.json has it. Qwen3-MoE windows every layer and ignores layer_types.
+    """
+    window = cfg.get("sliding_window")
+    if not (cfg.get("use_sliding_window", False) and window):
+        return [None] * layers
+    if model_type == "qwen3_moe":
+        return [int(window)] * layers
+    types = cfg.get("layer_types")
+    if not types:
+        limit = int(cfg.get("max_window_layers", layers))
+        if model_type == "qwen2_moe":
+            types = ["sliding_attention" if i % 2 == 0 and i < limit else "full_attention" for i in range(layers)]
+        else:
+            types = ["sliding_attention" if i >= limit else "full_attention" for i in range(layers)]
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
 def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     """Turn a HF config dict into ModelArgs for a known architecture."""
     cfg = text_model_config(cfg, architecture)
@@ -178,12 +200,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
             theta, scaling = _rope(_gemma_global_rope(cfg))
         elif model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-            types = cfg.get("layer_types")
-            if not types:
-                use = cfg.get("use_sliding_window", False)
-                max_window_layers = cfg.get("max_window_layers", layers)
-                types = ["sliding_attention" if use and i >= max_window_layers else "full_attention" for i in range(layers)]
-            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+            windows = _qwen_windows(cfg, model_type, layers)
         elif model_type in ("mistral", "mixtral", "phi3"):
             windows = [int(window) if window else None] * layers
         elif model_type == "ministral":  # per layer, from layer_types (all sliding when there is a window)

@@ -106,9 +106,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index} is corrupt ({e}); re-export the checkpoint") from None
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index} is corrupt ({type(e).__name__}: {e}); re-export the checkpoint") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{index} is corrupt (its weight_map is not an object of tensor name to file name); "
+                                 "re-export the checkpoint")
+        names = sorted(set(weight_map.values()))
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -164,7 +168,8 @@ def _target(name: str) -> tuple[str, object] | None:
 
 
 def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelArgs,
-          round_to: torch.dtype | None = None) -> None:
+          round_to: torch.dtype | None = None, label: str = "tensor") -> None:
+    """Copy checkpoint `tensor` (`label`: its name and file, for errors) into its part of `param`."""
     kind = where[0]
     if kind == "whole":
         dst = param
@@ -177,13 +182,17 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
         dst = param.narrow(0, where[1] * half, half)
     else:  # expert
         _, e, shard = where
+        if e >= param.shape[0]:
+            key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+            raise ModelLoadError(f"{label} is expert {e}, but config.json's {key} is {param.shape[0]} "
+                                 f"(experts 0-{param.shape[0] - 1}); config.json does not match the weights")
         dst = param[e]
         if shard is not None:
             half = dst.shape[0] // 2
             dst = dst.narrow(0, shard * half, half)
     if tuple(dst.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(tensor.shape)}, model expects {tuple(dst.shape)}; "
-                             "config.json does not match the weights")
+        raise ModelLoadError(f"shape mismatch: {label} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(dst.shape)}; config.json does not match the weights")
     # Weights take the requested dtype's precision even when computed in a wider one.
     dst.copy_(tensor.to(round_to) if round_to is not None else tensor)
 
@@ -214,6 +223,28 @@ def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor) -> list[
     shards = (0, 1) if pname.endswith("w13") else (None,)
     return [f"{seen[:m.start()]}experts.{e}.{family[2 if s is None else s]}.weight"
             for e in range(param.shape[0]) for s in shards if ("expert", e, s) not in parts]
+
+
+_TIED = {"lm_head.weight": "embed_tokens.weight", "embed_tokens.weight": "lm_head.weight"}
+
+
+def _untie_if_different(model: CausalLM, params: dict[str, torch.nn.Parameter], pname: str, tensor: torch.Tensor,
+                        round_to: torch.dtype | None, model_dir: Path) -> None:
+    """A tied checkpoint that stores both embeddings and lm_head: transformers ties them only if
+    they are equal, else it warns and keeps the stored lm_head. Called with the second of the two
+    (`tensor`, for `pname`), while the shared parameter holds the first."""
+    shared = params[pname]
+    if tuple(shared.shape) != tuple(tensor.shape):
+        return  # _copy names the mismatch
+    if torch.equal(shared, (tensor.to(round_to) if round_to is not None else tensor).to(shared.dtype)):
+        return
+    head = shared.detach().clone() if pname == "embed_tokens.weight" else torch.empty_like(shared)
+    model.lm_head.weight = torch.nn.Parameter(head, requires_grad=shared.requires_grad)
+    params["lm_head.weight"] = model.lm_head.weight
+    model.args.tie_word_embeddings = False
+    log.warning("%s: config.json ties lm_head to the embeddings (tie_word_embeddings), but the checkpoint stores "
+                "a different lm_head.weight; using it untied, as transformers does (set tie_word_embeddings to "
+                "false in config.json to silence this)", model_dir)
 
 
 def check_model_dir(model_dir: str | Path) -> Path:
@@ -257,12 +288,20 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                             continue
                         pname, where = t
                         if pname not in params:
-                            if pname == "lm_head.weight" and args.tie_word_embeddings:
-                                continue
                             raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
                                                  "is config.json from the same checkpoint?")
-                        _copy(params[pname], where, st.get_tensor(name), args,
-                              kv_dtype if kv_dtype != torch_dtype else None)
+                        tensor = st.get_tensor(name)
+                        round_to = kv_dtype if kv_dtype != torch_dtype else None
+                        label = f"tensor '{name}' in {f}"
+                        try:
+                            if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
+                                _untie_if_different(model, params, pname, tensor, round_to, model_dir)
+                            _copy(params[pname], where, tensor, args, round_to, label)
+                        except ModelLoadError:
+                            raise
+                        except Exception as e:  # whatever went wrong, say which tensor of which file
+                            raise ModelLoadError(f"cannot load {label} ({type(e).__name__}: {e}); "
+                                                 "re-export the checkpoint") from e
                         loaded.setdefault(pname, {})[where] = name
             except SafetensorError as e:
                 raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
@@ -270,6 +309,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                 raise ModelLoadError(f"cannot read {f} ({e})") from None
             bar.update(f.stat().st_size)
     bar.close()
+    if args.tie_word_embeddings and "lm_head.weight" in loaded:  # tied, stored as lm_head only: transformers loads it
+        loaded.setdefault("embed_tokens.weight", loaded["lm_head.weight"])
     missing = [m for n, p in params.items() if not (n == "lm_head.weight" and args.tie_word_embeddings)
                for m in _unfilled(n, loaded.get(n, {}), p)]
     if missing:
@@ -302,7 +343,12 @@ def _generation_config(model_dir: Path) -> dict:
     if not p.is_file():
         return {}
     try:
-        return json.loads(p.read_text())
+        gen = json.loads(p.read_text())
     except json.JSONDecodeError:
         log.warning("%s is not valid JSON; ignoring it", p)
         return {}
+    if not isinstance(gen, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(gen), "a number")
+        log.warning("%s is not a JSON object (it holds %s); ignoring it", p, kind)
+        return {}
+    return gen
