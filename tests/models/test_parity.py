@@ -157,6 +157,7 @@ WINDOWED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(WINDOWED))
 def test_moe_sliding_window_layers_match_transformers(case, tmp_path):
     import json
@@ -184,6 +185,7 @@ def _rewrite_weights(path, edit) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stored", ["both_different", "lm_head_only"])
 def test_tied_checkpoint_storing_lm_head_loads_as_transformers_does(stored, tmp_path, caplog):
     """tie_word_embeddings with a stored lm_head.weight: transformers keeps a different one untied
