@@ -28,6 +28,7 @@ class ServerThread:
 
     app: Any
     graceful_timeout: float = 5.0
+    send_buffer: int | None = None  # SO_SNDBUF of accepted connections (default: the kernel's, up to MBs)
     server: uvicorn.Server = field(init=False)
     thread: threading.Thread = field(init=False)
     port: int = field(init=False)
@@ -38,6 +39,8 @@ class ServerThread:
         # asyncio only sets TCP_NODELAY on sockets created with proto=IPPROTO_TCP (as uvicorn's
         # own binding does); without it every response waits ~40 ms for a delayed ACK.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.send_buffer is not None:  # accepted sockets inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self._socket = sock

@@ -33,9 +33,9 @@ from tierlm.serving.errors import (
     error_json_bytes,
 )
 from tierlm.serving.models import ModelRegistry
-from tierlm.serving.state import ServerState, request_id_of, server_state
+from tierlm.serving.state import DEFAULT_STREAM_SEND_TIMEOUT, ServerState, request_id_of, server_state
 from tierlm.serving.telemetry import Telemetry, TelemetryMiddleware
-from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -50,6 +50,8 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     manage_engines: bool = True,
     telemetry: Telemetry | None = None,
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
+    stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -57,8 +59,10 @@ def build_app(
     False when the caller owns their lifecycle. Either way, requests still in flight when the
     app shuts down (after the server's graceful-shutdown timeout) are aborted.
     `telemetry` (default: metrics only, no tracing) serves GET /metrics and observes requests.
+    `request_read_timeout` and `stream_send_timeout`: see `ServerState`.
     """
-    state = ServerState(models=ModelRegistry(engines), auth=auth, max_body_bytes=max_body_bytes)
+    state = ServerState(models=ModelRegistry(engines), auth=auth, max_body_bytes=max_body_bytes,
+                        request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout)
     telemetry = telemetry or Telemetry()
     telemetry.watch(state.models.items)
 

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from tierlm.cli import _add_engine_args, at_least, engine_kwargs
-from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
+from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -58,6 +58,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     auth.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local use only)")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
+    p.add_argument("--request-read-timeout", type=at_least(0, float), default=DEFAULT_REQUEST_READ_TIMEOUT,
+                   metavar="SECONDS",
+                   help="a client has this long to send a request's headers (after connecting or after its "
+                        "previous response), and again its body; then the connection is closed (the body with "
+                        "a 408). 0: no limit (default: %(default)g)")
+    p.add_argument("--stream-send-timeout", type=at_least(0, float), default=60.0, metavar="SECONDS",
+                   help="a streaming client that has not taken an event for this long (it stopped reading but "
+                        "kept the connection) has its request aborted and its connection closed. 0: no limit "
+                        "(default: %(default)g)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
@@ -110,9 +119,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.errors import TierlmError
     from tierlm.serving.app import build_app
     from tierlm.serving.auth import ApiKeyAuth, Authenticator, NoAuth
-    from tierlm.serving.server import listen_socket, make_server
+    from tierlm.serving.server import listen_socket, make_server, raise_fd_limit
     from tierlm.serving.telemetry import Telemetry, configure_request_log
 
+    raise_fd_limit()  # each connection holds a file descriptor
     sock = None
     try:
         # Built first so a bad --otlp-endpoint fails before minutes of model loading.
@@ -159,7 +169,8 @@ def run_serve(args: argparse.Namespace) -> int:
         configure_request_log()
     if telemetry.tracer is not None:
         logger.info("sending traces to %s", args.otlp_endpoint)
-    app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry)
+    app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry,
+                    request_read_timeout=args.request_read_timeout, stream_send_timeout=args.stream_send_timeout)
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

@@ -147,6 +147,15 @@ class RequestTooLarge(APIError):
     default_code = "request_too_large"
 
 
+class RequestTimeout(APIError):
+    """408: the client did not send its request in time (the server closes the connection)."""
+
+    status = 408
+    anthropic_type = "timeout_error"
+    openai_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class RateLimited(APIError):
     """429; `retry_after` seconds is sent as the retry-after header both SDKs honour."""
 

@@ -4,16 +4,22 @@
 `StreamingResponse` only does for older ASGI servers) and, whatever ends the stream —
 completion, disconnect, server shutdown — runs `on_close` shielded from cancellation, so the
 engine request is aborted and its KV blocks freed at once.
+
+A client that stops reading without closing would otherwise hold its request for ever (the
+engine generating, the output piling up, shutdown waiting for it): each write may wait at most
+the server's `stream_send_timeout` for the client to take data, after which the request is
+aborted and the connection closed.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -45,11 +51,25 @@ class EventStreamResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = _send_timeout(scope)
+        stalled = False
+
+        async def send_in_time(message: Message) -> None:
+            nonlocal stalled
+            with anyio.move_on_after(timeout or math.inf) as deadline:
+                await send(message)
+            if deadline.cancelled_caught:
+                stalled = True
+                raise _SendStalled
+
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream_then_stop() -> None:
-                    await self.stream_response(send)
+                    try:
+                        await self.stream_response(send_in_time)
+                    except _SendStalled:
+                        pass
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream_then_stop)
@@ -63,6 +83,30 @@ class EventStreamResponse(StreamingResponse):
                         await self._on_close()
                     except Exception:  # cleanup must never mask the original outcome
                         logger.exception("error while closing an event stream")
+                if stalled:
+                    await _drop_connection(scope, timeout)
+
+
+async def _drop_connection(scope: Scope, timeout: float | None) -> None:
+    """Close a stalled client's connection now, unsent data and all (a plain close would wait
+    for the client to read it, that is for ever)."""
+    request_id = scope.get("state", {}).get("request_id", "req_unknown")
+    logger.warning("request %s aborted: its client took no data for %g s (--stream-send-timeout); "
+                   "closing the connection", request_id, timeout)
+    abort_connection = scope.get("extensions", {}).get("tierlm.abort_connection")
+    if abort_connection is not None:  # else the server closes it once this returns
+        abort_connection()
+        await anyio.sleep(0)  # the server hears of the closed connection before this returns
+
+
+class _SendStalled(Exception):
+    """A write to the client did not complete within the send timeout."""
+
+
+def _send_timeout(scope: Scope) -> float | None:
+    app = scope.get("app")
+    state = getattr(getattr(app, "state", None), "tierlm", None)
+    return getattr(state, "stream_send_timeout", None) or None
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

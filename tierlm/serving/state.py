@@ -13,7 +13,9 @@ from tierlm.serving.auth import Authenticator, RequestContext
 from tierlm.serving.errors import Overloaded
 from tierlm.serving.generation import InflightRequests
 from tierlm.serving.models import ModelRegistry
-from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, parse_request
+from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, parse_request
+
+DEFAULT_STREAM_SEND_TIMEOUT = 60.0  # seconds one write to a streaming client may take
 
 M = TypeVar("M")
 
@@ -25,6 +27,11 @@ class ServerState:
     models: ModelRegistry
     auth: Authenticator
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Seconds a client has for its request head, then again for its body (0: no limit).
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
+    # Seconds one write to a streaming client may wait for it to read, before the request is
+    # aborted and the connection closed (0: no limit).
+    stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT
     inflight: InflightRequests = field(default_factory=InflightRequests)
     draining: bool = False
 
@@ -50,7 +57,8 @@ class ServerState:
             if observer is not None and isinstance(name, str) and name in self.models.names:
                 observer.model = name
 
-        return await parse_request(request, cls, self.max_body_bytes, on_json=label)
+        return await parse_request(request, cls, self.max_body_bytes, on_json=label,
+                                   timeout=self.request_read_timeout)
 
 
     async def drain(self, timeout: float) -> None:

@@ -13,18 +13,22 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from tierlm.serving.errors import ClientDisconnected, InvalidRequest, RequestTooLarge
+from tierlm.serving.errors import ClientDisconnected, InvalidRequest, RequestTimeout, RequestTooLarge
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's own Messages API limit
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's head, and again for its body
 
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) as soon as it is known to exceed `limit` bytes.
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole body, refusing (413) as soon as it is known to exceed `limit` bytes, and (408,
+    closing the connection) if it has not all arrived within `timeout` seconds: a client that
+    sends less than its Content-Length and waits would otherwise hold the request for ever.
 
     The Content-Length header is checked first so a huge upload is refused without reading
     it; chunked bodies are counted as they arrive.
@@ -40,13 +44,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     received = 0
     try:
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > limit:
-                raise _too_large(received, limit)
-            chunks.append(chunk)
+        with anyio.move_on_after(timeout or math.inf) as deadline:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:
+                    raise _too_large(received, limit)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ClientDisconnected("client disconnected while sending the request body") from None
+    if deadline.cancelled_caught:
+        expected = f"{declared} declared" if declared is not None else "a chunked body"
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout:g} s ({received} bytes received of {expected}); "
+            "send the whole body without pausing (or start the server with a larger --request-read-timeout)",
+            headers={"connection": "close"},
+        )
     return b"".join(chunks)
 
 
@@ -143,10 +155,11 @@ PARSE_OFF_LOOP_BYTES = 1 << 20
 
 
 async def parse_request(request: Request, model: type[M], limit: int,
-                        on_json: Callable[[dict], None] | None = None) -> M:
+                        on_json: Callable[[dict], None] | None = None, timeout: float | None = None) -> M:
     """The body as `model`; `on_json` sees the decoded object before it is validated (telemetry
-    reads its "model" there, so a request refused for a bad field still counts under it)."""
-    body = await read_body(request, limit)
+    reads its "model" there, so a request refused for a bad field still counts under it).
+    `timeout`: seconds the body may take to arrive (`read_body`)."""
+    body = await read_body(request, limit, timeout)
     if len(body) >= PARSE_OFF_LOOP_BYTES:
         return await asyncio.to_thread(_parse_body, model, body, on_json)
     return _parse_body(model, body, on_json)

@@ -1,0 +1,160 @@
+"""Clients that hold connections without using them: a head or body that never finishes, a
+stream nobody reads, more connections than the process may open files. Raw sockets against
+the real server, with the deadlines (`ServerState`) set short for the test."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.serving.harness import API_KEY, ServerThread, slow_steps, wait_until
+from tests.serving.scripted_model import LOOP_MODEL
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import NoAuth
+from tierlm.serving.server import ACCEPT_ERROR, AcceptErrorFilter
+
+
+def raw_request(path: str, body: bytes, content_length: int | None = None, **headers: str) -> bytes:
+    fields = {"Host": "x", "Content-Type": "application/json", "x-api-key": API_KEY,
+              "Content-Length": str(len(body) if content_length is None else content_length), **headers}
+    return f"POST {path} HTTP/1.1\r\n".encode() + "".join(f"{k}: {v}\r\n" for k, v in fields.items()).encode() + b"\r\n" + body
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, bool]:
+    """What the server sent, and whether it closed the connection within `timeout` seconds."""
+    sock.settimeout(0.2)
+    data, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+    return data, False
+
+
+@pytest.fixture
+def short_deadlines(scripted_server, monkeypatch):
+    state = scripted_server.app.state.tierlm
+    monkeypatch.setattr(state, "request_read_timeout", 0.5)
+    return scripted_server
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_a_body_shorter_than_its_content_length_gets_408_then_the_connection_closes(short_deadlines, path):
+    with socket.create_connection(("127.0.0.1", short_deadlines.port)) as sock:
+        sock.sendall(raw_request(path, b'{"model":', content_length=1000))
+        started = time.monotonic()
+        data, closed = read_until_closed(sock, 5)
+    assert closed and time.monotonic() - started < 3, data
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), head
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)
+    if path == "/v1/messages":
+        assert error["type"] == "error" and error["error"]["type"] == "timeout_error"
+        message = error["error"]["message"]
+    else:
+        assert error["error"]["code"] == "request_timeout" and error["error"]["type"] == "invalid_request_error"
+        message = error["error"]["message"]
+    assert "--request-read-timeout" in message and "9 bytes received of 1000 declared" in message
+
+
+def test_connections_that_never_finish_a_request_head_are_closed(short_deadlines):
+    port = short_deadlines.port
+    silent = socket.create_connection(("127.0.0.1", port))
+    half_head = socket.create_connection(("127.0.0.1", port))
+    half_head.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n")
+    # after a whole request, half of the next head: uvicorn's keep-alive timer stops at its first byte
+    second_half = socket.create_connection(("127.0.0.1", port))
+    second_half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    second_half.settimeout(5)
+    assert second_half.recv(65536).startswith(b"HTTP/1.1 200 ")
+    second_half.sendall(b"GET /health HTTP/1.1\r\nHo")
+    for sock in (silent, half_head, second_half):
+        with sock:
+            _, closed = read_until_closed(sock, 3)
+            assert closed
+
+
+def test_a_streaming_client_that_stops_reading_is_aborted_and_disconnected(scripted_models, monkeypatch, caplog):
+    engine = scripted_models[LOOP_MODEL].engine("stall-loop")
+    # small kernel send buffers (they grow to MBs): the server's writes stall after ~100 kB
+    server = ServerThread(build_app({"stall-loop": engine}, NoAuth(), stream_send_timeout=1.0), send_buffer=8192).start()
+    slow_steps(engine, monkeypatch, 0.02)  # the whole answer would take 8 s
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    # ~1.8 kB per token with 20 top logprobs: the buffers are full after ~100 tokens
+    body = json.dumps({"model": "stall-loop", "max_tokens": 400, "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "talk"}]}).encode()
+    try:
+        with sock, caplog.at_level(logging.WARNING, logger="tierlm.serving"):
+            generated = engine.stats().generation_tokens
+            sock.sendall(raw_request("/v1/chat/completions", body))
+            assert wait_until(lambda: engine.stats().kv_blocks_used > 0, timeout=5)
+            # never read: once the buffers are full a write waits, 1 s later the request is aborted
+            assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=6), engine.stats()
+            assert engine.stats().generation_tokens - generated < 300  # aborted, not run to the end
+            assert any("--stream-send-timeout" in r.getMessage() and "req_" in r.getMessage() for r in caplog.records)
+            _, closed = read_until_closed(sock, 3)
+            assert closed
+    finally:
+        server.stop()
+
+
+def test_accept_errors_at_the_open_file_limit_are_logged_once_per_interval():
+    accept_filter = AcceptErrorFilter(interval=0.3)
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+    assert accept_filter.filter(record("something else"))
+    first = record(ACCEPT_ERROR + "\nsocket: <...>")
+    assert accept_filter.filter(first)
+    assert not any(accept_filter.filter(record(ACCEPT_ERROR)) for _ in range(500))
+    time.sleep(0.35)
+    again = record(ACCEPT_ERROR)
+    assert accept_filter.filter(again) and "500 more like this" in again.getMessage()
+    assert accept_filter.filter(record("something else"))
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
+def test_a_server_at_its_open_file_limit_logs_a_line_not_a_flood():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["prlimit", "--nofile=64:64", sys.executable, "-m", "tierlm.cli", "serve", "--device", "cpu",
+            "--max-model-len", "256", "--kv-cache-memory", "4MiB", "--port", str(port), "--no-request-log"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    socks = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the port listens once the model has loaded
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+                break
+            except OSError:
+                time.sleep(0.2)
+        for _ in range(120):  # past the limit: the rest wait in the backlog
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        time.sleep(2)
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert out.count(ACCEPT_ERROR) == 1, out[-3000:]
