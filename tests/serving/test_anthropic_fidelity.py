@@ -173,7 +173,12 @@ REFUSED = {
     "text before the tool_result": (
         conversation(USER, use(), {"role": "user", "content": [{"type": "text", "text": "Here:"},
                                                                 *result()["content"]]}, tools=[WEATHER_TOOL]),
-        "messages.2.content.1: ", "`tool_result` blocks must come first in a user message"),
+        "messages.2: ", "Did not find 1 `tool_result` block(s) at the beginning of this message"),
+    "text between two results": (
+        conversation(USER, {"role": "assistant", "content": [*use("toolu_1")["content"], *use("toolu_2")["content"]]},
+                     {"role": "user", "content": [*result("toolu_1")["content"], {"type": "text", "text": "and"},
+                                                  *result("toolu_2")["content"]]}, tools=[WEATHER_TOOL]),
+        "messages.2: ", "Did not find 2 `tool_result` block(s) at the beginning of this message"),
 }
 
 

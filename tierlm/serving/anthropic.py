@@ -166,26 +166,17 @@ def check_tool_pairing(body: ConversationBody) -> None:
     (user) turn, and every tool_result answers a tool_use of the turn before. Templates render
     an unanswered call or a stray result as if it were fine (or fail with a template error).
     A final assistant turn with tool_use is refused where prefills are (_assistant_turn). Ids are
-    unique across the conversation (a repeat makes a result answer two calls), and a user message
-    puts its tool_result blocks before its text, as Anthropic requires."""
+    unique across the conversation (a repeat makes a result answer two calls), and the turn after
+    n calls begins with n tool_result blocks, before any text, image or document."""
     seen: set[str] = set()
     for i, message in enumerate(body.messages):
-        text_at = None
         for j, block in enumerate(message.blocks()):
-            where = f"messages.{i}.content.{j}"
             if isinstance(block, ToolUseBlock):
+                where = f"messages.{i}.content.{j}"
                 if block.id in seen:
                     raise InvalidRequest(f"{where}: `tool_use` ids must be unique; {block.id} is used twice",
                                          param=where)
                 seen.add(block.id)
-            elif isinstance(block, TextBlock) and text_at is None:
-                text_at = j
-            elif isinstance(block, ToolResultBlock) and text_at is not None:
-                raise InvalidRequest(
-                    f"{where}: `tool_result` blocks must come first in a user message, before any text "
-                    f"(messages.{i}.content.{text_at}); move the text after them",
-                    param=where,
-                )
     turns: list[list[int]] = []  # message indices, consecutive same-role messages together
     for i, message in enumerate(body.messages):
         if turns and body.messages[turns[-1][0]].role == message.role:
@@ -212,6 +203,14 @@ def check_tool_pairing(body: ConversationBody) -> None:
                 )
         else:
             asked = {b.id for _, _, b in blocks(turns[k - 1], ToolUseBlock)} if k else set()
+            leading = [b for i in turn for b in body.messages[i].blocks()][:len(asked)]
+            if not all(isinstance(b, ToolResultBlock) for b in leading):
+                where = f"messages.{turn[0]}"
+                raise InvalidRequest(
+                    f"{where}: Did not find {len(asked)} `tool_result` block(s) at the beginning of this message. "
+                    "Messages following `tool_use` blocks must begin with a matching number of `tool_result` blocks.",
+                    param=where,
+                )
             for i, j, b in blocks(turn, ToolResultBlock):
                 if b.tool_use_id not in asked:
                     where = f"messages.{i}.content.{j}"
