@@ -283,8 +283,9 @@ _MAX_REDIS_DB = 2**31 - 1  # SELECT reads a C int: past it Redis answers "out of
 def _check_db_number(db: str, shown: str) -> None:
     """A database number Redis cannot even parse (2**31 and up) started the tier, which then
     failed every connect as an outage, with warnings blaming its memory settings."""
-    if db and int(db) > _MAX_REDIS_DB:
-        raise ValueError(f"kv_remote {shown!r}: database {db} is out of Redis's range; use a database "
+    if db and (len(db.lstrip("0")) > 10 or int(db) > _MAX_REDIS_DB):  # (int() refuses 4,300 digits and more)
+        said = db if len(db) <= 20 else f"{db[:20]}... ({len(db)} digits)"
+        raise ValueError(f"kv_remote {shown!r}: database {said} is out of Redis's range; use a database "
                          "number below the server's `databases` setting (default 16), e.g. redis://host:6379/0")
 
 

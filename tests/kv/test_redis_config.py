@@ -58,6 +58,7 @@ def test_passwords_are_hidden_in_every_url_form(url, shown):
     ("redis://:s3cret@[::1:6379/0", "cannot read it"),
     ("redis://:s3cret@h:6379/2147483648", "database 2147483648 is out of Redis's range"),  # the tier started
     ("redis://:s3cret@h:6379/99999999999999999999", "is out of Redis's range"),  # as down, blaming memory
+    ("redis://:s3cret@h:6379/" + "9" * 5000, "is out of Redis's range"),  # past what int() reads
     ("unix:///run/redis.sock?db=2147483648&password=s3cret", "is out of Redis's range"),
 ])
 def test_urls_redis_py_would_misread_are_refused_before_loading(url, says, tmp_path):
