@@ -314,6 +314,19 @@ def test_a_stop_string_found_only_when_the_last_token_is_flushed_is_the_finish_r
         assert " 🙂" not in out.outputs[0].text and free.text.startswith(out.outputs[0].text)
 
 
+def test_a_stop_tokens_own_text_ending_mid_character_is_kept_whole_with_include_stop_str(llm):
+    """The stop token's text is held for the rest of its character; the flush at finish then
+    searched it for stop strings, cutting it and naming the string, not the token."""
+    prompt = "Hello, world! How"
+    free = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].outputs[0]
+    last = free.token_ids[-1]
+    assert last not in free.token_ids[:-1] and llm.engine.tokenizer.decode([last]).startswith(" 🙂")  # the case
+    out = llm.generate(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, stop=[" 🙂"],
+                                              stop_token_ids=[last], include_stop_str_in_output=True))[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", last) and out.token_ids == free.token_ids
+    assert out.text == free.text and out.text.endswith("\ufffd")
+
+
 def test_a_stop_string_made_before_min_tokens_stays_unmatched_whatever_other_stops_are_given():
     """Stop strings are not looked for before min_tokens. A short one made then was matched on
     the first token checked whenever a longer stop string was also given (the search reached
@@ -536,6 +549,18 @@ def test_a_long_run_of_bytes_that_never_finish_a_character_is_read_as_it_comes()
     assert streamed == d.text == tok.decode(run)  # "é" cut by 0x80: U+FFFD, not é
     starts = d.starts
     assert starts == sorted(starts) and starts[40:44] == [40] * 4 and starts[44] == 41  # 🙂's bytes at 🙂
+    # tokens still held after a part of the run is read begin after the text read (they kept their
+    # place from when they came, inside it: their logprobs were streamed ahead of their text), and
+    # a cut never splits one U+FFFD (f0 9f 80 is one: its bytes were placed as three characters)
+    mixed = [0x80] * 12 + list("中".encode()) + [0xFF] * 4 + [0xF0, 0x9F, 0x80] + [0xFF] * 6 + [ord("a")]
+    d = IncrementalDetokenizer(_WindowTok(), [104], stop=[], positions=True)
+    for t in mixed:
+        d.add(t)
+        held = len(d.ids) - d.read_offset
+        assert d.starts[len(d.starts) - held:] == [len(d.text)] * held
+    d.flush()
+    assert d.text == "\ufffd" * 12 + "中" + "\ufffd" * 11 + "a" and d.starts[12:15] == [12] * 3
+    assert d.starts[19:22] == [17] * 3 and d.starts[22] == 18
     # a stop string in it is found within a few tokens of where it ends (it was found only once
     # the run ended), and the text is cut there
     d = IncrementalDetokenizer(_WindowTok(), [104], stop=["\ufffd🙂\ufffd"])

@@ -149,12 +149,16 @@ class IncrementalDetokenizer:
         n = len(self.ids)
         if n - self.read_offset <= _MAX_HELD:
             return self.read_offset, prefix
+        after = self._decode(self.ids[self.prefix_offset:n - _MAX_UNFINISHED + 1])
         for end in range(n - _MAX_UNFINISHED, n - _MAX_UNFINISHED - 4, -1):
             if end <= self.read_offset:
                 break
             text = self._decode(self.ids[self.prefix_offset:end])
-            if len(text) > len(prefix) and full.startswith(text):
+            # a cut between characters: the token after it adds one (not a cut after f0 of an
+            # invalid f0 9f 80, one U+FFFD, whose later bytes would be placed as characters)
+            if len(text) > len(prefix) and full.startswith(text) and len(after) > len(text):
                 return end, text
+            after = text
         # A decoder whose text of a run of bytes changes with what follows (byte fallback blanks
         # a whole run that holds an invalid byte): the reference text is garbage there anyway.
         end = n - _MAX_UNFINISHED
@@ -193,6 +197,8 @@ class IncrementalDetokenizer:
             self.starts[self._out[m - self._n_ctx]] = before + max(0, agreed - len(prefix) - cut)
         if first < len(self.ids):
             self.placed_from = min(self.placed_from, self._out[first - self._n_ctx])
+        for m in range(max(end, self._n_ctx), len(self.ids)):  # still held: after the text read (their
+            self.starts[self._out[m - self._n_ctx]] = len(self.text)  # place when they came is in it now)
         # A skipped token that came while text was held begins where the token after it does, or
         # after the text read; one that came after the first token still held stays for later.
         held = self._out[end - self._n_ctx] if end < len(self.ids) else None
@@ -208,13 +214,16 @@ class IncrementalDetokenizer:
             if starts[i] < starts[i - 1]:
                 starts[i] = starts[i - 1]
 
-    def flush(self) -> None:
-        """At the end, emit whatever is still pending (even an unfinished character)."""
+    def flush(self, find_stop: bool = True) -> None:
+        """At the end, emit whatever is still pending (even an unfinished character), looking for
+        stop strings in it only with `find_stop`."""
         if self.matched_stop is None and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix):
-                self._check_stop(self._read(prefix, full))
+                start = self._read(prefix, full)
+                if find_stop:
+                    self._check_stop(start)
             self.read_offset = len(self.ids)
 
     def _check_stop(self, start: int) -> str | None:

@@ -467,7 +467,8 @@ class LLMEngine:
         stop_token = tok in req.eos_token_ids and not p.ignore_eos
         if stop_token or tok in p.stop_token_ids:
             if p.include_stop_str_in_output:  # the stopping token's own text too, as vLLM does (not
-                detok.add(tok, find_stop=False)  # searched for stop strings: the token stopped first)
+                detok.add(tok, find_stop=False)  # searched for stop strings: the token stopped first,
+                detok.flush(find_stop=False)  # even where its text ends part-way through a character)
             return self._finish(req, "stop", None if stop_token else tok, new_token=tok, lp=lp)
         matched = detok.add(tok, find_stop=req.num_output_tokens >= p.min_tokens)
         self._place_logprobs(req, detok)
