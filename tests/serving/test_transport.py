@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.serving.harness import API_KEY, ServerThread, slow_steps, wait_until
-from tests.serving.scripted_model import LOOP_MODEL
+from tests.serving.scripted_model import LOOP_MODEL, TEXT_MODEL
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import NoAuth
 from tierlm.serving.server import ACCEPT_ERROR, AcceptErrorFilter
@@ -69,6 +69,32 @@ def test_a_body_shorter_than_its_content_length_gets_408_then_the_connection_clo
         assert error["error"]["code"] == "request_timeout" and error["error"]["type"] == "invalid_request_error"
         message = error["error"]["message"]
     assert "--request-read-timeout" in message and "9 bytes received of 1000 declared" in message
+
+
+def test_a_slow_but_steady_body_is_served(short_deadlines):
+    """The deadline is on the gap between parts of the body, not the whole upload: one that took
+    longer than the deadline in all, never pausing that long, got a 408 (a large image at 9 Mbit/s
+    past 30 s)."""
+    body = json.dumps({"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x" * 60}]}).encode()
+    with socket.create_connection(("127.0.0.1", short_deadlines.port)) as sock:
+        sock.sendall(raw_request("/v1/messages/count_tokens", b"", content_length=len(body)))
+        for i in range(0, len(body), len(body) // 5 + 1):  # 6 parts, 0.3 s apart: 1.5 s > 0.5 s
+            time.sleep(0.3)
+            sock.sendall(body[i:i + len(body) // 5 + 1])
+        data, _ = read_until_closed(sock, 2)
+    assert data.startswith(b"HTTP/1.1 200 ") and b'"input_tokens"' in data, data
+
+
+def test_a_connection_answered_before_its_body_is_closed_when_it_then_idles(short_deadlines):
+    """A 401 goes out before the body is read; the body then came, and the connection, waiting
+    for a next head with no response ending, had no deadline at all (nor uvicorn's keep-alive)."""
+    with socket.create_connection(("127.0.0.1", short_deadlines.port)) as sock:
+        sock.sendall(raw_request("/v1/messages", b"", content_length=10, **{"x-api-key": "wrong"}))
+        sock.settimeout(5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 401 ")
+        sock.sendall(b"0123456789")
+        _, closed = read_until_closed(sock, 3)
+    assert closed
 
 
 def test_connections_that_never_finish_a_request_head_are_closed(short_deadlines):

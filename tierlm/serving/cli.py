@@ -61,12 +61,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-read-timeout", type=at_least(0, float), default=DEFAULT_REQUEST_READ_TIMEOUT,
                    metavar="SECONDS",
                    help="a client has this long to send a request's headers (after connecting or after its "
-                        "previous response), and again its body; then the connection is closed (the body with "
-                        "a 408). 0: no limit (default: %(default)g)")
+                        "previous response), and each part of its body after the last; then the connection is "
+                        "closed (the body with a 408). 0: no limit (default: %(default)g)")
     p.add_argument("--stream-send-timeout", type=at_least(0, float), default=60.0, metavar="SECONDS",
-                   help="a streaming client that has not taken an event for this long (it stopped reading but "
-                        "kept the connection) has its request aborted and its connection closed. 0: no limit "
-                        "(default: %(default)g)")
+                   help="a streaming client whose one write has waited this long (it stopped reading, or reads "
+                        "under ~48 KiB in that time while far behind) has its request aborted and its connection "
+                        "closed. 0: no limit (default: %(default)g)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",

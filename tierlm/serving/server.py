@@ -97,6 +97,11 @@ class TimedH11Protocol(H11Protocol):
         if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
             self._head_timer.cancel()  # a whole head arrived (or the connection failed)
             self._head_timer = None
+        elif (self._head_timer is None and self.conn.their_state is h11.IDLE
+              and self.conn.our_state is h11.IDLE and not self.transport.is_closing()):
+            # waiting for a head again without a response ending now: one answered early (a 401
+            # before its body came), whose body then came; uvicorn's keep-alive timer is off too
+            self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:
