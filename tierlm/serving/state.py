@@ -27,7 +27,7 @@ class ServerState:
     models: ModelRegistry
     auth: Authenticator
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # Seconds a client has for its request head, then again for its body (0: no limit).
+    # Seconds a client has for its request head, and for each gap in its body (0: no limit).
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
     # Seconds one write to a streaming client may wait for it to read, before the request is
     # aborted and the connection closed (0: no limit).

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from tierlm.serving.errors import ClientDisconnected, InvalidRequest, RequestTimeout, RequestTooLarge
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's own Messages API limit
-DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's head, and again for its body
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's head, and for each gap in its body
 
 M = TypeVar("M", bound=BaseModel)
 
