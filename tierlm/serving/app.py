@@ -33,7 +33,8 @@ from tierlm.serving.errors import (
     error_json_bytes,
 )
 from tierlm.serving.models import ModelRegistry
-from tierlm.serving.state import DEFAULT_STREAM_SEND_TIMEOUT, ServerState, request_id_of, server_state
+from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
+from tierlm.serving.state import ServerState, request_id_of, server_state
 from tierlm.serving.telemetry import Telemetry, TelemetryMiddleware
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
 

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from tierlm.cli import _add_engine_args, at_least, engine_kwargs
+from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
 
 logger = logging.getLogger("tierlm.serving")
@@ -63,7 +64,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a client has this long to send a request's headers (after connecting or after its "
                         "previous response), and each part of its body after the last; then the connection is "
                         "closed (the body with a 408). 0: no limit (default: %(default)g)")
-    p.add_argument("--stream-send-timeout", type=at_least(0, float), default=60.0, metavar="SECONDS",
+    p.add_argument("--stream-send-timeout", type=at_least(0, float), default=DEFAULT_STREAM_SEND_TIMEOUT,
+                   metavar="SECONDS",
                    help="a streaming client whose one write has waited this long (it stopped reading, or reads "
                         "under ~48 KiB in that time while far behind) has its request aborted and its connection "
                         "closed. 0: no limit (default: %(default)g)")

@@ -23,6 +23,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 logger = logging.getLogger("tierlm.serving")
 
+DEFAULT_STREAM_SEND_TIMEOUT = 60.0  # seconds one write to a streaming client may wait for it to read
+
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -91,7 +93,7 @@ async def _drop_connection(scope: Scope, timeout: float | None) -> None:
     """Close a stalled client's connection now, unsent data and all (a plain close would wait
     for the client to read it, that is for ever)."""
     request_id = scope.get("state", {}).get("request_id", "req_unknown")
-    logger.warning("request %s aborted: its client took no data for %g s (--stream-send-timeout); "
+    logger.warning("request %s aborted: a write to its client waited %g s for it to read (--stream-send-timeout); "
                    "closing the connection", request_id, timeout)
     abort_connection = scope.get("extensions", {}).get("tierlm.abort_connection")
     if abort_connection is not None:  # else the server closes it once this returns

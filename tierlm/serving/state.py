@@ -13,9 +13,8 @@ from tierlm.serving.auth import Authenticator, RequestContext
 from tierlm.serving.errors import Overloaded
 from tierlm.serving.generation import InflightRequests
 from tierlm.serving.models import ModelRegistry
+from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, parse_request
-
-DEFAULT_STREAM_SEND_TIMEOUT = 60.0  # seconds one write to a streaming client may take
 
 M = TypeVar("M")
 
