@@ -79,6 +79,8 @@ class EventStreamResponse(StreamingResponse):
                 group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
+                if stalled:  # said before the abort frees the request, so the line comes first
+                    _log_stall(scope, timeout)
                 await _aclose(self.body_iterator)
                 if self._on_close is not None:
                     try:
@@ -86,15 +88,18 @@ class EventStreamResponse(StreamingResponse):
                     except Exception:  # cleanup must never mask the original outcome
                         logger.exception("error while closing an event stream")
                 if stalled:
-                    await _drop_connection(scope, timeout)
+                    await _drop_connection(scope)
 
 
-async def _drop_connection(scope: Scope, timeout: float | None) -> None:
-    """Close a stalled client's connection now, unsent data and all (a plain close would wait
-    for the client to read it, that is for ever)."""
+def _log_stall(scope: Scope, timeout: float | None) -> None:
     request_id = scope.get("state", {}).get("request_id", "req_unknown")
     logger.warning("request %s aborted: a write to its client waited %g s for it to read (--stream-send-timeout); "
                    "closing the connection", request_id, timeout)
+
+
+async def _drop_connection(scope: Scope) -> None:
+    """Close a stalled client's connection now, unsent data and all (a plain close would wait
+    for the client to read it, that is for ever)."""
     abort_connection = scope.get("extensions", {}).get("tierlm.abort_connection")
     if abort_connection is not None:  # else the server closes it once this returns
         abort_connection()
