@@ -200,3 +200,55 @@ def test_top_p_on_exact_ties_keeps_what_transformers_keeps():
         ours = torch.isfinite(_filter_rows(x.clone(), [SamplingParams(top_p=p)])).sum().item()
         hf = torch.isfinite(TopPLogitsWarper(p)(None, x.clone())).sum().item()
         assert ours == hf, (vocab, p, ours, hf)
+
+
+def _penalised(logits: np.ndarray, prompt: list[int], output: list[int], rep: float = 1.0,
+               presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
+    """The penalties' definitions, one token at a time: repetition (HF's) over every token seen,
+    presence and frequency (OpenAI's) over the output."""
+    z = logits.astype(np.float64).copy()
+    for t in set(prompt) | set(output):
+        if rep != 1.0:
+            z[t] = z[t] / rep if z[t] > 0 else z[t] * rep
+    for t in set(output):
+        z[t] -= frequency * output.count(t) + presence
+    return z
+
+
+def test_batched_penalties_stop_holds_and_logprobs_equal_their_definitions_row_by_row():
+    """Rows with and without penalties, min_tokens holds and logprobs of different N share one
+    step (the sampler batches each over the rows that ask): every row's greedy token, logprob,
+    rank and top-N equal what its own settings give on its own logits, computed here in numpy."""
+    rng = np.random.default_rng(8)
+    settings = [dict(), dict(repetition_penalty=1.8, logprobs=3), dict(presence_penalty=1.5, logprobs=0),
+                dict(frequency_penalty=-0.7, repetition_penalty=0.5), dict(logprobs=5),
+                dict(min_tokens=4, stop_token_ids=[2, 9], logprobs=1), dict(presence_penalty=0.4, frequency_penalty=2.0,
+                                                                            repetition_penalty=1.3, logprobs=20),
+                dict(min_tokens=2, repetition_penalty=2.0)]
+    for trial in range(10):
+        reqs = []
+        for i, s in enumerate(settings):
+            prompt = rng.integers(0, VOCAB, size=int(rng.integers(1, 9))).tolist()
+            r = Request(f"r{i}", prompt, SamplingParams(max_tokens=16, temperature=0, **s), 16,
+                        frozenset({0, 31}))
+            for t in rng.integers(0, VOCAB, size=int(rng.integers(0, 6))).tolist():
+                r.append_token(t)
+            reqs.append(r)
+        logits = torch.from_numpy(rng.normal(scale=3.0, size=(len(reqs), VOCAB)).astype(np.float32))
+        tokens, lps = Sampler()(logits.clone(), reqs)
+        for i, (r, s) in enumerate(zip(reqs, settings)):
+            z = _penalised(logits[i].numpy(), r.prompt_token_ids, r.output_token_ids,
+                           s.get("repetition_penalty", 1.0), s.get("presence_penalty", 0.0),
+                           s.get("frequency_penalty", 0.0))
+            if r.num_output_tokens < s.get("min_tokens", 0):
+                z[[0, 31, *s.get("stop_token_ids", [])]] = -np.inf
+            assert tokens[i] == int(np.argmax(z)), (trial, s)
+            raw = torch.log_softmax(logits[i].double(), dim=-1).numpy()
+            if "logprobs" not in s:
+                assert lps[i] is None
+                continue
+            lp = lps[i]
+            assert lp.token_id == tokens[i] and abs(lp.logprob - raw[tokens[i]]) < 1e-5, (trial, s)
+            assert lp.rank == 1 + int((raw > raw[tokens[i]] + 1e-6).sum()), (trial, s)
+            assert [t for t, _ in lp.top] == np.argsort(-raw, kind="stable")[: s["logprobs"]].tolist(), (trial, s)
+            assert np.allclose([v for _, v in lp.top], np.sort(raw)[::-1][: s["logprobs"]], atol=1e-5)

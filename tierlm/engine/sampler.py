@@ -20,33 +20,64 @@ from tierlm.engine.request import Request
 from tierlm.sampling_params import SamplingParams
 
 
+def _padded_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Rows of token ids, right-padded with `pad`, built on the host and sent in one copy (per-row
+    tensors would be one blocking copy each on a GPU)."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    host = torch.full((len(id_lists), max(width, 1)), pad, dtype=torch.long)
+    for i, ids in enumerate(id_lists):
+        if ids:
+            host[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    return host.to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Repetition (HF-style, over prompt+output), presence and frequency (OpenAI-style, output)."""
-    for i, r in enumerate(reqs):
-        p = r.params
-        if not p.uses_penalties:
-            continue
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
-            counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    """Repetition (HF-style, over prompt+output), presence and frequency (OpenAI-style, output),
+    batched over the rows that ask for them: one scatter each, no per-row copies or bincounts
+    (each a device-to-host wait on a GPU)."""
+    dev, vocab = logits.device, logits.shape[1]
+    rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+    if rep:
+        rows = torch.tensor(rep, dtype=torch.long).to(dev, non_blocking=True)
+        ids = _padded_ids([reqs[i].all_token_ids for i in rep], vocab, dev).clamp_(max=vocab)
+        seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, ids, True)  # column `vocab` takes the padding (and anything out of range)
+        penalty = torch.tensor([reqs[i].params.repetition_penalty for i in rep],
+                               dtype=logits.dtype).to(dev, non_blocking=True).unsqueeze(1)
+        vals = logits.index_select(0, rows)
+        penalised = torch.where(vals > 0, vals / penalty, vals * penalty)
+        logits.index_copy_(0, rows, torch.where(seen[:, :vocab], penalised, vals))
+    occ = [i for i, r in enumerate(reqs)
+           if r.output_token_ids and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if occ:
+        rows = torch.tensor(occ, dtype=torch.long).to(dev, non_blocking=True)
+        ids = _padded_ids([reqs[i].output_token_ids for i in occ], vocab, dev).clamp_(max=vocab)
+        counts = torch.zeros(len(occ), vocab + 1, dtype=logits.dtype, device=dev)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+        counts = counts[:, :vocab]
+        freq = torch.tensor([reqs[i].params.frequency_penalty for i in occ], dtype=logits.dtype)
+        pres = torch.tensor([reqs[i].params.presence_penalty for i in occ], dtype=logits.dtype)
+        cut = (freq.to(dev, non_blocking=True).unsqueeze(1) * counts
+               + pres.to(dev, non_blocking=True).unsqueeze(1) * (counts > 0).to(logits.dtype))
+        logits.index_copy_(0, rows, logits.index_select(0, rows) - cut)
     return logits
 
 
 def _hold_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Rows short of their `min_tokens`: EOS (unless ignored) and the stop tokens cannot be drawn."""
+    """Rows short of their `min_tokens`: EOS (unless ignored) and the stop tokens cannot be drawn.
+    One indexed write for all rows (a Python-list index per row is a blocking copy on a GPU)."""
+    rows: list[int] = []
+    cols: list[int] = []
     for i, r in enumerate(reqs):
         p = r.params
         if p.min_tokens and r.num_output_tokens < p.min_tokens:
-            stops = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else r.eos_token_ids))
-                     if 0 <= t < logits.shape[1]]
-            if stops:
-                logits[i, stops] = float("-inf")
+            stops = {t for t in (*p.stop_token_ids, *(() if p.ignore_eos else r.eos_token_ids))
+                     if 0 <= t < logits.shape[1]}
+            rows += [i] * len(stops)
+            cols += sorted(stops)
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[index[0], index[1]] = float("-inf")
     return logits
 
 
@@ -105,20 +136,31 @@ class Sampler:
             if drawn:
                 rows = torch.tensor(drawn, dtype=torch.long).to(logits.device, non_blocking=True)
                 picked.index_copy_(0, rows, self._draw(logits.index_select(0, rows), [reqs[i] for i in drawn]))
-        tokens = picked.tolist()  # the step's one device-to-host sync
         lps: list[TokenLogprob | None] = [None] * len(reqs)
-        if raw_logprobs is not None:
-            for i, r in enumerate(reqs):
-                n = r.params.logprobs
-                if n is None:
-                    continue
-                row = raw_logprobs[i]
-                top = torch.topk(row, n) if n > 0 else None
-                chosen = row[tokens[i]]
-                lps[i] = TokenLogprob(
-                    token_id=tokens[i], logprob=float(chosen),
-                    top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
-                    rank=int((row > chosen).sum()) + 1)
+        if raw_logprobs is None:
+            return picked.tolist(), lps  # the step's one device-to-host sync
+        # Logprobs for every row that asks, batched: one top-k at the largest N asked, the
+        # sampled tokens' values and ranks, all read back together with the tokens.
+        asks = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        dev = logits.device
+        rows = torch.tensor(asks, dtype=torch.long).to(dev, non_blocking=True)
+        sel = raw_logprobs.index_select(0, rows)
+        chosen = sel.gather(1, picked.index_select(0, rows).unsqueeze(1))
+        ranks = (sel > chosen).sum(dim=1) + 1
+        k = max(reqs[i].params.logprobs for i in asks)
+        top = torch.topk(sel, k, dim=-1) if k > 0 else None
+        longs = torch.cat([picked, ranks] + ([top.indices.flatten()] if top is not None else []))
+        floats = torch.cat([chosen.flatten()] + ([top.values.flatten()] if top is not None else []))
+        longs_l, floats_l = longs.tolist(), floats.tolist()  # the step's device-to-host reads
+        n_rows = len(reqs)
+        tokens = longs_l[:n_rows]
+        ids_at, vals_at = n_rows + len(asks), len(asks)  # where the top-k rows begin in each list
+        for j, i in enumerate(asks):
+            n = reqs[i].params.logprobs
+            top_ids = longs_l[ids_at + j * k: ids_at + j * k + n]
+            top_vals = floats_l[vals_at + j * k: vals_at + j * k + n]
+            lps[i] = TokenLogprob(token_id=tokens[i], logprob=floats_l[j], top=list(zip(top_ids, top_vals)),
+                                  rank=longs_l[n_rows + j])
         return tokens, lps
 
     def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
