@@ -33,8 +33,8 @@ class SamplingParams:
     `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
     `stop` strings are excluded from the returned text; `stop_token_ids` end the request
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
-    `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled
-    and stop strings are not looked for (vLLM's meaning).
+    `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
+    and stop strings are looked for only in text that later tokens make (vLLM's meaning).
     """
 
     n: int = 1

@@ -823,6 +823,23 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings(llm):
         SamplingParams(max_tokens=3, min_tokens=4)
 
 
+def test_a_stop_string_made_by_the_min_tokens_th_token_is_not_matched(llm):
+    """Stop strings are looked for from token min_tokens + 1 on, as vLLM's detokenizer does
+    (`num_output_tokens() > min_tokens`). tierlm looked in token min_tokens' own text too, so a
+    stop string it made ended the request there and cut its text back below min_tokens tokens."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    texts = [llm.generate([[5, 6, 7]], SamplingParams(max_tokens=j, **greedy))[0].outputs[0].text
+             for j in range(1, 13)]
+    found = [(j, c) for j in range(2, 13) for c in texts[j - 1][len(texts[j - 2]):]
+             if c.strip() and c not in texts[j - 2] and texts[j - 1].startswith(texts[j - 2])]
+    assert found, texts  # some token adds a character not seen before
+    j, c = found[0]
+    at = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, stop=[c], min_tokens=j - 1, **greedy))[0].outputs[0]
+    assert (len(at.token_ids), at.finish_reason, at.stop_reason) == (j, "stop", c)
+    past = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, stop=[c], min_tokens=j, **greedy))[0].outputs[0]
+    assert len(past.token_ids) > j and past.text.startswith(texts[j - 1]), (j, c, past)
+
+
 @pytest.fixture(scope="module")
 def solo_reference(llama_dir):
     """Greedy tokens of a request run alone on a default engine without prefix caching (cached)."""

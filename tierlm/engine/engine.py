@@ -470,7 +470,7 @@ class LLMEngine:
                 detok.add(tok, find_stop=False)  # searched for stop strings: the token stopped first,
                 detok.flush(find_stop=False)  # even where its text ends part-way through a character)
             return self._finish(req, "stop", None if stop_token else tok, new_token=tok, lp=lp)
-        matched = detok.add(tok, find_stop=req.num_output_tokens >= p.min_tokens)
+        matched = detok.add(tok, find_stop=req.num_output_tokens > p.min_tokens)  # vLLM's: past min_tokens
         self._place_logprobs(req, detok)
         if matched is not None:
             return self._finish(req, "stop", matched, new_token=tok, lp=lp)
@@ -482,7 +482,8 @@ class LLMEngine:
                 lp: TokenLogprob | None = None) -> StreamDelta:
         detok = self.detoks.pop(req.request_id)
         held_back = detok.matched_stop is None
-        detok.flush()  # a character still held for its next bytes is output too (nothing after a stop string)
+        # A character still held for its next bytes is output too (nothing after a stop string).
+        detok.flush(find_stop=req.num_output_tokens > req.params.min_tokens)
         self._place_logprobs(req, detok)
         if held_back and detok.matched_stop is not None and reason in ("length", "stop"):
             # The last token completed a stop string but also began a character still unfinished,
