@@ -183,6 +183,21 @@ def test_smollm3_nope_layers_and_ministral_layer_windows():
     assert args.sliding_windows == [None, 32768] * 4 and args.rope_layers == []
 
 
+@pytest.mark.parametrize("extra", [{}, {"no_rope_layers": [1, 0, 1, 1, 0, 1, 1, 1]}, {"no_rope_layer_interval": 3}])
+def test_smollm3_without_layer_types_windows_the_layers_transformers_does(extra):
+    """transformers fills in a SmolLM3 config's missing `layer_types`: with `use_sliding_window`
+    on, the layers without RoPE are sliding. tierlm read all-full, so such a checkpoint ran with
+    no window at all (wrong output past the window; a long-context tester's find)."""
+    smol = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", **SMALL, "num_hidden_layers": 8,
+            "use_sliding_window": True, "sliding_window": 8, **extra}
+    hf = _hf_config(smol)
+    want = [8 if t == "sliding_attention" else None for t in hf.layer_types]
+    assert 8 in want and None in want  # the case is one that windows some layers, not all
+    args = parse_config(smol, resolve_architecture(smol))
+    assert args.sliding_windows == want
+    assert args.rope_layers == [bool(f) for f in hf.no_rope_layers]
+
+
 def _hf_config(cfg: dict):
     from transformers import CONFIG_MAPPING
     return CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})

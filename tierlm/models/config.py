@@ -159,6 +159,14 @@ def hf_defaults(model_type: str) -> dict[str, Any]:
     return found
 
 
+def _smollm3_rope_layers(cfg: dict, layers: int) -> list[bool]:
+    """Which SmolLM3 layers use RoPE: `no_rope_layers` (despite the name, 1 = uses it), or by
+    default all but every `no_rope_layer_interval`-th, as transformers fills it in."""
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    return [bool(f) for f in flags]
+
+
 def _qwen_windows(cfg: dict[str, Any], model_type: str, layers: int) -> list[int | None]:
     """Each layer's sliding window, by transformers' rule for that Qwen type (they differ).
 
@@ -208,7 +216,9 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
         elif model_type == "smollm3":
             use = cfg.get("use_sliding_window", False) and window
-            types = cfg.get("layer_types") or ["full_attention"] * layers
+            # Without layer_types, transformers windows the layers that do not use RoPE.
+            types = cfg.get("layer_types") or [
+                "full_attention" if has_rope else "sliding_attention" for has_rope in _smollm3_rope_layers(cfg, layers)]
             windows = [int(window) if use and t == "sliding_attention" else None for t in types]
         else:
             windows = [None] * layers
@@ -239,9 +249,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         )
         if model_type == "smollm3":
-            interval = int(cfg.get("no_rope_layer_interval", 4))
-            flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-            args.rope_layers = [bool(f) for f in flags]  # despite the name, 1 = this layer uses RoPE
+            args.rope_layers = _smollm3_rope_layers(cfg, layers)
         if model_type == "gemma3_text":
             for field_ in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
                 if cfg.get(field_):
