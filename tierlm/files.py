@@ -13,16 +13,17 @@ ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno
 
 
 def read_regular(p: Path, limit: int, whole: bool = True, strict: bool = False,
-                 absent_raises: bool = False) -> bytes | None:
+                 absent_raises: bool = False, nofollow: bool = False) -> bytes | None:
     """Up to `limit` bytes of the regular file `p` (all of it with `whole`, or None if it is
     longer), or None. Opened without blocking and checked with fstat first: a FIFO or device
     put where an entry should be hung the model loop in open() or read() (a tester's find).
     With `strict`, an error other than the file being absent is raised, not None: a reader that
     deletes what it cannot read (a cache's damaged entry) must not delete an intact file because
     the process ran out of file descriptors. With `absent_raises` an absent file raises
-    FileNotFoundError too (a cache entry deleted behind its back is gone, not damaged)."""
+    FileNotFoundError too (a cache entry deleted behind its back is gone, not damaged). With
+    `nofollow` a symbolic link at `p` reads as absent (a cache's own files are never links)."""
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if nofollow else 0))
     except OSError as e:
         if e.errno in ABSENT and absent_raises:
             raise FileNotFoundError(e.errno, e.strerror, str(p)) from None

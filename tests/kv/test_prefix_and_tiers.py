@@ -1,6 +1,7 @@
 """Prefix caching and the tiered KV cache against cold runs on a real tiny model."""
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import random
@@ -2254,6 +2255,63 @@ def test_links_put_at_the_lock_or_an_entry_temporary_are_never_written_through(t
     assert disk.put(h, parent, data) == [] and torch.equal(disk.get(h), data)
     assert victim.read_text() == "someone else's file\n" and not tmp.exists()
     disk.close()
+
+
+def test_links_put_at_a_shard_or_an_entry_lead_nowhere_outside_the_directory(tmp_path):
+    """A shard directory replaced by a link had new entries written, and evicted, through it;
+    an entry replaced by a link had its target rewritten by a hint update; at a restart a linked
+    shard's files were listed as entries (and trimmed: deleted where they lie)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    d = tmp_path / "kv"
+    disk = DiskTier(d, 8, policy="lru")
+    (h, parent, data), = _chain(1)
+    disk.path(h).parent.symlink_to(outside, target_is_directory=True)
+    assert [m[0] for m in disk.put(h, parent, data)] == [h]  # not stored: passed on to the next tier
+    assert list(outside.iterdir()) == [] and h not in disk and disk.stats.errors == 1
+    disk.path(h).parent.unlink()
+
+    assert disk.put(h, parent, data, hint=3) == []
+    victim = outside / "victim"
+    victim.write_bytes(disk.path(h).read_bytes())  # an entry's bytes: a hint slot to patch
+    disk.path(h).unlink()
+    disk.path(h).symlink_to(victim)
+    disk.put(h, parent, data, hint=700)  # a new hint: patched in place, never through the link
+    assert victim.read_bytes() == encode_block(data, parent, 3, key=h)
+    disk.close()
+
+    (outside / disk.path(h).name).write_bytes(encode_block(data, parent, key=h))
+    shard = disk.path(h).parent
+    for f in shard.iterdir():
+        f.unlink()
+    shard.rmdir()
+    shard.symlink_to(outside, target_is_directory=True)
+    again = DiskTier(d, 8, index_in_background=False)
+    again.index()
+    assert h not in again and (outside / disk.path(h).name).exists()
+    again.close()
+
+
+def test_a_disk_short_of_inodes_keeps_holding_entries(tmp_path):
+    """On a file system short of inodes (not of bytes), each new shard directory took the inode
+    an evicted entry freed, and empty shards stayed, until all 256 existed and no entry fitted:
+    the tier ended holding nothing and failing every write."""
+    import subprocess
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=60", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        disk = DiskTier(mnt / "kv", 1000, policy="lru")
+        blocks = [(hashlib.sha256(b"%d" % i).digest(), torch.full((4, 8), float(i))) for i in range(400)]
+        for h, data in blocks:
+            disk.put(h, None, data)
+        assert len(disk) >= 10 and disk.stats.errors == 0, (len(disk), disk.stats.errors)
+        assert all(torch.equal(disk.get(h), data) for h, data in blocks[-len(disk):])
+        disk.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_entries_with_file_times_in_the_future_are_an_earlier_runs(tmp_path):

@@ -663,6 +663,7 @@ class DiskTier(_CapacityTier):
         self._lost: str | None = None  # why this tier no longer owns its directory (see _reclaim)
         self.on_reclaim: Callable[[], None] | None = None  # after the lock was taken again (rewrites model.json)
         self._undeleted: set[bytes] = set()  # entries dropped from the index whose file could not be deleted
+        self._shards_seen: set[str] = set()  # shard directories checked to be directories, not links
         self._undeleted_retry_at = 0.0
         # Temporaries are named by run, not judged by file time: a clock step back would make this
         # run's look old, and deleting one mid-write loses the block.
@@ -890,12 +891,14 @@ class DiskTier(_CapacityTier):
         default capacity does), up to the capacity asked for (hold `lock`)."""
         self._regrow_at = time.monotonic() + self._regrow_every
         try:
-            free = shutil.disk_usage(self.root).free
+            st = os.statvfs(self.root)
         except OSError:
             return
         per = self._on_disk(block_bytes)
-        promised = max(0, self.capacity - self._held()) * per  # granted already, not yet written
-        room = max(0, free - promised) // 2 // per
+        granted = max(0, self.capacity - self._held())  # entries granted already, not yet written
+        room = max(0, st.f_bavail * st.f_frsize - granted * per) // 2 // per
+        if st.f_files:  # a file system with a fixed number of inodes (0: it has none): one per entry
+            room = min(room, max(0, st.f_favail - granted) // 2)
         grown = min(self._wanted or 0, self.capacity + room)
         if grown > self.capacity:
             log.info("KV disk tier %s has space again: capacity raised from %d to %d blocks (%d asked for)",
@@ -1084,7 +1087,7 @@ class DiskTier(_CapacityTier):
         t0 = time.monotonic()
         listed, dropped, i = [], 0, 0
         for shard in os.scandir(self.root):
-            if len(shard.name) != 2 or not shard.is_dir():
+            if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):  # a link leads elsewhere
                 continue
             for f in os.scandir(shard.path):
                 i += 1
@@ -1147,7 +1150,7 @@ class DiskTier(_CapacityTier):
     @staticmethod
     def _entry(p: Path, mtime: int = 0) -> Entry | None:
         """The entry at `p` from its header; `mtime` is the file time the listing read."""
-        head = read_regular(p, 4096, whole=False, strict=True)
+        head = read_regular(p, 4096, whole=False, strict=True, nofollow=True)
         parsed = None if head is None else _header(head)
         if parsed is None or "parent" not in parsed[0]:
             return None  # damaged, or written before headers named the parent
@@ -1168,6 +1171,8 @@ class DiskTier(_CapacityTier):
         tmp = p.with_suffix(f".tmp{self._tmp_tag}{threading.get_ident():x}")
         self._reclaim()  # an fstat and a stat: is the lock file at its path still ours?
         raw = encode_block(data, parent, hint, key=h)
+        if p.parent.name not in self._shards_seen:
+            self._check_shard(p.parent)
         try:
             try:
                 _write_new(tmp, raw)
@@ -1189,7 +1194,8 @@ class DiskTier(_CapacityTier):
         disk when it was computed had none yet: its request had not finished). A few bytes in
         place; an entry without a hint slot (an older format) is rewritten whole, once."""
         try:
-            fd = os.open(self.path(h), os.O_RDWR | os.O_NONBLOCK)  # never wait on a FIFO put there
+            # Never wait on a FIFO put there, nor write through a link to a file elsewhere.
+            fd = os.open(self.path(h), os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
             with os.fdopen(fd, "r+b") as f:
                 if stat.S_ISREG(os.fstat(fd).st_mode) and patch_hint(f, hint):
                     return
@@ -1198,7 +1204,7 @@ class DiskTier(_CapacityTier):
             self.stats.count(errors=1)  # the old entry stays, without the new hint
 
     def _read(self, h):
-        raw = read_regular(self.path(h), self._max_entry_bytes, strict=True, absent_raises=True)
+        raw = read_regular(self.path(h), self._max_entry_bytes, strict=True, absent_raises=True, nofollow=True)
         return None if raw is None else decode_block(raw, h, self.layout)
 
     def _still_there(self, h):
@@ -1213,12 +1219,38 @@ class DiskTier(_CapacityTier):
     def _erase(self, h):
         if self._lost:
             return  # another engine owns the directory now: its files are not ours to delete
+        p = self.path(h)
         try:
-            self.path(h).unlink()
+            p.unlink()
         except FileNotFoundError:
             pass
         except OSError:  # a read-only directory: tried again once writes work, so files stay within capacity
             self._undeleted.add(h)
+            return
+        if self._wanted is not None:  # short of space: a shard emptied gives its inode back
+            self._drop_empty_shard(p.parent)
+
+    def _check_shard(self, shard: Path) -> None:
+        """A shard directory is written into only if it is a directory of its own: one replaced
+        by a link would send entries, and their deletes, to wherever it points. Checked once per
+        shard and run (an lstat); a shard this tier makes is its own."""
+        try:
+            st = os.lstat(shard)
+        except FileNotFoundError:
+            return  # made by the write
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, "a KV disk shard is not a directory (a link or a file put there)", str(shard))
+        self._shards_seen.add(shard.name)
+
+    def _drop_empty_shard(self, shard: Path) -> None:
+        """Remove a shard directory left empty. Only once space ran out: on a file system short of
+        inodes, each new shard took the inode an evicted entry freed, until all 256 existed and no
+        entry fitted (a tester's find); otherwise the rmdir would cost a call per eviction."""
+        try:
+            shard.rmdir()
+        except OSError:
+            return  # not empty (the usual case), or gone
+        self._shards_seen.discard(shard.name)
 
     def _erase_undeleted(self) -> int:
         """Delete the files of entries dropped while deletes failed (hold `lock`); one stored
