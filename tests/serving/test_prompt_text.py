@@ -239,3 +239,51 @@ def test_a_tokenizer_failure_on_a_completion_prompt_is_a_400(scripted_server, en
     error = error_of(r, "openai")
     assert error["param"] == "prompt" and error["message"].startswith("prompt: the tokenizer of model ")
     assert "TextEncodeInput" not in error["message"]
+
+
+# ---- Python's own limits, in the client's words ----------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_a_number_with_too_many_digits_is_refused_in_plain_words(scripted_server, path):
+    """Python refuses to read an integer of over 4300 digits, in words for Python programmers
+    ("use sys.set_int_max_str_digits()"); that text reached clients."""
+    make_body, style, _ = ROUTES[path]
+    raw = json.dumps(make_body("hi")).replace('"max_tokens": 5', '"max_tokens": 1' + "0" * 5000)
+    r = httpx.post(scripted_server.url + path, content=raw.encode(), headers=HEADERS, timeout=60)
+    assert r.status_code == 400
+    message = error_of(r, style)["message"]
+    assert "number with too many digits (limit 4300)" in message and "sys." not in message
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_a_tool_schema_nested_too_deeply_is_refused_in_plain_words(scripted_server, path):
+    """A tool's schema nested 900 deep made the chat template hit Python's recursion limit, whose
+    message ("maximum recursion depth exceeded") was the client's answer."""
+    from tierlm.engine.tokenizer import MAX_TEMPLATE_DEPTH
+    from tests.serving.scripted_model import TOOLS_MODEL
+
+    def nested(depth: int) -> dict:
+        schema: dict = {"type": "object"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    def body(depth: int) -> dict:
+        schema = nested(depth)
+        if path == "/v1/messages":
+            return {"model": TOOLS_MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"name": "f", "input_schema": schema}]}
+        return {"model": TOOLS_MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+
+    _, style, _ = ROUTES[path]
+    r = post(scripted_server.url, path, body(450))
+    assert r.status_code == 400
+    error = error_of(r, style)
+    assert error["message"] == f"tools: nested too deeply (limit {MAX_TEMPLATE_DEPTH} levels of objects and arrays)"
+    if style == "openai":
+        assert error["param"] == "tools"
+    # Just inside the limit the template renders it (too long for this 512-token context, but counted).
+    ok = post(scripted_server.url, path, body(MAX_TEMPLATE_DEPTH // 2 - 3))
+    assert "nested" not in ok.text and ("prompt is too long" in ok.text or "context length" in ok.text)

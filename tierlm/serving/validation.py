@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -105,6 +106,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply") from None
     except ValueError as exc:
+        if "integer string conversion" in str(exc):  # Python's own limit, worded for Python programmers
+            raise InvalidRequest(f"request body holds a number with too many digits (limit "
+                                 f"{sys.get_int_max_str_digits()}); send a smaller number") from None
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest(
