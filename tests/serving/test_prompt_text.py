@@ -88,8 +88,37 @@ def test_a_certainly_too_long_prompt_is_refused_without_tokenizing(scripted_serv
 def test_count_tokens_counts_a_prompt_longer_than_the_context(scripted_server, engine):
     """The count is the answer there, so a long prompt is counted rather than refused."""
     make_body, _, _ = ROUTES["/v1/messages/count_tokens"]
-    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("word " * 10_000))
-    assert r.status_code == 200 and r.json()["input_tokens"] > 10_000 > engine.max_model_len
+    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("word " * 1_500))
+    assert r.status_code == 200 and r.json()["input_tokens"] > 1_500 > engine.max_model_len
+
+
+def test_count_tokens_counts_up_to_a_multiple_of_the_context_and_refuses_past_it(scripted_server, engine,
+                                                                                 monkeypatch):
+    """Tokenizing keeps ~160 bytes per token: a 25 MB prompt's count peaked at 4.9 GB. Counts stop
+    at COUNT_CHARS_PER_CONTEXT_TOKEN characters of rendered prompt per context token; below that
+    they are the tokenizer's own, exactly."""
+    from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN
+
+    limit = COUNT_CHARS_PER_CONTEXT_TOKEN * engine.max_model_len
+    make_body, _, _ = ROUTES["/v1/messages/count_tokens"]
+    overhead = len(engine.chat_text([{"role": "user", "content": "x"}])) - 1
+    for text in ["hi", "Hello, world! How are you?", "word " * 300 + "end", "naïve café 日本語 " * 40,
+                 "x" * (limit - overhead)]:
+        rendered = engine.chat_text([{"role": "user", "content": text}])
+        r = post(scripted_server.url, "/v1/messages/count_tokens", make_body(text))
+        assert r.status_code == 200, r.text
+        assert r.json()["input_tokens"] == len(engine.tokenizer.encode(rendered, add_special_tokens=False))
+
+    def tokenize(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the prompt was tokenized")
+
+    monkeypatch.setattr(engine, "encode_chat_text", tokenize)
+    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("x" * (limit - overhead + 1)))
+    assert r.status_code == 400
+    message = error_of(r, "anthropic")["message"]
+    assert message.startswith(f"messages: this prompt renders to {limit + 1} characters; tierlm counts prompts "
+                              f"of up to {limit} ({COUNT_CHARS_PER_CONTEXT_TOKEN} per token of model '{MODEL}'s "
+                              f"{engine.max_model_len}-token context)")
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
