@@ -316,3 +316,34 @@ def test_a_tool_schema_nested_too_deeply_is_refused_in_plain_words(scripted_serv
     # Just inside the limit the template renders it (too long for this 512-token context, but counted).
     ok = post(scripted_server.url, path, body(MAX_TEMPLATE_DEPTH // 2 - 3))
     assert "nested" not in ok.text and ("prompt is too long" in ok.text or "context length" in ok.text)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions", "/v1/messages/count_tokens"])
+def test_more_content_blocks_than_the_context_holds_are_refused_before_validation(scripted_server, engine, path):
+    """Each block renders to a token at least. A message of 1,000,000 one-letter blocks (31 MB)
+    spent 7-15 s in validation holding the GIL, stalling /health and every other client; now the
+    raw JSON's blocks are counted first (count_tokens: up to what it counts)."""
+    from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN
+
+    make_body, style, _ = ROUTES[path]
+    n = engine.max_model_len
+    limit = n * COUNT_CHARS_PER_CONTEXT_TOKEN if path.endswith("count_tokens") else n
+    body = make_body("x")
+    body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "a"}] * (limit - 1)}]
+    r = post(scripted_server.url, path, body)
+    assert "content blocks up to here" not in r.text  # the message and its blocks: `limit` parts
+    if path == "/v1/messages":
+        body["messages"][0]["content"] = [{"type": "text", "text": "a"}] * (limit - 2) + [{"type": "nonsense"}]
+        r = post(scripted_server.url, path, body)
+        assert r.status_code == 400 and "content.%d.type" % (limit - 2) in r.text  # validated, as before
+        body["messages"][0]["content"][-1] = {"type": "text", "text": "a"}
+    body["messages"][0]["content"].append({"type": "text", "text": "a"})
+    r = post(scripted_server.url, path, body)
+    assert r.status_code == 400
+    error = error_of(r, style)
+    what = (f"the {limit} count_tokens counts" if path.endswith("count_tokens")
+            else f"the {n}-token context holds")
+    assert error["message"].startswith(f"messages.0.content: the request has {limit + 1} messages and content "
+                                       f"blocks up to here, more than {what}")
+    if style == "openai":
+        assert error["param"] == "messages.0.content" and error["code"] == "context_length_exceeded"
