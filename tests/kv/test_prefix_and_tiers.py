@@ -3058,3 +3058,29 @@ def test_a_read_timeout_too_large_for_a_wait_means_no_timeout(llama_dir, cold_re
     threading.Timer(0.3, gate.set).start()
     assert _run(llm, shared + _prompt(3, 9))[:2] == (ref[3], 64)  # waited for the whole read
     llm.close()
+
+
+def test_disk_tier_files_are_private_to_their_owner(llama_dir, tmp_path):
+    """Entries hold the KV of clients' prompts: directories were 0755 and files 0644, readable by
+    every local user. Now 0700 and 0600, whatever the umask; a directory an older version made
+    0755 is made 0700 when an engine takes it."""
+    import os
+    import stat as st
+
+    old = os.umask(0o002)
+    try:
+        llm = _llm(llama_dir, kv_host_capacity="3 blocks", kv_disk_dir=str(tmp_path / "kv"))
+        _run(llm, _prompt(1, 70))
+        llm.engine.offload_prefix_cache()  # host evictions demote to disk
+        assert llm.engine.stats().kv_tiers["disk"]["stores"] > 0
+        llm.engine.persist_kv()
+        made = [tmp_path / "kv", *(tmp_path / "kv").rglob("*")]
+        assert any(p.suffix == ".kv" for p in made)
+        for p in made:
+            assert st.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), (p, oct(p.stat().st_mode))
+        older = tmp_path / "older"
+        older.mkdir(mode=0o755)
+        DiskTier(older, 4).close()
+        assert st.S_IMODE(older.stat().st_mode) == 0o700
+    finally:
+        os.umask(old)

@@ -69,3 +69,18 @@ def test_a_client_cache_salt_only_narrows_sharing():
     assert salts[0] is None and salts[2] == "x"  # no client salt: the tenant's, unchanged
     assert len(set(salts)) == len(salts) - 1  # all distinct but (None, "x") and ("", "x"): both "no tenant salt"
     assert salts[1] == salts[5]
+
+
+def test_a_non_ascii_key_made_by_the_keys_tool_authenticates(tmp_path):
+    """Clients send a header's UTF-8 bytes; Starlette decodes them as latin-1 before auth sees them."""
+    from starlette.datastructures import Headers
+
+    line = subprocess.run([sys.executable, "-m", "tierlm.serving.auth", "carol"], input="sk-clé", text=True,
+                          encoding="utf-8", capture_output=True, check=True).stdout.strip()
+    path = tmp_path / "keys.txt"
+    path.write_text(line + "\n")
+    auth = ApiKeyAuth.from_file(path)
+    assert auth.authenticate(Headers(raw=[(b"x-api-key", "sk-clé".encode())])) == "carol"
+    assert auth.authenticate(Headers(raw=[(b"authorization", "Bearer sk-clé".encode())])) == "carol"
+    with pytest.raises(AuthenticationFailed):  # the same text sent as latin-1 bytes is another key
+        auth.authenticate(Headers(raw=[(b"x-api-key", "sk-clé".encode("latin-1"))]))

@@ -88,8 +88,37 @@ def test_a_certainly_too_long_prompt_is_refused_without_tokenizing(scripted_serv
 def test_count_tokens_counts_a_prompt_longer_than_the_context(scripted_server, engine):
     """The count is the answer there, so a long prompt is counted rather than refused."""
     make_body, _, _ = ROUTES["/v1/messages/count_tokens"]
-    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("word " * 10_000))
-    assert r.status_code == 200 and r.json()["input_tokens"] > 10_000 > engine.max_model_len
+    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("word " * 1_500))
+    assert r.status_code == 200 and r.json()["input_tokens"] > 1_500 > engine.max_model_len
+
+
+def test_count_tokens_counts_up_to_a_multiple_of_the_context_and_refuses_past_it(scripted_server, engine,
+                                                                                 monkeypatch):
+    """Tokenizing keeps ~160 bytes per token: a 25 MB prompt's count peaked at 4.9 GB. Counts stop
+    at COUNT_CHARS_PER_CONTEXT_TOKEN characters of rendered prompt per context token; below that
+    they are the tokenizer's own, exactly."""
+    from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN
+
+    limit = COUNT_CHARS_PER_CONTEXT_TOKEN * engine.max_model_len
+    make_body, _, _ = ROUTES["/v1/messages/count_tokens"]
+    overhead = len(engine.chat_text([{"role": "user", "content": "x"}])) - 1
+    for text in ["hi", "Hello, world! How are you?", "word " * 300 + "end", "naïve café 日本語 " * 40,
+                 "x" * (limit - overhead)]:
+        rendered = engine.chat_text([{"role": "user", "content": text}])
+        r = post(scripted_server.url, "/v1/messages/count_tokens", make_body(text))
+        assert r.status_code == 200, r.text
+        assert r.json()["input_tokens"] == len(engine.tokenizer.encode(rendered, add_special_tokens=False))
+
+    def tokenize(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the prompt was tokenized")
+
+    monkeypatch.setattr(engine, "encode_chat_text", tokenize)
+    r = post(scripted_server.url, "/v1/messages/count_tokens", make_body("x" * (limit - overhead + 1)))
+    assert r.status_code == 400
+    message = error_of(r, "anthropic")["message"]
+    assert message.startswith(f"messages: this prompt renders to {limit + 1} characters; tierlm counts prompts "
+                              f"of up to {limit} ({COUNT_CHARS_PER_CONTEXT_TOKEN} per token of model '{MODEL}'s "
+                              f"{engine.max_model_len}-token context)")
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
@@ -239,3 +268,82 @@ def test_a_tokenizer_failure_on_a_completion_prompt_is_a_400(scripted_server, en
     error = error_of(r, "openai")
     assert error["param"] == "prompt" and error["message"].startswith("prompt: the tokenizer of model ")
     assert "TextEncodeInput" not in error["message"]
+
+
+# ---- Python's own limits, in the client's words ----------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_a_number_with_too_many_digits_is_refused_in_plain_words(scripted_server, path):
+    """Python refuses to read an integer of over 4300 digits, in words for Python programmers
+    ("use sys.set_int_max_str_digits()"); that text reached clients."""
+    make_body, style, _ = ROUTES[path]
+    raw = json.dumps(make_body("hi")).replace('"max_tokens": 5', '"max_tokens": 1' + "0" * 5000)
+    r = httpx.post(scripted_server.url + path, content=raw.encode(), headers=HEADERS, timeout=60)
+    assert r.status_code == 400
+    message = error_of(r, style)["message"]
+    assert "number with too many digits (limit 4300)" in message and "sys." not in message
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_a_tool_schema_nested_too_deeply_is_refused_in_plain_words(scripted_server, path):
+    """A tool's schema nested 900 deep made the chat template hit Python's recursion limit, whose
+    message ("maximum recursion depth exceeded") was the client's answer."""
+    from tierlm.engine.tokenizer import MAX_TEMPLATE_DEPTH
+    from tests.serving.scripted_model import TOOLS_MODEL
+
+    def nested(depth: int) -> dict:
+        schema: dict = {"type": "object"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    def body(depth: int) -> dict:
+        schema = nested(depth)
+        if path == "/v1/messages":
+            return {"model": TOOLS_MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"name": "f", "input_schema": schema}]}
+        return {"model": TOOLS_MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+
+    _, style, _ = ROUTES[path]
+    r = post(scripted_server.url, path, body(450))
+    assert r.status_code == 400
+    error = error_of(r, style)
+    assert error["message"] == f"tools: nested too deeply (limit {MAX_TEMPLATE_DEPTH} levels of objects and arrays)"
+    if style == "openai":
+        assert error["param"] == "tools"
+    # Just inside the limit the template renders it (too long for this 512-token context, but counted).
+    ok = post(scripted_server.url, path, body(MAX_TEMPLATE_DEPTH // 2 - 3))
+    assert "nested" not in ok.text and ("prompt is too long" in ok.text or "context length" in ok.text)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions", "/v1/messages/count_tokens"])
+def test_more_content_blocks_than_the_context_holds_are_refused_before_validation(scripted_server, engine, path):
+    """Each block renders to a token at least. A message of 1,000,000 one-letter blocks (31 MB)
+    spent 7-15 s in validation holding the GIL, stalling /health and every other client; now the
+    raw JSON's blocks are counted first (count_tokens: up to what it counts)."""
+    from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN
+
+    make_body, style, _ = ROUTES[path]
+    n = engine.max_model_len
+    limit = n * COUNT_CHARS_PER_CONTEXT_TOKEN if path.endswith("count_tokens") else n
+    body = make_body("x")
+    body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "a"}] * (limit - 1)}]
+    r = post(scripted_server.url, path, body)
+    assert "content blocks up to here" not in r.text  # the message and its blocks: `limit` parts
+    if path == "/v1/messages":
+        body["messages"][0]["content"] = [{"type": "text", "text": "a"}] * (limit - 2) + [{"type": "nonsense"}]
+        r = post(scripted_server.url, path, body)
+        assert r.status_code == 400 and "content.%d.type" % (limit - 2) in r.text  # validated, as before
+        body["messages"][0]["content"][-1] = {"type": "text", "text": "a"}
+    body["messages"][0]["content"].append({"type": "text", "text": "a"})
+    r = post(scripted_server.url, path, body)
+    assert r.status_code == 400
+    error = error_of(r, style)
+    what = (f"the {limit} count_tokens counts" if path.endswith("count_tokens")
+            else f"the {n}-token context holds")
+    assert error["message"].startswith(f"messages.0.content: the request has {limit + 1} messages and content "
+                                       f"blocks up to here, more than {what}")
+    if style == "openai":
+        assert error["param"] == "messages.0.content" and error["code"] == "context_length_exceeded"

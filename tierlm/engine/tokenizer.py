@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tierlm.errors import ChatTemplateError, InvalidRequestError, ModelLoadError
 
@@ -43,11 +44,35 @@ def render_chat_text(tokenizer, messages: list[dict], tools: list[dict] | None =
             "use a plain completion prompt or add a chat_template to tokenizer_config.json", param="messages")
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
+    for name, value in (("messages", messages), ("tools", tools), ("chat_template_kwargs", template_kwargs)):
+        _refuse_deep_nesting(value, name)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except RecursionError:  # a template recursing on its own, not on the depth checked above
+        raise InvalidRequestError("the chat template could not render these messages: they are nested too "
+                                  "deeply for it", param="messages") from None
     except Exception as e:  # jinja errors: the template rejected these messages
         raise InvalidRequestError(f"the chat template could not render these messages: {e}", param="messages") from None
     return text
+
+
+# How deeply the values a chat template sees may nest (a tool's JSON schema, a tool call's
+# arguments). Templates walk them recursively (tojson, macros): 900 levels hit Python's recursion
+# limit, whose message ("maximum recursion depth exceeded") is no answer for a client.
+MAX_TEMPLATE_DEPTH = 100
+
+
+def _refuse_deep_nesting(value: Any, name: str, limit: int = MAX_TEMPLATE_DEPTH) -> None:
+    """A 400 naming `name` when `value` nests lists/dicts more than `limit` deep (walked iteratively)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        current, depth = stack.pop()
+        if isinstance(current, (dict, list, tuple)):
+            if depth >= limit:
+                raise InvalidRequestError(f"{name}: nested too deeply (limit {limit} levels of objects and arrays)",
+                                          param=name)
+            children = current.values() if isinstance(current, dict) else current
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))

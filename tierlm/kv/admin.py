@@ -51,8 +51,7 @@ def write_about(directory: Path, about: dict) -> None:
     tmp = None
     try:  # a fresh temporary (O_EXCL): never written through a link someone put at a guessable name
         fd, tmp = tempfile.mkstemp(prefix=f".{ABOUT_FILE}.", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from `kv ls` run by another user
+        with os.fdopen(fd, "w") as f:  # mkstemp's 0600, as the tier's entries (the directory is 0700)
             f.write(json.dumps(about, indent=1) + "\n")
         os.replace(tmp, directory / ABOUT_FILE)
     except OSError as e:
@@ -139,7 +138,7 @@ def _try_lock(directory: Path, mine: bool = False) -> int | str | None:
         if not mine:
             return None
         try:  # no lock file: make one to hold, so an engine starting meanwhile waits for it
-            fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError:  # a dangling link, or the directory is gone: nothing an engine could hold
             return None
     except OSError as e:

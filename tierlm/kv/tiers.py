@@ -706,7 +706,7 @@ class DiskTier(_CapacityTier):
         prune` between opening and locking it locks nothing: open the one at the path again."""
         deadline = time.monotonic() + patience_s
         while True:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.root)
             f = self._open_lock()
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -745,6 +745,15 @@ class DiskTier(_CapacityTier):
             self._root_id = (st.st_dev, st.st_ino)
         except OSError:
             self._root_id = None
+        else:
+            if st.st_mode & 0o077 and st.st_uid == os.getuid():  # made by a version that left it 0755
+                try:
+                    os.chmod(self.root, 0o700)
+                    log.info("KV disk tier %s: made the directory private to its owner (was %o)", self.root,
+                             stat.S_IMODE(st.st_mode))
+                except OSError as e:
+                    log.warning("KV disk tier %s: cannot make the directory private (%s); other local users "
+                                "may read its KV blocks", self.root, e)
         return f
 
     def _open_lock(self):
@@ -752,7 +761,7 @@ class DiskTier(_CapacityTier):
         pid label would overwrite) and only if it is a regular file."""
         path = self.root / ".lock"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise KVTierError(f"{path} is a symbolic link; tierlm does not write through one (it would "
@@ -1177,7 +1186,7 @@ class DiskTier(_CapacityTier):
             try:
                 _write_new(tmp, raw)
             except FileNotFoundError:  # a new shard directory
-                p.parent.mkdir(parents=True, exist_ok=True)
+                _private_dir(p.parent)
                 _write_new(tmp, raw)
             os.replace(tmp, p)
         except OSError:
@@ -1274,14 +1283,30 @@ class DiskTier(_CapacityTier):
         return deleted
 
 
+def _private_dir(path: Path) -> None:
+    """`path` and any missing parents, made 0700: entries hold the KV of clients' prompts, which
+    other local users must not read (a umask only ever removes bits from 0700)."""
+    missing = []
+    while not path.exists() and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile (another thread's shard); not a file or dangling link
+            if not d.is_dir():
+                raise
+
+
 def _write_new(path: Path, raw: bytes) -> None:
-    """Write `raw` to a file created at `path`, never through a link or file put there."""
+    """Write `raw` to a file created at `path` (0600: see `_private_dir`), never through a link or
+    file put there."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)
     except FileExistsError:  # left by a write that failed and could not clean up: the name is ours
         os.unlink(path)  # the link or file itself, never a link's target
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)
     try:
         view = memoryview(raw)
         while view:

@@ -92,7 +92,7 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     state.admit(request)
-    body = await state.parse(request, CountTokensRequest)
+    body = await state.parse(request, CountTokensRequest, counting=True)
     engine = state.models.get(body.model)
     # Counted whatever the length: the count is the answer, even past the model's context.
     prompt = await build_prompt(engine, body, check_length=False)

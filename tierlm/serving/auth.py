@@ -103,7 +103,15 @@ class ApiKeyAuth:
                 "no API key: send it in the x-api-key header or as 'Authorization: Bearer <key>'",
                 code="missing_api_key",
             )
-        digest = hashlib.sha256(key.encode()).digest()
+        # Starlette decodes header bytes as latin-1; encoding back gives the bytes the client sent,
+        # which for a non-ASCII key are its UTF-8 (what `hash_key` and the keys tool hash). Encoding
+        # the decoded text as UTF-8 instead made such a key never match. (Headers not from Starlette
+        # may hold other text: that is hashed as the keys tool hashes it.)
+        try:
+            raw = key.encode("latin-1")
+        except UnicodeEncodeError:
+            raw = key.encode()
+        digest = hashlib.sha256(raw).digest()
         match: str | None = None
         for key_id, stored in self._digests:  # no early exit: timing must not depend on position
             if hmac.compare_digest(digest, stored):

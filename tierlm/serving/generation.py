@@ -50,6 +50,11 @@ ABORT_TIMEOUT_S = 10.0
 # own: in the default pool, shared with every request's prompt, six 5 MB counts held a short
 # request up for 50 s. They wait for each other instead.
 _COUNTING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-count-tokens")
+# What count_tokens tokenizes at most: this many characters of rendered prompt per token of the
+# model's context (~4 contexts of English). A fast tokenizer keeps offsets and token strings for
+# every token (~160 bytes each): a 25 MB prompt peaked at 4.9 GB. Past it, a 400: such a prompt
+# cannot fit the context many times over, and a client learns nothing more from its exact count.
+COUNT_CHARS_PER_CONTEXT_TOKEN = 16
 
 
 @dataclass
@@ -187,6 +192,8 @@ def _render_chat(
         ) from None
     if check_length:  # the rendered text, not the messages: templates trim, add and repeat text
         refuse_certainly_too_long(engine, model, text, "messages")
+    else:
+        refuse_too_long_to_count(engine, model, text)
     return encode_prompt_text(engine, model, text, "messages", rendered=True)
 
 
@@ -213,6 +220,19 @@ def refuse_certainly_too_long(engine: "AsyncEngine", model: str, text: str, prom
     if at_least is not None and at_least > context:
         raise ContextLengthExceeded(context=context, prompt_tokens=at_least, max_tokens=None,
                                     prompt_field=prompt_field, at_least=True)
+
+
+def refuse_too_long_to_count(engine: "AsyncEngine", model: str, text: str) -> None:
+    """count_tokens' bound on what it tokenizes (COUNT_CHARS_PER_CONTEXT_TOKEN)."""
+    context = int(engine.max_model_len)
+    limit = COUNT_CHARS_PER_CONTEXT_TOKEN * context
+    if len(text) > limit:
+        raise InvalidRequest(
+            f"messages: this prompt renders to {len(text)} characters; tierlm counts prompts of up to {limit} "
+            f"({COUNT_CHARS_PER_CONTEXT_TOKEN} per token of model '{model}'s {context}-token context), far more "
+            "than the context holds; send a shorter prompt",
+            param="messages",
+        )
 
 
 def output_budget(

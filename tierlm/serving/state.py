@@ -10,11 +10,12 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from tierlm.serving.auth import Authenticator, RequestContext
-from tierlm.serving.errors import Overloaded
-from tierlm.serving.generation import InflightRequests
+from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded
+from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightRequests
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
-from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, parse_request
+from tierlm.serving.validation import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, first_part_past,
+                                       parse_request)
 
 M = TypeVar("M")
 
@@ -45,18 +46,37 @@ class ServerState:
         salt = None if api_key_id is None else f"key\x1f{api_key_id}"
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, cache_salt=salt)
 
-    async def parse(self, request: Request, cls: type[M]) -> M:
+    async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON
         decodes, a "model" this server serves labels the request's telemetry, so a request
-        refused for a bad field (max_tokens 0, temperature 9) counts under its model."""
+        refused for a bad field (max_tokens 0, temperature 9) counts under its model. Before it
+        is validated, more messages and content blocks than the context holds (or, `counting`,
+        than count_tokens counts) are refused: see `first_part_past`."""
         observer = request.scope.get("state", {}).get("telemetry")
 
-        def label(data: dict) -> None:
+        def before_validation(data: dict) -> None:
             name = data.get("model")
-            if observer is not None and isinstance(name, str) and name in self.models.names:
+            served = isinstance(name, str) and name in self.models.names
+            if observer is not None and served:
                 observer.model = name
+            names = [name] if served else self.models.names  # an unknown model is a 404 once validated
+            context = max(int(getattr(self.models.get(n), "max_model_len", 0) or 0) for n in names)
+            limit = context * (COUNT_CHARS_PER_CONTEXT_TOKEN if counting else 1)
+            found = first_part_past(data, limit) if context else None
+            if found is not None:
+                where, count = found
+                if where == "messages" and not counting:  # messages alone: _render_chat's rule and words
+                    raise ContextLengthExceeded(context=context, prompt_tokens=count, max_tokens=None,
+                                                prompt_field="messages", at_least=True)
+                what = (f"the {limit} count_tokens counts ({COUNT_CHARS_PER_CONTEXT_TOKEN} per token of the "
+                        f"{context}-token context)" if counting else f"the {context}-token context holds")
+                raise InvalidRequest(
+                    f"{where}: the request has {count} messages and content blocks up to here, more than {what} "
+                    "(each renders to a token at least); send fewer",
+                    param=where, code=None if counting else ContextLengthExceeded.default_code,
+                )
 
-        return await parse_request(request, cls, self.max_body_bytes, on_json=label,
+        return await parse_request(request, cls, self.max_body_bytes, on_json=before_validation,
                                    timeout=self.request_read_timeout)
 
 
