@@ -21,10 +21,13 @@ def read_regular(p: Path, limit: int, whole: bool = True, strict: bool = False,
     deletes what it cannot read (a cache's damaged entry) must not delete an intact file because
     the process ran out of file descriptors. With `absent_raises` an absent file raises
     FileNotFoundError too (a cache entry deleted behind its back is gone, not damaged). With
-    `nofollow` a symbolic link at `p` reads as absent (a cache's own files are never links)."""
+    `nofollow` a symbolic link at `p` is not followed: it is not a regular file, so None (a
+    cache's own files are never links)."""
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if nofollow else 0))
     except OSError as e:
+        if nofollow and e.errno == errno.ELOOP and os.path.islink(p):
+            return None
         if e.errno in ABSENT and absent_raises:
             raise FileNotFoundError(e.errno, e.strerror, str(p)) from None
         if strict and e.errno not in ABSENT:
