@@ -12,6 +12,9 @@ from tierlm.errors import InvalidRequestError
 # list (200,000 of them) slowed every other stream ninefold. vLLM sets no limit, OpenAI's is 4.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+# logit_bias entries: each step scatters every asking row's entries, so one request cannot make
+# every step of its batch build a vocabulary-sized list. OpenAI documents no bound; vLLM sets none.
+MAX_LOGIT_BIAS = 1024
 
 
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
@@ -35,6 +38,8 @@ class SamplingParams:
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
     `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
     and stop strings are looked for only in text that later tokens make (vLLM's meaning).
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before penalties
+    and filters (OpenAI's meaning); reported logprobs stay the model's own distribution.
     """
 
     n: int = 1
@@ -54,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +70,10 @@ class SamplingParams:
                                           f"{getattr(self, name)!r})", param=name)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"sampling parameter 'logit_bias' must be a dict of token id to bias (got "
+                                      f"{self.logit_bias!r})", param="logit_bias")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # (a copy: the caller's may change)
         self.validate()
 
     def checked_copy(self) -> "SamplingParams":
@@ -128,6 +138,17 @@ class SamplingParams:
             bad("stop_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    bad("logit_bias", f"keys must be non-negative token ids (got {token!r})")
+                if not _is_number(value) or not -100.0 <= value <= 100.0:  # (NaN fails too)
+                    bad("logit_bias", f"values must be numbers in [-100, 100] (got {value!r} for token {token})")
+                bias[int(token)] = float(value)
+            self.logit_bias = bias
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 

@@ -179,6 +179,31 @@ def test_completion_top_logprobs_hold_the_sampled_token(demo_server):
     assert any(len(top) == 2 for top in lp["top_logprobs"])  # a token sampled outside the top 1
 
 
+# ---- logit_bias (OpenAI's) -----------------------------------------------------------------
+
+
+def test_logit_bias_reaches_the_sampler_on_both_routes_and_bad_ids_are_named(demo_server, demo_engine):
+    """+100 on a token makes a greedy and a sampled answer that token over and over; a token id past
+    the vocabulary is a 400 naming the field and the id."""
+    tok = demo_engine.tokenizer
+    token = tok.encode(" hello", add_special_tokens=False)[-1]
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for temperature in (0.0, 1.0):
+            fields = {"model": model, "max_tokens": 3, "temperature": temperature, "logit_bias": {str(token): 100}}
+            r = c.post("/v1/completions", json={**fields, "prompt": "Random words", "logprobs": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["logprobs"]["tokens"] == [tok.decode([token])] * 3
+            r = c.post("/v1/chat/completions", json={**fields, "messages": HI})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == tok.decode([token] * 3)
+        vocab = demo_engine.engine.args.vocab_size
+        for path, body in (("/v1/completions", {"prompt": "Random words"}), ("/v1/chat/completions", {"messages": HI})):
+            r = c.post(path, json={"model": model, "logit_bias": {"3": 1, str(vocab + 5): -1}, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "logit_bias" and str(vocab + 5) in r.json()["error"]["message"]
+
+
 # ---- a forced tool call the model does not finish ------------------------------------------
 
 

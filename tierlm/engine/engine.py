@@ -381,6 +381,10 @@ class LLMEngine:
         if not (0 <= min(ids) and max(ids) < vocab):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
+        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if outside:  # the sampler would scatter past the logits' last column
+            raise InvalidRequestError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary "
+                                      f"[0, {vocab})", param="logit_bias")
         n = len(ids)
         if n >= self.max_model_len:
             raise RequestTooLongError(

@@ -88,6 +88,7 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
         stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        logit_bias=body.token_bias(),
     )
 
 

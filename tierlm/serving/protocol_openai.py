@@ -2,10 +2,10 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-logit_bias, best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
-template, prompt truncation) are rejected with a 400 naming them. vLLM's extensions that tierlm
-can honour (stop_token_ids, include_stop_str_in_output, skip_special_tokens, and on chat
-continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
+best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
+template, prompt truncation) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
+token-id strings). vLLM's extensions that tierlm can honour (stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, and on chat continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.sampling_params import stop_strings_problem
+from tierlm.sampling_params import MAX_LOGIT_BIAS, stop_strings_problem
 
 
 class _Body(BaseModel):
@@ -247,10 +247,22 @@ class _SamplingFields(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by tierlm; remove it")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # Token ids past the model's vocabulary are refused when the request is made (the engine knows it).
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(value)})")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids written as non-negative integers (got {key!r})")
+            if not -100.0 <= bias <= 100.0:  # (NaN fails too)
+                raise ValueError(f"values must be in [-100, 100] (got {bias} for token {key})")
         return value
+
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys as token ids, as SamplingParams takes it."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stream_options")
     @classmethod

@@ -1,0 +1,49 @@
+"""vLLM's SamplingParams and outputs as the offline `LLM` meets them: logit_bias, prompt
+truncation, vLLM keywords tierlm refuses, cumulative logprobs, n samples per prompt."""
+from __future__ import annotations
+
+import pytest
+
+from tierlm import LLM, SamplingParams
+from tierlm.errors import InvalidRequestError
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=128,
+               max_num_batched_tokens=64, block_size=8, load_progress=False)
+
+
+def first(llm, **params):
+    return llm.generate([PROMPT], SamplingParams(max_tokens=4, **params))[0].outputs[0]
+
+
+# ---- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_a_token_or_takes_the_greedy_one_away(llm):
+    plain = first(llm, temperature=0, logprobs=2)
+    top, second = (t for t, _ in plain.logprobs[0].top)
+    assert plain.token_ids[0] == top
+    assert first(llm, temperature=0, logit_bias={9: 100.0}).token_ids == [9] * 4
+    assert first(llm, temperature=0, logit_bias={top: -100.0}).token_ids[0] == second
+    sampled = llm.generate([PROMPT] * 3, [SamplingParams(max_tokens=4, temperature=1.0, seed=s, logit_bias={9: 100.0})
+                                          for s in (1, 2, 3)])
+    assert all(o.outputs[0].token_ids == [9] * 4 for o in sampled)
+
+
+def test_logprobs_under_a_logit_bias_are_the_models_own(llm):
+    plain = first(llm, temperature=0, logprobs=2)
+    biased = first(llm, temperature=0, logprobs=2, logit_bias={9: 100.0})
+    assert biased.logprobs[0].token_id == 9
+    assert biased.logprobs[0].top == plain.logprobs[0].top  # the raw distribution's top 2, not 9's 0.0
+
+
+def test_a_logit_bias_token_outside_the_vocabulary_is_refused_by_id(llm):
+    vocab = llm.engine.args.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"token id {vocab}, outside") as info:
+        llm.generate([PROMPT], SamplingParams(logit_bias={3: 1.0, vocab: 1.0}))
+    assert info.value.param == "logit_bias"
+    assert not llm.engine.has_unfinished()
