@@ -38,6 +38,8 @@ class SamplingParams:
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
     `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
     and stop strings are looked for only in text that later tokens make (vLLM's meaning).
+    `truncate_prompt_tokens=N` keeps only the prompt's last N tokens (-1: the last max_model_len,
+    vLLM's meaning); the output's `prompt_token_ids` are the kept ones.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before penalties
     and filters (OpenAI's meaning); reported logprobs stay the model's own distribution.
     """
@@ -60,6 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,7 +104,7 @@ class SamplingParams:
                 bad(name, f"must be a number (got {value!r})")
             if type(value) not in (int, float):
                 setattr(self, name, float(value))
-        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed"):
+        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer (got {value!r})")
@@ -138,6 +141,10 @@ class SamplingParams:
             bad("stop_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            bad("truncate_prompt_tokens", f"must be at least 1, or -1 for max_model_len (got "
+                                          f"{self.truncate_prompt_tokens})")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")

@@ -2,6 +2,8 @@
 truncation, vLLM keywords tierlm refuses, cumulative logprobs, n samples per prompt."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tierlm import LLM, SamplingParams
@@ -47,3 +49,26 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused_by_id(llm):
         llm.generate([PROMPT], SamplingParams(logit_bias={3: 1.0, vocab: 1.0}))
     assert info.value.param == "logit_bias"
     assert not llm.engine.has_unfinished()
+
+
+# ---- truncate_prompt_tokens ----------------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_last_n_as_vllm(llm):
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, truncate_prompt_tokens=3))[0]
+    tail = llm.generate([prompt[-3:]], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert cut.prompt_token_ids == prompt[-3:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate([prompt], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == prompt
+    long = llm.generate([list(range(3, 203))], SamplingParams(max_tokens=4, truncate_prompt_tokens=100))[0]
+    assert long.prompt_token_ids == list(range(103, 203)) and len(long.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("keep, says", [(0, "at least 1, or -1"), (-2, "at least 1, or -1"),
+                                        (129, "greater than max_model_len (128)")])
+def test_a_bad_truncate_prompt_tokens_is_refused_by_name(llm, keep, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+        llm.generate([PROMPT], SamplingParams(truncate_prompt_tokens=keep))
+    assert info.value.param == "truncate_prompt_tokens"

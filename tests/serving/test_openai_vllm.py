@@ -127,7 +127,6 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scr
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("prompt_logprobs", 0),
-    ("truncate_prompt_tokens", 5),
 ])
 def test_vllm_fields_that_change_the_answer_are_refused(client, scripted_engines, field, value):
     for path, body in (("/v1/chat/completions", chat(**{field: value})),
@@ -202,6 +201,30 @@ def test_logit_bias_reaches_the_sampler_on_both_routes_and_bad_ids_are_named(dem
             r = c.post(path, json={"model": model, "logit_bias": {"3": 1, str(vocab + 5): -1}, **body})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "logit_bias" and str(vocab + 5) in r.json()["error"]["message"]
+
+
+# ---- truncate_prompt_tokens (vLLM's) ---------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(demo_server, demo_engine):
+    """The answer is the one to the prompt's last N tokens, and usage counts N; more than
+    max_model_len, or 0, is a 400 naming the field."""
+    ids = demo_engine.encode("one two three four five six seven eight nine ten")
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        base = {"model": model, "max_tokens": 5, "temperature": 0}
+        cut = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": 4}).json()
+        tail = c.post("/v1/completions", json={**base, "prompt": ids[-4:]}).json()
+        assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+        text = c.post("/v1/completions", json={**base, "prompt": "one two three", "truncate_prompt_tokens": 2}).json()
+        assert text["usage"]["prompt_tokens"] == 2
+        chat = c.post("/v1/chat/completions", json={**base, "messages": HI, "truncate_prompt_tokens": 3})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
+        whole = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": -1}).json()
+        assert whole["usage"]["prompt_tokens"] == len(ids)
+        for bad in (demo_engine.max_model_len + 1, 0, -2):
+            r = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
 # ---- a forced tool call the model does not finish ------------------------------------------

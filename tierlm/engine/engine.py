@@ -381,6 +381,13 @@ class LLMEngine:
         if not (0 <= min(ids) and max(ids) < vocab):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens, -1 for max_model_len
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > self.max_model_len:
+                raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                                          f"({self.max_model_len}); give a smaller one, or -1 for max_model_len",
+                                          param="truncate_prompt_tokens")
+            ids = ids[-keep:]
         outside = sorted(t for t in params.logit_bias or () if t >= vocab)
         if outside:  # the sampler would scatter past the logits' last column
             raise InvalidRequestError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary "

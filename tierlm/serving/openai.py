@@ -99,11 +99,12 @@ async def chat_completions(request: Request) -> Response:
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
     prompt = await build_chat_prompt(engine, body)
+    prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens)
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
+    max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n))
-    streams = _engine_streams(state, engine, body, prompt.token_ids, params, context.salted(body.cache_salt))
+    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
@@ -123,7 +124,7 @@ async def completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
-    prompt_ids = await completion_prompt_ids(engine, body)
+    prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens)
     if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
         await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
@@ -301,7 +302,8 @@ def _arguments(text: str, index: int, k: int) -> Any:
 async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:
     if isinstance(body.prompt, str):
         # Off the event loop: tokenizing a long prompt takes seconds.
-        return await asyncio.to_thread(_encode_prompt, engine, body.model, body.prompt)
+        return await asyncio.to_thread(_encode_prompt, engine, body.model, body.prompt,
+                                       body.truncate_prompt_tokens is not None)
     vocab = len(engine.tokenizer)
     bad = [t for t in body.prompt if not 0 <= t < vocab]
     if bad:
@@ -312,10 +314,25 @@ async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) 
     return list(body.prompt)
 
 
-def _encode_prompt(engine: "AsyncEngine", model: str, text: str) -> list[int]:
-    """A text prompt's token ids; refused unencoded when certainly too long for the context."""
-    refuse_certainly_too_long(engine, model, text, "prompt")
+def _encode_prompt(engine: "AsyncEngine", model: str, text: str, truncated: bool = False) -> list[int]:
+    """A text prompt's token ids; refused unencoded when certainly too long for the context
+    (unless it is to be truncated)."""
+    if not truncated:
+        refuse_certainly_too_long(engine, model, text, "prompt")
     return encode_prompt_text(engine, model, text, "prompt")
+
+
+def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len), done
+    here so the output budget and usage count what runs."""
+    if keep is None:
+        return ids
+    context = int(engine.max_model_len)
+    keep = context if keep == -1 else keep
+    if keep > context:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({context}); "
+                             "give a smaller one, or -1 for max_model_len", param="truncate_prompt_tokens")
+    return ids[-keep:]
 
 
 def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:

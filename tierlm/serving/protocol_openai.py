@@ -3,8 +3,8 @@
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
 best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
-template, prompt truncation) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
-token-id strings). vLLM's extensions that tierlm can honour (stop_token_ids, include_stop_str_in_output,
+template) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
+token-id strings). vLLM's extensions that tierlm can honour (stop_token_ids, truncate_prompt_tokens, include_stop_str_in_output,
 skip_special_tokens, and on chat continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
 """
 from __future__ import annotations
@@ -155,7 +155,6 @@ _REFUSED_VLLM_FIELDS = {
     "guided_grammar": "(guided decoding) is not supported by tierlm",
     "structured_outputs": "(constrained decoding) is not supported by tierlm",
     "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
-    "truncate_prompt_tokens": "is not supported by tierlm (prompts are never truncated)",
 }
 
 
@@ -198,7 +197,8 @@ class _SamplingFields(_Body):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
+    # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
 
     @field_validator(*_REFUSED_VLLM_FIELDS, mode="before")
@@ -243,6 +243,13 @@ class _SamplingFields(_Body):
         # vLLM's rule: -1 and 0 mean no limit; values past the vocabulary too (see generation.top_k_limit).
         if value is not None and value < -1:
             raise ValueError(f"must be -1 or 0 (no limit) or at least 1 (got {value})")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(f"must be at least 1, or -1 for max_model_len (got {value})")
         return value
 
     @field_validator("logit_bias")
