@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,38 @@ MAX_STOP_CHARS = 1024
 # logit_bias entries: each step scatters every asking row's entries, so one request cannot make
 # every step of its batch build a vocabulary-sized list. OpenAI documents no bound; vLLM sets none.
 MAX_LOGIT_BIAS = 1024
+
+
+# vLLM's request fields tierlm cannot honour, and why: one table for SamplingParams' keywords and
+# the OpenAI routes' body fields. A refusal reads "'<field>' <why>; remove it". Each is accepted at
+# its neutral value (None unless listed in VLLM_NEUTRAL), as it changes nothing then.
+UNSUPPORTED_VLLM_FIELDS = {
+    "guided_json": "(guided decoding) is not supported by tierlm",
+    "guided_regex": "(guided decoding) is not supported by tierlm",
+    "guided_choice": "(guided decoding) is not supported by tierlm",
+    "guided_grammar": "(guided decoding) is not supported by tierlm",
+    "guided_decoding": "(guided decoding) is not supported by tierlm",
+    "structured_outputs": "(constrained decoding) is not supported by tierlm",
+    "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
+    "use_beam_search": "(beam search) is not supported by tierlm",
+    "bad_words": "is not supported by tierlm; a logit_bias of -100 on the words' tokens comes close",
+    "allowed_token_ids": "is not supported by tierlm; a logit_bias of -100 on the other tokens comes close",
+    "spaces_between_special_tokens": "other than true (vLLM's default) is not supported by tierlm",
+    "best_of": "is not supported by tierlm (every sample is returned: set n)",
+    "output_kind": "is not supported by tierlm (LLM.generate returns finished outputs, AsyncEngine.generate "
+                   "yields deltas)",
+    "logits_processors": "is not supported by tierlm",
+    "detokenize": "other than true (vLLM's default) is not supported by tierlm",
+}
+VLLM_NEUTRAL = {"use_beam_search": False, "spaces_between_special_tokens": True, "detokenize": True}
+
+
+def unsupported_vllm_field(name: str, value: object) -> str | None:
+    """Why tierlm refuses vLLM's field `name` at `value` ("'name' ...; remove it"), or None (not
+    one of vLLM's fields tierlm lacks, or its neutral value)."""
+    if name not in UNSUPPORTED_VLLM_FIELDS or value is None or value is VLLM_NEUTRAL.get(name):
+        return None
+    return f"'{name}' {UNSUPPORTED_VLLM_FIELDS[name]}; remove it"
 
 
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
@@ -166,6 +199,24 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _refusing_vllm_keywords(init):
+    """SamplingParams' __init__, refusing vLLM's keywords tierlm lacks by name (they were a bare
+    TypeError) and taking them at their neutral values; a keyword that is no field of vLLM's
+    either (a typo) is still Python's TypeError."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        for name in [k for k in kwargs if k in UNSUPPORTED_VLLM_FIELDS]:
+            if (why := unsupported_vllm_field(name, kwargs.pop(name))) is not None:
+                raise InvalidRequestError(f"sampling parameter {why}", param=name)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refusing_vllm_keywords(SamplingParams.__init__)
 
 
 def _is_int(value: object) -> bool:

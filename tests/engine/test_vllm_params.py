@@ -72,3 +72,25 @@ def test_a_bad_truncate_prompt_tokens_is_refused_by_name(llm, keep, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
         llm.generate([PROMPT], SamplingParams(truncate_prompt_tokens=keep))
     assert info.value.param == "truncate_prompt_tokens"
+
+
+# ---- vLLM keywords tierlm lacks ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("prompt_logprobs", 1), ("prompt_logprobs", 0), ("spaces_between_special_tokens", False),
+    ("guided_decoding", {"json": {}}), ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]),
+    ("allowed_token_ids", [1, 2]), ("output_kind", 2), ("best_of", 2), ("logits_processors", [print]),
+    ("detokenize", False)])
+def test_vllm_keywords_tierlm_lacks_are_refused_by_name(field, value):
+    with pytest.raises(InvalidRequestError, match=f"'{field}' .*not supported by tierlm") as info:
+        SamplingParams(max_tokens=4, **{field: value})
+    assert info.value.param == field
+
+
+def test_vllm_keywords_at_their_neutral_values_pass_and_a_typo_is_a_type_error():
+    p = SamplingParams(max_tokens=4, prompt_logprobs=None, spaces_between_special_tokens=True, detokenize=True,
+                       guided_decoding=None, best_of=None)
+    assert p.max_tokens == 4
+    with pytest.raises(TypeError, match="tempreature"):
+        SamplingParams(tempreature=0.5)

@@ -127,6 +127,9 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scr
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("prompt_logprobs", 0),
+    ("bad_words", ["alpha"]),
+    ("allowed_token_ids", [3, 4]),
+    ("spaces_between_special_tokens", False),
 ])
 def test_vllm_fields_that_change_the_answer_are_refused(client, scripted_engines, field, value):
     for path, body in (("/v1/chat/completions", chat(**{field: value})),
@@ -142,7 +145,8 @@ def test_custom_chat_template_is_refused_and_neutral_values_pass(client, scripte
     r = client.post("/v1/chat/completions", json=chat(chat_template="{{ messages }}"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     neutral = dict(guided_json=None, guided_choice=None, structured_outputs=None, use_beam_search=False,
-                   prompt_logprobs=None, truncate_prompt_tokens=None, guided_decoding_backend="auto")
+                   prompt_logprobs=None, truncate_prompt_tokens=None, guided_decoding_backend="auto",
+                   bad_words=None, allowed_token_ids=None, spaces_between_special_tokens=True)
     r = client.post("/v1/chat/completions", json=chat(chat_template=None, **neutral))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
     assert client.post("/v1/completions", json=completion(scripted_engines[TEXT_MODEL], **neutral)).status_code == 200

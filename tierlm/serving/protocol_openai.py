@@ -2,8 +2,8 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
-template) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
+best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, bad_words,
+allowed_token_ids, spaces_between_special_tokens false, a custom chat template) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
 token-id strings). vLLM's extensions that tierlm can honour (stop_token_ids, truncate_prompt_tokens, include_stop_str_in_output,
 skip_special_tokens, and on chat continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
 """
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.sampling_params import MAX_LOGIT_BIAS, stop_strings_problem
+from tierlm.sampling_params import MAX_LOGIT_BIAS, stop_strings_problem, unsupported_vllm_field
 
 
 class _Body(BaseModel):
@@ -147,15 +147,11 @@ class ResponseFormat(_Body):
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 128  # choices per request (`n`), OpenAI's bound
 
-# vLLM request fields tierlm cannot honour, and why (the rest of the refusal says "remove it").
-_REFUSED_VLLM_FIELDS = {
-    "guided_json": "(guided decoding) is not supported by tierlm",
-    "guided_regex": "(guided decoding) is not supported by tierlm",
-    "guided_choice": "(guided decoding) is not supported by tierlm",
-    "guided_grammar": "(guided decoding) is not supported by tierlm",
-    "structured_outputs": "(constrained decoding) is not supported by tierlm",
-    "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
-}
+# vLLM's body fields tierlm cannot honour: refused by name unless neutral (null, or vLLM's
+# default), with the Python API's words (sampling_params.UNSUPPORTED_VLLM_FIELDS).
+_REFUSED_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                        "prompt_logprobs", "use_beam_search", "bad_words", "allowed_token_ids",
+                        "spaces_between_special_tokens")
 
 
 def _check_stop(value: Any) -> Any:
@@ -197,27 +193,23 @@ class _SamplingFields(_Body):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    spaces_between_special_tokens: bool = True
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
     truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
 
-    @field_validator(*_REFUSED_VLLM_FIELDS, mode="before")
+    @field_validator(*_REFUSED_VLLM_FIELDS)
     @classmethod
     def _refused_vllm_field(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            raise ValueError(f"{info.field_name} {_REFUSED_VLLM_FIELDS[info.field_name]}; remove it")
-        return value
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("beam search is not supported by tierlm; remove use_beam_search")
+        if (why := unsupported_vllm_field(info.field_name, value)) is not None:
+            raise ValueError(why)
         return value
 
     @field_validator("stream", "ignore_eos", "max_tokens", "echo", "include_stop_str_in_output",
-                     "skip_special_tokens", "use_beam_search", "add_generation_prompt", "continue_final_message",
-                     mode="before", check_fields=False)
+                     "skip_special_tokens", "use_beam_search", "spaces_between_special_tokens", "add_generation_prompt",
+                     "continue_final_message", mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI documents these as "... or null", meaning the default, and the `openai` SDK sends
