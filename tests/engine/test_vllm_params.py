@@ -94,3 +94,14 @@ def test_vllm_keywords_at_their_neutral_values_pass_and_a_typo_is_a_type_error()
     assert p.max_tokens == 4
     with pytest.raises(TypeError, match="tempreature"):
         SamplingParams(tempreature=0.5)
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_and_prompt_logprobs_is_none(llm):
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=1.0, seed=4, logprobs=0))[0]
+    seq = out.outputs[0]
+    assert len(seq.logprobs) == 6 and seq.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in seq.logprobs))
+    assert seq.cumulative_logprob < 0 and out.prompt_logprobs is None
+    assert first(llm).cumulative_logprob is None  # no logprobs asked for: None, as vLLM

@@ -89,8 +89,9 @@ class LLM:
                     logprobs[d.request_id].extend(d.logprobs)
                 if d.finished:
                     r = reqs[order[d.request_id]]
+                    lps = logprobs[d.request_id] if r.params.logprobs is not None else None
                     out = CompletionOutput(0, r.final_text, tokens[d.request_id], d.finish_reason, d.stop_reason,
-                                           logprobs[d.request_id] if r.params.logprobs is not None else None)
+                                           lps, cumulative_logprob=None if lps is None else sum(lp.logprob for lp in lps))
                     results[order[d.request_id]] = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [out],
                                                                  num_cached_tokens=d.num_cached_tokens)
                     bar.update(1)
