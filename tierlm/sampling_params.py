@@ -50,6 +50,19 @@ def unsupported_vllm_field(name: str, value: object) -> str | None:
     return f"'{name}' {UNSUPPORTED_VLLM_FIELDS[name]}; remove it"
 
 
+_SEED_SPAN = 2**64  # seeds lie in [-2**63, 2**64)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed among n: the request's plus the index, as vLLM derives them (so
+    sample 0 draws what n=1 would); wrapped to stay a valid seed. Used by `LLM.generate` and the
+    OpenAI routes' `n`."""
+    if seed is None:
+        return None
+    child = seed + index
+    return child - _SEED_SPAN if child >= _SEED_SPAN else child
+
+
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
     """Why these stop strings are refused (empty, too many, too long), or None."""
     if any(s == "" for s in stops):
@@ -66,7 +79,8 @@ def stop_strings_problem(stops: Sequence[str]) -> str | None:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
+    `n` samples per prompt are `LLM.generate`'s (sample i seeded with `seed + i`, as vLLM's);
+    `AsyncEngine.generate` takes n = 1. `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
     `stop` strings are excluded from the returned text; `stop_token_ids` end the request
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
     `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
@@ -146,8 +160,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):  # "false" is true to Python
                 bad(name, f"must be true or false (got {getattr(self, name)!r})")
-        if self.n != 1:
-            bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
+        if self.n < 1:
+            bad("n", f"must be at least 1 (got {self.n})")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1 (got {self.max_tokens})")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

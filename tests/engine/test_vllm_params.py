@@ -105,3 +105,29 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_and_prompt_logprobs
     assert len(seq.logprobs) == 6 and seq.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in seq.logprobs))
     assert seq.cumulative_logprob < 0 and out.prompt_logprobs is None
     assert first(llm).cumulative_logprob is None  # no logprobs asked for: None, as vLLM
+
+
+# ---- n samples per prompt -------------------------------------------------------------------
+
+
+def test_n_samples_are_seeded_seed_plus_i_and_come_back_as_one_output(llm):
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=3, logprobs=0)
+    out = llm.generate([PROMPT, [9, 10, 11]], [sp, SamplingParams(max_tokens=3, temperature=0)])
+    assert [len(o.outputs) for o in out] == [3, 1]
+    samples = out[0].outputs
+    assert [s.index for s in samples] == [0, 1, 2]
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # three requests seeded 1 drew one sample three times
+    for i, s in enumerate(samples):  # sample i is what n = 1 with seed 1 + i draws, as vLLM's
+        alone = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=1.0, seed=1 + i))[0].outputs[0]
+        assert s.token_ids == alone.token_ids and s.cumulative_logprob is not None
+    assert out[0].prompt_token_ids == PROMPT and out[0].request_id != out[1].request_id
+    unseeded = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=1.0, n=2))[0]
+    assert len(unseeded.outputs) == 2 and not llm.engine.has_unfinished()
+
+
+def test_n_is_at_least_one_and_the_async_engines_refusal_says_to_seed_each_copy(llm):
+    with pytest.raises(InvalidRequestError, match="at least 1"):
+        SamplingParams(n=0)
+    with pytest.raises(InvalidRequestError, match=re.escape("seed + i")) as info:
+        llm.engine.make_request(PROMPT, SamplingParams(n=2, seed=3))  # what AsyncEngine.generate makes
+    assert info.value.param == "n"

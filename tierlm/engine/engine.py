@@ -334,6 +334,11 @@ class LLMEngine:
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})",
                                       param="params")
         params = params.checked_copy() if params is not None else SamplingParams()
+        if params.n != 1:  # (LLM.generate makes one request per sample)
+            raise InvalidRequestError(
+                f"n must be 1 for one engine request (got {params.n}); LLM.generate takes n, and elsewhere run n "
+                "requests, each with its own seed (seed + i, as vLLM derives them; the same seed draws the same "
+                "sample)", param="n")
         # Checked here, not where they are first used: mid-step, one request's bad value failed
         # every request batched with it (priority="x" in the scheduler's sort, cache_salt=123 in
         # the block hashes).

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import SamplingParams, choice_seed
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
@@ -167,17 +167,6 @@ def completion_response(results: list[Generation], engine: "AsyncEngine", body: 
 
 # ---- n choices: n engine requests -------------------------------------------------------
 
-_SEED_SPAN = 2**64  # SamplingParams' seeds lie in [-2**63, 2**64)
-
-
-def _choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: the request's plus the index, as vLLM derives them (so choice 0
-    draws what n=1 would); wrapped to stay a valid seed."""
-    if seed is None:
-        return None
-    child = seed + index
-    return child - _SEED_SPAN if child >= _SEED_SPAN else child
-
 
 def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
                     context: RequestContext) -> list[EngineStream]:
@@ -185,7 +174,7 @@ def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: li
     n = body.n or 1
     if n == 1:
         return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
-    return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=_choice_seed(params.seed, i)),
+    return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
                          dataclasses.replace(context, request_id=f"{context.request_id}-{i}"), state.inflight)
             for i in range(n)]
 
