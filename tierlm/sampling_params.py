@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +13,54 @@ from tierlm.errors import InvalidRequestError
 # list (200,000 of them) slowed every other stream ninefold. vLLM sets no limit, OpenAI's is 4.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+# logit_bias entries: each step scatters every asking row's entries, so one request cannot make
+# every step of its batch build a vocabulary-sized list. OpenAI documents no bound; vLLM sets none.
+MAX_LOGIT_BIAS = 1024
+
+
+# vLLM's request fields tierlm cannot honour, and why: one table for SamplingParams' keywords and
+# the OpenAI routes' body fields. A refusal reads "'<field>' <why>; remove it". Each is accepted at
+# its neutral value (None unless listed in VLLM_NEUTRAL), as it changes nothing then.
+UNSUPPORTED_VLLM_FIELDS = {
+    "guided_json": "(guided decoding) is not supported by tierlm",
+    "guided_regex": "(guided decoding) is not supported by tierlm",
+    "guided_choice": "(guided decoding) is not supported by tierlm",
+    "guided_grammar": "(guided decoding) is not supported by tierlm",
+    "guided_decoding": "(guided decoding) is not supported by tierlm",
+    "structured_outputs": "(constrained decoding) is not supported by tierlm",
+    "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
+    "use_beam_search": "(beam search) is not supported by tierlm",
+    "bad_words": "is not supported by tierlm; a logit_bias of -100 on the words' tokens comes close",
+    "allowed_token_ids": "is not supported by tierlm; a logit_bias of -100 on the other tokens comes close",
+    "spaces_between_special_tokens": "other than true (vLLM's default) is not supported by tierlm",
+    "best_of": "is not supported by tierlm (every sample is returned: set n)",
+    "output_kind": "is not supported by tierlm (LLM.generate returns finished outputs, AsyncEngine.generate "
+                   "yields deltas)",
+    "logits_processors": "is not supported by tierlm",
+    "detokenize": "other than true (vLLM's default) is not supported by tierlm",
+}
+VLLM_NEUTRAL = {"use_beam_search": False, "spaces_between_special_tokens": True, "detokenize": True}
+
+
+def unsupported_vllm_field(name: str, value: object) -> str | None:
+    """Why tierlm refuses vLLM's field `name` at `value` ("'name' ...; remove it"), or None (not
+    one of vLLM's fields tierlm lacks, or its neutral value)."""
+    if name not in UNSUPPORTED_VLLM_FIELDS or value is None or value is VLLM_NEUTRAL.get(name):
+        return None
+    return f"'{name}' {UNSUPPORTED_VLLM_FIELDS[name]}; remove it"
+
+
+_SEED_SPAN = 2**64  # seeds lie in [-2**63, 2**64)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed among n: the request's plus the index, as vLLM derives them (so
+    sample 0 draws what n=1 would); wrapped to stay a valid seed. Used by `LLM.generate` and the
+    OpenAI routes' `n`."""
+    if seed is None:
+        return None
+    child = seed + index
+    return child - _SEED_SPAN if child >= _SEED_SPAN else child
 
 
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
@@ -30,11 +79,16 @@ def stop_strings_problem(stops: Sequence[str]) -> str | None:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
+    `n` samples per prompt are `LLM.generate`'s (sample i seeded with `seed + i`, as vLLM's);
+    `AsyncEngine.generate` takes n = 1. `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
     `stop` strings are excluded from the returned text; `stop_token_ids` end the request
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
     `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
     and stop strings are looked for only in text that later tokens make (vLLM's meaning).
+    `truncate_prompt_tokens=N` keeps only the prompt's last N tokens (-1: the last max_model_len,
+    vLLM's meaning); the output's `prompt_token_ids` are the kept ones.
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before penalties
+    and filters (OpenAI's meaning); reported logprobs stay the model's own distribution.
     """
 
     n: int = 1
@@ -54,6 +108,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +120,10 @@ class SamplingParams:
                                           f"{getattr(self, name)!r})", param=name)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"sampling parameter 'logit_bias' must be a dict of token id to bias (got "
+                                      f"{self.logit_bias!r})", param="logit_bias")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # (a copy: the caller's may change)
         self.validate()
 
     def checked_copy(self) -> "SamplingParams":
@@ -91,7 +151,7 @@ class SamplingParams:
                 bad(name, f"must be a number (got {value!r})")
             if type(value) not in (int, float):
                 setattr(self, name, float(value))
-        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed"):
+        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer (got {value!r})")
@@ -100,8 +160,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):  # "false" is true to Python
                 bad(name, f"must be true or false (got {getattr(self, name)!r})")
-        if self.n != 1:
-            bad("n", f"must be 1 (got {self.n}); run several requests for several samples")
+        if self.n < 1:
+            bad("n", f"must be at least 1 (got {self.n})")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1 (got {self.max_tokens})")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -128,6 +188,21 @@ class SamplingParams:
             bad("stop_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            bad("truncate_prompt_tokens", f"must be at least 1, or -1 for max_model_len (got "
+                                          f"{self.truncate_prompt_tokens})")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    bad("logit_bias", f"keys must be non-negative token ids (got {token!r})")
+                if not _is_number(value) or not -100.0 <= value <= 100.0:  # (NaN fails too)
+                    bad("logit_bias", f"values must be numbers in [-100, 100] (got {value!r} for token {token})")
+                bias[int(token)] = float(value)
+            self.logit_bias = bias
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 
@@ -138,6 +213,24 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _refusing_vllm_keywords(init):
+    """SamplingParams' __init__, refusing vLLM's keywords tierlm lacks by name (they were a bare
+    TypeError) and taking them at their neutral values; a keyword that is no field of vLLM's
+    either (a typo) is still Python's TypeError."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        for name in [k for k in kwargs if k in UNSUPPORTED_VLLM_FIELDS]:
+            if (why := unsupported_vllm_field(name, kwargs.pop(name))) is not None:
+                raise InvalidRequestError(f"sampling parameter {why}", param=name)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refusing_vllm_keywords(SamplingParams.__init__)
 
 
 def _is_int(value: object) -> bool:

@@ -2,12 +2,15 @@
 (numpy, from the definitions of temperature, top-k, top-p and min-p)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler, seeded_generator
+from tierlm.errors import InvalidRequestError
 from tierlm.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -203,10 +206,12 @@ def test_top_p_on_exact_ties_keeps_what_transformers_keeps():
 
 
 def _penalised(logits: np.ndarray, prompt: list[int], output: list[int], rep: float = 1.0,
-               presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
-    """The penalties' definitions, one token at a time: repetition (HF's) over every token seen,
-    presence and frequency (OpenAI's) over the output."""
+               presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None) -> np.ndarray:
+    """The logit bias, then the penalties' definitions, one token at a time: repetition (HF's) over
+    every token seen, presence and frequency (OpenAI's) over the output."""
     z = logits.astype(np.float64).copy()
+    for t, b in (bias or {}).items():
+        z[t] += b
     for t in set(prompt) | set(output):
         if rep != 1.0:
             z[t] = z[t] / rep if z[t] > 0 else z[t] * rep
@@ -216,15 +221,17 @@ def _penalised(logits: np.ndarray, prompt: list[int], output: list[int], rep: fl
 
 
 def test_batched_penalties_stop_holds_and_logprobs_equal_their_definitions_row_by_row():
-    """Rows with and without penalties, min_tokens holds and logprobs of different N share one
-    step (the sampler batches each over the rows that ask): every row's greedy token, logprob,
+    """Rows with and without penalties, logit biases, min_tokens holds and logprobs of different N
+    share one step (the sampler batches each over the rows that ask): every row's greedy token, logprob,
     rank and top-N equal what its own settings give on its own logits, computed here in numpy."""
     rng = np.random.default_rng(8)
     settings = [dict(), dict(repetition_penalty=1.8, logprobs=3), dict(presence_penalty=1.5, logprobs=0),
                 dict(frequency_penalty=-0.7, repetition_penalty=0.5), dict(logprobs=5),
                 dict(min_tokens=4, stop_token_ids=[2, 9], logprobs=1), dict(presence_penalty=0.4, frequency_penalty=2.0,
                                                                             repetition_penalty=1.3, logprobs=20),
-                dict(min_tokens=2, repetition_penalty=2.0)]
+                dict(min_tokens=2, repetition_penalty=2.0),
+                dict(logit_bias={3: 6.0, 7: -4.5, 30: 2.5}, repetition_penalty=1.6, logprobs=4),
+                dict(logit_bias={i: -100.0 for i in range(0, VOCAB, 2)}), dict(logit_bias={5: 100.0}, logprobs=1)]
     for trial in range(10):
         reqs = []
         for i, s in enumerate(settings):
@@ -239,7 +246,7 @@ def test_batched_penalties_stop_holds_and_logprobs_equal_their_definitions_row_b
         for i, (r, s) in enumerate(zip(reqs, settings)):
             z = _penalised(logits[i].numpy(), r.prompt_token_ids, r.output_token_ids,
                            s.get("repetition_penalty", 1.0), s.get("presence_penalty", 0.0),
-                           s.get("frequency_penalty", 0.0))
+                           s.get("frequency_penalty", 0.0), s.get("logit_bias"))
             if r.num_output_tokens < s.get("min_tokens", 0):
                 z[[0, 31, *s.get("stop_token_ids", [])]] = -np.inf
             assert tokens[i] == int(np.argmax(z)), (trial, s)
@@ -252,3 +259,38 @@ def test_batched_penalties_stop_holds_and_logprobs_equal_their_definitions_row_b
             assert lp.rank == 1 + int((raw > raw[tokens[i]] + 1e-6).sum()), (trial, s)
             assert [t for t, _ in lp.top] == np.argsort(-raw, kind="stable")[: s["logprobs"]].tolist(), (trial, s)
             assert np.allclose([v for _, v in lp.top], np.sort(raw)[::-1][: s["logprobs"]], atol=1e-5)
+
+
+def test_logit_bias_holds_for_sampled_rows_and_seeded_neighbours_draw_as_alone():
+    """+100 on a token makes a sampled row draw it (whatever its temperature); -100 on all but a
+    few leaves those few; a seeded row with no bias draws the same tokens alone as next to them."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)) * 2.0
+    keep = {4, 17, 33}
+
+    def run(with_biased_rows: bool) -> list[list[int]]:
+        sampler = Sampler(seed=0)
+        mine = _req(0, temperature=1.0, seed=77)
+        others = [_req(1, temperature=1.3, logit_bias={11: 100.0}),
+                  _req(2, temperature=1.0, logit_bias={t: -100.0 for t in range(VOCAB) if t not in keep}),
+                  _req(3, temperature=0.8, seed=5, logit_bias={int(logits[3].argmax()): -100.0})]
+        reqs = [*others, mine] if with_biased_rows else [mine]
+        out = []
+        for _ in range(200):
+            rows = logits[[1, 2, 3, 0]] if with_biased_rows else logits[:1].clone()
+            out.append(sampler(rows, reqs)[0])
+        return out
+
+    together, alone = run(True), run(False)
+    assert [t[3] for t in together] == [t[0] for t in alone]
+    assert all(t[0] == 11 for t in together)
+    assert {t[1] for t in together} <= keep and len({t[1] for t in together}) > 1
+    assert int(logits[3].argmax()) not in {t[2] for t in together}
+
+
+@pytest.mark.parametrize("bias, says", [({5: 101}, "[-100, 100]"), ({5: float("nan")}, "[-100, 100]"),
+                                        ({-1: 1.0}, "non-negative token ids"), ({"5": 1.0}, "non-negative token ids"),
+                                        ({i: 1.0 for i in range(1025)}, "at most 1024"), ([5], "dict")])
+def test_bad_logit_bias_is_refused_by_name(bias, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+        SamplingParams(logit_bias=bias)
+    assert info.value.param == "logit_bias"

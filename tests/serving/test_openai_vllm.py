@@ -127,7 +127,9 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scr
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("prompt_logprobs", 0),
-    ("truncate_prompt_tokens", 5),
+    ("bad_words", ["alpha"]),
+    ("allowed_token_ids", [3, 4]),
+    ("spaces_between_special_tokens", False),
 ])
 def test_vllm_fields_that_change_the_answer_are_refused(client, scripted_engines, field, value):
     for path, body in (("/v1/chat/completions", chat(**{field: value})),
@@ -143,7 +145,8 @@ def test_custom_chat_template_is_refused_and_neutral_values_pass(client, scripte
     r = client.post("/v1/chat/completions", json=chat(chat_template="{{ messages }}"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     neutral = dict(guided_json=None, guided_choice=None, structured_outputs=None, use_beam_search=False,
-                   prompt_logprobs=None, truncate_prompt_tokens=None, guided_decoding_backend="auto")
+                   prompt_logprobs=None, truncate_prompt_tokens=None, guided_decoding_backend="auto",
+                   bad_words=None, allowed_token_ids=None, spaces_between_special_tokens=True)
     r = client.post("/v1/chat/completions", json=chat(chat_template=None, **neutral))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
     assert client.post("/v1/completions", json=completion(scripted_engines[TEXT_MODEL], **neutral)).status_code == 200
@@ -177,6 +180,55 @@ def test_completion_top_logprobs_hold_the_sampled_token(demo_server):
     assert all(lp["tokens"][i] in top and top[lp["tokens"][i]] == lp["token_logprobs"][i] and len(top) <= 2
                for i, top in enumerate(lp["top_logprobs"]))
     assert any(len(top) == 2 for top in lp["top_logprobs"])  # a token sampled outside the top 1
+
+
+# ---- logit_bias (OpenAI's) -----------------------------------------------------------------
+
+
+def test_logit_bias_reaches_the_sampler_on_both_routes_and_bad_ids_are_named(demo_server, demo_engine):
+    """+100 on a token makes a greedy and a sampled answer that token over and over; a token id past
+    the vocabulary is a 400 naming the field and the id."""
+    tok = demo_engine.tokenizer
+    token = tok.encode(" hello", add_special_tokens=False)[-1]
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for temperature in (0.0, 1.0):
+            fields = {"model": model, "max_tokens": 3, "temperature": temperature, "logit_bias": {str(token): 100}}
+            r = c.post("/v1/completions", json={**fields, "prompt": "Random words", "logprobs": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["logprobs"]["tokens"] == [tok.decode([token])] * 3
+            r = c.post("/v1/chat/completions", json={**fields, "messages": HI})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == tok.decode([token] * 3)
+        vocab = demo_engine.engine.args.vocab_size
+        for path, body in (("/v1/completions", {"prompt": "Random words"}), ("/v1/chat/completions", {"messages": HI})):
+            r = c.post(path, json={"model": model, "logit_bias": {"3": 1, str(vocab + 5): -1}, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "logit_bias" and str(vocab + 5) in r.json()["error"]["message"]
+
+
+# ---- truncate_prompt_tokens (vLLM's) ---------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(demo_server, demo_engine):
+    """The answer is the one to the prompt's last N tokens, and usage counts N; more than
+    max_model_len, or 0, is a 400 naming the field."""
+    ids = demo_engine.encode("one two three four five six seven eight nine ten")
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        base = {"model": model, "max_tokens": 5, "temperature": 0}
+        cut = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": 4}).json()
+        tail = c.post("/v1/completions", json={**base, "prompt": ids[-4:]}).json()
+        assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+        text = c.post("/v1/completions", json={**base, "prompt": "one two three", "truncate_prompt_tokens": 2}).json()
+        assert text["usage"]["prompt_tokens"] == 2
+        chat = c.post("/v1/chat/completions", json={**base, "messages": HI, "truncate_prompt_tokens": 3})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
+        whole = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": -1}).json()
+        assert whole["usage"]["prompt_tokens"] == len(ids)
+        for bad in (demo_engine.max_model_len + 1, 0, -2):
+            r = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
 # ---- a forced tool call the model does not finish ------------------------------------------

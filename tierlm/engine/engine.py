@@ -334,6 +334,11 @@ class LLMEngine:
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})",
                                       param="params")
         params = params.checked_copy() if params is not None else SamplingParams()
+        if params.n != 1:  # (LLM.generate makes one request per sample)
+            raise InvalidRequestError(
+                f"n must be 1 for one engine request (got {params.n}); LLM.generate takes n, and elsewhere run n "
+                "requests, each with its own seed (seed + i, as vLLM derives them; the same seed draws the same "
+                "sample)", param="n")
         # Checked here, not where they are first used: mid-step, one request's bad value failed
         # every request batched with it (priority="x" in the scheduler's sort, cache_salt=123 in
         # the block hashes).
@@ -381,6 +386,17 @@ class LLMEngine:
         if not (0 <= min(ids) and max(ids) < vocab):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens, -1 for max_model_len
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > self.max_model_len:
+                raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                                          f"({self.max_model_len}); give a smaller one, or -1 for max_model_len",
+                                          param="truncate_prompt_tokens")
+            ids = ids[-keep:]
+        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if outside:  # the sampler would scatter past the logits' last column
+            raise InvalidRequestError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary "
+                                      f"[0, {vocab})", param="logit_bias")
         n = len(ids)
         if n >= self.max_model_len:
             raise RequestTooLongError(

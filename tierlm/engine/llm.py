@@ -1,6 +1,7 @@
 """Offline batch inference, shaped like vLLM's `LLM` class."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 from tierlm.config import EngineConfig
 from tierlm.engine.engine import LLMEngine
 from tierlm.engine.outputs import CompletionOutput, RequestOutput
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import SamplingParams, choice_seed
 
 
 def is_token_ids(prompts: object) -> bool:
@@ -53,25 +54,32 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities; pass one per prompt")
-        # Validate every request before queueing any, so a bad one changes nothing.
+        # Validate every request before queueing any, so a bad one changes nothing. A prompt with
+        # n > 1 is n requests, sample i seeded with seed + i as vLLM's (the same seed n times drew
+        # the same sample n times), answered as one RequestOutput.
         reqs = []
+        outputs: list[list[CompletionOutput | None]] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._counter += 1
-            reqs.append(self.engine.make_request(p, sp, f"llm-{self._counter}",
-                                                 priority=priority[i] if priority else 0))
-        for r in reqs:
+            rid = f"llm-{self._counter}"
+            sp = sp.checked_copy() if isinstance(sp, SamplingParams) else sp  # (make_request refuses others)
+            n = sp.n if isinstance(sp, SamplingParams) else 1
+            outputs.append([None] * n)
+            for j in range(n):
+                child = sp if n == 1 else dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, j))
+                reqs.append((i, j, rid, self.engine.make_request(p, child, rid if n == 1 else f"{rid}-{j}",
+                                                                 priority=priority[i] if priority else 0)))
+        for *_, r in reqs:
             self.engine.add(r)
-        order = {r.request_id: i for i, r in enumerate(reqs)}
-        results: list[RequestOutput | None] = [None] * len(reqs)
-        tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        logprobs: dict[str, list] = {r.request_id: [] for r in reqs}
-        bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm)
+        slot = {r.request_id: (i, j, rid, r) for i, j, rid, r in reqs}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
-            self._run(reqs, order, results, tokens, logprobs, bar)
+            self._run(slot, outputs, results, bar)
         except BaseException:
             # A failed step (or Ctrl-C) must not leave these requests queued, holding KV blocks and
             # failing every later call: abort what is still unfinished, then re-raise.
-            for r in reqs:
+            for *_, r in reqs:
                 if not r.is_finished:
                     self.engine.abort(r.request_id)
             raise
@@ -79,20 +87,26 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-    def _run(self, reqs, order, results, tokens, logprobs, bar) -> None:
+    def _run(self, slot, outputs, results, bar) -> None:
+        tokens: dict[str, list[int]] = {rid: [] for rid in slot}
+        logprobs: dict[str, list] = {rid: [] for rid in slot}
         while self.engine.has_unfinished():
             for d in self.engine.step():
-                if d.request_id not in order:
+                if d.request_id not in slot:
                     continue
                 tokens[d.request_id].extend(d.token_ids)
                 if d.logprobs:
                     logprobs[d.request_id].extend(d.logprobs)
-                if d.finished:
-                    r = reqs[order[d.request_id]]
-                    out = CompletionOutput(0, r.final_text, tokens[d.request_id], d.finish_reason, d.stop_reason,
-                                           logprobs[d.request_id] if r.params.logprobs is not None else None)
-                    results[order[d.request_id]] = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [out],
-                                                                 num_cached_tokens=d.num_cached_tokens)
+                if not d.finished:
+                    continue
+                i, j, rid, r = slot[d.request_id]
+                lps = logprobs[d.request_id] if r.params.logprobs is not None else None
+                outputs[i][j] = CompletionOutput(j, r.final_text, tokens[d.request_id], d.finish_reason, d.stop_reason,
+                                                 lps, cumulative_logprob=None if lps is None else sum(lp.logprob for lp in lps))
+                if j == 0:  # the prompt's id and its cache figures are sample 0's
+                    results[i] = RequestOutput(rid, r.prompt, r.prompt_token_ids, outputs[i],
+                                               num_cached_tokens=d.num_cached_tokens)
+                if all(o is not None for o in outputs[i]):
                     bar.update(1)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

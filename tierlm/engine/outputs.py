@@ -52,6 +52,8 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    # The sum of the sampled tokens' logprobs when logprobs were asked for, else None (as vLLM's).
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -64,3 +66,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    prompt_logprobs: None = None  # vLLM's field; tierlm returns logprobs of generated tokens only

@@ -31,6 +31,25 @@ def _padded_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.devic
     return host.to(device, non_blocking=True)
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Each asking row's `logit_bias` added to its logits, all rows in one scatter (ids were checked
+    against the vocabulary when the request was made)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            rows += [i] * len(r.params.logit_bias)
+            cols += r.params.logit_bias.keys()
+            vals += r.params.logit_bias.values()
+    if rows:
+        dev = logits.device
+        index = torch.tensor([rows, cols], dtype=torch.long).to(dev, non_blocking=True)
+        bias = torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True)
+        logits.index_put_((index[0], index[1]), bias, accumulate=True)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Repetition (HF-style, over prompt+output), presence and frequency (OpenAI-style, output),
     batched over the rows that ask for them: one scatter each, no per-row copies or bincounts
@@ -126,7 +145,10 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = apply_penalties(logits.clone() if want_logprobs else logits, reqs)
+        # The bias first (OpenAI's and vLLM's order), on a copy when logprobs are reported: they are
+        # the model's own distribution, as vLLM's default.
+        logits = apply_logit_bias(logits.clone() if want_logprobs else logits, reqs)
+        logits = apply_penalties(logits, reqs)
         logits = _hold_stops(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(drawn) == len(reqs):

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import SamplingParams, choice_seed
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
@@ -88,6 +88,7 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
         stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        logit_bias=body.token_bias(),
     )
 
 
@@ -98,11 +99,12 @@ async def chat_completions(request: Request) -> Response:
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
     prompt = await build_chat_prompt(engine, body)
+    prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens)
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
+    max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n))
-    streams = _engine_streams(state, engine, body, prompt.token_ids, params, context.salted(body.cache_salt))
+    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
@@ -122,7 +124,7 @@ async def completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
-    prompt_ids = await completion_prompt_ids(engine, body)
+    prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens)
     if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
         await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
@@ -165,17 +167,6 @@ def completion_response(results: list[Generation], engine: "AsyncEngine", body: 
 
 # ---- n choices: n engine requests -------------------------------------------------------
 
-_SEED_SPAN = 2**64  # SamplingParams' seeds lie in [-2**63, 2**64)
-
-
-def _choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: the request's plus the index, as vLLM derives them (so choice 0
-    draws what n=1 would); wrapped to stay a valid seed."""
-    if seed is None:
-        return None
-    child = seed + index
-    return child - _SEED_SPAN if child >= _SEED_SPAN else child
-
 
 def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
                     context: RequestContext) -> list[EngineStream]:
@@ -183,7 +174,7 @@ def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: li
     n = body.n or 1
     if n == 1:
         return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
-    return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=_choice_seed(params.seed, i)),
+    return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
                          dataclasses.replace(context, request_id=f"{context.request_id}-{i}"), state.inflight)
             for i in range(n)]
 
@@ -300,7 +291,8 @@ def _arguments(text: str, index: int, k: int) -> Any:
 async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:
     if isinstance(body.prompt, str):
         # Off the event loop: tokenizing a long prompt takes seconds.
-        return await asyncio.to_thread(_encode_prompt, engine, body.model, body.prompt)
+        return await asyncio.to_thread(_encode_prompt, engine, body.model, body.prompt,
+                                       body.truncate_prompt_tokens is not None)
     vocab = len(engine.tokenizer)
     bad = [t for t in body.prompt if not 0 <= t < vocab]
     if bad:
@@ -311,10 +303,25 @@ async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) 
     return list(body.prompt)
 
 
-def _encode_prompt(engine: "AsyncEngine", model: str, text: str) -> list[int]:
-    """A text prompt's token ids; refused unencoded when certainly too long for the context."""
-    refuse_certainly_too_long(engine, model, text, "prompt")
+def _encode_prompt(engine: "AsyncEngine", model: str, text: str, truncated: bool = False) -> list[int]:
+    """A text prompt's token ids; refused unencoded when certainly too long for the context
+    (unless it is to be truncated)."""
+    if not truncated:
+        refuse_certainly_too_long(engine, model, text, "prompt")
     return encode_prompt_text(engine, model, text, "prompt")
+
+
+def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len), done
+    here so the output budget and usage count what runs."""
+    if keep is None:
+        return ids
+    context = int(engine.max_model_len)
+    keep = context if keep == -1 else keep
+    if keep > context:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({context}); "
+                             "give a smaller one, or -1 for max_model_len", param="truncate_prompt_tokens")
+    return ids[-keep:]
 
 
 def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:

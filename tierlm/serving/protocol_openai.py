@@ -2,10 +2,10 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-logit_bias, best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, a custom chat
-template, prompt truncation) are rejected with a 400 naming them. vLLM's extensions that tierlm
-can honour (stop_token_ids, include_stop_str_in_output, skip_special_tokens, and on chat
-continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
+best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, bad_words,
+allowed_token_ids, spaces_between_special_tokens false, a custom chat template) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
+token-id strings). vLLM's extensions that tierlm can honour (stop_token_ids, truncate_prompt_tokens, include_stop_str_in_output,
+skip_special_tokens, and on chat continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.sampling_params import stop_strings_problem
+from tierlm.sampling_params import MAX_LOGIT_BIAS, stop_strings_problem, unsupported_vllm_field
 
 
 class _Body(BaseModel):
@@ -147,16 +147,11 @@ class ResponseFormat(_Body):
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 128  # choices per request (`n`), OpenAI's bound
 
-# vLLM request fields tierlm cannot honour, and why (the rest of the refusal says "remove it").
-_REFUSED_VLLM_FIELDS = {
-    "guided_json": "(guided decoding) is not supported by tierlm",
-    "guided_regex": "(guided decoding) is not supported by tierlm",
-    "guided_choice": "(guided decoding) is not supported by tierlm",
-    "guided_grammar": "(guided decoding) is not supported by tierlm",
-    "structured_outputs": "(constrained decoding) is not supported by tierlm",
-    "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
-    "truncate_prompt_tokens": "is not supported by tierlm (prompts are never truncated)",
-}
+# vLLM's body fields tierlm cannot honour: refused by name unless neutral (null, or vLLM's
+# default), with the Python API's words (sampling_params.UNSUPPORTED_VLLM_FIELDS).
+_REFUSED_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                        "prompt_logprobs", "use_beam_search", "bad_words", "allowed_token_ids",
+                        "spaces_between_special_tokens")
 
 
 def _check_stop(value: Any) -> Any:
@@ -198,26 +193,23 @@ class _SamplingFields(_Body):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    spaces_between_special_tokens: bool = True
+    # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
 
-    @field_validator(*_REFUSED_VLLM_FIELDS, mode="before")
+    @field_validator(*_REFUSED_VLLM_FIELDS)
     @classmethod
     def _refused_vllm_field(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            raise ValueError(f"{info.field_name} {_REFUSED_VLLM_FIELDS[info.field_name]}; remove it")
-        return value
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("beam search is not supported by tierlm; remove use_beam_search")
+        if (why := unsupported_vllm_field(info.field_name, value)) is not None:
+            raise ValueError(why)
         return value
 
     @field_validator("stream", "ignore_eos", "max_tokens", "echo", "include_stop_str_in_output",
-                     "skip_special_tokens", "use_beam_search", "add_generation_prompt", "continue_final_message",
-                     mode="before", check_fields=False)
+                     "skip_special_tokens", "use_beam_search", "spaces_between_special_tokens", "add_generation_prompt",
+                     "continue_final_message", mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI documents these as "... or null", meaning the default, and the `openai` SDK sends
@@ -245,12 +237,31 @@ class _SamplingFields(_Body):
             raise ValueError(f"must be -1 or 0 (no limit) or at least 1 (got {value})")
         return value
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(f"must be at least 1, or -1 for max_model_len (got {value})")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by tierlm; remove it")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # Token ids past the model's vocabulary are refused when the request is made (the engine knows it).
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(value)})")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids written as non-negative integers (got {key!r})")
+            if not -100.0 <= bias <= 100.0:  # (NaN fails too)
+                raise ValueError(f"values must be in [-100, 100] (got {bias} for token {key})")
         return value
+
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys as token ids, as SamplingParams takes it."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stream_options")
     @classmethod
