@@ -54,16 +54,20 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Special tokens whose text stays in the output though skip_special_tokens drops the others:
+    # the server keeps a tool-call syntax's markers (`[TOOL_CALLS]`) to find the calls.
+    keep_special_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):  # list(5) raised a bare TypeError
+        for name in ("stop", "stop_token_ids", "keep_special_token_ids"):  # list(5) raised a bare TypeError
             if not isinstance(getattr(self, name), (list, tuple, type(None))):
                 raise InvalidRequestError(f"sampling parameter '{name}' must be a list (got "
                                           f"{getattr(self, name)!r})", param=name)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.keep_special_token_ids = list(self.keep_special_token_ids or [])
         self.validate()
 
     def checked_copy(self) -> "SamplingParams":
@@ -126,6 +130,8 @@ class SamplingParams:
             bad("stop", problem)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "entries must be non-negative integers")
+        if any(not _is_int(t) or t < 0 for t in self.keep_special_token_ids):
+            bad("keep_special_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

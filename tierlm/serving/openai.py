@@ -97,11 +97,12 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
-    prompt = await build_chat_prompt(engine, body)
+    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model))
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n))
+    params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
+                             keep_special_token_ids=prompt.keep_special_token_ids)
     streams = _engine_streams(state, engine, body, prompt.token_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -228,7 +229,8 @@ async def _collect_all(streams: list[EngineStream], request: Request) -> list[Ge
 # ---- request → prompt ------------------------------------------------------------------
 
 
-async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
+async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
+                            tool_calls: toolcalls.ToolCallFormat | None = None) -> ChatPrompt:
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
     use_tools = bool(body.tools) and choice != "none"
@@ -248,6 +250,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
         add_generation_prompt=add,
         continue_final_message=cont,
         template_kwargs=variables,
+        tool_calls=tool_calls,
     )
 
 
