@@ -8,7 +8,8 @@ Translation rules (the parts the API leaves to the server):
 - tool_result blocks become `tool` messages and assistant tool_use blocks become `tool_calls`,
   the shapes Hugging Face chat templates render, with ids rewritten to 9 alphanumerics
   (tools.template_tool_call_id: Mistral's templates accept no other);
-- tool_choice `any` / `tool` start the assistant turn with `<tool_call>` (and the tool's name)
+- tool_choice `any` / `tool` start the assistant turn with a call in the model's syntax
+  (`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py; and the tool's name)
   because nothing else can make an unconstrained model call a tool; `none` leaves tools out.
 """
 from __future__ import annotations
