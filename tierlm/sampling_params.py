@@ -110,11 +110,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
+    # Special tokens whose text stays in the output though skip_special_tokens drops the others:
+    # the server keeps a tool-call syntax's markers (`[TOOL_CALLS]`) to find the calls.
+    keep_special_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):  # list(5) raised a bare TypeError
+        for name in ("stop", "stop_token_ids", "keep_special_token_ids"):  # list(5) raised a bare TypeError
             if not isinstance(getattr(self, name), (list, tuple, type(None))):
                 raise InvalidRequestError(f"sampling parameter '{name}' must be a list (got "
                                           f"{getattr(self, name)!r})", param=name)
@@ -124,6 +127,7 @@ class SamplingParams:
             raise InvalidRequestError(f"sampling parameter 'logit_bias' must be a dict of token id to bias (got "
                                       f"{self.logit_bias!r})", param="logit_bias")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # (a copy: the caller's may change)
+        self.keep_special_token_ids = list(self.keep_special_token_ids or [])
         self.validate()
 
     def checked_copy(self) -> "SamplingParams":
@@ -186,6 +190,8 @@ class SamplingParams:
             bad("stop", problem)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "entries must be non-negative integers")
+        if any(not _is_int(t) or t < 0 for t in self.keep_special_token_ids):
+            bad("keep_special_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \

@@ -88,12 +88,17 @@ def chat_prompt_ids(tokenizer: Any, **template_kwargs: Any) -> list[int]:
     return render_chat(tokenizer, messages, **template_kwargs)
 
 
-def build_scripted_model(out: Path, scripts: list[Script], tokenizer: Any) -> ScriptedModel:
-    """Write the checkpoint (config, weights, tokenizer) to `out`."""
+def build_scripted_model(out: Path, scripts: list[Script], tokenizer: Any,
+                         specials: tuple[str, ...] = ()) -> ScriptedModel:
+    """Write the checkpoint (config, weights, tokenizer) to `out`. Replies are spelled in
+    ordinary tokens, and in the special tokens `specials` names (a tool-call marker, which a
+    real model writes as one special token)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pieces = _vocabulary_pieces(tokenizer)
+    for text in specials:
+        pieces[text] = [tokenizer.convert_tokens_to_ids(text)]
     table: dict[tuple[int, ...], int] = {}
     reply_ids = [_segment(script, pieces, table, eos) for script in scripts]
 

@@ -1,9 +1,16 @@
-"""Hermes tool-call parsing, whole and streamed."""
+"""Tool-call parsing (Hermes, llama3_json, mistral), whole and streamed."""
 from __future__ import annotations
 
 import pytest
 
-from tierlm.serving.tools import ToolCallStreamFilter, forced_call_prefix, parse_tool_calls
+from tierlm.serving.tools import (
+    ToolCallStreamFilter,
+    detect_parser,
+    forced_call_prefix,
+    parse_tool_calls,
+    scrub,
+    tool_call_syntax,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -97,3 +104,132 @@ def test_a_call_to_a_tool_not_offered_is_text_whole_and_streamed():
     shown = "".join(f.feed(text[i:i + 4]) for i in range(0, len(text), 4))
     rest, calls = f.finish()
     assert shown + rest == text and calls == []
+
+
+# ---- llama3_json and mistral (vLLM's parsers of those names) ------------------------------
+
+LLAMA = tool_call_syntax("llama3_json", None)
+MISTRAL = tool_call_syntax("mistral", None)
+L_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+M_LIST = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+M_ARGS = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+
+
+def calls_of(out):
+    return [(c.name, c.arguments) for c in out.tool_calls]
+
+
+@pytest.mark.parametrize("text", [
+    L_CALL, "  \n" + L_CALL + "\n", "<|python_tag|>" + L_CALL, L_CALL.replace("parameters", "arguments"),
+    L_CALL + "; " + L_CALL.replace("Paris", "Rome").replace("get_weather", "get_time") + ";",
+])
+def test_llama3_json_calls(text):
+    out = parse_tool_calls(text, syntax=LLAMA)
+    assert out.text == "" and out.tool_calls and out.tool_calls[0].name == "get_weather"
+    assert out.tool_calls[0].arguments == {"city": "Paris"}
+    assert len(out.tool_calls) == text.count('"name"')
+
+
+@pytest.mark.parametrize("text", [
+    "Sure: " + L_CALL,  # a call must begin the answer
+    L_CALL + " and some prose",
+    L_CALL + " " + L_CALL,  # several calls need `;`
+    '{"name": "get_weather", "parameters": {"city": "Paris"}',  # cut off (max_tokens)
+    '{"name": "get_weather", "parameters": {"city": NaN}}', '{"names": "x"}', "<|python_tag|>brave.call(q='x')",
+    L_CALL + "; {broken", "{}", "",
+])
+def test_llama3_json_text(text):
+    out = parse_tool_calls(text, syntax=LLAMA)
+    assert out.text == text and out.tool_calls == []
+
+
+@pytest.mark.parametrize("text", [M_LIST, "Checking.\n" + M_LIST, M_ARGS, "Checking. " + M_ARGS,
+                                  '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
+                                  '[TOOL_CALLS]get_time[CALL_ID]x[ARGS]{}'])
+def test_mistral_calls(text):
+    out = parse_tool_calls(text, syntax=MISTRAL)
+    assert calls_of(out) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert out.text == text[:text.index("[TOOL_CALLS]")].rstrip()
+
+
+@pytest.mark.parametrize("text", [
+    "[TOOL_CALLS][]", "[TOOL_CALLS][{", M_LIST[:-2], "[TOOL_CALLS]get_weather[ARGS]{\"city\": ",
+    "[TOOL_CALLS]get_weather[ARGS]{} trailing", "[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS][{\"name\": 1}]",
+    "[TOOL_CALLS]get_weather[ARGS][1]", "no [TOOL_CALL] here",
+])
+def test_mistral_text(text):
+    out = parse_tool_calls(text, syntax=MISTRAL)
+    assert out.text == text and out.tool_calls == []
+
+
+@pytest.mark.parametrize("syntax,text", [(LLAMA, L_CALL), (MISTRAL, "Checking. " + M_ARGS)])
+def test_call_to_a_tool_not_offered_is_text(syntax, text):
+    assert parse_tool_calls(text, names=frozenset({"other"}), syntax=syntax).text == text
+    shown, calls = stream_with(syntax, text, 3, names=frozenset({"other"}))
+    assert shown == text and calls == []
+
+
+def stream_with(syntax, text, size, names=None, hidden=()):
+    f = ToolCallStreamFilter(syntax=syntax, names=names, hidden=hidden)
+    shown = "".join(f.feed(text[i:i + size]) for i in range(0, len(text), size))
+    rest, calls = f.finish()
+    return shown + rest, calls
+
+
+@pytest.mark.parametrize("syntax,text", [
+    (LLAMA, L_CALL), (LLAMA, " \n<|python_tag|>" + L_CALL + ";" + L_CALL), (LLAMA, "<|python_tag|>{broken"),
+    (LLAMA, "Prose {\"a\": 1} <|python_tag|> x"), (LLAMA, "<|pyth"), (LLAMA, " \n "), (LLAMA, L_CALL[:-1]),
+    (MISTRAL, M_LIST), (MISTRAL, "Checking.\n " + M_ARGS), (MISTRAL, "a [TOOL_CALL b"), (MISTRAL, "x [TOOL_CALLS][{"),
+])
+def test_streaming_shows_what_parsing_shows(syntax, text):
+    """Whatever the pieces (markers split across them), streamed prose is the whole answer's."""
+    whole = parse_tool_calls(text, syntax=syntax)
+    for size in (1, 2, 5, len(text) or 1):
+        shown, calls = stream_with(syntax, text, size)
+        assert shown == whole.text and calls_of_list(calls) == calls_of(whole)
+
+
+def calls_of_list(calls):
+    return [(c.name, c.arguments) for c in calls]
+
+
+def test_streaming_holds_back_a_possible_call_and_shows_prose_at_once():
+    f = ToolCallStreamFilter(syntax=LLAMA)
+    assert f.feed(" {") == "" and f.feed('"name"') == ""  # may be a call: nothing shown
+    f = ToolCallStreamFilter(syntax=LLAMA)
+    assert f.feed("Hi {") == "Hi {" and f.feed('"name": "f", "parameters": {}}') == '"name": "f", "parameters": {}}'
+    assert f.finish() == ("", [])  # a call only begins an answer
+    f = ToolCallStreamFilter(syntax=MISTRAL)
+    assert f.feed("Sure [TOOL") == "Sure" and f.feed("_CALLS]f[ARGS]{}") == ""
+    rest, calls = f.finish()
+    assert rest == "" and calls_of_list(calls) == [("f", {})]
+
+
+@pytest.mark.parametrize("syntax,text,shown", [
+    (MISTRAL, "[TOOL_CALLS]bad[ARGS]{oops", "bad{oops"),  # unparseable: text, without the markers
+    (LLAMA, "Hi <|python_tag|>there", "Hi there"),
+    (LLAMA, "<|python_tag|>brave.call()", "brave.call()"),
+])
+def test_kept_special_markers_never_reach_the_client(syntax, text, shown):
+    """Markers a real tokenizer marks special (kept only to find calls) are taken out of prose."""
+    for size in (1, 4, len(text)):
+        assert stream_with(syntax, text, size, hidden=syntax.markers)[0] == shown
+    assert scrub(parse_tool_calls(text, syntax=syntax).text, syntax.markers) == shown
+
+
+@pytest.mark.parametrize("template,parser", [
+    ("{{ '<tool_call>' }}", "hermes"), ("{{ '[TOOL_CALLS] [' }}", "mistral"),
+    ("{{- '<|python_tag|>' }}", "llama3_json"), ("<|start_header_id|>ipython<|end_header_id|>", "llama3_json"),
+    ("{{ messages }}", "hermes"), (None, "hermes"),
+])
+def test_parser_detected_from_the_template(template, parser):
+    assert detect_parser(template) == parser
+
+
+@pytest.mark.parametrize("syntax,tail", [
+    (LLAMA, '{"city": "Oslo"}}'), (MISTRAL, '{"city": "Oslo"}}]'),
+    (tool_call_syntax("mistral", "[TOOL_CALLS]{{ name }}[ARGS]"), '{"city": "Oslo"}'),
+])
+def test_forced_prefix_per_syntax(syntax, tail):
+    out = parse_tool_calls(forced_call_prefix("get_weather", syntax) + tail, syntax=syntax)
+    assert calls_of(out) == [("get_weather", {"city": "Oslo"})]

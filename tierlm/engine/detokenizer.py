@@ -46,7 +46,7 @@ def skipped_ids(tokenizer) -> frozenset[int]:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
-                 include_stop: bool = False, positions: bool = False) -> None:
+                 include_stop: bool = False, positions: bool = False, keep: frozenset[int] = frozenset()) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         # With `positions`: where each output token's text begins in `text` (for logprobs: which
@@ -58,6 +58,9 @@ class IncrementalDetokenizer:
         # Tokens a decode skips add no text: never put in the window (a run of them, EOS under
         # ignore_eos, made every later decode, and placing, longer and longer).
         self._skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
+        # Of those, the ones whose text is wanted all the same (a tool-call marker): see _add_kept.
+        self._kept = {i: tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                      for i in keep & self._skipped}
         self._out: list[int] = []  # the output index of each token in the window after the prompt's
         self._n_out = 0
         self._late: list[int] = []  # skipped tokens that came while text was held
@@ -122,6 +125,8 @@ class IncrementalDetokenizer:
         if self.positions:
             self.starts.append(len(self.text))
             self.placed_from = len(self.starts) - 1
+        if token_id in self._kept:
+            return self._add_kept(token_id, find_stop)
         if token_id in self._skipped:
             if self.positions and self.read_offset < len(self.ids):
                 self._late.append(self._n_out - 1)  # inside text not read yet: placed with it
@@ -138,6 +143,19 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, end
             return self._check_stop(start) if find_stop else None
         return None
+
+    def _add_kept(self, token_id: int, find_stop: bool) -> str | None:
+        """A skipped token whose text is kept: it ends what the tokens before it hold (a character
+        they left unfinished stays so) and its text follows theirs. Like the skipped ones it stays
+        out of the window, so the text around it decodes as without it."""
+        self.flush(find_stop)
+        if self.matched_stop is not None:
+            return self.matched_stop
+        start = len(self.text)
+        self.text += self._kept[token_id]
+        if self.positions:
+            self.starts[-1] = start
+        return self._check_stop(start) if find_stop else None
 
     def _settled(self, prefix: str, full: str) -> tuple[int, str]:
         """(end, its text): the tokens held for an unfinished character that can be read all the

@@ -423,7 +423,8 @@ class LLMEngine:
         self.requests[req.request_id] = req
         self.detoks[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.skip_special_tokens,
-            req.params.include_stop_str_in_output, positions=req.params.logprobs is not None)
+            req.params.include_stop_str_in_output, positions=req.params.logprobs is not None,
+            keep=frozenset(req.params.keep_special_token_ids or ()))
         if req.params.logprobs is not None:
             self.logprobs[req.request_id] = []
         self.scheduler.add(req)

@@ -8,7 +8,8 @@ Translation rules (the parts the API leaves to the server):
 - tool_result blocks become `tool` messages and assistant tool_use blocks become `tool_calls`,
   the shapes Hugging Face chat templates render, with ids rewritten to 9 alphanumerics
   (tools.template_tool_call_id: Mistral's templates accept no other);
-- tool_choice `any` / `tool` start the assistant turn with `<tool_call>` (and the tool's name)
+- tool_choice `any` / `tool` start the assistant turn with a call in the model's syntax
+  (`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py; and the tool's name)
   because nothing else can make an unconstrained model call a tool; `none` leaves tools out.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ async def create_message(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, MessagesRequest)
     engine = state.models.get(body.model)
-    prompt = await build_prompt(engine, body)
+    prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model))
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     params = sampling_params(
         max_tokens=max_tokens,
@@ -74,6 +75,7 @@ async def create_message(request: Request) -> Response:
         top_p=top_p_value(body.top_p),
         top_k=top_k_limit(engine, body.top_k),
         stop=body.stop_sequences,
+        keep_special_token_ids=prompt.keep_special_token_ids,
     )
     stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)
@@ -95,14 +97,15 @@ async def count_tokens(request: Request) -> Response:
     body = await state.parse(request, CountTokensRequest, counting=True)
     engine = state.models.get(body.model)
     # Counted whatever the length: the count is the answer, even past the model's context.
-    prompt = await build_prompt(engine, body, check_length=False)
+    prompt = await build_prompt(engine, body, check_length=False, tool_calls=state.models.tool_calls(body.model))
     return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())
 
 
 # ---- request → prompt ------------------------------------------------------------------
 
 
-async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True) -> ChatPrompt:
+async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True,
+                       tool_calls: toolcalls.ToolCallFormat | None = None) -> ChatPrompt:
     """The request as a rendered prompt; `check_length` refuses one certainly too long for the context."""
     check_blocks(body)
     if isinstance(body.system, list) and _only_blank_text(body.system):
@@ -120,6 +123,7 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
         call_required_by=choice if choice in ("any", "tool") else None,
         tool_name=body.tool_choice.name if choice == "tool" else None,
         check_length=check_length,
+        tool_calls=tool_calls,
     )
 
 

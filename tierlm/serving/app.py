@@ -53,6 +53,7 @@ def build_app(
     telemetry: Telemetry | None = None,
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -60,9 +61,10 @@ def build_app(
     False when the caller owns their lifecycle. Either way, requests still in flight when the
     app shuts down (after the server's graceful-shutdown timeout) are aborted.
     `telemetry` (default: metrics only, no tracing) serves GET /metrics and observes requests.
-    `request_read_timeout` and `stream_send_timeout`: see `ServerState`.
+    `request_read_timeout` and `stream_send_timeout`: see `ServerState`. `tool_call_parser`:
+    every model's tool-call syntax (see tools.tool_call_syntax; "auto": each one's own).
     """
-    state = ServerState(models=ModelRegistry(engines), auth=auth, max_body_bytes=max_body_bytes,
+    state = ServerState(models=ModelRegistry(engines, tool_call_parser), auth=auth, max_body_bytes=max_body_bytes,
                         request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout)
     telemetry = telemetry or Telemetry()
     telemetry.watch(state.models.items)

@@ -69,6 +69,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a streaming client whose one write has waited this long (it stopped reading, or reads "
                         "under ~48 KiB in that time while far behind) has its request aborted and its connection "
                         "closed. 0: no limit (default: %(default)g)")
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral"], default="auto",
+                   help="how the models write tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), "
+                        "llama3_json (an answer of {\"name\": ..., \"parameters\": ...} objects, ';'-separated, "
+                        "after an optional <|python_tag|>: Llama 3.1-3.3), mistral ([TOOL_CALLS] and a JSON list, "
+                        "or name[ARGS]{...}); auto: each model's chat template says which (<tool_call>, "
+                        "[TOOL_CALLS], <|python_tag|> or ipython), hermes if it shows none. The choice is logged "
+                        "at start (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
@@ -172,7 +179,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if telemetry.tracer is not None:
         logger.info("sending traces to %s", args.otlp_endpoint)
     app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry,
-                    request_read_timeout=args.request_read_timeout, stream_send_timeout=args.stream_send_timeout)
+                    request_read_timeout=args.request_read_timeout, stream_send_timeout=args.stream_send_timeout,
+                    tool_call_parser=getattr(args, "tool_call_parser", "auto"))
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

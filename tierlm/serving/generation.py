@@ -65,22 +65,35 @@ class ChatPrompt:
     forced_prefix: str = ""  # assistant text tierlm put in front of the answer (tool calls)
     parse_tools: bool = False
     tool_names: frozenset[str] = frozenset()  # the tools offered: a call to another one is text
+    tool_calls: toolcalls.ToolCallFormat = toolcalls.ToolCallFormat(toolcalls.HERMES)
+
+    @property
+    def keep_special_token_ids(self) -> list[int] | None:
+        """The syntax's marker tokens a decode would skip, kept while calls are looked for."""
+        return list(self.tool_calls.keep_token_ids) if self.parse_tools and self.tool_calls.keep_token_ids else None
 
     def split_tool_calls(self, text: str, id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
         """A finished answer as (prose, tool calls); calls only where the template's syntax is known."""
         if not self.parse_tools:
             return text, []
-        parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names)
-        return self.without_forced_prefix(parsed.text, parsed.tool_calls), parsed.tool_calls
+        parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
+                                            syntax=self.tool_calls.syntax)
+        prose = toolcalls.scrub(parsed.text, self.tool_calls.hidden)
+        return self.without_forced_prefix(prose, parsed.tool_calls), parsed.tool_calls
+
+    def stream_filter(self, id_prefix: str) -> toolcalls.ToolCallStreamFilter:
+        return toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=self.tool_names,
+                                              syntax=self.tool_calls.syntax, hidden=self.tool_calls.hidden)
 
     def without_forced_prefix(self, text: str, calls: list[toolcalls.ParsedToolCall]) -> str:
-        """A parsed answer's prose, less the call start tierlm wrote. When the model does not
-        finish the forced call (max_tokens, a stop string, bad JSON, another tool's name) no call
-        is parsed and the whole text comes back as prose: the client gets what the model wrote,
-        never tierlm's own prefill (with calls parsed, the prose lies before them and cannot
-        hold it)."""
-        if self.forced_prefix and not calls and text.startswith(self.forced_prefix):
-            return text[len(self.forced_prefix):]
+        """A parsed answer's prose (its kept markers taken out), less the call start tierlm wrote.
+        When the model does not finish the forced call (max_tokens, a stop string, bad JSON,
+        another tool's name) no call is parsed and the whole text comes back as prose: the
+        client gets what the model wrote, never tierlm's own prefill (with calls parsed, the
+        prose lies before them and cannot hold it)."""
+        forced = toolcalls.scrub(self.forced_prefix, self.tool_calls.hidden)
+        if forced and not calls and text.startswith(forced):
+            return text[len(forced):]
         return text
 
 
@@ -96,17 +109,22 @@ async def chat_prompt(
     tool_name: str | None = None,
     check_length: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tool_calls: toolcalls.ToolCallFormat | None = None,
 ) -> ChatPrompt:
     """Render a conversation, with its tools (in chat-template form), for either API.
 
-    `tools` is None when the request has none or turned them off. `call_required_by` names the
-    tool_choice that demands a call (Anthropic `any`/`tool`, OpenAI `required`/a named one): with
-    a Hermes-style template the assistant turn is then started with `<tool_call>` (naming
-    `tool_name` if given), because nothing else can make an unconstrained model call a tool.
+    `tools` is None when the request has none or turned them off. `tool_calls` is the model's
+    tool-call syntax (ModelRegistry.tool_calls; by default detected from its template).
+    `call_required_by` names the tool_choice that demands a call (Anthropic `any`/`tool`, OpenAI
+    `required`/a named one): the assistant turn is then started with the syntax's call start
+    (`<tool_call>`, naming `tool_name` if given), because nothing else can make an
+    unconstrained model call a tool.
     `check_length` refuses a prompt that cannot fit the context (see `render_chat`).
     """
     forced = ""
     parse_tools = False
+    if tool_calls is None:
+        tool_calls = toolcalls.tool_call_format("auto", engine.tokenizer)
     if tools:
         chat_template = getattr(engine.tokenizer, "chat_template", None)
         if not toolcalls.template_supports_tools(chat_template):
@@ -115,22 +133,22 @@ async def chat_prompt(
                 "remove 'tools' or serve a model whose template renders them",
                 param="tools",
             )
-        parse_tools = toolcalls.template_uses_hermes_calls(chat_template)
-        if call_required_by is not None and parse_tools:
+        parse_tools = True
+        if call_required_by is not None:
             if continue_final_message:
                 raise InvalidRequest(
                     f"tool_choice '{call_required_by}' cannot be combined with an assistant prefill; "
                     "drop the final assistant message or use tool_choice 'auto'",
                     param="tool_choice",
                 )
-            forced = toolcalls.forced_call_prefix(tool_name)
+            forced = toolcalls.forced_call_prefix(tool_name, tool_calls.syntax)
             messages = [*messages, {"role": "assistant", "content": forced}]
             continue_final_message = True
     token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message, check_length=check_length,
                                   template_kwargs=template_kwargs)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
-                      tool_names=frozenset(t["function"]["name"] for t in tools or ()))
+                      tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls)
 
 
 async def render_chat(
@@ -342,7 +360,7 @@ class StreamedAnswer:
         self._prompt = prompt
         self._filter: toolcalls.ToolCallStreamFilter | None = None
         if prompt.parse_tools:
-            self._filter = toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=prompt.tool_names)
+            self._filter = prompt.stream_filter(id_prefix)
             self._filter.feed(prompt.forced_prefix)
         self.result = Generation()
         self.calls: list[toolcalls.ParsedToolCall] = []

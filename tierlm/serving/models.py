@@ -10,6 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from tierlm.serving import tools as toolcalls
 from tierlm.serving.errors import NotFound
 
 if TYPE_CHECKING:
@@ -19,10 +20,15 @@ logger = logging.getLogger("tierlm.serving")
 
 
 class ModelRegistry:
-    def __init__(self, engines: dict[str, "AsyncEngine"]) -> None:
+    def __init__(self, engines: dict[str, "AsyncEngine"], tool_call_parser: str = "auto") -> None:
         if not engines:
             raise ValueError("no models to serve; pass a model directory or --model NAME=DIR")
+        if tool_call_parser != "auto" and tool_call_parser not in toolcalls.PARSERS:
+            raise ValueError(f"unknown tool-call parser '{tool_call_parser}'; use auto or one of "
+                             f"{', '.join(toolcalls.PARSERS)}")
         self._engines = dict(engines)
+        self.tool_call_parser = tool_call_parser
+        self._tool_calls: dict[str, toolcalls.ToolCallFormat] = {}
         self.created = int(time.time())
         self.started = False
 
@@ -43,8 +49,19 @@ class ModelRegistry:
             )
         return engine
 
+    def tool_calls(self, name: str) -> toolcalls.ToolCallFormat:
+        """How model `name` writes tool calls (`--tool-call-parser`), worked out once."""
+        found = self._tool_calls.get(name)
+        if found is None:
+            found = self._tool_calls[name] = toolcalls.tool_call_format(self.tool_call_parser,
+                                                                       self.get(name).tokenizer)
+        return found
+
     async def start(self) -> None:
         for name, engine in self._engines.items():
+            syntax = self.tool_calls(name).syntax.name
+            how = "detected from the chat template" if self.tool_call_parser == "auto" else "--tool-call-parser"
+            logger.info("model %s: tool calls parsed as %s (%s)", name, syntax, how)
             logger.info("starting engine for model %s", name)
             await engine.start()
         self.started = True

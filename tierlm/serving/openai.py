@@ -2,7 +2,8 @@
 
 `developer` messages are rendered as `system` (chat templates predate that role); assistant
 `tool_calls` arguments are decoded from their JSON text because templates render dicts.
-tool_choice `required` / a named function start the answer with `<tool_call>`, as on the
+tool_choice `required` / a named function start the answer with a call in the model's syntax
+(`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py), as on the
 Anthropic side; a call the model does not finish comes back as the text it wrote, without that
 start (see ChatPrompt.without_forced_prefix).
 """
@@ -98,12 +99,13 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
-    prompt = await build_chat_prompt(engine, body)
+    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model))
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens)
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n))
+    params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
+                             keep_special_token_ids=prompt.keep_special_token_ids)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -219,7 +221,8 @@ async def _collect_all(streams: list[EngineStream], request: Request) -> list[Ge
 # ---- request → prompt ------------------------------------------------------------------
 
 
-async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) -> ChatPrompt:
+async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
+                            tool_calls: toolcalls.ToolCallFormat | None = None) -> ChatPrompt:
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
     use_tools = bool(body.tools) and choice != "none"
@@ -239,6 +242,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest) 
         add_generation_prompt=add,
         continue_final_message=cont,
         template_kwargs=variables,
+        tool_calls=tool_calls,
     )
 
 

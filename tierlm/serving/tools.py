@@ -1,15 +1,25 @@
 """Finding tool calls in generated text.
 
-Models learn one tool-call syntax from their chat template. tierlm understands the Hermes /
-Qwen form, which the template itself shows the model:
+Models learn one tool-call syntax from their chat template, and vLLM makes its users pick the
+parser per model family (`--tool-call-parser`). tierlm knows three, as vLLM's parsers read them
+(`ToolCallSyntax`; `tierlm serve --tool-call-parser`, by default detected from the template):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- `hermes` (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, after
+  prose or not, one per tag;
+- `llama3_json` (Llama 3.1-3.3): the answer is `<|python_tag|>` (optionally) and then
+  `{"name": ..., "parameters": {...}}` objects separated by `;`. Only an answer that begins so
+  (after whitespace) is a call: Llama writes JSON in prose too;
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (older
+  tokenizers), or `[TOOL_CALLS]name[ARGS]{...}`, repeated (newer ones), after prose or not.
+
+`<|python_tag|>`, `[TOOL_CALLS]` and `[ARGS]` are special tokens in the real tokenizers, so a
+decode that skips special tokens drops them: requests with tools keep their text
+(`SamplingParams.keep_special_token_ids`), and it is taken out again wherever text reaches the
+client (`scrub`).
 
 Tool calls are parsed after generation. While streaming, text is passed through until a tool
 call may be starting (`ToolCallStreamFilter` holds back trailing whitespace and a possible
-partial `<tool_call>`), and everything from there on is buffered and parsed at the end, so
+partial start marker), and everything from there on is buffered and parsed at the end, so
 clients never see half a call and see the same prose as a non-streamed answer.
 """
 from __future__ import annotations
@@ -26,6 +36,10 @@ from tierlm.serving.validation import loads_strict
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+MISTRAL_CALL_ID = "[CALL_ID]"
 # A call counts only once closed: an unclosed one was cut off (max_tokens), whatever its JSON.
 _CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(" + re.escape(TOOL_CALL_END) + r"|\Z)", re.S)
 
@@ -43,6 +57,197 @@ class ParsedOutput:
 
     text: str
     tool_calls: list[ParsedToolCall]
+
+
+class ToolCallSyntax:
+    """How one model family writes tool calls: where a call may start, how the text from there
+    on parses, and how tierlm starts one when tool_choice requires it."""
+
+    name = ""
+    start = ""  # the text that starts calls
+    at_start_only = False  # a call must begin the answer (after whitespace)
+    markers: tuple[str, ...] = ()  # texts of the syntax's own tokens (special in real tokenizers)
+
+    def locate(self, text: str) -> tuple[int | None, int]:
+        """(where a call begins in `text`, the whole answer so far, or None; how many characters
+        at its end may still turn out to begin one). By default calls begin at `start`, anywhere."""
+        return _find_marker(text, self.start)
+
+    def parse(self, text: str, id_prefix: str, names: frozenset[str] | None) -> ParsedOutput:
+        """Prose and calls; the whole text as prose if any call fails (see parse_tool_calls)."""
+        start, _ = self.locate(text)
+        if start is None:
+            return ParsedOutput(text=text, tool_calls=[])
+        calls = self._calls(text[start:], id_prefix)
+        if not calls or any(names is not None and c.name not in names for c in calls):
+            return ParsedOutput(text=text, tool_calls=[])
+        return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
+
+    def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
+        """The calls `text` (from the start marker on) holds, or None if it is not all calls."""
+        raise NotImplementedError
+
+    def forced_prefix(self, tool_name: str | None) -> str:
+        raise NotImplementedError
+
+
+class HermesSyntax(ToolCallSyntax):
+    name = "hermes"
+    start = TOOL_CALL_START
+
+    def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
+        calls = []
+        for match in _CALL_RE.finditer(text):
+            call = _parse_one(match.group(1), id_prefix) if match.group(2) else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def forced_prefix(self, tool_name: str | None) -> str:
+        if tool_name is None:
+            return TOOL_CALL_START + "\n"
+        return TOOL_CALL_START + "\n" + '{"name": ' + json.dumps(tool_name) + ', "arguments": '
+
+
+class Llama3JsonSyntax(ToolCallSyntax):
+    name = "llama3_json"
+    markers = (PYTHON_TAG,)
+    start = PYTHON_TAG
+    at_start_only = True
+
+    def locate(self, text: str) -> tuple[int | None, int]:
+        rest = text.lstrip()
+        at = len(text) - len(rest)
+        if rest.startswith("{") or rest.startswith(PYTHON_TAG):
+            return at, 0
+        return None, len(rest) if PYTHON_TAG.startswith(rest) else 0
+
+    def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
+        body = text.removeprefix(PYTHON_TAG)
+        decoder = json.JSONDecoder()
+        calls, pos = [], 0
+        while True:
+            pos = len(body) - len(body[pos:].lstrip())
+            try:
+                _, end = decoder.raw_decode(body, pos)
+            except (ValueError, RecursionError):  # not JSON, or cut off (max_tokens)
+                return None
+            call = _parse_one(body[pos:end], id_prefix)
+            if call is None:
+                return None
+            calls.append(call)
+            rest = body[end:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(";"):
+                return None
+            pos = len(body) - len(rest) + 1
+            if not body[pos:].strip():  # a trailing `;`
+                return calls
+
+    def forced_prefix(self, tool_name: str | None) -> str:
+        if tool_name is None:
+            return '{"name": "'
+        return '{"name": ' + json.dumps(tool_name) + ', "parameters": '
+
+
+class MistralSyntax(ToolCallSyntax):
+    name = "mistral"
+    markers = (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)
+    start = MISTRAL_CALLS
+
+    def __init__(self, args_form: bool = False) -> None:
+        self.args_form = args_form  # the template writes `name[ARGS]{...}` (how a forced call starts)
+
+    def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
+        calls: list[ParsedToolCall] = []
+        for part in text.split(MISTRAL_CALLS)[1:]:
+            if MISTRAL_ARGS in part:  # name[ARGS]{...}, or name[CALL_ID]id[ARGS]{...}
+                head, args = part.split(MISTRAL_ARGS, 1)
+                name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
+                if not name or any(c.isspace() for c in name):
+                    return None
+                try:
+                    arguments = _loads_output(args.strip())
+                except (ValueError, RecursionError):  # not JSON, or cut off (max_tokens)
+                    return None
+                call = _call_of({"name": name, "arguments": arguments}, id_prefix)
+                if call is None:
+                    return None
+                calls.append(call)
+                continue
+            try:
+                data = _loads_output(part.strip())
+            except (ValueError, RecursionError):
+                return None
+            for item in data if isinstance(data, list) else [data]:
+                call = _call_of(item, id_prefix)
+                if call is None:
+                    return None
+                calls.append(call)
+        return calls
+
+    def forced_prefix(self, tool_name: str | None) -> str:
+        if tool_name is None:
+            return MISTRAL_CALLS
+        if self.args_form:
+            return MISTRAL_CALLS + tool_name + MISTRAL_ARGS
+        return MISTRAL_CALLS + '[{"name": ' + json.dumps(tool_name) + ', "arguments": '
+
+
+HERMES = HermesSyntax()
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def tool_call_syntax(parser: str, chat_template: str | None) -> ToolCallSyntax:
+    """The syntax `parser` names (one of PARSERS, or "auto": detected from the chat template)."""
+    if parser == "auto":
+        parser = detect_parser(chat_template)
+    if parser == "hermes":
+        return HERMES
+    if parser == "llama3_json":
+        return Llama3JsonSyntax()
+    if parser == "mistral":
+        return MistralSyntax(args_form=bool(chat_template) and MISTRAL_ARGS in chat_template)
+    raise ValueError(f"unknown tool-call parser '{parser}'; use auto or one of {', '.join(PARSERS)}")
+
+
+def detect_parser(chat_template: str | None) -> str:
+    """The parser a chat template shows the model (it writes past calls, or explains the syntax):
+    hermes when it shows none, as tierlm parsed every model before parsers could be chosen."""
+    template = chat_template or ""
+    if isinstance(template, dict):  # several named templates
+        template = "\n".join(map(str, template.values()))
+    if TOOL_CALL_START in template:
+        return "hermes"
+    if MISTRAL_CALLS in template:
+        return "mistral"
+    if PYTHON_TAG in template or "<|start_header_id|>ipython" in template or "Environment: ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """A served model's tool calls: their syntax, and which of its marker tokens the tokenizer
+    marks special, so that a decode skipping special tokens drops them (kept for requests
+    with tools, then taken out of the text the client sees)."""
+
+    syntax: ToolCallSyntax
+    keep_token_ids: tuple[int, ...] = ()
+    hidden: tuple[str, ...] = ()
+
+
+def tool_call_format(parser: str, tokenizer: Any) -> ToolCallFormat:
+    """`parser` (see tool_call_syntax) for a model with this tokenizer."""
+    from tierlm.engine.detokenizer import skipped_ids
+
+    syntax = tool_call_syntax(parser, getattr(tokenizer, "chat_template", None))
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    skipped = skipped_ids(tokenizer) if syntax.markers else frozenset()
+    kept = [(added[m], m) for m in syntax.markers if added.get(m) in skipped]
+    return ToolCallFormat(syntax, tuple(i for i, _ in kept), tuple(m for _, m in kept))
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
@@ -79,24 +284,23 @@ def template_tool_call_id(call_id: str) -> str:
     return "".join(chars)
 
 
-def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str] | None = None) -> ParsedOutput:
-    """Split `text` into prose and Hermes tool calls.
+def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str] | None = None,
+                     syntax: ToolCallSyntax = HERMES) -> ParsedOutput:
+    """Split `text` into prose and the tool calls `syntax` finds.
 
     If any call is not valid JSON with a string `name`, names a tool not in `names` (the tools
-    the request offered, when given: both APIs only ever call those), or is not closed by
-    TOOL_CALL_END (cut off by max_tokens), nothing is treated as a call and the whole text is
-    returned as prose: a half-parsed answer is worse than the raw one.
+    the request offered, when given: both APIs only ever call those), or is not closed
+    (cut off by max_tokens), nothing is treated as a call and the whole text is returned as
+    prose: a half-parsed answer is worse than the raw one.
     """
-    start = text.find(TOOL_CALL_START)
-    if start < 0:
-        return ParsedOutput(text=text, tool_calls=[])
-    calls: list[ParsedToolCall] = []
-    for match in _CALL_RE.finditer(text, start):
-        call = _parse_one(match.group(1), id_prefix) if match.group(2) else None
-        if call is None or (names is not None and call.name not in names):
-            return ParsedOutput(text=text, tool_calls=[])
-        calls.append(call)
-    return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
+    return syntax.parse(text, id_prefix, names)
+
+
+def scrub(text: str, markers: tuple[str, ...]) -> str:
+    """`text` without `markers`: the special tokens a request kept only to find calls."""
+    for marker in markers:
+        text = text.replace(marker, "")
+    return text
 
 
 def _loads_output(text: str) -> Any:
@@ -113,6 +317,10 @@ def _parse_one(body: str, id_prefix: str) -> ParsedToolCall | None:
         data = _loads_output(body.strip())
     except (ValueError, RecursionError):
         return None
+    return _call_of(data, id_prefix)
+
+
+def _call_of(data: Any, id_prefix: str) -> ParsedToolCall | None:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
@@ -130,56 +338,96 @@ class ToolCallStreamFilter:
     """Passes streamed text through until a tool call may begin, then buffers the rest.
 
     `feed` returns the text that is safe to show now; `finish` parses what was held back.
+    `hidden` are marker texts the client must not see (special tokens kept only to find calls):
+    taken out of all text shown, held back while one may be arriving.
     """
 
-    def __init__(self, id_prefix: str = "toolu_", names: frozenset[str] | None = None) -> None:
+    def __init__(self, id_prefix: str = "toolu_", names: frozenset[str] | None = None,
+                 syntax: ToolCallSyntax = HERMES, hidden: tuple[str, ...] = ()) -> None:
         self._id_prefix = id_prefix
         self._names = names  # the tools offered (see parse_tool_calls)
+        self._syntax = syntax
+        self._scrub = _MarkerScrubber(hidden)
         # Held back: trailing whitespace (dropped if a call follows, as parse_tool_calls strips
-        # the prose before a call) and then what might be the start of TOOL_CALL_START.
+        # the prose before a call) and then what might be the start of a call.
         self._pending = ""
-        self._space = ""  # the whitespace before TOOL_CALL_START, once seen
-        self._buffer: str | None = None  # everything from TOOL_CALL_START on, once seen
+        self._space = ""  # the whitespace before the call's start, once seen
+        self._buffer: str | None = None  # everything from the call's start on, once seen
+        self._shown = False  # prose went out: a syntax whose calls begin the answer finds none now
 
     @property
     def in_tool_call(self) -> bool:
         return self._buffer is not None
 
     def feed(self, text: str) -> str:
+        return self._scrub.feed(self._feed(text))
+
+    def _feed(self, text: str) -> str:
         if self._buffer is not None:
             self._buffer += text
             return ""
         pending = self._pending + text
-        start = pending.find(TOOL_CALL_START)
-        if start >= 0:
+        if self._shown and self._syntax.at_start_only:
+            self._pending = ""
+            return pending
+        start, hold = self._syntax.locate(pending)
+        if start is not None:
             prose = pending[:start]
             shown = prose.rstrip()
             self._space, self._buffer = prose[len(shown):], pending[start:]
             self._pending = ""
             return shown
-        marker = _partial_marker_suffix(pending)
-        shown = pending[: len(pending) - marker].rstrip()
+        shown = pending[: len(pending) - hold].rstrip()
         self._pending = pending[len(shown):]
+        self._shown = self._shown or bool(shown)
         return shown
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """(text still to show, parsed calls). Unparseable calls come back as text."""
+        rest, calls = self._finish()
+        return self._scrub.feed(rest) + self._scrub.finish(), calls
+
+    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
         if self._buffer is None:
             rest, self._pending = self._pending, ""
             return rest, []
-        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names)
+        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names, self._syntax)
         buffered, self._buffer = self._space + self._buffer, None
         if not parsed.tool_calls:
             return buffered, []
         return parsed.text, parsed.tool_calls
 
 
-def _partial_marker_suffix(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of TOOL_CALL_START."""
-    for n in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
-        if TOOL_CALL_START.startswith(text[-n:]):
-            return n
-    return 0
+class _MarkerScrubber:
+    """Streamed text less some markers, holding back what may be the start of one."""
+
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        self._markers = markers
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self._markers:
+            return text
+        text = scrub(self._held + text, self._markers)
+        hold = max(_find_marker(text, m)[1] for m in self._markers)
+        self._held = text[len(text) - hold:] if hold else ""
+        return text[: len(text) - hold]
+
+    def finish(self) -> str:
+        rest, self._held = self._held, ""
+        return rest
+
+
+def _find_marker(text: str, marker: str) -> tuple[int | None, int]:
+    """(where `marker` is in `text`, or None; the length of the longest suffix of `text` that
+    is a proper prefix of it)."""
+    at = text.find(marker)
+    if at >= 0:
+        return at, 0
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return None, n
+    return None, 0
 
 
 def anthropic_tools_to_template(tools: list[Any]) -> list[dict[str, Any]]:
@@ -197,12 +445,10 @@ def anthropic_tools_to_template(tools: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def forced_call_prefix(tool_name: str | None) -> str:
+def forced_call_prefix(tool_name: str | None, syntax: ToolCallSyntax = HERMES) -> str:
     """Assistant text that starts a tool call, used when the client requires one.
 
     Without constrained decoding the model cannot be made to call a tool; starting the call
     for it (and naming the tool when one is required) is the strongest nudge available.
     """
-    if tool_name is None:
-        return TOOL_CALL_START + "\n"
-    return TOOL_CALL_START + "\n" + '{"name": ' + json.dumps(tool_name) + ', "arguments": '
+    return syntax.forced_prefix(tool_name)

@@ -1,0 +1,158 @@
+"""Tool calls in the llama3_json and mistral syntaxes, end to end through the official SDKs.
+
+Two scripted checkpoints (see scripted_model.py) with chat templates of the Llama 3.1 and
+Mistral shape, whose tokenizer has `<|python_tag|>`, `[TOOL_CALLS]` and `[ARGS]` as special
+tokens (as the real ones do), and which write their calls as those models do. The server
+detects each syntax from the template (`--tool-call-parser auto`).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serving.harness import API_KEY, ServerThread, sdk_clients
+from tests.serving.scripted_model import Script, build_scripted_model, chat_prompt_ids
+from tests.serving.test_anthropic_fidelity import MISTRAL_TEMPLATE
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+
+SPECIALS = ("<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")
+# The layout of Llama 3.1's template, cut down: tools in an ipython system turn, past calls
+# after <|python_tag|>.
+LLAMA_TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    "{{ tools|tojson }}<|eot_id|>{%- endif %}"
+    "{%- for message in messages %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"
+    "{%- if message.tool_calls %}<|python_tag|>{{ message.tool_calls[0].function|tojson }}"
+    "{%- else %}{{ message.content }}{%- endif %}<|eot_id|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+LLAMA_MODEL, MISTRAL_MODEL = "scripted-llama3", "scripted-mistral-calls"
+LLAMA_REPLY = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+               '{"name": "get_time", "parameters": {"zone": "CET"}}')
+MISTRAL_PROSE = "Let me check."
+MISTRAL_REPLY = MISTRAL_PROSE + '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+USER = [{"role": "user", "content": "Hi there"}]
+
+
+def claude_tool(name: str) -> dict:
+    return {"name": name, "description": "a tool", "input_schema": {"type": "object"}}
+
+
+def openai_tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": "a tool", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def server(demo_tokenizer, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tool-parsers")
+    demo_tokenizer.save_pretrained(str(root / "tokenizer"))
+    engines = {}
+    for name, template, reply in [(LLAMA_MODEL, LLAMA_TEMPLATE, LLAMA_REPLY), (MISTRAL_MODEL, MISTRAL_TEMPLATE, MISTRAL_REPLY)]:
+        tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        tok.add_tokens(list(SPECIALS), special_tokens=True)
+        tok.chat_template = template
+        model = build_scripted_model(root / name, [Script(chat_prompt_ids(tok), reply)], tok, specials=SPECIALS)
+        engines[name] = model.engine(name)
+    server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    return sdk_clients(server.url)
+
+
+EXPECTED = {
+    LLAMA_MODEL: ("", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+    MISTRAL_MODEL: (MISTRAL_PROSE, [("get_weather", {"city": "Paris"})]),
+}
+
+
+@pytest.mark.parametrize("model", [LLAMA_MODEL, MISTRAL_MODEL])
+def test_openai_tool_calls(clients, model):
+    oai = clients[1]
+    kwargs = dict(model=model, messages=USER, tools=[openai_tool("get_weather"), openai_tool("get_time")])
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    with oai.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    prose, calls = EXPECTED[model]
+    for choice in (created, streamed):
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.content or "") == prose
+        assert [(c.function.name, openai_json(c.function.arguments)) for c in choice.message.tool_calls] == calls
+        assert all(c.id.startswith("call_") for c in choice.message.tool_calls)
+
+
+def openai_json(text: str):
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("model", [LLAMA_MODEL, MISTRAL_MODEL])
+def test_anthropic_tool_use(clients, model):
+    claude = clients[0]
+    kwargs = dict(model=model, max_tokens=200, messages=USER, tools=[claude_tool("get_weather"), claude_tool("get_time")])
+    created = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    prose, calls = EXPECTED[model]
+    for message in (created, streamed):
+        assert message.stop_reason == "tool_use"
+        assert [b.text for b in message.content if b.type == "text"] == ([prose] if prose else [])
+        assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == calls
+
+
+@pytest.mark.parametrize("model, text", [
+    # only get_time offered: Llama's first call is to get_weather, so the whole answer is text
+    (LLAMA_MODEL, LLAMA_REPLY.removeprefix("<|python_tag|>")),
+    (MISTRAL_MODEL, MISTRAL_REPLY.replace("[TOOL_CALLS]", "")),
+])
+def test_a_call_not_offered_is_text_without_the_marker(clients, model, text):
+    """The special marker token is kept only to find calls: text never shows it, as with
+    skip_special_tokens it never did."""
+    claude, oai = clients
+    claude_kw = dict(model=model, max_tokens=200, messages=USER, tools=[claude_tool("get_time")])
+    created = claude.messages.create(**claude_kw)
+    with claude.messages.stream(**claude_kw) as stream:
+        streamed = stream.get_final_message()
+    for message in (created, streamed):
+        assert [(b.type, b.text) for b in message.content] == [("text", text)]
+        assert message.stop_reason == "end_turn"
+    kwargs = dict(model=model, messages=USER, tools=[openai_tool("get_time")])
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    with oai.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for choice in (created, streamed):
+        assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("model", [LLAMA_MODEL, MISTRAL_MODEL])
+def test_a_call_cut_by_max_tokens_is_text_with_length(clients, model):
+    claude, oai = clients
+    kwargs = dict(model=model, messages=USER, max_tokens=12, tools=[openai_tool("get_weather"), openai_tool("get_time")])
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == created.message.content  # (the stream helper
+    assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "length"  # raises on length)
+    assert created.finish_reason == "length" and not created.message.tool_calls
+    assert created.message.content and not any(m in created.message.content for m in SPECIALS)
+    message = claude.messages.create(model=model, max_tokens=12, messages=USER,
+                                     tools=[claude_tool("get_weather"), claude_tool("get_time")])
+    assert message.stop_reason == "max_tokens" and [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == created.message.content
+
+
+@pytest.mark.parametrize("model", [LLAMA_MODEL, MISTRAL_MODEL])
+def test_without_tools_special_tokens_stay_skipped(clients, model):
+    """No tools offered: nothing is parsed, and the marker is skipped as any special token."""
+    choice = clients[1].chat.completions.create(model=model, messages=USER).choices[0]
+    assert choice.message.content == EXPECTED_TEXT[model] and choice.finish_reason == "stop"
+
+
+EXPECTED_TEXT = {LLAMA_MODEL: LLAMA_REPLY.removeprefix("<|python_tag|>"),
+                 MISTRAL_MODEL: MISTRAL_REPLY.replace("[TOOL_CALLS]", "")}
