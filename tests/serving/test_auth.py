@@ -75,12 +75,17 @@ def test_a_non_ascii_key_made_by_the_keys_tool_authenticates(tmp_path):
     """Clients send a header's UTF-8 bytes; Starlette decodes them as latin-1 before auth sees them."""
     from starlette.datastructures import Headers
 
-    line = subprocess.run([sys.executable, "-m", "tierlm.serving.auth", "carol"], input="sk-clé", text=True,
-                          encoding="utf-8", capture_output=True, check=True).stdout.strip()
+    # "à" and "Å" end in bytes 0xA0 and 0x85: as latin-1, U+00A0 and U+0085, which str.strip()
+    # takes for whitespace (those keys were refused).
+    keys = {"carol": "sk-clé", "dave": "sk-voilà", "erin": "sk-Å"}
+    lines = [subprocess.run([sys.executable, "-m", "tierlm.serving.auth", tenant], input=key, text=True,
+                            encoding="utf-8", capture_output=True, check=True).stdout.strip()
+             for tenant, key in keys.items()]
     path = tmp_path / "keys.txt"
-    path.write_text(line + "\n")
+    path.write_text("\n".join(lines) + "\n")
     auth = ApiKeyAuth.from_file(path)
-    assert auth.authenticate(Headers(raw=[(b"x-api-key", "sk-clé".encode())])) == "carol"
-    assert auth.authenticate(Headers(raw=[(b"authorization", "Bearer sk-clé".encode())])) == "carol"
+    for tenant, key in keys.items():
+        assert auth.authenticate(Headers(raw=[(b"x-api-key", key.encode())])) == tenant
+        assert auth.authenticate(Headers(raw=[(b"authorization", f"Bearer {key} ".encode())])) == tenant
     with pytest.raises(AuthenticationFailed):  # the same text sent as latin-1 bytes is another key
         auth.authenticate(Headers(raw=[(b"x-api-key", "sk-clé".encode("latin-1"))]))

@@ -63,12 +63,17 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     """The key from `x-api-key` (Anthropic) or `Authorization: Bearer` (OpenAI)."""
     key = headers.get("x-api-key")
     if key:
-        return key.strip()
+        return key.strip(_HTTP_SPACE)
     authorization = headers.get("authorization", "")
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
+    if scheme.lower() == "bearer" and token.strip(_HTTP_SPACE):
+        return token.strip(_HTTP_SPACE)
     return None
+
+
+# What HTTP trims around a header value. Not str.strip()'s whitespace: a header decoded as latin-1
+# can end in U+0085 or U+00A0, the last byte of a UTF-8 "à" or "Å" in a key.
+_HTTP_SPACE = " \t"
 
 
 class NoAuth:
