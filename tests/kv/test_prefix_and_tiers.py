@@ -2292,6 +2292,34 @@ def test_links_put_at_a_shard_or_an_entry_lead_nowhere_outside_the_directory(tmp
     again.close()
 
 
+def test_a_shard_removed_while_an_earlier_run_is_listed_is_skipped(tmp_path, monkeypatch):
+    """Shards emptied once space ran out are removed on the writer thread, while the listing of an
+    earlier run's entries runs outside the lock: a shard gone between the two scandirs made the
+    whole indexing fail, leaving every earlier entry unindexed (and uncounted)."""
+    import os
+    import shutil
+    from tierlm.kv import tiers
+    blocks = _chain(12)
+    disk = DiskTier(tmp_path, 64)
+    for h, parent, data in blocks:
+        disk.put(h, parent, data)
+    disk.close()
+    doomed = disk.path(blocks[-1][0]).parent  # the chain's tail: its ancestors stay whole
+    real_scandir = os.scandir
+
+    def scandir(path):
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path) == str(doomed):
+            shutil.rmtree(doomed)  # removed after the root was listed, before its own listing
+        return real_scandir(path)
+    monkeypatch.setattr(tiers.os, "scandir", scandir)
+    again = DiskTier(tmp_path, 64, index_in_background=False)
+    again.index()
+    monkeypatch.undo()
+    gone = {h for h, *_ in blocks if disk.path(h).parent == doomed}
+    assert {h for h, *_ in blocks if h in again} == {h for h, *_ in blocks} - gone
+    again.close()
+
+
 def test_a_disk_short_of_inodes_keeps_holding_entries(tmp_path):
     """On a file system short of inodes (not of bytes), each new shard directory took the inode
     an evicted entry freed, and empty shards stayed, until all 256 existed and no entry fitted:

@@ -1098,7 +1098,11 @@ class DiskTier(_CapacityTier):
         for shard in os.scandir(self.root):
             if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):  # a link leads elsewhere
                 continue
-            for f in os.scandir(shard.path):
+            try:
+                files = os.scandir(shard.path)
+            except FileNotFoundError:  # emptied and removed meanwhile (the writer, once space ran out)
+                continue
+            for f in files:
                 i += 1
                 if i % 256 == 0:
                     self._yield()
