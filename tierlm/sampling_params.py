@@ -16,6 +16,7 @@ MAX_STOP_CHARS = 1024
 # logit_bias entries: each step scatters every asking row's entries, so one request cannot make
 # every step of its batch build a vocabulary-sized list. OpenAI documents no bound; vLLM sets none.
 MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20  # top log-probabilities per token, OpenAI's bound
 
 
 # vLLM's request fields tierlm cannot honour, and why: one table for SamplingParams' keywords and
@@ -192,8 +193,8 @@ class SamplingParams:
             bad("stop_token_ids", "entries must be non-negative integers")
         if any(not _is_int(t) or t < 0 for t in self.keep_special_token_ids):
             bad("keep_special_token_ids", "entries must be non-negative integers")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"must be between 0 and 20 (got {self.logprobs})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be between 0 and {MAX_LOGPROBS} (got {self.logprobs})")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
                 and self.truncate_prompt_tokens != -1:
             bad("truncate_prompt_tokens", f"must be at least 1, or -1 for max_model_len (got "

@@ -294,3 +294,14 @@ def test_bad_logit_bias_is_refused_by_name(bias, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
         SamplingParams(logit_bias=bias)
     assert info.value.param == "logit_bias"
+
+
+def test_a_rows_top_logprobs_among_ties_do_not_depend_on_its_neighbours():
+    """Which of several tied tokens a top-k returns depends on k; one top-k at the batch's largest
+    N gave a row asking for 3 different ids next to a row asking for 20 than alone."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 2.0  # one clear top token, then 39 tied ones
+    alone = Sampler()(logits[:1].clone(), [_req(0, temperature=0.0, logprobs=3)])[1][0]
+    beside = Sampler()(logits.clone(), [_req(0, temperature=0.0, logprobs=3), _req(1, temperature=0.0, logprobs=20)])
+    assert beside[1][0].top == alone.top and alone.top[0][0] == 5
+    assert len(beside[1][1].top) == 20

@@ -17,7 +17,7 @@ import torch
 
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.engine.request import Request
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def _padded_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -161,15 +161,18 @@ class Sampler:
         lps: list[TokenLogprob | None] = [None] * len(reqs)
         if raw_logprobs is None:
             return picked.tolist(), lps  # the step's one device-to-host sync
-        # Logprobs for every row that asks, batched: one top-k at the largest N asked, the
-        # sampled tokens' values and ranks, all read back together with the tokens.
+        # Logprobs for every row that asks, batched: one top-k, the sampled tokens' values and
+        # ranks, all read back together with the tokens.
         asks = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         dev = logits.device
         rows = torch.tensor(asks, dtype=torch.long).to(dev, non_blocking=True)
         sel = raw_logprobs.index_select(0, rows)
         chosen = sel.gather(1, picked.index_select(0, rows).unsqueeze(1))
         ranks = (sel > chosen).sum(dim=1) + 1
-        k = max(reqs[i].params.logprobs for i in asks)
+        # One top-k at the most any row may ask (20), not at the most this batch asks: which of
+        # several tied tokens a top-k returns depends on k, so a row's top list would depend on
+        # its neighbours' N.
+        k = min(MAX_LOGPROBS, logits.shape[1]) if any(reqs[i].params.logprobs for i in asks) else 0
         top = torch.topk(sel, k, dim=-1) if k > 0 else None
         longs = torch.cat([picked, ranks] + ([top.indices.flatten()] if top is not None else []))
         floats = torch.cat([chosen.flatten()] + ([top.values.flatten()] if top is not None else []))
