@@ -61,8 +61,10 @@ def render_chat_text(tokenizer, messages: list[dict], tools: list[dict] | None =
 
 # How deeply the values a chat template sees may nest (a tool's JSON schema, a tool call's
 # arguments). Templates walk them recursively (tojson, macros): 900 levels hit Python's recursion
-# limit, whose message ("maximum recursion depth exceeded") is no answer for a client.
-MAX_TEMPLATE_DEPTH = 100
+# limit, whose message ("maximum recursion depth exceeded") is no answer for a client. A schema
+# object is two levels (it and its `properties`): 256 is 128 schema levels, where the demo
+# template renders 200 (400 levels) and fails at 300.
+MAX_TEMPLATE_DEPTH = 256
 
 
 def _refuse_deep_nesting(value: Any, name: str, limit: int = MAX_TEMPLATE_DEPTH) -> None:
