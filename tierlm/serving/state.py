@@ -50,7 +50,7 @@ class ServerState:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON
         decodes, a "model" this server serves labels the request's telemetry, so a request
         refused for a bad field (max_tokens 0, temperature 9) counts under its model. Before it
-        is validated, more messages and content blocks than the context holds (or, `counting`,
+        is validated, more tools, messages and content blocks than the context holds (or, `counting`,
         than count_tokens counts) are refused: see `first_part_past`."""
         observer = request.scope.get("state", {}).get("telemetry")
 
@@ -71,7 +71,7 @@ class ServerState:
                 what = (f"the {limit} count_tokens counts ({COUNT_CHARS_PER_CONTEXT_TOKEN} per token of the "
                         f"{context}-token context)" if counting else f"the {context}-token context holds")
                 raise InvalidRequest(
-                    f"{where}: the request has {count} messages and content blocks up to here, more than {what} "
+                    f"{where}: the request has {count} tools, messages and content blocks up to here, more than {what} "
                     "(each renders to a token at least); send fewer",
                     param=where, code=None if counting else ContextLengthExceeded.default_code,
                 )

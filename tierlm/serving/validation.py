@@ -187,11 +187,16 @@ def _parse_body(model: type[M], body: bytes, on_json: Callable[[dict], None] | N
 
 
 def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
-    """Where the count of messages and content blocks (system blocks, blocks, tool calls, blocks
-    in a tool result) first passes `limit`, and the count there; None if it never does. Read from
+    """Where the count of tools, messages and content blocks (system blocks, blocks, tool calls,
+    blocks in a tool result) first passes `limit`, and the count there; None if it never does. Read from
     the raw JSON before it is validated: each renders to a token at least, and validating a million
     one-letter blocks held the GIL for 7-15 s, stalling every other client."""
     total = 0
+    tools = data.get("tools")  # rendered into the prompt, a token each at least (700,000 took 36 s)
+    if isinstance(tools, list):
+        total += len(tools)
+        if total > limit:
+            return "tools", total
     system = data.get("system")
     if isinstance(system, list):
         total += len(system)
