@@ -64,6 +64,15 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return child - _SEED_SPAN if child >= _SEED_SPAN else child
 
 
+def truncation_kept(truncate: int, max_model_len: int, max_tokens: int | None) -> int:
+    """How many prompt tokens `truncate_prompt_tokens` keeps. N keeps the last N (vLLM's); -1
+    keeps as many as fit beside the output: max_model_len less max_tokens (less 1 without it).
+    vLLM's -1 keeps max_model_len, which no request can then run with: no room for one token."""
+    if truncate != -1:
+        return truncate
+    return max(1, max_model_len - (max_tokens if max_tokens is not None else 1))
+
+
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
     """Why these stop strings are refused (empty, too many, too long), or None."""
     if any(s == "" for s in stops):
@@ -86,8 +95,8 @@ class SamplingParams:
     like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
     `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
     and stop strings are looked for only in text that later tokens make (vLLM's meaning).
-    `truncate_prompt_tokens=N` keeps only the prompt's last N tokens (-1: the last max_model_len,
-    vLLM's meaning); the output's `prompt_token_ids` are the kept ones.
+    `truncate_prompt_tokens=N` keeps only the prompt's last N tokens (-1: as many as fit beside
+    max_tokens, see `truncation_kept`); the output's `prompt_token_ids` are the kept ones.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before penalties
     and filters (OpenAI's meaning); reported logprobs stay the model's own distribution.
     """

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tierlm import LLM, SamplingParams
-from tierlm.errors import InvalidRequestError
+from tierlm.errors import InvalidRequestError, RequestTooLongError
 
 PROMPT = [5, 6, 7, 8]
 
@@ -64,6 +64,20 @@ def test_truncate_prompt_tokens_keeps_the_last_n_as_vllm(llm):
     assert whole.prompt_token_ids == prompt
     long = llm.generate([list(range(3, 203))], SamplingParams(max_tokens=4, truncate_prompt_tokens=100))[0]
     assert long.prompt_token_ids == list(range(103, 203)) and len(long.outputs[0].token_ids) == 4
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_as_many_as_fit_beside_the_output(llm):
+    """-1 was max_model_len (vLLM's literal meaning), which leaves no room for one output token:
+    every prompt it truncated was refused, telling the client to shorten it."""
+    context = llm.engine.max_model_len
+    prompt = [3 + i % 200 for i in range(context + 50)]
+    fit = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                truncate_prompt_tokens=-1))[0]
+    assert fit.prompt_token_ids == prompt[-(context - 6):] and len(fit.outputs[0].token_ids) == 6
+    one = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True, truncate_prompt_tokens=-1))[0]
+    assert len(one.prompt_token_ids) == context - 1 and len(one.outputs[0].token_ids) == 1
+    with pytest.raises(RequestTooLongError, match="lower truncate_prompt_tokens"):
+        llm.generate([prompt], SamplingParams(max_tokens=6, truncate_prompt_tokens=context))
 
 
 @pytest.mark.parametrize("keep, says", [(0, "at least 1, or -1"), (-2, "at least 1, or -1"),

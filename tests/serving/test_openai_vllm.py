@@ -226,6 +226,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(demo_server, demo_
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
         whole = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": -1}).json()
         assert whole["usage"]["prompt_tokens"] == len(ids)
+        context = demo_engine.max_model_len  # -1 on a prompt past the context: as many as fit beside max_tokens
+        over = c.post("/v1/completions", json={**base, "prompt": (ids * context)[:context + 9],
+                                               "truncate_prompt_tokens": -1})
+        assert over.status_code == 200 and over.json()["usage"]["prompt_tokens"] == context - base["max_tokens"]
         for bad in (demo_engine.max_model_len + 1, 0, -2):
             r = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

@@ -40,7 +40,7 @@ from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weig
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
 from tierlm.models.registry import resolve_architecture
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import SamplingParams, truncation_kept
 
 log = logging.getLogger(__name__)
 
@@ -386,11 +386,11 @@ class LLMEngine:
         if not (0 <= min(ids) and max(ids) < vocab):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
-        if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens, -1 for max_model_len
-            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens; -1: as many as fit
+            keep = truncation_kept(params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
             if keep > self.max_model_len:
                 raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
-                                          f"({self.max_model_len}); give a smaller one, or -1 for max_model_len",
+                                          f"({self.max_model_len}); give a smaller one, or -1 for as many as fit",
                                           param="truncate_prompt_tokens")
             ids = ids[-keep:]
         outside = sorted(t for t in params.logit_bias or () if t >= vocab)
@@ -398,15 +398,17 @@ class LLMEngine:
             raise InvalidRequestError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary "
                                       f"[0, {vocab})", param="logit_bias")
         n = len(ids)
+        shorten = ("lower truncate_prompt_tokens (-1 keeps as many as fit)" if params.truncate_prompt_tokens
+                   is not None else "shorten the prompt")
         if n >= self.max_model_len:
             raise RequestTooLongError(
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}: it leaves no room for output; "
-                "shorten the prompt", param="prompt")
+                f"{shorten}", param="prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise RequestTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
-                f"({self.max_model_len}); lower max_tokens or shorten the prompt", param="max_tokens")
+                f"({self.max_model_len}); lower max_tokens or {shorten}", param="max_tokens")
         need = self.kv.blocks_needed(n + max_tokens)
         if need > self.pool.num_blocks:
             raise RequestTooLongError(

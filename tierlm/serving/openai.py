@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
-from tierlm.sampling_params import SamplingParams, choice_seed
+from tierlm.sampling_params import SamplingParams, choice_seed, truncation_kept
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
@@ -100,7 +100,7 @@ async def chat_completions(request: Request) -> Response:
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
     prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model))
-    prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens)
+    prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
@@ -126,7 +126,8 @@ async def completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
-    prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens)
+    prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens,
+                            body.max_tokens)
     if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
         await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
@@ -315,16 +316,16 @@ def _encode_prompt(engine: "AsyncEngine", model: str, text: str, truncated: bool
     return encode_prompt_text(engine, model, text, "prompt")
 
 
-def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len), done
-    here so the output budget and usage count what runs."""
+def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as fit beside
+    `max_tokens`, see `truncation_kept`), done here so the output budget and usage count what runs."""
     if keep is None:
         return ids
     context = int(engine.max_model_len)
-    keep = context if keep == -1 else keep
+    keep = truncation_kept(keep, context, max_tokens)
     if keep > context:
         raise InvalidRequest(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({context}); "
-                             "give a smaller one, or -1 for max_model_len", param="truncate_prompt_tokens")
+                             "give a smaller one, or -1 for as many as fit", param="truncate_prompt_tokens")
     return ids[-keep:]
 
 
