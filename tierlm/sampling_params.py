@@ -48,6 +48,8 @@ def unsupported_vllm_field(name: str, value: object) -> str | None:
     one of vLLM's fields tierlm lacks, or its neutral value)."""
     if name not in UNSUPPORTED_VLLM_FIELDS or value is None or value is VLLM_NEUTRAL.get(name):
         return None
+    if name in ("bad_words", "logits_processors") and isinstance(value, (list, tuple)) and not value:
+        return None  # none given
     return f"'{name}' {UNSUPPORTED_VLLM_FIELDS[name]}; remove it"
 
 
@@ -239,7 +241,10 @@ def _refusing_vllm_keywords(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs) -> None:
         for name in [k for k in kwargs if k in UNSUPPORTED_VLLM_FIELDS]:
-            if (why := unsupported_vllm_field(name, kwargs.pop(name))) is not None:
+            value = kwargs.pop(name)
+            if name == "best_of" and _is_int(value) and value == kwargs.get("n", 1):
+                continue  # best_of == n picks nothing: the n samples themselves (as the OpenAI routes take it)
+            if (why := unsupported_vllm_field(name, value)) is not None:
                 raise InvalidRequestError(f"sampling parameter {why}", param=name)
         init(self, *args, **kwargs)
 

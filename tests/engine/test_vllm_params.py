@@ -106,6 +106,11 @@ def test_vllm_keywords_at_their_neutral_values_pass_and_a_typo_is_a_type_error()
     p = SamplingParams(max_tokens=4, prompt_logprobs=None, spaces_between_special_tokens=True, detokenize=True,
                        guided_decoding=None, best_of=None)
     assert p.max_tokens == 4
+    # best_of equal to n and an empty bad_words change nothing either (they were refused).
+    assert SamplingParams(best_of=1, bad_words=[], logits_processors=[]).n == 1
+    assert SamplingParams(n=2, best_of=2, temperature=1.0).n == 2
+    with pytest.raises(InvalidRequestError, match="best_of"):
+        SamplingParams(n=2, best_of=3, temperature=1.0)
     with pytest.raises(TypeError, match="tempreature"):
         SamplingParams(tempreature=0.5)
 
