@@ -23,6 +23,12 @@ def test_parses_prose_then_calls():
     assert out.tool_calls[0].id.startswith("toolu_") and out.tool_calls[0].id != out.tool_calls[1].id
 
 
+def test_hermes_call_without_arguments_calls_with_none():
+    """The tag marks a call, so Hermes (unlike llama3_json and mistral) needs no arguments key."""
+    out = parse_tool_calls('<tool_call>{"name": "get_time"}</tool_call>')
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_time", {})]
+
+
 def test_string_arguments():
     out = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", {"x": 1})]
@@ -137,6 +143,9 @@ def test_llama3_json_calls(text):
     '{"name": "get_weather", "parameters": {"city": "Paris"}',  # cut off (max_tokens)
     '{"name": "get_weather", "parameters": {"city": NaN}}', '{"names": "x"}', "<|python_tag|>brave.call(q='x')",
     L_CALL + "; {broken", "{}", "",
+    # JSON with a name but neither arguments nor parameters is JSON, not a call (as vLLM's)
+    '{"name": "get_weather", "description": "Returns the current weather"}', '{"name": "get_weather"}',
+    L_CALL + '; {"name": "get_time"}',
 ])
 def test_llama3_json_text(text):
     out = parse_tool_calls(text, syntax=LLAMA)
@@ -156,6 +165,7 @@ def test_mistral_calls(text):
     "[TOOL_CALLS][]", "[TOOL_CALLS][{", M_LIST[:-2], "[TOOL_CALLS]get_weather[ARGS]{\"city\": ",
     "[TOOL_CALLS]get_weather[ARGS]{} trailing", "[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS][{\"name\": 1}]",
     "[TOOL_CALLS]get_weather[ARGS][1]", "no [TOOL_CALL] here",
+    '[TOOL_CALLS][{"name": "get_weather", "note": "x"}]', '[TOOL_CALLS]{"name": "get_weather"}',
 ])
 def test_mistral_text(text):
     out = parse_tool_calls(text, syntax=MISTRAL)

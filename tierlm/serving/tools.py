@@ -12,6 +12,9 @@ parser per model family (`--tool-call-parser`). tierlm knows three, as vLLM's pa
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (older
   tokenizers), or `[TOOL_CALLS]name[ARGS]{...}`, repeated (newer ones), after prose or not.
 
+In the last two an object is a call only with `arguments` or `parameters` (as vLLM's parsers,
+which index one or the other): `{"name": "get_weather"}` alone is JSON the model wrote.
+
 `<|python_tag|>`, `[TOOL_CALLS]` and `[ARGS]` are special tokens in the real tokenizers, so a
 decode that skips special tokens drops them: requests with tools keep their text
 (`SamplingParams.keep_special_token_ids`), and it is taken out again wherever text reaches the
@@ -67,6 +70,9 @@ class ToolCallSyntax:
     start = ""  # the text that starts calls
     at_start_only = False  # a call must begin the answer (after whitespace)
     markers: tuple[str, ...] = ()  # texts of the syntax's own tokens (special in real tokenizers)
+    # A call's JSON must hold `arguments` or `parameters` (vLLM's llama3_json and mistral parsers
+    # index one or the other): where a call is plain JSON, `{"name": ...}` alone is just JSON.
+    needs_arguments = True
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(where a call begins in `text`, the whole answer so far, or None; how many characters
@@ -94,11 +100,12 @@ class ToolCallSyntax:
 class HermesSyntax(ToolCallSyntax):
     name = "hermes"
     start = TOOL_CALL_START
+    needs_arguments = False  # the tag says it is a call: `{"name": ...}` alone calls with {}
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         calls = []
         for match in _CALL_RE.finditer(text):
-            call = _parse_one(match.group(1), id_prefix) if match.group(2) else None
+            call = _parse_one(match.group(1), id_prefix, self.needs_arguments) if match.group(2) else None
             if call is None:
                 return None
             calls.append(call)
@@ -133,7 +140,7 @@ class Llama3JsonSyntax(ToolCallSyntax):
                 _, end = decoder.raw_decode(body, pos)
             except (ValueError, RecursionError):  # not JSON, or cut off (max_tokens)
                 return None
-            call = _parse_one(body[pos:end], id_prefix)
+            call = _parse_one(body[pos:end], id_prefix, self.needs_arguments)
             if call is None:
                 return None
             calls.append(call)
@@ -182,7 +189,7 @@ class MistralSyntax(ToolCallSyntax):
             except (ValueError, RecursionError):
                 return None
             for item in data if isinstance(data, list) else [data]:
-                call = _call_of(item, id_prefix)
+                call = _call_of(item, id_prefix, self.needs_arguments)
                 if call is None:
                     return None
                 calls.append(call)
@@ -312,16 +319,19 @@ def _loads_output(text: str) -> Any:
     return data
 
 
-def _parse_one(body: str, id_prefix: str) -> ParsedToolCall | None:
+def _parse_one(body: str, id_prefix: str, needs_arguments: bool) -> ParsedToolCall | None:
     try:
         data = _loads_output(body.strip())
     except (ValueError, RecursionError):
         return None
-    return _call_of(data, id_prefix)
+    return _call_of(data, id_prefix, needs_arguments)
 
 
-def _call_of(data: Any, id_prefix: str) -> ParsedToolCall | None:
+def _call_of(data: Any, id_prefix: str, needs_arguments: bool = True) -> ParsedToolCall | None:
+    """The call `data` (parsed JSON) describes, or None. `needs_arguments`: see ToolCallSyntax."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    if needs_arguments and "arguments" not in data and "parameters" not in data:
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models emit the arguments JSON-encoded
