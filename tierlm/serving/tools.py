@@ -228,7 +228,10 @@ def tool_call_syntax(parser: str, chat_template: str | None) -> ToolCallSyntax:
 
 def detect_parser(chat_template: str | None) -> str:
     """The parser a chat template shows the model (it writes past calls, or explains the syntax):
-    hermes when it shows none, as tierlm parsed every model before parsers could be chosen."""
+    hermes when it shows none (tools described in prose only). Before parsers could be chosen
+    such a template was not parsed at all (only one showing `<tool_call>` was) and tool_choice
+    required started no call; now its answers are read as Hermes and a required call starts
+    `<tool_call>`. `--tool-call-parser` picks another."""
     template = chat_template or ""
     if isinstance(template, dict):  # several named templates
         template = "\n".join(map(str, template.values()))
