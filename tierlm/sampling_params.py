@@ -122,8 +122,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
-    # Special tokens whose text stays in the output though skip_special_tokens drops the others:
-    # the server keeps a tool-call syntax's markers (`[TOOL_CALLS]`) to find the calls.
+    # Special tokens whose text stays in the output though skip_special_tokens drops the others,
+    # between detokenizer.KEPT_OPEN and KEPT_CLOSE (two Unicode noncharacters), so it is not taken
+    # for the same text in ordinary tokens: the server keeps a tool-call syntax's markers
+    # (`[TOOL_CALLS]`) to find the calls, then takes them out of what the client sees.
     keep_special_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:

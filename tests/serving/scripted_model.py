@@ -198,8 +198,11 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _vocabulary_pieces(tokenizer: Any) -> dict[str, list[int]]:
-    """Text → ids of the ordinary tokens that decode to exactly that text."""
-    special = set(tokenizer.all_special_ids)
+    """Text → ids of the ordinary tokens that decode to exactly that text (not an added token
+    marked special, `[ARGS]`: a reply spells that in ordinary tokens unless `specials` names it)."""
+    from tierlm.engine.detokenizer import skipped_ids
+
+    special = set(tokenizer.all_special_ids) | skipped_ids(tokenizer)
     pieces: dict[str, list[int]] = {}
     for tid in range(len(tokenizer)):
         text = tokenizer.decode([tid])

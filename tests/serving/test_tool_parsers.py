@@ -29,10 +29,15 @@ LLAMA_TEMPLATE = (
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
 )
 LLAMA_MODEL, MISTRAL_MODEL = "scripted-llama3", "scripted-mistral-calls"
+# Writes "[ARGS]" in ordinary tokens (prose quoting a usage line), then a call after the special
+# [TOOL_CALLS] token.
+PROSE_MODEL = "scripted-mistral-prose"
 LLAMA_REPLY = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                '{"name": "get_time", "parameters": {"zone": "CET"}}')
 MISTRAL_PROSE = "Let me check."
 MISTRAL_REPLY = MISTRAL_PROSE + '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+USAGE = "Usage: app [ARGS], see docs."
+USAGE_CALL = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
 
 USER = [{"role": "user", "content": "Hi there"}]
 
@@ -52,11 +57,14 @@ def server(demo_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("tool-parsers")
     demo_tokenizer.save_pretrained(str(root / "tokenizer"))
     engines = {}
-    for name, template, reply in [(LLAMA_MODEL, LLAMA_TEMPLATE, LLAMA_REPLY), (MISTRAL_MODEL, MISTRAL_TEMPLATE, MISTRAL_REPLY)]:
+    for name, template, reply, specials in [
+        (LLAMA_MODEL, LLAMA_TEMPLATE, LLAMA_REPLY, SPECIALS), (MISTRAL_MODEL, MISTRAL_TEMPLATE, MISTRAL_REPLY, SPECIALS),
+        (PROSE_MODEL, MISTRAL_TEMPLATE, USAGE + "[TOOL_CALLS]" + USAGE_CALL, ("[TOOL_CALLS]",)),
+    ]:
         tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
         tok.add_tokens(list(SPECIALS), special_tokens=True)
         tok.chat_template = template
-        model = build_scripted_model(root / name, [Script(chat_prompt_ids(tok), reply)], tok, specials=SPECIALS)
+        model = build_scripted_model(root / name, [Script(chat_prompt_ids(tok), reply)], tok, specials=specials)
         engines[name] = model.engine(name)
     server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
     yield server
@@ -156,3 +164,64 @@ def test_without_tools_special_tokens_stay_skipped(clients, model):
 
 EXPECTED_TEXT = {LLAMA_MODEL: LLAMA_REPLY.removeprefix("<|python_tag|>"),
                  MISTRAL_MODEL: MISTRAL_REPLY.replace("[TOOL_CALLS]", "")}
+
+
+@pytest.mark.parametrize("offered, content, calls", [
+    ("get_weather", USAGE, [("get_weather", {"city": "Oslo"})]),
+    ("get_time", USAGE + USAGE_CALL, []),  # not offered: text, less the special marker only
+])
+def test_marker_text_the_model_wrote_in_ordinary_tokens_stays(clients, offered, content, calls):
+    """Only the special marker tokens kept to find calls are taken out of the text: "[ARGS]"
+    written in ordinary tokens is the model's prose (it was cut out: "Usage: app , see docs.")."""
+    claude, oai = clients
+    kwargs = dict(model=PROSE_MODEL, messages=USER, tools=[openai_tool(offered)])
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    with oai.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for choice in (created, streamed):
+        assert choice.message.content == content
+        assert [(c.function.name, openai_json(c.function.arguments)) for c in choice.message.tool_calls or []] == calls
+    claude_kw = dict(model=PROSE_MODEL, max_tokens=200, messages=USER, tools=[claude_tool(offered)])
+    created = claude.messages.create(**claude_kw)
+    with claude.messages.stream(**claude_kw) as stream:
+        streamed = stream.get_final_message()
+    for message in (created, streamed):
+        assert [b.text for b in message.content if b.type == "text"] == [content]
+        assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == calls
+
+
+@pytest.mark.parametrize("model", [MISTRAL_MODEL, PROSE_MODEL])
+def test_logprobs_cover_every_token_of_an_answer_with_kept_markers(clients, model):
+    """The kept marker's text (wrapped for the parser, then taken out of the content) is placed
+    like any token's: every generated token but the EOS has its logprob, streamed or not."""
+    oai = clients[1]
+    kwargs = dict(model=model, messages=USER, tools=[openai_tool("get_weather")], logprobs=True, top_logprobs=1)
+    reply = MISTRAL_REPLY if model == MISTRAL_MODEL else USAGE + "[TOOL_CALLS]" + USAGE_CALL
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    streamed = [t for c in chunks if c.logprobs and c.logprobs.content for t in c.logprobs.content]
+    for tokens in (created.logprobs.content, streamed):
+        assert "".join(t.token for t in tokens) == reply
+        assert b"".join(bytes(t.bytes) for t in tokens if t.token != "[TOOL_CALLS]") == reply.replace(
+            "[TOOL_CALLS]", "").encode()
+    assert [t.token for t in streamed] == [t.token for t in created.logprobs.content]
+
+
+@pytest.mark.parametrize("stop, content", [
+    ("docs.[", "Usage: app [ARGS], see "),  # across the kept marker, as without tools (it is skipped there)
+    ("[TOOL", "Usage: app [ARGS], see docs."),  # inside it: cut where it begins
+    ("[ARGS], s", "Usage: app "),  # plain text
+])
+def test_stop_strings_match_across_kept_markers(clients, stop, content):
+    """The kept marker's text is wrapped for the parser; stop strings match as if it were not."""
+    oai = clients[1]
+    kwargs = dict(model=PROSE_MODEL, messages=USER, tools=[openai_tool("get_weather")], stop=stop)
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert created.message.content == content and created.finish_reason == "stop" and not created.message.tool_calls
+    assert "".join(c.delta.content or "" for c in chunks) == content and chunks[-1].finish_reason == "stop"
+    included = oai.chat.completions.create(extra_body={"include_stop_str_in_output": True}, **kwargs).choices[0]
+    assert included.message.content == content + stop
+    if stop != "[TOOL":  # without tools the marker is skipped: the same cut
+        plain = oai.chat.completions.create(model=PROSE_MODEL, messages=USER, stop=stop).choices[0]
+        assert plain.message.content == content

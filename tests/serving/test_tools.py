@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from tierlm.engine.detokenizer import KEPT_CLOSE, KEPT_OPEN
 from tierlm.serving.tools import (
     ToolCallStreamFilter,
     detect_parser,
@@ -21,6 +22,12 @@ def test_parses_prose_then_calls():
     assert [(c.name, c.arguments) for c in out.tool_calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
     assert out.tool_calls[0].id.startswith("toolu_") and out.tool_calls[0].id != out.tool_calls[1].id
+
+
+def test_hermes_call_without_arguments_calls_with_none():
+    """The tag marks a call, so Hermes (unlike llama3_json and mistral) needs no arguments key."""
+    out = parse_tool_calls('<tool_call>{"name": "get_time"}</tool_call>')
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_time", {})]
 
 
 def test_string_arguments():
@@ -115,6 +122,17 @@ M_LIST = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, 
 M_ARGS = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
 
 
+def kept(marker: str) -> str:
+    """A marker as the detokenizer writes a kept special token."""
+    return KEPT_OPEN + marker + KEPT_CLOSE
+
+
+def wrapped(text: str, markers=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>")) -> str:
+    for m in markers:
+        text = text.replace(m, kept(m))
+    return text
+
+
 def calls_of(out):
     return [(c.name, c.arguments) for c in out.tool_calls]
 
@@ -124,6 +142,7 @@ def calls_of(out):
     L_CALL + "; " + L_CALL.replace("Paris", "Rome").replace("get_weather", "get_time") + ";",
 ])
 def test_llama3_json_calls(text):
+    assert calls_of(parse_tool_calls(wrapped(text), syntax=LLAMA)) == calls_of(parse_tool_calls(text, syntax=LLAMA))
     out = parse_tool_calls(text, syntax=LLAMA)
     assert out.text == "" and out.tool_calls and out.tool_calls[0].name == "get_weather"
     assert out.tool_calls[0].arguments == {"city": "Paris"}
@@ -137,6 +156,9 @@ def test_llama3_json_calls(text):
     '{"name": "get_weather", "parameters": {"city": "Paris"}',  # cut off (max_tokens)
     '{"name": "get_weather", "parameters": {"city": NaN}}', '{"names": "x"}', "<|python_tag|>brave.call(q='x')",
     L_CALL + "; {broken", "{}", "",
+    # JSON with a name but neither arguments nor parameters is JSON, not a call (as vLLM's)
+    '{"name": "get_weather", "description": "Returns the current weather"}', '{"name": "get_weather"}',
+    L_CALL + '; {"name": "get_time"}',
 ])
 def test_llama3_json_text(text):
     out = parse_tool_calls(text, syntax=LLAMA)
@@ -150,12 +172,16 @@ def test_mistral_calls(text):
     out = parse_tool_calls(text, syntax=MISTRAL)
     assert calls_of(out) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert out.text == text[:text.index("[TOOL_CALLS]")].rstrip()
+    out = parse_tool_calls(wrapped(text), syntax=MISTRAL)  # the markers as kept special tokens
+    assert calls_of(out) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert out.text == text[:text.index("[TOOL_CALLS]")].rstrip()
 
 
 @pytest.mark.parametrize("text", [
     "[TOOL_CALLS][]", "[TOOL_CALLS][{", M_LIST[:-2], "[TOOL_CALLS]get_weather[ARGS]{\"city\": ",
     "[TOOL_CALLS]get_weather[ARGS]{} trailing", "[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS][{\"name\": 1}]",
     "[TOOL_CALLS]get_weather[ARGS][1]", "no [TOOL_CALL] here",
+    '[TOOL_CALLS][{"name": "get_weather", "note": "x"}]', '[TOOL_CALLS]{"name": "get_weather"}',
 ])
 def test_mistral_text(text):
     out = parse_tool_calls(text, syntax=MISTRAL)
@@ -180,13 +206,18 @@ def stream_with(syntax, text, size, names=None, hidden=()):
     (LLAMA, L_CALL), (LLAMA, " \n<|python_tag|>" + L_CALL + ";" + L_CALL), (LLAMA, "<|python_tag|>{broken"),
     (LLAMA, "Prose {\"a\": 1} <|python_tag|> x"), (LLAMA, "<|pyth"), (LLAMA, " \n "), (LLAMA, L_CALL[:-1]),
     (MISTRAL, M_LIST), (MISTRAL, "Checking.\n " + M_ARGS), (MISTRAL, "a [TOOL_CALL b"), (MISTRAL, "x [TOOL_CALLS][{"),
+    (MISTRAL, "Usage: app [ARGS] " + wrapped(M_ARGS)), (MISTRAL, "Usage: app [ARGS] \n" + M_ARGS),
+    (MISTRAL, "a " + KEPT_OPEN + "[TOOL"), (MISTRAL, "a " + KEPT_OPEN), (LLAMA, " " + wrapped("<|python_tag|>" + L_CALL)),
+    (LLAMA, wrapped("Hi <|python_tag|> x")), (LLAMA, KEPT_OPEN + "<|pyth"),
 ])
 def test_streaming_shows_what_parsing_shows(syntax, text):
-    """Whatever the pieces (markers split across them), streamed prose is the whole answer's."""
+    """Whatever the pieces (markers, plain or kept, split across them), streamed prose is the
+    whole answer's."""
     whole = parse_tool_calls(text, syntax=syntax)
-    for size in (1, 2, 5, len(text) or 1):
-        shown, calls = stream_with(syntax, text, size)
-        assert shown == whole.text and calls_of_list(calls) == calls_of(whole)
+    for hidden in ((), syntax.markers):
+        for size in (1, 2, 5, len(text) or 1):
+            shown, calls = stream_with(syntax, text, size, hidden=hidden)
+            assert shown == scrub(whole.text, hidden) and calls_of_list(calls) == calls_of(whole)
 
 
 def calls_of_list(calls):
@@ -206,12 +237,20 @@ def test_streaming_holds_back_a_possible_call_and_shows_prose_at_once():
 
 
 @pytest.mark.parametrize("syntax,text,shown", [
-    (MISTRAL, "[TOOL_CALLS]bad[ARGS]{oops", "bad{oops"),  # unparseable: text, without the markers
-    (LLAMA, "Hi <|python_tag|>there", "Hi there"),
-    (LLAMA, "<|python_tag|>brave.call()", "brave.call()"),
+    (MISTRAL, wrapped("[TOOL_CALLS]bad[ARGS]{oops"), "bad{oops"),  # unparseable: text, without the markers
+    (LLAMA, wrapped("Hi <|python_tag|>there"), "Hi there"),
+    (LLAMA, wrapped("<|python_tag|>brave.call()"), "brave.call()"),
+    # the same text in ordinary tokens is the model's prose: it stays
+    (MISTRAL, "Usage: app [ARGS], see docs", "Usage: app [ARGS], see docs"),
+    (MISTRAL, "[TOOL_CALLS]bad[ARGS]{oops", "[TOOL_CALLS]bad[ARGS]{oops"),
+    (MISTRAL, "quote [ARGS] " + wrapped("[TOOL_CALLS]bad[ARGS]{oops"), "quote [ARGS] bad{oops"),
+    (LLAMA, "Llama writes <|python_tag|> before code", "Llama writes <|python_tag|> before code"),
+    # a stop string that cut a kept marker leaves no sentinel
+    (MISTRAL, "a" + KEPT_OPEN, "a"), (MISTRAL, "a" + KEPT_OPEN + "[TOOL", "a[TOOL"),
 ])
 def test_kept_special_markers_never_reach_the_client(syntax, text, shown):
-    """Markers a real tokenizer marks special (kept only to find calls) are taken out of prose."""
+    """Markers a real tokenizer marks special (kept only to find calls, wrapped by the
+    detokenizer) are taken out of prose; the same text in ordinary tokens is not."""
     for size in (1, 4, len(text)):
         assert stream_with(syntax, text, size, hidden=syntax.markers)[0] == shown
     assert scrub(parse_tool_calls(text, syntax=syntax).text, syntax.markers) == shown

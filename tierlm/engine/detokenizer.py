@@ -8,12 +8,23 @@ half-sent before it is recognised.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import weakref
 
 _CONTEXT = 6  # prompt tokens used as decoding context for the first output tokens
 _MAX_UNFINISHED = 3  # bytes of a UTF-8 character a prompt can end with (so tokens, at most)
 _MAX_HELD = 8  # tokens held for an unfinished character before the settled ones are read anyway
+# A kept special token's text (IncrementalDetokenizer's `keep`) comes wrapped in these, so that
+# it can be told from the same text written in ordinary tokens (a Mistral answer may spell
+# "[ARGS]" in prose; only the special token is the tool-call syntax's, to be hidden from the
+# client). They are Unicode noncharacters, which the standard reserves for a program's internal
+# use and says are not to be interchanged: no tokenizer learns them from text, so a decode can
+# only produce one from a model sampling exactly its three UTF-8 bytes. The serving layer reads
+# a wrapped marker as the marker and takes it (and any lone sentinel) out of the text it returns.
+KEPT_OPEN = "\ufdd0"
+KEPT_CLOSE = "\ufdd1"
+_SENTINELS = KEPT_OPEN + KEPT_CLOSE
 _skipped: "weakref.WeakKeyDictionary[object, tuple[int, frozenset[int]]]" = weakref.WeakKeyDictionary()
 
 
@@ -58,8 +69,10 @@ class IncrementalDetokenizer:
         # Tokens a decode skips add no text: never put in the window (a run of them, EOS under
         # ignore_eos, made every later decode, and placing, longer and longer).
         self._skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
-        # Of those, the ones whose text is wanted all the same (a tool-call marker): see _add_kept.
-        self._kept = {i: tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        # Of those, the ones whose text is wanted all the same (a tool-call marker), wrapped in
+        # KEPT_OPEN and KEPT_CLOSE: see _add_kept.
+        self._kept = {i: KEPT_OPEN + tokenizer.decode([i], skip_special_tokens=False,
+                                                      clean_up_tokenization_spaces=False) + KEPT_CLOSE
                       for i in keep & self._skipped}
         self._out: list[int] = []  # the output index of each token in the window after the prompt's
         self._n_out = 0
@@ -90,6 +103,8 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        if self._kept:  # a stop string matches across the sentinels (see _check_stop): at most two
+            self.hold *= 3  # a character it spans, so that many more are held back
         self.matched_stop: str | None = None
 
     def _clean_cut(self, ctx: list[int]) -> tuple[int, int, str] | None:
@@ -146,8 +161,9 @@ class IncrementalDetokenizer:
 
     def _add_kept(self, token_id: int, find_stop: bool) -> str | None:
         """A skipped token whose text is kept: it ends what the tokens before it hold (a character
-        they left unfinished stays so) and its text follows theirs. Like the skipped ones it stays
-        out of the window, so the text around it decodes as without it."""
+        they left unfinished stays so) and its text, between KEPT_OPEN and KEPT_CLOSE, follows
+        theirs. Like the skipped ones it stays out of the window, so the text around it decodes as
+        without it."""
         self.flush(find_stop)
         if self.matched_stop is not None:
             return self.matched_stop
@@ -252,6 +268,8 @@ class IncrementalDetokenizer:
         (before min_tokens), so it is not a match now either, whatever other stops are given."""
         if not self.stop:
             return None
+        if self._kept:
+            return self._check_stop_kept(start)
         best: tuple[int, int, str] | None = None
         for s in self.stop:
             i = self.text.find(s, max(0, start - len(s) + 1))
@@ -261,6 +279,38 @@ class IncrementalDetokenizer:
             return None
         _, i, s = best
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.matched_stop = s
+        return s
+
+    def _check_stop_kept(self, start: int) -> str | None:
+        """_check_stop where kept tokens' text is wrapped in sentinels: stop strings are matched in
+        the text as if they were not there (as where the marker's text is plain), and a cut at a
+        wrapped marker's edge takes its sentinel with it."""
+        text, longest = self.text, max(map(len, self.stop))
+        base, seen = start, 0  # from longest - 1 characters before the new text on
+        while base > 0 and seen < longest - 1:
+            base -= 1
+            seen += text[base] not in _SENTINELS
+        at = [j for j in range(base, len(text)) if text[j] not in _SENTINELS]
+        view = "".join(text[j] for j in at)
+        new = bisect.bisect_left(at, start)  # where the new text starts in `view`
+        best: tuple[int, int, str] | None = None
+        for s in self.stop:
+            i = view.find(s, max(0, new - len(s) + 1))
+            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+                best = (i + len(s), i, s)
+        if best is None:
+            return None
+        end, i, s = best
+        if self.include_stop:
+            cut = at[end - 1] + 1
+            if text[cut:cut + 1] == KEPT_CLOSE:
+                cut += 1
+        else:
+            cut = at[i]
+            if cut > 0 and text[cut - 1] == KEPT_OPEN:
+                cut -= 1
+        self.text = text[:cut]
         self.matched_stop = s
         return s
 

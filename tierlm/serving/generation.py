@@ -91,7 +91,7 @@ class ChatPrompt:
         another tool's name) no call is parsed and the whole text comes back as prose: the
         client gets what the model wrote, never tierlm's own prefill (with calls parsed, the
         prose lies before them and cannot hold it)."""
-        forced = toolcalls.scrub(self.forced_prefix, self.tool_calls.hidden)
+        forced = self.forced_prefix  # plain text (its markers were never kept tokens): not scrubbed
         if forced and not calls and text.startswith(forced):
             return text[len(forced):]
         return text

@@ -12,10 +12,16 @@ parser per model family (`--tool-call-parser`). tierlm knows three, as vLLM's pa
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (older
   tokenizers), or `[TOOL_CALLS]name[ARGS]{...}`, repeated (newer ones), after prose or not.
 
+In the last two an object is a call only with `arguments` or `parameters` (as vLLM's parsers,
+which index one or the other): `{"name": "get_weather"}` alone is JSON the model wrote.
+
 `<|python_tag|>`, `[TOOL_CALLS]` and `[ARGS]` are special tokens in the real tokenizers, so a
 decode that skips special tokens drops them: requests with tools keep their text
-(`SamplingParams.keep_special_token_ids`), and it is taken out again wherever text reaches the
-client (`scrub`).
+(`SamplingParams.keep_special_token_ids`), which the detokenizer wraps in two noncharacters
+(KEPT_OPEN, KEPT_CLOSE). A wrapped marker parses as the marker (vLLM matches the marker's text,
+so the same text in ordinary tokens parses too), and wherever text reaches the client the
+wrapped ones are taken out (`scrub`): the same text written in ordinary tokens ("Usage: app
+[ARGS]") is the model's prose and stays.
 
 Tool calls are parsed after generation. While streaming, text is passed through until a tool
 call may be starting (`ToolCallStreamFilter` holds back trailing whitespace and a possible
@@ -32,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tierlm.engine.detokenizer import KEPT_CLOSE, KEPT_OPEN
 from tierlm.serving.validation import loads_strict
 
 TOOL_CALL_START = "<tool_call>"
@@ -67,6 +74,9 @@ class ToolCallSyntax:
     start = ""  # the text that starts calls
     at_start_only = False  # a call must begin the answer (after whitespace)
     markers: tuple[str, ...] = ()  # texts of the syntax's own tokens (special in real tokenizers)
+    # A call's JSON must hold `arguments` or `parameters` (vLLM's llama3_json and mistral parsers
+    # index one or the other): where a call is plain JSON, `{"name": ...}` alone is just JSON.
+    needs_arguments = True
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(where a call begins in `text`, the whole answer so far, or None; how many characters
@@ -78,13 +88,14 @@ class ToolCallSyntax:
         start, _ = self.locate(text)
         if start is None:
             return ParsedOutput(text=text, tool_calls=[])
-        calls = self._calls(text[start:], id_prefix)
+        calls = self._calls(_unwrapped(text[start:]), id_prefix)
         if not calls or any(names is not None and c.name not in names for c in calls):
             return ParsedOutput(text=text, tool_calls=[])
         return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        """The calls `text` (from the start marker on) holds, or None if it is not all calls."""
+        """The calls `text` (from the start marker on, kept markers unwrapped) holds, or None if
+        it is not all calls."""
         raise NotImplementedError
 
     def forced_prefix(self, tool_name: str | None) -> str:
@@ -94,11 +105,12 @@ class ToolCallSyntax:
 class HermesSyntax(ToolCallSyntax):
     name = "hermes"
     start = TOOL_CALL_START
+    needs_arguments = False  # the tag says it is a call: `{"name": ...}` alone calls with {}
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         calls = []
         for match in _CALL_RE.finditer(text):
-            call = _parse_one(match.group(1), id_prefix) if match.group(2) else None
+            call = _parse_one(match.group(1), id_prefix, self.needs_arguments) if match.group(2) else None
             if call is None:
                 return None
             calls.append(call)
@@ -119,9 +131,10 @@ class Llama3JsonSyntax(ToolCallSyntax):
     def locate(self, text: str) -> tuple[int | None, int]:
         rest = text.lstrip()
         at = len(text) - len(rest)
-        if rest.startswith("{") or rest.startswith(PYTHON_TAG):
+        tag = KEPT_OPEN + PYTHON_TAG
+        if rest.startswith("{") or rest.startswith(PYTHON_TAG) or rest.startswith(tag):
             return at, 0
-        return None, len(rest) if PYTHON_TAG.startswith(rest) else 0
+        return None, len(rest) if PYTHON_TAG.startswith(rest) or tag.startswith(rest) else 0
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         body = text.removeprefix(PYTHON_TAG)
@@ -133,7 +146,7 @@ class Llama3JsonSyntax(ToolCallSyntax):
                 _, end = decoder.raw_decode(body, pos)
             except (ValueError, RecursionError):  # not JSON, or cut off (max_tokens)
                 return None
-            call = _parse_one(body[pos:end], id_prefix)
+            call = _parse_one(body[pos:end], id_prefix, self.needs_arguments)
             if call is None:
                 return None
             calls.append(call)
@@ -182,7 +195,7 @@ class MistralSyntax(ToolCallSyntax):
             except (ValueError, RecursionError):
                 return None
             for item in data if isinstance(data, list) else [data]:
-                call = _call_of(item, id_prefix)
+                call = _call_of(item, id_prefix, self.needs_arguments)
                 if call is None:
                     return None
                 calls.append(call)
@@ -215,7 +228,10 @@ def tool_call_syntax(parser: str, chat_template: str | None) -> ToolCallSyntax:
 
 def detect_parser(chat_template: str | None) -> str:
     """The parser a chat template shows the model (it writes past calls, or explains the syntax):
-    hermes when it shows none, as tierlm parsed every model before parsers could be chosen."""
+    hermes when it shows none (tools described in prose only). Before parsers could be chosen
+    such a template was not parsed at all (only one showing `<tool_call>` was) and tool_choice
+    required started no call; now its answers are read as Hermes and a required call starts
+    `<tool_call>`. `--tool-call-parser` picks another."""
     template = chat_template or ""
     if isinstance(template, dict):  # several named templates
         template = "\n".join(map(str, template.values()))
@@ -297,10 +313,27 @@ def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str]
 
 
 def scrub(text: str, markers: tuple[str, ...]) -> str:
-    """`text` without `markers`: the special tokens a request kept only to find calls."""
-    for marker in markers:
-        text = text.replace(marker, "")
-    return text
+    """`text` without the kept special tokens `markers` (kept only to find calls): without each
+    one the detokenizer wrapped, and without any lone sentinel (a stop string that cut one).
+    The same text in ordinary tokens is the model's own and stays."""
+    return _scrub_re(markers).sub("", text) if markers else text
+
+
+_SCRUB_RES: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
+def _scrub_re(markers: tuple[str, ...]) -> re.Pattern[str]:
+    pattern = _SCRUB_RES.get(markers)
+    if pattern is None:
+        wrapped = "|".join(re.escape(m) for m in markers)
+        sentinels = re.escape(KEPT_OPEN + KEPT_CLOSE)
+        pattern = _SCRUB_RES[markers] = re.compile(f"{KEPT_OPEN}(?:{wrapped}){KEPT_CLOSE}|[{sentinels}]")
+    return pattern
+
+
+def _unwrapped(text: str) -> str:
+    """`text` with its kept markers as plain ones, as a syntax reads them."""
+    return text.replace(KEPT_OPEN, "").replace(KEPT_CLOSE, "") if KEPT_OPEN in text or KEPT_CLOSE in text else text
 
 
 def _loads_output(text: str) -> Any:
@@ -312,16 +345,19 @@ def _loads_output(text: str) -> Any:
     return data
 
 
-def _parse_one(body: str, id_prefix: str) -> ParsedToolCall | None:
+def _parse_one(body: str, id_prefix: str, needs_arguments: bool) -> ParsedToolCall | None:
     try:
         data = _loads_output(body.strip())
     except (ValueError, RecursionError):
         return None
-    return _call_of(data, id_prefix)
+    return _call_of(data, id_prefix, needs_arguments)
 
 
-def _call_of(data: Any, id_prefix: str) -> ParsedToolCall | None:
+def _call_of(data: Any, id_prefix: str, needs_arguments: bool = True) -> ParsedToolCall | None:
+    """The call `data` (parsed JSON) describes, or None. `needs_arguments`: see ToolCallSyntax."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    if needs_arguments and "arguments" not in data and "parameters" not in data:
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models emit the arguments JSON-encoded
@@ -399,33 +435,40 @@ class ToolCallStreamFilter:
 
 
 class _MarkerScrubber:
-    """Streamed text less some markers, holding back what may be the start of one."""
+    """Streamed text less kept markers (see scrub), holding back what may be the start of one."""
 
     def __init__(self, markers: tuple[str, ...]) -> None:
         self._markers = markers
+        self._wrapped = tuple(KEPT_OPEN + m + KEPT_CLOSE for m in markers)
         self._held = ""
 
     def feed(self, text: str) -> str:
         if not self._markers:
             return text
-        text = scrub(self._held + text, self._markers)
-        hold = max(_find_marker(text, m)[1] for m in self._markers)
-        self._held = text[len(text) - hold:] if hold else ""
-        return text[: len(text) - hold]
+        text = self._held + text
+        # A wrapped marker holds KEPT_OPEN only as its first character: only the last one in
+        # the text can begin one still arriving.
+        at = text.rfind(KEPT_OPEN)
+        if at >= 0 and any(w.startswith(text[at:]) and w != text[at:] for w in self._wrapped):
+            text, self._held = text[:at], text[at:]
+        else:
+            self._held = ""
+        return scrub(text, self._markers)
 
     def finish(self) -> str:
         rest, self._held = self._held, ""
-        return rest
+        return scrub(rest, self._markers)
 
 
 def _find_marker(text: str, marker: str) -> tuple[int | None, int]:
-    """(where `marker` is in `text`, or None; the length of the longest suffix of `text` that
-    is a proper prefix of it)."""
+    """(where `marker` is in `text`, plain or wrapped as a kept token (from its KEPT_OPEN), or
+    None; the length of the longest suffix of `text` that is a proper prefix of either)."""
     at = text.find(marker)
     if at >= 0:
-        return at, 0
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
+        return (at - 1 if at and text[at - 1] == KEPT_OPEN else at), 0
+    wrapped = KEPT_OPEN + marker
+    for n in range(min(len(text), len(wrapped) - 1), 0, -1):
+        if marker.startswith(text[-n:]) or wrapped.startswith(text[-n:]):
             return None, n
     return None, 0
 
