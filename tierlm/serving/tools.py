@@ -271,10 +271,6 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def template_uses_hermes_calls(chat_template: str | None) -> bool:
-    return bool(chat_template) and TOOL_CALL_START in chat_template
-
-
 def new_tool_call_id(prefix: str = "toolu_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
