@@ -108,19 +108,22 @@ class ApiKeyAuth:
                 "no API key: send it in the x-api-key header or as 'Authorization: Bearer <key>'",
                 code="missing_api_key",
             )
-        # Starlette decodes header bytes as latin-1; encoding back gives the bytes the client sent,
-        # which for a non-ASCII key are its UTF-8 (what `hash_key` and the keys tool hash). Encoding
-        # the decoded text as UTF-8 instead made such a key never match. (Headers not from Starlette
-        # may hold other text: that is hashed as the keys tool hashes it.)
+        # Starlette decodes header bytes as latin-1, so encoding back gives the bytes the client
+        # sent. Clients differ in what they send for a non-ASCII key: curl and httpx (the SDKs)
+        # its UTF-8, which is what `hash_key` and the keys tool hash; Python's requests and Node's
+        # fetch its latin-1, one byte per character, whose text is the key itself. Both are
+        # tried, each against every stored digest. (Headers not from Starlette may hold any text:
+        # that is hashed as the keys tool hashes it.)
         try:
-            raw = key.encode("latin-1")
+            candidates = {key.encode("latin-1"), key.encode()}
         except UnicodeEncodeError:
-            raw = key.encode()
-        digest = hashlib.sha256(raw).digest()
+            candidates = {key.encode()}
         match: str | None = None
-        for key_id, stored in self._digests:  # no early exit: timing must not depend on position
-            if hmac.compare_digest(digest, stored):
-                match = key_id
+        for raw in sorted(candidates):
+            digest = hashlib.sha256(raw).digest()
+            for key_id, stored in self._digests:  # no early exit: timing must not depend on position
+                if hmac.compare_digest(digest, stored):
+                    match = key_id
         if match is None:
             raise AuthenticationFailed("invalid API key")
         return match
