@@ -17,6 +17,15 @@ MAX_STOP_CHARS = 1024
 # every step of its batch build a vocabulary-sized list. OpenAI documents no bound; vLLM sets none.
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20  # top log-probabilities per token, OpenAI's bound
+# bad_words are tokenized when the request is made, twice each (as-is and after a space, as vLLM;
+# the server does it on a worker thread) and looked up after every token: bounded, so one request
+# cannot hold a CPU for seconds (1,024 words of 1,024 random characters took 1 s). Words are short;
+# vLLM sets no bound.
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
+# allowed_token_ids on the OpenAI routes: more than any vocabulary (Gemma 3's is 262,144); the
+# engine refuses ids outside its own vocabulary.
+MAX_ALLOWED_TOKEN_IDS = 262_144
 
 
 # vLLM's request fields tierlm cannot honour, and why: one table for SamplingParams' keywords and
@@ -31,8 +40,6 @@ UNSUPPORTED_VLLM_FIELDS = {
     "structured_outputs": "(constrained decoding) is not supported by tierlm",
     "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
     "use_beam_search": "(beam search) is not supported by tierlm",
-    "bad_words": "is not supported by tierlm; a logit_bias of -100 on the words' tokens comes close",
-    "allowed_token_ids": "is not supported by tierlm; a logit_bias of -100 on the other tokens comes close",
     "spaces_between_special_tokens": "other than true (vLLM's default) is not supported by tierlm",
     "best_of": "is not supported by tierlm (every sample is returned: set n)",
     "output_kind": "is not supported by tierlm (LLM.generate returns finished outputs, AsyncEngine.generate "
@@ -48,7 +55,7 @@ def unsupported_vllm_field(name: str, value: object) -> str | None:
     one of vLLM's fields tierlm lacks, or its neutral value)."""
     if name not in UNSUPPORTED_VLLM_FIELDS or value is None or value is VLLM_NEUTRAL.get(name):
         return None
-    if name in ("bad_words", "logits_processors") and isinstance(value, (list, tuple)) and not value:
+    if name == "logits_processors" and isinstance(value, (list, tuple)) and not value:
         return None  # none given
     return f"'{name}' {UNSUPPORTED_VLLM_FIELDS[name]}; remove it"
 
@@ -73,6 +80,70 @@ def truncation_kept(truncate: int, max_model_len: int, max_tokens: int | None) -
     if truncate != -1:
         return truncate
     return max(1, max_model_len - (max_tokens if max_tokens is not None else 1))
+
+
+def allowed_token_ids_problem(ids: object) -> str | None:
+    """Why these allowed_token_ids are refused (not a list, empty, not token ids), or None. The
+    vocabulary's bound is the engine's to check, when the request is made."""
+    if not isinstance(ids, (list, tuple)):
+        return f"must be a list of token ids (got {ids!r})"
+    if not ids:  # vLLM refuses it too: nothing could be sampled
+        return "must not be empty (leave it out to allow every token)"
+    if any(not _is_int(t) or t < 0 for t in ids):
+        return "entries must be non-negative integers (token ids)"
+    return None
+
+
+def bad_words_problem(words: object) -> str | None:
+    """Why these bad_words are refused (not a list of strings, too many, too long, no word), or None."""
+    if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) for w in words):
+        return f"must be a list of strings (got {words!r})"
+    if len(words) > MAX_BAD_WORDS:
+        return f"may hold at most {MAX_BAD_WORDS} words (got {len(words)})"
+    longest = max(map(len, words), default=0)
+    if longest > MAX_BAD_WORD_CHARS:
+        return f"may hold words of at most {MAX_BAD_WORD_CHARS} characters (got one of {longest})"
+    if any(not w.lstrip() for w in words):  # (vLLM strips leading whitespace, then fails on nothing)
+        return "must not hold empty or whitespace-only words"
+    return None
+
+
+def bad_words_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids as vLLM's SamplingParams.update_from_tokenizer finds them: the
+    word without its leading whitespace, tokenized without special tokens; and again after a
+    space, kept when that spelling's first token differs and the length is the same (so " word"
+    is banned mid-text as well as "word" at the start)."""
+    texts = [prefix + w.lstrip() for w in words for prefix in ("", " ")]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    found: list[list[int]] = []
+    for plain, spaced in zip(encoded[::2], encoded[1::2]):
+        found.append(list(plain))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            found.append(list(spaced))
+    return [ids for ids in found if ids]
+
+
+class BadWords:
+    """A request's bad words as token ids, indexed for each step: a word's last token is banned when
+    the output so far ends with the word's other tokens (a one-token word's token always), as
+    vLLM's. vLLM looks at the output only, not the prompt: a prompt ending with a word's first
+    tokens does not ban its last one. A step costs one look-up per distinct word length."""
+
+    def __init__(self, token_ids: Sequence[Sequence[int]]) -> None:
+        self.always: list[int] = sorted({ids[0] for ids in token_ids if len(ids) == 1})
+        self.after: dict[int, dict[tuple[int, ...], set[int]]] = {}  # prefix length -> prefix -> last tokens
+        for ids in token_ids:
+            if len(ids) > 1:
+                self.after.setdefault(len(ids) - 1, {}).setdefault(tuple(ids[:-1]), set()).add(ids[-1])
+
+    def banned(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The tokens the next step may not sample, after `output_token_ids`."""
+        out = list(self.always)
+        n = len(output_token_ids)
+        for length, prefixes in self.after.items():
+            if length <= n and (last := prefixes.get(tuple(output_token_ids[n - length:]))):
+                out += last
+        return out
 
 
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
@@ -101,6 +172,8 @@ class SamplingParams:
     max_tokens, see `truncation_kept`); the output's `prompt_token_ids` are the kept ones.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before penalties
     and filters (OpenAI's meaning); reported logprobs stay the model's own distribution.
+    `allowed_token_ids`: only these tokens may be sampled; `bad_words`: these words may not be
+    generated (see `BadWords`); both vLLM's, and logprobs stay the model's own distribution there too.
     """
 
     n: int = 1
@@ -122,6 +195,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Special tokens whose text stays in the output though skip_special_tokens drops the others,
     # between detokenizer.KEPT_OPEN and KEPT_CLOSE (two Unicode noncharacters), so it is not taken
     # for the same text in ordinary tokens: the server keeps a tool-call syntax's markers
@@ -142,6 +217,10 @@ class SamplingParams:
                                       f"{self.logit_bias!r})", param="logit_bias")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # (a copy: the caller's may change)
         self.keep_special_token_ids = list(self.keep_special_token_ids or [])
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)):  # (a copy: the caller's may change; none given is None)
+            self.bad_words = list(self.bad_words) or None
         self.validate()
 
     def checked_copy(self) -> "SamplingParams":
@@ -223,6 +302,12 @@ class SamplingParams:
                     bad("logit_bias", f"values must be numbers in [-100, 100] (got {value!r} for token {token})")
                 bias[int(token)] = float(value)
             self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if (problem := allowed_token_ids_problem(self.allowed_token_ids)) is not None:
+                bad("allowed_token_ids", problem)
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None and (problem := bad_words_problem(self.bad_words)) is not None:
+            bad("bad_words", problem)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 

@@ -11,7 +11,7 @@ import torch
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.errors import InvalidRequestError
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import BadWords, SamplingParams
 
 VOCAB = 40
 
@@ -285,6 +285,73 @@ def test_logit_bias_holds_for_sampled_rows_and_seeded_neighbours_draw_as_alone()
     assert all(t[0] == 11 for t in together)
     assert {t[1] for t in together} <= keep and len({t[1] for t in together}) > 1
     assert int(logits[3].argmax()) not in {t[2] for t in together}
+
+
+def _masked(r: Request, s: dict) -> Request:
+    """`r` with `s`'s allowed tokens and bad words as the engine makes them (a CPU tensor; token ids)."""
+    if "allowed" in s:
+        r.allowed_token_ids = torch.tensor(sorted(set(s["allowed"])))
+    if "bad" in s:
+        r.bad_words = BadWords(s["bad"])
+    return r
+
+
+def test_allowed_tokens_and_bad_words_batched_equal_their_definitions_row_by_row():
+    """Rows with allowed_token_ids, bad words (one token; two and three tokens, banned only after
+    their first tokens end the output), logit biases and penalties share a step with plain rows:
+    each row's greedy token is the best its own masks leave, computed here row by row, and its
+    logprobs are the model's raw ones."""
+    rng = np.random.default_rng(5)
+    settings = [dict(), dict(allowed=[3, 8, 21]), dict(allowed=[8, 8, 39], repetition_penalty=1.5, logprobs=2),
+                dict(bad=[[4], [6, 7], [1, 2, 5]], logit_bias={7: 30.0, 5: 25.0}),
+                dict(bad=[[9]], allowed=[9, 10, 11], logit_bias={9: 50.0}),
+                dict(allowed=list(range(0, VOCAB, 3)), bad=[[12], [30, 31]], presence_penalty=1.0,
+                     logit_bias={31: 40.0}),
+                dict(bad=[[1, 2, 5]], logit_bias={5: 30.0}, logprobs=1)]
+    for trial in range(20):
+        reqs, outputs = [], []
+        for i, s in enumerate(settings):
+            r = Request(f"r{i}", [1, 2], SamplingParams(max_tokens=16, temperature=0, **{
+                k: v for k, v in s.items() if k not in ("allowed", "bad")}), 16, frozenset())
+            out = rng.integers(0, VOCAB, size=int(rng.integers(0, 4))).tolist()
+            if trial % 2 and i in (3, 5, 6):  # end the output with a bad word's first tokens
+                out += ([30] if i == 5 else [1, 2]) if trial % 4 == 1 else [6]
+            for t in out:
+                r.append_token(t)
+            reqs.append(_masked(r, s))
+            outputs.append(out)
+        logits = torch.from_numpy(rng.normal(scale=3.0, size=(len(reqs), VOCAB)).astype(np.float32))
+        tokens, lps = Sampler()(logits.clone(), reqs)
+        for i, (r, s) in enumerate(zip(reqs, settings)):
+            z = _penalised(logits[i].numpy(), r.prompt_token_ids, r.output_token_ids,
+                           s.get("repetition_penalty", 1.0), s.get("presence_penalty", 0.0), 0.0, s.get("logit_bias"))
+            if "allowed" in s:
+                z[[t for t in range(VOCAB) if t not in s["allowed"]]] = -np.inf
+            for bad in s.get("bad", []):
+                if outputs[i][len(outputs[i]) - len(bad) + 1:] == bad[:-1] and len(outputs[i]) >= len(bad) - 1:
+                    z[bad[-1]] = -np.inf
+            assert tokens[i] == int(np.argmax(z)), (trial, s, outputs[i])
+            if "logprobs" in s:
+                raw = torch.log_softmax(logits[i].double(), dim=-1).numpy()
+                assert [t for t, _ in lps[i].top] == np.argsort(-raw, kind="stable")[: s["logprobs"]].tolist()
+
+
+def test_sampled_rows_keep_to_their_allowed_tokens_and_seeded_neighbours_draw_as_alone():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4)) * 2.0
+    keep = [int(logits[1].argsort()[0]), 17, 33]  # the least likely token among them
+
+    def run(with_masked_rows: bool) -> list[list[int]]:
+        sampler = Sampler(seed=0)
+        mine = _req(0, temperature=1.0, seed=78)
+        others = [_masked(_req(1, temperature=1.3), dict(allowed=keep)),
+                  _masked(_req(2, temperature=1.0, seed=6), dict(bad=[[int(logits[2].argmax())]]))]
+        reqs = [*others, mine] if with_masked_rows else [mine]
+        return [sampler(logits[[1, 2, 0]] if with_masked_rows else logits[:1].clone(), reqs)[0] for _ in range(200)]
+
+    together, alone = run(True), run(False)
+    assert [t[2] for t in together] == [t[0] for t in alone]
+    assert {t[0] for t in together} <= set(keep) and len({t[0] for t in together}) > 1
+    assert int(logits[2].argmax()) not in {t[1] for t in together}
 
 
 @pytest.mark.parametrize("bias, says", [({5: 101}, "[-100, 100]"), ({5: float("nan")}, "[-100, 100]"),

@@ -1,5 +1,6 @@
-"""vLLM's SamplingParams and outputs as the offline `LLM` meets them: logit_bias, prompt
-truncation, vLLM keywords tierlm refuses, cumulative logprobs, n samples per prompt."""
+"""vLLM's SamplingParams and outputs as the offline `LLM` meets them: logit_bias,
+allowed_token_ids, bad_words, prompt truncation, vLLM keywords tierlm refuses, cumulative
+logprobs, n samples per prompt."""
 from __future__ import annotations
 
 import re
@@ -51,6 +52,127 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused_by_id(llm):
     assert not llm.engine.has_unfinished()
 
 
+# ---- allowed_token_ids ---------------------------------------------------------------------
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_outputs_to_the_set(llm):
+    plain = first(llm, temperature=0, logprobs=2)
+    top, second = (t for t, _ in plain.logprobs[0].top)
+    allowed = [second, 9, 10, 11]  # not the greedy token: the best of the rest comes first
+    out = first(llm, temperature=0, logprobs=2, allowed_token_ids=allowed)
+    assert out.token_ids[0] == second and set(out.token_ids) <= set(allowed)
+    assert out.logprobs[0].top == plain.logprobs[0].top  # the model's own distribution, as vLLM's
+    assert first(llm, temperature=0, allowed_token_ids=[top, 9]).token_ids[0] == top
+    sampled = llm.generate([PROMPT] * 4, [SamplingParams(max_tokens=8, temperature=1.5, seed=s,
+                                                         allowed_token_ids=[9, 10, 11]) for s in range(4)])
+    drawn = [t for o in sampled for t in o.outputs[0].token_ids]
+    assert set(drawn) <= {9, 10, 11} and len(set(drawn)) > 1
+
+
+@pytest.mark.parametrize("allowed, says", [([], "must not be empty"), ([3, -1], "non-negative"),
+                                           ("3", "must be a list"), ([3, 2.5], "non-negative integers")])
+def test_bad_allowed_token_ids_are_refused_by_name(allowed, says):
+    with pytest.raises(InvalidRequestError, match=says) as info:
+        SamplingParams(allowed_token_ids=allowed)
+    assert info.value.param == "allowed_token_ids"
+
+
+def test_an_allowed_token_outside_the_vocabulary_is_refused_by_id(llm):
+    vocab = llm.engine.args.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"token id {vocab + 2}, outside") as info:
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[3, vocab + 2]))
+    assert info.value.param == "allowed_token_ids"
+    assert not llm.engine.has_unfinished()
+
+
+# ---- bad_words ---------------------------------------------------------------------------------
+
+LETTERS = "dfgjqvwx"  # one token each in the test tokenizer, and no two of them merge
+
+
+def letters(llm, prompt=PROMPT, **params) -> list[int]:
+    """The greedy output when only single letters may be sampled, so any two make a two-token word."""
+    allowed = [llm.engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in LETTERS]
+    return llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, allowed_token_ids=allowed,
+                                                 **params))[0].outputs[0].token_ids
+
+
+def word(llm, ids: list[int]) -> str:
+    text = llm.engine.tokenizer.decode(ids)
+    assert llm.engine.tokenizer.encode(text, add_special_tokens=False) == ids  # the word is these tokens
+    return text
+
+
+def test_a_one_token_bad_word_is_never_generated(llm):
+    plain = letters(llm)
+    banned = letters(llm, bad_words=[word(llm, plain[:1])])
+    assert plain[0] not in banned and banned != plain
+    tok = llm.engine.tokenizer
+    hello = tok.encode("hello", add_special_tokens=False)
+    assert len(hello) == 1  # forced by a bias, banned by the word: the ban wins (-inf)
+    forced = first(llm, temperature=0, logit_bias={hello[0]: 100.0}, bad_words=["hello"])
+    assert hello[0] not in forced.token_ids
+
+
+def test_a_two_token_bad_word_bans_its_last_token_only_after_its_first(llm):
+    plain = letters(llm)
+    banned = letters(llm, bad_words=[word(llm, plain[:2])])
+    assert banned[0] == plain[0] and banned[1] != plain[1]  # the first token alone is no bad word
+    for i in range(len(banned) - 1):
+        assert banned[i:i + 2] != plain[:2]
+    absent = next(c for c in LETTERS if llm.engine.tokenizer.encode(c, add_special_tokens=False)[0] not in plain)
+    unused = word(llm, llm.engine.tokenizer.encode(absent, add_special_tokens=False) + plain[1:2])
+    assert letters(llm, bad_words=[unused]) == plain  # its first token never comes: nothing banned
+
+
+def test_a_bad_words_prefix_in_the_prompt_does_not_count_as_vllm(llm):
+    """vLLM matches a word's first tokens against the output only."""
+    plain = letters(llm)
+    prompt = PROMPT + plain[:1]
+    after = letters(llm, prompt)
+    assert letters(llm, prompt, bad_words=[word(llm, plain[:1] + after[:1])])[0] == after[0]
+
+
+def test_bad_words_are_tokenized_as_vllm_as_is_and_after_a_space(llm):
+    """vLLM's update_from_tokenizer: the word without leading whitespace, and " word" too where
+    that is as many tokens and starts with another one (not where the space is a token of its own)."""
+    from tierlm.sampling_params import bad_words_token_ids
+    tok = llm.engine.tokenizer
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert len(enc("of")) == len(enc(" of")) == 2 and enc("of")[0] != enc(" of")[0]
+    assert len(enc(" the")) != len(enc("the"))
+    assert bad_words_token_ids(tok, ["of", "  the"]) == [enc("of"), enc(" of"), enc("the")]
+
+
+def test_a_bad_word_with_a_token_outside_the_models_vocabulary_is_refused_by_name(llm, monkeypatch):
+    """A tokenizer may hold more tokens than the model's logits have columns."""
+    ids = llm.engine.tokenizer.encode("tokenized", add_special_tokens=False)
+    monkeypatch.setattr(llm.engine.args, "vocab_size", max(ids))
+    with pytest.raises(InvalidRequestError, match="bad_words' 'tokenized' has a token id outside") as info:
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, bad_words=["tokenized"]))
+    assert info.value.param == "bad_words" and not llm.engine.has_unfinished()
+
+
+def test_seeded_rows_draw_as_alone_beside_allowed_tokens_and_bad_words(llm):
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    alone = llm.generate([PROMPT], seeded)[0].outputs[0].token_ids
+    hello = llm.engine.tokenizer.encode("hello", add_special_tokens=False)[0]
+    batch = llm.generate([PROMPT] * 3, [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=8, allowed_token_ids=[9, 10]), seeded,
+        SamplingParams(max_tokens=8, temperature=1.0, seed=9, bad_words=["hello"], logit_bias={hello: 100.0})])
+    assert batch[1].outputs[0].token_ids == alone
+    assert set(batch[0].outputs[0].token_ids) <= {9, 10} and hello not in batch[2].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("words, says", [
+    ([""], "empty or whitespace-only"), (["ok", "  "], "empty or whitespace-only"), ("word", "must be a list"),
+    ([3], "must be a list of strings"), (["x"] * 1025, "at most 1024 words"), (["x" * 257], "at most 256 characters")])
+def test_bad_bad_words_are_refused_by_name(words, says):
+    with pytest.raises(InvalidRequestError, match=says) as info:
+        SamplingParams(bad_words=words)
+    assert info.value.param == "bad_words"
+
+
 # ---- truncate_prompt_tokens ----------------------------------------------------------------
 
 
@@ -93,8 +215,8 @@ def test_a_bad_truncate_prompt_tokens_is_refused_by_name(llm, keep, says):
 
 @pytest.mark.parametrize("field, value", [
     ("prompt_logprobs", 1), ("prompt_logprobs", 0), ("spaces_between_special_tokens", False),
-    ("guided_decoding", {"json": {}}), ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]),
-    ("allowed_token_ids", [1, 2]), ("output_kind", 2), ("best_of", 2), ("logits_processors", [print]),
+    ("guided_decoding", {"json": {}}), ("structured_outputs", {"choice": ["a"]}),
+    ("output_kind", 2), ("best_of", 2), ("logits_processors", [print]),
     ("detokenize", False)])
 def test_vllm_keywords_tierlm_lacks_are_refused_by_name(field, value):
     with pytest.raises(InvalidRequestError, match=f"'{field}' .*not supported by tierlm") as info:

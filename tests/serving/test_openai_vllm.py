@@ -127,8 +127,6 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scr
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("prompt_logprobs", 0),
-    ("bad_words", ["alpha"]),
-    ("allowed_token_ids", [3, 4]),
     ("spaces_between_special_tokens", False),
 ])
 def test_vllm_fields_that_change_the_answer_are_refused(client, scripted_engines, field, value):
@@ -205,6 +203,52 @@ def test_logit_bias_reaches_the_sampler_on_both_routes_and_bad_ids_are_named(dem
             r = c.post(path, json={"model": model, "logit_bias": {"3": 1, str(vocab + 5): -1}, **body})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "logit_bias" and str(vocab + 5) in r.json()["error"]["message"]
+
+
+# ---- allowed_token_ids and bad_words (vLLM's) -----------------------------------------------
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_sampler_on_both_routes(demo_server, demo_engine):
+    """allowed_token_ids keep a greedy and a sampled answer to the set; bad_words ban a word a
+    +100 bias forces, the rest of the answer going on (vLLM's order: the ban wins)."""
+    tok = demo_engine.tokenizer
+    hello = tok.encode("hello", add_special_tokens=False)
+    assert len(hello) == 1
+    allowed = tok.encode(" zq xv", add_special_tokens=False)
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for temperature in (0.0, 1.0):
+            fields = {"model": model, "max_tokens": 6, "temperature": temperature, "seed": 3}
+            r = c.post("/v1/completions", json={**fields, "prompt": "Random words", "logprobs": 0,
+                                                "allowed_token_ids": allowed})
+            assert r.status_code == 200, r.text
+            assert set(r.json()["choices"][0]["logprobs"]["tokens"]) <= {tok.decode([t]) for t in allowed}
+            forced = {**fields, "logit_bias": {str(hello[0]): 100}, "ignore_eos": True}
+            r = c.post("/v1/chat/completions", json={**forced, "messages": HI})
+            assert r.json()["choices"][0]["message"]["content"] == "hello" * 6
+            r = c.post("/v1/chat/completions", json={**forced, "messages": HI, "bad_words": ["hello"]})
+            assert r.status_code == 200, r.text
+            content = r.json()["choices"][0]["message"]["content"]
+            assert "hello" not in content and r.json()["usage"]["completion_tokens"] == 6
+            r = c.post("/v1/chat/completions", json={**fields, "messages": HI, "allowed_token_ids": allowed})
+            content = r.json()["choices"][0]["message"]["content"]
+            assert set(tok.encode(content, add_special_tokens=False)) <= set(allowed)
+            r = c.post("/v1/completions", json={**forced, "prompt": "Random words", "bad_words": [" hello"]})
+            assert r.status_code == 200 and "hello" not in r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("allowed_token_ids", [], "must not be empty"), ("allowed_token_ids", [3, -2], "non-negative"),
+    ("allowed_token_ids", "3", "list"), ("allowed_token_ids", [3, 1 << 40], "outside the model's vocabulary"),
+    ("bad_words", [""], "empty"), ("bad_words", "hello", "list"), ("bad_words", ["x"] * 1025, "at most 1024 words"),
+    ("bad_words", ["x" * 257], "at most 256 characters")])
+def test_bad_allowed_token_ids_and_bad_words_are_a_400_naming_the_field(demo_server, field, value, says):
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for path, body in (("/v1/completions", {"prompt": "Random words"}), ("/v1/chat/completions", {"messages": HI})):
+            r = c.post(path, json={"model": model, "max_tokens": 2, field: value, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field and says in r.json()["error"]["message"], r.text
 
 
 # ---- truncate_prompt_tokens (vLLM's) ---------------------------------------------------------

@@ -5,6 +5,7 @@ offline `LLM` and the threaded `AsyncEngine` drive this same object, so there is
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -13,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weig
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
 from tierlm.models.registry import resolve_architecture
-from tierlm.sampling_params import SamplingParams, truncation_kept
+from tierlm.sampling_params import BadWords, SamplingParams, bad_words_token_ids, truncation_kept
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +307,8 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.logprobs: dict[str, list[TokenLogprob]] = {}
         self._seq = itertools.count()
+        # n samples of one request, or a client's fixed list: tokenized once (a per-engine cache)
+        self._bad_words_cache = functools.lru_cache(maxsize=64)(self._tokenize_bad_words)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -393,10 +396,13 @@ class LLMEngine:
                                           f"({self.max_model_len}); give a smaller one, or -1 for as many as fit",
                                           param="truncate_prompt_tokens")
             ids = ids[-keep:]
-        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
-        if outside:  # the sampler would scatter past the logits' last column
-            raise InvalidRequestError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary "
-                                      f"[0, {vocab})", param="logit_bias")
+        for name, asked in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            outside = sorted(t for t in asked or () if t >= vocab)
+            if outside:  # the sampler would scatter past the logits' last column
+                raise InvalidRequestError(f"{name} names token id {outside[0]}, outside the model's vocabulary "
+                                          f"[0, {vocab})", param=name)
+        allowed = (torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.long)
+                   if params.allowed_token_ids is not None else None)
         n = len(ids)
         shorten = ("lower truncate_prompt_tokens (-1 keeps as many as fit)" if params.truncate_prompt_tokens
                    is not None else "shorten the prompt")
@@ -414,10 +420,29 @@ class LLMEngine:
             raise RequestTooLongError(
                 f"prompt + max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
                 "lower max_tokens or start the engine with more kv_cache_memory", param="max_tokens")
+        bad_words = self.bad_words(params.bad_words) if params.bad_words else None
         rid = request_id or uuid.uuid4().hex
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
-                       tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen)
+                       tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen,
+                       allowed_token_ids=allowed, bad_words=bad_words)
+
+    def bad_words(self, words: Sequence[str]) -> BadWords:
+        """`words` (a request's bad_words) as token ids, from a small cache: the server calls this
+        first on a worker thread, so the event loop never tokenizes them (up to 1,024 words)."""
+        return self._bad_words_cache(tuple(words))
+
+    def _tokenize_bad_words(self, words: tuple[str, ...]) -> BadWords:
+        """`words` tokenized as vLLM does (see bad_words_token_ids); a token outside the model's
+        vocabulary (a tokenizer larger than the model) is refused naming the word."""
+        vocab = self.args.vocab_size
+        token_ids = bad_words_token_ids(self.tokenizer, words)
+        for ids in token_ids:
+            if any(t >= vocab for t in ids):
+                word = self.tokenizer.decode(ids)
+                raise InvalidRequestError(f"bad_words' {word!r} has a token id outside the model's vocabulary "
+                                          f"[0, {vocab}); remove it", param="bad_words")
+        return BadWords(token_ids)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:

@@ -9,7 +9,7 @@ import torch
 
 from tierlm.kv.block_pool import KVBlock
 from tierlm.kv.prefix_cache import BlockHash
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import BadWords, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +43,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    # params.allowed_token_ids as a CPU tensor, without repeats, and params.bad_words as token ids:
+    # made once, when the request is made (the engine knows the vocabulary and the tokenizer).
+    allowed_token_ids: torch.Tensor | None = None
+    bad_words: BadWords | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

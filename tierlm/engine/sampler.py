@@ -22,13 +22,48 @@ from tierlm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 def _padded_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Rows of token ids, right-padded with `pad`, built on the host and sent in one copy (per-row
-    tensors would be one blocking copy each on a GPU)."""
+    tensors would be one blocking copy each on a GPU). A row may be a CPU tensor (a memory copy)."""
     width = max((len(ids) for ids in id_lists), default=0)
     host = torch.full((len(id_lists), max(width, 1)), pad, dtype=torch.long)
     for i, ids in enumerate(id_lists):
-        if ids:
+        if len(ids):
             host[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
     return host.to(device, non_blocking=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Rows with `allowed_token_ids`: every other token -inf. The rows' allowed sets become one
+    rows x vocab mask on the device, from one scatter of their padded ids (checked against the
+    vocabulary, without repeats, when the request was made)."""
+    asks = [i for i, r in enumerate(reqs) if r.allowed_token_ids is not None]
+    if not asks:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    ids = _padded_ids([reqs[i].allowed_token_ids for i in asks], vocab, dev)
+    allowed = torch.zeros(len(asks), vocab + 1, dtype=torch.bool, device=dev)
+    allowed.scatter_(1, ids, True)  # column `vocab` takes the padding
+    banned = ~allowed[:, :vocab]
+    if len(asks) == len(reqs):
+        return logits.masked_fill_(banned, float("-inf"))
+    rows = torch.tensor(asks, dtype=torch.long).to(dev, non_blocking=True)
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(banned, float("-inf")))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Rows with `bad_words`: each word's last token -inf where the output so far ends with the
+    word's other tokens (see BadWords), all rows in one indexed write."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(reqs):
+        if r.bad_words is not None:
+            banned = r.bad_words.banned(r.output_token_ids)
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[index[0], index[1]] = float("-inf")
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -145,9 +180,14 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        # The bias first (OpenAI's and vLLM's order), on a copy when logprobs are reported: they are
-        # the model's own distribution, as vLLM's default.
-        logits = apply_logit_bias(logits.clone() if want_logprobs else logits, reqs)
+        # vLLM's order: allowed_token_ids, bad_words, logit_bias, then penalties, all before the
+        # filters; on a copy when logprobs are reported: they are the model's own distribution, as
+        # vLLM's default. (The masks and min_tokens' hold are -inf and the bias is added, so only
+        # the penalties' place could change a result, and -inf stays -inf through them.)
+        logits = logits.clone() if want_logprobs else logits
+        logits = apply_allowed_tokens(logits, reqs)
+        logits = apply_bad_words(logits, reqs)
+        logits = apply_logit_bias(logits, reqs)
         logits = apply_penalties(logits, reqs)
         logits = _hold_stops(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]

@@ -24,10 +24,11 @@ from starlette.responses import Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
+from tierlm.errors import TierlmError
 from tierlm.sampling_params import SamplingParams, choice_seed, truncation_kept
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
-from tierlm.serving.errors import InvalidRequest, openai_error_body, stream_error
+from tierlm.serving.errors import InvalidRequest, from_engine_error, openai_error_body, stream_error
 from tierlm.serving.generation import (
     ChatPrompt,
     EngineStream,
@@ -90,6 +91,8 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=body.token_bias(),
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words,
     )
 
 
@@ -106,6 +109,7 @@ async def chat_completions(request: Request) -> Response:
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
                              keep_special_token_ids=prompt.keep_special_token_ids)
+    await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -132,6 +136,7 @@ async def completions(request: Request) -> Response:
         await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
     params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs))
+    await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
@@ -166,6 +171,16 @@ def completion_response(results: list[Generation], engine: "AsyncEngine", body: 
         id=completion_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(results),
         system_fingerprint=SYSTEM_FINGERPRINT,
     )
+
+
+async def _tokenize_bad_words(engine: "AsyncEngine", words: list[str] | None) -> None:
+    """bad_words tokenized on a worker thread (up to 1,024 words, twice each, as vLLM): the
+    engine keeps them, and each choice's request takes them from its cache, not from the event loop."""
+    if words:
+        try:
+            await asyncio.to_thread(engine.engine.bad_words, words)
+        except TierlmError as exc:
+            raise from_engine_error(exc, "") from None
 
 
 # ---- n choices: n engine requests -------------------------------------------------------

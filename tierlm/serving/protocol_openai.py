@@ -2,9 +2,10 @@
 
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
-best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs, bad_words,
-allowed_token_ids, spaces_between_special_tokens false, a custom chat template) are rejected with a 400 naming them. logit_bias is OpenAI's (keys are
-token-id strings). vLLM's extensions that tierlm can honour (stop_token_ids, truncate_prompt_tokens, include_stop_str_in_output,
+best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs,
+spaces_between_special_tokens false, a custom chat template) are rejected with a 400 naming them.
+logit_bias is OpenAI's (keys are token-id strings). vLLM's extensions that tierlm can honour
+(stop_token_ids, truncate_prompt_tokens, include_stop_str_in_output, allowed_token_ids, bad_words,
 skip_special_tokens, and on chat continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.sampling_params import MAX_LOGIT_BIAS, stop_strings_problem, unsupported_vllm_field
+from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, allowed_token_ids_problem, bad_words_problem,
+                                    stop_strings_problem, unsupported_vllm_field)
 
 
 class _Body(BaseModel):
@@ -150,8 +152,7 @@ MAX_N = 128  # choices per request (`n`), OpenAI's bound
 # vLLM's body fields tierlm cannot honour: refused by name unless neutral (null, or vLLM's
 # default), with the Python API's words (sampling_params.UNSUPPORTED_VLLM_FIELDS).
 _REFUSED_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                        "prompt_logprobs", "use_beam_search", "bad_words", "allowed_token_ids",
-                        "spaces_between_special_tokens")
+                        "prompt_logprobs", "use_beam_search", "spaces_between_special_tokens")
 
 
 def _check_stop(value: Any) -> Any:
@@ -193,11 +194,13 @@ class _SamplingFields(_Body):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
     spaces_between_special_tokens: bool = True
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: sample only these tokens (ids outside the model's vocabulary are refused by the engine)
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's: words never generated (tokenized by the engine, as vLLM does; bounded like the stops)
+    bad_words: list[str] | None = None
     use_beam_search: bool = False
 
     @field_validator(*_REFUSED_VLLM_FIELDS)
@@ -257,6 +260,20 @@ class _SamplingFields(_Body):
                 raise ValueError(f"keys must be token ids written as non-negative integers (got {key!r})")
             if not -100.0 <= bias <= 100.0:  # (NaN fails too)
                 raise ValueError(f"values must be in [-100, 100] (got {bias} for token {key})")
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (problem := allowed_token_ids_problem(value)) is not None:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (problem := bad_words_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
     def token_bias(self) -> dict[int, float] | None:
