@@ -97,6 +97,31 @@ def test_a_connection_answered_before_its_body_is_closed_when_it_then_idles(shor
     assert closed
 
 
+def test_a_connection_answered_before_a_body_that_never_comes_is_closed_at_the_read_timeout(short_deadlines):
+    """A 401 goes out before the body is read; with the body still owed, only uvicorn's 5 s
+    keep-alive closed the connection, whatever --request-read-timeout said (0.5 s here). A body
+    that keeps coming, slowly, is not cut off."""
+    with socket.create_connection(("127.0.0.1", short_deadlines.port)) as sock:
+        sock.sendall(raw_request("/v1/messages", b"", content_length=100, **{"x-api-key": "wrong"}))
+        sock.settimeout(5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 401 ")
+        started = time.monotonic()
+        _, closed = read_until_closed(sock, 4)
+    assert closed and time.monotonic() - started < 2.5
+    with socket.create_connection(("127.0.0.1", short_deadlines.port)) as sock:
+        sock.sendall(raw_request("/v1/messages", b"", content_length=8, **{"x-api-key": "wrong"}))
+        sock.settimeout(5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 401 ")
+        for byte in b"01234567":  # 8 gaps of 0.3 s: 2.4 s in all, each under the deadline
+            time.sleep(0.3)
+            sock.sendall(bytes([byte]))
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data, deadline = b"", time.monotonic() + 5
+        while b"HTTP/1.1 200 " not in data and time.monotonic() < deadline:
+            data += sock.recv(65536)  # (the rest of the 401 first)
+        assert b"HTTP/1.1 200 " in data, data
+
+
 def test_connections_that_never_finish_a_request_head_are_closed(short_deadlines):
     port = short_deadlines.port
     silent = socket.create_connection(("127.0.0.1", port))

@@ -83,17 +83,31 @@ class TimedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_owed = False  # answered early (a 401 before its body): the rest of a body to come
         self._arm_head_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE:
             self._arm_head_timer()  # waiting for the next request's head
+        elif self.conn.their_state is h11.SEND_BODY:
+            # The rest of a body no one reads now: timed per gap, as a body being read is (it
+            # was held by uvicorn's 5 s keep-alive alone, whatever --request-read-timeout said).
+            self._body_owed = True
+            self._arm_head_timer()
 
     def handle_events(self) -> None:
         super().handle_events()
         if self.scope is not None:  # uvicorn's way to close the connection now, whatever is unsent
             self.scope.setdefault("extensions", {})["tierlm.abort_connection"] = self.transport.abort
+        if self._body_owed:
+            if self.conn.their_state is h11.SEND_BODY:
+                if not self.transport.is_closing():
+                    self._arm_head_timer()  # more of it came: the next gap's deadline
+                return
+            self._body_owed = False  # all of it came: on to the next head
         if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
             self._head_timer.cancel()  # a whole head arrived (or the connection failed)
             self._head_timer = None
@@ -117,7 +131,8 @@ class TimedH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        owed = self._body_owed and self.conn.their_state is h11.SEND_BODY
+        if (owed or self.conn.their_state is h11.IDLE) and not self.transport.is_closing():
             self.transport.abort()
 
 
