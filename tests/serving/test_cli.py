@@ -29,10 +29,11 @@ def test_model_specs():
             parse_model_specs(None, bad)
 
 
-def serve(*args: str) -> subprocess.Popen:
+def serve(*args: str, ignore_sigint: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tierlm.cli", "serve", *SMALL_ENGINE, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
 
 
 def free_port() -> int:
@@ -252,6 +253,21 @@ def test_generate_refuses_bad_sampling_flags_before_the_model_loads(flag, value,
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument {flag}: {says}" in err and err.count("error:") == 1
+
+
+def test_sigint_inherited_as_ignored_still_exits_130():
+    """A script's background job (`tierlm serve &`) starts with SIGINT ignored. `kill -INT` still
+    shut the server down (uvicorn installs its own handler), but uvicorn's raising it again to set
+    the exit status was swallowed: the status was 0, not 130."""
+    port = free_port()
+    proc = serve("--port", str(port), "--shutdown-timeout", "1", ignore_sigint=True)
+    try:
+        wait_ready(proc, port, time.monotonic() + 120)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Application shutdown complete" in out and "Traceback" not in out
 
 
 @pytest.mark.slow

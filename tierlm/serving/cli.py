@@ -185,4 +185,9 @@ def run_serve(args: argparse.Namespace) -> int:
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())
     server.run(sockets=[sock])  # returns after SIGTERM/SIGINT and a graceful shutdown
+    # uvicorn then raises the signal again, for its default action to set the exit status (SIGINT:
+    # a KeyboardInterrupt, 130). A signal the process inherited as ignored (SIGINT for a script's
+    # background job, `tierlm serve &`) is swallowed there: its status is given here instead.
+    for sig in reversed(getattr(server, "_captured_signals", [])):
+        return 128 + int(sig)
     return 0
