@@ -207,21 +207,50 @@ def test_logprobs_cover_every_token_of_an_answer_with_kept_markers(clients, mode
     assert [t.token for t in streamed] == [t.token for t in created.logprobs.content]
 
 
-@pytest.mark.parametrize("stop, content", [
-    ("docs.[", "Usage: app [ARGS], see "),  # across the kept marker, as without tools (it is skipped there)
-    ("[TOOL", "Usage: app [ARGS], see docs."),  # inside it: cut where it begins
-    ("[ARGS], s", "Usage: app "),  # plain text
+@pytest.mark.parametrize("stop, content, included", [
+    # across the kept marker, as without tools (it is skipped there); included, the marker goes whole
+    ("docs.[", "Usage: app [ARGS], see ", "Usage: app [ARGS], see docs."),
+    ("[TOOL", "Usage: app [ARGS], see docs.", "Usage: app [ARGS], see docs."),  # at it: cut where it begins
+    ("[ARGS], s", "Usage: app ", "Usage: app [ARGS], s"),  # plain text
 ])
-def test_stop_strings_match_across_kept_markers(clients, stop, content):
-    """The kept marker's text is wrapped for the parser; stop strings match as if it were not."""
+def test_stop_strings_match_across_kept_markers(clients, stop, content, included):
+    """The kept marker's text is wrapped for the parser; stop strings match as if it were not,
+    and a cut never shows part of the marker (it showed "docs.[TOOL" with include_stop)."""
     oai = clients[1]
     kwargs = dict(model=PROSE_MODEL, messages=USER, tools=[openai_tool("get_weather")], stop=stop)
     created = oai.chat.completions.create(**kwargs).choices[0]
     chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
     assert created.message.content == content and created.finish_reason == "stop" and not created.message.tool_calls
     assert "".join(c.delta.content or "" for c in chunks) == content and chunks[-1].finish_reason == "stop"
-    included = oai.chat.completions.create(extra_body={"include_stop_str_in_output": True}, **kwargs).choices[0]
-    assert included.message.content == content + stop
+    kwargs["extra_body"] = {"include_stop_str_in_output": True}
+    with_stop = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert with_stop.message.content == included == "".join(c.delta.content or "" for c in chunks)
+    del kwargs["extra_body"]
     if stop != "[TOOL":  # without tools the marker is skipped: the same cut
         plain = oai.chat.completions.create(model=PROSE_MODEL, messages=USER, stop=stop).choices[0]
         assert plain.message.content == content
+
+
+@pytest.mark.parametrize("model, stop", [
+    (PROSE_MODEL, "CALLS]"), (PROSE_MODEL, "LS][{"), (MISTRAL_MODEL, "S]"),
+    (LLAMA_MODEL, "|>"), (LLAMA_MODEL, "_tag"), (LLAMA_MODEL, "tag|>{"),
+])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_starting_inside_a_kept_marker_does_not_match(clients, model, stop, include):
+    """Without tools the marker is skipped, so such a stop string never matched there; with
+    them a cut inside the marker showed its head ('[TOOL_CALLS', '<|python_tag'). It does not
+    match: the answer is the one without the stop string, streamed and not."""
+    oai = clients[1]
+    tools = [openai_tool("get_weather"), openai_tool("get_time")]
+    kwargs = dict(model=model, messages=USER, tools=tools, stop=[stop],
+                  extra_body={"include_stop_str_in_output": include})
+    unstopped = oai.chat.completions.create(model=model, messages=USER, tools=tools).choices[0]
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    streamed_calls = [t.function.name for c in chunks for t in c.delta.tool_calls or [] if t.function.name]
+    assert created.finish_reason == chunks[-1].finish_reason == unstopped.finish_reason == "tool_calls"
+    assert created.message.content == unstopped.message.content
+    assert "".join(c.delta.content or "" for c in chunks) == (unstopped.message.content or "")
+    names = [t.function.name for t in unstopped.message.tool_calls]
+    assert [t.function.name for t in created.message.tool_calls] == streamed_calls == names
