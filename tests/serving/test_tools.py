@@ -195,6 +195,27 @@ def test_call_to_a_tool_not_offered_is_text(syntax, text):
     assert shown == text and calls == []
 
 
+QUESTION = 'what does [TOOL_CALLS] mean in Mistral?'
+
+
+@pytest.mark.parametrize("text", [
+    kept("[TOOL_CALLS]") + 'search' + kept("[ARGS]") + '{"q": "' + QUESTION + '"}',
+    kept("[TOOL_CALLS]") + ' [{"name": "search", "arguments": {"q": "' + QUESTION + '"}}]',
+    "I quote [TOOL_CALLS] here. " + kept("[TOOL_CALLS]") + 'search' + kept("[ARGS]") + '{"q": "' + QUESTION + '"}',
+])
+def test_mistral_marker_text_inside_arguments_is_not_a_marker(text):
+    """Where the marker is a kept special token, only that token separates calls: the same
+    text in ordinary tokens (in an argument, or in prose before the call) is the model's own.
+    It split the call, and the whole answer came back as text."""
+    names = frozenset({"search"})
+    prose = text[:text.index(KEPT_OPEN)].rstrip()
+    out = parse_tool_calls(text, names=names, syntax=MISTRAL)
+    assert calls_of(out) == [("search", {"q": QUESTION})] and out.text == prose
+    for size in (1, 3, len(text)):
+        shown, calls = stream_with(MISTRAL, text, size, names=names, hidden=MISTRAL.markers)
+        assert shown == prose and calls_of_list(calls) == [("search", {"q": QUESTION})]
+
+
 def stream_with(syntax, text, size, names=None, hidden=()):
     f = ToolCallStreamFilter(syntax=syntax, names=names, hidden=hidden)
     shown = "".join(f.feed(text[i:i + size]) for i in range(0, len(text), size))

@@ -88,14 +88,14 @@ class ToolCallSyntax:
         start, _ = self.locate(text)
         if start is None:
             return ParsedOutput(text=text, tool_calls=[])
-        calls = self._calls(_unwrapped(text[start:]), id_prefix)
+        calls = self._calls(text[start:], id_prefix)
         if not calls or any(names is not None and c.name not in names for c in calls):
             return ParsedOutput(text=text, tool_calls=[])
         return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        """The calls `text` (from the start marker on, kept markers unwrapped) holds, or None if
-        it is not all calls."""
+        """The calls `text` (from the start marker on; kept markers wrapped, see _unwrapped)
+        holds, or None if it is not all calls."""
         raise NotImplementedError
 
     def forced_prefix(self, tool_name: str | None) -> str:
@@ -109,7 +109,7 @@ class HermesSyntax(ToolCallSyntax):
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         calls = []
-        for match in _CALL_RE.finditer(text):
+        for match in _CALL_RE.finditer(_unwrapped(text)):
             call = _parse_one(match.group(1), id_prefix, self.needs_arguments) if match.group(2) else None
             if call is None:
                 return None
@@ -137,7 +137,7 @@ class Llama3JsonSyntax(ToolCallSyntax):
         return None, len(rest) if PYTHON_TAG.startswith(rest) or tag.startswith(rest) else 0
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        body = text.removeprefix(PYTHON_TAG)
+        body = _unwrapped(text).removeprefix(PYTHON_TAG)
         decoder = json.JSONDecoder()
         calls, pos = [], 0
         while True:
@@ -173,9 +173,20 @@ class MistralSyntax(ToolCallSyntax):
     def __init__(self, args_form: bool = False) -> None:
         self.args_form = args_form  # the template writes `name[ARGS]{...}` (how a forced call starts)
 
+    def locate(self, text: str) -> tuple[int | None, int]:
+        """Calls begin at the kept marker token where there is one (the same text in ordinary
+        tokens before it is prose), else at the marker's text."""
+        at = text.find(KEPT_OPEN + MISTRAL_CALLS + KEPT_CLOSE)
+        return (at, 0) if at >= 0 else _find_marker(text, self.start)
+
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         calls: list[ParsedToolCall] = []
-        for part in text.split(MISTRAL_CALLS)[1:]:
+        # Where the marker is a kept special token, only the wrapped one separates calls: the
+        # same text in ordinary tokens is the model's own (an argument asking what
+        # "[TOOL_CALLS]" means), which read as a marker made the whole answer text.
+        wrapped = KEPT_OPEN + MISTRAL_CALLS + KEPT_CLOSE
+        parts = text.split(wrapped if wrapped in text else MISTRAL_CALLS)[1:]
+        for part in map(_unwrapped, parts):
             if MISTRAL_ARGS in part:  # name[ARGS]{...}, or name[CALL_ID]id[ARGS]{...}
                 head, args = part.split(MISTRAL_ARGS, 1)
                 name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
@@ -427,7 +438,9 @@ class ToolCallStreamFilter:
         buffered, self._buffer = self._space + self._buffer, None
         if not parsed.tool_calls:
             return buffered, []
-        return parsed.text, parsed.tool_calls
+        # prose in the buffer: the calls begin at a kept marker after the same text in ordinary
+        # tokens, where buffering began (see MistralSyntax.locate)
+        return (self._space + parsed.text if parsed.text else ""), parsed.tool_calls
 
 
 class _MarkerScrubber:
