@@ -254,3 +254,37 @@ def test_a_stop_string_starting_inside_a_kept_marker_does_not_match(clients, mod
     assert "".join(c.delta.content or "" for c in chunks) == (unstopped.message.content or "")
     names = [t.function.name for t in unstopped.message.tool_calls]
     assert [t.function.name for t in created.message.tool_calls] == streamed_calls == names
+
+
+@pytest.mark.parametrize("model", [LLAMA_MODEL, MISTRAL_MODEL])
+def test_an_answer_not_ended_by_the_model_is_text(clients, model):
+    """llama3_json and mistral calls have no end marker: an answer cut by max_tokens, or ended
+    by a stop string or stop token, right after a complete call may have been going on to
+    another call or to prose. It came back as that call, silently losing the rest; it is text
+    now, as a call cut by max_tokens always was. (Hermes' calls end with </tool_call>.)"""
+    claude, oai = clients
+    tools = [openai_tool("get_weather"), openai_tool("get_time")]
+    whole = oai.chat.completions.create(model=model, messages=USER, tools=tools)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    for max_tokens in range(1, whole.usage.completion_tokens):  # the last one is the EOS
+        kwargs = dict(model=model, messages=USER, tools=tools, max_tokens=max_tokens)
+        created = oai.chat.completions.create(**kwargs).choices[0]
+        chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+        assert created.finish_reason == chunks[-1].finish_reason == "length", max_tokens
+        assert not created.message.tool_calls and not any(c.delta.tool_calls for c in chunks), max_tokens
+        assert "".join(c.delta.content or "" for c in chunks) == created.message.content
+    message = claude.messages.create(model=model, max_tokens=whole.usage.completion_tokens - 1, messages=USER,
+                                     tools=[claude_tool("get_weather"), claude_tool("get_time")])
+    assert message.stop_reason == "max_tokens" and [b.type for b in message.content] == ["text"]
+    # right after the (first) call: Llama's "; " cut off, Mistral's closing "]" kept
+    stop, include = ("; ", False) if model == LLAMA_MODEL else ("]", True)
+    text = EXPECTED_TEXT[model].split("; ")[0] if model == LLAMA_MODEL else EXPECTED_TEXT[model]
+    kwargs = dict(model=model, messages=USER, tools=tools, stop=stop, extra_body={"include_stop_str_in_output": include})
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert created.message.content == text == "".join(c.delta.content or "" for c in chunks)
+    assert created.finish_reason == chunks[-1].finish_reason == "stop" and not created.message.tool_calls
+    if not include:
+        message = claude.messages.create(model=model, max_tokens=200, messages=USER, stop_sequences=[stop],
+                                         tools=[claude_tool("get_weather"), claude_tool("get_time")])
+        assert message.stop_reason == "stop_sequence" and [(b.type, b.text) for b in message.content] == [("text", text)]

@@ -293,3 +293,15 @@ def test_parser_detected_from_the_template(template, parser):
 def test_forced_prefix_per_syntax(syntax, tail):
     out = parse_tool_calls(forced_call_prefix("get_weather", syntax) + tail, syntax=syntax)
     assert calls_of(out) == [("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("syntax,text,calls", [
+    (tool_call_syntax("hermes", None), CALL, ["get_weather"]),  # closed by </tool_call>: whole however the answer ended
+    (LLAMA, L_CALL, []), (MISTRAL, M_ARGS, []), (MISTRAL, M_LIST, []),
+])
+def test_an_answer_the_model_did_not_end_has_calls_only_where_they_close(syntax, text, calls):
+    assert [c.name for c in parse_tool_calls(text, syntax=syntax, ended=False).tool_calls] == calls
+    f = ToolCallStreamFilter(syntax=syntax)
+    shown = f.feed(text)
+    rest, found = f.finish(ended=False)
+    assert [c.name for c in found] == calls and (shown + rest == text if not calls else True)

@@ -72,12 +72,14 @@ class ChatPrompt:
         """The syntax's marker tokens a decode would skip, kept while calls are looked for."""
         return list(self.tool_calls.keep_token_ids) if self.parse_tools and self.tool_calls.keep_token_ids else None
 
-    def split_tool_calls(self, text: str, id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
-        """A finished answer as (prose, tool calls); calls only where the template's syntax is known."""
+    def split_tool_calls(self, result: "Generation", id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
+        """A finished answer as (prose, tool calls); calls only where the template's syntax is
+        known (and, in a syntax without an end marker, where the model ended the answer)."""
+        text = result.text
         if not self.parse_tools:
             return text, []
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
-                                            syntax=self.tool_calls.syntax)
+                                            syntax=self.tool_calls.syntax, ended=result.ended_by_eos)
         prose = toolcalls.scrub(parsed.text, self.tool_calls.hidden)
         return self.without_forced_prefix(prose, parsed.tool_calls), parsed.tool_calls
 
@@ -349,6 +351,12 @@ class Generation:
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
 
+    @property
+    def ended_by_eos(self) -> bool:
+        """The model ended the answer (an EOS token), not max_tokens, a stop string or a
+        request's stop token."""
+        return self.finish_reason == "stop" and self.stop_reason is None
+
 
 class StreamedAnswer:
     """A streamed answer as a client may see it: the text as it comes, except that whatever may
@@ -372,7 +380,7 @@ class StreamedAnswer:
             self.result.add(delta)
             yield (self._filter.feed(delta.text) if self._filter is not None else delta.text), delta
         if self._filter is not None:
-            rest, self.calls = self._filter.finish()
+            rest, self.calls = self._filter.finish(ended=self.result.ended_by_eos)
             rest = self._prompt.without_forced_prefix(rest, self.calls)
             if rest:
                 yield rest, None

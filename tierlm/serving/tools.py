@@ -77,16 +77,21 @@ class ToolCallSyntax:
     # A call's JSON must hold `arguments` or `parameters` (vLLM's llama3_json and mistral parsers
     # index one or the other): where a call is plain JSON, `{"name": ...}` alone is just JSON.
     needs_arguments = True
+    # Calls end with a marker of their own (Hermes' </tool_call>): a closed call is whole however
+    # the answer ended. Without one (llama3_json, mistral) the answer is calls only where the
+    # model ended it: cut by max_tokens, a stop string or a stop token right after a complete
+    # call, it may have been going on to another call or to prose, which was lost.
+    closes_calls = False
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(where a call begins in `text`, the whole answer so far, or None; how many characters
         at its end may still turn out to begin one). By default calls begin at `start`, anywhere."""
         return _find_marker(text, self.start)
 
-    def parse(self, text: str, id_prefix: str, names: frozenset[str] | None) -> ParsedOutput:
+    def parse(self, text: str, id_prefix: str, names: frozenset[str] | None, ended: bool = True) -> ParsedOutput:
         """Prose and calls; the whole text as prose if any call fails (see parse_tool_calls)."""
         start, _ = self.locate(text)
-        if start is None:
+        if start is None or not (ended or self.closes_calls):
             return ParsedOutput(text=text, tool_calls=[])
         calls = self._calls(text[start:], id_prefix)
         if not calls or any(names is not None and c.name not in names for c in calls):
@@ -105,6 +110,7 @@ class ToolCallSyntax:
 class HermesSyntax(ToolCallSyntax):
     name = "hermes"
     start = TOOL_CALL_START
+    closes_calls = True
     needs_arguments = False  # the tag says it is a call: `{"name": ...}` alone calls with {}
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
@@ -308,15 +314,17 @@ def template_tool_call_id(call_id: str) -> str:
 
 
 def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str] | None = None,
-                     syntax: ToolCallSyntax = HERMES) -> ParsedOutput:
+                     syntax: ToolCallSyntax = HERMES, ended: bool = True) -> ParsedOutput:
     """Split `text` into prose and the tool calls `syntax` finds.
 
     If any call is not valid JSON with a string `name`, names a tool not in `names` (the tools
     the request offered, when given: both APIs only ever call those), or is not closed
     (cut off by max_tokens), nothing is treated as a call and the whole text is returned as
-    prose: a half-parsed answer is worse than the raw one.
+    prose: a half-parsed answer is worse than the raw one. `ended`: the model ended the answer
+    (EOS), not max_tokens, a stop string or a stop token; without it a syntax whose calls have
+    no end marker finds none (see ToolCallSyntax.closes_calls).
     """
-    return syntax.parse(text, id_prefix, names)
+    return syntax.parse(text, id_prefix, names, ended)
 
 
 def scrub(text: str, markers: tuple[str, ...]) -> str:
@@ -425,16 +433,17 @@ class ToolCallStreamFilter:
         self._shown = self._shown or bool(shown)
         return shown
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """(text still to show, parsed calls). Unparseable calls come back as text."""
-        rest, calls = self._finish()
+    def finish(self, ended: bool = True) -> tuple[str, list[ParsedToolCall]]:
+        """(text still to show, parsed calls). Unparseable calls come back as text. `ended`: see
+        parse_tool_calls."""
+        rest, calls = self._finish(ended)
         return self._scrub.feed(rest) + self._scrub.finish(), calls
 
-    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
+    def _finish(self, ended: bool) -> tuple[str, list[ParsedToolCall]]:
         if self._buffer is None:
             rest, self._pending = self._pending, ""
             return rest, []
-        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names, self._syntax)
+        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names, self._syntax, ended)
         buffered, self._buffer = self._space + self._buffer, None
         if not parsed.tool_calls:
             return buffered, []
