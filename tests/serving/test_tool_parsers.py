@@ -288,3 +288,125 @@ def test_an_answer_not_ended_by_the_model_is_text(clients, model):
         message = claude.messages.create(model=model, max_tokens=200, messages=USER, stop_sequences=[stop],
                                          tools=[claude_tool("get_weather"), claude_tool("get_time")])
         assert message.stop_reason == "stop_sequence" and [(b.type, b.text) for b in message.content] == [("text", text)]
+
+
+# Mistral 7B Instruct v0.3's chat template as published (its tokenizer_config.json).
+MISTRAL03_REAL_TEMPLATE = r'''{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS] [" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+'''
+
+
+@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL03_REAL_TEMPLATE])  # (LLAMA_TEMPLATE writes
+# <|python_tag|> before a call, which a forced llama3_json call leaves out)
+@pytest.mark.parametrize("tool_name", [None, "get_weather"])
+def test_a_forced_call_starts_as_the_template_writes_a_call(demo_tokenizer, tmp_path, template, tool_name):
+    """tool_choice required / a named tool: the prompt is how the template renders the
+    conversation with that call as the assistant turn, cut inside the call. As an assistant
+    prefill it was not for Mistral v0.3, whose assistant branch writes " " + content first:
+    "[/INST] [TOOL_CALLS]" where a call renders "[/INST][TOOL_CALLS] [{"."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from tierlm.serving.generation import chat_prompt
+    from tierlm.serving.tools import template_tool_call_id
+
+    demo_tokenizer.save_pretrained(str(tmp_path / "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer"))
+    tok.add_tokens([*SPECIALS, "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"], special_tokens=True)
+    tok.chat_template = template
+    engine = build_scripted_model(tmp_path / "m", [Script(chat_prompt_ids(tok), "x")], tok).engine("m")
+    tools = [openai_tool("get_weather")]
+    call = {"id": template_tool_call_id("c"), "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    natural = tok.apply_chat_template([*USER, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                      tools=tools, tokenize=False)
+    prompt = asyncio.run(chat_prompt(engine, "m", USER, tools=tools, call_required_by="required", tool_name=tool_name))
+    got = tok.decode(prompt.token_ids, skip_special_tokens=False)
+    assert natural.startswith(got) and len(got) > len(tok.apply_chat_template(
+        USER, tools=tools, tokenize=False, add_generation_prompt=True))

@@ -143,12 +143,15 @@ async def chat_prompt(
                     "drop the final assistant message or use tool_choice 'auto'",
                     param="tool_choice",
                 )
+            # Written after the generation prompt, as the template writes a call there: as an
+            # assistant prefill (continue_final_message) a template's own text for the turn came
+            # first (Mistral v0.3's " " + content|trim: "[/INST] [TOOL_CALLS]", where it renders
+            # a call "[/INST][TOOL_CALLS] [{").
             forced = toolcalls.forced_call_prefix(tool_name, tool_calls.syntax)
-            messages = [*messages, {"role": "assistant", "content": forced}]
-            continue_final_message = True
+            add_generation_prompt = True
     token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message, check_length=check_length,
-                                  template_kwargs=template_kwargs)
+                                  template_kwargs=template_kwargs, suffix=forced)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls)
 
@@ -163,8 +166,10 @@ async def render_chat(
     continue_final_message: bool = False,
     check_length: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    suffix: str = "",
 ) -> list[int]:
-    """Chat messages → prompt token ids through the model's own chat template.
+    """Chat messages → prompt token ids through the model's own chat template (and `suffix`
+    after it: a forced call's start).
 
     Runs in a worker thread: rendering and tokenizing a long conversation takes seconds, during
     which the event loop must keep serving everyone else. With `check_length`, a rendered text
@@ -173,7 +178,7 @@ async def render_chat(
     shape it does not know), so failures are 400s that name `messages`.
     """
     args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length,
-            template_kwargs)
+            template_kwargs, suffix)
     if not check_length:  # counting only: see _COUNTING
         return await asyncio.get_running_loop().run_in_executor(_COUNTING, _render_chat, *args)
     return await asyncio.to_thread(_render_chat, *args)
@@ -188,6 +193,7 @@ def _render_chat(
     continue_final_message: bool,
     check_length: bool,
     template_kwargs: dict[str, Any] | None = None,
+    suffix: str = "",
 ) -> list[int]:
     context = int(engine.max_model_len)
     if check_length and len(messages) > context:
@@ -210,6 +216,7 @@ def _render_chat(
             f"the chat template of model '{model}' cannot render these messages: {exc}",
             param="messages",
         ) from None
+    text += suffix
     if check_length:  # the rendered text, not the messages: templates trim, add and repeat text
         refuse_certainly_too_long(engine, model, text, "messages")
     else:

@@ -223,7 +223,7 @@ class MistralSyntax(ToolCallSyntax):
             return MISTRAL_CALLS
         if self.args_form:
             return MISTRAL_CALLS + tool_name + MISTRAL_ARGS
-        return MISTRAL_CALLS + '[{"name": ' + json.dumps(tool_name) + ', "arguments": '
+        return MISTRAL_CALLS + ' [{"name": ' + json.dumps(tool_name) + ', "arguments": '  # as v0.3's template
 
 
 HERMES = HermesSyntax()
