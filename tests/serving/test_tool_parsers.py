@@ -207,21 +207,206 @@ def test_logprobs_cover_every_token_of_an_answer_with_kept_markers(clients, mode
     assert [t.token for t in streamed] == [t.token for t in created.logprobs.content]
 
 
-@pytest.mark.parametrize("stop, content", [
-    ("docs.[", "Usage: app [ARGS], see "),  # across the kept marker, as without tools (it is skipped there)
-    ("[TOOL", "Usage: app [ARGS], see docs."),  # inside it: cut where it begins
-    ("[ARGS], s", "Usage: app "),  # plain text
+@pytest.mark.parametrize("stop, content, included", [
+    # across the kept marker, as without tools (it is skipped there); included, the marker goes whole
+    ("docs.[", "Usage: app [ARGS], see ", "Usage: app [ARGS], see docs."),
+    ("[TOOL", "Usage: app [ARGS], see docs.", "Usage: app [ARGS], see docs."),  # at it: cut where it begins
+    ("[ARGS], s", "Usage: app ", "Usage: app [ARGS], s"),  # plain text
 ])
-def test_stop_strings_match_across_kept_markers(clients, stop, content):
-    """The kept marker's text is wrapped for the parser; stop strings match as if it were not."""
+def test_stop_strings_match_across_kept_markers(clients, stop, content, included):
+    """The kept marker's text is wrapped for the parser; stop strings match as if it were not,
+    and a cut never shows part of the marker (it showed "docs.[TOOL" with include_stop)."""
     oai = clients[1]
     kwargs = dict(model=PROSE_MODEL, messages=USER, tools=[openai_tool("get_weather")], stop=stop)
     created = oai.chat.completions.create(**kwargs).choices[0]
     chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
     assert created.message.content == content and created.finish_reason == "stop" and not created.message.tool_calls
     assert "".join(c.delta.content or "" for c in chunks) == content and chunks[-1].finish_reason == "stop"
-    included = oai.chat.completions.create(extra_body={"include_stop_str_in_output": True}, **kwargs).choices[0]
-    assert included.message.content == content + stop
+    kwargs["extra_body"] = {"include_stop_str_in_output": True}
+    with_stop = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert with_stop.message.content == included == "".join(c.delta.content or "" for c in chunks)
+    del kwargs["extra_body"]
     if stop != "[TOOL":  # without tools the marker is skipped: the same cut
         plain = oai.chat.completions.create(model=PROSE_MODEL, messages=USER, stop=stop).choices[0]
         assert plain.message.content == content
+
+
+@pytest.mark.parametrize("model, stop", [
+    (PROSE_MODEL, "CALLS]"), (PROSE_MODEL, "LS][{"), (MISTRAL_MODEL, "S]"),
+    (LLAMA_MODEL, "|>"), (LLAMA_MODEL, "_tag"), (LLAMA_MODEL, "tag|>{"),
+])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_starting_inside_a_kept_marker_does_not_match(clients, model, stop, include):
+    """Without tools the marker is skipped, so such a stop string never matched there; with
+    them a cut inside the marker showed its head ('[TOOL_CALLS', '<|python_tag'). It does not
+    match: the answer is the one without the stop string, streamed and not."""
+    oai = clients[1]
+    tools = [openai_tool("get_weather"), openai_tool("get_time")]
+    kwargs = dict(model=model, messages=USER, tools=tools, stop=[stop],
+                  extra_body={"include_stop_str_in_output": include})
+    unstopped = oai.chat.completions.create(model=model, messages=USER, tools=tools).choices[0]
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    streamed_calls = [t.function.name for c in chunks for t in c.delta.tool_calls or [] if t.function.name]
+    assert created.finish_reason == chunks[-1].finish_reason == unstopped.finish_reason == "tool_calls"
+    assert created.message.content == unstopped.message.content
+    assert "".join(c.delta.content or "" for c in chunks) == (unstopped.message.content or "")
+    names = [t.function.name for t in unstopped.message.tool_calls]
+    assert [t.function.name for t in created.message.tool_calls] == streamed_calls == names
+
+
+@pytest.mark.parametrize("model", [LLAMA_MODEL, MISTRAL_MODEL])
+def test_an_answer_not_ended_by_the_model_is_text(clients, model):
+    """llama3_json and mistral calls have no end marker: an answer cut by max_tokens, or ended
+    by a stop string or stop token, right after a complete call may have been going on to
+    another call or to prose. It came back as that call, silently losing the rest; it is text
+    now, as a call cut by max_tokens always was. (Hermes' calls end with </tool_call>.)"""
+    claude, oai = clients
+    tools = [openai_tool("get_weather"), openai_tool("get_time")]
+    whole = oai.chat.completions.create(model=model, messages=USER, tools=tools)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    for max_tokens in range(1, whole.usage.completion_tokens):  # the last one is the EOS
+        kwargs = dict(model=model, messages=USER, tools=tools, max_tokens=max_tokens)
+        created = oai.chat.completions.create(**kwargs).choices[0]
+        chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+        assert created.finish_reason == chunks[-1].finish_reason == "length", max_tokens
+        assert not created.message.tool_calls and not any(c.delta.tool_calls for c in chunks), max_tokens
+        assert "".join(c.delta.content or "" for c in chunks) == created.message.content
+    message = claude.messages.create(model=model, max_tokens=whole.usage.completion_tokens - 1, messages=USER,
+                                     tools=[claude_tool("get_weather"), claude_tool("get_time")])
+    assert message.stop_reason == "max_tokens" and [b.type for b in message.content] == ["text"]
+    # right after the (first) call: Llama's "; " cut off, Mistral's closing "]" kept
+    stop, include = ("; ", False) if model == LLAMA_MODEL else ("]", True)
+    text = EXPECTED_TEXT[model].split("; ")[0] if model == LLAMA_MODEL else EXPECTED_TEXT[model]
+    kwargs = dict(model=model, messages=USER, tools=tools, stop=stop, extra_body={"include_stop_str_in_output": include})
+    created = oai.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert created.message.content == text == "".join(c.delta.content or "" for c in chunks)
+    assert created.finish_reason == chunks[-1].finish_reason == "stop" and not created.message.tool_calls
+    if not include:
+        message = claude.messages.create(model=model, max_tokens=200, messages=USER, stop_sequences=[stop],
+                                         tools=[claude_tool("get_weather"), claude_tool("get_time")])
+        assert message.stop_reason == "stop_sequence" and [(b.type, b.text) for b in message.content] == [("text", text)]
+
+
+# Mistral 7B Instruct v0.3's chat template as published (its tokenizer_config.json).
+MISTRAL03_REAL_TEMPLATE = r'''{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS] [" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+'''
+
+
+@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL03_REAL_TEMPLATE])  # (LLAMA_TEMPLATE writes
+# <|python_tag|> before a call, which a forced llama3_json call leaves out)
+@pytest.mark.parametrize("tool_name", [None, "get_weather"])
+def test_a_forced_call_starts_as_the_template_writes_a_call(demo_tokenizer, tmp_path, template, tool_name):
+    """tool_choice required / a named tool: the prompt is how the template renders the
+    conversation with that call as the assistant turn, cut inside the call. As an assistant
+    prefill it was not for Mistral v0.3, whose assistant branch writes " " + content first:
+    "[/INST] [TOOL_CALLS]" where a call renders "[/INST][TOOL_CALLS] [{"."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from tierlm.serving.generation import chat_prompt
+    from tierlm.serving.tools import template_tool_call_id
+
+    demo_tokenizer.save_pretrained(str(tmp_path / "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer"))
+    tok.add_tokens([*SPECIALS, "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"], special_tokens=True)
+    tok.chat_template = template
+    engine = build_scripted_model(tmp_path / "m", [Script(chat_prompt_ids(tok), "x")], tok).engine("m")
+    tools = [openai_tool("get_weather")]
+    call = {"id": template_tool_call_id("c"), "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    natural = tok.apply_chat_template([*USER, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                      tools=tools, tokenize=False)
+    prompt = asyncio.run(chat_prompt(engine, "m", USER, tools=tools, call_required_by="required", tool_name=tool_name))
+    got = tok.decode(prompt.token_ids, skip_special_tokens=False)
+    assert natural.startswith(got) and len(got) > len(tok.apply_chat_template(
+        USER, tools=tools, tokenize=False, add_generation_prompt=True))

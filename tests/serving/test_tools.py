@@ -195,6 +195,27 @@ def test_call_to_a_tool_not_offered_is_text(syntax, text):
     assert shown == text and calls == []
 
 
+QUESTION = 'what does [TOOL_CALLS] mean in Mistral?'
+
+
+@pytest.mark.parametrize("text", [
+    kept("[TOOL_CALLS]") + 'search' + kept("[ARGS]") + '{"q": "' + QUESTION + '"}',
+    kept("[TOOL_CALLS]") + ' [{"name": "search", "arguments": {"q": "' + QUESTION + '"}}]',
+    "I quote [TOOL_CALLS] here. " + kept("[TOOL_CALLS]") + 'search' + kept("[ARGS]") + '{"q": "' + QUESTION + '"}',
+])
+def test_mistral_marker_text_inside_arguments_is_not_a_marker(text):
+    """Where the marker is a kept special token, only that token separates calls: the same
+    text in ordinary tokens (in an argument, or in prose before the call) is the model's own.
+    It split the call, and the whole answer came back as text."""
+    names = frozenset({"search"})
+    prose = text[:text.index(KEPT_OPEN)].rstrip()
+    out = parse_tool_calls(text, names=names, syntax=MISTRAL)
+    assert calls_of(out) == [("search", {"q": QUESTION})] and out.text == prose
+    for size in (1, 3, len(text)):
+        shown, calls = stream_with(MISTRAL, text, size, names=names, hidden=MISTRAL.markers)
+        assert shown == prose and calls_of_list(calls) == [("search", {"q": QUESTION})]
+
+
 def stream_with(syntax, text, size, names=None, hidden=()):
     f = ToolCallStreamFilter(syntax=syntax, names=names, hidden=hidden)
     shown = "".join(f.feed(text[i:i + size]) for i in range(0, len(text), size))
@@ -272,3 +293,15 @@ def test_parser_detected_from_the_template(template, parser):
 def test_forced_prefix_per_syntax(syntax, tail):
     out = parse_tool_calls(forced_call_prefix("get_weather", syntax) + tail, syntax=syntax)
     assert calls_of(out) == [("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("syntax,text,calls", [
+    (tool_call_syntax("hermes", None), CALL, ["get_weather"]),  # closed by </tool_call>: whole however the answer ended
+    (LLAMA, L_CALL, []), (MISTRAL, M_ARGS, []), (MISTRAL, M_LIST, []),
+])
+def test_an_answer_the_model_did_not_end_has_calls_only_where_they_close(syntax, text, calls):
+    assert [c.name for c in parse_tool_calls(text, syntax=syntax, ended=False).tool_calls] == calls
+    f = ToolCallStreamFilter(syntax=syntax)
+    shown = f.feed(text)
+    rest, found = f.finish(ended=False)
+    assert [c.name for c in found] == calls and (shown + rest == text if not calls else True)

@@ -74,6 +74,7 @@ class IncrementalDetokenizer:
         self._kept = {i: KEPT_OPEN + tokenizer.decode([i], skip_special_tokens=False,
                                                       clean_up_tokenization_spaces=False) + KEPT_CLOSE
                       for i in keep & self._skipped}
+        self._kept_texts = frozenset(self._kept.values())
         self._out: list[int] = []  # the output index of each token in the window after the prompt's
         self._n_out = 0
         self._late: list[int] = []  # skipped tokens that came while text was held
@@ -284,8 +285,10 @@ class IncrementalDetokenizer:
 
     def _check_stop_kept(self, start: int) -> str | None:
         """_check_stop where kept tokens' text is wrapped in sentinels: stop strings are matched in
-        the text as if they were not there (as where the marker's text is plain), and a cut at a
-        wrapped marker's edge takes its sentinel with it."""
+        the text as if they were not there (as where the marker's text is plain), but none that
+        starts inside a marker (see _inside_kept). A cut at a wrapped marker's edge takes its
+        sentinel with it, and one that would fall inside it (include_stop, a stop string
+        ending there) takes the whole marker: the client never sees part of one."""
         text, longest = self.text, max(map(len, self.stop))
         base, seen = start, 0  # from longest - 1 characters before the new text on
         while base > 0 and seen < longest - 1:
@@ -297,6 +300,8 @@ class IncrementalDetokenizer:
         best: tuple[int, int, str] | None = None
         for s in self.stop:
             i = view.find(s, max(0, new - len(s) + 1))
+            while i >= 0 and self._inside_kept(at[i]):
+                i = view.find(s, i + 1)
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
         if best is None:
@@ -304,8 +309,9 @@ class IncrementalDetokenizer:
         end, i, s = best
         if self.include_stop:
             cut = at[end - 1] + 1
-            if text[cut:cut + 1] == KEPT_CLOSE:
-                cut += 1
+            span = self._kept_span(at[end - 1])
+            if span is not None:  # ends in a marker: the marker goes whole
+                cut = span[1] + 1
         else:
             cut = at[i]
             if cut > 0 and text[cut - 1] == KEPT_OPEN:
@@ -313,6 +319,26 @@ class IncrementalDetokenizer:
         self.text = text[:cut]
         self.matched_stop = s
         return s
+
+    def _kept_span(self, j: int) -> tuple[int, int] | None:
+        """(its KEPT_OPEN, its KEPT_CLOSE) where `text[j]` lies in a wrapped marker, else None."""
+        text = self.text
+        o = text.rfind(KEPT_OPEN, 0, j)
+        if o < 0:
+            return None
+        c = text.find(KEPT_CLOSE, o)
+        if c < j or text[o:c + 1] not in self._kept_texts:
+            return None
+        return o, c
+
+    def _inside_kept(self, j: int) -> bool:
+        """Whether `text[j]` lies in a wrapped marker past its first character. A stop string
+        starting there does not match: without tools the marker is skipped, so it never
+        matched there; and where it ends after the marker, the marker's head may already have
+        been sent while streaming (held back only by the stop's length), so no cut could
+        leave the streamed and the whole text alike (a cut inside it showed part of it)."""
+        span = self._kept_span(j)
+        return span is not None and j > span[0] + 1
 
     def delta(self, finished: bool) -> str:
         """Text not yet sent; while running, keep back what could still become a stop string."""

@@ -369,7 +369,7 @@ def usage_of(num_prompt: int, num_cached: int, num_output: int) -> Usage:
 
 def message_response(result: Generation, prompt: ChatPrompt, model: str, message_id: str) -> MessageResponse:
     content: list[TextContent | ToolUseContent] = []
-    text, calls = prompt.split_tool_calls(result.text, id_prefix="toolu_")
+    text, calls = prompt.split_tool_calls(result, id_prefix="toolu_")
     if text:
         content.append(TextContent(text=text))
     content.extend(ToolUseContent(id=c.id, name=c.name, input=c.arguments) for c in calls)

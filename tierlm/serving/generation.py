@@ -72,12 +72,14 @@ class ChatPrompt:
         """The syntax's marker tokens a decode would skip, kept while calls are looked for."""
         return list(self.tool_calls.keep_token_ids) if self.parse_tools and self.tool_calls.keep_token_ids else None
 
-    def split_tool_calls(self, text: str, id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
-        """A finished answer as (prose, tool calls); calls only where the template's syntax is known."""
+    def split_tool_calls(self, result: "Generation", id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
+        """A finished answer as (prose, tool calls); calls only where the template's syntax is
+        known (and, in a syntax without an end marker, where the model ended the answer)."""
+        text = result.text
         if not self.parse_tools:
             return text, []
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
-                                            syntax=self.tool_calls.syntax)
+                                            syntax=self.tool_calls.syntax, ended=result.ended_by_eos)
         prose = toolcalls.scrub(parsed.text, self.tool_calls.hidden)
         return self.without_forced_prefix(prose, parsed.tool_calls), parsed.tool_calls
 
@@ -141,12 +143,15 @@ async def chat_prompt(
                     "drop the final assistant message or use tool_choice 'auto'",
                     param="tool_choice",
                 )
+            # Written after the generation prompt, as the template writes a call there: as an
+            # assistant prefill (continue_final_message) a template's own text for the turn came
+            # first (Mistral v0.3's " " + content|trim: "[/INST] [TOOL_CALLS]", where it renders
+            # a call "[/INST][TOOL_CALLS] [{").
             forced = toolcalls.forced_call_prefix(tool_name, tool_calls.syntax)
-            messages = [*messages, {"role": "assistant", "content": forced}]
-            continue_final_message = True
+            add_generation_prompt = True
     token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message, check_length=check_length,
-                                  template_kwargs=template_kwargs)
+                                  template_kwargs=template_kwargs, suffix=forced)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls)
 
@@ -161,8 +166,10 @@ async def render_chat(
     continue_final_message: bool = False,
     check_length: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    suffix: str = "",
 ) -> list[int]:
-    """Chat messages → prompt token ids through the model's own chat template.
+    """Chat messages → prompt token ids through the model's own chat template (and `suffix`
+    after it: a forced call's start).
 
     Runs in a worker thread: rendering and tokenizing a long conversation takes seconds, during
     which the event loop must keep serving everyone else. With `check_length`, a rendered text
@@ -171,7 +178,7 @@ async def render_chat(
     shape it does not know), so failures are 400s that name `messages`.
     """
     args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length,
-            template_kwargs)
+            template_kwargs, suffix)
     if not check_length:  # counting only: see _COUNTING
         return await asyncio.get_running_loop().run_in_executor(_COUNTING, _render_chat, *args)
     return await asyncio.to_thread(_render_chat, *args)
@@ -186,6 +193,7 @@ def _render_chat(
     continue_final_message: bool,
     check_length: bool,
     template_kwargs: dict[str, Any] | None = None,
+    suffix: str = "",
 ) -> list[int]:
     context = int(engine.max_model_len)
     if check_length and len(messages) > context:
@@ -208,6 +216,7 @@ def _render_chat(
             f"the chat template of model '{model}' cannot render these messages: {exc}",
             param="messages",
         ) from None
+    text += suffix
     if check_length:  # the rendered text, not the messages: templates trim, add and repeat text
         refuse_certainly_too_long(engine, model, text, "messages")
     else:
@@ -349,6 +358,12 @@ class Generation:
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
 
+    @property
+    def ended_by_eos(self) -> bool:
+        """The model ended the answer (an EOS token), not max_tokens, a stop string or a
+        request's stop token."""
+        return self.finish_reason == "stop" and self.stop_reason is None
+
 
 class StreamedAnswer:
     """A streamed answer as a client may see it: the text as it comes, except that whatever may
@@ -372,7 +387,7 @@ class StreamedAnswer:
             self.result.add(delta)
             yield (self._filter.feed(delta.text) if self._filter is not None else delta.text), delta
         if self._filter is not None:
-            rest, self.calls = self._filter.finish()
+            rest, self.calls = self._filter.finish(ended=self.result.ended_by_eos)
             rest = self._prompt.without_forced_prefix(rest, self.calls)
             if rest:
                 yield rest, None

@@ -450,7 +450,7 @@ def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: Chat
                   completion_id: str, top_n: int | None) -> ChatCompletion:
     choices = []
     for i, result in enumerate(results):
-        text, calls = prompt.split_tool_calls(result.text, id_prefix="call_")
+        text, calls = prompt.split_tool_calls(result, id_prefix="call_")
         message = ResponseMessage(content=text if (text or not calls) else None,
                                   tool_calls=_tool_calls_out(calls) or None)
         choices.append(ChatChoice(

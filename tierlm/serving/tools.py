@@ -77,25 +77,30 @@ class ToolCallSyntax:
     # A call's JSON must hold `arguments` or `parameters` (vLLM's llama3_json and mistral parsers
     # index one or the other): where a call is plain JSON, `{"name": ...}` alone is just JSON.
     needs_arguments = True
+    # Calls end with a marker of their own (Hermes' </tool_call>): a closed call is whole however
+    # the answer ended. Without one (llama3_json, mistral) the answer is calls only where the
+    # model ended it: cut by max_tokens, a stop string or a stop token right after a complete
+    # call, it may have been going on to another call or to prose, which was lost.
+    closes_calls = False
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(where a call begins in `text`, the whole answer so far, or None; how many characters
         at its end may still turn out to begin one). By default calls begin at `start`, anywhere."""
         return _find_marker(text, self.start)
 
-    def parse(self, text: str, id_prefix: str, names: frozenset[str] | None) -> ParsedOutput:
+    def parse(self, text: str, id_prefix: str, names: frozenset[str] | None, ended: bool = True) -> ParsedOutput:
         """Prose and calls; the whole text as prose if any call fails (see parse_tool_calls)."""
         start, _ = self.locate(text)
-        if start is None:
+        if start is None or not (ended or self.closes_calls):
             return ParsedOutput(text=text, tool_calls=[])
-        calls = self._calls(_unwrapped(text[start:]), id_prefix)
+        calls = self._calls(text[start:], id_prefix)
         if not calls or any(names is not None and c.name not in names for c in calls):
             return ParsedOutput(text=text, tool_calls=[])
         return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        """The calls `text` (from the start marker on, kept markers unwrapped) holds, or None if
-        it is not all calls."""
+        """The calls `text` (from the start marker on; kept markers wrapped, see _unwrapped)
+        holds, or None if it is not all calls."""
         raise NotImplementedError
 
     def forced_prefix(self, tool_name: str | None) -> str:
@@ -105,11 +110,12 @@ class ToolCallSyntax:
 class HermesSyntax(ToolCallSyntax):
     name = "hermes"
     start = TOOL_CALL_START
+    closes_calls = True
     needs_arguments = False  # the tag says it is a call: `{"name": ...}` alone calls with {}
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         calls = []
-        for match in _CALL_RE.finditer(text):
+        for match in _CALL_RE.finditer(_unwrapped(text)):
             call = _parse_one(match.group(1), id_prefix, self.needs_arguments) if match.group(2) else None
             if call is None:
                 return None
@@ -137,7 +143,7 @@ class Llama3JsonSyntax(ToolCallSyntax):
         return None, len(rest) if PYTHON_TAG.startswith(rest) or tag.startswith(rest) else 0
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        body = text.removeprefix(PYTHON_TAG)
+        body = _unwrapped(text).removeprefix(PYTHON_TAG)
         decoder = json.JSONDecoder()
         calls, pos = [], 0
         while True:
@@ -173,9 +179,20 @@ class MistralSyntax(ToolCallSyntax):
     def __init__(self, args_form: bool = False) -> None:
         self.args_form = args_form  # the template writes `name[ARGS]{...}` (how a forced call starts)
 
+    def locate(self, text: str) -> tuple[int | None, int]:
+        """Calls begin at the kept marker token where there is one (the same text in ordinary
+        tokens before it is prose), else at the marker's text."""
+        at = text.find(KEPT_OPEN + MISTRAL_CALLS + KEPT_CLOSE)
+        return (at, 0) if at >= 0 else _find_marker(text, self.start)
+
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         calls: list[ParsedToolCall] = []
-        for part in text.split(MISTRAL_CALLS)[1:]:
+        # Where the marker is a kept special token, only the wrapped one separates calls: the
+        # same text in ordinary tokens is the model's own (an argument asking what
+        # "[TOOL_CALLS]" means), which read as a marker made the whole answer text.
+        wrapped = KEPT_OPEN + MISTRAL_CALLS + KEPT_CLOSE
+        parts = text.split(wrapped if wrapped in text else MISTRAL_CALLS)[1:]
+        for part in map(_unwrapped, parts):
             if MISTRAL_ARGS in part:  # name[ARGS]{...}, or name[CALL_ID]id[ARGS]{...}
                 head, args = part.split(MISTRAL_ARGS, 1)
                 name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
@@ -206,7 +223,7 @@ class MistralSyntax(ToolCallSyntax):
             return MISTRAL_CALLS
         if self.args_form:
             return MISTRAL_CALLS + tool_name + MISTRAL_ARGS
-        return MISTRAL_CALLS + '[{"name": ' + json.dumps(tool_name) + ', "arguments": '
+        return MISTRAL_CALLS + ' [{"name": ' + json.dumps(tool_name) + ', "arguments": '  # as v0.3's template
 
 
 HERMES = HermesSyntax()
@@ -297,15 +314,17 @@ def template_tool_call_id(call_id: str) -> str:
 
 
 def parse_tool_calls(text: str, id_prefix: str = "toolu_", names: frozenset[str] | None = None,
-                     syntax: ToolCallSyntax = HERMES) -> ParsedOutput:
+                     syntax: ToolCallSyntax = HERMES, ended: bool = True) -> ParsedOutput:
     """Split `text` into prose and the tool calls `syntax` finds.
 
     If any call is not valid JSON with a string `name`, names a tool not in `names` (the tools
     the request offered, when given: both APIs only ever call those), or is not closed
     (cut off by max_tokens), nothing is treated as a call and the whole text is returned as
-    prose: a half-parsed answer is worse than the raw one.
+    prose: a half-parsed answer is worse than the raw one. `ended`: the model ended the answer
+    (EOS), not max_tokens, a stop string or a stop token; without it a syntax whose calls have
+    no end marker finds none (see ToolCallSyntax.closes_calls).
     """
-    return syntax.parse(text, id_prefix, names)
+    return syntax.parse(text, id_prefix, names, ended)
 
 
 def scrub(text: str, markers: tuple[str, ...]) -> str:
@@ -414,20 +433,23 @@ class ToolCallStreamFilter:
         self._shown = self._shown or bool(shown)
         return shown
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """(text still to show, parsed calls). Unparseable calls come back as text."""
-        rest, calls = self._finish()
+    def finish(self, ended: bool = True) -> tuple[str, list[ParsedToolCall]]:
+        """(text still to show, parsed calls). Unparseable calls come back as text. `ended`: see
+        parse_tool_calls."""
+        rest, calls = self._finish(ended)
         return self._scrub.feed(rest) + self._scrub.finish(), calls
 
-    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
+    def _finish(self, ended: bool) -> tuple[str, list[ParsedToolCall]]:
         if self._buffer is None:
             rest, self._pending = self._pending, ""
             return rest, []
-        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names, self._syntax)
+        parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names, self._syntax, ended)
         buffered, self._buffer = self._space + self._buffer, None
         if not parsed.tool_calls:
             return buffered, []
-        return parsed.text, parsed.tool_calls
+        # prose in the buffer: the calls begin at a kept marker after the same text in ordinary
+        # tokens, where buffering began (see MistralSyntax.locate)
+        return (self._space + parsed.text if parsed.text else ""), parsed.tool_calls
 
 
 class _MarkerScrubber:
