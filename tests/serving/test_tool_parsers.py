@@ -381,14 +381,30 @@ MISTRAL03_REAL_TEMPLATE = r'''{%- if messages[0]["role"] == "system" %}
 '''
 
 
-@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL03_REAL_TEMPLATE])  # (LLAMA_TEMPLATE writes
+# Qwen3's shape: an assistant turn opens with an empty think block, which its generation prompt
+# leaves out (written here for these tests).
+QWEN3_STYLE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}<|im_start|>user\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n<think>\n\n</think>\n\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL03_REAL_TEMPLATE, QWEN3_STYLE_TEMPLATE])  # (LLAMA_TEMPLATE writes
 # <|python_tag|> before a call, which a forced llama3_json call leaves out)
 @pytest.mark.parametrize("tool_name", [None, "get_weather"])
 def test_a_forced_call_starts_as_the_template_writes_a_call(demo_tokenizer, tmp_path, template, tool_name):
     """tool_choice required / a named tool: the prompt is how the template renders the
     conversation with that call as the assistant turn, cut inside the call. As an assistant
     prefill it was not for Mistral v0.3, whose assistant branch writes " " + content first:
-    "[/INST] [TOOL_CALLS]" where a call renders "[/INST][TOOL_CALLS] [{"."""
+    "[/INST] [TOOL_CALLS]" where a call renders "[/INST][TOOL_CALLS] [{"; after the generation
+    prompt it is not for Qwen3's shape, whose call turn opens with an empty think block."""
     import asyncio
 
     from transformers import AutoTokenizer

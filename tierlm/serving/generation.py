@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
@@ -143,15 +144,13 @@ async def chat_prompt(
                     "drop the final assistant message or use tool_choice 'auto'",
                     param="tool_choice",
                 )
-            # Written after the generation prompt, as the template writes a call there: as an
-            # assistant prefill (continue_final_message) a template's own text for the turn came
-            # first (Mistral v0.3's " " + content|trim: "[/INST] [TOOL_CALLS]", where it renders
-            # a call "[/INST][TOOL_CALLS] [{").
+            # Written where the template writes a call: see _forced_call_text.
             forced = toolcalls.forced_call_prefix(tool_name, tool_calls.syntax)
             add_generation_prompt = True
+    call_name = tool_name or (tools[0]["function"]["name"] if tools else "")
     token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message, check_length=check_length,
-                                  template_kwargs=template_kwargs, suffix=forced)
+                                  template_kwargs=template_kwargs, suffix=forced, call_name=call_name)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls)
 
@@ -167,9 +166,10 @@ async def render_chat(
     check_length: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     suffix: str = "",
+    call_name: str = "",
 ) -> list[int]:
-    """Chat messages → prompt token ids through the model's own chat template (and `suffix`
-    after it: a forced call's start).
+    """Chat messages → prompt token ids through the model's own chat template (and `suffix`, a
+    forced call's start of a call to `call_name`, where the template writes a call).
 
     Runs in a worker thread: rendering and tokenizing a long conversation takes seconds, during
     which the event loop must keep serving everyone else. With `check_length`, a rendered text
@@ -178,7 +178,7 @@ async def render_chat(
     shape it does not know), so failures are 400s that name `messages`.
     """
     args = (engine, model, messages, tools, add_generation_prompt, continue_final_message, check_length,
-            template_kwargs, suffix)
+            template_kwargs, suffix, call_name)
     if not check_length:  # counting only: see _COUNTING
         return await asyncio.get_running_loop().run_in_executor(_COUNTING, _render_chat, *args)
     return await asyncio.to_thread(_render_chat, *args)
@@ -194,6 +194,7 @@ def _render_chat(
     check_length: bool,
     template_kwargs: dict[str, Any] | None = None,
     suffix: str = "",
+    call_name: str = "",
 ) -> list[int]:
     context = int(engine.max_model_len)
     if check_length and len(messages) > context:
@@ -202,13 +203,16 @@ def _render_chat(
         raise ContextLengthExceeded(context=context, prompt_tokens=len(messages), max_tokens=None,
                                     prompt_field="messages", at_least=True)
     try:
-        text = engine.chat_text(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
-        )
+        if suffix:
+            text = _forced_call_text(engine, messages, tools, template_kwargs, suffix, call_name)
+        else:
+            text = engine.chat_text(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
     except TierlmError as exc:
         raise from_engine_error(exc, model) from None
     except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...
@@ -216,12 +220,41 @@ def _render_chat(
             f"the chat template of model '{model}' cannot render these messages: {exc}",
             param="messages",
         ) from None
-    text += suffix
     if check_length:  # the rendered text, not the messages: templates trim, add and repeat text
         refuse_certainly_too_long(engine, model, text, "messages")
     else:
         refuse_too_long_to_count(engine, model, text)
     return encode_prompt_text(engine, model, text, "messages", rendered=True)
+
+
+def _forced_call_text(engine: "AsyncEngine", messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None, start: str, call_name: str) -> str:
+    """The prompt for a forced call: the conversation, then the call's `start` where the template
+    writes a call. Templates differ on where that is, so two forms are rendered and the one that
+    agrees longer with the template's own rendering of a call turn is kept:
+    - the start as an assistant prefill (continue_final_message): right where a template writes
+      text of its own before a call (Qwen3's empty think block), wrong where it writes text
+      before an assistant message's content (Mistral v0.3's " " + content: "[/INST] [TOOL_CALLS]",
+      where it renders a call "[/INST][TOOL_CALLS] [{");
+    - the generation prompt with the start appended: the other way round.
+    Where the call turn cannot be rendered, the prefill (tierlm's form before both were tried)."""
+    def render(extra: list[dict[str, Any]], **kwargs: Any) -> str:
+        return engine.chat_text([*messages, *extra], tools=tools, template_kwargs=template_kwargs, **kwargs)
+
+    prefill = render([{"role": "assistant", "content": start}], add_generation_prompt=False,
+                     continue_final_message=True)
+    appended = render([], add_generation_prompt=True, continue_final_message=False) + start
+    if prefill == appended:
+        return prefill
+    placeholder = {"id": toolcalls.template_tool_call_id("forced"), "type": "function",
+                   "function": {"name": call_name, "arguments": {}}}
+    try:
+        written = render([{"role": "assistant", "content": "", "tool_calls": [placeholder]}],
+                         add_generation_prompt=False, continue_final_message=False)
+    except Exception:  # a template that cannot render this turn: keep the prefill
+        return prefill
+    agree = lambda text: len(os.path.commonprefix([text, written]))  # noqa: E731
+    return appended if agree(appended) > agree(prefill) else prefill
 
 
 def encode_prompt_text(engine: "AsyncEngine", model: str, text: str, prompt_field: str, rendered: bool = False) -> list[int]:
