@@ -85,6 +85,23 @@ def test_an_allowed_token_outside_the_vocabulary_is_refused_by_id(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_allowed_tokens_that_leave_nothing_to_sample_are_refused(llm):
+    """Allowed only EOS under min_tokens, or only a one-token bad word: every logit was -inf and
+    the sampler drew token 0 (greedy) or the vocabulary's last (sampled), outside the set."""
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    with pytest.raises(InvalidRequestError, match="every allowed token ends the request") as info:
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=4, temperature=1.0))
+    assert info.value.param == "allowed_token_ids"
+    word = next(w for w in ("a", "b", "c", "x") if len(llm.engine.bad_words([w]).always) == 2)
+    banned = llm.engine.bad_words([word]).always
+    with pytest.raises(InvalidRequestError, match="every allowed token is a one-token bad word"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=banned, bad_words=[word], max_tokens=4))
+    ok = llm.generate([PROMPT], SamplingParams(allowed_token_ids=[eos, 7], min_tokens=3, max_tokens=4,
+                                               temperature=0))[0].outputs[0].token_ids
+    assert ok[:3] == [7, 7, 7]  # EOS held back: the one other token allowed
+    assert not llm.engine.has_unfinished()
+
+
 # ---- bad_words ---------------------------------------------------------------------------------
 
 LETTERS = "dfgjqvwx"  # one token each in the test tokenizer, and no two of them merge

@@ -421,11 +421,30 @@ class LLMEngine:
                 f"prompt + max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
                 "lower max_tokens or start the engine with more kv_cache_memory", param="max_tokens")
         bad_words = self.bad_words(params.bad_words) if params.bad_words else None
+        if allowed is not None:
+            self._check_something_allowed(allowed, bad_words, params)
         rid = request_id or uuid.uuid4().hex
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
                        tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen,
                        allowed_token_ids=allowed, bad_words=bad_words)
+
+    def _check_something_allowed(self, allowed: torch.Tensor, bad_words: BadWords | None,
+                                 params: SamplingParams) -> None:
+        """Refuse allowed_token_ids that leave nothing to sample: every one a one-token bad word, or,
+        under min_tokens, every one a token that ends the request (held back until then). The
+        sampler would draw from a row of -inf: token 0, or the vocabulary's last."""
+        usable = set(allowed.tolist()) - set(bad_words.always if bad_words else ())
+        if not usable:
+            raise InvalidRequestError("allowed_token_ids: every allowed token is a one-token bad word, so no token "
+                                      "can be sampled; allow another token or drop that bad word",
+                                      param="allowed_token_ids")
+        if params.min_tokens:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if usable <= ends:
+                raise InvalidRequestError("allowed_token_ids: every allowed token ends the request (EOS or a stop "
+                                          "token), which min_tokens holds back, so no token can be sampled before "
+                                          "it; allow another token or drop min_tokens", param="allowed_token_ids")
 
     def bad_words(self, words: Sequence[str]) -> BadWords:
         """`words` (a request's bad_words) as token ids, from a small cache: the server calls this
