@@ -46,6 +46,9 @@ class Request:
     # params.allowed_token_ids as a CPU tensor, without repeats, and params.bad_words as token ids:
     # made once, when the request is made (the engine knows the vocabulary and the tokenizer).
     allowed_token_ids: torch.Tensor | None = None
+    # The allowed set as a vocabulary-wide mask on the logits' device, built at its first step
+    # (rebuilding it from the ids every step cost ~50 ms for 32 rows allowing 150k tokens each).
+    allowed_mask: torch.Tensor | None = None
     bad_words: BadWords | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None

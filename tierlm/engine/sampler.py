@@ -32,17 +32,22 @@ def _padded_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.devic
 
 
 def apply_allowed_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Rows with `allowed_token_ids`: every other token -inf. The rows' allowed sets become one
-    rows x vocab mask on the device, from one scatter of their padded ids (checked against the
-    vocabulary, without repeats, when the request was made)."""
+    """Rows with `allowed_token_ids`: every other token -inf. Each request's allowed set becomes
+    a vocabulary-wide mask on the device once (its ids were checked against the vocabulary when
+    it was made); a step stacks the rows' masks."""
     asks = [i for i, r in enumerate(reqs) if r.allowed_token_ids is not None]
     if not asks:
         return logits
     dev, vocab = logits.device, logits.shape[1]
-    ids = _padded_ids([reqs[i].allowed_token_ids for i in asks], vocab, dev)
-    allowed = torch.zeros(len(asks), vocab + 1, dtype=torch.bool, device=dev)
-    allowed.scatter_(1, ids, True)  # column `vocab` takes the padding
-    banned = ~allowed[:, :vocab]
+    masks = []
+    for i in asks:
+        r = reqs[i]
+        if r.allowed_mask is None or r.allowed_mask.device != dev or r.allowed_mask.shape[0] != vocab:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[r.allowed_token_ids] = True
+            r.allowed_mask = mask.to(dev, non_blocking=True)
+        masks.append(r.allowed_mask)
+    banned = ~torch.stack(masks)
     if len(asks) == len(reqs):
         return logits.masked_fill_(banned, float("-inf"))
     rows = torch.tensor(asks, dtype=torch.long).to(dev, non_blocking=True)
