@@ -230,8 +230,8 @@ def _render_chat(
 def _forced_call_text(engine: "AsyncEngine", messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None, start: str, call_name: str) -> str:
     """The prompt for a forced call: the conversation, then the call's `start` where the template
-    writes a call. Templates differ on where that is, so two forms are rendered and the one that
-    agrees longer with the template's own rendering of a call turn is kept:
+    writes a call. Templates differ on where that is, so two forms are rendered and the one whose
+    text before the call agrees longer with the template's own rendering of a call turn is kept:
     - the start as an assistant prefill (continue_final_message): right where a template writes
       text of its own before a call (Qwen3's empty think block), wrong where it writes text
       before an assistant message's content (Mistral v0.3's " " + content: "[/INST] [TOOL_CALLS]",
@@ -253,8 +253,25 @@ def _forced_call_text(engine: "AsyncEngine", messages: list[dict[str, Any]], too
                          add_generation_prompt=False, continue_final_message=False)
     except Exception:  # a template that cannot render this turn: keep the prefill
         return prefill
-    agree = lambda text: len(os.path.commonprefix([text, written]))  # noqa: E731
+    # Compared by the text just before the call (how the turn opens), not from the start: a
+    # template may write earlier text differently once an assistant turn follows (Mistral v0.3
+    # puts the system prompt into the last user turn only), which says nothing about the call.
+    lead = _before_call(written, start)
+
+    def agree(text: str) -> int:
+        return len(os.path.commonprefix([_before_call(text, start)[::-1], lead[::-1]]))
     return appended if agree(appended) > agree(prefill) else prefill
+
+
+def _before_call(text: str, start: str) -> str:
+    """`text` up to where a call's `start` begins in it (its last occurrence; the longest part of
+    the start found there, as a template may trim it or write the arguments differently)."""
+    start = start.strip()
+    for n in range(len(start), 0, -1):
+        at = text.rfind(start[:n])
+        if at >= 0:
+            return text[:at]
+    return text
 
 
 def encode_prompt_text(engine: "AsyncEngine", model: str, text: str, prompt_field: str, rendered: bool = False) -> list[int]:
