@@ -102,6 +102,20 @@ def test_allowed_tokens_that_leave_nothing_to_sample_are_refused(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_a_step_that_bad_words_would_leave_without_an_allowed_token_keeps_to_the_allowed_set(llm):
+    """Only "d" allowed and "dd" a bad word: after one "d" every allowed token was banned, and the
+    sampler drew token 0 or the vocabulary's last, outside the set. The ban lapses for that step."""
+    tok = llm.engine.tokenizer
+    d = next(c for c in "defghk" if len(tok.encode(c, add_special_tokens=False)) == 1
+             and len(tok.encode(c + c, add_special_tokens=False)) == 2)
+    only = tok.encode(d, add_special_tokens=False)
+    assert llm.engine.bad_words([d + d]).after  # a two-token word: banned only after its first token
+    for temperature in (0.0, 1.0):
+        out = llm.generate([PROMPT], SamplingParams(allowed_token_ids=only, bad_words=[d + d], max_tokens=4,
+                                                    temperature=temperature, seed=3, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == only * 4, temperature
+
+
 # ---- bad_words ---------------------------------------------------------------------------------
 
 LETTERS = "dfgjqvwx"  # one token each in the test tokenizer, and no two of them merge

@@ -191,10 +191,24 @@ class Sampler:
         # the penalties' place could change a result, and -inf stays -inf through them.)
         logits = logits.clone() if want_logprobs else logits
         logits = apply_allowed_tokens(logits, reqs)
+        # Rows whose allowed set bad words or min_tokens' hold may empty at some step ("dd" a bad
+        # word and only "d" allowed, after one "d"): kept as allowed, to fall back to.
+        guarded = [i for i, r in enumerate(reqs)
+                   if r.allowed_token_ids is not None and (r.bad_words is not None or r.params.min_tokens)]
+        if guarded:
+            guard_rows = torch.tensor(guarded, dtype=torch.long).to(logits.device, non_blocking=True)
+            allowed_only = logits.index_select(0, guard_rows)
         logits = apply_bad_words(logits, reqs)
         logits = apply_logit_bias(logits, reqs)
         logits = apply_penalties(logits, reqs)
         logits = _hold_stops(logits, reqs)
+        if guarded:
+            # A row left with no token at all would draw token 0 (greedy) or the vocabulary's last
+            # (sampled), outside its set: the ban or hold lapses for that step instead; the allowed
+            # set holds. Decided on the device, without a read back.
+            rows = logits.index_select(0, guard_rows)
+            empty = torch.isneginf(rows).all(dim=1, keepdim=True)
+            logits.index_copy_(0, guard_rows, torch.where(empty, allowed_only, rows))
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(drawn) == len(reqs):
             picked = self._draw(logits, reqs)
