@@ -274,6 +274,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(demo_server, demo_
         over = c.post("/v1/completions", json={**base, "prompt": (ids * context)[:context + 9],
                                                "truncate_prompt_tokens": -1})
         assert over.status_code == 200 and over.json()["usage"]["prompt_tokens"] == context - base["max_tokens"]
+        # A text prompt to truncate is tokenized whole: bounded as count_tokens is (a 25 MB one took 4.9 GB).
+        from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN
+        huge = "a " * (COUNT_CHARS_PER_CONTEXT_TOKEN * context // 2 + 1)
+        r = c.post("/v1/completions", json={**base, "prompt": huge, "truncate_prompt_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "tokenizes prompts to truncate of up to" in r.json()["error"]["message"]
         for bad in (demo_engine.max_model_len + 1, 0, -2):
             r = c.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

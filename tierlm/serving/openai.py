@@ -38,6 +38,7 @@ from tierlm.serving.generation import (
     encode_prompt_text,
     output_budget,
     refuse_certainly_too_long,
+    refuse_too_long_to_count,
     sampling_params,
     top_k_limit,
     top_p_value,
@@ -326,7 +327,9 @@ async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) 
 def _encode_prompt(engine: "AsyncEngine", model: str, text: str, truncated: bool = False) -> list[int]:
     """A text prompt's token ids; refused unencoded when certainly too long for the context
     (unless it is to be truncated)."""
-    if not truncated:
+    if truncated:  # tokenized whole, then cut: bounded as count_tokens is (memory)
+        refuse_too_long_to_count(engine, model, text, "prompt", "tokenizes prompts to truncate")
+    else:
         refuse_certainly_too_long(engine, model, text, "prompt")
     return encode_prompt_text(engine, model, text, "prompt")
 
