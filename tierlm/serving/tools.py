@@ -198,20 +198,12 @@ class MistralSyntax(ToolCallSyntax):
                 name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
                 if not name or any(c.isspace() for c in name):
                     return None
-                try:
-                    arguments = _loads_output(args.strip())
-                except (ValueError, RecursionError):  # not JSON, or cut off (max_tokens)
-                    return None
-                call = _call_of({"name": name, "arguments": arguments}, id_prefix)
-                if call is None:
-                    return None
-                calls.append(call)
-                continue
-            try:
-                data = _loads_output(part.strip())
-            except (ValueError, RecursionError):
-                return None
-            for item in data if isinstance(data, list) else [data]:
+                # (arguments not JSON, or cut off by max_tokens: None, which no call takes)
+                items = [{"name": name, "arguments": _json_or_none(args)}]
+            else:
+                data = _json_or_none(part)
+                items = data if isinstance(data, list) else [data]
+            for item in items:
                 call = _call_of(item, id_prefix, self.needs_arguments)
                 if call is None:
                     return None
@@ -360,12 +352,17 @@ def _loads_output(text: str) -> Any:
     return data
 
 
-def _parse_one(body: str, id_prefix: str, needs_arguments: bool) -> ParsedToolCall | None:
+def _json_or_none(text: str) -> Any:
+    """`text` (stripped) as a model's JSON (see _loads_output), or None where it is not JSON
+    (nor is JSON's null ever a call or its arguments)."""
     try:
-        data = _loads_output(body.strip())
+        return _loads_output(text.strip())
     except (ValueError, RecursionError):
         return None
-    return _call_of(data, id_prefix, needs_arguments)
+
+
+def _parse_one(body: str, id_prefix: str, needs_arguments: bool) -> ParsedToolCall | None:
+    return _call_of(_json_or_none(body), id_prefix, needs_arguments)
 
 
 def _call_of(data: Any, id_prefix: str, needs_arguments: bool = True) -> ParsedToolCall | None:
@@ -376,10 +373,7 @@ def _call_of(data: Any, id_prefix: str, needs_arguments: bool = True) -> ParsedT
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models emit the arguments JSON-encoded
-        try:
-            arguments = _loads_output(arguments)
-        except (ValueError, RecursionError):
-            return None
+        arguments = _json_or_none(arguments)
     if not isinstance(arguments, dict):
         return None
     return ParsedToolCall(id=new_tool_call_id(id_prefix), name=data["name"], arguments=arguments)
