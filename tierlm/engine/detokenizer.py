@@ -271,17 +271,26 @@ class IncrementalDetokenizer:
             return None
         if self._kept:
             return self._check_stop_kept(start)
-        best: tuple[int, int, str] | None = None
-        for s in self.stop:
-            i = self.text.find(s, max(0, start - len(s) + 1))
-            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
-                best = (i + len(s), i, s)
-        if best is None:
+        found = self._earliest_stop(self.text, start)
+        if found is None:
             return None
-        _, i, s = best
+        i, s = found
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.matched_stop = s
         return s
+
+    def _earliest_stop(self, text: str, start: int, skip=None) -> tuple[int, str] | None:
+        """(where it starts, which) of the stop string that ends first in `text` from `start` on
+        (of two ending together, the one that starts first), passing over the matches at places
+        `skip` rejects; None if there is none."""
+        best: tuple[int, int, str] | None = None
+        for s in self.stop:
+            i = text.find(s, max(0, start - len(s) + 1))
+            while i >= 0 and skip is not None and skip(i):
+                i = text.find(s, i + 1)
+            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+                best = (i + len(s), i, s)
+        return None if best is None else (best[1], best[2])
 
     def _check_stop_kept(self, start: int) -> str | None:
         """_check_stop where kept tokens' text is wrapped in sentinels: stop strings are matched in
@@ -297,16 +306,11 @@ class IncrementalDetokenizer:
         at = [j for j in range(base, len(text)) if text[j] not in _SENTINELS]
         view = "".join(text[j] for j in at)
         new = bisect.bisect_left(at, start)  # where the new text starts in `view`
-        best: tuple[int, int, str] | None = None
-        for s in self.stop:
-            i = view.find(s, max(0, new - len(s) + 1))
-            while i >= 0 and self._inside_kept(at[i]):
-                i = view.find(s, i + 1)
-            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
-                best = (i + len(s), i, s)
-        if best is None:
+        found = self._earliest_stop(view, new, skip=lambda i: self._inside_kept(at[i]))
+        if found is None:
             return None
-        end, i, s = best
+        i, s = found
+        end = i + len(s)
         if self.include_stop:
             cut = at[end - 1] + 1
             span = self._kept_span(at[end - 1])

@@ -22,11 +22,11 @@ from tierlm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 def _padded_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Rows of token ids, right-padded with `pad`, built on the host and sent in one copy (per-row
-    tensors would be one blocking copy each on a GPU). A row may be a CPU tensor (a memory copy)."""
+    tensors would be one blocking copy each on a GPU)."""
     width = max((len(ids) for ids in id_lists), default=0)
     host = torch.full((len(id_lists), max(width, 1)), pad, dtype=torch.long)
     for i, ids in enumerate(id_lists):
-        if len(ids):
+        if ids:
             host[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
     return host.to(device, non_blocking=True)
 
