@@ -114,13 +114,9 @@ class HermesSyntax(ToolCallSyntax):
     needs_arguments = False  # the tag says it is a call: `{"name": ...}` alone calls with {}
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        calls = []
-        for match in _CALL_RE.finditer(_unwrapped(text)):
-            call = _parse_one(match.group(1), id_prefix, self.needs_arguments) if match.group(2) else None
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+        # (an unclosed call, cut off: None, which no call takes)
+        items = [_json_or_none(m.group(1)) if m.group(2) else None for m in _CALL_RE.finditer(_unwrapped(text))]
+        return _all_calls(items, id_prefix, self.needs_arguments)
 
     def forced_prefix(self, tool_name: str | None) -> str:
         if tool_name is None:
@@ -145,25 +141,22 @@ class Llama3JsonSyntax(ToolCallSyntax):
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         body = _unwrapped(text).removeprefix(PYTHON_TAG)
         decoder = json.JSONDecoder()
-        calls, pos = [], 0
+        items, pos = [], 0
         while True:
             pos = len(body) - len(body[pos:].lstrip())
             try:
                 _, end = decoder.raw_decode(body, pos)
             except (ValueError, RecursionError):  # not JSON, or cut off (max_tokens)
                 return None
-            call = _parse_one(body[pos:end], id_prefix, self.needs_arguments)
-            if call is None:
-                return None
-            calls.append(call)
+            items.append(_json_or_none(body[pos:end]))
             rest = body[end:].lstrip()
             if not rest:
-                return calls
+                return _all_calls(items, id_prefix, self.needs_arguments)
             if not rest.startswith(";"):
                 return None
             pos = len(body) - len(rest) + 1
             if not body[pos:].strip():  # a trailing `;`
-                return calls
+                return _all_calls(items, id_prefix, self.needs_arguments)
 
     def forced_prefix(self, tool_name: str | None) -> str:
         if tool_name is None:
@@ -186,7 +179,7 @@ class MistralSyntax(ToolCallSyntax):
         return (at, 0) if at >= 0 else _find_marker(text, self.start)
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
-        calls: list[ParsedToolCall] = []
+        items: list[Any] = []
         # Where the marker is a kept special token, only the wrapped one separates calls: the
         # same text in ordinary tokens is the model's own (an argument asking what
         # "[TOOL_CALLS]" means), which read as a marker made the whole answer text.
@@ -199,16 +192,11 @@ class MistralSyntax(ToolCallSyntax):
                 if not name or any(c.isspace() for c in name):
                     return None
                 # (arguments not JSON, or cut off by max_tokens: None, which no call takes)
-                items = [{"name": name, "arguments": _json_or_none(args)}]
+                items.append({"name": name, "arguments": _json_or_none(args)})
             else:
                 data = _json_or_none(part)
-                items = data if isinstance(data, list) else [data]
-            for item in items:
-                call = _call_of(item, id_prefix, self.needs_arguments)
-                if call is None:
-                    return None
-                calls.append(call)
-        return calls
+                items += data if isinstance(data, list) else [data]
+        return _all_calls(items, id_prefix, self.needs_arguments)
 
     def forced_prefix(self, tool_name: str | None) -> str:
         if tool_name is None:
@@ -361,8 +349,11 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-def _parse_one(body: str, id_prefix: str, needs_arguments: bool) -> ParsedToolCall | None:
-    return _call_of(_json_or_none(body), id_prefix, needs_arguments)
+def _all_calls(items: list[Any], id_prefix: str, needs_arguments: bool) -> list[ParsedToolCall] | None:
+    """The calls parsed JSON `items` describe, or None if any one is not a call (then the whole
+    answer is text: a half-parsed answer is worse than the raw one)."""
+    calls = [_call_of(item, id_prefix, needs_arguments) for item in items]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
 def _call_of(data: Any, id_prefix: str, needs_arguments: bool = True) -> ParsedToolCall | None:
