@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import uuid
 
 import anthropic
 import httpx
 import pytest
 
-from tests.serving.harness import API_KEY, ServerThread, record_requests, sdk_clients
-from tests.serving.scripted_model import ENGINE_OPTIONS, TEXT_MODEL, TOOLS_MODEL
+from tests.serving.harness import API_KEY, ServerThread, parse_sse, record_requests, sdk_clients
+from tests.serving.scripted_model import ENGINE_OPTIONS, REPLY, TEXT_MODEL, TOOLS_MODEL
+from tierlm.models.demo import CHAT_TEMPLATE
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
 
@@ -45,20 +47,28 @@ MISTRAL_TEMPLATE = (
 MISTRAL_MODEL = "scripted-mistral"
 
 
-@pytest.fixture(scope="module")
-def mistral(scripted_models, tmp_path_factory):
-    """A scripted checkpoint whose chat template checks tool call ids as Mistral's do, served alone."""
-    path = tmp_path_factory.mktemp("mistral") / MISTRAL_MODEL
-    shutil.copytree(scripted_models[TOOLS_MODEL].path, path)
+def serve_with_template(source, out, name: str, template: str, **engine_options):
+    """A copy of the scripted checkpoint at `source` with chat template `template`, served alone:
+    (its engine, an SDK client, the server)."""
+    path = out / name
+    shutil.copytree(source, path)
     for f in path.glob("chat_template.j*"):
         f.unlink()
     config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": MISTRAL_TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     from tierlm.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_model(str(path), served_model_name=MISTRAL_MODEL, **ENGINE_OPTIONS)
-    server = ServerThread(build_app({MISTRAL_MODEL: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
-    yield engine, sdk_clients(server.url)[0]
+    engine = AsyncEngine.from_model(str(path), served_model_name=name, **{**ENGINE_OPTIONS, **engine_options})
+    server = ServerThread(build_app({name: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+    return engine, sdk_clients(server.url)[0], server
+
+
+@pytest.fixture(scope="module")
+def mistral(scripted_models, tmp_path_factory):
+    """A scripted checkpoint whose chat template checks tool call ids as Mistral's do, served alone."""
+    engine, claude, server = serve_with_template(scripted_models[TOOLS_MODEL].path, tmp_path_factory.mktemp("mistral"),
+                                                 MISTRAL_MODEL, MISTRAL_TEMPLATE)
+    yield engine, claude
     server.stop()
 
 
@@ -179,6 +189,64 @@ REFUSED = {
                      {"role": "user", "content": [*result("toolu_1")["content"], {"type": "text", "text": "and"},
                                                   *result("toolu_2")["content"]]}, tools=[WEATHER_TOOL]),
         "messages.2: ", "Did not find 2 `tool_result` block(s) at the beginning of this message"),
+    # thinking: Anthropic's ThinkingConfigParam (it changes the prompt: counted too)
+    "thinking budget under 1,024": (conversation(USER, thinking={"type": "enabled", "budget_tokens": 1000}),
+                                    "thinking.budget_tokens: ", "must be ≥1024 and less than max_tokens"),
+    "thinking budget missing": (conversation(USER, thinking={"type": "enabled"}), "thinking.budget_tokens: ",
+                                "field required"),
+    "thinking of no known type": (conversation(USER, thinking={"type": "on"}), "thinking.type: ",
+                                  "'enabled', 'disabled', 'adaptive', 'between_tools'"),
+    "thinking display": (conversation(USER, thinking={"type": "adaptive", "display": "full"}),
+                         "thinking.display: ", "'summarized' or 'omitted'"),
+    "thinking as a string": (conversation(USER, thinking="on"), "thinking: ", "dictionary"),
+    "thinking block in a user message": (
+        conversation({"role": "user", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                                  {"type": "text", "text": "Hi"}]}),
+        "messages.0.content.0: ", "thinking blocks belong in assistant messages"),
+    "redacted_thinking block in a user message": (
+        conversation({"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                  {"type": "redacted_thinking", "data": "xyz"}]}),
+        "messages.0.content.1: ", "thinking blocks belong in assistant messages"),
+    # blocks tierlm does not model: named, not pydantic's "does not match any of the expected tags"
+    "container_upload in a user message": (
+        conversation({"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                  {"type": "container_upload", "file_id": "file_1"}]}),
+        "messages.0.content.1: ", "content blocks of type 'container_upload' are not supported by tierlm"),
+    "server tool blocks in an assistant turn": (
+        conversation(USER, {"role": "assistant", "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "x"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []}]}, USER),
+        "messages.1.content.0: ", "content blocks of type 'server_tool_use' are not supported by tierlm"),
+    "web_search_tool_result in an assistant turn": (
+        conversation(USER, {"role": "assistant", "content": [
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []}]}, USER),
+        "messages.1.content.0: ", "tierlm runs no server tools"),
+    "tool_reference in a tool_result": (
+        conversation(USER, use(), {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                 "content": [{"type": "tool_reference",
+                                                                              "tool_name": "x"}]}]},
+                     tools=[WEATHER_TOOL]),
+        "messages.2.content.0.content.0: ", "content blocks of type 'tool_reference' are not supported by tierlm"),
+    "a PDF document": (
+        conversation({"role": "user", "content": [{"type": "document", "source": {
+            "type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}, {"type": "text", "text": "Hi"}]}),
+        "messages.0.content.0: ", "text-only"),
+    "a PDF document in a tool_result": (
+        conversation(USER, use(), {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                 "content": [{"type": "document", "source": {
+                                                                     "type": "url", "url": "https://x/a.pdf"}}]}]},
+                     tools=[WEATHER_TOOL]),
+        "messages.2.content.0: ", "text-only"),
+    "a search result in an assistant turn": (
+        conversation(USER, {"role": "assistant", "content": [{"type": "search_result", "source": "s", "title": "t",
+                                                              "content": [{"type": "text", "text": "x"}]}]}, USER),
+        "messages.1.content.0: ", "search_result blocks belong in user messages"),
+    # refused by /v1/messages, and so by count_tokens (which counted them)
+    "output_config.format": (conversation(USER, output_config={"format": {"type": "json_schema", "schema": {}}}),
+                             "output_config.format: ", "structured output"),
+    "output_format": (conversation(USER, output_format={"type": "json_schema", "schema": {}}),
+                      "output_format: ", "structured output"),
+    "container": (conversation(USER, container="container_011CZ"), "container: ", "no container"),
 }
 
 
@@ -227,7 +295,6 @@ def test_refused_as_anthropic_refuses(client, requests_to, name, path):
 @pytest.mark.parametrize("field, value, words", [
     ("stop_sequences", ["\n\n"], "each stop sequence must contain non-whitespace"),
     ("stop_sequences", ["END", " "], "each stop sequence must contain non-whitespace"),
-    ("container", "container_011CZ", "no container"),
     ("container", {"skills": []}, "no container"),
 ])
 def test_generation_fields_refused_as_anthropic_refuses(client, requests_to, field, value, words):
@@ -253,3 +320,99 @@ def test_sdk_round_trip_with_text_after_the_results(scripted_server):
         claude.messages.create(model=TOOLS_MODEL, max_tokens=64, tools=[WEATHER_TOOL],
                                messages=[*ROUND_TRIP[:2], {"role": "user", "content": "And tomorrow?"}])
     assert "without `tool_result` blocks" in info.value.body["error"]["message"]
+
+
+# ---- thinking ------------------------------------------------------------------------------
+
+# Qwen3's switch: with enable_thinking false the generation prompt holds an empty think block
+THINK_TEMPLATE = (CHAT_TEMPLATE + "{% if add_generation_prompt and enable_thinking is false %}"
+                  "<think>\n\n</think>\n\n{% endif %}")
+THINK_MODEL = "scripted-think"
+
+
+@pytest.fixture(scope="module")
+def thinking_model(scripted_models, tmp_path_factory):
+    """A scripted checkpoint whose template switches think mode, with a context that holds
+    max_tokens above Anthropic's smallest thinking budget (1,024)."""
+    engine, claude, server = serve_with_template(scripted_models[TEXT_MODEL].path, tmp_path_factory.mktemp("think"),
+                                                 THINK_MODEL, THINK_TEMPLATE, max_model_len=2048)
+    yield engine, claude
+    server.stop()
+
+
+@pytest.mark.parametrize("thinking, think_block", [
+    (None, False),
+    ({"type": "disabled"}, True),
+    ({"type": "enabled", "budget_tokens": 1024, "display": "omitted"}, False),
+    ({"type": "adaptive"}, False),
+    ({"type": "between_tools"}, False),
+])
+def test_thinking_sets_the_templates_enable_thinking(thinking_model, monkeypatch, thinking, think_block):
+    """`thinking` was ignored: a Qwen3-style model thought (or not) whatever the client asked."""
+    engine, claude = thinking_model
+    asked = record_requests(engine, monkeypatch)
+    fields = {} if thinking is None else {"thinking": thinking}
+    counted = claude.messages.count_tokens(model=THINK_MODEL, messages=[USER], **fields)
+    msg = claude.messages.create(model=THINK_MODEL, max_tokens=1100, messages=[USER], **fields)
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == think_block
+    assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert all(block.type == "text" for block in msg.content)  # tierlm writes no thinking blocks
+
+
+def test_thinking_budget_below_max_tokens(thinking_model):
+    """Anthropic's rule, on /v1/messages only: count_tokens has no max_tokens to compare with."""
+    _, claude = thinking_model
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(model=THINK_MODEL, max_tokens=1024, messages=[USER], thinking=thinking)
+    error = info.value.body["error"]
+    assert error["message"].startswith("thinking.budget_tokens: must be ≥1024 and less than max_tokens"), error
+    assert claude.messages.count_tokens(model=THINK_MODEL, messages=[USER], thinking=thinking).input_tokens > 0
+
+
+# ---- max_tokens 0: pre-warming the cache ---------------------------------------------------
+
+
+def test_max_tokens_0_warms_the_cache(scripted_server):
+    """The SDK documents max_tokens 0 as "populate the prompt cache without generating a
+    response"; tierlm refused it (max_tokens must be >= 1)."""
+    claude = sdk_clients(scripted_server.url)[0]
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} Read this: " + "lorem ipsum " * 20}]
+    warm = claude.messages.create(model=TEXT_MODEL, max_tokens=0, messages=messages)
+    assert warm.content == [] and warm.stop_reason == "max_tokens" and warm.stop_sequence is None
+    assert warm.usage.output_tokens == 0 and warm.usage.cache_read_input_tokens == 0
+    assert warm.usage.input_tokens == claude.messages.count_tokens(model=TEXT_MODEL, messages=messages).input_tokens
+    msg = claude.messages.create(model=TEXT_MODEL, max_tokens=64, messages=messages)
+    assert msg.usage.cache_read_input_tokens > 0 and msg.content[0].text == REPLY
+
+
+def test_max_tokens_0_streams_no_content(client):
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} Read this: " + "lorem ipsum " * 20}]
+    r = client.post("/v1/messages", json=conversation(*messages, max_tokens=0, stream=True, stop_sequences=["alpha"]))
+    assert r.status_code == 200, r.text
+    frames = parse_sse(r.text)
+    assert [e for e, _ in frames] == ["message_start", "message_delta", "message_stop"]
+    assert frames[1][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert frames[1][1]["usage"]["output_tokens"] == 0
+    warmed = client.post("/v1/messages", json=conversation(*messages, max_tokens=8)).json()
+    assert warmed["usage"]["cache_read_input_tokens"] > 0
+    assert "max_tokens: " in refused(client.post("/v1/messages", json=conversation(USER, max_tokens=-1)))
+
+
+# ---- strict tools --------------------------------------------------------------------------
+
+
+def test_strict_tools_are_accepted_on_both_routes(client):
+    """Accepted and not enforced (README); a strict that is not a boolean is refused."""
+    tool = {**WEATHER_TOOL, "strict": True}
+    r = client.post("/v1/messages", json=conversation(USER, max_tokens=64, tools=[tool]))
+    assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn", r.text
+    function = {"name": "get_weather", "parameters": {"type": "object"}, "strict": True}
+    r = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {API_KEY}"}, json={
+        "model": TEXT_MODEL, "max_tokens": 64, "messages": [USER],
+        "tools": [{"type": "function", "function": function}]})
+    assert r.status_code == 200, r.text
+    not_bool = {**tool, "strict": "yes"}
+    message = refused(client.post("/v1/messages", json=conversation(USER, max_tokens=8, tools=[not_bool])))
+    assert message.startswith("tools.0.strict: "), message

@@ -270,6 +270,42 @@ def test_tool_results_are_rendered(client, engine, requests_to):
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
 
 
+NOTES = {"type": "document", "title": "Minutes", "context": "from the March meeting",
+         "source": {"type": "text", "media_type": "text/plain", "data": "The budget passed."}}
+AGENDA = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Item one"},
+                                                                        {"type": "text", "text": "Item two"}]}}
+HIT = {"type": "search_result", "title": "Budget 2025", "source": "https://example.com/budget",
+       "content": [{"type": "text", "text": "First hit"}, {"type": "text", "text": "Second hit"}],
+       "citations": {"enabled": True}}
+READ_AS_TEXT = ("Minutes\nfrom the March meeting\nThe budget passed.\nItem one\nItem two\n"
+                "Budget 2025\nhttps://example.com/budget\nFirst hit\nSecond hit")
+
+
+def test_text_documents_and_search_results_are_read_as_text(client, engine, requests_to):
+    """Plain-text documents and search results were a 400 (documents: "text-only"; search results:
+    pydantic's "does not match any of the expected tags"), though a text model can read both."""
+    asked = requests_to(MODEL)
+    messages = [{"role": "user", "content": [NOTES, AGENDA, HIT, {"type": "text", "text": "Summarise."}]}]
+    count = client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": messages})
+    r = client.post("/v1/messages", json=body(messages=messages))
+    assert r.status_code == 200 and count.status_code == 200, (r.text, count.text)
+    prompt = prompt_text(engine, asked[-1])
+    assert f"<|im_start|>user\n{READ_AS_TEXT}\nSummarise.<|im_end|>" in prompt
+    assert count.json() == {"input_tokens": len(asked[-1].prompt_token_ids)}
+
+
+def test_tool_results_read_documents_and_search_results(client, engine, requests_to):
+    asked = requests_to(MODEL)
+    r = client.post("/v1/messages", json=body(max_tokens=8, tools=[WEATHER_TOOL], messages=[
+        {"role": "user", "content": "Find the budget"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [NOTES, AGENDA, HIT]}]},
+    ]))
+    assert r.status_code == 200, r.text
+    assert f"<tool_response>\n{READ_AS_TEXT}\n</tool_response>" in prompt_text(engine, asked[-1])
+
+
 def test_count_tokens_matches_the_rendered_prompt(client, requests_to):
     asked = requests_to(MODEL)
     b = body(system="Be brief.")

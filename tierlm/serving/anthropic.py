@@ -10,7 +10,10 @@ Translation rules (the parts the API leaves to the server):
   (tools.template_tool_call_id: Mistral's templates accept no other);
 - tool_choice `any` / `tool` start the assistant turn with a call in the model's syntax
   (`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py; and the tool's name)
-  because nothing else can make an unconstrained model call a tool; `none` leaves tools out.
+  because nothing else can make an unconstrained model call a tool; `none` leaves tools out;
+- plain-text documents and search results are text (title, context or source, then the text),
+  at the top of a user message or in a tool_result;
+- `thinking` becomes the template's `enable_thinking` (Qwen3, SmolLM3); no thinking blocks come back.
 """
 from __future__ import annotations
 
@@ -43,8 +46,11 @@ from tierlm.serving.protocol_anthropic import (
     ImageBlock,
     MessageResponse,
     MessagesRequest,
+    RedactedThinkingBlock,
+    SearchResultBlock,
     TextBlock,
     TextContent,
+    ThinkingBlock,
     TokenCount,
     ToolResultBlock,
     ToolUseBlock,
@@ -66,11 +72,16 @@ async def create_message(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, MessagesRequest)
+    if (problem := body.thinking_problem()) is not None:
+        raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
     engine = state.models.get(body.model)
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model))
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
+    # max_tokens 0 pre-warms the cache: the engine runs one token (it cannot prefill alone), so
+    # the prompt's blocks are cached, and the token is never shown (see warmed_response).
+    warming = max_tokens == 0
     params = sampling_params(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens or 1,
         temperature=body.temperature,
         top_p=top_p_value(body.top_p),
         top_k=top_k_limit(engine, body.top_k),
@@ -82,11 +93,13 @@ async def create_message(request: Request) -> Response:
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         num_prompt = first.num_prompt_tokens or len(prompt.token_ids)
-        events = message_events(
+        events = (warming_events if warming else message_events)(
             stream, prompt, body.model, message_id, context.request_id, num_prompt, first.num_cached_tokens
         )
         return EventStreamResponse(events, on_close=stream.close)
     result = await stream.collect(request)
+    if warming:
+        return JSONResponse(warmed_response(result, body.model, message_id).model_dump())
     return await json_answer(lambda: message_response(result, prompt, body.model, message_id), result.num_output_tokens)
 
 
@@ -123,6 +136,7 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
         call_required_by=choice if choice in ("any", "tool") else None,
         tool_name=body.tool_choice.name if choice == "tool" else None,
         check_length=check_length,
+        template_kwargs=body.template_kwargs,
         tool_calls=tool_calls,
     )
 
@@ -146,18 +160,40 @@ def check_blocks(body: ConversationBody) -> None:
                                  param=f"messages.{i}")
         for j, block in enumerate(blocks):
             where = f"messages.{i}.content.{j}"
-            nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
-            if isinstance(block, (ImageBlock, DocumentBlock)) or any(isinstance(b, ImageBlock) for b in nested):
-                kind = "document" if isinstance(block, DocumentBlock) else "image"
+            if (kind := _unreadable(block)) is not None:
                 raise InvalidRequest(
-                    f"{where}: model '{body.model}' is text-only and cannot read {kind} blocks; "
+                    f"{where}: model '{body.model}' is text-only and cannot read {kind}; "
                     "send the content as text",
                     param=where,
                 )
-            if isinstance(block, ToolUseBlock) and message.role == "user":
-                raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages", param=where)
-            if isinstance(block, ToolResultBlock) and message.role == "assistant":
-                raise InvalidRequest(f"{where}: tool_result blocks belong in user messages", param=where)
+            if (problem := _misplaced(block, message.role)) is not None:
+                raise InvalidRequest(f"{where}: {problem}", param=where)
+
+
+def _unreadable(block: Any) -> str | None:
+    """What in `block` a text-only model cannot read (an image, a PDF; also inside a tool
+    result or a document), or None: plain-text documents and search results are read as text."""
+    nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else [block]
+    for part in nested:
+        if isinstance(part, ImageBlock):
+            return "image blocks"
+        if isinstance(part, DocumentBlock) and part.text() is None:
+            if not isinstance(part.source, dict):  # content blocks, an image among them
+                return "image blocks (in this document's content)"
+            return f"document blocks other than plain text (this one's source is {part.source.get('type')!r})"
+    return None
+
+
+_ROLE_OF = {ToolUseBlock: "assistant", ThinkingBlock: "assistant", RedactedThinkingBlock: "assistant",
+            ToolResultBlock: "user", DocumentBlock: "user", SearchResultBlock: "user"}
+
+
+def _misplaced(block: Any, role: str) -> str | None:
+    """Why `block` cannot sit in a message of `role` (Anthropic's rule), or None."""
+    belongs = _ROLE_OF.get(type(block))
+    if belongs is None or belongs == role:
+        return None
+    return f"{block.type} blocks belong in {belongs} messages"
 
 
 def _only_blank_text(blocks: list[Any]) -> bool:
@@ -269,16 +305,26 @@ def template_messages(body: ConversationBody) -> list[dict[str, Any]]:
     return out
 
 
+def _block_text(block: Any) -> str | None:
+    """What a block puts into the prompt's text: text, a plain-text document, a search result
+    (check_blocks has refused what cannot be read); None for the others."""
+    if isinstance(block, TextBlock):
+        return block.text
+    if isinstance(block, (DocumentBlock, SearchResultBlock)):
+        return block.text()
+    return None
+
+
 def _join_text(blocks: list[Any]) -> str:
     text = ""
     after_break = False
     for block in blocks:
         if block is _TURN_BREAK:
             after_break = True
-        elif isinstance(block, TextBlock):
+        elif (piece := _block_text(block)) is not None:
             if text:
                 text += "\n\n" if after_break else "\n"
-            text += block.text
+            text += piece
             after_break = False
     return text
 
@@ -307,7 +353,7 @@ def _tool_result_text(block: ToolResultBlock) -> str:
     elif isinstance(content, str):
         text = content
     else:
-        text = "\n".join(b.text for b in content if isinstance(b, TextBlock))
+        text = "\n".join(piece for b in content if (piece := _block_text(b)) is not None)
     return f"Error: {text}" if block.is_error else text
 
 
@@ -384,6 +430,13 @@ def message_response(result: Generation, prompt: ChatPrompt, model: str, message
     )
 
 
+def warmed_response(result: Generation, model: str, message_id: str) -> MessageResponse:
+    """The answer to max_tokens 0: the prompt is cached, nothing was generated (the one token
+    the engine ran is dropped, whatever it was: text, EOS, a stop string, a call's start)."""
+    return MessageResponse(id=message_id, content=[], model=model, stop_reason="max_tokens",
+                           usage=usage_of(result.num_prompt_tokens, result.num_cached_tokens, 0))
+
+
 class _Blocks:
     """Content-block bookkeeping for a stream: indices from 0, one block open at a time."""
 
@@ -444,14 +497,7 @@ async def message_events(
 ) -> AsyncIterator[bytes]:
     """message_start → (content_block_start, ping, deltas, content_block_stop)* →
     message_delta → message_stop; a failure mid-stream becomes an `error` event."""
-    yield sse_event("message_start", {
-        "type": "message_start",
-        "message": {
-            "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
-            "stop_reason": None, "stop_sequence": None,
-            "usage": usage_of(num_prompt, num_cached, 0).model_dump(),
-        },
-    })
+    yield _message_start(model, message_id, num_prompt, num_cached)
     blocks = _Blocks()
     answer = StreamedAnswer(stream, prompt, id_prefix="toolu_")
     try:
@@ -466,11 +512,49 @@ async def message_events(
             yield frame
         result = answer.result
         stop_reason, stop_sequence = stop_details(result, bool(answer.calls))
-        yield sse_event("message_delta", {
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": usage_of(result.num_prompt_tokens, result.num_cached_tokens, result.num_output_tokens).model_dump(),
-        })
+        yield _message_delta(stop_reason, stop_sequence, usage_of(result.num_prompt_tokens, result.num_cached_tokens,
+                                                                  result.num_output_tokens))
         yield sse_event("message_stop", {"type": "message_stop"})
     except Exception as exc:
         yield sse_event("error", anthropic_error_body(stream_error(exc, request_id), request_id))
+
+
+async def warming_events(
+    stream: EngineStream,
+    prompt: ChatPrompt,
+    model: str,
+    message_id: str,
+    request_id: str,
+    num_prompt: int,
+    num_cached: int,
+) -> AsyncIterator[bytes]:
+    """max_tokens 0, streamed: message_start → message_delta (`max_tokens`, no output) →
+    message_stop, with no content block; the engine's one token is run to the end and dropped."""
+    yield _message_start(model, message_id, num_prompt, num_cached)
+    try:
+        result = Generation()
+        async for delta in stream.deltas():
+            result.add(delta)
+        yield _message_delta("max_tokens", None, usage_of(result.num_prompt_tokens, result.num_cached_tokens, 0))
+        yield sse_event("message_stop", {"type": "message_stop"})
+    except Exception as exc:
+        yield sse_event("error", anthropic_error_body(stream_error(exc, request_id), request_id))
+
+
+def _message_start(model: str, message_id: str, num_prompt: int, num_cached: int) -> bytes:
+    return sse_event("message_start", {
+        "type": "message_start",
+        "message": {
+            "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+            "stop_reason": None, "stop_sequence": None,
+            "usage": usage_of(num_prompt, num_cached, 0).model_dump(),
+        },
+    })
+
+
+def _message_delta(stop_reason: str, stop_sequence: str | None, usage: Usage) -> bytes:
+    return sse_event("message_delta", {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "usage": usage.model_dump(),
+    })

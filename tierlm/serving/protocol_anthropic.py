@@ -7,9 +7,19 @@ strictly and errors name the field.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tierlm.sampling_params import stop_strings_problem
 
@@ -58,16 +68,104 @@ class TextBlock(_Body):
         return _non_empty_text(value)
 
 
+def _known_blocks(kinds: tuple[str, ...]) -> Callable[[Any], Any]:
+    """A before-validator for one content block: a type tierlm does not model is refused in
+    words that name it, instead of pydantic's "input tag 'X' ... does not match any of the
+    expected tags" (which reads as a malformed request, not as a missing feature)."""
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind not in kinds:
+            raise ValueError(f"content blocks of type {kind!r} are not supported by tierlm (blocks it takes "
+                             f"here: {', '.join(kinds)}); {_unsupported_hint(kind)}")
+        return value
+    return check
+
+
+def _unsupported_hint(kind: str) -> str:
+    if kind == "container_upload":
+        return "tierlm runs no code execution, so there is no container to upload files to; remove the block"
+    if kind in ("server_tool_use", "mcp_tool_use") or kind.endswith("_tool_result"):
+        return ("tierlm runs no server tools (web search, web fetch, code execution, MCP); remove the block, "
+                "or put what it holds into a text block")
+    return "send its content as a text block, or remove it"
+
+
+def _blocks_of(kinds: tuple[str, ...], *models: type) -> Any:
+    """A content block: one of `models`, picked by `type`, other types refused by name."""
+    return Annotated[Union[models], Field(discriminator="type"), BeforeValidator(_known_blocks(kinds))]
+
+
 class ImageBlock(_Body):
     type: Literal["image"]
     source: dict[str, Any]
     cache_control: dict[str, Any] | None = None
 
 
+class PlainTextSource(_Body):
+    type: Literal["text"]
+    media_type: Literal["text/plain"]
+    data: str
+
+
+_SourceBlock = _blocks_of(("text", "image"), TextBlock, ImageBlock)
+
+
+class ContentSource(_Body):
+    """A document given as content blocks: readable where they are all text."""
+
+    type: Literal["content"]
+    content: str | list[_SourceBlock]
+
+
+def _source_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("text", "content") else "other"
+
+
+# Text sources are modelled (tierlm reads them); the others (base64, url, file: PDFs) are kept as
+# they came and refused as unreadable by anthropic.check_blocks, which names the block.
+DocumentSource = Annotated[
+    Union[Annotated[PlainTextSource, Tag("text")], Annotated[ContentSource, Tag("content")],
+          Annotated[dict[str, Any], Tag("other")]],
+    Discriminator(_source_kind),
+]
+
+
 class DocumentBlock(_Body):
     type: Literal["document"]
-    source: dict[str, Any]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+    citations: Any = None  # accepted; tierlm cites nothing
     cache_control: dict[str, Any] | None = None
+
+    def text(self) -> str | None:
+        """The document as prompt text (title, context, then its text); None where the model
+        cannot read it (a PDF, an image among its blocks)."""
+        source = self.source
+        if isinstance(source, PlainTextSource):
+            body = source.data
+        elif isinstance(source, ContentSource) and isinstance(source.content, str):
+            body = source.content
+        elif isinstance(source, ContentSource) and all(isinstance(b, TextBlock) for b in source.content):
+            body = "\n".join(b.text for b in source.content)
+        else:
+            return None
+        return "\n".join(part for part in (self.title, self.context, body) if part)
+
+
+class SearchResultBlock(_Body):
+    """A search result the client found (RAG): read as text, its title and source first."""
+
+    type: Literal["search_result"]
+    source: str
+    title: str
+    content: list[TextBlock]
+    citations: Any = None  # accepted; tierlm cites nothing
+    cache_control: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        return "\n".join([self.title, self.source, *(b.text for b in self.content)])
 
 
 class ToolUseBlock(_Body):
@@ -85,10 +183,14 @@ class ToolUseBlock(_Body):
     _id = field_validator("id")(_tool_id)
 
 
+_ResultBlock = _blocks_of(("text", "image", "document", "search_result"), TextBlock, ImageBlock, DocumentBlock,
+                          SearchResultBlock)
+
+
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]] | None = None
+    content: str | list[_ResultBlock] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -108,18 +210,9 @@ class RedactedThinkingBlock(_Body):
     data: str
 
 
-ContentBlock = Annotated[
-    Union[
-        TextBlock,
-        ImageBlock,
-        DocumentBlock,
-        ToolUseBlock,
-        ToolResultBlock,
-        ThinkingBlock,
-        RedactedThinkingBlock,
-    ],
-    Field(discriminator="type"),
-]
+ContentBlock = _blocks_of(("text", "image", "document", "search_result", "tool_use", "tool_result", "thinking",
+                           "redacted_thinking"), TextBlock, ImageBlock, DocumentBlock, SearchResultBlock, ToolUseBlock,
+                          ToolResultBlock, ThinkingBlock, RedactedThinkingBlock)
 
 
 def _check_content(value: Any) -> Any:
@@ -169,6 +262,10 @@ class Tool(_Body):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
+    # Accepted, not enforced (as vLLM without guided decoding): agent frameworks set it on every
+    # tool, and refusing it broke them. A call's input is a parsed JSON object, never checked
+    # against input_schema (README).
+    strict: bool | None = None
 
     @field_validator("name")
     @classmethod
@@ -206,6 +303,41 @@ class OutputConfig(_Body):
     _no_format = field_validator("format")(_no_output_schema)
 
 
+THINKING_MIN_BUDGET = 1024  # Anthropic's floor for budget_tokens
+
+
+class ThinkingEnabled(_Body):
+    type: Literal["enabled"]
+    budget_tokens: int
+    display: Literal["summarized", "omitted"] | None = None
+
+    @field_validator("budget_tokens")
+    @classmethod
+    def _floor(cls, value: int) -> int:
+        if value < THINKING_MIN_BUDGET:  # the ceiling (max_tokens) is checked by anthropic.create_message
+            raise ValueError(f"must be ≥{THINKING_MIN_BUDGET} and less than max_tokens (got {value})")
+        return value
+
+
+class ThinkingDisabled(_Body):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(_Body):
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingBetweenTools(_Body):
+    type: Literal["between_tools"]
+
+
+# The SDK's ThinkingConfigParam. tierlm returns no thinking blocks; what it changes is the chat
+# template's `enable_thinking` (Qwen3, SmolLM3: whether the model reasons before answering).
+ThinkingConfig = Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive, ThinkingBetweenTools],
+                           Field(discriminator="type")]
+
+
 class ConversationBody(_Body):
     """What both /v1/messages and /v1/messages/count_tokens render into a prompt."""
 
@@ -214,9 +346,35 @@ class ConversationBody(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
     # MCP connector (beta): tierlm connects to no MCP servers, and ignoring the field left the
     # client waiting for tools that never came
     mcp_servers: Any = None
+    # Structured output (the SDK's `output_config={"format": ...}`, and the beta's `output_format`)
+    # is refused, as OpenAI's response_format JSON modes are: ignored, the client got free text
+    # it took for schema-conforming JSON. Here, not on MessagesRequest alone, so that
+    # count_tokens refuses what /v1/messages refuses.
+    output_config: OutputConfig | None = None
+    output_format: Any = None
+    # code execution's container (an id or settings): tierlm has no code execution to run in one
+    container: Any = None
+
+    _no_output_format = field_validator("output_format")(_no_output_schema)
+
+    @field_validator("container")
+    @classmethod
+    def _no_container(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
+        return value
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables this body sets: `enable_thinking` where `thinking` is
+        given (templates that do not use it render as without)."""
+        if self.thinking is None:
+            return None
+        return {"enable_thinking": self.thinking.type != "disabled"}
 
     @field_validator("mcp_servers")
     @classmethod
@@ -263,33 +421,25 @@ class ConversationBody(_Body):
 
 
 class MessagesRequest(ConversationBody):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: prefill the prompt into the cache, answer nothing (the SDK's pre-warming)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the top token only
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
-    # Structured output (the SDK's `output_config={"format": ...}`, and the beta's `output_format`)
-    # is refused, as OpenAI's response_format JSON modes are: ignored, the client got free text
-    # it took for schema-conforming JSON.
-    output_config: OutputConfig | None = None
-    output_format: Any = None
     # tierlm's (vLLM's field; send it with the SDK's extra_body): requests with different salts
     # never share cached prefix blocks, mixed under the tenant's
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
-    # code execution's container (an id or settings): tierlm has no code execution to run in one
-    container: Any = None
-
-    _no_output_format = field_validator("output_format")(_no_output_schema)
-
-    @field_validator("container")
-    @classmethod
-    def _no_container(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
-        return value
+    def thinking_problem(self) -> str | None:
+        """Anthropic's rule that the thinking budget leaves room for the answer: budget_tokens
+        below max_tokens (count_tokens, without max_tokens, checks only the floor)."""
+        thinking = self.thinking
+        if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= self.max_tokens:
+            return (f"must be ≥{THINKING_MIN_BUDGET} and less than max_tokens (got {thinking.budget_tokens}, "
+                    f"max_tokens {self.max_tokens})")
+        return None
 
     @field_validator("stop_sequences")
     @classmethod

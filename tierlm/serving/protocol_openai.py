@@ -121,6 +121,8 @@ class FunctionDef(_Body):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # Accepted, not enforced (as vLLM without guided decoding): agent frameworks set it on every
+    # tool. A call's arguments are parsed JSON, never checked against `parameters` (README).
     strict: bool | None = None
 
 
