@@ -11,7 +11,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -188,7 +188,7 @@ def _parse_body(model: type[M], body: bytes, on_json: Callable[[dict], None] | N
 
 def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
     """Where the count of tools, messages and content blocks (system blocks, blocks, tool calls,
-    blocks in a tool result) first passes `limit`, and the count there; None if it never does. Read from
+    blocks in a tool result or a document, at any depth) first passes `limit`, and the count there; None if it never does. Read from
     the raw JSON before it is validated: each renders to a token at least, and validating a million
     one-letter blocks held the GIL for 7-15 s, stalling every other client."""
     total = 0
@@ -218,13 +218,29 @@ def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
             total += len(parts)
             if total > limit:
                 return f"messages.{i}.{key}", total
-            for j, part in enumerate(parts):
-                nested = part.get("content") if isinstance(part, dict) else None
-                if isinstance(nested, list):
-                    total += len(nested)
-                    if total > limit:
-                        return f"messages.{i}.{key}.{j}.content", total
+            for where, nested in _inner_lists(parts, f"messages.{i}.{key}"):
+                total += len(nested)
+                if total > limit:
+                    return where, total
     return None
+
+
+def _inner_lists(parts: list[Any], path: str) -> Iterator[tuple[str, list[Any]]]:
+    """The lists of blocks inside content blocks, at any depth, with their JSON paths: a tool
+    result's content, a document's source.content, a search result's content, and those inside
+    them (a document in a tool result). Iterative: nesting depth is the client's to choose."""
+    stack: list[tuple[Any, str, int]] = [(part, path, j) for j, part in enumerate(parts)]
+    while stack:
+        part, parent, j = stack.pop()
+        if not isinstance(part, dict):
+            continue
+        source = part.get("source")
+        for key, inner in (("content", part.get("content")),
+                           ("source.content", source.get("content") if isinstance(source, dict) else None)):
+            if isinstance(inner, list):
+                where = f"{parent}.{j}.{key}"
+                yield where, inner
+                stack.extend((p, where, k) for k, p in enumerate(inner))
 
 
 def validation_error_to_api(exc: ValidationError, data: Any) -> InvalidRequest:
