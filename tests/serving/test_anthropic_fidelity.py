@@ -400,6 +400,52 @@ def test_max_tokens_0_streams_no_content(client):
     assert "max_tokens: " in refused(client.post("/v1/messages", json=conversation(USER, max_tokens=-1)))
 
 
+def _prompt_of_length(claude, n: int) -> list[dict]:
+    """Messages whose prompt is exactly `n` tokens (count_tokens decides; one word a token or more)."""
+    words = n
+    while words > 0:
+        messages = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "a " * words}]
+        got = claude.messages.count_tokens(model=TEXT_MODEL, messages=messages).input_tokens
+        if got == n:
+            return messages
+        words -= max(1, (got - n) // 2) if got > n else -1
+    raise AssertionError(f"no prompt of exactly {n} tokens found")
+
+
+def test_a_warm_counts_no_output_and_takes_a_prompt_as_long_as_the_context(scripted_server, scripted_engines):
+    """A warm's one engine token was counted in /metrics as output (the client was told 0), and
+    a prompt filling the context was refused as "512 + 0 > 512", which Anthropic's rule
+    (input + max_tokens <= context) accepts."""
+    from tests.serving.test_telemetry import value
+
+    claude = sdk_clients(scripted_server.url)[0]
+    context = scripted_engines[TEXT_MODEL].max_model_len
+    messages = _prompt_of_length(claude, context)
+    labels = {"model": TEXT_MODEL, "tenant": "default"}
+    before = httpx.get(f"{scripted_server.url}/metrics").text
+    warm = claude.messages.create(model=TEXT_MODEL, max_tokens=0, messages=messages)
+    assert warm.content == [] and warm.usage.output_tokens == 0
+    assert warm.usage.input_tokens + warm.usage.cache_read_input_tokens == context
+    after = httpx.get(f"{scripted_server.url}/metrics").text
+    for name, grew in (("tierlm:generation_tokens_total", 0), ("tierlm:prompt_tokens_total", context),
+                       ("tierlm:request_generation_tokens_sum", 0), ("tierlm:request_prompt_tokens_sum", context),
+                       ("tierlm:time_to_first_token_seconds_count", 0)):
+        assert value(after, name, **labels) - value(before, name, **labels) == grew, name
+    again = claude.messages.create(model=TEXT_MODEL, max_tokens=0, messages=messages)  # the blocks were cached
+    assert again.usage.cache_read_input_tokens > 0
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == context
+    with pytest.raises(anthropic.BadRequestError, match="exceed context limit"):
+        claude.messages.create(model=TEXT_MODEL, max_tokens=1, messages=messages)
+
+
+def test_an_unknown_model_is_named_before_the_thinking_budget(client):
+    """The budget's rule was checked first: the client fixed it, then learned the model was wrong."""
+    body = conversation(USER, max_tokens=10, thinking={"type": "enabled", "budget_tokens": 1024})
+    r = client.post("/v1/messages", json={**body, "model": "no-such-model"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert "thinking.budget_tokens: " in refused(client.post("/v1/messages", json=body))
+
+
 # ---- strict tools --------------------------------------------------------------------------
 
 

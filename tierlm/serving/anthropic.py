@@ -60,6 +60,7 @@ from tierlm.serving.protocol_anthropic import (
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
+from tierlm.serving.telemetry import request_telemetry
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -72,14 +73,21 @@ async def create_message(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, MessagesRequest)
+    engine = state.models.get(body.model)
     if (problem := body.thinking_problem()) is not None:
         raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
-    engine = state.models.get(body.model)
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model))
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     # max_tokens 0 pre-warms the cache: the engine runs one token (it cannot prefill alone), so
     # the prompt's blocks are cached, and the token is never shown (see warmed_response).
     warming = max_tokens == 0
+    token_ids = prompt.token_ids
+    if warming:
+        # A prompt that fills the context leaves the engine no room for its token: it runs all
+        # but the last, which caches the blocks any later request can read (at most all but
+        # the last token of a prompt that fits).
+        token_ids = token_ids[: int(engine.max_model_len) - 1]
+        request_telemetry(request).warming(len(prompt.token_ids))
     params = sampling_params(
         max_tokens=max_tokens or 1,
         temperature=body.temperature,
@@ -88,18 +96,18 @@ async def create_message(request: Request) -> Response:
         stop=body.stop_sequences,
         keep_special_token_ids=prompt.keep_special_token_ids,
     )
-    stream = EngineStream(engine, body.model, prompt.token_ids, params, context.salted(body.cache_salt), state.inflight)
+    stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
-        num_prompt = first.num_prompt_tokens or len(prompt.token_ids)
+        num_prompt = len(prompt.token_ids) if warming else first.num_prompt_tokens or len(prompt.token_ids)
         events = (warming_events if warming else message_events)(
             stream, prompt, body.model, message_id, context.request_id, num_prompt, first.num_cached_tokens
         )
         return EventStreamResponse(events, on_close=stream.close)
     result = await stream.collect(request)
     if warming:
-        return JSONResponse(warmed_response(result, body.model, message_id).model_dump())
+        return JSONResponse(warmed_response(result, len(prompt.token_ids), body.model, message_id).model_dump())
     return await json_answer(lambda: message_response(result, prompt, body.model, message_id), result.num_output_tokens)
 
 
@@ -430,11 +438,12 @@ def message_response(result: Generation, prompt: ChatPrompt, model: str, message
     )
 
 
-def warmed_response(result: Generation, model: str, message_id: str) -> MessageResponse:
-    """The answer to max_tokens 0: the prompt is cached, nothing was generated (the one token
-    the engine ran is dropped, whatever it was: text, EOS, a stop string, a call's start)."""
+def warmed_response(result: Generation, num_prompt: int, model: str, message_id: str) -> MessageResponse:
+    """The answer to max_tokens 0: the prompt (`num_prompt` tokens) is cached, nothing was
+    generated (the one token the engine ran is dropped, whatever it was: text, EOS, a stop
+    string, a call's start)."""
     return MessageResponse(id=message_id, content=[], model=model, stop_reason="max_tokens",
-                           usage=usage_of(result.num_prompt_tokens, result.num_cached_tokens, 0))
+                           usage=usage_of(num_prompt, result.num_cached_tokens, 0))
 
 
 class _Blocks:
@@ -535,7 +544,7 @@ async def warming_events(
         result = Generation()
         async for delta in stream.deltas():
             result.add(delta)
-        yield _message_delta("max_tokens", None, usage_of(result.num_prompt_tokens, result.num_cached_tokens, 0))
+        yield _message_delta("max_tokens", None, usage_of(num_prompt, result.num_cached_tokens, 0))
         yield sse_event("message_stop", {"type": "message_stop"})
     except Exception as exc:
         yield sse_event("error", anthropic_error_body(stream_error(exc, request_id), request_id))

@@ -324,10 +324,11 @@ def output_budget(
     field_name: str = "max_tokens",
     prompt_field: str = "messages",
 ) -> int:
-    """The max_tokens to run with, or a 400 (worded per API) if prompt + output cannot fit the context."""
+    """The max_tokens to run with, or a 400 (worded per API) if prompt + output cannot fit the context
+    (max_tokens 0, Anthropic's cache warm, fits a prompt as long as the context)."""
     context = int(engine.max_model_len)
     room = context - num_prompt_tokens
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
+    if room < (0 if max_tokens == 0 else 1) or (max_tokens is not None and max_tokens > room):
         raise ContextLengthExceeded(context=context, prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
                                     prompt_field=prompt_field, field_name=field_name)
     return room if max_tokens is None else max_tokens

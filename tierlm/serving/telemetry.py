@@ -293,6 +293,9 @@ class RequestTelemetry:
     status: int | None = None
     span: "Span | None" = None
     finished: bool = False
+    # A cache warm (Anthropic's max_tokens 0): the prompt length the client is told; None otherwise
+    warm_prompt_tokens: int | None = None
+    _prompt_counted: bool = False
 
     # -- fed by the engine stream ------------------------------------------------------------
     def on_engine_request(self, model: str, params: "SamplingParams | None" = None, *,
@@ -302,17 +305,30 @@ class RequestTelemetry:
         self.tenant = tenant or DEFAULT_TENANT
         if params is not None:
             self.max_tokens, self.temperature, self.top_p = params.max_tokens, params.temperature, params.top_p
+        if self.warm_prompt_tokens is not None:
+            self.max_tokens = 0
+
+    def warming(self, num_prompt_tokens: int) -> None:
+        """The request only warms the cache (Anthropic's max_tokens 0): the one token the engine
+        runs is never shown, so it is not counted (no output, no TTFT), and the prompt counted is
+        the client's `num_prompt_tokens` (the engine may have run all but its last token)."""
+        self.warm_prompt_tokens = num_prompt_tokens
 
     def on_delta(self, delta: "StreamDelta") -> None:
         now = time.monotonic()
         metrics = self.owner.metrics if self.owner else None
-        n = len(delta.token_ids)
+        warm = self.warm_prompt_tokens is not None
+        n = 0 if warm else len(delta.token_ids)
+        num_prompt = self.warm_prompt_tokens if warm else delta.num_prompt_tokens
+        if metrics is not None and not self._prompt_counted and (n or warm):
+            lbl = (self.model, self.tenant)
+            metrics.prompt_tokens.labels(*lbl).inc(num_prompt)
+            metrics.prefix_cache_hit_tokens.labels(*lbl).inc(delta.num_cached_tokens)
+            self._prompt_counted = True
         if n and metrics is not None:
             lbl = (self.model, self.tenant)
             if self.first_token_at is None:
                 metrics.ttft.labels(*lbl).observe(now - self.arrival)
-                metrics.prompt_tokens.labels(*lbl).inc(delta.num_prompt_tokens)
-                metrics.prefix_cache_hit_tokens.labels(*lbl).inc(delta.num_cached_tokens)
             if delta.request_id in self._last_token:  # a choice's gaps from its own previous token
                 gap = (now - self._last_token[delta.request_id]) / n
                 itl = metrics.itl.labels(*lbl)
@@ -323,9 +339,11 @@ class RequestTelemetry:
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = self._last_token[delta.request_id] = now
-        self.num_prompt_tokens = delta.num_prompt_tokens
+        elif warm and delta.finished:
+            self.last_token_at = now  # the warm's end: its e2e latency
+        self.num_prompt_tokens = num_prompt
         self.num_cached_tokens = delta.num_cached_tokens
-        self._outputs[delta.request_id] = delta.num_output_tokens
+        self._outputs[delta.request_id] = 0 if warm else delta.num_output_tokens
         self.num_output_tokens = sum(self._outputs.values())
         # Engine-side timestamps (optional: engines that do not report them leave these None).
         self.engine_arrival = getattr(delta, "arrival_time", None) or self.engine_arrival
