@@ -382,3 +382,21 @@ def test_blocks_nested_in_documents_are_counted_before_validation(scripted_serve
     assert r.status_code == 400
     assert error_of(r, style)["message"].startswith(f"{at}: the request has {limit + 2 + (where != 'document')} "
                                                     "tools, messages and content blocks up to here")
+
+
+def test_nested_blocks_are_counted_in_document_order_and_only_where_they_render(scripted_server, engine):
+    """The count walked nested lists last first, so the refusal named the wrong block; and it
+    counted a `content` list on any block, one the API ignores unread (a text block's)."""
+    n = engine.max_model_len
+    make_body, style, _ = ROUTES["/v1/messages"]
+    text = [{"type": "text", "text": "a"}]
+    body = make_body("x")
+    body["messages"] = [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": text * (n // 2)},
+        {"type": "tool_result", "tool_use_id": "t2", "content": text * (n // 2)}]}]
+    r = post(scripted_server.url, "/v1/messages", body)
+    assert r.status_code == 400
+    assert error_of(r, style)["message"].startswith(f"messages.0.content.1.content: the request has {2 * (n // 2) + 3} ")
+    body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "hi", "content": text * (2 * n)}]}]
+    r = post(scripted_server.url, "/v1/messages", body)
+    assert r.status_code == 200, r.text

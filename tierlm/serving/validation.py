@@ -225,22 +225,32 @@ def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
     return None
 
 
+_HOLDERS = ("tool_result", "search_result", "document")  # block types that hold blocks
+
+
 def _inner_lists(parts: list[Any], path: str) -> Iterator[tuple[str, list[Any]]]:
-    """The lists of blocks inside content blocks, at any depth, with their JSON paths: a tool
-    result's content, a document's source.content, a search result's content, and those inside
-    them (a document in a tool result). Iterative: nesting depth is the client's to choose."""
-    stack: list[tuple[Any, str, int]] = [(part, path, j) for j, part in enumerate(parts)]
+    """The lists of blocks inside content blocks, at any depth and in document order, with their
+    JSON paths: a tool result's or a search result's content, a document's source.content, and
+    those inside them (a document in a tool result). Lists in fields no block of its type has
+    are not counted: they are ignored unvalidated. Iterative: nesting depth is the client's."""
+    stack = _holders(parts, path)
     while stack:
         part, parent, j = stack.pop()
-        if not isinstance(part, dict):
-            continue
-        source = part.get("source")
-        for key, inner in (("content", part.get("content")),
-                           ("source.content", source.get("content") if isinstance(source, dict) else None)):
-            if isinstance(inner, list):
-                where = f"{parent}.{j}.{key}"
-                yield where, inner
-                stack.extend((p, where, k) for k, p in enumerate(inner))
+        if part["type"] == "document":
+            source = part.get("source")
+            key, inner = "source.content", source.get("content") if isinstance(source, dict) else None
+        else:
+            key, inner = "content", part.get("content")
+        if isinstance(inner, list):
+            where = f"{parent}.{j}.{key}"
+            yield where, inner
+            stack.extend(_holders(inner, where))
+
+
+def _holders(parts: list[Any], path: str) -> list[tuple[dict[str, Any], str, int]]:
+    """The blocks of `parts` that hold blocks, last first (a stack pops them in order)."""
+    return [(p, path, j) for j in range(len(parts) - 1, -1, -1)
+            if isinstance(p := parts[j], dict) and p.get("type") in _HOLDERS]
 
 
 def validation_error_to_api(exc: ValidationError, data: Any) -> InvalidRequest:
