@@ -160,11 +160,18 @@ def raise_fd_limit() -> None:
 ACCEPT_ERROR = "socket.accept() out of system resource"
 
 
+# asyncio's warning for each write past the fifth to a socket whose peer has gone. uvicorn
+# writes a stream's frames until connection_lost runs, a loop pass after the send failed, so a
+# client that drops a stream can cause several; the request is logged (499) and its blocks are
+# freed, and the warning names no request: noise an operator would chase.
+SEND_AFTER_LOSS = "socket.send() raised exception."
+
+
 class AcceptErrorFilter(logging.Filter):
     """Lets one "socket.accept() out of system resource" record through per `interval` seconds,
     saying how many it held back. At the open-file limit asyncio's accept loop logs one full
     traceback per connection waiting in the backlog (up to 2048) every second: over 150 MB of
-    log in a minute and a half."""
+    log in a minute and a half. Drops SEND_AFTER_LOSS records."""
 
     def __init__(self, interval: float = 10.0) -> None:
         super().__init__()
@@ -173,6 +180,8 @@ class AcceptErrorFilter(logging.Filter):
         self._suppressed = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == SEND_AFTER_LOSS:
+            return False
         if not str(record.msg).startswith(ACCEPT_ERROR):
             return True
         now = time.monotonic()
