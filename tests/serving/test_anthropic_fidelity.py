@@ -462,3 +462,56 @@ def test_strict_tools_are_accepted_on_both_routes(client):
     not_bool = {**tool, "strict": "yes"}
     message = refused(client.post("/v1/messages", json=conversation(USER, max_tokens=8, tools=[not_bool])))
     assert message.startswith("tools.0.strict: "), message
+
+
+# ---- how a chat template is told about tools ---------------------------------------------
+
+# SmolLM3's layout in small: it reads the tools as `xml_tools` and names <tools> in its text.
+XML_TOOLS_TEMPLATE = (
+    "{%- if xml_tools %}{{- 'Tools within <tools></tools> XML tags:\\n<tools>\\n' }}"
+    "{%- for tool in xml_tools[:] %}{{- tool | string }}{{- '\\n' }}{%- endfor %}{{- '</tools>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|' + m.role + '|>' + (m.content if m.content is string else '') + '\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+# Says "tools" and reads none.
+WORD_ONLY_TEMPLATE = (
+    "{{- 'You have no tools.\\n' }}{%- for m in messages %}{{- '<|' + m.role + '|>' + m.content + '\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_templates(scripted_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tool-templates")
+    served = {name: serve_with_template(scripted_models[TEXT_MODEL].path, out, name, template)
+              for name, template in (("xml-tools", XML_TOOLS_TEMPLATE), ("word-only", WORD_ONLY_TEMPLATE))}
+    yield served
+    for _, _, server in served.values():
+        server.stop()
+
+
+def test_a_template_that_reads_xml_tools_is_told_about_the_tools(tool_templates, monkeypatch):
+    """SmolLM3's template reads `xml_tools`; tools passed as `tools` were accepted, parsed for
+    calls, and never shown to the model (its template names "<tools>", which passed the check)."""
+    engine, claude, server = tool_templates["xml-tools"]
+    asked = record_requests(engine, monkeypatch)
+    hi = [{"role": "user", "content": "Hi"}]
+    bare = claude.messages.count_tokens(model="xml-tools", messages=hi).input_tokens
+    counted = claude.messages.count_tokens(model="xml-tools", messages=hi, tools=[WEATHER_TOOL]).input_tokens
+    msg = claude.messages.create(model="xml-tools", max_tokens=2, messages=hi, tools=[WEATHER_TOOL])
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    assert "get_weather" in prompt and "<tools>" in prompt, prompt
+    assert counted > bare and counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers={"authorization": f"Bearer {API_KEY}"}, json={
+        "model": "xml-tools", "max_tokens": 2, "messages": hi,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    assert r.status_code == 200, r.text
+    assert "get_weather" in engine.tokenizer.decode(asked[-1].prompt_token_ids)
+
+
+def test_a_template_that_only_says_tools_refuses_them(tool_templates):
+    _, claude, _ = tool_templates["word-only"]
+    hi = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(anthropic.BadRequestError, match="does not support tools"):
+        claude.messages.create(model="word-only", max_tokens=2, messages=hi, tools=[WEATHER_TOOL])
+    assert claude.messages.create(model="word-only", max_tokens=2, messages=hi).type == "message"

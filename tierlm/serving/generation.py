@@ -129,13 +129,15 @@ async def chat_prompt(
     if tool_calls is None:
         tool_calls = toolcalls.tool_call_format("auto", engine.tokenizer)
     if tools:
-        chat_template = getattr(engine.tokenizer, "chat_template", None)
-        if not toolcalls.template_supports_tools(chat_template):
+        variable = toolcalls.tools_variable(engine.tokenizer)
+        if variable is None:
             raise InvalidRequest(
                 f"tools: the chat template of model '{model}' does not support tools; "
                 "remove 'tools' or serve a model whose template renders them",
                 param="tools",
             )
+        if variable != "tools":  # (a value the client set through chat_template_kwargs wins)
+            template_kwargs = {variable: tools, **(template_kwargs or {})}
         parse_tools = True
         if call_required_by is not None:
             if continue_final_message:

@@ -263,9 +263,40 @@ def tool_call_format(parser: str, tokenizer: Any) -> ToolCallFormat:
     return ToolCallFormat(syntax, tuple(i for i, _ in kept), tuple(m for _, m in kept))
 
 
-def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether the chat template renders a `tools` list (so the model is told about tools)."""
-    return bool(chat_template) and "tools" in chat_template
+# The variables through which chat templates read the tools offered: `tools` (most), and
+# `xml_tools` (SmolLM3's, which writes each under <tools> as the model card passes them).
+TOOLS_VARIABLES = ("tools", "xml_tools")
+_PROBE_TOOL = {"type": "function", "function": {"name": "tierlm_probe_tool_7f3a", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_tools_variable_of: dict[str, str | None] = {}  # chat template -> its tools variable
+
+
+def tools_variable(tokenizer: Any) -> str | None:
+    """The variable through which `tokenizer`'s chat template reads the tools (one of
+    TOOLS_VARIABLES), or None if it renders them through none, so the model would never be told.
+    Found once per template by rendering a probe tool: the word alone says nothing (SmolLM3's
+    template writes "<tools></tools>" and reads only xml_tools; tools passed as `tools` vanished)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        return None
+    if template not in _tools_variable_of:
+        _tools_variable_of[template] = _probe_tools_variable(tokenizer, template)
+    return _tools_variable_of[template]
+
+
+def _probe_tools_variable(tokenizer: Any, template: str) -> str | None:
+    name = _PROBE_TOOL["function"]["name"]
+    for variable in TOOLS_VARIABLES:
+        if variable not in template:
+            continue
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                 add_generation_prompt=True, **{variable: [_PROBE_TOOL]})
+        except Exception:  # a template that fails on the probe: taken at its word (requests will tell)
+            return variable
+        if name in text:
+            return variable
+    return None
 
 
 def new_tool_call_id(prefix: str = "toolu_") -> str:
