@@ -360,6 +360,33 @@ def test_thinking_sets_the_templates_enable_thinking(thinking_model, monkeypatch
     assert all(block.type == "text" for block in msg.content)  # tierlm writes no thinking blocks
 
 
+@pytest.mark.parametrize("fields, think_block", [
+    ({"chat_template_kwargs": {"enable_thinking": False}}, True),
+    ({"thinking": {"type": "adaptive"}, "chat_template_kwargs": {"enable_thinking": False}}, True),  # explicit wins
+    ({"thinking": {"type": "disabled"}, "chat_template_kwargs": {}}, True),
+])
+def test_chat_template_kwargs_reach_the_template_as_on_vllms_anthropic_route(thinking_model, monkeypatch, fields,
+                                                                              think_block):
+    """vLLM's Anthropic route passes chat_template_kwargs to the template; here they were
+    ignored, so a client written for it left Qwen3's thinking on without a word."""
+    engine, claude = thinking_model
+    asked = record_requests(engine, monkeypatch)
+    counted = claude.messages.count_tokens(model=THINK_MODEL, messages=[USER], extra_body=fields)
+    msg = claude.messages.create(model=THINK_MODEL, max_tokens=8, messages=[USER], extra_body=fields)
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == think_block
+    assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "tools", "messages", "chat_template"])
+def test_chat_template_kwargs_cannot_set_what_the_request_decides(client, key):
+    body = conversation(USER, max_tokens=8, chat_template_kwargs={key: True})
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        message = refused(client.post(path, json=body if path.endswith("messages") else
+                                      {k: v for k, v in body.items() if k != "max_tokens"}))
+        assert message.startswith(f"chat_template_kwargs: {key} cannot be set here"), message
+
+
 def test_thinking_budget_below_max_tokens(thinking_model):
     """Anthropic's rule, on /v1/messages only: count_tokens has no max_tokens to compare with."""
     _, claude = thinking_model

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from tierlm.sampling_params import stop_strings_problem
+from tierlm.serving.protocol_openai import TEMPLATE_ARGUMENTS
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
@@ -347,6 +348,9 @@ class ConversationBody(_Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    # vLLM's (its Anthropic route takes it too): more variables for the model's chat template,
+    # e.g. Qwen3's enable_thinking; over what `thinking` sets. Ignored, the prompt differed.
+    chat_template_kwargs: dict[str, Any] | None = None
     # MCP connector (beta): tierlm connects to no MCP servers, and ignoring the field left the
     # client waiting for tools that never came
     mcp_servers: Any = None
@@ -368,13 +372,23 @@ class ConversationBody(_Body):
             raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
         return value
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The template's own variables only: apply_chat_template's arguments are the request's
+        (its messages, tools, whether the last assistant turn is continued)."""
+        taken = sorted(set(value or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here (the request's messages and tools decide "
+                             "them); remove it")
+        return value
+
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's variables this body sets: `enable_thinking` where `thinking` is
-        given (templates that do not use it render as without)."""
-        if self.thinking is None:
-            return None
-        return {"enable_thinking": self.thinking.type != "disabled"}
+        given (templates that do not use it render as without), then `chat_template_kwargs`."""
+        kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
+        return {**kwargs, **(self.chat_template_kwargs or {})} or None
 
     @field_validator("mcp_servers")
     @classmethod

@@ -62,7 +62,7 @@ def _template_arguments() -> frozenset[str]:
     return frozenset(names)
 
 
-_TEMPLATE_ARGUMENTS = _template_arguments()
+TEMPLATE_ARGUMENTS = _template_arguments()
 # What `chat_template_kwargs` may not set (vLLM refuses the first two; the rest are the request's)
 _REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools"})
 
@@ -334,7 +334,7 @@ class ChatCompletionRequest(_SamplingFields):
         cont = bool(kwargs.pop("continue_final_message", self.continue_final_message))
         if self.documents is not None:
             kwargs.setdefault("documents", self.documents)
-        return add, cont, {k: v for k, v in kwargs.items() if k == "documents" or k not in _TEMPLATE_ARGUMENTS}
+        return add, cont, {k: v for k, v in kwargs.items() if k == "documents" or k not in TEMPLATE_ARGUMENTS}
 
     @field_validator("continue_final_message")
     @classmethod
