@@ -387,6 +387,37 @@ def test_chat_template_kwargs_cannot_set_what_the_request_decides(client, key):
         assert message.startswith(f"chat_template_kwargs: {key} cannot be set here"), message
 
 
+# Qwen3's use of reasoning_content in small: an assistant turn's reasoning, inside think tags
+REASONING_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content is string %}"
+    "{{- '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
+    "{{- (m.content if m.content is string else '') + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def test_thinking_blocks_in_history_reach_the_template_as_reasoning_content(scripted_models, tmp_path, monkeypatch):
+    """They were dropped, so Qwen3's template (which writes an assistant turn's reasoning back
+    in a tool loop) rendered a different prompt than vLLM's, which maps them as here."""
+    engine, claude, server = serve_with_template(scripted_models[TEXT_MODEL].path, tmp_path, "reasoning",
+                                                 REASONING_TEMPLATE)
+    try:
+        asked = record_requests(engine, monkeypatch)
+        turn = [{"type": "thinking", "thinking": "Check the sky first.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "It is blue."}]
+        messages = [USER, {"role": "assistant", "content": turn}, {"role": "user", "content": "Why?"}]
+        counted = claude.messages.count_tokens(model="reasoning", messages=messages)
+        msg = claude.messages.create(model="reasoning", max_tokens=4, messages=messages)
+        prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+        assert "<|im_start|>assistant\n<think>\nCheck the sky first.\n</think>\n\nIt is blue.<|im_end|>" in prompt, prompt
+        assert "opaque" not in prompt and "sig" not in prompt
+        assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    finally:
+        server.stop()
+
+
 def test_thinking_budget_below_max_tokens(thinking_model):
     """Anthropic's rule, on /v1/messages only: count_tokens has no max_tokens to compare with."""
     _, claude = thinking_model
