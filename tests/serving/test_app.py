@@ -166,7 +166,10 @@ def test_engine_streams_report_to_the_scope_observer(checkpoints, monkeypatch):
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/v1/chat/completion", "/v1/chat",
                                   "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/files",
-                                  "/v1/batches/b1", "/v1/completions/x"])
+                                  "/v1/batches/b1", "/v1/completions/x", "/v1/conversations", "/v1/vector_stores",
+                                  "/v1/fine_tuning/jobs", "/v1/assistants", "/v1/uploads", "/v1/containers",
+                                  "/v1/evals", "/v1/videos", "/v1/threads/t1/runs", "/v1/realtime/sessions",
+                                  "/v1/organization/costs"])
 def test_unknown_openai_routes_answer_in_openai_shape(scripted_server, path):
     assert api_style_for(path, {}) == "openai"
     r = httpx.post(scripted_server.url + path, json={}, headers={"authorization": f"Bearer {API_KEY}"})

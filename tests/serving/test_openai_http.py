@@ -443,3 +443,91 @@ def test_a_request_the_kv_pool_cannot_hold_is_context_length_exceeded(client, en
     r = client.post("/v1/chat/completions", json=chat(max_tokens=5))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "KV blocks" in r.json()["error"]["message"] and r.json()["error"]["param"] == "max_tokens"
+
+
+# ---- tool turns must pair up, as OpenAI's API requires -------------------------------------
+
+def _call(call_id):
+    return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+
+
+def _calls(*ids):
+    return {"role": "assistant", "content": None, "tool_calls": [_call(i) for i in ids]}
+
+
+def _result(call_id):
+    return {"role": "tool", "tool_call_id": call_id, "content": "rainy"}
+
+
+ORPHAN = "messages with role 'tool' must be a response to a preceding message with 'tool_calls'"
+UNANSWERED = ("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+              "'tool_call_id'. The following tool_call_ids did not have response messages: ")
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    ([*USER, _result("call_1")], "messages.1", ORPHAN),  # no assistant call before it
+    ([*USER, _calls("call_1"), _result("call_2")], "messages.2", ORPHAN),  # answers no call of that turn
+    ([*USER, _calls("call_1"), _result("call_1"), {"role": "user", "content": "And?"}, _result("call_1")],
+     "messages.4", ORPHAN),  # a user message ended the tool turns
+    ([{"role": "system", "content": "Be brief."}, _result("call_1"), *USER], "messages.1", ORPHAN),
+    ([*USER, _calls("call_1", "call_2"), _result("call_2"), {"role": "user", "content": "And?"}],
+     "messages.1", UNANSWERED + "call_1"),
+    ([*USER, _calls("call_1"), {"role": "user", "content": "Never mind"}, _result("call_1")],
+     "messages.1", UNANSWERED + "call_1"),
+    ([*USER, _calls("call_1", "call_2")], "messages.1", UNANSWERED + "call_1, call_2"),  # final, no results
+])
+def test_orphan_tool_turns_are_refused_in_openais_words(client, asked, messages, param, words):
+    before = len(asked)
+    r = client.post("/v1/chat/completions", json=chat(messages=messages, tools=[WEATHER_TOOL]))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"] == f"{param}: {words}"
+    assert len(asked) == before  # refused before the engine was asked
+
+
+def test_a_final_assistant_tool_call_is_refused_even_to_continue_it(client):
+    """Continuing it, the template would end the prompt at its content and drop the call."""
+    body = chat(messages=[*USER, {**_calls("call_1"), "content": "Let me check."}], tools=[WEATHER_TOOL],
+                continue_final_message=True, add_generation_prompt=False)
+    error = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "messages.1" and error["message"].endswith(UNANSWERED + "call_1")
+
+
+def test_a_complete_tool_round_trip_still_passes(client, engine, asked):
+    """Results in any order, and a later call turn after the first is answered."""
+    messages = [*USER, _calls("call_1", "call_2"), _result("call_2"), _result("call_1"),
+                {"role": "user", "content": "Again"}, _calls("call_3"), _result("call_3")]
+    r = client.post("/v1/chat/completions", json=chat(messages=messages, tools=[WEATHER_TOOL]))
+    assert r.status_code == 200, r.text
+    assert engine.tokenizer.decode(asked[-1].prompt_token_ids).count("<tool_response>\nrainy\n</tool_response>") == 3
+
+
+# ---- refusal parts and the legacy function role --------------------------------------------
+
+
+def test_an_assistant_refusal_part_is_rendered_as_its_text(client, engine, asked):
+    messages = [*USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]},
+                {"role": "user", "content": "Why?"}]
+    r = client.post("/v1/chat/completions", json=chat(messages=messages))
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    assert "<|im_start|>assistant\nI cannot help with that.<|im_end|>" in prompt
+    # the message's `refusal` field, as the SDK's response message carries it, too
+    messages[1] = {"role": "assistant", "content": None, "refusal": "No."}
+    assert client.post("/v1/chat/completions", json=chat(messages=messages)).status_code == 200
+    assert "<|im_start|>assistant\nNo.<|im_end|>" in engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    # a user cannot send one
+    r = client.post("/v1/chat/completions", json=chat(messages=[
+        {"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    assert "only assistant messages" in r.json()["error"]["message"]
+
+
+def test_the_legacy_function_role_is_refused_naming_the_message(client):
+    messages = [*USER, {"role": "assistant", "content": "Checking."},
+                {"role": "function", "name": "get_weather", "content": "rainy"}]
+    error = client.post("/v1/chat/completions", json=chat(messages=messages)).json()["error"]
+    assert error["param"] == "messages.2.role"
+    assert error["message"].startswith("messages.2.role: role 'function' (the legacy function-calling API) is not "
+                                       "supported; send tool messages")

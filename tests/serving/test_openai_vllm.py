@@ -406,3 +406,59 @@ def test_best_of_n_and_output_arguments_in_chat_template_kwargs(client):
     r = client.post("/v1/chat/completions", json=chat(chat_template_kwargs={"sanitize_control_tokens": True,
                                                                             "return_dict": True}))
     assert r.status_code == 200, r.text
+
+
+# ---- OpenAI's fields that would change the answer if ignored: refused ----------------------
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("functions", [{"name": FORCED_TOOL, "parameters": {"type": "object"}}], "use tools and tool_choice"),
+    ("function_call", "auto", "use tools and tool_choice"),
+    ("function_call", {"name": FORCED_TOOL}, "use tools and tool_choice"),
+    ("audio", {"voice": "alloy", "format": "wav"}, "tierlm produces text only"),
+    ("modalities", ["text", "audio"], "tierlm produces text only"),
+    ("web_search_options", {}, "tierlm runs no web search; pass search results in the messages"),
+    ("web_search_options", {"search_context_size": "low"}, "tierlm runs no web search"),
+])
+def test_openai_fields_that_change_the_answer_are_refused(client, asked, field, value, says):
+    before = len(asked)
+    r = client.post("/v1/chat/completions", json=chat(**{field: value}))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{field}: ") and says in error["message"]
+    assert len(asked) == before
+
+
+def test_openai_neutral_values_of_those_fields_pass(client):
+    neutral = dict(functions=None, function_call=None, audio=None, web_search_options=None, modalities=["text"])
+    for fields in (neutral, {"modalities": None}, {"functions": []}):
+        r = client.post("/v1/chat/completions", json=chat(**fields))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY, r.text
+
+
+# ---- vLLM's stream_options.continuous_usage_stats ------------------------------------------
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, scripted_engines, asked):
+    engine = scripted_engines[TEXT_MODEL]
+    for path, body in (("/v1/chat/completions", chat(n=2)), ("/v1/completions", completion(engine, n=2))):
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        frames = [d for _, d in parse_sse(client.post(path, json={**body, "stream": True,
+                                                                  "stream_options": options}).text)][:-1]
+        prompt = len(asked[-1].prompt_token_ids)
+        *chunks, last = frames
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * (len(engine.encode(REPLY)) + 1)
+        seen = {0: 0, 1: 0}  # each choice's usage counts that choice's tokens, growing to its total (as vLLM)
+        for chunk in chunks:
+            (choice,) = chunk["choices"]
+            usage = chunk["usage"]
+            assert usage["prompt_tokens"] == prompt
+            assert usage["total_tokens"] == prompt + usage["completion_tokens"] >= prompt + seen[choice["index"]]
+            seen[choice["index"]] = usage["completion_tokens"]
+        assert seen == {0: len(engine.encode(REPLY)) + 1, 1: len(engine.encode(REPLY)) + 1}
+        # without include_usage it does nothing, as in vLLM; without it, chunks carry usage null
+        for options in ({"continuous_usage_stats": True}, {"include_usage": True}):
+            frames = [d for _, d in parse_sse(client.post(path, json={**body, "stream": True,
+                                                                      "stream_options": options}).text)][:-1]
+            assert all(f.get("usage") is None for f in frames if f["choices"])

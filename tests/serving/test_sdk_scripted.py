@@ -107,3 +107,31 @@ def test_claude_models_pages(claude, scripted_engines):
     page = claude.models.list(limit=1)
     assert [m.id for m in page.data] == names[:1] and page.has_more
     assert [m.id for m in claude.models.list(limit=1)] == names  # the SDK follows the pages (after_id)
+
+
+@pytest.mark.parametrize("call", [
+    lambda oai: oai.conversations.create(),
+    lambda oai: oai.vector_stores.list(),
+    lambda oai: oai.fine_tuning.jobs.list(),
+    lambda oai: oai.uploads.create(bytes=1, filename="a.jsonl", mime_type="text/jsonl", purpose="batch"),
+    lambda oai: oai.containers.list(),
+    lambda oai: oai.evals.list(),
+    lambda oai: oai.videos.list(),
+    lambda oai: oai.beta.assistants.list(),
+])
+def test_openai_resources_tierlm_lacks_are_openai_shaped_404s(oai, call):
+    with pytest.raises(openai.NotFoundError) as info:
+        call(oai)
+    error = info.value.body  # the SDK hands over the body's `error` object
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "not_found"
+    assert error["message"].startswith("no such route: ")
+
+
+def test_openai_sdk_sends_refusal_parts_and_gets_the_function_role_named(oai):
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]}
+    answer = oai.chat.completions.create(model=TEXT_MODEL, messages=[*USER, refused, *USER])
+    assert answer.choices[0].message.content == REPLY
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=TEXT_MODEL, messages=[*USER, {"role": "function", "name": "f",
+                                                                        "content": "x"}])
+    assert info.value.body["param"] == "messages.1.role" and "send tool messages" in info.value.body["message"]

@@ -27,12 +27,15 @@ ApiStyle = Literal["anthropic", "openai"]
 # Routes whose errors use OpenAI's shape; everything else speaks Anthropic's, except the shared
 # /v1/models routes, which follow the client (see `api_style_for`).
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
-# Where only OpenAI clients go (their 404s too: /v1/embeddings, a mistyped /v1/chat/completion);
-# each entry covers the path and everything under it.
-OPENAI_PREFIXES = (
-    "/v1/chat", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/audio", "/v1/images",
-    "/v1/moderations", "/v1/files", "/v1/batches",
-)
+# Where only OpenAI clients go (their 404s too: /v1/embeddings, a mistyped /v1/chat/completion):
+# every top-level resource of OpenAI's API (the `openai` SDK's resources, 3.57), so an OpenAI SDK
+# gets its NotFoundError with an OpenAI body; each entry covers the path and everything under it.
+OPENAI_PREFIXES = tuple("/v1/" + name for name in (
+    "chat", "completions", "embeddings", "responses", "conversations", "audio", "images", "videos",
+    "moderations", "files", "uploads", "batches", "vector_stores", "fine_tuning", "evals", "containers",
+    "assistants", "threads", "realtime", "chatkit", "organization", "projects", "skills", "agents", "vaults",
+    "webhook_endpoints", "webhook_event_types", "live", "safety", "decisions", "content_provenance_checks",
+))
 
 
 class APIError(Exception):

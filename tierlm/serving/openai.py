@@ -115,8 +115,8 @@ async def chat_completions(request: Request) -> Response:
     await _open_all(streams, request)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n, include_usage)
+        chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n,
+                             *_stream_usage(body, prompt_ids))
         return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
     results = await _collect_all(streams, request)
     return await json_answer(lambda: chat_response(results, engine, prompt, body.model, completion_id, top_n),
@@ -143,12 +143,20 @@ async def completions(request: Request) -> Response:
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     echo = _prompt_text(engine, body) if body.echo else ""
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs, include_usage)
+        chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs,
+                                   *_stream_usage(body, prompt_ids))
         return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
     results = await _collect_all(streams, request)
     return await json_answer(lambda: completion_response(results, engine, body, completion_id, echo),
                              _entries(results, body.logprobs))
+
+
+def _stream_usage(body: Any, prompt_ids: list[int]) -> tuple[bool, int | None]:
+    """(stream_options.include_usage, the prompt's tokens if every chunk is to carry the usage so
+    far: vLLM's continuous_usage_stats, which, as there, takes effect with include_usage only)."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, (len(prompt_ids) if include and options.continuous_usage_stats else None)
 
 
 def _entries(results: list[Generation], top_n: int | None) -> int:
@@ -240,6 +248,7 @@ async def _collect_all(streams: list[EngineStream], request: Request) -> list[Ge
 
 async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
                             tool_calls: toolcalls.ToolCallFormat | None = None) -> ChatPrompt:
+    _check_tool_turns(body.messages)
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
     use_tools = bool(body.tools) and choice != "none"
@@ -261,6 +270,32 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
         template_kwargs=variables,
         tool_calls=tool_calls,
     )
+
+
+def _check_tool_turns(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule, in its words: an assistant message's tool_calls are each answered by the tool
+    messages right after it, and a tool message answers a call of that assistant message. Chat
+    templates render orphans as they come, so the model read results of calls never made, or
+    answered after its own unanswered call. A final assistant message is held to it too: without
+    continue_final_message the model would answer after its unanswered call, and with it the
+    template ends the prompt at the message's content, dropping its calls."""
+    asked: list[str] = []  # the call ids of messages[owner], which the tool messages after it answer
+    answered: set[str] = set()
+    owner = 0
+    for i, message in enumerate([*messages, None]):
+        if message is not None and message.role == "tool":
+            if message.tool_call_id not in asked:
+                raise InvalidRequest(f"messages.{i}: messages with role 'tool' must be a response to a preceding "
+                                     "message with 'tool_calls'", param=f"messages.{i}")
+            answered.add(message.tool_call_id)
+            continue
+        if missing := [call_id for call_id in asked if call_id not in answered]:
+            where = f"messages.{owner}"
+            raise InvalidRequest(f"{where}: An assistant message with 'tool_calls' must be followed by tool messages "
+                                 "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+                                 f"response messages: {', '.join(missing)}", param=where)
+        asked = [c.id for c in message.tool_calls or ()] if message is not None else []
+        answered, owner = set(), i
 
 
 def _template_message(message: ChatMessage, index: int, model: str) -> dict[str, Any]:
@@ -474,6 +509,7 @@ class _StreamFrames:
     object: str
     model: str
     include_usage: bool
+    continuous_prompt_tokens: int | None = None  # set: every chunk carries its usage (continuous_usage_stats)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -481,9 +517,15 @@ class _StreamFrames:
                          "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
                          **extra})
 
-    def choice(self, index: int, finish: str | None = None, logprobs: Any = None, **fields: Any) -> bytes:
-        """A chunk of choice `index`; `fields` are its `delta` (chat) or `text` (completions)."""
-        usage = {"usage": None} if self.include_usage else {}
+    def choice(self, index: int, of: Generation, finish: str | None = None, logprobs: Any = None,
+               **fields: Any) -> bytes:
+        """A chunk of choice `index`, whose tokens so far are `of`'s; `fields` are its `delta`
+        (chat) or `text` (completions). With continuous usage, its usage is that choice's so far,
+        as vLLM's."""
+        usage: dict[str, Any] = {"usage": None} if self.include_usage else {}
+        if (prompt := self.continuous_prompt_tokens) is not None:
+            done = of.num_output_tokens
+            usage["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return self._frame([{"index": index, **fields, "finish_reason": finish, "logprobs": logprobs}], **usage)
 
     def usage(self, results: list[Generation]) -> bytes:
@@ -537,8 +579,9 @@ async def _interleaved(choices: list[AsyncIterator[bytes]]) -> AsyncIterator[byt
 
 
 async def chat_chunks(streams: list[EngineStream], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
-                      completion_id: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
-    frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage)
+                      completion_id: str, top_n: int | None, include_usage: bool,
+                      continuous_prompt_tokens: int | None = None) -> AsyncIterator[bytes]:
+    frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage, continuous_prompt_tokens)
     answers = [StreamedAnswer(stream, prompt, id_prefix="call_") for stream in streams]
     try:
         async for chunk in _interleaved([_chat_choice(i, a, engine, prompt, frames, top_n)
@@ -556,26 +599,28 @@ async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine"
     """One choice's chunks, from its role to its finish_reason."""
     returned = ReturnedTokens() if top_n is not None else None
     shown = False
+    result = answer.result  # the tokens so far, for continuous usage
     # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
     # after a null still accumulates into the content, in the SDKs' stream helpers too).
-    yield frames.choice(index, delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
+    yield frames.choice(index, result, delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
     async for text, delta in answer.pieces():
         logprobs = None
         if returned is not None and top_n is not None and delta is not None:
             logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
         if text or (logprobs and logprobs["content"]):
             shown = shown or bool(text)
-            yield frames.choice(index, delta={"content": text} if text else {}, logprobs=logprobs)
+            yield frames.choice(index, result, delta={"content": text} if text else {}, logprobs=logprobs)
     for i, call in enumerate(_tool_calls_out(answer.calls)):
-        yield frames.choice(index, delta={"tool_calls": [{"index": i, **call.model_dump()}]})
+        yield frames.choice(index, result, delta={"tool_calls": [{"index": i, **call.model_dump()}]})
     # an empty answer without calls has content "" (as when not streamed), never null
     last = {"content": ""} if prompt.parse_tools and not shown and not answer.calls else {}
-    yield frames.choice(index, delta=last, finish=_finish_reason(answer.result, bool(answer.calls)))
+    yield frames.choice(index, result, delta=last, finish=_finish_reason(result, bool(answer.calls)))
 
 
 async def completion_chunks(streams: list[EngineStream], engine: "AsyncEngine", model: str, completion_id: str,
-                            echo: str, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
-    frames = _StreamFrames(completion_id, "text_completion", model, include_usage)
+                            echo: str, top_n: int | None, include_usage: bool,
+                            continuous_prompt_tokens: int | None = None) -> AsyncIterator[bytes]:
+    frames = _StreamFrames(completion_id, "text_completion", model, include_usage, continuous_prompt_tokens)
     results = [Generation() for _ in streams]
     try:
         async for chunk in _interleaved([_completion_choice(i, stream, results[i], engine, frames, echo, top_n)
@@ -593,12 +638,12 @@ async def _completion_choice(index: int, stream: EngineStream, result: Generatio
     """One choice's chunks (accumulated into `result`), from the echoed prompt to its finish_reason."""
     returned = ReturnedTokens() if top_n is not None else None
     if echo:
-        yield frames.choice(index, text=echo)
+        yield frames.choice(index, result, text=echo)
     async for delta in stream.deltas():
         result.add(delta)
         logprobs = None
         if returned is not None and top_n is not None:
             logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, len(echo))
         if delta.text or (logprobs and logprobs["tokens"]):
-            yield frames.choice(index, text=delta.text, logprobs=logprobs)
-    yield frames.choice(index, text="", finish=_finish_reason(result, False))
+            yield frames.choice(index, result, text=delta.text, logprobs=logprobs)
+    yield frames.choice(index, result, text="", finish=_finish_reason(result, False))

@@ -3,7 +3,8 @@
 Like vLLM, unknown fields are ignored so clients that send newer OpenAI options keep working;
 options that would silently change the meaning of the answer if ignored (JSON mode,
 best_of other than n, suffix, vLLM's guided decoding, beam search, prompt logprobs,
-spaces_between_special_tokens false, a custom chat template) are rejected with a 400 naming them.
+spaces_between_special_tokens false, a custom chat template; OpenAI's legacy functions, audio
+output, web search) are rejected with a 400 naming them.
 logit_bias is OpenAI's (keys are token-id strings). vLLM's extensions that tierlm can honour
 (stop_token_ids, truncate_prompt_tokens, include_stop_str_in_output, allowed_token_ids, bad_words,
 skip_special_tokens, and on chat continue_final_message / add_generation_prompt / chat_template_kwargs / documents) are honoured as vLLM does.
@@ -38,7 +39,15 @@ class ImagePart(_Body):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class RefusalPart(_Body):
+    """An assistant's refusal sent back (the SDK's ChatCompletionContentPartRefusalParam): its
+    text is what the assistant said, rendered as its content."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, RefusalPart], Field(discriminator="type")]
 
 
 # OpenAI's rule for function names. Chat templates write names into the prompt unescaped, so a
@@ -84,6 +93,16 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's refusal sent back: rendered as its text
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_function_role(cls, value: Any) -> Any:
+        # Without this, pydantic's "input should be 'system', ..." did not say what to send instead.
+        if value == "function":
+            raise ValueError("role 'function' (the legacy function-calling API) is not supported; "
+                             "send tool messages (role 'tool' with the tool_call_id of the call)")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -96,25 +115,32 @@ class ChatMessage(_Body):
         if isinstance(value, list):
             if not value:
                 raise ValueError("content must contain at least one part")
+            refusals = [j for j, p in enumerate(value) if isinstance(p, dict) and p.get("type") == "refusal"]
+            if refusals and role != "assistant":
+                raise ValueError(f"part {refusals[0]} is a refusal part, which only assistant messages may hold")
         elif not isinstance(value, str):  # "" is valid content for every role, as in OpenAI's API
             raise ValueError("content must be a string or a list of content parts")
         return value
 
     @model_validator(mode="after")
     def _assistant_says_something(self) -> "ChatMessage":
-        if self.role == "assistant" and self.content is None and not self.tool_calls:  # "" is content
-            raise ValueError("an assistant message needs content or tool_calls")
+        if self.role == "assistant" and self.content is None and not self.tool_calls and self.refusal is None:
+            raise ValueError("an assistant message needs content or tool_calls")  # ("" is content)
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
         return self
 
     def text(self) -> str:
-        """Text parts joined with newlines (image parts are refused before this is called)."""
-        if self.content is None:
-            return ""
+        """Text and refusal parts (and an assistant's `refusal`) joined with newlines: what the
+        message said. Image parts are refused before this is called."""
         if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+            texts = [self.content] if self.content or self.refusal is None else []
+        else:
+            texts = [p.refusal if isinstance(p, RefusalPart) else p.text for p in self.content or ()
+                     if not isinstance(p, ImagePart)]
+        if self.refusal is not None:
+            texts.append(self.refusal)
+        return "\n".join(texts)
 
 
 class FunctionDef(_Body):
@@ -142,6 +168,8 @@ class NamedToolChoice(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens)
+    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(_Body):
@@ -155,6 +183,16 @@ MAX_N = 128  # choices per request (`n`), OpenAI's bound
 # default), with the Python API's words (sampling_params.UNSUPPORTED_VLLM_FIELDS).
 _REFUSED_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                         "prompt_logprobs", "use_beam_search", "spaces_between_special_tokens")
+
+
+# OpenAI's chat fields tierlm cannot honour, which would change the answer's meaning if ignored
+# (the answer ignoring the functions offered, no audio, no search): refused unless null (or empty).
+_REFUSED_OPENAI_FIELDS = {
+    "functions": "(the legacy function-calling API) is not supported; use tools and tool_choice",
+    "function_call": "(the legacy function-calling API) is not supported; use tools and tool_choice",
+    "audio": "(audio output) is not supported: tierlm produces text only; remove it",
+    "web_search_options": "is not supported: tierlm runs no web search; pass search results in the messages",
+}
 
 
 def _check_stop(value: Any) -> Any:
@@ -314,6 +352,27 @@ class ChatCompletionRequest(_SamplingFields):
     # ignored, the prompt (and the answer) differed from what the client asked for.
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render them (RAG)
+    # OpenAI's, refused unless neutral (see _REFUSED_OPENAI_FIELDS); modalities: ["text"] only
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    modalities: list[str] | None = None
+
+    @field_validator(*_REFUSED_OPENAI_FIELDS)
+    @classmethod
+    def _refused_openai_field(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value != []:
+            raise ValueError(f"'{info.field_name}' {_REFUSED_OPENAI_FIELDS[info.field_name]}")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        others = sorted(set(value or ()) - {"text"})
+        if others:
+            raise ValueError(f"only [\"text\"] is supported: tierlm produces text only (remove {', '.join(others)})")
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod
