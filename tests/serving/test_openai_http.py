@@ -517,11 +517,31 @@ def test_an_assistant_refusal_part_is_rendered_as_its_text(client, engine, asked
     messages[1] = {"role": "assistant", "content": None, "refusal": "No."}
     assert client.post("/v1/chat/completions", json=chat(messages=messages)).status_code == 200
     assert "<|im_start|>assistant\nNo.<|im_end|>" in engine.tokenizer.decode(asked[-1].prompt_token_ids)
-    # a user cannot send one
+    # said in a part and in the field: once
+    messages[1] = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}], "refusal": "No."}
+    assert client.post("/v1/chat/completions", json=chat(messages=messages)).status_code == 200
+    assert "<|im_start|>assistant\nNo.<|im_end|>" in engine.tokenizer.decode(asked[-1].prompt_token_ids)
+    # a user cannot send one; a `refusal` field on a user message is not OpenAI's and is not their text
     r = client.post("/v1/chat/completions", json=chat(messages=[
         {"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]))
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
     assert "only assistant messages" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=chat(messages=[{"role": "user", "content": "hi", "refusal": "ZQX"}]))
+    assert r.status_code == 200 and "ZQX" not in engine.tokenizer.decode(asked[-1].prompt_token_ids)
+
+
+@pytest.mark.parametrize("content", ["Checking.", None])
+def test_an_assistant_turns_legacy_function_call_is_refused_naming_it(client, content):
+    """It was dropped: the model read "Checking." without the call it made (and with content
+    null the 400 said content or tool_calls was missing)."""
+    messages = [*USER, {"role": "assistant", "content": content,
+                        "function_call": {"name": "get_weather", "arguments": "{}"}}, *USER]
+    error = client.post("/v1/chat/completions", json=chat(messages=messages)).json()["error"]
+    assert error["param"] == "messages.1.function_call", error
+    assert "legacy function-calling API" in error["message"] and "tool_calls" in error["message"]
+    messages[1]["function_call"] = None  # the SDK's model_dump() of a message sends it null
+    messages[1]["content"] = "Checking."
+    assert client.post("/v1/chat/completions", json=chat(messages=messages)).status_code == 200
 
 
 def test_the_legacy_function_role_is_refused_naming_the_message(client):

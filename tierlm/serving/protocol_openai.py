@@ -93,7 +93,17 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    refusal: str | None = None  # an assistant's refusal sent back: rendered as its text
+    refusal: str | None = None  # an assistant's refusal sent back: rendered as its text (others have none)
+    function_call: Any = None  # the legacy API's call in an assistant turn: refused unless null
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: Any) -> Any:
+        # Ignored, the call vanished from the prompt and the model read its text without it.
+        if value is not None:
+            raise ValueError("(the legacy function-calling API) is not supported; send the call in "
+                             "'tool_calls' and its result as a tool message")
+        return value
 
     @field_validator("role", mode="before")
     @classmethod
@@ -131,15 +141,17 @@ class ChatMessage(_Body):
         return self
 
     def text(self) -> str:
-        """Text and refusal parts (and an assistant's `refusal`) joined with newlines: what the
-        message said. Image parts are refused before this is called."""
+        """Text and refusal parts (and an assistant's `refusal`, unless a part already says it)
+        joined with newlines: what the message said. Image parts are refused before this is
+        called; a `refusal` on another role's message is not OpenAI's and is ignored."""
+        refusal = self.refusal if self.role == "assistant" else None
         if isinstance(self.content, str):
-            texts = [self.content] if self.content or self.refusal is None else []
+            texts = [self.content] if self.content or refusal is None else []
         else:
             texts = [p.refusal if isinstance(p, RefusalPart) else p.text for p in self.content or ()
                      if not isinstance(p, ImagePart)]
-        if self.refusal is not None:
-            texts.append(self.refusal)
+        if refusal is not None and refusal not in texts:
+            texts.append(refusal)
         return "\n".join(texts)
 
 
