@@ -101,9 +101,10 @@ async def create_message(request: Request) -> Response:
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         num_prompt = len(prompt.token_ids) if warming else first.num_prompt_tokens or len(prompt.token_ids)
-        events = (warming_events if warming else message_events)(
-            stream, prompt, body.model, message_id, context.request_id, num_prompt, first.num_cached_tokens
-        )
+        events = (warming_events(stream, body.model, message_id, context.request_id, num_prompt,
+                                 first.num_cached_tokens) if warming else
+                  message_events(stream, prompt, body.model, message_id, context.request_id, num_prompt,
+                                 first.num_cached_tokens))
         return EventStreamResponse(events, on_close=stream.close)
     result = await stream.collect(request)
     if warming:
@@ -533,15 +534,8 @@ async def message_events(
         yield sse_event("error", anthropic_error_body(stream_error(exc, request_id), request_id))
 
 
-async def warming_events(
-    stream: EngineStream,
-    prompt: ChatPrompt,
-    model: str,
-    message_id: str,
-    request_id: str,
-    num_prompt: int,
-    num_cached: int,
-) -> AsyncIterator[bytes]:
+async def warming_events(stream: EngineStream, model: str, message_id: str, request_id: str, num_prompt: int,
+                         num_cached: int) -> AsyncIterator[bytes]:
     """max_tokens 0, streamed: message_start → message_delta (`max_tokens`, no output) →
     message_stop, with no content block; the engine's one token is run to the end and dropped."""
     yield _message_start(model, message_id, num_prompt, num_cached)
