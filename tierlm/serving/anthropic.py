@@ -367,13 +367,13 @@ def _tool_result_text(block: ToolResultBlock) -> str:
 
 
 def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]:
-    """Text plus `tool_calls`, and thinking blocks' text as `reasoning_content` (vLLM's mapping):
-    Qwen3's template writes it back into the turns after the last user query, as in a tool loop;
+    """Text plus `tool_calls`, and thinking blocks' text as `reasoning_content` and `reasoning`
+    (vLLM's mapping): Qwen3's template writes it back into the turns after the last user query, as in a tool loop;
     other templates ignore it. Redacted thinking holds nothing readable and is dropped."""
     message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
     thinking = [b.thinking for b in turn.blocks if isinstance(b, ThinkingBlock) and b.thinking]
-    if thinking:
-        message["reasoning_content"] = "\n".join(thinking)
+    if thinking:  # (under both names vLLM gives it: templates read one or the other)
+        message["reasoning_content"] = message["reasoning"] = "\n".join(thinking)
     calls = [
         {"id": toolcalls.template_tool_call_id(b.id), "type": "function",
          "function": {"name": b.name, "arguments": b.input}}

@@ -137,7 +137,8 @@ async def chat_prompt(
                 param="tools",
             )
         if variable != "tools":  # (a value the client set through chat_template_kwargs wins)
-            template_kwargs = {variable: tools, **(template_kwargs or {})}
+            template_kwargs = {variable: [toolcalls.template_tool(variable, t) for t in tools],
+                               **(template_kwargs or {})}
         parse_tools = True
         if call_required_by is not None:
             if continue_final_message:

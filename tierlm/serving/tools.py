@@ -264,39 +264,63 @@ def tool_call_format(parser: str, tokenizer: Any) -> ToolCallFormat:
 
 
 # The variables through which chat templates read the tools offered: `tools` (most), and
-# `xml_tools` (SmolLM3's, which writes each under <tools> as the model card passes them).
+# `xml_tools` (SmolLM3's, which writes each with `| string` under <tools>).
 TOOLS_VARIABLES = ("tools", "xml_tools")
 _PROBE_TOOL = {"type": "function", "function": {"name": "tierlm_probe_tool_7f3a", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
-_tools_variable_of: dict[str, str | None] = {}  # chat template -> its tools variable
+# Conversations to render the probe with: a template may refuse a lone user message
+_PROBE_CONVERSATIONS = ([{"role": "user", "content": "hi"}],
+                        [{"role": "system", "content": "probe"}, {"role": "user", "content": "hi"}])
+_tools_variable_of: dict[Any, str | None] = {}  # chat template(s) -> its tools variable
 
 
 def tools_variable(tokenizer: Any) -> str | None:
     """The variable through which `tokenizer`'s chat template reads the tools (one of
     TOOLS_VARIABLES), or None if it renders them through none, so the model would never be told.
     Found once per template by rendering a probe tool: the word alone says nothing (SmolLM3's
-    template writes "<tools></tools>" and reads only xml_tools; tools passed as `tools` vanished)."""
+    template writes "<tools></tools>" and reads only xml_tools; tools passed as `tools` vanished).
+    A tokenizer with several named templates (Hermes: `default` and `tool_use`) is probed as
+    apply_chat_template renders it, which picks `tool_use` when tools are given."""
     template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or not template:
+    if isinstance(template, dict):
+        key: Any = tuple(sorted((str(k), str(v)) for k, v in template.items()))
+        text = "\n".join(v for _, v in key)
+    elif isinstance(template, str):
+        key = text = template
+    else:
         return None
-    if template not in _tools_variable_of:
-        _tools_variable_of[template] = _probe_tools_variable(tokenizer, template)
-    return _tools_variable_of[template]
+    if not text:
+        return None
+    if key not in _tools_variable_of:
+        _tools_variable_of[key] = _probe_tools_variable(tokenizer, text)
+    return _tools_variable_of[key]
 
 
-def _probe_tools_variable(tokenizer: Any, template: str) -> str | None:
+def _probe_tools_variable(tokenizer: Any, template_text: str) -> str | None:
     name = _PROBE_TOOL["function"]["name"]
+    unsure: str | None = None  # a variable the template names but whose probes all failed
     for variable in TOOLS_VARIABLES:
-        if variable not in template:
+        if variable not in template_text:
             continue
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                 add_generation_prompt=True, **{variable: [_PROBE_TOOL]})
-        except Exception:  # a template that fails on the probe: taken at its word (requests will tell)
-            return variable
-        if name in text:
-            return variable
-    return None
+        for conversation in _PROBE_CONVERSATIONS:
+            try:
+                text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                     **{variable: [template_tool(variable, _PROBE_TOOL)]})
+            except Exception:  # this conversation is one the template refuses: try the next
+                continue
+            if name in text:
+                return variable
+            break  # rendered, without the tool: not through this variable
+        else:
+            unsure = unsure or variable  # every probe failed: taken at its word (requests will tell)
+    return unsure
+
+
+def template_tool(variable: str, tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the template reading `variable` takes it: OpenAI's {"type": "function",
+    "function": {...}} for `tools`; the function alone for SmolLM3's `xml_tools`, as its model
+    card passes them (it prints each as it comes, so the model sees that shape)."""
+    return tool["function"] if variable == "xml_tools" else tool
 
 
 def new_tool_call_id(prefix: str = "toolu_") -> str:
