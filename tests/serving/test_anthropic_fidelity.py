@@ -379,13 +379,23 @@ def test_chat_template_kwargs_reach_the_template_as_on_vllms_anthropic_route(thi
     assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
 
 
-@pytest.mark.parametrize("key", ["add_generation_prompt", "tools", "messages", "chat_template"])
-def test_chat_template_kwargs_cannot_set_what_the_request_decides(client, key):
-    body = conversation(USER, max_tokens=8, chat_template_kwargs={key: True})
+@pytest.mark.parametrize("kwargs, refusal", [
+    ({"tools": [1]}, "chat_template_kwargs: tools cannot be set here"),
+    ({"messages": []}, "chat_template_kwargs: messages cannot be set here"),
+    ({"chat_template": "x"}, "chat_template_kwargs: chat_template cannot be set here"),
+    ({"add_generation_prompt": False}, "chat_template_kwargs: add_generation_prompt false contradicts the messages"),
+    ({"continue_final_message": True}, "chat_template_kwargs: continue_final_message true contradicts the messages"),
+    ({"add_generation_prompt": True, "documents": [{"text": "x"}], "return_dict": False}, None),  # as the OpenAI route
+])
+def test_chat_template_kwargs_cannot_set_what_the_request_decides(client, kwargs, refusal):
+    body = conversation(USER, max_tokens=8, chat_template_kwargs=kwargs)
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        message = refused(client.post(path, json=body if path.endswith("messages") else
-                                      {k: v for k, v in body.items() if k != "max_tokens"}))
-        assert message.startswith(f"chat_template_kwargs: {key} cannot be set here"), message
+        r = client.post(path, json=body if path.endswith("messages") else
+                        {k: v for k, v in body.items() if k != "max_tokens"})
+        if refusal is None:
+            assert r.status_code == 200, r.text
+        else:
+            assert refused(r).startswith(refusal), r.text
 
 
 # Qwen3's use of reasoning_content in small: an assistant turn's reasoning, inside think tags
@@ -417,6 +427,18 @@ def test_thinking_blocks_in_history_reach_the_template_as_reasoning_content(scri
         assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
     finally:
         server.stop()
+
+
+def test_interleaved_thinking_lets_the_budget_pass_max_tokens(thinking_model):
+    """With Anthropic's interleaved-thinking beta (Claude Code sends it) the budget covers the
+    whole turn and may exceed max_tokens; such requests were refused."""
+    _, claude = thinking_model
+    thinking = {"type": "enabled", "budget_tokens": 2000}
+    msg = claude.beta.messages.create(model=THINK_MODEL, max_tokens=8, messages=[USER], thinking=thinking,
+                                      betas=["interleaved-thinking-2025-05-14"])
+    assert msg.type == "message"
+    with pytest.raises(anthropic.BadRequestError, match="less than max_tokens"):
+        claude.messages.create(model=THINK_MODEL, max_tokens=8, messages=[USER], thinking=thinking)
 
 
 def test_thinking_budget_below_max_tokens(thinking_model):
@@ -593,3 +615,7 @@ def test_tools_variable_probes_named_templates_and_templates_that_need_a_system_
     assert tools_variable(tokenizer) == "xml_tools"
     tokenizer.chat_template = WORD_ONLY_TEMPLATE
     assert tools_variable(tokenizer) is None
+    beside_system = ("{%- if messages[0].role == 'system' and tools %}{{- tools | tojson }}{%- endif %}"
+                     "{%- for m in messages %}{{- m.content }}{%- endfor %}")
+    tokenizer.chat_template = beside_system  # tools shown only with a system prompt: still `tools`
+    assert tools_variable(tokenizer) == "tools"

@@ -413,7 +413,6 @@ def test_best_of_n_and_output_arguments_in_chat_template_kwargs(client):
 
 @pytest.mark.parametrize("field, value, says", [
     ("functions", [{"name": FORCED_TOOL, "parameters": {"type": "object"}}], "use tools and tool_choice"),
-    ("function_call", "auto", "use tools and tool_choice"),
     ("function_call", {"name": FORCED_TOOL}, "use tools and tool_choice"),
     ("audio", {"voice": "alloy", "format": "wav"}, "tierlm produces text only"),
     ("modalities", ["text", "audio"], "tierlm produces text only"),
@@ -432,7 +431,9 @@ def test_openai_fields_that_change_the_answer_are_refused(client, asked, field, 
 
 def test_openai_neutral_values_of_those_fields_pass(client):
     neutral = dict(functions=None, function_call=None, audio=None, web_search_options=None, modalities=["text"])
-    for fields in (neutral, {"modalities": None}, {"functions": []}):
+    # function_call "none" / "auto" without functions ask for nothing tierlm does not do
+    for fields in (neutral, {"modalities": None}, {"functions": []}, {"function_call": "none"},
+                   {"function_call": "auto", "functions": []}):
         r = client.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY, r.text
 

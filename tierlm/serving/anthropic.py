@@ -74,7 +74,10 @@ async def create_message(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, MessagesRequest)
     engine = state.models.get(body.model)
-    if (problem := body.thinking_problem()) is not None:
+    # With interleaved thinking (a beta Claude Code sends) the budget covers the whole turn and
+    # may exceed max_tokens, as Anthropic's docs allow.
+    interleaved = "interleaved-thinking" in request.headers.get("anthropic-beta", "")
+    if not interleaved and (problem := body.thinking_problem()) is not None:
         raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model))
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
@@ -134,6 +137,7 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
         raise InvalidRequest("system: text content blocks must contain non-whitespace text", param="system")
     check_tool_pairing(body)
     messages = template_messages(body)
+    body.check_template_kwargs(continue_final_message=messages[-1]["role"] == "assistant")
     choice = body.tool_choice.type if body.tool_choice else "auto"
     use_tools = bool(body.tools) and choice != "none"
     return await chat_prompt(
@@ -351,7 +355,8 @@ def _user_turn(turn: _Turn) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": text})
     if not messages:
         where = f"messages.{turn.first}"
-        raise InvalidRequest(f"{where}: a user message needs text or tool_result content", param=where)
+        raise InvalidRequest(f"{where}: a user message needs text (or a document or search result holding "
+                             "some) or tool_result content", param=where)
     return messages
 
 

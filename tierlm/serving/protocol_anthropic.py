@@ -22,7 +22,8 @@ from pydantic import (
 )
 
 from tierlm.sampling_params import stop_strings_problem
-from tierlm.serving.protocol_openai import TEMPLATE_ARGUMENTS
+from tierlm.serving.errors import InvalidRequest
+from tierlm.serving.protocol_openai import TEMPLATE_ARGUMENTS, template_kwargs_refused
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
@@ -372,23 +373,32 @@ class ConversationBody(_Body):
             raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
         return value
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The template's own variables only: apply_chat_template's arguments are the request's
-        (its messages, tools, whether the last assistant turn is continued)."""
-        taken = sorted(set(value or ()) & TEMPLATE_ARGUMENTS)
-        if taken:
-            raise ValueError(f"{', '.join(taken)} cannot be set here (the request's messages and tools decide "
-                             "them); remove it")
-        return value
+    _template_variables = field_validator("chat_template_kwargs")(template_kwargs_refused)
+
+    def check_template_kwargs(self, *, continue_final_message: bool) -> None:
+        """`add_generation_prompt` / `continue_final_message` in chat_template_kwargs: the messages
+        decide them here (a final assistant turn is continued), so a value that says otherwise is
+        refused rather than obeyed or ignored."""
+        implied = {"add_generation_prompt": not continue_final_message,
+                   "continue_final_message": continue_final_message}
+        for name, value in implied.items():
+            given = (self.chat_template_kwargs or {}).get(name)
+            if given is not None and bool(given) != value:
+                raise InvalidRequest(
+                    f"chat_template_kwargs: {name} {str(bool(given)).lower()} contradicts the messages, which "
+                    f"{'end with an assistant turn to continue' if continue_final_message else 'end with a user turn'}; "
+                    "remove it", param="chat_template_kwargs")
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's variables this body sets: `enable_thinking` where `thinking` is
-        given (templates that do not use it render as without), then `chat_template_kwargs`."""
+        given (templates that do not use it render as without), then `chat_template_kwargs`
+        (less apply_chat_template's own arguments, which the request decides or which do not
+        change the text, but `documents`, as on the OpenAI route)."""
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
-        return {**kwargs, **(self.chat_template_kwargs or {})} or None
+        extra = {k: v for k, v in (self.chat_template_kwargs or {}).items()
+                 if k == "documents" or k not in TEMPLATE_ARGUMENTS}
+        return {**kwargs, **extra} or None
 
     @field_validator("mcp_servers")
     @classmethod

@@ -76,6 +76,15 @@ TEMPLATE_ARGUMENTS = _template_arguments()
 _REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools"})
 
 
+def template_kwargs_refused(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs, refused where they set what only the request may (both APIs)."""
+    taken = sorted(set(value or ()) & _REFUSED_TEMPLATE_KWARGS)
+    if taken:
+        raise ValueError(f"{', '.join(taken)} cannot be set here; "
+                         + ("use the request's 'tools'" if taken == ["tools"] else "remove it"))
+    return value
+
+
 class FunctionCall(_Body):
     name: str = Field(pattern=_FUNCTION_NAME)
     arguments: str  # JSON text, as OpenAI sends it
@@ -374,7 +383,9 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator(*_REFUSED_OPENAI_FIELDS)
     @classmethod
     def _refused_openai_field(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value != []:
+        # function_call "none" / "auto" with no functions ask for nothing tierlm does not do
+        neutral = value in ("none", "auto") and info.field_name == "function_call" and not info.data.get("functions")
+        if value is not None and value != [] and not neutral:
             raise ValueError(f"'{info.field_name}' {_REFUSED_OPENAI_FIELDS[info.field_name]}")
         return value
 
@@ -386,14 +397,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"only [\"text\"] is supported: tierlm produces text only (remove {', '.join(others)})")
         return value
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(value or ()) & _REFUSED_TEMPLATE_KWARGS)
-        if taken:
-            raise ValueError(f"{', '.join(taken)} cannot be set here; "
-                             + ("use the request's 'tools'" if taken == ["tools"] else "remove it"))
-        return value
+    _template_variables = field_validator("chat_template_kwargs")(template_kwargs_refused)
 
     def template_settings(self) -> tuple[bool, bool, dict[str, Any]]:
         """(add_generation_prompt, continue_final_message, the template's other variables): as

@@ -302,7 +302,8 @@ def _probe_tools_variable(tokenizer: Any, template_text: str) -> str | None:
     for variable in TOOLS_VARIABLES:
         if variable not in template_text:
             continue
-        for conversation in _PROBE_CONVERSATIONS:
+        rendered = False
+        for conversation in _PROBE_CONVERSATIONS:  # (a template may show tools only beside a system prompt)
             try:
                 text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                      **{variable: [template_tool(variable, _PROBE_TOOL)]})
@@ -310,8 +311,8 @@ def _probe_tools_variable(tokenizer: Any, template_text: str) -> str | None:
                 continue
             if name in text:
                 return variable
-            break  # rendered, without the tool: not through this variable
-        else:
+            rendered = True
+        if not rendered:
             unsure = unsure or variable  # every probe failed: taken at its word (requests will tell)
     return unsure
 
