@@ -373,8 +373,8 @@ def _tool_result_text(block: ToolResultBlock) -> str:
 
 def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]:
     """Text plus `tool_calls`, and thinking blocks' text as `reasoning_content` and `reasoning`
-    (vLLM's mapping): Qwen3's template writes it back into the turns after the last user query, as in a tool loop;
-    other templates ignore it. Redacted thinking holds nothing readable and is dropped."""
+    (vLLM's mapping): Qwen3's template writes it back into the turns after the last user query,
+    as in a tool loop; other templates ignore it. Redacted thinking, unreadable, is dropped."""
     message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
     thinking = [b.thinking for b in turn.blocks if isinstance(b, ThinkingBlock) and b.thinking]
     if thinking:  # (under both names vLLM gives it: templates read one or the other)

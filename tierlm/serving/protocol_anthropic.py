@@ -384,10 +384,9 @@ class ConversationBody(_Body):
         for name, value in implied.items():
             given = (self.chat_template_kwargs or {}).get(name)
             if given is not None and bool(given) != value:
-                raise InvalidRequest(
-                    f"chat_template_kwargs: {name} {str(bool(given)).lower()} contradicts the messages, which "
-                    f"{'end with an assistant turn to continue' if continue_final_message else 'end with a user turn'}; "
-                    "remove it", param="chat_template_kwargs")
+                ending = "an assistant turn to continue" if continue_final_message else "a user turn"
+                raise InvalidRequest(f"chat_template_kwargs: {name} {str(bool(given)).lower()} contradicts the "
+                                     f"messages, which end with {ending}; remove it", param="chat_template_kwargs")
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:

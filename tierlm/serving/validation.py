@@ -188,9 +188,10 @@ def _parse_body(model: type[M], body: bytes, on_json: Callable[[dict], None] | N
 
 def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
     """Where the count of tools, messages and content blocks (system blocks, blocks, tool calls,
-    blocks in a tool result or a document, at any depth) first passes `limit`, and the count there; None if it never does. Read from
-    the raw JSON before it is validated: each renders to a token at least, and validating a million
-    one-letter blocks held the GIL for 7-15 s, stalling every other client."""
+    blocks in a tool result or a document, at any depth) first passes `limit`, and the count
+    there; None if it never does. Read from the raw JSON before it is validated: each renders to
+    a token at least, and validating a million one-letter blocks held the GIL for 7-15 s,
+    stalling every other client."""
     total = 0
     tools = data.get("tools")  # rendered into the prompt, a token each at least (700,000 took 36 s)
     if isinstance(tools, list):
