@@ -429,6 +429,16 @@ def test_thinking_blocks_in_history_reach_the_template_as_reasoning_content(scri
         server.stop()
 
 
+def test_interleaved_thinking_is_read_from_every_beta_header_line(thinking_model):
+    """HTTP joins repeated header lines; only the first anthropic-beta line was read."""
+    _, claude = thinking_model
+    body = conversation(USER, max_tokens=8, thinking={"type": "enabled", "budget_tokens": 2000}, model=THINK_MODEL)
+    headers = [("x-api-key", API_KEY), ("anthropic-beta", "claude-code-20250219"),
+               ("anthropic-beta", "interleaved-thinking-2025-05-14")]
+    r = httpx.post(f"{str(claude.base_url).rstrip('/')}/v1/messages", json=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_interleaved_thinking_lets_the_budget_pass_max_tokens(thinking_model):
     """With Anthropic's interleaved-thinking beta (Claude Code sends it) the budget covers the
     whole turn and may exceed max_tokens; such requests were refused."""
@@ -617,5 +627,5 @@ def test_tools_variable_probes_named_templates_and_templates_that_need_a_system_
     assert tools_variable(tokenizer) is None
     beside_system = ("{%- if messages[0].role == 'system' and tools %}{{- tools | tojson }}{%- endif %}"
                      "{%- for m in messages %}{{- m.content }}{%- endfor %}")
-    tokenizer.chat_template = beside_system  # tools shown only with a system prompt: still `tools`
-    assert tools_variable(tokenizer) == "tools"
+    tokenizer.chat_template = beside_system  # tools shown only beside a system prompt: accepted, they
+    assert tools_variable(tokenizer) is None  # were dropped from requests without one (refused instead)

@@ -76,7 +76,7 @@ async def create_message(request: Request) -> Response:
     engine = state.models.get(body.model)
     # With interleaved thinking (a beta Claude Code sends) the budget covers the whole turn and
     # may exceed max_tokens, as Anthropic's docs allow.
-    interleaved = "interleaved-thinking" in request.headers.get("anthropic-beta", "")
+    interleaved = "interleaved-thinking" in ",".join(request.headers.getlist("anthropic-beta"))
     if not interleaved and (problem := body.thinking_problem()) is not None:
         raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model))

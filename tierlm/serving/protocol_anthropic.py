@@ -384,9 +384,10 @@ class ConversationBody(_Body):
         for name, value in implied.items():
             given = (self.chat_template_kwargs or {}).get(name)
             if given is not None and bool(given) != value:
-                ending = "an assistant turn to continue" if continue_final_message else "a user turn"
+                asks = ("continue the final assistant turn (a prefill)" if continue_final_message
+                        else "start a new assistant turn")
                 raise InvalidRequest(f"chat_template_kwargs: {name} {str(bool(given)).lower()} contradicts the "
-                                     f"messages, which end with {ending}; remove it", param="chat_template_kwargs")
+                                     f"messages, which {asks}; remove it", param="chat_template_kwargs")
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:

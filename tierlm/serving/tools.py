@@ -302,8 +302,7 @@ def _probe_tools_variable(tokenizer: Any, template_text: str) -> str | None:
     for variable in TOOLS_VARIABLES:
         if variable not in template_text:
             continue
-        rendered = False
-        for conversation in _PROBE_CONVERSATIONS:  # (a template may show tools only beside a system prompt)
+        for conversation in _PROBE_CONVERSATIONS:
             try:
                 text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                      **{variable: [template_tool(variable, _PROBE_TOOL)]})
@@ -311,8 +310,10 @@ def _probe_tools_variable(tokenizer: Any, template_text: str) -> str | None:
                 continue
             if name in text:
                 return variable
-            rendered = True
-        if not rendered:
+            # Rendered without the tool: not through this variable. (A template that shows tools
+            # only beside a system prompt is refused: accepted, it dropped them from the others.)
+            break
+        else:
             unsure = unsure or variable  # every probe failed: taken at its word (requests will tell)
     return unsure
 
