@@ -93,6 +93,47 @@ def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
 
 
 @needs_avx512
+@pytest.mark.parametrize("bad", ["nan_key", "inf_key", "nan_query"])
+def test_decode_attention_propagates_nan_as_pytorch_does(bad):
+    """The exp's clamp took a NaN score (or inf - inf) for -87, a weight of ~1e-38: a NaN key or
+    query gave a finite answer (a plain average of V for a NaN query) where PyTorch's softmax,
+    and HF, give NaN, hiding an overflow instead of showing it."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 4, 8, 1, 16, generator=g)
+    q = torch.randn(2, 2, 16, generator=g)
+    tables, lens = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]), torch.tensor([20, 20])
+    if bad == "nan_query":
+        q[0] = float("nan")  # row 1 stays finite
+    else:  # read by both rows; an inf key scores +inf for a query whose 6th value is positive
+        cache[0, 0, 3, 0, 5] = float("nan") if bad == "nan_key" else float("inf")
+        q[:, :, 5] = 1.0
+    out = cpu_kernels.decode_attention(q, cache, tables, lens, 0.25, None)
+    ref = _reference_decode(q, cache, tables, lens, 0.25, None)
+    assert ref.isnan().any() and torch.equal(out.isnan(), ref.isnan()), (out, ref)
+    finite = ~ref.isnan()
+    if finite.any():
+        assert (out[finite] - ref[finite]).abs().max().item() < 2e-5
+
+
+@needs_avx512
+def test_kernel_wrappers_take_any_integer_tables_and_any_bias_layout():
+    """The kernels read int64 tables and lens and n contiguous float32 biases: int32 tables
+    crashed the process, and a strided or float64 bias gave a wrong product, silently."""
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 8, 4, 2, 32, generator=g)
+    q = torch.randn(2, 4, 32, generator=g)
+    tables, lens = torch.tensor([[3, 1, 0], [2, 5, 7]]), torch.tensor([9, 12])
+    ref = _reference_decode(q, cache, tables, lens, 0.2, None)
+    out = cpu_kernels.decode_attention(q, cache, tables.to(torch.int32), lens.to(torch.int32), 0.2, None)
+    assert (out - ref).abs().max().item() < 2e-5
+    x, w = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g).bfloat16().float()
+    packed = cpu_kernels.pack_bf16(w.bfloat16())
+    for bias in (torch.randn(80, generator=g)[::2], torch.randn(40, generator=g, dtype=torch.float64)):
+        y = cpu_kernels.gemm_bf16w(x, packed, 40, bias)
+        assert (y - torch.nn.functional.linear(x, w, bias.float())).abs().max().item() < 1e-4
+
+
+@needs_avx512
 def test_decode_attention_refuses_tables_shorter_than_the_context():
     """The kernel would read past the tables (another row's entries, or past the tensor: a
     segfault) rather than fail: the wrapper refuses first."""

@@ -145,6 +145,8 @@ def gemm_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
     lib = library()
     m, k = x.shape
     x = x.contiguous()
+    if bias is not None:  # the kernel reads n contiguous floats: a strided or float64 bias read garbage
+        bias = bias.to(torch.float32).contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(m * k, dtype=torch.float32)
     rc = lib.tierlm_gemm_bf16w(x.data_ptr(), m, k, packed.data_ptr(), n,
@@ -172,8 +174,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     lib = library()
     b, hq, d = q.shape
     q = q.contiguous()
-    tables = block_tables.contiguous()
-    lens = lens.contiguous()
+    # The kernel reads int64s: int32 tables were read as pairs of ids (a segfault). No-ops for
+    # the runner's own int64 tensors.
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = lens.to(torch.int64).contiguous()
     longest = (int(lens.max()) if b else 0) if longest is None else longest
     if longest > tables.shape[1] * cache.shape[2]:
         # The kernel trusts the tables to cover every key: reading past them reads another

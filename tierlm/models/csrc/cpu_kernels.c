@@ -144,7 +144,9 @@ int tierlm_gemm_bf16w(const float *x, int64_t M, int64_t K, const uint32_t *wp, 
 /* exp of x <= 0 (scores minus their max), 16 at a time: Cody-Waite reduction to r in
  * [-ln2/2, ln2/2], degree-6 polynomial, scaled by 2^n; relative error ~2e-7 (float32 rounding). */
 static inline __m512 exp512_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    /* -87 first: MAXPS returns its second operand where one is NaN, so a NaN score (or inf - inf)
+     * stays NaN, as in PyTorch's softmax; the other order turned it into a weight of ~1e-38 */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
