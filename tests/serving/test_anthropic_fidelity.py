@@ -522,6 +522,13 @@ def test_a_warm_counts_no_output_and_takes_a_prompt_as_long_as_the_context(scrip
                        ("tierlm:request_generation_tokens_sum", 0), ("tierlm:request_prompt_tokens_sum", context),
                        ("tierlm:time_to_first_token_seconds_count", 0)):
         assert value(after, name, **labels) - value(before, name, **labels) == grew, name
+    # a warm whose dropped token would have matched a stop sequence still ended at its length
+    before = httpx.get(f"{scripted_server.url}/metrics").text
+    claude.messages.create(model=TEXT_MODEL, max_tokens=0, messages=messages, stop_sequences=["alpha"])
+    after = httpx.get(f"{scripted_server.url}/metrics").text
+    for reason, grew in (("length", 1), ("stop", 0)):
+        name, lbl = "tierlm:request_success_total", {**labels, "finished_reason": reason}
+        assert value(after, name, **lbl) - value(before, name, **lbl) == grew, reason
     again = claude.messages.create(model=TEXT_MODEL, max_tokens=0, messages=messages)  # the blocks were cached
     assert again.usage.cache_read_input_tokens > 0
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == context

@@ -349,8 +349,8 @@ class RequestTelemetry:
         self.engine_arrival = getattr(delta, "arrival_time", None) or self.engine_arrival
         self.engine_first_scheduled = getattr(delta, "first_scheduled_time", None) or self.engine_first_scheduled
         self.engine_first_token = getattr(delta, "first_token_time", None) or self.engine_first_token
-        if delta.finished:
-            self.finish_reason = delta.finish_reason
+        if delta.finished:  # a warm ends at its length, as its client is told, whatever its dropped token was
+            self.finish_reason = "length" if warm and delta.finish_reason != "abort" else delta.finish_reason
 
     def on_error(self, error: BaseException) -> None:
         """The request failed after it reached the engine (possibly mid-stream, after a 200)."""
