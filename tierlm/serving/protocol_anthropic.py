@@ -23,7 +23,7 @@ from pydantic import (
 
 from tierlm.sampling_params import stop_strings_problem
 from tierlm.serving.errors import InvalidRequest
-from tierlm.serving.protocol_openai import TEMPLATE_ARGUMENTS, template_kwargs_refused
+from tierlm.serving.protocol_openai import TEMPLATE_ARGUMENTS, refused_unless_null, template_kwargs_refused
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
@@ -291,11 +291,8 @@ class Metadata(_Body):
     user_id: str | None = None
 
 
-def _no_output_schema(value: Any) -> Any:
-    if value is not None:
-        raise ValueError("structured output (a JSON schema the reply must follow) is not supported by tierlm; "
-                         "remove it and ask for JSON in the prompt")
-    return value
+_no_output_schema = refused_unless_null("structured output (a JSON schema the reply must follow) is not supported "
+                                        "by tierlm; remove it and ask for JSON in the prompt")
 
 
 class OutputConfig(_Body):
@@ -366,12 +363,8 @@ class ConversationBody(_Body):
 
     _no_output_format = field_validator("output_format")(_no_output_schema)
 
-    @field_validator("container")
-    @classmethod
-    def _no_container(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("tierlm runs no code execution, so there is no container to use; remove 'container'")
-        return value
+    _no_container = field_validator("container")(refused_unless_null(
+        "tierlm runs no code execution, so there is no container to use; remove 'container'"))
 
     _template_variables = field_validator("chat_template_kwargs")(template_kwargs_refused)
 

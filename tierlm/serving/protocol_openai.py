@@ -12,7 +12,7 @@ skip_special_tokens, and on chat continue_final_message / add_generation_prompt 
 from __future__ import annotations
 
 import inspect
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -76,6 +76,16 @@ TEMPLATE_ARGUMENTS = _template_arguments()
 _REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools"})
 
 
+def refused_unless_null(message: str) -> Callable[[Any], Any]:
+    """A field validator (both APIs) for what tierlm cannot honour and must not ignore: any value
+    but null is refused in `message`'s words."""
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(message)
+        return value
+    return check
+
+
 def template_kwargs_refused(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs, refused where they set what only the request may (both APIs)."""
     taken = sorted(set(value or ()) & _REFUSED_TEMPLATE_KWARGS)
@@ -105,14 +115,10 @@ class ChatMessage(_Body):
     refusal: str | None = None  # an assistant's refusal sent back: rendered as its text (others have none)
     function_call: Any = None  # the legacy API's call in an assistant turn: refused unless null
 
-    @field_validator("function_call")
-    @classmethod
-    def _no_function_call(cls, value: Any) -> Any:
-        # Ignored, the call vanished from the prompt and the model read its text without it.
-        if value is not None:
-            raise ValueError("(the legacy function-calling API) is not supported; send the call in "
-                             "'tool_calls' and its result as a tool message")
-        return value
+    # Ignored, the call vanished from the prompt and the model read its text without it.
+    _no_function_call = field_validator("function_call")(refused_unless_null(
+        "(the legacy function-calling API) is not supported; send the call in 'tool_calls' and its result as a "
+        "tool message"))
 
     @field_validator("role", mode="before")
     @classmethod
@@ -419,12 +425,8 @@ class ChatCompletionRequest(_SamplingFields):
                              "set add_generation_prompt to false to continue the final message")
         return value
 
-    @field_validator("chat_template", mode="before")
-    @classmethod
-    def _no_custom_template(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("a custom chat template is not supported by tierlm (the model's own is used); remove it")
-        return value
+    _no_custom_template = field_validator("chat_template", mode="before")(refused_unless_null(
+        "a custom chat template is not supported by tierlm (the model's own is used); remove it"))
 
     @field_validator("messages")
     @classmethod
