@@ -82,6 +82,23 @@ def truncation_kept(truncate: int, max_model_len: int, max_tokens: int | None) -
     return max(1, max_model_len - (max_tokens if max_tokens is not None else 1))
 
 
+def truncate_prompt(ids: list[int], truncate: int, max_model_len: int, max_tokens: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens applied: the prompt's last `truncation_kept` tokens. One that
+    keeps more than the context is refused (for the engine and the server alike)."""
+    keep = truncation_kept(truncate, max_model_len, max_tokens)
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len}); "
+                                  "give a smaller one, or -1 for as many as fit", param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
+def truncate_prompt_tokens_problem(value: int) -> str | None:
+    """Why this truncate_prompt_tokens is refused (vLLM's rule: at least 1, or -1), or None."""
+    if value < 1 and value != -1:
+        return f"must be at least 1, or -1 for max_model_len (got {value})"
+    return None
+
+
 def allowed_token_ids_problem(ids: object) -> str | None:
     """Why these allowed_token_ids are refused (not a list, empty, not token ids), or None. The
     vocabulary's bound is the engine's to check, when the request is made."""
@@ -217,8 +234,6 @@ class SamplingParams:
                                       f"{self.logit_bias!r})", param="logit_bias")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # (a copy: the caller's may change)
         self.keep_special_token_ids = list(self.keep_special_token_ids or [])
-        if isinstance(self.allowed_token_ids, tuple):
-            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.bad_words, (list, tuple)):  # (a copy: the caller's may change; none given is None)
             self.bad_words = list(self.bad_words) or None
         self.validate()
@@ -287,10 +302,9 @@ class SamplingParams:
             bad("keep_special_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be between 0 and {MAX_LOGPROBS} (got {self.logprobs})")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
-                and self.truncate_prompt_tokens != -1:
-            bad("truncate_prompt_tokens", f"must be at least 1, or -1 for max_model_len (got "
-                                          f"{self.truncate_prompt_tokens})")
+        if self.truncate_prompt_tokens is not None and \
+                (problem := truncate_prompt_tokens_problem(self.truncate_prompt_tokens)) is not None:
+            bad("truncate_prompt_tokens", problem)
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")

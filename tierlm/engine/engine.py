@@ -41,7 +41,7 @@ from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weig
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
 from tierlm.models.registry import resolve_architecture
-from tierlm.sampling_params import BadWords, SamplingParams, bad_words_token_ids, truncation_kept
+from tierlm.sampling_params import BadWords, SamplingParams, bad_words_token_ids, truncate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -390,12 +390,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         ids = [int(t) for t in ids]
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens; -1: as many as fit
-            keep = truncation_kept(params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
-            if keep > self.max_model_len:
-                raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
-                                          f"({self.max_model_len}); give a smaller one, or -1 for as many as fit",
-                                          param="truncate_prompt_tokens")
-            ids = ids[-keep:]
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         for name, asked in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
             outside = sorted(t for t in asked or () if t >= vocab)
             if outside:  # the sampler would scatter past the logits' last column

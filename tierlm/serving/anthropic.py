@@ -545,9 +545,7 @@ async def warming_events(stream: EngineStream, model: str, message_id: str, requ
     message_stop, with no content block; the engine's one token is run to the end and dropped."""
     yield _message_start(model, message_id, num_prompt, num_cached)
     try:
-        result = Generation()
-        async for delta in stream.deltas():
-            result.add(delta)
+        result = await stream.run_to_end()
         yield _message_delta("max_tokens", None, usage_of(num_prompt, result.num_cached_tokens, 0))
         yield sse_event("message_stop", {"type": "message_stop"})
     except Exception as exc:

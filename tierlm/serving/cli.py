@@ -188,6 +188,5 @@ def run_serve(args: argparse.Namespace) -> int:
     # uvicorn then raises the signal again, for its default action to set the exit status (SIGINT:
     # a KeyboardInterrupt, 130). A signal the process inherited as ignored (SIGINT for a script's
     # background job, `tierlm serve &`) is swallowed there: its status is given here instead.
-    for sig in reversed(getattr(server, "_captured_signals", [])):
-        return 128 + int(sig)
-    return 0
+    captured = getattr(server, "_captured_signals", [])
+    return 128 + int(captured[-1]) if captured else 0

@@ -568,17 +568,17 @@ class EngineStream:
             delta = await self._next()
             yield delta
 
+    async def run_to_end(self) -> Generation:
+        """Every delta, gathered (errors arrive as APIError)."""
+        result = Generation()
+        async for delta in self.deltas():
+            result.add(delta)
+        return result
+
     async def collect(self, request: Request) -> Generation:
         """Run to completion (non-streaming), aborting if the client disconnects."""
-
-        async def run() -> Generation:
-            result = Generation()
-            async for delta in self.deltas():
-                result.add(delta)
-            return result
-
         try:
-            return await until_disconnect(request, run())
+            return await until_disconnect(request, self.run_to_end())
         finally:
             await self.close()
 

@@ -24,8 +24,8 @@ from starlette.responses import Response
 
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
-from tierlm.errors import TierlmError
-from tierlm.sampling_params import SamplingParams, choice_seed, truncation_kept
+from tierlm.errors import InvalidRequestError, TierlmError
+from tierlm.sampling_params import SamplingParams, choice_seed, truncate_prompt
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, from_engine_error, openai_error_body, stream_error
@@ -374,12 +374,10 @@ def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None, max_toke
     `max_tokens`, see `truncation_kept`), done here so the output budget and usage count what runs."""
     if keep is None:
         return ids
-    context = int(engine.max_model_len)
-    keep = truncation_kept(keep, context, max_tokens)
-    if keep > context:
-        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({context}); "
-                             "give a smaller one, or -1 for as many as fit", param="truncate_prompt_tokens")
-    return ids[-keep:]
+    try:
+        return truncate_prompt(ids, keep, int(engine.max_model_len), max_tokens)
+    except InvalidRequestError as e:  # (the engine's rule and words, as a 400 of this API)
+        raise InvalidRequest(str(e), param=e.param) from None
 
 
 def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:

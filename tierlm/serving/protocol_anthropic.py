@@ -23,7 +23,7 @@ from pydantic import (
 
 from tierlm.sampling_params import stop_strings_problem
 from tierlm.serving.errors import InvalidRequest
-from tierlm.serving.protocol_openai import TEMPLATE_ARGUMENTS, refused_unless_null, template_kwargs_refused
+from tierlm.serving.protocol_openai import refused_unless_null, template_kwargs_refused, template_variables
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
@@ -389,9 +389,7 @@ class ConversationBody(_Body):
         (less apply_chat_template's own arguments, which the request decides or which do not
         change the text, but `documents`, as on the OpenAI route)."""
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
-        extra = {k: v for k, v in (self.chat_template_kwargs or {}).items()
-                 if k == "documents" or k not in TEMPLATE_ARGUMENTS}
-        return {**kwargs, **extra} or None
+        return {**kwargs, **template_variables(self.chat_template_kwargs or {})} or None
 
     @field_validator("mcp_servers")
     @classmethod

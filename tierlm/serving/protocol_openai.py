@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, allowed_token_ids_problem, bad_words_problem,
-                                    stop_strings_problem, unsupported_vllm_field)
+                                    stop_strings_problem, truncate_prompt_tokens_problem, unsupported_vllm_field)
 
 
 class _Body(BaseModel):
@@ -74,6 +74,12 @@ def _template_arguments() -> frozenset[str]:
 TEMPLATE_ARGUMENTS = _template_arguments()
 # What `chat_template_kwargs` may not set (vLLM refuses the first two; the rest are the request's)
 _REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools"})
+
+
+def template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs less apply_chat_template's own arguments (the request's to set, or
+    about tokenized output, which does not change the text), but `documents` (both APIs)."""
+    return {k: v for k, v in kwargs.items() if k == "documents" or k not in TEMPLATE_ARGUMENTS}
 
 
 def refused_unless_null(message: str) -> Callable[[Any], Any]:
@@ -310,8 +316,8 @@ class _SamplingFields(_Body):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncation(cls, value: int | None) -> int | None:
-        if value is not None and value < 1 and value != -1:
-            raise ValueError(f"must be at least 1, or -1 for max_model_len (got {value})")
+        if value is not None and (problem := truncate_prompt_tokens_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("logit_bias")
@@ -415,7 +421,7 @@ class ChatCompletionRequest(_SamplingFields):
         cont = bool(kwargs.pop("continue_final_message", self.continue_final_message))
         if self.documents is not None:
             kwargs.setdefault("documents", self.documents)
-        return add, cont, {k: v for k, v in kwargs.items() if k == "documents" or k not in TEMPLATE_ARGUMENTS}
+        return add, cont, template_variables(kwargs)
 
     @field_validator("continue_final_message")
     @classmethod

@@ -30,6 +30,7 @@ clients never see half a call and see the same prose as a non-streamed answer.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -371,16 +372,11 @@ def scrub(text: str, markers: tuple[str, ...]) -> str:
     return _scrub_re(markers).sub("", text) if markers else text
 
 
-_SCRUB_RES: dict[tuple[str, ...], re.Pattern[str]] = {}
-
-
+@functools.cache
 def _scrub_re(markers: tuple[str, ...]) -> re.Pattern[str]:
-    pattern = _SCRUB_RES.get(markers)
-    if pattern is None:
-        wrapped = "|".join(re.escape(m) for m in markers)
-        sentinels = re.escape(KEPT_OPEN + KEPT_CLOSE)
-        pattern = _SCRUB_RES[markers] = re.compile(f"{KEPT_OPEN}(?:{wrapped}){KEPT_CLOSE}|[{sentinels}]")
-    return pattern
+    wrapped = "|".join(re.escape(m) for m in markers)
+    sentinels = re.escape(KEPT_OPEN + KEPT_CLOSE)
+    return re.compile(f"{KEPT_OPEN}(?:{wrapped}){KEPT_CLOSE}|[{sentinels}]")
 
 
 def _unwrapped(text: str) -> str:
