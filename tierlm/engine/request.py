@@ -49,6 +49,9 @@ class Request:
     # The allowed set as a vocabulary-wide mask on the logits' device, built at its first step
     # (rebuilding it from the ids every step cost ~50 ms for 32 rows allowing 150k tokens each).
     allowed_mask: torch.Tensor | None = None
+    # params.logit_bias as CPU tensors (token ids, biases), built at its first step: rebuilding
+    # Python lists of up to 1,024 entries per row every step was the sampler's per-step cost.
+    logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     bad_words: BadWords | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None

@@ -74,18 +74,23 @@ def apply_bad_words(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
 def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Each asking row's `logit_bias` added to its logits, all rows in one scatter (ids were checked
     against the vocabulary when the request was made)."""
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
     for i, r in enumerate(reqs):
         if r.params.logit_bias:
-            rows += [i] * len(r.params.logit_bias)
-            cols += r.params.logit_bias.keys()
-            vals += r.params.logit_bias.values()
+            if r.logit_bias_tensors is None:
+                bias = r.params.logit_bias
+                r.logit_bias_tensors = (torch.tensor(list(bias), dtype=torch.long),
+                                        torch.tensor(list(bias.values()), dtype=torch.float32))
+            ids, values = r.logit_bias_tensors
+            rows.append(torch.full_like(ids, i))
+            cols.append(ids)
+            vals.append(values)
     if rows:
         dev = logits.device
-        index = torch.tensor([rows, cols], dtype=torch.long).to(dev, non_blocking=True)
-        bias = torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True)
+        index = torch.stack([torch.cat(rows), torch.cat(cols)]).to(dev, non_blocking=True)
+        bias = torch.cat(vals).to(dev, dtype=logits.dtype, non_blocking=True)
         logits.index_put_((index[0], index[1]), bias, accumulate=True)
     return logits
 
