@@ -358,7 +358,7 @@ def test_thinking_sets_the_templates_enable_thinking(thinking_model, monkeypatch
     prompt = engine.tokenizer.decode(asked[-1].prompt_token_ids)
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == think_block
     assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
-    assert all(block.type == "text" for block in msg.content)  # tierlm writes no thinking blocks
+    assert all(block.type == "text" for block in msg.content)  # (the scripted reply has no think block)
 
 
 @pytest.mark.parametrize("fields, think_block", [

@@ -13,10 +13,14 @@ Translation rules (the parts the API leaves to the server):
   because nothing else can make an unconstrained model call a tool; `none` leaves tools out;
 - plain-text documents and search results are text (title, context or source, then the text),
   at the top of a user message or in a tool_result;
-- `thinking` becomes the template's `enable_thinking` (Qwen3, SmolLM3); no thinking blocks come back.
+- `thinking` becomes the template's `enable_thinking` (Qwen3, SmolLM3); a reasoning model's think
+  block (reasoning.py) comes back as a thinking block, whose signature is a digest of its text
+  (nothing checks it when it is sent back), empty with `display: omitted`.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass
@@ -51,12 +55,14 @@ from tierlm.serving.protocol_anthropic import (
     TextBlock,
     TextContent,
     ThinkingBlock,
+    ThinkingContent,
     TokenCount,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseContent,
     Usage,
 )
+from tierlm.serving.reasoning import ReasoningFormat
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
@@ -79,7 +85,8 @@ async def create_message(request: Request) -> Response:
     interleaved = "interleaved-thinking" in ",".join(request.headers.getlist("anthropic-beta"))
     if not interleaved and (problem := body.thinking_problem()) is not None:
         raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
-    prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model))
+    prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model),
+                                reasoning=state.models.reasoning(body.model))
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     # max_tokens 0 pre-warms the cache: the engine runs one token (it cannot prefill alone), so
     # the prompt's blocks are cached, and the token is never shown (see warmed_response).
@@ -107,12 +114,13 @@ async def create_message(request: Request) -> Response:
         events = (warming_events(stream, body.model, message_id, context.request_id, num_prompt,
                                  first.num_cached_tokens) if warming else
                   message_events(stream, prompt, body.model, message_id, context.request_id, num_prompt,
-                                 first.num_cached_tokens))
+                                 first.num_cached_tokens, body.omits_thinking))
         return EventStreamResponse(events, on_close=stream.close)
     result = await stream.collect(request)
     if warming:
         return JSONResponse(warmed_response(result, len(prompt.token_ids), body.model, message_id).model_dump())
-    return await json_answer(lambda: message_response(result, prompt, body.model, message_id), result.num_output_tokens)
+    return await json_answer(lambda: message_response(result, prompt, body.model, message_id, body.omits_thinking),
+                             result.num_output_tokens)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -130,7 +138,8 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True,
-                       tool_calls: toolcalls.ToolCallFormat | None = None) -> ChatPrompt:
+                       tool_calls: toolcalls.ToolCallFormat | None = None,
+                       reasoning: ReasoningFormat | None = None) -> ChatPrompt:
     """The request as a rendered prompt; `check_length` refuses one certainly too long for the context."""
     check_blocks(body)
     if isinstance(body.system, list) and _only_blank_text(body.system):
@@ -151,6 +160,7 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
         check_length=check_length,
         template_kwargs=body.template_kwargs,
         tool_calls=tool_calls,
+        reasoning=reasoning,
     )
 
 
@@ -432,9 +442,20 @@ def usage_of(num_prompt: int, num_cached: int, num_output: int) -> Usage:
     )
 
 
-def message_response(result: Generation, prompt: ChatPrompt, model: str, message_id: str) -> MessageResponse:
-    content: list[TextContent | ToolUseContent] = []
-    text, calls = prompt.split_tool_calls(result, id_prefix="toolu_")
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's `signature`: opaque to clients (Anthropic's carries the thinking
+    encrypted); here a digest of the text, so equal thinking gets an equal signature."""
+    return base64.b64encode(hashlib.sha256(b"tierlm thinking\0" + thinking.encode()).digest()).decode()
+
+
+def message_response(result: Generation, prompt: ChatPrompt, model: str, message_id: str,
+                     omit_thinking: bool = False) -> MessageResponse:
+    content: list[ThinkingContent | TextContent | ToolUseContent] = []
+    answer = prompt.split(result, id_prefix="toolu_")
+    text, calls = answer.text, answer.calls
+    if answer.reasoning:
+        content.append(ThinkingContent(thinking="" if omit_thinking else answer.reasoning,
+                                       signature=thinking_signature(answer.reasoning)))
     if text:
         content.append(TextContent(text=text))
     content.extend(ToolUseContent(id=c.id, name=c.name, input=c.arguments) for c in calls)
@@ -458,38 +479,54 @@ def warmed_response(result: Generation, num_prompt: int, model: str, message_id:
 
 
 class _Blocks:
-    """Content-block bookkeeping for a stream: indices from 0, one block open at a time."""
+    """Content-block bookkeeping for a stream: indices from 0, one block open at a time. A
+    thinking block's signature (of all its text) is sent as its last delta, as Anthropic's."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
         self.count = 0
         self.open_type: str | None = None
         self.pinged = False
+        self.omit_thinking = omit_thinking
+        self._thinking: list[str] = []
+
+    def thinking(self, text: str) -> list[bytes]:
+        frames = []
+        if self.open_type != "thinking":
+            frames += self.close()
+            frames += self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self._thinking.append(text)
+        if not self.omit_thinking:
+            frames.append(self._delta({"type": "thinking_delta", "thinking": text}))
+        return frames
 
     def text(self, text: str) -> list[bytes]:
         frames = []
         if self.open_type != "text":
             frames += self.close()
             frames += self._start({"type": "text", "text": ""})
-        frames.append(sse_event("content_block_delta", {
-            "type": "content_block_delta", "index": self.count - 1,
-            "delta": {"type": "text_delta", "text": text},
-        }))
+        frames.append(self._delta({"type": "text_delta", "text": text}))
         return frames
 
     def tool_use(self, call: toolcalls.ParsedToolCall) -> list[bytes]:
         frames = self.close()
         frames += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-        frames.append(sse_event("content_block_delta", {
-            "type": "content_block_delta", "index": self.count - 1,
-            "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)},
-        }))
+        frames.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}))
         return frames + self.close()
 
     def close(self) -> list[bytes]:
         if self.open_type is None:
             return []
+        frames = []
+        if self.open_type == "thinking":
+            frames.append(self._delta({"type": "signature_delta",
+                                       "signature": thinking_signature("".join(self._thinking))}))
+            self._thinking = []
         self.open_type = None
-        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})]
+        return frames + [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.count - 1,
+                                                 "delta": delta})
 
     def ping(self) -> list[bytes]:
         if self.pinged:
@@ -514,14 +551,18 @@ async def message_events(
     request_id: str,
     num_prompt: int,
     num_cached: int,
+    omit_thinking: bool = False,
 ) -> AsyncIterator[bytes]:
     """message_start → (content_block_start, ping, deltas, content_block_stop)* →
     message_delta → message_stop; a failure mid-stream becomes an `error` event."""
     yield _message_start(model, message_id, num_prompt, num_cached)
-    blocks = _Blocks()
+    blocks = _Blocks(omit_thinking)
     answer = StreamedAnswer(stream, prompt, id_prefix="toolu_")
     try:
-        async for text, _ in answer.pieces():
+        async for thought, text, _ in answer.pieces():
+            if thought:
+                for frame in blocks.thinking(thought):
+                    yield frame
             if text:
                 for frame in blocks.text(text):
                     yield frame

@@ -54,6 +54,7 @@ def build_app(
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
     tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -63,8 +64,10 @@ def build_app(
     `telemetry` (default: metrics only, no tracing) serves GET /metrics and observes requests.
     `request_read_timeout` and `stream_send_timeout`: see `ServerState`. `tool_call_parser`:
     every model's tool-call syntax (see tools.tool_call_syntax; "auto": each one's own).
+    `reasoning_parser`: whether answers' think blocks are read as reasoning (see reasoning.py;
+    "auto": for each model whose chat template writes think markers).
     """
-    state = ServerState(models=ModelRegistry(engines, tool_call_parser), auth=auth, max_body_bytes=max_body_bytes,
+    state = ServerState(models=ModelRegistry(engines, tool_call_parser, reasoning_parser), auth=auth, max_body_bytes=max_body_bytes,
                         request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout)
     telemetry = telemetry or Telemetry()
     telemetry.watch(state.models.items)

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from tierlm.cli import _add_engine_args, at_least, engine_kwargs
+from tierlm.serving.reasoning import PARSERS as REASONING_PARSERS
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
 
@@ -76,6 +77,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "or name[ARGS]{...}); auto: each model's chat template says which (<tool_call>, "
                         "[TOOL_CALLS], <|python_tag|> or ipython), hermes if it shows none. The choice is logged "
                         "at start (default: %(default)s)")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default="auto",
+                   help="read the think block a reasoning model writes before its answer (<think>...</think>: "
+                        "Qwen3, DeepSeek-R1, SmolLM3) as reasoning: Anthropic thinking blocks, OpenAI "
+                        "reasoning_content (vLLM's field). think (qwen3 and deepseek_r1 are vLLM's names for it): "
+                        "always; none: answers are all text; auto: for each model whose chat template writes "
+                        "<think> or </think>. The choice is logged at start (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
@@ -180,7 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.info("sending traces to %s", args.otlp_endpoint)
     app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry,
                     request_read_timeout=args.request_read_timeout, stream_send_timeout=args.stream_send_timeout,
-                    tool_call_parser=getattr(args, "tool_call_parser", "auto"))
+                    tool_call_parser=getattr(args, "tool_call_parser", "auto"),
+                    reasoning_parser=getattr(args, "reasoning_parser", "auto"))
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

@@ -37,6 +37,7 @@ from tierlm.serving.errors import (
     Overloaded,
     from_engine_error,
 )
+from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
 from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
@@ -59,6 +60,16 @@ COUNT_CHARS_PER_CONTEXT_TOKEN = 16
 
 
 @dataclass
+class Answer:
+    """A finished chat answer as the client sees it: the model's reasoning (its think block,
+    where the model writes one), its prose and its tool calls."""
+
+    reasoning: str
+    text: str
+    calls: list[toolcalls.ParsedToolCall]
+
+
+@dataclass
 class ChatPrompt:
     """A rendered conversation and how to read the answer."""
 
@@ -67,22 +78,35 @@ class ChatPrompt:
     parse_tools: bool = False
     tool_names: frozenset[str] = frozenset()  # the tools offered: a call to another one is text
     tool_calls: toolcalls.ToolCallFormat = toolcalls.ToolCallFormat(toolcalls.HERMES)
+    reasoning: ReasoningFormat | None = None  # the model's think markers (None: no reasoning parsed)
+    opens_in_reasoning: bool = False  # the prompt ends inside a think block
 
     @property
     def keep_special_token_ids(self) -> list[int] | None:
-        """The syntax's marker tokens a decode would skip, kept while calls are looked for."""
-        return list(self.tool_calls.keep_token_ids) if self.parse_tools and self.tool_calls.keep_token_ids else None
+        """Marker tokens a decode would skip, kept while they are looked for: the tool-call
+        syntax's (with tools) and the think markers (with reasoning parsed)."""
+        kept = list(self.tool_calls.keep_token_ids) if self.parse_tools else []
+        kept += self.reasoning.keep_token_ids if self.reasoning is not None else ()
+        return kept or None
 
-    def split_tool_calls(self, result: "Generation", id_prefix: str) -> tuple[str, list[toolcalls.ParsedToolCall]]:
-        """A finished answer as (prose, tool calls); calls only where the template's syntax is
-        known (and, in a syntax without an end marker, where the model ended the answer)."""
-        text = result.text
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        if self.reasoning is None:
+            return None
+        return ReasoningSplitter(self.reasoning, self.opens_in_reasoning)
+
+    def split(self, result: "Generation", id_prefix: str) -> Answer:
+        """A finished answer as (reasoning, prose, tool calls). Calls are read from the text
+        after the reasoning, only where the template's syntax is known (and, in a syntax without
+        an end marker, where the model ended the answer)."""
+        reasoning, text = "", result.text
+        if self.reasoning is not None:
+            reasoning, text = split_reasoning(text, self.reasoning, self.opens_in_reasoning)
         if not self.parse_tools:
-            return text, []
+            return Answer(reasoning, text, [])
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
                                             syntax=self.tool_calls.syntax, ended=result.ended_by_eos)
         prose = toolcalls.scrub(parsed.text, self.tool_calls.hidden)
-        return self.without_forced_prefix(prose, parsed.tool_calls), parsed.tool_calls
+        return Answer(reasoning, self.without_forced_prefix(prose, parsed.tool_calls), parsed.tool_calls)
 
     def stream_filter(self, id_prefix: str) -> toolcalls.ToolCallStreamFilter:
         return toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=self.tool_names,
@@ -113,6 +137,7 @@ async def chat_prompt(
     check_length: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     tool_calls: toolcalls.ToolCallFormat | None = None,
+    reasoning: ReasoningFormat | None = None,
 ) -> ChatPrompt:
     """Render a conversation, with its tools (in chat-template form), for either API.
 
@@ -123,6 +148,8 @@ async def chat_prompt(
     (`<tool_call>`, naming `tool_name` if given), because nothing else can make an
     unconstrained model call a tool.
     `check_length` refuses a prompt that cannot fit the context (see `render_chat`).
+    `reasoning` is the model's think syntax (ModelRegistry.reasoning; None: answers are text);
+    a forced call's answer starts with the call, never with reasoning.
     """
     forced = ""
     parse_tools = False
@@ -151,11 +178,17 @@ async def chat_prompt(
             forced = toolcalls.forced_call_prefix(tool_name, tool_calls.syntax)
             add_generation_prompt = True
     call_name = tool_name or (tools[0]["function"]["name"] if tools else "")
-    token_ids = await render_chat(engine, model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, check_length=check_length,
-                                  template_kwargs=template_kwargs, suffix=forced, call_name=call_name)
+    text, token_ids = await render_chat(engine, model, messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, check_length=check_length,
+                                        template_kwargs=template_kwargs, suffix=forced, call_name=call_name)
+    if forced:
+        reasoning = None
+    prefill = messages[-1].get("content") if continue_final_message and messages else None
+    opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill if isinstance(prefill, str) else None)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
-                      tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls)
+                      tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls,
+                      reasoning=reasoning, opens_in_reasoning=opens)
 
 
 async def render_chat(
@@ -170,9 +203,9 @@ async def render_chat(
     template_kwargs: dict[str, Any] | None = None,
     suffix: str = "",
     call_name: str = "",
-) -> list[int]:
-    """Chat messages → prompt token ids through the model's own chat template (and `suffix`, a
-    forced call's start of a call to `call_name`, where the template writes a call).
+) -> tuple[str, list[int]]:
+    """Chat messages → (prompt text, its token ids) through the model's own chat template (and
+    `suffix`, a forced call's start of a call to `call_name`, where the template writes a call).
 
     Runs in a worker thread: rendering and tokenizing a long conversation takes seconds, during
     which the event loop must keep serving everyone else. With `check_length`, a rendered text
@@ -198,7 +231,7 @@ def _render_chat(
     template_kwargs: dict[str, Any] | None = None,
     suffix: str = "",
     call_name: str = "",
-) -> list[int]:
+) -> tuple[str, list[int]]:
     context = int(engine.max_model_len)
     if check_length and len(messages) > context:
         # Every message renders to a token at least (a role header): refused before the template
@@ -227,7 +260,7 @@ def _render_chat(
         refuse_certainly_too_long(engine, model, text, "messages")
     else:
         refuse_too_long_to_count(engine, model, text)
-    return encode_prompt_text(engine, model, text, "messages", rendered=True)
+    return text, encode_prompt_text(engine, model, text, "messages", rendered=True)
 
 
 def _forced_call_text(engine: "AsyncEngine", messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -423,13 +456,14 @@ class Generation:
 
 
 class StreamedAnswer:
-    """A streamed answer as a client may see it: the text as it comes, except that whatever may
-    be a tool call is held back, and parsed into `calls` at the end (streaming's counterpart of
-    `ChatPrompt.split_tool_calls`)."""
+    """A streamed answer as a client may see it: the reasoning and the text as they come,
+    except that whatever may be a think marker or a tool call is held back; calls are parsed
+    into `calls` at the end (streaming's counterpart of `ChatPrompt.split`)."""
 
     def __init__(self, stream: "EngineStream", prompt: ChatPrompt, id_prefix: str) -> None:
         self._stream = stream
         self._prompt = prompt
+        self._reasoning = prompt.reasoning_splitter()
         self._filter: toolcalls.ToolCallStreamFilter | None = None
         if prompt.parse_tools:
             self._filter = prompt.stream_filter(id_prefix)
@@ -437,17 +471,21 @@ class StreamedAnswer:
         self.result = Generation()
         self.calls: list[toolcalls.ParsedToolCall] = []
 
-    async def pieces(self) -> AsyncIterator[tuple[str, StreamDelta | None]]:
-        """(text to show now, its delta) per delta; then, if held-back text turned out not to
-        be a call, (that text, None). Errors arrive as APIError."""
+    async def pieces(self) -> AsyncIterator[tuple[str, str, StreamDelta | None]]:
+        """(reasoning to show now, text to show now, its delta) per delta; then, if held-back
+        text remains (a think block cut off, text that turned out not to be a call),
+        (that reasoning, that text, None). Errors arrive as APIError."""
         async for delta in self._stream.deltas():
             self.result.add(delta)
-            yield (self._filter.feed(delta.text) if self._filter is not None else delta.text), delta
+            thought, text = self._reasoning.feed(delta.text) if self._reasoning is not None else ("", delta.text)
+            yield thought, self._filter.feed(text) if self._filter is not None else text, delta
+        thought, text = self._reasoning.finish() if self._reasoning is not None else ("", "")
         if self._filter is not None:
+            text = self._filter.feed(text)
             rest, self.calls = self._filter.finish(ended=self.result.ended_by_eos)
-            rest = self._prompt.without_forced_prefix(rest, self.calls)
-            if rest:
-                yield rest, None
+            text += self._prompt.without_forced_prefix(rest, self.calls)
+        if thought or text:
+            yield thought, text, None
 
 
 class InflightRequests:

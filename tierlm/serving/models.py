@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.errors import NotFound
+from tierlm.serving.reasoning import PARSERS as REASONING_PARSERS
+from tierlm.serving.reasoning import ReasoningFormat, reasoning_format
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -20,15 +22,21 @@ logger = logging.getLogger("tierlm.serving")
 
 
 class ModelRegistry:
-    def __init__(self, engines: dict[str, "AsyncEngine"], tool_call_parser: str = "auto") -> None:
+    def __init__(self, engines: dict[str, "AsyncEngine"], tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto") -> None:
         if not engines:
             raise ValueError("no models to serve; pass a model directory or --model NAME=DIR")
         if tool_call_parser != "auto" and tool_call_parser not in toolcalls.PARSERS:
             raise ValueError(f"unknown tool-call parser '{tool_call_parser}'; use auto or one of "
                              f"{', '.join(toolcalls.PARSERS)}")
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser '{reasoning_parser}'; use one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         self._engines = dict(engines)
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self._tool_calls: dict[str, toolcalls.ToolCallFormat] = {}
+        self._reasoning: dict[str, ReasoningFormat | None] = {}
         self.created = int(time.time())
         self.started = False
 
@@ -57,11 +65,21 @@ class ModelRegistry:
                                                                        self.get(name).tokenizer)
         return found
 
+    def reasoning(self, name: str) -> ReasoningFormat | None:
+        """Model `name`'s think markers (`--reasoning-parser`; None: its answers are all text),
+        worked out once."""
+        if name not in self._reasoning:
+            self._reasoning[name] = reasoning_format(self.reasoning_parser, self.get(name).tokenizer)
+        return self._reasoning[name]
+
     async def start(self) -> None:
         for name, engine in self._engines.items():
             syntax = self.tool_calls(name).syntax.name
             how = "detected from the chat template" if self.tool_call_parser == "auto" else "--tool-call-parser"
             logger.info("model %s: tool calls parsed as %s (%s)", name, syntax, how)
+            thinks = "<think> blocks" if self.reasoning(name) is not None else "none (answers are text)"
+            how = "detected from the chat template" if self.reasoning_parser == "auto" else "--reasoning-parser"
+            logger.info("model %s: reasoning parsed as %s (%s)", name, thinks, how)
             logger.info("starting engine for model %s", name)
             await engine.start()
         self.started = True

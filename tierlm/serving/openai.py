@@ -58,6 +58,7 @@ from tierlm.serving.protocol_openai import (
     ResponseToolCall,
     Usage,
 )
+from tierlm.serving.reasoning import ReasoningFormat
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
@@ -103,7 +104,8 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
-    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model))
+    models = state.models
+    prompt = await build_chat_prompt(engine, body, models.tool_calls(body.model), models.reasoning(body.model))
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
@@ -247,7 +249,8 @@ async def _collect_all(streams: list[EngineStream], request: Request) -> list[Ge
 
 
 async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
-                            tool_calls: toolcalls.ToolCallFormat | None = None) -> ChatPrompt:
+                            tool_calls: toolcalls.ToolCallFormat | None = None,
+                            reasoning: ReasoningFormat | None = None) -> ChatPrompt:
     _check_tool_turns(body.messages)
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
@@ -269,6 +272,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
         continue_final_message=cont,
         template_kwargs=variables,
         tool_calls=tool_calls,
+        reasoning=reasoning,
     )
 
 
@@ -319,6 +323,9 @@ def _template_message(message: ChatMessage, index: int, model: str) -> dict[str,
         ]
     if message.name:
         out["name"] = message.name
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning and message.role == "assistant":  # (under both names: templates read one or the other)
+        out["reasoning_content"] = out["reasoning"] = reasoning
     return out
 
 
@@ -477,6 +484,11 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A message's or delta's reasoning under both of vLLM's names; none when there is none."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+
+
 def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolCall]:
     return [ResponseToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
             for c in calls]
@@ -486,9 +498,10 @@ def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: Chat
                   completion_id: str, top_n: int | None) -> ChatCompletion:
     choices = []
     for i, result in enumerate(results):
-        text, calls = prompt.split_tool_calls(result, id_prefix="call_")
+        answer = prompt.split(result, id_prefix="call_")
+        text, calls = answer.text, answer.calls
         message = ResponseMessage(content=text if (text or not calls) else None,
-                                  tool_calls=_tool_calls_out(calls) or None)
+                                  tool_calls=_tool_calls_out(calls) or None, **reasoning_fields(answer.reasoning))
         choices.append(ChatChoice(
             index=i,
             message=message,
@@ -601,13 +614,14 @@ async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine"
     # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
     # after a null still accumulates into the content, in the SDKs' stream helpers too).
     yield frames.choice(index, result, delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
-    async for text, delta in answer.pieces():
+    async for thought, text, delta in answer.pieces():
         logprobs = None
         if returned is not None and top_n is not None and delta is not None:
             logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
-        if text or (logprobs and logprobs["content"]):
+        if thought or text or (logprobs and logprobs["content"]):
             shown = shown or bool(text)
-            yield frames.choice(index, result, delta={"content": text} if text else {}, logprobs=logprobs)
+            said = {**reasoning_fields(thought), **({"content": text} if text else {})}
+            yield frames.choice(index, result, delta=said, logprobs=logprobs)
     for i, call in enumerate(_tool_calls_out(answer.calls)):
         yield frames.choice(index, result, delta={"tool_calls": [{"index": i, **call.model_dump()}]})
     # an empty answer without calls has content "" (as when not streamed), never null

@@ -200,7 +200,8 @@ class ToolResultBlock(_Body):
 
 
 class ThinkingBlock(_Body):
-    """Echoed back by clients that replay earlier turns; tierlm never produces thinking."""
+    """Echoed back by clients that replay earlier turns (tierlm's own, or another server's: the
+    signature is not checked)."""
 
     type: Literal["thinking"]
     thinking: str
@@ -331,8 +332,9 @@ class ThinkingBetweenTools(_Body):
     type: Literal["between_tools"]
 
 
-# The SDK's ThinkingConfigParam. tierlm returns no thinking blocks; what it changes is the chat
-# template's `enable_thinking` (Qwen3, SmolLM3: whether the model reasons before answering).
+# The SDK's ThinkingConfigParam. What it changes is the chat template's `enable_thinking` (Qwen3,
+# SmolLM3: whether the model reasons before answering), and `display` whether the thinking blocks
+# of a model that does (see reasoning.py) carry its text. budget_tokens is not enforced.
 ThinkingConfig = Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive, ThinkingBetweenTools],
                            Field(discriminator="type")]
 
@@ -390,6 +392,11 @@ class ConversationBody(_Body):
         change the text, but `documents`, as on the OpenAI route)."""
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
         return {**kwargs, **template_variables(self.chat_template_kwargs or {})} or None
+
+    @property
+    def omits_thinking(self) -> bool:
+        """`display: omitted`: thinking blocks come back with empty text (and their signature)."""
+        return getattr(self.thinking, "display", None) == "omitted"
 
     @field_validator("mcp_servers")
     @classmethod
@@ -480,6 +487,12 @@ class TextContent(BaseModel):
     text: str
 
 
+class ThinkingContent(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
 class ToolUseContent(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -505,7 +518,7 @@ class MessageResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     model: str
     stop_reason: StopReason | None
     stop_sequence: str | None = None

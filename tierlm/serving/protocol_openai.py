@@ -119,6 +119,10 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None  # an assistant's refusal sent back: rendered as its text (others have none)
+    # An assistant's reasoning sent back (vLLM's fields, as tierlm returns them): Qwen3's template
+    # writes it into the turns after the last user message, as in a tool loop.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     function_call: Any = None  # the legacy API's call in an assistant turn: refused unless null
 
     # Ignored, the call vanished from the prompt and the model read its text without it.
@@ -528,6 +532,10 @@ class ResponseToolCall(BaseModel):
 
 
 class ResponseMessage(BaseModel):
+    # The reasoning, where there is some, as vLLM gives it: `reasoning_content` and its newer
+    # name `reasoning` (extra fields, so an answer without reasoning has neither)
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None  # OpenAI's fields; tierlm models never refuse or annotate

@@ -1,0 +1,359 @@
+"""Reasoning models end to end: a think block comes back as reasoning, apart from the answer.
+
+Scripted checkpoints (see scripted_model.py) whose chat templates show think blocks, as Qwen3's
+and DeepSeek-R1's do, answer with one; the server detects the syntax from the template
+(`--reasoning-parser auto`). Through the official SDKs: Anthropic thinking blocks (streamed as
+thinking_delta and signature_delta), OpenAI `reasoning_content` / `reasoning` (vLLM's fields).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.serving.harness import API_KEY, ServerThread, parse_sse, record_requests, sdk_clients
+from tests.serving.scripted_model import CALL, Script, build_scripted_model, chat_prompt_ids
+from tierlm.models.demo import CHAT_TEMPLATE
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
+
+# Qwen3's shape: the model opens its think block (an empty one in the prompt turns thinking off)
+THINK_TEMPLATE = (CHAT_TEMPLATE + "{% if add_generation_prompt and enable_thinking is false %}"
+                  "<think>\n\n</think>\n\n{% endif %}")
+# DeepSeek-R1's and Qwen3-Thinking's shape: the generation prompt opens it
+OPEN_TEMPLATE = CHAT_TEMPLATE + "{% if add_generation_prompt %}<think>\n{% endif %}"
+# Writes an assistant turn's reasoning back, as Qwen3's template does in a tool loop
+HISTORY_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content is string %}"
+    "{{- '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
+    "{{- (m.content if m.content is string else '') + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+THINKER, OPENER, TOOL_THINKER, SPECIAL_THINKER, HISTORY = (
+    "thinker", "opener", "tool-thinker", "special-thinker", "history")
+THOUGHT, ANSWER = "The user greets me.", "Hello there!"
+# (no "\n" after both markers: a scripted model's next token depends on its last three alone)
+THINKING_REPLY = f"<think>{THOUGHT}\n</think>\n\n{ANSWER}"
+OPEN_THOUGHT, OPEN_ANSWER = "Count up.", "One, two."
+OPEN_REPLY = f"{OPEN_THOUGHT}\n</think>\n\n{OPEN_ANSWER}"  # the prompt said <think>
+TOOL_THOUGHT = "Need the weather first."
+TOOL_REPLY = f"<think>{TOOL_THOUGHT}\n</think>\n\n{CALL}"
+
+USER = [{"role": "user", "content": "Hi"}]
+WEATHER = {"name": "get_weather", "description": "Weather for a city", "input_schema": {"type": "object"}}
+OPENAI_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                                   "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def models(demo_tokenizer, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("reasoning")
+    demo_tokenizer.save_pretrained(str(root / "tokenizer"))
+    built = {}
+    for name, template, reply, specials in [
+        (THINKER, THINK_TEMPLATE, THINKING_REPLY, ()),
+        # (its markers single tokens, so that "</think>" ends unlike the prompt's "<think>")
+        (OPENER, OPEN_TEMPLATE, OPEN_REPLY, ("<think>", "</think>")),
+        (TOOL_THINKER, THINK_TEMPLATE, TOOL_REPLY, ("<think>", "</think>")),
+        (SPECIAL_THINKER, THINK_TEMPLATE, THINKING_REPLY, ("<think>", "</think>")),
+        (HISTORY, HISTORY_TEMPLATE, ANSWER, ()),
+    ]:
+        tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        if specials:  # a tokenizer that marks its think markers special: a plain decode drops them
+            tok.add_tokens(list(specials), special_tokens=True)
+        tok.chat_template = template
+        built[name] = build_scripted_model(root / name, [Script(chat_prompt_ids(tok), reply)], tok, specials=specials)
+    return built
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    engines = {name: model.engine(name) for name, model in models.items()}
+    server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+    yield server, engines
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    return sdk_clients(server[0].url)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server[0].url + path, json=body, headers={"x-api-key": API_KEY}, timeout=60)
+
+
+# ---- the splitter ---------------------------------------------------------------------------
+
+FMT = ReasoningFormat()
+
+
+@pytest.mark.parametrize("text, in_reasoning, expected", [
+    (THINKING_REPLY, False, (THOUGHT, ANSWER)),
+    (OPEN_REPLY, True, (OPEN_THOUGHT, OPEN_ANSWER)),
+    ("  \n<think>a</think>b", False, ("a", "b")),  # blank space before the block
+    ("<think>\nhalf a thou", False, ("half a thou", "")),  # cut off while thinking
+    ("<think>\nends with space  \n", False, ("ends with space", "")),
+    ("<think>a</think>", False, ("a", "")),
+    ("<think></think>\n\nb", False, ("", "b")),  # an empty block
+    ("Hello <think>x</think>", False, ("", "Hello <think>x</think>")),  # not at the start: text
+    ("a</think>b<think>c</think>d", True, ("a", "b<think>c</think>d")),  # only the first block
+    ("  plain text  ", False, ("", "  plain text  ")),  # no block: the text as it is
+    ("<thin", False, ("", "<thin")),  # a marker's start that never completed is text
+    ("a </thi", True, ("a </thi", "")),
+    ("", True, ("", "")),
+    ("a\n\n b  </think>  c  ", True, ("a\n\n b", "c  ")),
+])
+def test_split(text, in_reasoning, expected):
+    assert split_reasoning(text, FMT, in_reasoning) == expected
+
+
+def test_streamed_split_equals_the_whole_split_however_the_text_is_cut():
+    """Every way of cutting an answer into deltas shows the same reasoning and text as the
+    non-streamed answer, and nothing of a marker leaks into either."""
+    rng = random.Random(7)
+    alphabet = ["<think>", "</think>", "<", "/", "t", "h", "i", "n", "k", ">", " ", "\n", "x", "é"]
+    texts = [THINKING_REPLY, OPEN_REPLY, TOOL_REPLY, "  <think> a  </think>  b  "]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) for _ in range(400)]
+    for text, in_reasoning in itertools.product(texts, (False, True)):
+        whole = split_reasoning(text, FMT, in_reasoning)
+        for _ in range(6):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+            splitter = ReasoningSplitter(FMT, in_reasoning)
+            shown = [splitter.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            shown.append(splitter.finish())
+            assert ("".join(r for r, _ in shown), "".join(c for _, c in shown)) == whole, (text, cuts)
+
+
+@pytest.mark.parametrize("prompt, prefill, opens", [
+    ("<|im_start|>assistant\n<think>\n", None, True),  # DeepSeek-R1's generation prompt
+    ("<|im_start|>assistant\n", None, False),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None, False),  # Qwen3, thinking off
+    ("<|im_start|>user\nwhat is <think>?<|im_end|>\n<|im_start|>assistant\n", None, False),  # a user's words
+    ("<|im_start|>assistant\n<think>Let me see", "<think>Let me see", True),  # a prefill that thinks
+    ("<|im_start|>assistant\n<think>a</think>Sure", "<think>a</think>Sure", False),
+])
+def test_where_the_answer_starts(prompt, prefill, opens):
+    assert FMT.opens_in_reasoning(prompt, prefill) == opens
+
+
+def test_the_parser_is_detected_from_the_template(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models[THINKER].path))
+    assert reasoning_format("auto", tok) == ReasoningFormat()
+    assert reasoning_format("none", tok) is None
+    tok.chat_template = CHAT_TEMPLATE  # writes no think marker
+    assert reasoning_format("auto", tok) is None
+    tok.chat_template = OPEN_TEMPLATE  # writes only <think>
+    assert reasoning_format("auto", tok) == ReasoningFormat()
+    assert reasoning_format("qwen3", tok) == reasoning_format("deepseek_r1", tok) == ReasoningFormat()
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; use one of auto, none, think"):
+        reasoning_format("r1", tok)
+    special = AutoTokenizer.from_pretrained(str(models[SPECIAL_THINKER].path))
+    ids = tuple(special.convert_tokens_to_ids(m) for m in ("<think>", "</think>"))
+    fmt = reasoning_format("auto", special)
+    assert fmt.keep_token_ids == ids and (fmt.start, fmt.end) == ("<think>", "</think>")
+    assert (fmt.answer_start, fmt.answer_end) == ("\ufdd0<think>\ufdd1", "\ufdd0</think>\ufdd1")
+
+
+def test_kept_marker_tokens_mark_reasoning_and_never_show():
+    """With special think tokens, only the tokens (wrapped by the detokenizer) mark reasoning:
+    the same text in ordinary tokens is the model's words; stray kept ones are taken out."""
+    fmt = ReasoningFormat(keep_token_ids=(5, 6), answer_start="\ufdd0<think>\ufdd1",
+                          answer_end="\ufdd0</think>\ufdd1")
+    text = "\ufdd0<think>\ufdd1a </think> b\ufdd0</think>\ufdd1 c \ufdd0<think>\ufdd1d\ufdd0</think>\ufdd1"
+    assert split_reasoning(text, fmt) == ("a </think> b", "c d")
+    assert split_reasoning("<think>x</think>y", fmt) == ("", "<think>x</think>y")
+    for cut in range(len(text) + 1):
+        splitter = ReasoningSplitter(fmt)
+        shown = [splitter.feed(text[:cut]), splitter.feed(text[cut:]), splitter.finish()]
+        assert ("".join(r for r, _ in shown), "".join(c for _, c in shown)) == ("a </think> b", "c d"), cut
+
+
+def test_a_call_written_while_thinking_is_reasoning():
+    """Only the answer after the think block is read for calls (and the prose's kept markers)."""
+    from tierlm.serving.generation import ChatPrompt, Generation
+    from tierlm.serving.tools import HERMES, ToolCallFormat
+
+    prompt = ChatPrompt(token_ids=[1], parse_tools=True, tool_names=frozenset({"get_weather"}),
+                        tool_calls=ToolCallFormat(HERMES), reasoning=FMT)
+    thought = 'Maybe <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>?'
+    answer = prompt.split(Generation(text=f"<think>{thought}</think>\n{CALL}", finish_reason="stop"), "call_")
+    assert (answer.reasoning, answer.text) == (thought, "")
+    assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", {"city": "Paris"})]
+    answer = prompt.split(Generation(text=f"<think>{thought}", finish_reason="length"), "call_")
+    assert (answer.reasoning, answer.text, answer.calls) == (thought, "", [])
+
+
+# ---- OpenAI -------------------------------------------------------------------------------
+
+
+def openai_stream(openai_client, **kwargs):
+    reasoning, content, calls, finish, names = [], [], [], None, set()
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        names.update(k for k in ("reasoning_content", "reasoning") if k in extra)
+        assert extra.get("reasoning_content") == extra.get("reasoning")  # the same text under both names
+        reasoning.append(extra.get("reasoning_content") or "")
+        content.append(delta.content or "")
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(reasoning), "".join(content), calls, finish, names
+
+
+@pytest.mark.parametrize("model, thought, answer", [
+    (THINKER, THOUGHT, ANSWER), (OPENER, OPEN_THOUGHT, OPEN_ANSWER), (SPECIAL_THINKER, THOUGHT, ANSWER),
+])
+def test_openai_reasoning_comes_apart_from_the_content(clients, model, thought, answer):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=model, messages=USER, max_tokens=64)
+    message = done.choices[0].message
+    assert (message.content, message.model_extra) == (answer, {"reasoning_content": thought, "reasoning": thought})
+    assert done.choices[0].finish_reason == "stop"
+    streamed = openai_stream(openai_client, model=model, messages=USER, max_tokens=64)
+    assert streamed == (thought, answer, [], "stop", {"reasoning_content", "reasoning"})
+
+
+def test_openai_reasoning_cut_off_is_all_reasoning(clients):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=9)
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "length" and message.content == ""
+    thought = message.model_extra["reasoning_content"]
+    assert thought and THOUGHT.startswith(thought) and "<think>" not in thought
+    streamed = openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=9)
+    assert streamed[:4] == (thought, "", [], "length")
+
+
+def test_openai_tool_calls_are_read_after_the_reasoning(clients):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=TOOL_THINKER, messages=USER, tools=[OPENAI_WEATHER])
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == TOOL_THOUGHT
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    thought, content, calls, finish, _ = openai_stream(openai_client, model=TOOL_THINKER, messages=USER,
+                                                       tools=[OPENAI_WEATHER])
+    assert (thought, content, finish) == (TOOL_THOUGHT, "", "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_openai_reasoning_sent_back_reaches_the_template(server, clients, monkeypatch):
+    """vLLM passes an assistant message's reasoning_content (or reasoning) to the template; it
+    was dropped, so a Qwen3 tool loop's prompt lost the model's earlier reasoning."""
+    _, engines = server
+    _, openai_client = clients
+    asked = record_requests(engines[HISTORY], monkeypatch)
+    for field in ("reasoning_content", "reasoning"):
+        messages = [*USER, {"role": "assistant", "content": "It is blue.", field: "Check the sky."},
+                    {"role": "user", "content": "Why?"}]
+        openai_client.chat.completions.create(model=HISTORY, messages=messages, max_tokens=9)
+        prompt = engines[HISTORY].tokenizer.decode(asked[-1].prompt_token_ids)
+        assert "<|im_start|>assistant\n<think>\nCheck the sky.\n</think>\n\nIt is blue.<|im_end|>" in prompt, prompt
+
+
+# ---- Anthropic ----------------------------------------------------------------------------
+
+
+def blocks(message) -> list[tuple]:
+    return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or getattr(b, "input", None))
+            for b in message.content]
+
+
+@pytest.mark.parametrize("model, thought, answer", [
+    (THINKER, THOUGHT, ANSWER), (OPENER, OPEN_THOUGHT, OPEN_ANSWER), (SPECIAL_THINKER, THOUGHT, ANSWER),
+])
+def test_anthropic_thinking_blocks(clients, model, thought, answer):
+    claude, _ = clients
+    done = claude.messages.create(model=model, max_tokens=64, messages=USER)
+    assert blocks(done) == [("thinking", thought), ("text", answer)] and done.stop_reason == "end_turn"
+    assert done.content[0].signature  # the SDK needs one to send the block back
+    with claude.messages.stream(model=model, max_tokens=64, messages=USER) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+
+
+def test_anthropic_stream_events_follow_anthropics_order(server):
+    r = post(server, "/v1/messages", {"model": THINKER, "max_tokens": 64, "messages": USER, "stream": True})
+    events = [(name, data) for name, data in parse_sse(r.text) if name not in ("ping",)]
+    kinds = [(name, data.get("index"), (data.get("delta") or data.get("content_block") or {}).get("type"))
+             for name, data in events]
+    first_text = kinds.index(("content_block_start", 1, "text"))
+    assert kinds[:2] == [("message_start", None, None), ("content_block_start", 0, "thinking")]
+    assert set(kinds[2:first_text - 2]) == {("content_block_delta", 0, "thinking_delta")}
+    assert kinds[first_text - 2:first_text] == [("content_block_delta", 0, "signature_delta"),
+                                                ("content_block_stop", 0, None)]
+    assert kinds[-3:] == [("content_block_stop", 1, None), ("message_delta", None, None), ("message_stop", None, None)]
+    thinking = "".join(d["delta"]["thinking"] for n, d in events if (d.get("delta") or {}).get("type") == "thinking_delta")
+    assert thinking == THOUGHT
+
+
+def test_anthropic_display_omitted_keeps_the_block_without_its_text(clients, server):
+    claude, _ = clients
+    # (the interleaved-thinking beta lets the budget exceed max_tokens, within the 512-token context)
+    beta = {"anthropic-beta": "interleaved-thinking-2025-05-14"}
+    full = claude.messages.create(model=THINKER, max_tokens=64, messages=USER, extra_headers=beta,
+                                  thinking={"type": "enabled", "budget_tokens": 1024})
+    thinking = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    done = claude.messages.create(model=THINKER, max_tokens=64, messages=USER, thinking=thinking, extra_headers=beta)
+    assert blocks(full) == [("thinking", THOUGHT), ("text", ANSWER)]
+    assert blocks(done) == [("thinking", None), ("text", ANSWER)]
+    assert done.content[0].thinking == "" and done.content[0].signature == full.content[0].signature
+    r = httpx.post(server[0].url + "/v1/messages", headers={"x-api-key": API_KEY, **beta}, timeout=60,
+                   json={"model": THINKER, "max_tokens": 64, "messages": USER, "stream": True, "thinking": thinking})
+    deltas = [d["delta"]["type"] for n, d in parse_sse(r.text) if n == "content_block_delta"]
+    assert "thinking_delta" not in deltas and deltas[0] == "signature_delta"
+    with claude.messages.stream(model=THINKER, max_tokens=64, messages=USER, thinking=thinking,
+                                extra_headers=beta) as stream:
+        assert stream.get_final_message().model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+
+
+def test_anthropic_thinking_cut_off_by_max_tokens(clients):
+    claude, _ = clients
+    done = claude.messages.create(model=THINKER, max_tokens=9, messages=USER)
+    assert [b.type for b in done.content] == ["thinking"] and done.stop_reason == "max_tokens"
+    assert THOUGHT.startswith(done.content[0].thinking) and done.content[0].thinking
+    with claude.messages.stream(model=THINKER, max_tokens=9, messages=USER) as stream:
+        assert stream.get_final_message().model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+
+
+def test_anthropic_tool_use_after_thinking(clients):
+    claude, _ = clients
+    done = claude.messages.create(model=TOOL_THINKER, max_tokens=128, messages=USER, tools=[WEATHER])
+    assert blocks(done) == [("thinking", TOOL_THOUGHT), ("tool_use", {"city": "Paris"})]
+    assert done.stop_reason == "tool_use"
+    with claude.messages.stream(model=TOOL_THINKER, max_tokens=128, messages=USER, tools=[WEATHER]) as stream:
+        streamed = stream.get_final_message()
+    assert blocks(streamed) == blocks(done) and streamed.stop_reason == "tool_use"
+    # The turn sent back as the SDK holds it (thinking, signature and all) is accepted and rendered
+    messages = [*USER, {"role": "assistant", "content": [b.model_dump() for b in done.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": done.content[1].id,
+                                              "content": "sunny"}]}]
+    assert claude.messages.count_tokens(model=TOOL_THINKER, messages=messages, tools=[WEATHER]).input_tokens > 0
+
+
+def test_reasoning_parser_none_leaves_the_answer_as_text(models):
+    engine = models[THINKER].engine(THINKER)
+    server = ServerThread(build_app({THINKER: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}),
+                                    reasoning_parser="none")).start()
+    try:
+        claude, openai_client = sdk_clients(server.url)
+        done = claude.messages.create(model=THINKER, max_tokens=64, messages=USER)
+        assert blocks(done) == [("text", THINKING_REPLY)]
+        message = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64).choices[0].message
+        assert (message.content, message.model_extra) == (THINKING_REPLY, {})
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="unknown reasoning parser 'on'"):
+        build_app({THINKER: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}), reasoning_parser="on")
