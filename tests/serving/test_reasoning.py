@@ -111,26 +111,50 @@ FMT = ReasoningFormat()
     ("a </thi", True, ("a </thi", "")),
     ("", True, ("", "")),
     ("a\n\n b  </think>  c  ", True, ("a\n\n b", "c  ")),
+    ("<think>\nfoo</think>bar", True, ("foo", "bar")),  # the prompt opened it, the model wrote it again
+    ("<thinking>x", True, ("<thinking>x", "")),
 ])
 def test_split(text, in_reasoning, expected):
     assert split_reasoning(text, FMT, in_reasoning) == expected
 
 
-def test_streamed_split_equals_the_whole_split_however_the_text_is_cut():
+WRAPPED = ReasoningFormat(keep_token_ids=(5, 6), answer_start="\ufdd0<think>\ufdd1",
+                          answer_end="\ufdd0</think>\ufdd1")
+
+
+@pytest.mark.parametrize("fmt", [FMT, WRAPPED], ids=["plain", "kept-tokens"])
+def test_streamed_split_equals_the_whole_split_however_the_text_is_cut(fmt):
     """Every way of cutting an answer into deltas shows the same reasoning and text as the
-    non-streamed answer, and nothing of a marker leaks into either."""
+    non-streamed answer, and nothing of a marker (or of a kept token) leaks into either."""
     rng = random.Random(7)
-    alphabet = ["<think>", "</think>", "<", "/", "t", "h", "i", "n", "k", ">", " ", "\n", "x", "é"]
+    alphabet = ["<think>", "</think>", "<", "/", "t", "h", "i", "n", "k", ">", " ", "\n", "x", "é",
+                fmt.answer_start, fmt.answer_end, "\ufdd0[TOOL_CALLS]\ufdd1"]
     texts = [THINKING_REPLY, OPEN_REPLY, TOOL_REPLY, "  <think> a  </think>  b  "]
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) for _ in range(400)]
-    for text, in_reasoning in itertools.product(texts, (False, True)):
-        whole = split_reasoning(text, FMT, in_reasoning)
+    for text, (in_reasoning, continuing) in itertools.product(texts, [(False, False), (True, False), (True, True)]):
+        whole = split_reasoning(text, fmt, in_reasoning, continuing)
+        assert "\ufdd0" not in whole[0] and "\ufdd1" not in whole[0]
         for _ in range(6):
             cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
-            splitter = ReasoningSplitter(FMT, in_reasoning)
+            splitter = ReasoningSplitter(fmt, in_reasoning, continuing)
             shown = [splitter.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
             shown.append(splitter.finish())
             assert ("".join(r for r, _ in shown), "".join(c for _, c in shown)) == whole, (text, cuts)
+
+
+def test_blank_space_held_while_thinking_is_set_aside_not_searched_again():
+    """Held-back blank space was searched again on every feed: a model writing newline after
+    newline while it thinks cost time quadratic in their number (20,000: 9 s of event loop)."""
+    splitter = ReasoningSplitter(FMT, in_reasoning=True)
+    assert splitter.feed("step one") == ("step one", "")
+    for _ in range(20_000):
+        assert splitter.feed("\n") == ("", "")
+        assert splitter._held == ""  # what each feed searches stays the new text alone
+    assert splitter.feed("two") == ("\n" * 20_000 + "two", "")
+    lead = ReasoningSplitter(FMT)
+    for _ in range(20_000):
+        assert lead.feed(" ") == ("", "") and lead._held == ""
+    assert lead.feed("<think>a</think>b") == ("a", "b")
 
 
 @pytest.mark.parametrize("prompt, prefill, opens", [
@@ -145,6 +169,15 @@ def test_where_the_answer_starts(prompt, prefill, opens):
     assert FMT.opens_in_reasoning(prompt, prefill) == opens
 
 
+def test_a_prefill_inside_reasoning_is_continued_as_written():
+    """The continuation's first blank space was dropped as if it began the block: a client
+    joining its prefill "<think>Let me" and the reasoning got "Let mesee"."""
+    assert FMT.continues_reasoning("<think>Let me") and not FMT.continues_reasoning("<think>\n")
+    assert not FMT.continues_reasoning(None) and not FMT.continues_reasoning("<think>a</think>b")
+    assert split_reasoning(" see 文.\n</think>\nYes.", FMT, True, continuing=True) == (" see 文.", "Yes.")
+    assert split_reasoning(" see 文.\n</think>\nYes.", FMT, True) == ("see 文.", "Yes.")
+
+
 def test_the_parser_is_detected_from_the_template(models):
     from transformers import AutoTokenizer
 
@@ -155,9 +188,14 @@ def test_the_parser_is_detected_from_the_template(models):
     assert reasoning_format("auto", tok) is None
     tok.chat_template = OPEN_TEMPLATE  # writes only <think>
     assert reasoning_format("auto", tok) == ReasoningFormat()
-    assert reasoning_format("qwen3", tok) == reasoning_format("deepseek_r1", tok) == ReasoningFormat()
+    assert reasoning_format("qwen3", tok) == reasoning_format("think", tok) == ReasoningFormat()
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; use one of auto, none, think"):
         reasoning_format("r1", tok)
+    # vLLM's deepseek_r1: every answer starts inside the block, whatever the prompt
+    r1 = reasoning_format("deepseek_r1", tok)
+    assert r1.opens_in_reasoning("<|im_start|>assistant\n") and not FMT.opens_in_reasoning("<|im_start|>assistant\n")
+    assert split_reasoning("foo</think>bar", r1, True) == ("foo", "bar")
+    assert FMT.decoded(True) is FMT and WRAPPED.decoded(False).answer_start == "<think>"
     special = AutoTokenizer.from_pretrained(str(models[SPECIAL_THINKER].path))
     ids = tuple(special.convert_tokens_to_ids(m) for m in ("<think>", "</think>"))
     fmt = reasoning_format("auto", special)
@@ -167,9 +205,11 @@ def test_the_parser_is_detected_from_the_template(models):
 
 def test_kept_marker_tokens_mark_reasoning_and_never_show():
     """With special think tokens, only the tokens (wrapped by the detokenizer) mark reasoning:
-    the same text in ordinary tokens is the model's words; stray kept ones are taken out."""
-    fmt = ReasoningFormat(keep_token_ids=(5, 6), answer_start="\ufdd0<think>\ufdd1",
-                          answer_end="\ufdd0</think>\ufdd1")
+    the same text in ordinary tokens is the model's words; stray kept ones are taken out, and
+    so are other kept tokens (a tool-call marker) in the reasoning."""
+    fmt = WRAPPED
+    assert split_reasoning("\ufdd0<think>\ufdd1call \ufdd0[TOOL_CALLS]\ufdd1[{}]\ufdd0</think>\ufdd1hi", fmt) == (
+        "call [{}]", "hi")
     text = "\ufdd0<think>\ufdd1a </think> b\ufdd0</think>\ufdd1 c \ufdd0<think>\ufdd1d\ufdd0</think>\ufdd1"
     assert split_reasoning(text, fmt) == ("a </think> b", "c d")
     assert split_reasoning("<think>x</think>y", fmt) == ("", "<think>x</think>y")
@@ -249,6 +289,33 @@ def test_openai_tool_calls_are_read_after_the_reasoning(clients):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
+def test_openai_include_reasoning_false_and_special_markers_not_skipped(clients):
+    """vLLM's include_reasoning: false leaves the reasoning out (it is still not content); with
+    skip_special_tokens false a special marker comes as plain text, and still marks reasoning."""
+    _, openai_client = clients
+    off = {"include_reasoning": False}
+    message = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64,
+                                                    extra_body=off).choices[0].message
+    assert (message.content, message.model_extra) == (ANSWER, {})
+    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=64, extra_body=off) == (
+        "", ANSWER, [], "stop", set())
+    keep = {"skip_special_tokens": False}
+    message = openai_client.chat.completions.create(model=SPECIAL_THINKER, messages=USER, max_tokens=64,
+                                                    extra_body=keep).choices[0].message
+    assert (message.content, message.model_extra["reasoning_content"]) == (ANSWER, THOUGHT)
+    streamed = openai_stream(openai_client, model=SPECIAL_THINKER, messages=USER, max_tokens=64, extra_body=keep)
+    assert streamed[:4] == (THOUGHT, ANSWER, [], "stop")
+
+
+def test_openai_logprobs_and_choices_cover_the_reasoning(clients):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64, logprobs=True, n=2)
+    for choice in done.choices:
+        assert (choice.message.content, choice.message.model_extra["reasoning_content"]) == (ANSWER, THOUGHT)
+        assert "".join(t.token for t in choice.logprobs.content) == THINKING_REPLY  # every token, markers too
+    assert len(done.choices) == 2
+
+
 def test_openai_reasoning_sent_back_reaches_the_template(server, clients, monkeypatch):
     """vLLM passes an assistant message's reasoning_content (or reasoning) to the template; it
     was dropped, so a Qwen3 tool loop's prompt lost the model's earlier reasoning."""
@@ -309,7 +376,7 @@ def test_anthropic_display_omitted_keeps_the_block_without_its_text(clients, ser
     done = claude.messages.create(model=THINKER, max_tokens=64, messages=USER, thinking=thinking, extra_headers=beta)
     assert blocks(full) == [("thinking", THOUGHT), ("text", ANSWER)]
     assert blocks(done) == [("thinking", None), ("text", ANSWER)]
-    assert done.content[0].thinking == "" and done.content[0].signature == full.content[0].signature
+    assert done.content[0].thinking == "" and done.content[0].signature  # (it carries the thinking: see below)
     r = httpx.post(server[0].url + "/v1/messages", headers={"x-api-key": API_KEY, **beta}, timeout=60,
                    json={"model": THINKER, "max_tokens": 64, "messages": USER, "stream": True, "thinking": thinking})
     deltas = [d["delta"]["type"] for n, d in parse_sse(r.text) if n == "content_block_delta"]
@@ -341,6 +408,37 @@ def test_anthropic_tool_use_after_thinking(clients):
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": done.content[1].id,
                                               "content": "sunny"}]}]
     assert claude.messages.count_tokens(model=TOOL_THINKER, messages=messages, tools=[WEATHER]).input_tokens > 0
+
+
+def test_anthropic_omitted_thinking_sent_back_gives_the_model_its_reasoning(server, clients, monkeypatch):
+    """With display omitted the block's text is empty: its signature carries the thinking, as
+    Anthropic's does, so a tool loop that sends the turn back still shows the model its reasoning."""
+    _, engines = server
+    claude, _ = clients
+    beta = {"anthropic-beta": "interleaved-thinking-2025-05-14"}
+    thinking = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    done = claude.messages.create(model=THINKER, max_tokens=64, messages=USER, thinking=thinking, extra_headers=beta)
+    asked = record_requests(engines[HISTORY], monkeypatch)
+    garbled = {"type": "thinking", "thinking": "", "signature": "tierlm-thinking:%%"}  # not base64: no thinking
+    for block, shown in ((done.content[0].model_dump(), True), (garbled, False)):
+        turn = [block, {"type": "text", "text": "It is blue."}]
+        messages = [*USER, {"role": "assistant", "content": turn}, {"role": "user", "content": "Why?"}]
+        counted = claude.messages.count_tokens(model=HISTORY, messages=messages)
+        msg = claude.messages.create(model=HISTORY, max_tokens=4, messages=messages)
+        prompt = engines[HISTORY].tokenizer.decode(asked[-1].prompt_token_ids)
+        assert (f"<think>\n{THOUGHT}\n</think>\n\nIt is blue." in prompt) == shown, prompt
+        assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+
+
+def test_a_forced_call_turns_reasoning_off(clients):
+    """tool_choice any starts the answer with the call: there is no think block to look for."""
+    claude, openai_client = clients
+    done = claude.messages.create(model=TOOL_THINKER, max_tokens=32, messages=USER, tools=[WEATHER],
+                                  tool_choice={"type": "any"})
+    assert "thinking" not in [b.type for b in done.content]
+    message = openai_client.chat.completions.create(model=TOOL_THINKER, messages=USER, max_tokens=32,
+                                                    tools=[OPENAI_WEATHER], tool_choice="required").choices[0].message
+    assert "reasoning_content" not in (message.model_extra or {})
 
 
 def test_reasoning_parser_none_leaves_the_answer_as_text(models):

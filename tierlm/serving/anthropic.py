@@ -14,12 +14,13 @@ Translation rules (the parts the API leaves to the server):
 - plain-text documents and search results are text (title, context or source, then the text),
   at the top of a user message or in a tool_result;
 - `thinking` becomes the template's `enable_thinking` (Qwen3, SmolLM3); a reasoning model's think
-  block (reasoning.py) comes back as a thinking block, whose signature is a digest of its text
-  (nothing checks it when it is sent back), empty with `display: omitted`.
+  block (reasoning.py) comes back as a thinking block (see thinking_signature), empty with
+  `display: omitted`.
 """
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import uuid
@@ -386,7 +387,7 @@ def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]
     (vLLM's mapping): Qwen3's template writes it back into the turns after the last user query,
     as in a tool loop; other templates ignore it. Redacted thinking, unreadable, is dropped."""
     message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
-    thinking = [b.thinking for b in turn.blocks if isinstance(b, ThinkingBlock) and b.thinking]
+    thinking = [text for b in turn.blocks if isinstance(b, ThinkingBlock) and (text := _thinking_text(b))]
     if thinking:  # (under both names vLLM gives it: templates read one or the other)
         message["reasoning_content"] = message["reasoning"] = "\n".join(thinking)
     calls = [
@@ -442,10 +443,29 @@ def usage_of(num_prompt: int, num_cached: int, num_output: int) -> Usage:
     )
 
 
-def thinking_signature(thinking: str) -> str:
-    """A thinking block's `signature`: opaque to clients (Anthropic's carries the thinking
-    encrypted); here a digest of the text, so equal thinking gets an equal signature."""
+# A signature that carries its block's thinking (display omitted), after this prefix
+_CARRIED_THINKING = "tierlm-thinking:"
+
+
+def thinking_signature(thinking: str, carry: bool = False) -> str:
+    """A thinking block's `signature`, opaque to clients. Anthropic's carries the thinking,
+    encrypted, so that a block sent back with `display: omitted` (empty text) still gives the
+    model its reasoning; with `carry` tierlm's does too (base64, not encrypted: a client could
+    send any thinking text anyway). Otherwise it is a digest of the text, which the block
+    already holds. Nothing checks a signature that comes back."""
+    if carry:
+        return _CARRIED_THINKING + base64.b64encode(thinking.encode()).decode()
     return base64.b64encode(hashlib.sha256(b"tierlm thinking\0" + thinking.encode()).digest()).decode()
+
+
+def _thinking_text(block: ThinkingBlock) -> str:
+    """A thinking block's text as sent back: its own, or that its signature carries."""
+    if block.thinking or not (block.signature or "").startswith(_CARRIED_THINKING):
+        return block.thinking
+    try:
+        return base64.b64decode(block.signature[len(_CARRIED_THINKING):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):  # not tierlm's: read as the empty block it is
+        return ""
 
 
 def message_response(result: Generation, prompt: ChatPrompt, model: str, message_id: str,
@@ -455,7 +475,7 @@ def message_response(result: Generation, prompt: ChatPrompt, model: str, message
     text, calls = answer.text, answer.calls
     if answer.reasoning:
         content.append(ThinkingContent(thinking="" if omit_thinking else answer.reasoning,
-                                       signature=thinking_signature(answer.reasoning)))
+                                       signature=thinking_signature(answer.reasoning, carry=omit_thinking)))
     if text:
         content.append(TextContent(text=text))
     content.extend(ToolUseContent(id=c.id, name=c.name, input=c.arguments) for c in calls)
@@ -518,8 +538,8 @@ class _Blocks:
             return []
         frames = []
         if self.open_type == "thinking":
-            frames.append(self._delta({"type": "signature_delta",
-                                       "signature": thinking_signature("".join(self._thinking))}))
+            signature = thinking_signature("".join(self._thinking), carry=self.omit_thinking)
+            frames.append(self._delta({"type": "signature_delta", "signature": signature}))
             self._thinking = []
         self.open_type = None
         return frames + [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})]

@@ -80,8 +80,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default="auto",
                    help="read the think block a reasoning model writes before its answer (<think>...</think>: "
                         "Qwen3, DeepSeek-R1, SmolLM3) as reasoning: Anthropic thinking blocks, OpenAI "
-                        "reasoning_content (vLLM's field). think (qwen3 and deepseek_r1 are vLLM's names for it): "
-                        "always; none: answers are all text; auto: for each model whose chat template writes "
+                        "reasoning_content (vLLM's field). think (or vLLM's qwen3): always; deepseek_r1: always, and every "
+                        "answer starts inside the block, as vLLM's parser of that name reads R1; none: answers "
+                        "are all text; auto: think for each model whose chat template writes "
                         "<think> or </think>. The choice is logged at start (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")

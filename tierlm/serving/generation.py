@@ -80,6 +80,8 @@ class ChatPrompt:
     tool_calls: toolcalls.ToolCallFormat = toolcalls.ToolCallFormat(toolcalls.HERMES)
     reasoning: ReasoningFormat | None = None  # the model's think markers (None: no reasoning parsed)
     opens_in_reasoning: bool = False  # the prompt ends inside a think block
+    continues_reasoning: bool = False  # ... in the middle of reasoning a prefill began writing
+    show_reasoning: bool = True  # False: the reasoning is parsed out of the answer, and dropped
 
     @property
     def keep_special_token_ids(self) -> list[int] | None:
@@ -92,7 +94,7 @@ class ChatPrompt:
     def reasoning_splitter(self) -> ReasoningSplitter | None:
         if self.reasoning is None:
             return None
-        return ReasoningSplitter(self.reasoning, self.opens_in_reasoning)
+        return ReasoningSplitter(self.reasoning, self.opens_in_reasoning, self.continues_reasoning)
 
     def split(self, result: "Generation", id_prefix: str) -> Answer:
         """A finished answer as (reasoning, prose, tool calls). Calls are read from the text
@@ -100,7 +102,7 @@ class ChatPrompt:
         an end marker, where the model ended the answer)."""
         reasoning, text = "", result.text
         if self.reasoning is not None:
-            reasoning, text = split_reasoning(text, self.reasoning, self.opens_in_reasoning)
+            reasoning, text = split_reasoning(text, self.reasoning, self.opens_in_reasoning, self.continues_reasoning)
         if not self.parse_tools:
             return Answer(reasoning, text, [])
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
@@ -185,10 +187,12 @@ async def chat_prompt(
     if forced:
         reasoning = None
     prefill = messages[-1].get("content") if continue_final_message and messages else None
-    opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill if isinstance(prefill, str) else None)
+    prefill = prefill if isinstance(prefill, str) else None
+    opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls,
-                      reasoning=reasoning, opens_in_reasoning=opens)
+                      reasoning=reasoning, opens_in_reasoning=opens,
+                      continues_reasoning=opens and reasoning is not None and reasoning.continues_reasoning(prefill))
 
 
 async def render_chat(

@@ -106,6 +106,9 @@ async def chat_completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     models = state.models
     prompt = await build_chat_prompt(engine, body, models.tool_calls(body.model), models.reasoning(body.model))
+    if prompt.reasoning is not None:
+        prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
+        prompt.show_reasoning = body.include_reasoning
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
@@ -484,9 +487,10 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def reasoning_fields(reasoning: str) -> dict[str, str]:
-    """A message's or delta's reasoning under both of vLLM's names; none when there is none."""
-    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+def reasoning_fields(reasoning: str, prompt: ChatPrompt) -> dict[str, str]:
+    """A message's or delta's reasoning under both of vLLM's names; none when there is none
+    (or the request's include_reasoning is false)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning and prompt.show_reasoning else {}
 
 
 def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolCall]:
@@ -501,7 +505,8 @@ def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: Chat
         answer = prompt.split(result, id_prefix="call_")
         text, calls = answer.text, answer.calls
         message = ResponseMessage(content=text if (text or not calls) else None,
-                                  tool_calls=_tool_calls_out(calls) or None, **reasoning_fields(answer.reasoning))
+                                  tool_calls=_tool_calls_out(calls) or None,
+                                  **reasoning_fields(answer.reasoning, prompt))
         choices.append(ChatChoice(
             index=i,
             message=message,
@@ -618,9 +623,9 @@ async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine"
         logprobs = None
         if returned is not None and top_n is not None and delta is not None:
             logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
-        if thought or text or (logprobs and logprobs["content"]):
+        said = {**reasoning_fields(thought, prompt), **({"content": text} if text else {})}
+        if said or (logprobs and logprobs["content"]):
             shown = shown or bool(text)
-            said = {**reasoning_fields(thought), **({"content": text} if text else {})}
             yield frames.choice(index, result, delta=said, logprobs=logprobs)
     for i, call in enumerate(_tool_calls_out(answer.calls)):
         yield frames.choice(index, result, delta={"tool_calls": [{"index": i, **call.model_dump()}]})

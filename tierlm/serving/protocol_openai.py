@@ -289,7 +289,7 @@ class _SamplingFields(_Body):
 
     @field_validator("stream", "ignore_eos", "max_tokens", "echo", "include_stop_str_in_output",
                      "skip_special_tokens", "use_beam_search", "spaces_between_special_tokens", "add_generation_prompt",
-                     "continue_final_message", mode="before", check_fields=False)
+                     "continue_final_message", "include_reasoning", mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI documents these as "... or null", meaning the default, and the `openai` SDK sends
@@ -389,6 +389,8 @@ class ChatCompletionRequest(_SamplingFields):
     # ignored, the prompt (and the answer) differed from what the client asked for.
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render them (RAG)
+    # vLLM's: false leaves a reasoning model's reasoning out of the answer (it is still not content)
+    include_reasoning: bool = True
     # OpenAI's, refused unless neutral (see _REFUSED_OPENAI_FIELDS); modalities: ["text"] only
     functions: Any = None
     function_call: Any = None

@@ -9,14 +9,17 @@ by default on for a model whose chat template writes think markers).
 
 What counts as reasoning: one think block at the very start of the answer, opened by the model
 (its first non-blank text is `<think>`) or by the prompt (the generation prompt ends inside an
-open `<think>`, as DeepSeek-R1's and Qwen3-Thinking's do). The block ends at `</think>`, or with
-the answer (cut off while thinking: everything is reasoning). Blank space around the reasoning
-and between it and the answer is dropped (Qwen3 writes `<think>\n...\n</think>\n\n`). A think
-tag anywhere else is text: the parser never moves text the model wrote as its answer.
+open `<think>`, as DeepSeek-R1's and Qwen3-Thinking's do: a `<think>` the model writes again is
+dropped; or an assistant prefill left one open: the answer continues its reasoning as written).
+The block ends at `</think>`, or with the answer (cut off while thinking: everything is
+reasoning). Blank space around the reasoning and between it and the answer is dropped (Qwen3
+writes `<think>\n...\n</think>\n\n`). A think tag anywhere else is text: the parser never moves
+text the model wrote as its answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tierlm.engine.detokenizer import KEPT_CLOSE, KEPT_OPEN, skipped_ids
@@ -40,17 +43,35 @@ class ReasoningFormat:
     keep_token_ids: tuple[int, ...] = ()
     answer_start: str = THINK_START
     answer_end: str = THINK_END
+    # vLLM's deepseek_r1: every answer starts inside the block (R1 templates that do not write
+    # the `<think>` the model no longer writes either)
+    always_opens: bool = False
 
     def opens_in_reasoning(self, prompt_text: str, prefill: str | None = None) -> bool:
         """Whether the answer to `prompt_text` starts inside a think block: the prompt's last
         `<think>` is still open and nothing but blank space follows it (the generation prompt
         opened it), or it lies in the assistant `prefill` the answer continues."""
+        if self.always_opens:
+            return True
         at = prompt_text.rfind(self.start)
         if at < 0 or prompt_text.rfind(self.end) > at:
             return False
         if not prompt_text[at + len(self.start):].strip():
             return True
         return prefill is not None and prefill.rfind(self.start) > prefill.rfind(self.end)
+
+    def continues_reasoning(self, prefill: str | None) -> bool:
+        """Whether an assistant `prefill` ends inside a think block it has begun writing: the
+        answer then continues that reasoning as written (its first blank space is the model's)."""
+        if prefill is None:
+            return False
+        at = prefill.rfind(self.start)
+        return at > prefill.rfind(self.end) and bool(prefill[at + len(self.start):].strip())
+
+    def decoded(self, skip_special_tokens: bool) -> "ReasoningFormat":
+        """The format for answers decoded this way: without skipping special tokens, a special
+        marker comes as its plain text (the detokenizer wraps only tokens it would skip)."""
+        return self if skip_special_tokens else replace(self, answer_start=self.start, answer_end=self.end)
 
 
 def reasoning_format(parser: str, tokenizer: Any) -> ReasoningFormat | None:
@@ -61,9 +82,14 @@ def reasoning_format(parser: str, tokenizer: Any) -> ReasoningFormat | None:
         raise ValueError(f"unknown reasoning parser '{parser}'; use one of {', '.join(PARSERS)}")
     if parser == "none":
         return None
+    if parser == "deepseek_r1":
+        return replace(_think_format(tokenizer), always_opens=True)
     if parser == "auto" and not any(marker in _template_text(tokenizer) for marker in (THINK_START, THINK_END)):
         return None
+    return _think_format(tokenizer)
 
+
+def _think_format(tokenizer: Any) -> ReasoningFormat:
     added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
     skipped = skipped_ids(tokenizer)
     kept = {m: added[m] for m in (THINK_START, THINK_END) if added.get(m) in skipped}
@@ -87,18 +113,19 @@ class ReasoningSplitter:
     Text that may still turn out to be a marker, or blank space that is dropped if the block
     ends after it, is held back until it is known; `finish` releases what is left. Fed the
     whole answer at once and finished, it gives the same split as fed piece by piece (the
-    non-streamed answer is split this way too)."""
+    non-streamed answer is split this way too). Each feed costs time in its own length (held
+    blank space is kept aside, never searched again: a model writing newline after newline
+    while it thinks must not slow the event loop down quadratically)."""
 
-    def __init__(self, fmt: ReasoningFormat, in_reasoning: bool = False) -> None:
+    def __init__(self, fmt: ReasoningFormat, in_reasoning: bool = False, continuing: bool = False) -> None:
         self._start, self._end = fmt.answer_start, fmt.answer_end
-        # kept marker tokens anywhere else are taken out (and held while they may be one)
+        # Kept think-marker tokens anywhere else are taken out of the text (held while a piece
+        # may be one); in the reasoning, every kept token is (a tool-call marker too).
         self._wrapped = tuple(m for m in (self._start, self._end) if m.startswith(KEPT_OPEN))
-        self._state = "thinking_lead" if in_reasoning else "lead"
-        self._held = ""
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self._state in ("thinking_lead", "thinking")
+        # `continuing`: the prompt's reasoning goes on (a prefill inside a think block)
+        self._state = ("thinking" if continuing else "thinking_lead") if in_reasoning else "lead"
+        self._held = ""  # undecided text: at most a possible marker, plus the newest feed
+        self._space: list[str] = []  # blank text held back: dropped, or shown once text follows
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
@@ -108,51 +135,71 @@ class ReasoningSplitter:
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> tuple[str, str]:
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         start, end = self._start, self._end
         while True:
             held = self._held
             if self._state == "lead":  # the answer's start: does it open a think block?
                 body = held.lstrip()
-                if body.startswith(start):
-                    self._held = body[len(start):]
+                if len(body) < len(held):
+                    self._space.append(held[:len(held) - len(body)])
+                    self._held = held = body
+                if held.startswith(start):
+                    self._held, self._space = held[len(start):], []
                     self._state = "thinking_lead"
                     continue
-                if not final and start.startswith(body):  # blank, or a start marker so far
+                if not final and start.startswith(held):  # nothing yet, or a start marker so far
                     break
+                self._held, self._space = "".join(self._space) + held, []
                 self._state = "text"
                 continue
-            if self._state in ("thinking_lead", "after"):  # blank space dropped
-                self._held = held.lstrip()
-                if not self._held:
+            if self._state == "thinking_lead":  # blank space, and a start marker written again, dropped
+                self._held = held = held.lstrip()
+                if held.startswith(start):
+                    self._held = held[len(start):]
+                    continue
+                if not held or (not final and start.startswith(held)):
                     break
-                self._state = "thinking" if self._state == "thinking_lead" else "text"
+                self._state = "thinking"
                 continue
             if self._state == "thinking":
                 at = held.find(end)
-                if at >= 0:
-                    reasoning.append(held[:at].rstrip())
-                    self._held = held[at + len(end):]
+                if at >= 0 or final:
+                    self._think(held[:at] if at >= 0 else held, reasoning, ends=True)
+                    self._held = held[at + len(end):] if at >= 0 else ""
                     self._state = "after"
                     continue
-                if final:
-                    reasoning.append(held.rstrip())
-                    self._held = ""
-                    break
-                cut = _partial_marker_at(held, (end, *self._wrapped))
-                while cut > 0 and held[cut - 1].isspace():
-                    cut -= 1
-                reasoning.append(held[:cut])
+                cut = min(_partial_marker_at(held, (end, *self._wrapped)), _unclosed_kept_at(held))
+                self._think(held[:cut], reasoning, ends=False)
                 self._held = held[cut:]
                 break
+            if self._state == "after":  # blank space between the block and the answer: dropped
+                self._held = held = held.lstrip()
+                if not held:
+                    break
+                self._state = "text"
+                continue
             # "text": everything shows as it comes
             cut = len(held) if final else _partial_marker_at(held, self._wrapped)
             content.append(held[:cut])
             self._held = held[cut:]
             break
-        return self._unwrapped("".join(reasoning)), self._unwrapped("".join(content))
+        return _without_kept_tokens("".join(reasoning)), self._without_wrapped_markers("".join(content))
 
-    def _unwrapped(self, text: str) -> str:
+    def _think(self, piece: str, reasoning: list[str], ends: bool) -> None:
+        """Show `piece` of reasoning, but its trailing blank space: that waits for more text
+        (`ends`: the block ended, and it is dropped)."""
+        said = piece.rstrip()
+        if said:
+            reasoning.append("".join(self._space) + said)
+            self._space = []
+        if ends:
+            self._space = []
+        elif len(said) < len(piece):
+            self._space.append(piece[len(said):])
+
+    def _without_wrapped_markers(self, text: str) -> str:
         for marker in self._wrapped:
             text = text.replace(marker, "")
         return text
@@ -167,9 +214,24 @@ def _partial_marker_at(text: str, markers: tuple[str, ...]) -> int:
     return len(text)
 
 
-def split_reasoning(text: str, fmt: ReasoningFormat, in_reasoning: bool = False) -> tuple[str, str]:
+def _unclosed_kept_at(text: str) -> int:
+    """Where a kept token's text that has not ended yet (KEPT_OPEN without its KEPT_CLOSE) starts."""
+    at = text.rfind(KEPT_OPEN)
+    return at if at >= 0 and KEPT_CLOSE not in text[at:] else len(text)
+
+
+_KEPT_TOKEN = re.compile(f"{KEPT_OPEN}[^{KEPT_OPEN}{KEPT_CLOSE}]*{KEPT_CLOSE}|[{KEPT_OPEN}{KEPT_CLOSE}]")
+
+
+def _without_kept_tokens(text: str) -> str:
+    """Reasoning without the special tokens kept for parsing (a decode would not show them)."""
+    return _KEPT_TOKEN.sub("", text) if KEPT_OPEN in text or KEPT_CLOSE in text else text
+
+
+def split_reasoning(text: str, fmt: ReasoningFormat, in_reasoning: bool = False,
+                    continuing: bool = False) -> tuple[str, str]:
     """A whole answer as (reasoning, text): the streamed split, in one go."""
-    splitter = ReasoningSplitter(fmt, in_reasoning)
+    splitter = ReasoningSplitter(fmt, in_reasoning, continuing)
     r1, c1 = splitter.feed(text)
     r2, c2 = splitter.finish()
     return r1 + r2, c1 + c2
