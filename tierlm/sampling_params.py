@@ -163,6 +163,62 @@ class BadWords:
         return out
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on a reasoning model's think block (vLLM's thinking_token_budget, Anthropic's
+    budget_tokens): once `budget` tokens are inside the block, the tokens of its end marker are
+    forced, one a step, and the model goes on to its answer. The block is the one the answer
+    opens with (`start_token_ids` as its first tokens), or, `starts_inside`, the one the prompt
+    opened. The server builds it from the model's think markers (serving/reasoning.py)."""
+
+    budget: int
+    end_token_ids: tuple[int, ...]
+    start_token_ids: tuple[int, ...] = ()
+    starts_inside: bool = False
+
+    def problem(self) -> str | None:
+        """Why this budget is refused, or None."""
+        if not _is_int(self.budget) or self.budget < 0:
+            return f"budget must be an integer of at least 0 (got {self.budget!r})"
+        if not self.end_token_ids:
+            return "end_token_ids must name the end marker's tokens"
+        if any(not _is_int(t) or t < 0 for t in (*self.end_token_ids, *self.start_token_ids)):
+            return "token ids must be non-negative integers"
+        return None
+
+
+class ThinkingTracker:
+    """Where a request's output stands against its ThinkingBudget, read from the tokens as they
+    come (each looked at once): before the block, inside it (how many tokens), or past it."""
+
+    def __init__(self, limit: ThinkingBudget) -> None:
+        self.limit = limit
+        self._state = "inside" if limit.starts_inside else "before"
+        self._seen = 0
+        self._inside = 0
+
+    def forced(self, output_token_ids: Sequence[int]) -> int | None:
+        """The token the next step must take (the end marker's next one), or None."""
+        out, end, start = output_token_ids, self.limit.end_token_ids, self.limit.start_token_ids
+        for i in range(self._seen, len(out)):
+            if self._state == "before":
+                if i < len(start) and out[i] == start[i]:
+                    self._state = "inside" if i + 1 == len(start) else "before"
+                else:
+                    self._state = "past"
+            elif self._state == "inside":
+                self._inside += 1
+                if i + 1 >= len(end) and tuple(out[i + 1 - len(end):i + 1]) == end:
+                    self._state = "past"
+        self._seen = len(out)
+        if self._state != "inside" or self._inside < self.limit.budget:
+            return None
+        for k in range(min(len(end) - 1, len(out)), 0, -1):  # the marker's next token, where it began
+            if tuple(out[-k:]) == end[:k]:
+                return end[k]
+        return end[0]
+
+
 def stop_strings_problem(stops: Sequence[str]) -> str | None:
     """Why these stop strings are refused (empty, too many, too long), or None."""
     if any(s == "" for s in stops):
@@ -191,6 +247,8 @@ class SamplingParams:
     and filters (OpenAI's meaning); reported logprobs stay the model's own distribution.
     `allowed_token_ids`: only these tokens may be sampled; `bad_words`: these words may not be
     generated (see `BadWords`); both vLLM's, and logprobs stay the model's own distribution there too.
+    `thinking_budget` caps a reasoning model's think block (see `ThinkingBudget`); the tokens it
+    forces keep the model's own logprobs.
     """
 
     n: int = 1
@@ -219,6 +277,7 @@ class SamplingParams:
     # for the same text in ordinary tokens: the server keeps a tool-call syntax's markers
     # (`[TOOL_CALLS]`) to find the calls, then takes them out of what the client sees.
     keep_special_token_ids: list[int] | None = None
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -322,6 +381,11 @@ class SamplingParams:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         if self.bad_words is not None and (problem := bad_words_problem(self.bad_words)) is not None:
             bad("bad_words", problem)
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, ThinkingBudget):
+                bad("thinking_budget", f"must be a ThinkingBudget (got {self.thinking_budget!r})")
+            if (problem := self.thinking_budget.problem()) is not None:
+                bad("thinking_budget", problem)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 

@@ -303,3 +303,67 @@ def test_n_is_at_least_one_and_the_async_engines_refusal_says_to_seed_each_copy(
     with pytest.raises(InvalidRequestError, match=re.escape("seed + i")) as info:
         llm.engine.make_request(PROMPT, SamplingParams(n=2, seed=3))  # what AsyncEngine.generate makes
     assert info.value.param == "n"
+
+
+# ---- thinking budget (vLLM's thinking_token_budget, Anthropic's budget_tokens) ---------------------
+
+END = (11, 12)  # a two-token end marker
+
+
+def run(llm, **params):
+    return llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, logprobs=2, **params))[0].outputs[0]
+
+
+def test_a_spent_thinking_budget_forces_the_end_marker_then_lets_the_model_go_on(llm):
+    from tierlm.sampling_params import ThinkingBudget
+
+    plain = run(llm)
+    capped = run(llm, thinking_budget=ThinkingBudget(3, END, starts_inside=True))
+    assert capped.token_ids[:3] == plain.token_ids[:3] and tuple(capped.token_ids[3:5]) == END
+    assert capped.logprobs[3].top == plain.logprobs[3].top  # forced, with the model's own logprobs
+    assert capped.logprobs[3].logprob < 0
+    # the end marker overrides every other mask (a budget ends the block whatever else was asked)
+    sampled = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[5, 6],
+                                                    thinking_budget=ThinkingBudget(2, END, starts_inside=True)))
+    assert sampled[0].outputs[0].token_ids[2:4] == list(END) and set(sampled[0].outputs[0].token_ids[4:]) <= {5, 6}
+    assert tuple(run(llm, thinking_budget=ThinkingBudget(0, END, starts_inside=True)).token_ids[:2]) == END
+    # a block the answer opens: counted from its start marker (here the model's own first token)
+    opened = run(llm, thinking_budget=ThinkingBudget(2, END, start_token_ids=(plain.token_ids[0],)))
+    assert opened.token_ids[:3] == plain.token_ids[:3] and tuple(opened.token_ids[3:5]) == END
+    # an answer that does not open one is never cut
+    other = (plain.token_ids[0] + 1) % 32
+    assert run(llm, thinking_budget=ThinkingBudget(2, END, start_token_ids=(other,))).token_ids == plain.token_ids
+
+
+def test_the_tracker_follows_the_block_and_finishes_a_marker_the_model_began():
+    from tierlm.sampling_params import ThinkingBudget, ThinkingTracker
+
+    inside = ThinkingTracker(ThinkingBudget(3, END, starts_inside=True))
+    assert [inside.forced(out) for out in ([], [1], [1, 2], [1, 2, 11])] == [None, None, None, 12]
+    assert inside.forced([1, 2, 11, 12]) is None and inside.forced([1, 2, 11, 12, 4, 4, 4, 4]) is None
+    early = ThinkingTracker(ThinkingBudget(3, END, starts_inside=True))
+    assert early.forced([11, 12]) is None and early.forced([11, 12, 1, 1, 1]) is None  # it ended the block itself
+    opened = ThinkingTracker(ThinkingBudget(1, END, start_token_ids=(7, 8)))
+    assert [opened.forced(out) for out in ([7], [7, 8], [7, 8, 1])] == [None, None, 11]
+    never = ThinkingTracker(ThinkingBudget(0, END, start_token_ids=(7, 8)))
+    assert never.forced([7, 9]) is None and never.forced([7, 9, 7, 8]) is None  # not the answer's start
+
+
+@pytest.mark.parametrize("budget, says", [
+    ("ThinkingBudget(-1, (1,))", "budget must be an integer of at least 0 (got -1)"),
+    ("ThinkingBudget(4, ())", "end_token_ids must name the end marker's tokens"),
+    ("ThinkingBudget(4, (1, -2))", "token ids must be non-negative integers"),
+    ("4", "must be a ThinkingBudget (got 4)"),
+])
+def test_a_bad_thinking_budget_is_refused_by_name(budget, says):
+    from tierlm.sampling_params import ThinkingBudget  # noqa: F401 (eval'd)
+
+    with pytest.raises(InvalidRequestError, match=re.escape(f"sampling parameter 'thinking_budget' {says}")):
+        SamplingParams(thinking_budget=eval(budget))
+
+
+def test_a_thinking_budget_token_outside_the_vocabulary_is_refused_by_id(llm):
+    from tierlm.sampling_params import ThinkingBudget
+
+    with pytest.raises(InvalidRequestError, match=r"thinking_budget names token id 99999, outside the model's"):
+        run(llm, thinking_budget=ThinkingBudget(2, (99999,), starts_inside=True))

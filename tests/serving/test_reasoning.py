@@ -35,8 +35,9 @@ HISTORY_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
-THINKER, OPENER, TOOL_THINKER, SPECIAL_THINKER, HISTORY = (
-    "thinker", "opener", "tool-thinker", "special-thinker", "history")
+THINKER, OPENER, TOOL_THINKER, SPECIAL_THINKER, HISTORY, PONDERER = (
+    "thinker", "opener", "tool-thinker", "special-thinker", "history", "ponderer")
+PONDERING = "tick tock, "  # PONDERER thinks this over and over (the prompt opened the block)
 THOUGHT, ANSWER = "The user greets me.", "Hello there!"
 # (no "\n" after both markers: a scripted model's next token depends on its last three alone)
 THINKING_REPLY = f"<think>{THOUGHT}\n</think>\n\n{ANSWER}"
@@ -65,12 +66,14 @@ def models(demo_tokenizer, tmp_path_factory):
         (TOOL_THINKER, THINK_TEMPLATE, TOOL_REPLY, ("<think>", "</think>")),
         (SPECIAL_THINKER, THINK_TEMPLATE, THINKING_REPLY, ("<think>", "</think>")),
         (HISTORY, HISTORY_TEMPLATE, ANSWER, ()),
+        (PONDERER, OPEN_TEMPLATE, PONDERING, ("<think>", "</think>")),
     ]:
         tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
         if specials:  # a tokenizer that marks its think markers special: a plain decode drops them
             tok.add_tokens(list(specials), special_tokens=True)
         tok.chat_template = template
-        built[name] = build_scripted_model(root / name, [Script(chat_prompt_ids(tok), reply)], tok, specials=specials)
+        script = Script(chat_prompt_ids(tok), reply, loop=name == PONDERER)
+        built[name] = build_scripted_model(root / name, [script], tok, specials=specials)
     return built
 
 
@@ -151,6 +154,10 @@ def test_blank_space_held_while_thinking_is_set_aside_not_searched_again():
         assert splitter.feed("\n") == ("", "")
         assert splitter._held == ""  # what each feed searches stays the new text alone
     assert splitter.feed("two") == ("\n" * 20_000 + "two", "")
+    stray = ReasoningSplitter(FMT, in_reasoning=True)  # a model that writes U+FDD0 itself: no kept token
+    assert stray.feed("x\ufdd0") == ("x", "")
+    shown = "".join(stray.feed("a")[0] for _ in range(2_000))
+    assert len(shown) > 1_700 and len(stray._held) <= 256
     lead = ReasoningSplitter(FMT)
     for _ in range(20_000):
         assert lead.feed(" ") == ("", "") and lead._held == ""
@@ -182,24 +189,32 @@ def test_the_parser_is_detected_from_the_template(models):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(models[THINKER].path))
-    assert reasoning_format("auto", tok) == ReasoningFormat()
+    spelled = {"start_token_ids": tuple(tok.encode("<think>", add_special_tokens=False)),
+               "end_token_ids": tuple(tok.encode("</think>", add_special_tokens=False))}
+    assert len(spelled["end_token_ids"]) > 1  # (spelled in ordinary tokens: a budget forces them one by one)
+    plain = ReasoningFormat(**spelled)
+    assert reasoning_format("auto", tok) == plain
     assert reasoning_format("none", tok) is None
     tok.chat_template = CHAT_TEMPLATE  # writes no think marker
     assert reasoning_format("auto", tok) is None
     tok.chat_template = OPEN_TEMPLATE  # writes only <think>
-    assert reasoning_format("auto", tok) == ReasoningFormat()
-    assert reasoning_format("qwen3", tok) == reasoning_format("think", tok) == ReasoningFormat()
+    assert reasoning_format("auto", tok) == plain
+    assert reasoning_format("qwen3", tok) == reasoning_format("think", tok) == plain
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; use one of auto, none, think"):
         reasoning_format("r1", tok)
     # vLLM's deepseek_r1: every answer starts inside the block, whatever the prompt
     r1 = reasoning_format("deepseek_r1", tok)
     assert r1.opens_in_reasoning("<|im_start|>assistant\n") and not FMT.opens_in_reasoning("<|im_start|>assistant\n")
     assert split_reasoning("foo</think>bar", r1, True) == ("foo", "bar")
+    # ... but not when the prompt wrote a whole block last (Qwen3 with thinking switched off)
+    assert not r1.opens_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert r1.opens_in_reasoning("<think>a</think>b<|im_start|>assistant\n")
     assert FMT.decoded(True) is FMT and WRAPPED.decoded(False).answer_start == "<think>"
     special = AutoTokenizer.from_pretrained(str(models[SPECIAL_THINKER].path))
     ids = tuple(special.convert_tokens_to_ids(m) for m in ("<think>", "</think>"))
     fmt = reasoning_format("auto", special)
     assert fmt.keep_token_ids == ids and (fmt.start, fmt.end) == ("<think>", "</think>")
+    assert (fmt.start_token_ids, fmt.end_token_ids) == ((ids[0],), (ids[1],))
     assert (fmt.answer_start, fmt.answer_end) == ("\ufdd0<think>\ufdd1", "\ufdd0</think>\ufdd1")
 
 
@@ -439,6 +454,47 @@ def test_a_forced_call_turns_reasoning_off(clients):
     message = openai_client.chat.completions.create(model=TOOL_THINKER, messages=USER, max_tokens=32,
                                                     tools=[OPENAI_WEATHER], tool_choice="required").choices[0].message
     assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_a_thinking_budget_ends_the_think_block(clients, server, monkeypatch):
+    """vLLM's thinking_token_budget (and Anthropic's budget_tokens): once the block holds that
+    many tokens its end marker is forced and the model answers (here, off its script, at once)."""
+    _, engines = server
+    claude, openai_client = clients
+    looped = openai_client.chat.completions.create(model=PONDERER, messages=USER, max_tokens=12)
+    assert looped.choices[0].finish_reason == "length" and looped.choices[0].message.content == ""
+    capped = openai_client.chat.completions.create(model=PONDERER, messages=USER, max_tokens=12,
+                                                   extra_body={"thinking_token_budget": 6})
+    thought = capped.choices[0].message.model_extra["reasoning_content"]
+    assert capped.choices[0].finish_reason == "stop" and capped.choices[0].message.content == ""
+    assert looped.choices[0].message.model_extra["reasoning_content"].startswith(thought)
+    assert thought.startswith("tick") and len(thought) < len(looped.choices[0].message.model_extra["reasoning"])
+    assert capped.usage.completion_tokens == 6 + 2  # the budget, the forced </think>, then EOS
+    streamed = openai_stream(openai_client, model=PONDERER, messages=USER, max_tokens=12,
+                             extra_body={"thinking_token_budget": 6})
+    assert streamed[:4] == (thought, "", [], "stop")
+    # Anthropic's budget_tokens is the same cap (the engine request carries it)
+    asked = record_requests(engines[THINKER], monkeypatch)
+    beta = {"anthropic-beta": "interleaved-thinking-2025-05-14"}
+    claude.messages.create(model=THINKER, max_tokens=64, messages=USER, extra_headers=beta,
+                           thinking={"type": "enabled", "budget_tokens": 1500})
+    claude.messages.create(model=THINKER, max_tokens=64, messages=USER, thinking={"type": "adaptive"})
+    tokenizer = engines[THINKER].tokenizer
+    limit = asked[0].params.thinking_budget
+    assert (limit.budget, limit.starts_inside) == (1500, False)
+    assert tokenizer.decode(list(limit.end_token_ids)) == "</think>"
+    assert tokenizer.decode(list(limit.start_token_ids)) == "<think>"
+    assert asked[1].params.thinking_budget is None
+
+
+def test_a_thinking_budget_for_a_model_without_think_markers_is_refused(openai_client):
+    r = openai_client.post("/v1/chat/completions", json={"model": "scripted", "messages": USER, "max_tokens": 4,
+                                                         "thinking_token_budget": 10})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    assert "has no think markers" in r.json()["error"]["message"]
+    r = openai_client.post("/v1/chat/completions", json={"model": "scripted", "messages": USER, "max_tokens": 4,
+                                                         "thinking_token_budget": -1})
+    assert r.status_code == 400 and "thinking_token_budget" in r.text
 
 
 def test_reasoning_parser_none_leaves_the_answer_as_text(models):

@@ -41,7 +41,7 @@ from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weig
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
 from tierlm.models.registry import resolve_architecture
-from tierlm.sampling_params import BadWords, SamplingParams, bad_words_token_ids, truncate_prompt
+from tierlm.sampling_params import BadWords, SamplingParams, ThinkingTracker, bad_words_token_ids, truncate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +391,10 @@ class LLMEngine:
         ids = [int(t) for t in ids]
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens; -1: as many as fit
             ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
-        for name, asked in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        budget = params.thinking_budget
+        thinking_ids = (*budget.end_token_ids, *budget.start_token_ids) if budget is not None else ()
+        for name, asked in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                            ("thinking_budget", thinking_ids)):
             outside = sorted(t for t in asked or () if t >= vocab)
             if outside:  # the sampler would scatter past the logits' last column
                 raise InvalidRequestError(f"{name} names token id {outside[0]}, outside the model's vocabulary "
@@ -422,7 +425,8 @@ class LLMEngine:
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
                        tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen,
-                       allowed_token_ids=allowed, bad_words=bad_words)
+                       allowed_token_ids=allowed, bad_words=bad_words,
+                       thinking=ThinkingTracker(budget) if budget is not None else None)
 
     def _check_something_allowed(self, allowed: torch.Tensor, bad_words: BadWords | None,
                                  params: SamplingParams) -> None:

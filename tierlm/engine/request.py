@@ -9,7 +9,7 @@ import torch
 
 from tierlm.kv.block_pool import KVBlock
 from tierlm.kv.prefix_cache import BlockHash
-from tierlm.sampling_params import BadWords, SamplingParams
+from tierlm.sampling_params import BadWords, SamplingParams, ThinkingTracker
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +53,7 @@ class Request:
     # Python lists of up to 1,024 entries per row every step was the sampler's per-step cost.
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     bad_words: BadWords | None = None
+    thinking: ThinkingTracker | None = None  # params.thinking_budget, followed step by step
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -145,6 +145,22 @@ def _hold_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     return logits
 
 
+def apply_forced_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Rows whose thinking budget is spent: the end marker's next token is the only one left
+    (over every other mask: the budget ends the block whatever else the request asked)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(reqs):
+        if r.thinking is not None and (token := r.thinking.forced(r.output_token_ids)) is not None:
+            rows.append(i)
+            cols.append(token)
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits.index_fill_(0, index[0], float("-inf"))
+        logits[index[0], index[1]] = 0.0
+    return logits
+
+
 def _filter_rows(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Top-k, then min-p, then top-p, each row with its own settings, batched over the rows
     (one sort for all of them, not one per row). Filtered-out tokens become -inf."""
@@ -214,6 +230,7 @@ class Sampler:
             rows = logits.index_select(0, guard_rows)
             empty = torch.isneginf(rows).all(dim=1, keepdim=True)
             logits.index_copy_(0, guard_rows, torch.where(empty, allowed_only, rows))
+        logits = apply_forced_tokens(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(drawn) == len(reqs):
             picked = self._draw(logits, reqs)

@@ -106,6 +106,7 @@ async def create_message(request: Request) -> Response:
         top_k=top_k_limit(engine, body.top_k),
         stop=body.stop_sequences,
         keep_special_token_ids=prompt.keep_special_token_ids,
+        thinking_budget=prompt.thinking_budget(body.thinking_budget_tokens),
     )
     stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)

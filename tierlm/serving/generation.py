@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import SamplingParams, ThinkingBudget
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import (
@@ -90,6 +90,14 @@ class ChatPrompt:
         kept = list(self.tool_calls.keep_token_ids) if self.parse_tools else []
         kept += self.reasoning.keep_token_ids if self.reasoning is not None else ()
         return kept or None
+
+    def thinking_budget(self, budget: int | None) -> ThinkingBudget | None:
+        """`budget` tokens for this answer's think block, as the engine keeps it (None: no
+        budget, no block to cap, or markers the tokenizer cannot spell back)."""
+        fmt = self.reasoning
+        if budget is None or fmt is None or not fmt.end_token_ids:
+            return None
+        return ThinkingBudget(budget, fmt.end_token_ids, fmt.start_token_ids, starts_inside=self.opens_in_reasoning)
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
         if self.reasoning is None:

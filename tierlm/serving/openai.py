@@ -109,12 +109,19 @@ async def chat_completions(request: Request) -> Response:
     if prompt.reasoning is not None:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
         prompt.show_reasoning = body.include_reasoning
+    fmt = models.reasoning(body.model)
+    if body.thinking_token_budget is not None and (fmt is None or not fmt.end_token_ids):
+        raise InvalidRequest(
+            f"thinking_token_budget: model '{body.model}' has no think markers tierlm can end (its chat template "
+            "writes no <think>, --reasoning-parser none, or its tokenizer cannot spell </think>); remove the field",
+            param="thinking_token_budget")
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
-                             keep_special_token_ids=prompt.keep_special_token_ids)
+                             keep_special_token_ids=prompt.keep_special_token_ids,
+                             thinking_budget=prompt.thinking_budget(body.thinking_token_budget))
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)

@@ -333,8 +333,8 @@ class ThinkingBetweenTools(_Body):
 
 
 # The SDK's ThinkingConfigParam. What it changes is the chat template's `enable_thinking` (Qwen3,
-# SmolLM3: whether the model reasons before answering), and `display` whether the thinking blocks
-# of a model that does (see reasoning.py) carry its text. budget_tokens is not enforced.
+# SmolLM3: whether the model reasons before answering), `display` whether the thinking blocks of
+# a model that does (see reasoning.py) carry its text, and budget_tokens how long its block may be.
 ThinkingConfig = Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive, ThinkingBetweenTools],
                            Field(discriminator="type")]
 
@@ -392,6 +392,12 @@ class ConversationBody(_Body):
         change the text, but `documents`, as on the OpenAI route)."""
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
         return {**kwargs, **template_variables(self.chat_template_kwargs or {})} or None
+
+    @property
+    def thinking_budget_tokens(self) -> int | None:
+        """`budget_tokens` of enabled thinking: the most tokens a reasoning model's think block
+        may hold before tierlm ends it (see sampling_params.ThinkingBudget)."""
+        return self.thinking.budget_tokens if isinstance(self.thinking, ThinkingEnabled) else None
 
     @property
     def omits_thinking(self) -> bool:

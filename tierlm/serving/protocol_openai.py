@@ -391,6 +391,8 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render them (RAG)
     # vLLM's: false leaves a reasoning model's reasoning out of the answer (it is still not content)
     include_reasoning: bool = True
+    # vLLM's: at most this many tokens of reasoning, then the end of the think block is forced
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     # OpenAI's, refused unless neutral (see _REFUSED_OPENAI_FIELDS); modalities: ["text"] only
     functions: Any = None
     function_call: Any = None

@@ -46,14 +46,19 @@ class ReasoningFormat:
     # vLLM's deepseek_r1: every answer starts inside the block (R1 templates that do not write
     # the `<think>` the model no longer writes either)
     always_opens: bool = False
+    # The markers as the tokenizer spells them, to force the end when a thinking budget is
+    # spent (empty where its tokens do not decode back to the marker: no budget can be kept)
+    start_token_ids: tuple[int, ...] = ()
+    end_token_ids: tuple[int, ...] = ()
 
     def opens_in_reasoning(self, prompt_text: str, prefill: str | None = None) -> bool:
         """Whether the answer to `prompt_text` starts inside a think block: the prompt's last
         `<think>` is still open and nothing but blank space follows it (the generation prompt
         opened it), or it lies in the assistant `prefill` the answer continues."""
-        if self.always_opens:
-            return True
         at = prompt_text.rfind(self.start)
+        if self.always_opens:  # unless the prompt itself wrote a whole block last (thinking switched off)
+            closed = prompt_text.rfind(self.end)
+            return not (closed > at and not prompt_text[closed + len(self.end):].strip())
         if at < 0 or prompt_text.rfind(self.end) > at:
             return False
         if not prompt_text[at + len(self.start):].strip():
@@ -97,7 +102,18 @@ def _think_format(tokenizer: Any) -> ReasoningFormat:
     def in_answer(marker: str) -> str:
         return KEPT_OPEN + marker + KEPT_CLOSE if marker in kept else marker
     return ReasoningFormat(keep_token_ids=tuple(kept.values()), answer_start=in_answer(THINK_START),
-                           answer_end=in_answer(THINK_END))
+                           answer_end=in_answer(THINK_END), start_token_ids=_spelled(tokenizer, THINK_START),
+                           end_token_ids=_spelled(tokenizer, THINK_END))
+
+
+def _spelled(tokenizer: Any, marker: str) -> tuple[int, ...]:
+    """`marker`'s token ids, if they decode back to it (a SentencePiece tokenizer may add a space)."""
+    try:
+        ids = tuple(int(t) for t in tokenizer.encode(marker, add_special_tokens=False))
+        back = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    except Exception:  # a tokenizer without encode/decode (a test stub): no budget
+        return ()
+    return ids if ids and back == marker else ()
 
 
 def _template_text(tokenizer: Any) -> str:
@@ -170,7 +186,7 @@ class ReasoningSplitter:
                     self._held = held[at + len(end):] if at >= 0 else ""
                     self._state = "after"
                     continue
-                cut = min(_partial_marker_at(held, (end, *self._wrapped)), _unclosed_kept_at(held))
+                cut = min(_partial_marker_at(held, (end,)), _unclosed_kept_at(held))
                 self._think(held[:cut], reasoning, ends=False)
                 self._held = held[cut:]
                 break
@@ -214,10 +230,17 @@ def _partial_marker_at(text: str, markers: tuple[str, ...]) -> int:
     return len(text)
 
 
+# A kept token's text is a special token's: short. A KEPT_OPEN with no KEPT_CLOSE this far after
+# it is no kept token (a model wrote the character itself) and is not held back any longer.
+_MAX_KEPT_TEXT = 256
+
+
 def _unclosed_kept_at(text: str) -> int:
     """Where a kept token's text that has not ended yet (KEPT_OPEN without its KEPT_CLOSE) starts."""
     at = text.rfind(KEPT_OPEN)
-    return at if at >= 0 and KEPT_CLOSE not in text[at:] else len(text)
+    if at < 0 or len(text) - at > _MAX_KEPT_TEXT or KEPT_CLOSE in text[at:]:
+        return len(text)
+    return at
 
 
 _KEPT_TOKEN = re.compile(f"{KEPT_OPEN}[^{KEPT_OPEN}{KEPT_CLOSE}]*{KEPT_CLOSE}|[{KEPT_OPEN}{KEPT_CLOSE}]")
