@@ -176,10 +176,21 @@ class ThinkingBudget:
     start_token_ids: tuple[int, ...] = ()
     starts_inside: bool = False
 
+    def __post_init__(self) -> None:
+        # Ids as plain ints in tuples, whatever sequence they came in (a list never equals the
+        # tuple of the tokens the tracker compares it with: the block was never seen to end).
+        for name in ("end_token_ids", "start_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, Sequence) and not isinstance(ids, str) or hasattr(ids, "tolist"):
+                ids = ids.tolist() if hasattr(ids, "tolist") else ids
+                object.__setattr__(self, name, tuple(int(t) if _is_int(t) else t for t in ids))
+
     def problem(self) -> str | None:
         """Why this budget is refused, or None."""
         if not _is_int(self.budget) or self.budget < 0:
             return f"budget must be an integer of at least 0 (got {self.budget!r})"
+        if not isinstance(self.end_token_ids, tuple) or not isinstance(self.start_token_ids, tuple):
+            return "token ids must be sequences of token ids"
         if not self.end_token_ids:
             return "end_token_ids must name the end marker's tokens"
         if any(not _is_int(t) or t < 0 for t in (*self.end_token_ids, *self.start_token_ids)):

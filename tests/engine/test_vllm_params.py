@@ -330,6 +330,10 @@ def test_a_spent_thinking_budget_forces_the_end_marker_then_lets_the_model_go_on
     # a block the answer opens: counted from its start marker (here the model's own first token)
     opened = run(llm, thinking_budget=ThinkingBudget(2, END, start_token_ids=(plain.token_ids[0],)))
     assert opened.token_ids[:3] == plain.token_ids[:3] and tuple(opened.token_ids[3:5]) == END
+    # ids in any sequence (a list, numpy's) are the same budget: a list never matched the block's end
+    import numpy as np
+    assert run(llm, thinking_budget=ThinkingBudget(3, list(END), starts_inside=True)).token_ids == capped.token_ids
+    assert run(llm, thinking_budget=ThinkingBudget(3, np.array(END), starts_inside=True)).token_ids == capped.token_ids
     # an answer that does not open one is never cut
     other = (plain.token_ids[0] + 1) % 32
     assert run(llm, thinking_budget=ThinkingBudget(2, END, start_token_ids=(other,))).token_ids == plain.token_ids
@@ -354,6 +358,8 @@ def test_the_tracker_follows_the_block_and_finishes_a_marker_the_model_began():
     ("ThinkingBudget(4, ())", "end_token_ids must name the end marker's tokens"),
     ("ThinkingBudget(4, (1, -2))", "token ids must be non-negative integers"),
     ("4", "must be a ThinkingBudget (got 4)"),
+    ("ThinkingBudget(4, 11)", "token ids must be sequences of token ids"),
+    ("ThinkingBudget(4, (1.5,))", "token ids must be non-negative integers"),
 ])
 def test_a_bad_thinking_budget_is_refused_by_name(budget, says):
     from tierlm.sampling_params import ThinkingBudget  # noqa: F401 (eval'd)

@@ -104,17 +104,16 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
-    models = state.models
-    prompt = await build_chat_prompt(engine, body, models.tool_calls(body.model), models.reasoning(body.model))
-    if prompt.reasoning is not None:
-        prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
-        prompt.show_reasoning = body.include_reasoning
-    fmt = models.reasoning(body.model)
-    if body.thinking_token_budget is not None and (fmt is None or not fmt.end_token_ids):
+    reasoning = state.models.reasoning(body.model)
+    if body.thinking_token_budget is not None and (reasoning is None or not reasoning.end_token_ids):
         raise InvalidRequest(
             f"thinking_token_budget: model '{body.model}' has no think markers tierlm can end (its chat template "
             "writes no <think>, --reasoning-parser none, or its tokenizer cannot spell </think>); remove the field",
             param="thinking_token_budget")
+    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning)
+    if prompt.reasoning is not None:
+        prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
+        prompt.show_reasoning = body.include_reasoning
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
