@@ -9,8 +9,9 @@ by default on for a model whose chat template writes think markers).
 
 What counts as reasoning: one think block at the very start of the answer, opened by the model
 (its first non-blank text is `<think>`) or by the prompt (the generation prompt ends inside an
-open `<think>`, as DeepSeek-R1's and Qwen3-Thinking's do: a `<think>` the model writes again is
-dropped; or an assistant prefill left one open: the answer continues its reasoning as written).
+open `<think>`, as DeepSeek-R1's and Qwen3-Thinking's do; or an assistant prefill left one open:
+the answer continues its reasoning as written). A `<think>` written again at the block's start is
+dropped (the model repeating the prompt's).
 The block ends at `</think>`, or with the answer (cut off while thinking: everything is
 reasoning). Blank space around the reasoning and between it and the answer is dropped (Qwen3
 writes `<think>\n...\n</think>\n\n`). A think tag anywhere else is text: the parser never moves
