@@ -181,8 +181,9 @@ class ThinkingBudget:
         # tuple of the tokens the tracker compares it with: the block was never seen to end).
         for name in ("end_token_ids", "start_token_ids"):
             ids = getattr(self, name)
-            if isinstance(ids, Sequence) and not isinstance(ids, str) or hasattr(ids, "tolist"):
-                ids = ids.tolist() if hasattr(ids, "tolist") else ids
+            if hasattr(ids, "tolist"):  # numpy's, torch's
+                ids = ids.tolist()
+            if isinstance(ids, (list, tuple)):
                 object.__setattr__(self, name, tuple(int(t) if _is_int(t) else t for t in ids))
 
     def problem(self) -> str | None:
@@ -210,6 +211,8 @@ class ThinkingTracker:
 
     def forced(self, output_token_ids: Sequence[int]) -> int | None:
         """The token the next step must take (the end marker's next one), or None."""
+        if self._state == "past":  # (nothing more to follow)
+            return None
         out, end, start = output_token_ids, self.limit.end_token_ids, self.limit.start_token_ids
         for i in range(self._seen, len(out)):
             if self._state == "before":

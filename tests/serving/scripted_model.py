@@ -82,6 +82,27 @@ class ScriptedModel:
         return AsyncEngine.from_model(str(self.path), served_model_name=name or self.path.name, **ENGINE_OPTIONS)
 
 
+def build_templated_models(root: Path, tokenizer: Any,
+                           specs: list[tuple[str, str, str, tuple[str, ...]]], loop: frozenset[str] = frozenset(),
+                           added: tuple[str, ...] = ()) -> dict[str, ScriptedModel]:
+    """One scripted model per (name, chat template, reply to its chat prompt, special tokens it
+    writes) under `root`, each over a copy of `tokenizer` with that template and those tokens
+    (and `added`) added as special ones (a tool-call or think marker, which a real model writes
+    as one special token). The models named in `loop` repeat their reply until max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(str(root / "tokenizer"))
+    built = {}
+    for name, template, reply, specials in specs:
+        tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        if specials or added:
+            tok.add_tokens(list(dict.fromkeys((*added, *specials))), special_tokens=True)
+        tok.chat_template = template
+        script = Script(chat_prompt_ids(tok), reply, loop=name in loop)
+        built[name] = build_scripted_model(root / name, [script], tok, specials=specials)
+    return built
+
+
 def chat_prompt_ids(tokenizer: Any, **template_kwargs: Any) -> list[int]:
     """Token ids of a rendered chat prompt (by default one user turn, with the generation prompt)."""
     messages = template_kwargs.pop("messages", [{"role": "user", "content": "Hi"}])

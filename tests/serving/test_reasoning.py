@@ -7,15 +7,17 @@ thinking_delta and signature_delta), OpenAI `reasoning_content` / `reasoning` (v
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import random
 
 import httpx
+import openai
 import pytest
 
 from tests.serving.harness import API_KEY, ServerThread, parse_sse, record_requests, sdk_clients
-from tests.serving.scripted_model import CALL, Script, build_scripted_model, chat_prompt_ids
+from tests.serving.scripted_model import CALL, build_templated_models
 from tierlm.models.demo import CHAT_TEMPLATE
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
@@ -54,27 +56,14 @@ OPENAI_WEATHER = {"type": "function", "function": {"name": "get_weather", "descr
 
 @pytest.fixture(scope="module")
 def models(demo_tokenizer, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("reasoning")
-    demo_tokenizer.save_pretrained(str(root / "tokenizer"))
-    built = {}
-    for name, template, reply, specials in [
-        (THINKER, THINK_TEMPLATE, THINKING_REPLY, ()),
-        # (its markers single tokens, so that "</think>" ends unlike the prompt's "<think>")
-        (OPENER, OPEN_TEMPLATE, OPEN_REPLY, ("<think>", "</think>")),
-        (TOOL_THINKER, THINK_TEMPLATE, TOOL_REPLY, ("<think>", "</think>")),
-        (SPECIAL_THINKER, THINK_TEMPLATE, THINKING_REPLY, ("<think>", "</think>")),
-        (HISTORY, HISTORY_TEMPLATE, ANSWER, ()),
-        (PONDERER, OPEN_TEMPLATE, PONDERING, ("<think>", "</think>")),
-    ]:
-        tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        if specials:  # a tokenizer that marks its think markers special: a plain decode drops them
-            tok.add_tokens(list(specials), special_tokens=True)
-        tok.chat_template = template
-        script = Script(chat_prompt_ids(tok), reply, loop=name == PONDERER)
-        built[name] = build_scripted_model(root / name, [script], tok, specials=specials)
-    return built
+    # (special markers: a tokenizer that marks them special makes a plain decode drop them; in
+    # OPENER's so that "</think>" ends unlike the prompt's "<think>")
+    markers = ("<think>", "</think>")
+    return build_templated_models(tmp_path_factory.mktemp("reasoning"), demo_tokenizer, [
+        (THINKER, THINK_TEMPLATE, THINKING_REPLY, ()), (OPENER, OPEN_TEMPLATE, OPEN_REPLY, markers),
+        (TOOL_THINKER, THINK_TEMPLATE, TOOL_REPLY, markers), (SPECIAL_THINKER, THINK_TEMPLATE, THINKING_REPLY, markers),
+        (HISTORY, HISTORY_TEMPLATE, ANSWER, ()), (PONDERER, OPEN_TEMPLATE, PONDERING, markers),
+    ], loop=frozenset({PONDERER}))
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +178,9 @@ def test_the_parser_is_detected_from_the_template(models):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(models[THINKER].path))
-    spelled = {"start_token_ids": tuple(tok.encode("<think>", add_special_tokens=False)),
-               "end_token_ids": tuple(tok.encode("</think>", add_special_tokens=False))}
-    assert len(spelled["end_token_ids"]) > 1  # (spelled in ordinary tokens: a budget forces them one by one)
-    plain = ReasoningFormat(**spelled)
-    assert reasoning_format("auto", tok) == plain
+    plain = ReasoningFormat()  # (markers spelled in ordinary tokens: no token ids, no budget kept)
+    assert len(tok.encode("</think>", add_special_tokens=False)) > 1
+    assert reasoning_format("auto", tok) == plain and not plain.budget_kept
     assert reasoning_format("none", tok) is None
     tok.chat_template = CHAT_TEMPLATE  # writes no think marker
     assert reasoning_format("auto", tok) is None
@@ -214,7 +201,7 @@ def test_the_parser_is_detected_from_the_template(models):
     ids = tuple(special.convert_tokens_to_ids(m) for m in ("<think>", "</think>"))
     fmt = reasoning_format("auto", special)
     assert fmt.keep_token_ids == ids and (fmt.start, fmt.end) == ("<think>", "</think>")
-    assert (fmt.start_token_ids, fmt.end_token_ids) == ((ids[0],), (ids[1],))
+    assert (fmt.start_token_ids, fmt.end_token_ids) == ((ids[0],), (ids[1],)) and fmt.budget_kept
     assert (fmt.answer_start, fmt.answer_end) == ("\ufdd0<think>\ufdd1", "\ufdd0</think>\ufdd1")
 
 
@@ -363,7 +350,9 @@ def test_anthropic_thinking_blocks(clients, model, thought, answer):
     assert done.content[0].signature  # the SDK needs one to send the block back
     with claude.messages.stream(model=model, max_tokens=64, messages=USER) as stream:
         streamed = stream.get_final_message()
-    assert streamed.model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+    # (usage aside: the second reads the first's prompt from the cache)
+    assert streamed.model_dump(exclude={"id", "usage"}) == done.model_dump(exclude={"id", "usage"})
+    assert streamed.usage.output_tokens == done.usage.output_tokens
 
 
 def test_anthropic_stream_events_follow_anthropics_order(server):
@@ -445,15 +434,23 @@ def test_anthropic_omitted_thinking_sent_back_gives_the_model_its_reasoning(serv
         assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
 
 
-def test_a_forced_call_turns_reasoning_off(clients):
-    """tool_choice any starts the answer with the call: there is no think block to look for."""
-    claude, openai_client = clients
-    done = claude.messages.create(model=TOOL_THINKER, max_tokens=32, messages=USER, tools=[WEATHER],
-                                  tool_choice={"type": "any"})
-    assert "thinking" not in [b.type for b in done.content]
-    message = openai_client.chat.completions.create(model=TOOL_THINKER, messages=USER, max_tokens=32,
-                                                    tools=[OPENAI_WEATHER], tool_choice="required").choices[0].message
-    assert "reasoning_content" not in (message.model_extra or {})
+def test_a_forced_call_turns_reasoning_off(server, clients, monkeypatch):
+    """tool_choice required starts the answer with the call: there is no think block to look for,
+    or to cap (the budget of a request whose answer thinks first reaches the engine)."""
+    _, engines = server
+    _, openai_client = clients
+    asked = record_requests(engines[TOOL_THINKER], monkeypatch)
+    for choice in ("auto", "required"):
+        openai_client.chat.completions.create(model=TOOL_THINKER, messages=USER, max_tokens=32, tools=[OPENAI_WEATHER],
+                                              tool_choice=choice, extra_body={"thinking_token_budget": 5})
+    assert asked[0].params.thinking_budget.budget == 5 and asked[1].params.thinking_budget is None
+    from tierlm.serving.generation import chat_prompt
+
+    fmt = reasoning_format("auto", engines[TOOL_THINKER].tokenizer)
+    tools = [OPENAI_WEATHER]
+    prompts = [asyncio.run(chat_prompt(engines[TOOL_THINKER], TOOL_THINKER, USER, tools=tools, reasoning=fmt,
+                                       call_required_by=required)) for required in (None, "required")]
+    assert prompts[0].reasoning == fmt and prompts[1].reasoning is None and prompts[1].forced_prefix
 
 
 def test_a_thinking_budget_ends_the_think_block(clients, server, monkeypatch):
@@ -473,25 +470,36 @@ def test_a_thinking_budget_ends_the_think_block(clients, server, monkeypatch):
     streamed = openai_stream(openai_client, model=PONDERER, messages=USER, max_tokens=12,
                              extra_body={"thinking_token_budget": 6})
     assert streamed[:4] == (thought, "", [], "stop")
-    # Anthropic's budget_tokens is the same cap (the engine request carries it)
-    asked = record_requests(engines[THINKER], monkeypatch)
+    # Anthropic's budget_tokens is the same cap (the engine request carries it), where the
+    # markers are tokens of their own: THINKER spells them in ordinary tokens, so it has none
     beta = {"anthropic-beta": "interleaved-thinking-2025-05-14"}
-    claude.messages.create(model=THINKER, max_tokens=64, messages=USER, extra_headers=beta,
-                           thinking={"type": "enabled", "budget_tokens": 1500})
-    claude.messages.create(model=THINKER, max_tokens=64, messages=USER, thinking={"type": "adaptive"})
-    tokenizer = engines[THINKER].tokenizer
-    limit = asked[0].params.thinking_budget
-    assert (limit.budget, limit.starts_inside) == (1500, False)
-    assert tokenizer.decode(list(limit.end_token_ids)) == "</think>"
-    assert tokenizer.decode(list(limit.start_token_ids)) == "<think>"
-    assert asked[1].params.thinking_budget is None
+    enabled = {"type": "enabled", "budget_tokens": 1500}
+    for model, kept in ((SPECIAL_THINKER, True), (THINKER, False)):
+        asked = record_requests(engines[model], monkeypatch)
+        claude.messages.create(model=model, max_tokens=64, messages=USER, extra_headers=beta, thinking=enabled)
+        claude.messages.create(model=model, max_tokens=64, messages=USER, thinking={"type": "adaptive"})
+        assert asked[1].params.thinking_budget is None
+        limit = asked[0].params.thinking_budget
+        if not kept:
+            assert limit is None
+            continue
+        tokenizer = engines[model].tokenizer
+        assert (limit.budget, limit.starts_inside) == (1500, False)
+        assert tokenizer.convert_ids_to_tokens(list(limit.end_token_ids + limit.start_token_ids)) == [
+            "</think>", "<think>"]
 
 
-def test_a_thinking_budget_for_a_model_without_think_markers_is_refused(openai_client):
+def test_a_thinking_budget_for_a_model_without_think_markers_is_refused(openai_client, clients):
+    # markers spelled in ordinary tokens: a budget could miss the model's own </think> and force
+    # one into its answer
+    _, reasoning_client = clients
+    with pytest.raises(openai.BadRequestError, match="has no think markers tierlm can follow"):
+        reasoning_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=4,
+                                                 extra_body={"thinking_token_budget": 10})
     r = openai_client.post("/v1/chat/completions", json={"model": "scripted", "messages": USER, "max_tokens": 4,
                                                          "thinking_token_budget": 10})
     assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
-    assert "has no think markers" in r.json()["error"]["message"]
+    assert "has no think markers tierlm can follow" in r.json()["error"]["message"]
     r = openai_client.post("/v1/chat/completions", json={"model": "scripted", "messages": USER, "max_tokens": 4,
                                                          "thinking_token_budget": -1})
     assert r.status_code == 400 and "thinking_token_budget" in r.text

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from tests.serving.harness import API_KEY, ServerThread, sdk_clients
-from tests.serving.scripted_model import Script, build_scripted_model, chat_prompt_ids
+from tests.serving.scripted_model import Script, build_scripted_model, build_templated_models, chat_prompt_ids
 from tests.serving.test_anthropic_fidelity import MISTRAL_TEMPLATE
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
@@ -52,20 +52,11 @@ def openai_tool(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server(demo_tokenizer, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("tool-parsers")
-    demo_tokenizer.save_pretrained(str(root / "tokenizer"))
-    engines = {}
-    for name, template, reply, specials in [
+    models = build_templated_models(tmp_path_factory.mktemp("tool-parsers"), demo_tokenizer, [
         (LLAMA_MODEL, LLAMA_TEMPLATE, LLAMA_REPLY, SPECIALS), (MISTRAL_MODEL, MISTRAL_TEMPLATE, MISTRAL_REPLY, SPECIALS),
         (PROSE_MODEL, MISTRAL_TEMPLATE, USAGE + "[TOOL_CALLS]" + USAGE_CALL, ("[TOOL_CALLS]",)),
-    ]:
-        tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        tok.add_tokens(list(SPECIALS), special_tokens=True)
-        tok.chat_template = template
-        model = build_scripted_model(root / name, [Script(chat_prompt_ids(tok), reply)], tok, specials=specials)
-        engines[name] = model.engine(name)
+    ], added=SPECIALS)
+    engines = {name: model.engine(name) for name, model in models.items()}
     server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
     yield server
     server.stop()

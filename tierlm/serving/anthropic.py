@@ -63,7 +63,7 @@ from tierlm.serving.protocol_anthropic import (
     ToolUseContent,
     Usage,
 )
-from tierlm.serving.reasoning import ReasoningFormat
+from tierlm.serving.reasoning import ReasoningFormat, both_names
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
@@ -390,7 +390,7 @@ def _assistant_turn(turn: _Turn, final: bool, last_index: int) -> dict[str, Any]
     message: dict[str, Any] = {"role": "assistant", "content": _join_text(turn.blocks)}
     thinking = [text for b in turn.blocks if isinstance(b, ThinkingBlock) and (text := _thinking_text(b))]
     if thinking:  # (under both names vLLM gives it: templates read one or the other)
-        message["reasoning_content"] = message["reasoning"] = "\n".join(thinking)
+        message.update(both_names("\n".join(thinking)))
     calls = [
         {"id": toolcalls.template_tool_call_id(b.id), "type": "function",
          "function": {"name": b.name, "arguments": b.input}}

@@ -37,7 +37,7 @@ from tierlm.serving.errors import (
     Overloaded,
     from_engine_error,
 )
-from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
+from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter
 from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
@@ -93,9 +93,9 @@ class ChatPrompt:
 
     def thinking_budget(self, budget: int | None) -> ThinkingBudget | None:
         """`budget` tokens for this answer's think block, as the engine keeps it (None: no
-        budget, no block to cap, or markers the tokenizer cannot spell back)."""
+        budget, no block to cap, or markers that are not tokens of their own)."""
         fmt = self.reasoning
-        if budget is None or fmt is None or not fmt.end_token_ids:
+        if budget is None or fmt is None or not fmt.budget_kept:
             return None
         return ThinkingBudget(budget, fmt.end_token_ids, fmt.start_token_ids, starts_inside=self.opens_in_reasoning)
 
@@ -109,8 +109,8 @@ class ChatPrompt:
         after the reasoning, only where the template's syntax is known (and, in a syntax without
         an end marker, where the model ended the answer)."""
         reasoning, text = "", result.text
-        if self.reasoning is not None:
-            reasoning, text = split_reasoning(text, self.reasoning, self.opens_in_reasoning, self.continues_reasoning)
+        if (splitter := self.reasoning_splitter()) is not None:
+            reasoning, text = splitter.split(text)
         if not self.parse_tools:
             return Answer(reasoning, text, [])
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,

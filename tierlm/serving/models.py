@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.errors import NotFound
-from tierlm.serving.reasoning import PARSERS as REASONING_PARSERS
 from tierlm.serving.reasoning import ReasoningFormat, reasoning_format
+from tierlm.serving.reasoning import check_parser as check_reasoning_parser
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -29,9 +29,7 @@ class ModelRegistry:
         if tool_call_parser != "auto" and tool_call_parser not in toolcalls.PARSERS:
             raise ValueError(f"unknown tool-call parser '{tool_call_parser}'; use auto or one of "
                              f"{', '.join(toolcalls.PARSERS)}")
-        if reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser '{reasoning_parser}'; use one of "
-                             f"{', '.join(REASONING_PARSERS)}")
+        check_reasoning_parser(reasoning_parser)
         self._engines = dict(engines)
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser

@@ -58,7 +58,7 @@ from tierlm.serving.protocol_openai import (
     ResponseToolCall,
     Usage,
 )
-from tierlm.serving.reasoning import ReasoningFormat
+from tierlm.serving.reasoning import ReasoningFormat, both_names
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
@@ -105,10 +105,11 @@ async def chat_completions(request: Request) -> Response:
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
     reasoning = state.models.reasoning(body.model)
-    if body.thinking_token_budget is not None and (reasoning is None or not reasoning.end_token_ids):
+    if body.thinking_token_budget is not None and (reasoning is None or not reasoning.budget_kept):
         raise InvalidRequest(
-            f"thinking_token_budget: model '{body.model}' has no think markers tierlm can end (its chat template "
-            "writes no <think>, --reasoning-parser none, or its tokenizer cannot spell </think>); remove the field",
+            f"thinking_token_budget: model '{body.model}' has no think markers tierlm can follow (its chat template "
+            "writes no <think>, --reasoning-parser none, or its tokenizer has no <think> and </think> tokens of "
+            "their own); remove the field",
             param="thinking_token_budget")
     prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning)
     if prompt.reasoning is not None:
@@ -333,8 +334,8 @@ def _template_message(message: ChatMessage, index: int, model: str) -> dict[str,
     if message.name:
         out["name"] = message.name
     reasoning = message.reasoning_content or message.reasoning
-    if reasoning and message.role == "assistant":  # (under both names: templates read one or the other)
-        out["reasoning_content"] = out["reasoning"] = reasoning
+    if reasoning and message.role == "assistant":
+        out.update(both_names(reasoning))
     return out
 
 
@@ -496,7 +497,7 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
 def reasoning_fields(reasoning: str, prompt: ChatPrompt) -> dict[str, str]:
     """A message's or delta's reasoning under both of vLLM's names; none when there is none
     (or the request's include_reasoning is false)."""
-    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning and prompt.show_reasoning else {}
+    return both_names(reasoning) if reasoning and prompt.show_reasoning else {}
 
 
 def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolCall]:

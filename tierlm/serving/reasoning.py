@@ -31,6 +31,17 @@ THINK_END = "</think>"
 PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")
 
 
+def check_parser(parser: str) -> None:
+    if parser not in PARSERS:
+        raise ValueError(f"unknown reasoning parser '{parser}'; use one of {', '.join(PARSERS)}")
+
+
+def both_names(reasoning: str) -> dict[str, str]:
+    """Reasoning under the two names vLLM uses (`reasoning_content`, and `reasoning` since it was
+    renamed): templates read one or the other, clients of either vintage look for theirs."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
 @dataclass(frozen=True)
 class ReasoningFormat:
     """A served model's think markers: as its chat template writes them (`start`, `end`), and
@@ -47,8 +58,10 @@ class ReasoningFormat:
     # vLLM's deepseek_r1: every answer starts inside the block (R1 templates that do not write
     # the `<think>` the model no longer writes either)
     always_opens: bool = False
-    # The markers as the tokenizer spells them, to force the end when a thinking budget is
-    # spent (empty where its tokens do not decode back to the marker: no budget can be kept)
+    # The markers' tokens, for a thinking budget to follow the block and force its end: only
+    # where each marker is one token of its own (Qwen3's, R1's, SmolLM3's). Spelled in several
+    # ordinary tokens, a marker the model wrote another way would go unseen, and the budget would
+    # force `</think>` into the answer: no budget is kept then.
     start_token_ids: tuple[int, ...] = ()
     end_token_ids: tuple[int, ...] = ()
 
@@ -64,15 +77,20 @@ class ReasoningFormat:
             return False
         if not prompt_text[at + len(self.start):].strip():
             return True
-        return prefill is not None and prefill.rfind(self.start) > prefill.rfind(self.end)
+        return self._open_in(prefill)
 
     def continues_reasoning(self, prefill: str | None) -> bool:
         """Whether an assistant `prefill` ends inside a think block it has begun writing: the
         answer then continues that reasoning as written (its first blank space is the model's)."""
-        if prefill is None:
-            return False
-        at = prefill.rfind(self.start)
-        return at > prefill.rfind(self.end) and bool(prefill[at + len(self.start):].strip())
+        return self._open_in(prefill) and bool(prefill[prefill.rfind(self.start) + len(self.start):].strip())
+
+    def _open_in(self, prefill: str | None) -> bool:
+        return prefill is not None and prefill.rfind(self.start) > prefill.rfind(self.end)
+
+    @property
+    def budget_kept(self) -> bool:
+        """Whether a thinking budget can be kept (both markers are tokens of their own)."""
+        return bool(self.start_token_ids and self.end_token_ids)
 
     def decoded(self, skip_special_tokens: bool) -> "ReasoningFormat":
         """The format for answers decoded this way: without skipping special tokens, a special
@@ -84,8 +102,7 @@ def reasoning_format(parser: str, tokenizer: Any) -> ReasoningFormat | None:
     """`parser` (one of PARSERS) for a model with this tokenizer; None: its answers are text.
     "auto" is "think" for a chat template that writes `<think>` or `</think>` (it shows the
     model think blocks, in its generation prompt or in past turns), "none" otherwise."""
-    if parser not in PARSERS:
-        raise ValueError(f"unknown reasoning parser '{parser}'; use one of {', '.join(PARSERS)}")
+    check_parser(parser)
     if parser == "none":
         return None
     if parser == "deepseek_r1":
@@ -103,18 +120,14 @@ def _think_format(tokenizer: Any) -> ReasoningFormat:
     def in_answer(marker: str) -> str:
         return KEPT_OPEN + marker + KEPT_CLOSE if marker in kept else marker
     return ReasoningFormat(keep_token_ids=tuple(kept.values()), answer_start=in_answer(THINK_START),
-                           answer_end=in_answer(THINK_END), start_token_ids=_spelled(tokenizer, THINK_START),
-                           end_token_ids=_spelled(tokenizer, THINK_END))
+                           answer_end=in_answer(THINK_END), start_token_ids=_one_token(tokenizer, THINK_START),
+                           end_token_ids=_one_token(tokenizer, THINK_END))
 
 
-def _spelled(tokenizer: Any, marker: str) -> tuple[int, ...]:
-    """`marker`'s token ids, if they decode back to it (a SentencePiece tokenizer may add a space)."""
-    try:
-        ids = tuple(int(t) for t in tokenizer.encode(marker, add_special_tokens=False))
-        back = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    except Exception:  # a tokenizer without encode/decode (a test stub): no budget
-        return ()
-    return ids if ids and back == marker else ()
+def _one_token(tokenizer: Any, marker: str) -> tuple[int, ...]:
+    """(`marker`'s token id,) where the tokenizer has it as one token of its own, else ()."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    return (int(ids[0]),) if len(ids) == 1 else ()
 
 
 def _template_text(tokenizer: Any) -> str:
@@ -150,6 +163,12 @@ class ReasoningSplitter:
 
     def finish(self) -> tuple[str, str]:
         return self._drain(final=True)
+
+    def split(self, text: str) -> tuple[str, str]:
+        """A whole answer (fed, then finished) as (reasoning, text)."""
+        r1, c1 = self.feed(text)
+        r2, c2 = self.finish()
+        return r1 + r2, c1 + c2
 
     def _drain(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []
@@ -255,7 +274,4 @@ def _without_kept_tokens(text: str) -> str:
 def split_reasoning(text: str, fmt: ReasoningFormat, in_reasoning: bool = False,
                     continuing: bool = False) -> tuple[str, str]:
     """A whole answer as (reasoning, text): the streamed split, in one go."""
-    splitter = ReasoningSplitter(fmt, in_reasoning, continuing)
-    r1, c1 = splitter.feed(text)
-    r2, c2 = splitter.finish()
-    return r1 + r2, c1 + c2
+    return ReasoningSplitter(fmt, in_reasoning, continuing).split(text)
