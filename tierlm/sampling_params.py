@@ -6,6 +6,7 @@ import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tierlm.errors import InvalidRequestError
 
@@ -32,12 +33,8 @@ MAX_ALLOWED_TOKEN_IDS = 262_144
 # the OpenAI routes' body fields. A refusal reads "'<field>' <why>; remove it". Each is accepted at
 # its neutral value (None unless listed in VLLM_NEUTRAL), as it changes nothing then.
 UNSUPPORTED_VLLM_FIELDS = {
-    "guided_json": "(guided decoding) is not supported by tierlm",
-    "guided_regex": "(guided decoding) is not supported by tierlm",
-    "guided_choice": "(guided decoding) is not supported by tierlm",
-    "guided_grammar": "(guided decoding) is not supported by tierlm",
-    "guided_decoding": "(guided decoding) is not supported by tierlm",
-    "structured_outputs": "(constrained decoding) is not supported by tierlm",
+    "guided_grammar": "(a grammar to follow) is not supported by tierlm: use structured outputs' json, regex or choice",
+    "guided_decoding": "(vLLM's older guided decoding) is not supported by tierlm: use structured_outputs",
     "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
     "use_beam_search": "(beam search) is not supported by tierlm",
     "spaces_between_special_tokens": "other than true (vLLM's default) is not supported by tierlm",
@@ -164,6 +161,38 @@ class BadWords:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the answer follows a JSON schema (`json`, a dict or its JSON
+    text), is any JSON object (`json_object`), matches a regular expression (`regex`) or is one
+    of some strings (`choice`). Exactly one is given. Decoding is constrained token by token
+    (engine/grammar.py): only tokens that keep the answer on the grammar can be sampled, and EOS
+    only once it is complete."""
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def problem(self) -> str | None:
+        """Why this is refused (before the grammar is compiled), or None."""
+        given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None] + \
+            (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            return f"must set exactly one of json, json_object, regex, choice (got {', '.join(given) or 'none'})"
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            return f"json must be a JSON schema (an object, or its JSON text) (got {type(self.json).__name__})"
+        if self.regex is not None and not isinstance(self.regex, str):
+            return "regex must be a string"
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            return "choice must be a non-empty list of non-empty strings"
+        return None
+
+
+@dataclass(frozen=True)
 class ThinkingBudget:
     """A cap on a reasoning model's think block (vLLM's thinking_token_budget, Anthropic's
     budget_tokens): once `budget` tokens are inside the block, the tokens of its end marker are
@@ -262,7 +291,8 @@ class SamplingParams:
     `allowed_token_ids`: only these tokens may be sampled; `bad_words`: these words may not be
     generated (see `BadWords`); both vLLM's, and logprobs stay the model's own distribution there too.
     `thinking_budget` caps a reasoning model's think block (see `ThinkingBudget`); the tokens it
-    forces keep the model's own logprobs.
+    forces keep the model's own logprobs. `structured_outputs` constrains the answer to a JSON
+    schema, a regular expression or a choice (see `StructuredOutputsParams`); logprobs stay the model's own.
     """
 
     n: int = 1
@@ -292,6 +322,7 @@ class SamplingParams:
     # (`[TOOL_CALLS]`) to find the calls, then takes them out of what the client sees.
     keep_special_token_ids: list[int] | None = None
     thinking_budget: ThinkingBudget | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -400,6 +431,11 @@ class SamplingParams:
                 bad("thinking_budget", f"must be a ThinkingBudget (got {self.thinking_budget!r})")
             if (problem := self.thinking_budget.problem()) is not None:
                 bad("thinking_budget", problem)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", f"must be a StructuredOutputsParams (got {self.structured_outputs!r})")
+            if (problem := self.structured_outputs.problem()) is not None:
+                bad("structured_outputs", problem)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 

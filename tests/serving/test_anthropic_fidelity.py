@@ -242,11 +242,14 @@ REFUSED = {
         conversation(USER, {"role": "assistant", "content": [{"type": "search_result", "source": "s", "title": "t",
                                                               "content": [{"type": "text", "text": "x"}]}]}, USER),
         "messages.1.content.0: ", "search_result blocks belong in user messages"),
-    # refused by /v1/messages, and so by count_tokens (which counted them)
-    "output_config.format": (conversation(USER, output_config={"format": {"type": "json_schema", "schema": {}}}),
-                             "output_config.format: ", "structured output"),
-    "output_format": (conversation(USER, output_format={"type": "json_schema", "schema": {}}),
-                      "output_format: ", "structured output"),
+    # refused by /v1/messages, and so by count_tokens
+    "a schema that cannot be followed": (
+        conversation(USER, output_config={"format": {"type": "json_schema", "schema": {"type": "objec"}}}),
+        "output_config.format: ", "this json cannot be followed: Invalid type: objec"),
+    "a format given twice": (
+        conversation(USER, output_format={"type": "json_schema", "schema": {}},
+                     output_config={"format": {"type": "json_schema", "schema": {}}}),
+        "output_format: ", "give the format once"),
     "container": (conversation(USER, container="container_011CZ"), "container: ", "no container"),
 }
 

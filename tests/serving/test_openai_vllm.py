@@ -119,11 +119,7 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scr
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[ab]"),
-    ("guided_choice", ["yes", "no"]),
     ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"choice": ["yes", "no"]}),
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("prompt_logprobs", 0),

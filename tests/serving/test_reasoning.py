@@ -505,6 +505,18 @@ def test_a_thinking_budget_for_a_model_without_think_markers_is_refused(openai_c
     assert r.status_code == 400 and "thinking_token_budget" in r.text
 
 
+def test_a_structured_answer_is_never_reasoning(clients):
+    """A structured answer follows its grammar from its first token: OPENER's prompt opens a think
+    block, so without its reasoning turned off the whole answer was reasoning and content empty."""
+    claude, openai_client = clients
+    message = openai_client.chat.completions.create(model=OPENER, messages=USER, max_tokens=8,
+                                                    extra_body={"guided_choice": ["yes", "no"]}).choices[0].message
+    assert message.content in ("yes", "no") and "reasoning_content" not in (message.model_extra or {})
+    done = claude.messages.create(model=OPENER, max_tokens=16, messages=USER,
+                                  output_config={"format": {"type": "json_schema", "schema": {"enum": [1, 2]}}})
+    assert [(b.type, b.text) for b in done.content] in ([("text", "1")], [("text", "2")])
+
+
 def test_reasoning_parser_none_leaves_the_answer_as_text(models):
     engine = models[THINKER].engine(THINKER)
     server = ServerThread(build_app({THINKER: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}),

@@ -128,9 +128,9 @@ def test_anthropic_errors_are_sdk_exceptions(claude, demo_server, model):
     assert "messages.0: all messages must have non-empty content" in info.value.message
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=model, max_tokens=10**7, messages=ok)
-    with pytest.raises(anthropic.BadRequestError, match="output_config.format: .*structured output"):
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format: this json cannot be followed"):
         claude.messages.create(model=model, max_tokens=4, messages=ok, output_config={
-            "format": {"type": "json_schema", "schema": {"type": "object", "properties": {}}}})
+            "format": {"type": "json_schema", "schema": {"type": "object", "properties": 5}}})
     with pytest.raises(anthropic.ContentTooLargeError):
         claude.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "x" * SMALL_BODY_LIMIT}])
     with pytest.raises(anthropic.NotFoundError):

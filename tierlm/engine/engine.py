@@ -26,6 +26,7 @@ from tierlm.engine.graphs import StepGraphsConfig
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
+from tierlm.engine.grammar import GrammarCompiler
 from tierlm.engine.sampler import Sampler, seeded_generator
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
@@ -303,6 +304,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.logprobs: dict[str, list[TokenLogprob]] = {}
@@ -421,12 +423,13 @@ class LLMEngine:
         bad_words = self.bad_words(params.bad_words) if params.bad_words else None
         if allowed is not None:
             self._check_something_allowed(allowed, bad_words, params)
+        grammar = self.grammars.follower(params.structured_outputs) if params.structured_outputs else None
         rid = request_id or uuid.uuid4().hex
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
                        tenant_id=tenant_id, cache_salt=cache_salt, arrival_seq=next(self._seq), generator=gen,
                        allowed_token_ids=allowed, bad_words=bad_words,
-                       thinking=ThinkingTracker(budget) if budget is not None else None)
+                       thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar)
 
     def _check_something_allowed(self, allowed: torch.Tensor, bad_words: BadWords | None,
                                  params: SamplingParams) -> None:

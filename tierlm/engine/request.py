@@ -7,9 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from tierlm.kv.block_pool import KVBlock
 from tierlm.kv.prefix_cache import BlockHash
 from tierlm.sampling_params import BadWords, SamplingParams, ThinkingTracker
+
+
+if TYPE_CHECKING:
+    from tierlm.engine.grammar import GrammarFollower
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +60,7 @@ class Request:
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     bad_words: BadWords | None = None
     thinking: ThinkingTracker | None = None  # params.thinking_budget, followed step by step
+    grammar: "GrammarFollower | None" = None  # params.structured_outputs, followed step by step
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

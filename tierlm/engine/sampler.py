@@ -145,6 +145,18 @@ def _hold_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     return logits
 
 
+def grammar_masks(reqs: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
+    """The rows under a grammar (structured output) and their masks of the tokens that keep the
+    answer on it (built on the host, one copy)."""
+    rows: list[int] = []
+    masks: list[torch.Tensor] = []
+    for i, r in enumerate(reqs):
+        if r.grammar is not None and (mask := r.grammar.allowed(r.output_token_ids)) is not None:
+            rows.append(i)
+            masks.append(mask)
+    return rows, torch.stack(masks) if masks else None
+
+
 def apply_forced_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Rows whose thinking budget is spent: the end marker's next token is the only one left
     (over every other mask: the budget ends the block whatever else the request asked)."""
@@ -211,6 +223,14 @@ class Sampler:
         # vLLM's default. (The masks and min_tokens' hold are -inf and the bias is added, so only
         # the penalties' place could change a result, and -inf stays -inf through them.)
         logits = logits.clone() if want_logprobs else logits
+        # Structured output: first, so that every other mask works inside the grammar; a row that
+        # the others would leave empty keeps to the grammar alone (the grammar always wins).
+        grammar_rows, grammar_masks_ = grammar_masks(reqs)
+        if grammar_masks_ is not None:
+            g_rows = torch.tensor(grammar_rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            g_banned = ~grammar_masks_.to(logits.device, non_blocking=True)
+            on_grammar = logits.index_select(0, g_rows).masked_fill_(g_banned, float("-inf"))
+            logits.index_copy_(0, g_rows, on_grammar)
         logits = apply_allowed_tokens(logits, reqs)
         # Rows whose allowed set bad words or min_tokens' hold may empty at some step ("dd" a bad
         # word and only "d" allowed, after one "d"): kept as allowed, to fall back to.
@@ -230,6 +250,10 @@ class Sampler:
             rows = logits.index_select(0, guard_rows)
             empty = torch.isneginf(rows).all(dim=1, keepdim=True)
             logits.index_copy_(0, guard_rows, torch.where(empty, allowed_only, rows))
+        if grammar_masks_ is not None:
+            rows = logits.index_select(0, g_rows)
+            empty = torch.isneginf(rows).all(dim=1, keepdim=True)
+            logits.index_copy_(0, g_rows, torch.where(empty, on_grammar, rows))
         logits = apply_forced_tokens(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(drawn) == len(reqs):

@@ -39,6 +39,7 @@ from tierlm.serving.generation import (
     Generation,
     StreamedAnswer,
     chat_prompt,
+    check_structured,
     output_budget,
     sampling_params,
     top_k_limit,
@@ -63,6 +64,7 @@ from tierlm.serving.protocol_anthropic import (
     ToolUseContent,
     Usage,
 )
+from tierlm.sampling_params import StructuredOutputsParams
 from tierlm.serving.reasoning import ReasoningFormat, both_names
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
@@ -86,8 +88,13 @@ async def create_message(request: Request) -> Response:
     interleaved = "interleaved-thinking" in ",".join(request.headers.getlist("anthropic-beta"))
     if not interleaved and (problem := body.thinking_problem()) is not None:
         raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
+    structured = await checked_format(engine, body)
+    if structured is not None and body.tools and body.tool_choice is not None and body.tool_choice.type in ("any", "tool"):
+        raise InvalidRequest("tool_choice: a required tool call cannot follow output_config.format as well; use "
+                             "tool_choice 'auto', or drop the format", param="tool_choice")
+    # A structured reply follows its schema from the first token: there is no think block
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model),
-                                reasoning=state.models.reasoning(body.model))
+                                reasoning=state.models.reasoning(body.model) if structured is None else None)
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     # max_tokens 0 pre-warms the cache: the engine runs one token (it cannot prefill alone), so
     # the prompt's blocks are cached, and the token is never shown (see warmed_response).
@@ -107,6 +114,7 @@ async def create_message(request: Request) -> Response:
         stop=body.stop_sequences,
         keep_special_token_ids=prompt.keep_special_token_ids,
         thinking_budget=prompt.thinking_budget(body.thinking_budget_tokens),
+        structured_outputs=structured,
     )
     stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)
@@ -131,12 +139,22 @@ async def count_tokens(request: Request) -> Response:
     state.admit(request)
     body = await state.parse(request, CountTokensRequest, counting=True)
     engine = state.models.get(body.model)
+    await checked_format(engine, body)  # (refused here as by /v1/messages; it adds nothing to the prompt)
     # Counted whatever the length: the count is the answer, even past the model's context.
     prompt = await build_prompt(engine, body, check_length=False, tool_calls=state.models.tool_calls(body.model))
     return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())
 
 
 # ---- request → prompt ------------------------------------------------------------------
+
+
+async def checked_format(engine: "AsyncEngine", body: ConversationBody) -> StructuredOutputsParams | None:
+    """The reply's JSON schema (output_config.format, or the beta's output_format), once the
+    engine has found it followable; a 400 naming the field otherwise."""
+    structured = body.structured()
+    where = "output_config.format" if body.output_config is not None and body.output_config.format else "output_format"
+    await check_structured(engine, structured, where)
+    return structured
 
 
 async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True,

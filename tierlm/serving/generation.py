@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
-from tierlm.sampling_params import SamplingParams, ThinkingBudget
+from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkingBudget
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import (
@@ -361,6 +361,18 @@ def refuse_too_long_to_count(engine: "AsyncEngine", model: str, text: str, field
             "than the context holds; send a shorter prompt",
             param=field,
         )
+
+
+async def check_structured(engine: "AsyncEngine", spec: StructuredOutputsParams | None, field: str) -> None:
+    """A 400 naming `field` if the engine cannot follow this structured output (a schema or regex
+    llguidance refuses), found on a worker thread before the request runs: the first one also
+    converts the tokenizer for llguidance (about a second for a 150k vocabulary)."""
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(engine.engine.grammars.follower, spec)
+    except TierlmError as exc:
+        raise InvalidRequest(f"{field}: {str(exc).removeprefix('structured_outputs: ')}", param=field) from None
 
 
 def output_budget(

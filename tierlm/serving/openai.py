@@ -35,6 +35,7 @@ from tierlm.serving.generation import (
     Generation,
     StreamedAnswer,
     chat_prompt,
+    check_structured,
     encode_prompt_text,
     output_budget,
     refuse_certainly_too_long,
@@ -104,13 +105,20 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
-    reasoning = state.models.reasoning(body.model)
+    structured = body.structured()
+    forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
+    if structured is not None and forced and body.tools:
+        raise InvalidRequest("tool_choice: a required tool call cannot follow a structured output as well; use "
+                             "tool_choice 'auto', or drop the structured output", param="tool_choice")
+    # A structured answer follows its grammar from the first token: there is no think block
+    reasoning = state.models.reasoning(body.model) if structured is None else None
     if body.thinking_token_budget is not None and (reasoning is None or not reasoning.budget_kept):
         raise InvalidRequest(
             f"thinking_token_budget: model '{body.model}' has no think markers tierlm can follow (its chat template "
             "writes no <think>, --reasoning-parser none, or its tokenizer has no <think> and </think> tokens of "
             "their own); remove the field",
             param="thinking_token_budget")
+    await check_structured(engine, structured, body.constraints()[0][0] if structured else "")
     prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning)
     if prompt.reasoning is not None:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
@@ -121,7 +129,8 @@ async def chat_completions(request: Request) -> Response:
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
                              keep_special_token_ids=prompt.keep_special_token_ids,
-                             thinking_budget=prompt.thinking_budget(body.thinking_token_budget))
+                             thinking_budget=prompt.thinking_budget(body.thinking_token_budget),
+                             structured_outputs=structured)
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
@@ -143,12 +152,14 @@ async def completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
+    structured = body.structured()
+    await check_structured(engine, structured, body.constraints()[0][0] if structured else "")
     prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens,
                             body.max_tokens)
     if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
         await asyncio.to_thread(vocabulary, engine.tokenizer)
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
-    params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs))
+    params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs), structured_outputs=structured)
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)

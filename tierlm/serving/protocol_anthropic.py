@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from tierlm.sampling_params import stop_strings_problem
+from tierlm.sampling_params import StructuredOutputsParams, stop_strings_problem
 from tierlm.serving.errors import InvalidRequest
 from tierlm.serving.protocol_openai import refused_unless_null, template_kwargs_refused, template_variables
 
@@ -292,15 +292,16 @@ class Metadata(_Body):
     user_id: str | None = None
 
 
-_no_output_schema = refused_unless_null("structured output (a JSON schema the reply must follow) is not supported "
-                                        "by tierlm; remove it and ask for JSON in the prompt")
+class OutputFormat(_Body):
+    """Structured output: the reply's text is JSON following `schema` (engine/grammar.py)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
 
 
 class OutputConfig(_Body):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted; a hint tierlm ignores
-    format: Any = None
-
-    _no_format = field_validator("format")(_no_output_schema)
+    format: OutputFormat | None = None
 
 
 THINKING_MIN_BUDGET = 1024  # Anthropic's floor for budget_tokens
@@ -354,16 +355,13 @@ class ConversationBody(_Body):
     # MCP connector (beta): tierlm connects to no MCP servers, and ignoring the field left the
     # client waiting for tools that never came
     mcp_servers: Any = None
-    # Structured output (the SDK's `output_config={"format": ...}`, and the beta's `output_format`)
-    # is refused, as OpenAI's response_format JSON modes are: ignored, the client got free text
-    # it took for schema-conforming JSON. Here, not on MessagesRequest alone, so that
-    # count_tokens refuses what /v1/messages refuses.
+    # Structured output (the SDK's `output_config={"format": ...}`, and the beta's `output_format`):
+    # here, not on MessagesRequest alone, so that count_tokens takes (and checks) what
+    # /v1/messages takes. It adds nothing to the prompt: the count is the same without it.
     output_config: OutputConfig | None = None
-    output_format: Any = None
+    output_format: OutputFormat | None = None
     # code execution's container (an id or settings): tierlm has no code execution to run in one
     container: Any = None
-
-    _no_output_format = field_validator("output_format")(_no_output_schema)
 
     _no_container = field_validator("container")(refused_unless_null(
         "tierlm runs no code execution, so there is no container to use; remove 'container'"))
@@ -392,6 +390,15 @@ class ConversationBody(_Body):
         change the text, but `documents`, as on the OpenAI route)."""
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
         return {**kwargs, **template_variables(self.chat_template_kwargs or {})} or None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The JSON schema the reply must follow, or None; a 400 if both fields give one."""
+        configured = self.output_config.format if self.output_config is not None else None
+        if configured is not None and self.output_format is not None:
+            raise InvalidRequest("output_format: give the format once, in output_config.format (output_format is "
+                                 "the older beta's name for it)", param="output_format")
+        chosen = configured or self.output_format
+        return StructuredOutputsParams(json=chosen.schema_) if chosen is not None else None
 
     @property
     def thinking_budget_tokens(self) -> int | None:

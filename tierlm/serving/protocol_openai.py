@@ -16,8 +16,10 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, allowed_token_ids_problem, bad_words_problem,
-                                    stop_strings_problem, truncate_prompt_tokens_problem, unsupported_vllm_field)
+from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, StructuredOutputsParams,
+                                    allowed_token_ids_problem, bad_words_problem, stop_strings_problem,
+                                    truncate_prompt_tokens_problem, unsupported_vllm_field)
+from tierlm.serving.errors import InvalidRequest
 
 
 class _Body(BaseModel):
@@ -209,8 +211,52 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(default="response", max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # tierlm follows the schema either way
+    description: str | None = None
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"]
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema, the JSON schema to follow")
+        return self
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema" and self.json_schema is not None:
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` body field (its StructuredOutputsParams' json, regex, choice
+    and json_object; a grammar is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: Any = None
+
+    _no_grammar = field_validator("grammar")(refused_unless_null(
+        "(a grammar to follow) is not supported by tierlm; use json, regex or choice"))
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex,
+                                       choice=tuple(self.choice) if self.choice is not None else None,
+                                       json_object=bool(self.json_object))
 
 
 MAX_STOP_TOKEN_IDS = 256
@@ -218,8 +264,7 @@ MAX_N = 128  # choices per request (`n`), OpenAI's bound
 
 # vLLM's body fields tierlm cannot honour: refused by name unless neutral (null, or vLLM's
 # default), with the Python API's words (sampling_params.UNSUPPORTED_VLLM_FIELDS).
-_REFUSED_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                        "prompt_logprobs", "use_beam_search", "spaces_between_special_tokens")
+_REFUSED_VLLM_FIELDS = ("guided_grammar", "prompt_logprobs", "use_beam_search", "spaces_between_special_tokens")
 
 
 # OpenAI's chat fields tierlm cannot honour, which would change the answer's meaning if ignored
@@ -264,12 +309,13 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's structured outputs (engine/grammar.py): at most one of these
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     # vLLM's fields that would change the answer's meaning if ignored: refused unless null.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
     prompt_logprobs: Any = None
     spaces_between_special_tokens: bool = True
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
@@ -369,6 +415,30 @@ class _SamplingFields(_Body):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """The structured outputs this body asks for, with the field that asks (vLLM's)."""
+        found = []
+        if self.guided_json is not None:
+            found.append(("guided_json", StructuredOutputsParams(json=self.guided_json)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutputsParams(regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", StructuredOutputsParams(choice=tuple(self.guided_choice))))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.params()))
+        return found
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one structured output asked for, or a 400 naming the fields that ask for two."""
+        found = self.constraints()
+        if len(found) > 1:
+            names = " and ".join(name for name, _ in found)
+            raise InvalidRequest(f"{names}: ask for one structured output, not {len(found)}; keep one of them",
+                                 param=found[1][0])
+        if found and (problem := found[0][1].problem()) is not None:
+            raise InvalidRequest(f"{found[0][0]}: {problem}", param=found[0][0])
+        return found[0][1] if found else None
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
@@ -380,6 +450,12 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+
+    def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        found = super().constraints()
+        if self.response_format is not None and (params := self.response_format.params()) is not None:
+            found.insert(0, ("response_format", params))
+        return found
     # vLLM's: render the conversation without the assistant header, or continue its final
     # (assistant) message; both at once are refused, as vLLM does.
     add_generation_prompt: bool = True

@@ -1,0 +1,125 @@
+"""Structured outputs in the engine: every answer follows its JSON schema, regular expression
+or choice, whatever the (random-weight) model would have written, sampled or greedy, and ends
+only once complete; the logprobs reported stay the model's own."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+
+from tierlm import LLM, SamplingParams
+from tierlm.errors import InvalidRequestError
+from tierlm.sampling_params import StructuredOutputsParams, ThinkingBudget
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok", "tags", "name"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                         "name": {"type": "string", "maxLength": 6}}}
+
+
+def follows_schema(value) -> bool:
+    """SCHEMA, checked by hand (the reference for the grammar llguidance compiled)."""
+    return (isinstance(value, dict) and set(value) == {"n", "ok", "tags", "name"}
+            and type(value["n"]) is int and 0 <= value["n"] <= 99 and type(value["ok"]) is bool
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+            and isinstance(value["name"], str) and len(value["name"]) <= 6)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", kv_cache_memory=4 << 20, max_model_len=256, block_size=8,
+               load_progress=False)
+
+
+def answers(llm, spec: StructuredOutputsParams, temperature: float = 1.0, n: int = 4, **params):
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=120, temperature=temperature, seed=7, n=n,
+                                                structured_outputs=spec, **params))
+    return [c for o in outs for c in o.outputs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1.5])
+def test_every_answer_follows_the_schema_and_ends_complete(llm, temperature):
+    got = answers(llm, StructuredOutputsParams(json=SCHEMA), temperature, n=1 if temperature == 0 else 4)
+    for out in got:
+        assert out.finish_reason == "stop", out.text
+        assert follows_schema(json.loads(out.text)), out.text
+        assert out.text == json.dumps(json.loads(out.text), ensure_ascii=False)  # compact, as json.dumps writes it
+
+
+def test_regex_choice_and_any_json_object(llm):
+    for out in answers(llm, StructuredOutputsParams(regex=r"[A-Z][a-z]{1,4}-[0-9]{2}")):
+        assert re.fullmatch(r"[A-Z][a-z]{1,4}-[0-9]{2}", out.text) and out.finish_reason == "stop", out.text
+    choices = {"red", "green", "a blue one"}
+    assert {out.text for out in answers(llm, StructuredOutputsParams(choice=sorted(choices)))} <= choices
+    for out in answers(llm, StructuredOutputsParams(json_object=True)):  # (random models write long ones)
+        assert isinstance(json.loads(out.text), dict) if out.finish_reason == "stop" else out.text.startswith("{")
+
+
+def test_a_cut_off_answer_is_the_grammars_prefix(llm):
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=1.0, seed=1,
+                                                    structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    text = out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "length" and text.startswith('{"')
+
+
+def test_logprobs_stay_the_models_own_and_greedy_takes_the_best_allowed(llm):
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0].outputs[0]
+    spec = StructuredOutputsParams(choice=["x", "y"])
+    tok = llm.engine.tokenizer
+    ids = [tok.encode(c, add_special_tokens=False)[0] for c in ("x", "y")]
+    got = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, logprobs=5,
+                                                    structured_outputs=spec))[0].outputs[0]
+    assert got.logprobs[0].top == plain.logprobs[0].top  # the raw distribution's top 5
+    best = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, allowed_token_ids=ids))
+    assert got.token_ids[0] == best[0].outputs[0].token_ids[0]
+
+
+def test_other_masks_work_inside_the_grammar_and_never_leave_it(llm):
+    tok = llm.engine.tokenizer
+    digits = {d: tok.encode(d, add_special_tokens=False) for d in "0123456789"}
+    assert all(len(v) == 1 for v in digits.values())
+    spec = StructuredOutputsParams(regex="[0-9]{3}")
+    for out in answers(llm, spec, bad_words=["7"]):
+        assert re.fullmatch("[0-689]{3}", out.text), out.text
+    # allowed_token_ids that leave the grammar nothing: the grammar wins
+    letters = tok.encode("abc", add_special_tokens=False)
+    for out in answers(llm, spec, allowed_token_ids=letters):
+        assert re.fullmatch("[0-9]{3}", out.text), out.text
+
+
+def test_a_token_forced_off_the_grammar_drops_the_constraint_with_a_warning(llm, caplog):
+    tok = llm.engine.tokenizer
+    letter = tok.encode("q", add_special_tokens=False)
+    budget = ThinkingBudget(0, tuple(letter), starts_inside=True)  # forces "q" first
+    with caplog.at_level(logging.WARNING, logger="tierlm.engine"):
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=5, temperature=0, thinking_budget=budget,
+                                                        structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    assert out[0].outputs[0].text.startswith("q")
+    assert "no longer constrained" in caplog.text
+
+
+@pytest.mark.parametrize("spec, says", [
+    (StructuredOutputsParams(), "must set exactly one of json, json_object, regex, choice (got none)"),
+    (StructuredOutputsParams(regex="a", choice=("b",)), "(got regex, choice)"),
+    (StructuredOutputsParams(choice=()), "choice must be a non-empty list"),
+    (StructuredOutputsParams(json=5), "json must be a JSON schema"),
+])
+def test_a_malformed_spec_is_refused_by_name(spec, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+        SamplingParams(structured_outputs=spec)
+    assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("spec, says", [
+    (StructuredOutputsParams(json={"type": "objec"}), "this json cannot be followed: Invalid type: objec"),
+    (StructuredOutputsParams(json="{not json"), "the JSON schema is not JSON"),
+    (StructuredOutputsParams(regex="(a"), "this regex cannot be followed"),
+])
+def test_a_grammar_the_engine_cannot_follow_is_refused_before_it_runs(llm, spec, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert info.value.param == "structured_outputs"
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing half-ran
