@@ -123,3 +123,57 @@ def test_a_grammar_the_engine_cannot_follow_is_refused_before_it_runs(llm, spec,
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert info.value.param == "structured_outputs"
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing half-ran
+
+
+def test_the_tokenizer_is_converted_once_and_grammars_compiled_once(llm, monkeypatch):
+    """Concurrent first requests each converted the tokenizer (a second apiece for a big
+    vocabulary); every sample and every repeat of a schema compiled it again."""
+    import threading
+
+    import llguidance.hf
+
+    from tierlm.engine.grammar import GrammarCompiler
+
+    calls = {"convert": 0, "compile": 0}
+    convert, compile_schema = llguidance.hf.from_tokenizer, llguidance.LLMatcher.grammar_from_json_schema
+
+    def counted_convert(*args, **kwargs):
+        calls["convert"] += 1
+        return convert(*args, **kwargs)
+
+    def counted_compile(*args, **kwargs):
+        calls["compile"] += 1
+        return compile_schema(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", counted_convert)
+    monkeypatch.setattr(llguidance.LLMatcher, "grammar_from_json_schema", counted_compile)
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.args.vocab_size, engine.eos_token_ids)
+    spec = StructuredOutputsParams(json=SCHEMA)
+    threads = [threading.Thread(target=compiler.follower, args=(spec,)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls["convert"] == 1 and 1 <= calls["compile"] <= 6  # (threads may race to the first compile)
+    before = calls["compile"]
+    for _ in range(5):
+        compiler.follower(StructuredOutputsParams(json=dict(SCHEMA)))
+    assert calls["compile"] == before
+
+
+def test_a_tokenizer_llguidance_cannot_take_is_a_clear_refusal(llm):
+    from transformers import PreTrainedTokenizer
+
+    from tierlm.engine.grammar import GrammarCompiler
+
+    class Slow(PreTrainedTokenizer):  # a Python-only tokenizer: llguidance wants a fast one
+        vocab_size = 10
+
+        def get_vocab(self):
+            return {str(i): i for i in range(10)}
+
+    compiler = GrammarCompiler(Slow(), 10, frozenset({0}))
+    for _ in range(2):  # (the failure is kept, not tried again each request)
+        with pytest.raises(InvalidRequestError, match="this model's tokenizer cannot be used for structured outputs"):
+            compiler.follower(StructuredOutputsParams(regex="[0-9]"))

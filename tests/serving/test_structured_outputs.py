@@ -64,6 +64,7 @@ def test_openai_json_object_and_vllms_fields(clients, model, demo_server):
         ("guided_regex", "[0-9]{2}-[a-z]{2}", lambda t: re.fullmatch("[0-9]{2}-[a-z]{2}", t)),
         ("guided_json", SCHEMA, follows),
         ("structured_outputs", {"choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}, follows),
     ]:
         chat = oai.chat.completions.create(model=model, messages=USER, max_tokens=60, extra_body={field: value})
         assert check(chat.choices[0].message.content), (field, chat.choices[0].message.content)

@@ -9,17 +9,22 @@ there. Each token is fed to the matcher once (preemption only ever appends token
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierlm.errors import InvalidRequestError
 from tierlm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("tierlm.engine")
+_CACHED_GRAMMARS = 256  # compiled grammars kept per engine
 
 
 def _llguidance() -> Any:
@@ -58,31 +63,64 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
 
 
 class GrammarCompiler:
-    """An engine's tokenizer in llguidance's form (built on first use: a 150k-token vocabulary
-    takes about a second) and the grammars its requests ask for."""
+    """An engine's tokenizer in llguidance's form (built once, under a lock, on first use: a
+    150k-token vocabulary takes about a second) and the grammars its requests ask for, each
+    compiled and checked once (n samples, or a client repeating its schema, share it)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._hf = tokenizer
         self._tokenizer: Any = None
+        self._unusable: str | None = None  # why llguidance cannot take this tokenizer
+        self._lock = threading.Lock()
+        self._grammars: OrderedDict[str, str] = OrderedDict()
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def follower(self, spec: StructuredOutputsParams) -> "GrammarFollower":
-        """A new request's matcher, or InvalidRequestError naming what is wrong with `spec`."""
-        ll = _llguidance()
-        if self._tokenizer is None:
-            self._tokenizer = ll.hf.from_tokenizer(self._hf)
+    def _ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None and self._unusable is None:
+                try:
+                    self._tokenizer = _llguidance().hf.from_tokenizer(self._hf)
+                except InvalidRequestError:
+                    raise
+                except Exception as exc:  # a slow (Python) tokenizer, a vocabulary it cannot read
+                    self._unusable = _first_line(exc)
+            if self._unusable is not None:
+                raise InvalidRequestError(f"structured_outputs: this model's tokenizer cannot be used for structured "
+                                          f"outputs ({self._unusable}); serve it with a fast tokenizer "
+                                          "(tokenizer.json)", param="structured_outputs")
+            return self._tokenizer
+
+    def grammar(self, spec: StructuredOutputsParams) -> str:
+        """`spec` compiled and checked against the tokenizer (cached), or InvalidRequestError
+        naming what is wrong with it. Thread-safe: the server calls it on worker threads first."""
+        tokenizer = self._ll_tokenizer()
+        key = json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
+        with self._lock:
+            if key in self._grammars:
+                self._grammars.move_to_end(key)
+                return self._grammars[key]
         try:
             grammar = grammar_of(spec)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"structured_outputs: {_first_line(exc)}", param="structured_outputs") from None
-        problem = ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        problem = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:
             what = "json" if spec.json is not None or spec.json_object else "regex" if spec.regex else "choice"
             raise InvalidRequestError(f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}",
                                       param="structured_outputs")
-        return GrammarFollower(ll.LLMatcher(self._tokenizer, grammar), self.vocab_size, self.eos_token_ids,
-                               int(self._tokenizer.eos_token))
+        with self._lock:
+            self._grammars[key] = grammar
+            while len(self._grammars) > _CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def follower(self, spec: StructuredOutputsParams) -> "GrammarFollower":
+        """A new request's matcher (InvalidRequestError if `spec` cannot be followed)."""
+        grammar = self.grammar(spec)
+        tokenizer = self._ll_tokenizer()
+        return GrammarFollower(_llguidance().LLMatcher(tokenizer, grammar), self.vocab_size, self.eos_token_ids,
+                               int(tokenizer.eos_token), int(tokenizer.vocab_size))
 
 
 def _first_line(problem: Any) -> str:
@@ -91,21 +129,25 @@ def _first_line(problem: Any) -> str:
 
 
 class GrammarFollower:
-    """One request's place in its grammar, and the tokens it may sample next."""
+    """One request's place in its grammar, and the tokens it may sample next, as a bitmask (bit
+    t of word t // 32 set: token t may come next; 32 times smaller than a bool mask to build and
+    to copy to the device each step)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: frozenset[int], grammar_eos: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: frozenset[int], grammar_eos: int,
+                 grammar_vocab: int) -> None:
         self._matcher = matcher
-        self._vocab = vocab_size
         # The model's EOS tokens (chat models end on <|im_end|>, not the tokenizer's eos) all end
         # a complete answer, as the tokenizer's EOS does for the matcher.
         self._eos = sorted(t for t in eos_token_ids if 0 <= t < vocab_size)
         self._grammar_eos = grammar_eos
+        self._grammar_words = (grammar_vocab + 31) // 32  # what llguidance writes
+        self.words = max(self._grammar_words, (vocab_size + 31) // 32)
         self._seen = 0
         self.lost = False  # a token off the grammar came in (forced by a thinking budget): constraint dropped
 
-    def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None:
-        """A bool mask over the vocabulary (CPU) of the next tokens that stay on the grammar;
-        None once the constraint no longer holds."""
+    def fill(self, output_token_ids: list[int], row: torch.Tensor) -> bool:
+        """Write the next tokens that stay on the grammar into `row` (int32, CPU, contiguous, at
+        least `words` long, zeroed); False once the constraint no longer holds."""
         m = self._matcher
         for token in output_token_ids[self._seen:]:
             if not self.lost and not m.is_stopped():
@@ -116,16 +158,20 @@ class GrammarFollower:
                                    "no longer constrained", _first_line(m.get_error()))
         self._seen = len(output_token_ids)
         if self.lost:
-            return None
-        mask = torch.zeros(self._vocab, dtype=torch.bool)
-        if m.is_stopped():
-            mask[self._eos] = True
-            return mask
-        bias = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)
-        n = min(len(bias), self._vocab)
-        mask[:n] = bias[:n] > 0
-        if self._grammar_eos < self._vocab and self._grammar_eos not in self._eos:
-            mask[self._grammar_eos] = False  # (the tokenizer's EOS, which does not end this model's answers)
-        if m.is_accepting():
-            mask[self._eos] = True
-        return mask
+            return False
+        bits = row.numpy().view(np.uint32)
+        if not m.is_stopped():
+            m.unsafe_compute_mask_ptr(row.data_ptr(), self._grammar_words * 4)
+            if self._grammar_eos not in self._eos:  # (the tokenizer's EOS, which does not end this model's answers)
+                bits[self._grammar_eos >> 5] &= ~np.uint32(1 << (self._grammar_eos & 31))
+        if m.is_stopped() or m.is_accepting():
+            for t in self._eos:
+                bits[t >> 5] |= np.uint32(1 << (t & 31))
+        return True
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks (on the logits' device) as [rows, vocab_size] bools."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()

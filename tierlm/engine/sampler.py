@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tierlm.engine.grammar import unpack_bitmask
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.engine.request import Request
 from tierlm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -145,16 +146,20 @@ def _hold_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     return logits
 
 
-def grammar_masks(reqs: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
-    """The rows under a grammar (structured output) and their masks of the tokens that keep the
-    answer on it (built on the host, one copy)."""
-    rows: list[int] = []
-    masks: list[torch.Tensor] = []
-    for i, r in enumerate(reqs):
-        if r.grammar is not None and (mask := r.grammar.allowed(r.output_token_ids)) is not None:
-            rows.append(i)
-            masks.append(mask)
-    return rows, torch.stack(masks) if masks else None
+def grammar_masks(reqs: Sequence[Request], vocab_size: int,
+                  device: torch.device) -> tuple[list[int], torch.Tensor | None]:
+    """The rows under a grammar (structured output) and, on `device`, their masks of the tokens
+    that keep the answer on it: built on the host as bitmasks, copied in one piece, unpacked there."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.lost]
+    if not rows:
+        return [], None
+    bitmask = torch.zeros(len(rows), max(reqs[i].grammar.words for i in rows), dtype=torch.int32)
+    kept = [j for j, i in enumerate(rows) if reqs[i].grammar.fill(reqs[i].output_token_ids, bitmask[j])]
+    if not kept:
+        return [], None
+    if len(kept) < len(rows):
+        rows, bitmask = [rows[j] for j in kept], bitmask[kept]
+    return rows, unpack_bitmask(bitmask.to(device, non_blocking=True), vocab_size)
 
 
 def apply_forced_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -225,10 +230,10 @@ class Sampler:
         logits = logits.clone() if want_logprobs else logits
         # Structured output: first, so that every other mask works inside the grammar; a row that
         # the others would leave empty keeps to the grammar alone (the grammar always wins).
-        grammar_rows, grammar_masks_ = grammar_masks(reqs)
+        grammar_rows, grammar_masks_ = grammar_masks(reqs, logits.shape[1], logits.device)
         if grammar_masks_ is not None:
             g_rows = torch.tensor(grammar_rows, dtype=torch.long).to(logits.device, non_blocking=True)
-            g_banned = ~grammar_masks_.to(logits.device, non_blocking=True)
+            g_banned = ~grammar_masks_
             on_grammar = logits.index_select(0, g_rows).masked_fill_(g_banned, float("-inf"))
             logits.index_copy_(0, g_rows, on_grammar)
         logits = apply_allowed_tokens(logits, reqs)

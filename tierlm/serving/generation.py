@@ -365,12 +365,12 @@ def refuse_too_long_to_count(engine: "AsyncEngine", model: str, text: str, field
 
 async def check_structured(engine: "AsyncEngine", spec: StructuredOutputsParams | None, field: str) -> None:
     """A 400 naming `field` if the engine cannot follow this structured output (a schema or regex
-    llguidance refuses), found on a worker thread before the request runs: the first one also
-    converts the tokenizer for llguidance (about a second for a 150k vocabulary)."""
+    llguidance refuses, a tokenizer it cannot take), found on a worker thread before the request
+    runs; the compiled grammar is kept for the request (and its n samples)."""
     if spec is None:
         return
     try:
-        await asyncio.to_thread(engine.engine.grammars.follower, spec)
+        await asyncio.to_thread(engine.engine.grammars.grammar, spec)
     except TierlmError as exc:
         raise InvalidRequest(f"{field}: {str(exc).removeprefix('structured_outputs: ')}", param=field) from None
 

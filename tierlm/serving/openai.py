@@ -110,8 +110,7 @@ async def chat_completions(request: Request) -> Response:
     if structured is not None and forced and body.tools:
         raise InvalidRequest("tool_choice: a required tool call cannot follow a structured output as well; use "
                              "tool_choice 'auto', or drop the structured output", param="tool_choice")
-    # A structured answer follows its grammar from the first token: there is no think block
-    reasoning = state.models.reasoning(body.model) if structured is None else None
+    reasoning = state.models.reasoning(body.model)
     if body.thinking_token_budget is not None and (reasoning is None or not reasoning.budget_kept):
         raise InvalidRequest(
             f"thinking_token_budget: model '{body.model}' has no think markers tierlm can follow (its chat template "
@@ -119,7 +118,10 @@ async def chat_completions(request: Request) -> Response:
             "their own); remove the field",
             param="thinking_token_budget")
     await check_structured(engine, structured, body.constraints()[0][0] if structured else "")
-    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning)
+    # A structured answer follows its grammar from the first token: there is no think block (nor
+    # a budget for one)
+    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model),
+                                     reasoning if structured is None else None)
     if prompt.reasoning is not None:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
         prompt.show_reasoning = body.include_reasoning

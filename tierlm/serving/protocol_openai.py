@@ -309,7 +309,9 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # vLLM's structured outputs (engine/grammar.py): at most one of these
+    # vLLM's structured outputs (engine/grammar.py): at most one of these (response_format on
+    # completions too, as vLLM takes it)
+    response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -418,6 +420,8 @@ class _SamplingFields(_Body):
     def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
         """The structured outputs this body asks for, with the field that asks (vLLM's)."""
         found = []
+        if self.response_format is not None and (params := self.response_format.params()) is not None:
+            found.append(("response_format", params))
         if self.guided_json is not None:
             found.append(("guided_json", StructuredOutputsParams(json=self.guided_json)))
         if self.guided_regex is not None:
@@ -449,13 +453,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-
-    def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
-        found = super().constraints()
-        if self.response_format is not None and (params := self.response_format.params()) is not None:
-            found.insert(0, ("response_format", params))
-        return found
     # vLLM's: render the conversation without the assistant header, or continue its final
     # (assistant) message; both at once are refused, as vLLM does.
     add_generation_prompt: bool = True
