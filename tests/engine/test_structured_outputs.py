@@ -90,15 +90,22 @@ def test_other_masks_work_inside_the_grammar_and_never_leave_it(llm):
         assert re.fullmatch("[0-9]{3}", out.text), out.text
 
 
-def test_a_token_forced_off_the_grammar_drops_the_constraint_with_a_warning(llm, caplog):
+def test_a_grammar_that_cannot_be_followed_further_ends_the_request_with_an_error(llm, caplog):
+    """A token off the grammar (here forced by a thinking budget), or llguidance giving up mid-answer
+    (a grammar past its limits), left the rest of the answer unconstrained, with 200 and 'stop'."""
     tok = llm.engine.tokenizer
     letter = tok.encode("q", add_special_tokens=False)
     budget = ThinkingBudget(0, tuple(letter), starts_inside=True)  # forces "q" first
     with caplog.at_level(logging.WARNING, logger="tierlm.engine"):
-        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=5, temperature=0, thinking_budget=budget,
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, thinking_budget=budget,
                                                         structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
-    assert out[0].outputs[0].text.startswith("q")
-    assert "no longer constrained" in caplog.text
+    got = out[0].outputs[0]
+    assert got.finish_reason == "error" and got.text == "q", got
+    assert got.stop_reason.startswith("the structured output could not be followed past 1 tokens")
+    assert "could not be followed" in caplog.text
+    huge = StructuredOutputsParams(regex="(a{1000}){1000}")  # llguidance's limits stop it after a token
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, structured_outputs=huge))
+    assert out[0].outputs[0].finish_reason == "error" and set(out[0].outputs[0].text) <= {"a"}
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -117,6 +124,8 @@ def test_a_malformed_spec_is_refused_by_name(spec, says):
     (StructuredOutputsParams(json={"type": "objec"}), "this json cannot be followed: Invalid type: objec"),
     (StructuredOutputsParams(json="{not json"), "the JSON schema is not JSON"),
     (StructuredOutputsParams(regex="(a"), "this regex cannot be followed"),
+    (StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]"), "nothing can follow it"),
+    (StructuredOutputsParams(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "cannot be followed"),
 ])
 def test_a_grammar_the_engine_cannot_follow_is_refused_before_it_runs(llm, spec, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:

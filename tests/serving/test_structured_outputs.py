@@ -112,3 +112,19 @@ def test_anthropic_output_config_format(clients, model):
     with pytest.raises(anthropic.BadRequestError, match="tool_choice: a required tool call cannot follow"):
         claude.messages.create(model=model, max_tokens=8, messages=USER, output_config={"format": fmt},
                                tools=[tool], tool_choice={"type": "any"})
+
+
+def test_a_grammar_llguidance_gives_up_on_mid_answer_is_an_error_not_free_text(clients, model, demo_server):
+    """(a{1000}){1000} passes every check up front and is past llguidance's limits after a token:
+    the rest of the answer came back unconstrained, with 200."""
+    _, oai = clients
+    with pytest.raises(openai.BadRequestError, match=r"could not be followed past \d+ tokens.*simplify the schema"):
+        oai.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "(a{1000}){1000}"})
+    r = post(demo_server, "/v1/chat/completions", {"model": model, "messages": USER, "max_tokens": 8, "stream": True,
+                                                   "temperature": 0, "guided_regex": "(a{1000}){1000}"})
+    frames = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and "could not be followed past" in frames[-2] and frames[-1] == "data: [DONE]"
+    said = "".join(json.loads(f[6:])["choices"][0]["delta"].get("content") or "" for f in frames[:-2]
+                   if json.loads(f[6:]).get("choices"))
+    assert set(said) <= {"a"}  # what came before the error kept to the grammar

@@ -104,7 +104,7 @@ class GrammarCompiler:
             grammar = grammar_of(spec)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"structured_outputs: {_first_line(exc)}", param="structured_outputs") from None
-        problem = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
+        problem = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer) or _first_step_problem(grammar, tokenizer)
         if problem:
             what = "json" if spec.json is not None or spec.json_object else "regex" if spec.regex else "choice"
             raise InvalidRequestError(f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}",
@@ -121,6 +121,18 @@ class GrammarCompiler:
         tokenizer = self._ll_tokenizer()
         return GrammarFollower(_llguidance().LLMatcher(tokenizer, grammar), self.vocab_size, self.eos_token_ids,
                                int(tokenizer.eos_token), int(tokenizer.vocab_size))
+
+
+def _first_step_problem(grammar: str, tokenizer: Any) -> str:
+    """What stops a valid grammar at its first step (it matches nothing: no answer, not even an
+    empty one, can follow it), or ""."""
+    probe = _llguidance().LLMatcher(tokenizer, grammar)
+    probe.compute_logit_bias()
+    if probe.is_stopped() and not probe.is_accepting():  # (llguidance's "NoExtensionBias")
+        return "nothing can follow it (it matches no text)"
+    if probe.is_error():
+        return probe.get_error() or "it cannot be followed"
+    return ""
 
 
 def _first_line(problem: Any) -> str:
@@ -143,31 +155,38 @@ class GrammarFollower:
         self._grammar_words = (grammar_vocab + 31) // 32  # what llguidance writes
         self.words = max(self._grammar_words, (vocab_size + 31) // 32)
         self._seen = 0
-        self.lost = False  # a token off the grammar came in (forced by a thinking budget): constraint dropped
+        # Why the grammar could not be followed further (llguidance gave up mid-answer: a grammar
+        # too large for its limits, a token off it forced by a thinking budget). The step then
+        # samples EOS, and the engine ends the request with this error rather than hand out text
+        # the constraint no longer holds for.
+        self.failed: str | None = None
 
-    def fill(self, output_token_ids: list[int], row: torch.Tensor) -> bool:
+    def fill(self, output_token_ids: list[int], row: torch.Tensor) -> None:
         """Write the next tokens that stay on the grammar into `row` (int32, CPU, contiguous, at
-        least `words` long, zeroed); False once the constraint no longer holds."""
+        least `words` long, zeroed): EOS alone once it failed (see `failed`)."""
         m = self._matcher
         for token in output_token_ids[self._seen:]:
-            if not self.lost and not m.is_stopped():
+            if self.failed is None and not m.is_stopped():
                 token = self._grammar_eos if token in self._eos else token
                 if not m.consume_token(token):
-                    self.lost = True
-                    logger.warning("a token off the request's grammar was sampled (%s); its structured output is "
-                                   "no longer constrained", _first_line(m.get_error()))
+                    self._fail(m, f"token {token} is off it")
         self._seen = len(output_token_ids)
-        if self.lost:
-            return False
         bits = row.numpy().view(np.uint32)
-        if not m.is_stopped():
+        if self.failed is None and not m.is_stopped():
             m.unsafe_compute_mask_ptr(row.data_ptr(), self._grammar_words * 4)
-            if self._grammar_eos not in self._eos:  # (the tokenizer's EOS, which does not end this model's answers)
+            if m.is_error():
+                self._fail(m, "llguidance gave up")
+                row.zero_()
+            elif self._grammar_eos not in self._eos:  # (the tokenizer's EOS, which does not end this model's answers)
                 bits[self._grammar_eos >> 5] &= ~np.uint32(1 << (self._grammar_eos & 31))
-        if m.is_stopped() or m.is_accepting():
-            for t in self._eos:
+        if self.failed is not None or m.is_stopped() or m.is_accepting():
+            for t in self._eos or [self._grammar_eos]:
                 bits[t >> 5] |= np.uint32(1 << (t & 31))
-        return True
+
+    def _fail(self, m: Any, fallback: str) -> None:
+        self.failed = _first_line(m.get_error() or fallback)
+        logger.warning("a structured output could not be followed past %d tokens (%s); the request ends with "
+                       "an error", self._seen, self.failed)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

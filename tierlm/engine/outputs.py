@@ -30,7 +30,7 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (stop_reason: why)
     stop_reason: str | int | None = None  # matched stop string, or stop token id; None for EOS
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0

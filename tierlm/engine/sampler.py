@@ -150,15 +150,12 @@ def grammar_masks(reqs: Sequence[Request], vocab_size: int,
                   device: torch.device) -> tuple[list[int], torch.Tensor | None]:
     """The rows under a grammar (structured output) and, on `device`, their masks of the tokens
     that keep the answer on it: built on the host as bitmasks, copied in one piece, unpacked there."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.lost]
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if not rows:
         return [], None
     bitmask = torch.zeros(len(rows), max(reqs[i].grammar.words for i in rows), dtype=torch.int32)
-    kept = [j for j, i in enumerate(rows) if reqs[i].grammar.fill(reqs[i].output_token_ids, bitmask[j])]
-    if not kept:
-        return [], None
-    if len(kept) < len(rows):
-        rows, bitmask = [rows[j] for j in kept], bitmask[kept]
+    for j, i in enumerate(rows):
+        reqs[i].grammar.fill(reqs[i].output_token_ids, bitmask[j])
     return rows, unpack_bitmask(bitmask.to(device, non_blocking=True), vocab_size)
 
 

@@ -611,6 +611,9 @@ class EngineStream:
             raise
         except Exception as exc:
             raise from_engine_error(exc, self.model) from None
+        if delta.finish_reason == "error":  # (a structured output llguidance could not follow to its end)
+            self.finished = True
+            raise InvalidRequest(f"{delta.stop_reason}; simplify the schema or regex")
         if delta.finish_reason == "abort":
             self.finished = True
             raise Overloaded(
