@@ -100,8 +100,11 @@ def test_a_grammar_that_cannot_be_followed_further_ends_the_request_with_an_erro
         out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, thinking_budget=budget,
                                                         structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
     got = out[0].outputs[0]
-    assert got.finish_reason == "error" and got.text == "q", got
-    assert got.stop_reason.startswith("the structured output could not be followed past 1 tokens")
+    assert got.finish_reason == "error" and got.text == "", got  # the off-grammar token is never shown
+    assert got.stop_reason.startswith("the structured output could not be followed past 0 tokens")
+    one = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, thinking_budget=budget,
+                                                    structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    assert one[0].outputs[0].finish_reason == "error"  # (was "length" when the last token broke it)
     assert "could not be followed" in caplog.text
     huge = StructuredOutputsParams(regex="(a{1000}){1000}")  # llguidance's limits stop it after a token
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, structured_outputs=huge))
@@ -186,3 +189,29 @@ def test_a_tokenizer_llguidance_cannot_take_is_a_clear_refusal(llm):
     for _ in range(2):  # (the failure is kept, not tried again each request)
         with pytest.raises(InvalidRequestError, match="this model's tokenizer cannot be used for structured outputs"):
             compiler.follower(StructuredOutputsParams(regex="[0-9]"))
+
+
+def test_schemas_that_differ_in_property_order_are_two_grammars(llm):
+    """The cache keyed schemas with their keys sorted: {q, p} and then {p, q} shared a grammar,
+    and the second answered in the first's order."""
+    def first_key(order):
+        schema = {"type": "object", "properties": {k: {"type": "integer"} for k in order},
+                  "required": ["p", "q"], "additionalProperties": False}
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0,
+                                                        structured_outputs=StructuredOutputsParams(json=schema)))
+        return out[0].outputs[0].text[:4]
+    assert first_key("qp") == '{"q"' and first_key("pq") == '{"p"'
+
+
+def test_bitmasks_unpack_as_the_bits_say():
+    import torch
+
+    from tierlm.engine.grammar import unpack_bitmask
+
+    ids = [0, 7, 8, 31, 32, 63, 64, 99]
+    row = torch.zeros(4, dtype=torch.int32)
+    bits = row.numpy().view("uint32")
+    for t in ids:
+        bits[t >> 5] |= 1 << (t & 31)
+    mask = unpack_bitmask(row.unsqueeze(0), 100)
+    assert mask.shape == (1, 100) and mask[0].nonzero().flatten().tolist() == ids

@@ -529,9 +529,11 @@ class LLMEngine:
             self.logprobs[req.request_id].append(lp)
         p = req.params
         detok = self.detoks[req.request_id]
-        if req.grammar is not None and req.grammar.failed is not None:  # (its token is the EOS it was given)
-            return self._finish(req, "error", f"the structured output could not be followed past "
-                                f"{req.num_output_tokens - 1} tokens: {req.grammar.failed}")
+        if req.grammar is not None:
+            req.grammar.advance(req.output_token_ids)
+            if req.grammar.failed is not None:  # (its token, off the grammar or the EOS it was given, unshown)
+                return self._finish(req, "error", f"the structured output could not be followed past "
+                                    f"{req.grammar.followed} tokens: {req.grammar.failed}")
         stop_token = tok in req.eos_token_ids and not p.ignore_eos
         if stop_token or tok in p.stop_token_ids:
             if p.include_stop_str_in_output:  # the stopping token's own text too, as vLLM does (not

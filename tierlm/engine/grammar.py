@@ -72,7 +72,7 @@ class GrammarCompiler:
         self._tokenizer: Any = None
         self._unusable: str | None = None  # why llguidance cannot take this tokenizer
         self._lock = threading.Lock()
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._grammars: OrderedDict[str, Any] = OrderedDict()  # spec -> its pristine matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
@@ -91,42 +91,45 @@ class GrammarCompiler:
                                           "(tokenizer.json)", param="structured_outputs")
             return self._tokenizer
 
-    def grammar(self, spec: StructuredOutputsParams) -> str:
-        """`spec` compiled and checked against the tokenizer (cached), or InvalidRequestError
-        naming what is wrong with it. Thread-safe: the server calls it on worker threads first."""
+    def grammar(self, spec: StructuredOutputsParams) -> Any:
+        """`spec` compiled against the tokenizer into a pristine matcher (cached: followers are
+        copies of it, so a schema is compiled once, however many requests and samples use it),
+        or InvalidRequestError naming what is wrong with it. Thread-safe: the server and
+        AsyncEngine call it on worker threads before the request is made."""
         tokenizer = self._ll_tokenizer()
-        key = json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
+        # (key order kept: llguidance writes an object's properties in the schema's order)
+        key = json.dumps(dataclasses.asdict(spec), default=str)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
         try:
-            grammar = grammar_of(spec)
+            text = grammar_of(spec)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"structured_outputs: {_first_line(exc)}", param="structured_outputs") from None
-        problem = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer) or _first_step_problem(grammar, tokenizer)
-        if problem:
+        matcher = _llguidance().LLMatcher(tokenizer, text)
+        if problem := (matcher.get_error() if matcher.is_error() else "") or _first_step_problem(matcher):
             what = "json" if spec.json is not None or spec.json_object else "regex" if spec.regex else "choice"
             raise InvalidRequestError(f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}",
                                       param="structured_outputs")
         with self._lock:
-            self._grammars[key] = grammar
+            self._grammars[key] = matcher
             while len(self._grammars) > _CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
-        return grammar
+        return matcher
 
     def follower(self, spec: StructuredOutputsParams) -> "GrammarFollower":
         """A new request's matcher (InvalidRequestError if `spec` cannot be followed)."""
-        grammar = self.grammar(spec)
+        pristine = self.grammar(spec)
         tokenizer = self._ll_tokenizer()
-        return GrammarFollower(_llguidance().LLMatcher(tokenizer, grammar), self.vocab_size, self.eos_token_ids,
+        return GrammarFollower(pristine.deep_copy(), self.vocab_size, self.eos_token_ids,
                                int(tokenizer.eos_token), int(tokenizer.vocab_size))
 
 
-def _first_step_problem(grammar: str, tokenizer: Any) -> str:
-    """What stops a valid grammar at its first step (it matches nothing: no answer, not even an
-    empty one, can follow it), or ""."""
-    probe = _llguidance().LLMatcher(tokenizer, grammar)
+def _first_step_problem(matcher: Any) -> str:
+    """What stops a compiled grammar at its first step (it matches nothing: no answer, not even
+    an empty one, can follow it), or "". Found on a copy: `matcher` stays pristine."""
+    probe = matcher.deep_copy()
     probe.compute_logit_bias()
     if probe.is_stopped() and not probe.is_accepting():  # (llguidance's "NoExtensionBias")
         return "nothing can follow it (it matches no text)"
@@ -160,22 +163,30 @@ class GrammarFollower:
         # samples EOS, and the engine ends the request with this error rather than hand out text
         # the constraint no longer holds for.
         self.failed: str | None = None
+        self.followed = 0  # (once failed: how many tokens kept to it)
+
+    def advance(self, output_token_ids: list[int]) -> None:
+        """Feed the matcher the tokens it has not seen (the engine calls this as each token comes,
+        so a token off the grammar ends the request before it is shown)."""
+        m = self._matcher
+        for i in range(self._seen, len(output_token_ids)):
+            if self.failed is None and not m.is_stopped():
+                token = output_token_ids[i]
+                token = self._grammar_eos if token in self._eos else token
+                if not m.consume_token(token):
+                    self._fail(m, f"token {token} is off it", i)
+        self._seen = len(output_token_ids)
 
     def fill(self, output_token_ids: list[int], row: torch.Tensor) -> None:
         """Write the next tokens that stay on the grammar into `row` (int32, CPU, contiguous, at
         least `words` long, zeroed): EOS alone once it failed (see `failed`)."""
         m = self._matcher
-        for token in output_token_ids[self._seen:]:
-            if self.failed is None and not m.is_stopped():
-                token = self._grammar_eos if token in self._eos else token
-                if not m.consume_token(token):
-                    self._fail(m, f"token {token} is off it")
-        self._seen = len(output_token_ids)
+        self.advance(output_token_ids)
         bits = row.numpy().view(np.uint32)
         if self.failed is None and not m.is_stopped():
             m.unsafe_compute_mask_ptr(row.data_ptr(), self._grammar_words * 4)
             if m.is_error():
-                self._fail(m, "llguidance gave up")
+                self._fail(m, "llguidance gave up", self._seen)
                 row.zero_()
             elif self._grammar_eos not in self._eos:  # (the tokenizer's EOS, which does not end this model's answers)
                 bits[self._grammar_eos >> 5] &= ~np.uint32(1 << (self._grammar_eos & 31))
@@ -183,14 +194,18 @@ class GrammarFollower:
             for t in self._eos or [self._grammar_eos]:
                 bits[t >> 5] |= np.uint32(1 << (t & 31))
 
-    def _fail(self, m: Any, fallback: str) -> None:
+    def _fail(self, m: Any, fallback: str, followed: int) -> None:
+        """`followed`: how many of the answer's tokens kept to the grammar."""
         self.failed = _first_line(m.get_error() or fallback)
+        self.followed = followed
         logger.warning("a structured output could not be followed past %d tokens (%s); the request ends with "
-                       "an error", self._seen, self.failed)
+                       "an error", followed, self.failed)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bitmasks (on the logits' device) as [rows, vocab_size] bools."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    """[rows, words] int32 bitmasks (on the logits' device) as [rows, vocab_size] bools, through
+    bytes (a byte per token in between, not four: 256 rows of a 152k vocabulary)."""
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    bits = (as_bytes.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(1)[:, :vocab_size].bool()

@@ -370,7 +370,7 @@ async def check_structured(engine: "AsyncEngine", spec: StructuredOutputsParams 
     if spec is None:
         return
     try:
-        await asyncio.to_thread(engine.engine.grammars.grammar, spec)
+        await asyncio.to_thread(engine.engine.grammars.grammar, spec)  # (compiled here, kept for the request)
     except TierlmError as exc:
         raise InvalidRequest(f"{field}: {str(exc).removeprefix('structured_outputs: ')}", param=field) from None
 
