@@ -436,6 +436,9 @@ class SamplingParams:
                 bad("structured_outputs", f"must be a StructuredOutputsParams (got {self.structured_outputs!r})")
             if (problem := self.structured_outputs.problem()) is not None:
                 bad("structured_outputs", problem)
+            if self.thinking_budget is not None:  # (its forced </think> is off any grammar)
+                bad("structured_outputs", "cannot be combined with thinking_budget: a structured answer follows its "
+                                          "grammar from its first token, with no think block to cap; drop one")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
 

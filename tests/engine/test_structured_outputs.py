@@ -91,24 +91,15 @@ def test_other_masks_work_inside_the_grammar_and_never_leave_it(llm):
 
 
 def test_a_grammar_that_cannot_be_followed_further_ends_the_request_with_an_error(llm, caplog):
-    """A token off the grammar (here forced by a thinking budget), or llguidance giving up mid-answer
-    (a grammar past its limits), left the rest of the answer unconstrained, with 200 and 'stop'."""
-    tok = llm.engine.tokenizer
-    letter = tok.encode("q", add_special_tokens=False)
-    budget = ThinkingBudget(0, tuple(letter), starts_inside=True)  # forces "q" first
+    """llguidance giving up mid-answer (a grammar past its limits) left the rest of the answer
+    unconstrained, with 'stop'."""
     with caplog.at_level(logging.WARNING, logger="tierlm.engine"):
-        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, thinking_budget=budget,
-                                                        structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+        huge = StructuredOutputsParams(regex="(a{1000}){1000}")  # llguidance's limits stop it after a token
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, structured_outputs=huge))
     got = out[0].outputs[0]
-    assert got.finish_reason == "error" and got.text == "", got  # the off-grammar token is never shown
-    assert got.stop_reason.startswith("the structured output could not be followed past 0 tokens")
-    one = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, thinking_budget=budget,
-                                                    structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
-    assert one[0].outputs[0].finish_reason == "error"  # (was "length" when the last token broke it)
     assert "could not be followed" in caplog.text
-    huge = StructuredOutputsParams(regex="(a{1000}){1000}")  # llguidance's limits stop it after a token
-    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, structured_outputs=huge))
-    assert out[0].outputs[0].finish_reason == "error" and set(out[0].outputs[0].text) <= {"a"}
+    assert got.finish_reason == "error" and set(got.text) <= {"a"}
+    assert got.stop_reason.startswith("the structured output could not be followed past")
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -116,10 +107,12 @@ def test_a_grammar_that_cannot_be_followed_further_ends_the_request_with_an_erro
     (StructuredOutputsParams(regex="a", choice=("b",)), "(got regex, choice)"),
     (StructuredOutputsParams(choice=()), "choice must be a non-empty list"),
     (StructuredOutputsParams(json=5), "json must be a JSON schema"),
+    (StructuredOutputsParams(regex="[0-9]"), "cannot be combined with thinking_budget"),
 ])
 def test_a_malformed_spec_is_refused_by_name(spec, says):
+    budget = ThinkingBudget(4, (1,)) if "thinking_budget" in says else None
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
-        SamplingParams(structured_outputs=spec)
+        SamplingParams(structured_outputs=spec, thinking_budget=budget)
     assert info.value.param == "structured_outputs"
 
 
@@ -167,7 +160,7 @@ def test_the_tokenizer_is_converted_once_and_grammars_compiled_once(llm, monkeyp
         t.start()
     for t in threads:
         t.join()
-    assert calls["convert"] == 1 and 1 <= calls["compile"] <= 6  # (threads may race to the first compile)
+    assert calls["convert"] == 1  # (threads may race to the first compile; each compiles at most once)
     before = calls["compile"]
     for _ in range(5):
         compiler.follower(StructuredOutputsParams(json=dict(SCHEMA)))

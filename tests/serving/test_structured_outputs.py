@@ -131,3 +131,18 @@ def test_a_grammar_llguidance_gives_up_on_mid_answer_is_an_error_not_free_text(c
     said = "".join(json.loads(f[6:])["choices"][0]["delta"].get("content") or "" for f in frames[:-2]
                    if json.loads(f[6:]).get("choices"))
     assert set(said) <= {"a"}  # what came before the error kept to the grammar
+
+
+def test_a_structured_answer_is_never_read_as_a_tool_call(openai_client):
+    """With tools on auto beside a structured output, an answer that is a call's markup (here the
+    grammar is the call itself) came back as a tool call instead of the structured content."""
+    from tests.serving.scripted_model import CALL, CALL_MODEL
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": CALL_MODEL, "messages": USER, "max_tokens": 64, "tools": tools}
+    free = openai_client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert free["finish_reason"] == "tool_calls"  # (the scripted model's own answer is this call)
+    held = openai_client.post("/v1/chat/completions", json={**body, "guided_regex": re.escape(CALL)})
+    choice = held.json()["choices"][0]
+    assert (choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]) == (
+        CALL, None, "stop"), held.text

@@ -109,7 +109,7 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured_outputs: {_first_line(exc)}", param="structured_outputs") from None
         matcher = _llguidance().LLMatcher(tokenizer, text)
         if problem := (matcher.get_error() if matcher.is_error() else "") or _first_step_problem(matcher):
-            what = "json" if spec.json is not None or spec.json_object else "regex" if spec.regex else "choice"
+            what = "json" if spec.json is not None or spec.json_object else "regex" if spec.regex is not None else "choice"
             raise InvalidRequestError(f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}",
                                       param="structured_outputs")
         with self._lock:
@@ -158,10 +158,9 @@ class GrammarFollower:
         self._grammar_words = (grammar_vocab + 31) // 32  # what llguidance writes
         self.words = max(self._grammar_words, (vocab_size + 31) // 32)
         self._seen = 0
-        # Why the grammar could not be followed further (llguidance gave up mid-answer: a grammar
-        # too large for its limits, a token off it forced by a thinking budget). The step then
-        # samples EOS, and the engine ends the request with this error rather than hand out text
-        # the constraint no longer holds for.
+        # Why the grammar could not be followed further (a token off it; llguidance giving up
+        # mid-answer on a grammar past its limits, when that step samples EOS). The engine ends the
+        # request with this error rather than hand out text the constraint no longer holds for.
         self.failed: str | None = None
         self.followed = 0  # (once failed: how many tokens kept to it)
 

@@ -95,6 +95,8 @@ async def create_message(request: Request) -> Response:
     # A structured reply follows its schema from the first token: there is no think block
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model),
                                 reasoning=state.models.reasoning(body.model) if structured is None else None)
+    if structured is not None:  # the answer is the structured one: never read as a call
+        prompt.parse_tools = False
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     # max_tokens 0 pre-warms the cache: the engine runs one token (it cannot prefill alone), so
     # the prompt's blocks are cached, and the token is never shown (see warmed_response).
