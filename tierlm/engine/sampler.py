@@ -146,6 +146,14 @@ def _hold_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     return logits
 
 
+def _refill_empty_rows(logits: torch.Tensor, rows: torch.Tensor, fallback: torch.Tensor) -> None:
+    """Rows of `logits` (at `rows`) left with no token at all take their `fallback` instead;
+    decided on the device, without a read back."""
+    current = logits.index_select(0, rows)
+    empty = torch.isneginf(current).all(dim=1, keepdim=True)
+    logits.index_copy_(0, rows, torch.where(empty, fallback, current))
+
+
 def grammar_masks(reqs: Sequence[Request], vocab_size: int,
                   device: torch.device) -> tuple[list[int], torch.Tensor | None]:
     """The rows under a grammar (structured output) and, on `device`, their masks of the tokens
@@ -230,8 +238,7 @@ class Sampler:
         grammar_rows, grammar_masks_ = grammar_masks(reqs, logits.shape[1], logits.device)
         if grammar_masks_ is not None:
             g_rows = torch.tensor(grammar_rows, dtype=torch.long).to(logits.device, non_blocking=True)
-            g_banned = ~grammar_masks_
-            on_grammar = logits.index_select(0, g_rows).masked_fill_(g_banned, float("-inf"))
+            on_grammar = logits.index_select(0, g_rows).masked_fill_(~grammar_masks_, float("-inf"))
             logits.index_copy_(0, g_rows, on_grammar)
         logits = apply_allowed_tokens(logits, reqs)
         # Rows whose allowed set bad words or min_tokens' hold may empty at some step ("dd" a bad
@@ -248,14 +255,10 @@ class Sampler:
         if guarded:
             # A row left with no token at all would draw token 0 (greedy) or the vocabulary's last
             # (sampled), outside its set: the ban or hold lapses for that step instead; the allowed
-            # set holds. Decided on the device, without a read back.
-            rows = logits.index_select(0, guard_rows)
-            empty = torch.isneginf(rows).all(dim=1, keepdim=True)
-            logits.index_copy_(0, guard_rows, torch.where(empty, allowed_only, rows))
+            # set holds.
+            _refill_empty_rows(logits, guard_rows, allowed_only)
         if grammar_masks_ is not None:
-            rows = logits.index_select(0, g_rows)
-            empty = torch.isneginf(rows).all(dim=1, keepdim=True)
-            logits.index_copy_(0, g_rows, torch.where(empty, on_grammar, rows))
+            _refill_empty_rows(logits, g_rows, on_grammar)
         logits = apply_forced_tokens(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(drawn) == len(reqs):

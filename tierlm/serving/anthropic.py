@@ -92,11 +92,8 @@ async def create_message(request: Request) -> Response:
     if structured is not None and body.tools and body.tool_choice is not None and body.tool_choice.type in ("any", "tool"):
         raise InvalidRequest("tool_choice: a required tool call cannot follow output_config.format as well; use "
                              "tool_choice 'auto', or drop the format", param="tool_choice")
-    # A structured reply follows its schema from the first token: there is no think block
     prompt = await build_prompt(engine, body, tool_calls=state.models.tool_calls(body.model),
-                                reasoning=state.models.reasoning(body.model) if structured is None else None)
-    if structured is not None:  # the answer is the structured one: never read as a call
-        prompt.parse_tools = False
+                                reasoning=state.models.reasoning(body.model), structured=structured is not None)
     max_tokens = output_budget(engine, body.model, len(prompt.token_ids), body.max_tokens)
     # max_tokens 0 pre-warms the cache: the engine runs one token (it cannot prefill alone), so
     # the prompt's blocks are cached, and the token is never shown (see warmed_response).
@@ -161,7 +158,7 @@ async def checked_format(engine: "AsyncEngine", body: ConversationBody) -> Struc
 
 async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_length: bool = True,
                        tool_calls: toolcalls.ToolCallFormat | None = None,
-                       reasoning: ReasoningFormat | None = None) -> ChatPrompt:
+                       reasoning: ReasoningFormat | None = None, structured: bool = False) -> ChatPrompt:
     """The request as a rendered prompt; `check_length` refuses one certainly too long for the context."""
     check_blocks(body)
     if isinstance(body.system, list) and _only_blank_text(body.system):
@@ -183,6 +180,7 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
         template_kwargs=body.template_kwargs,
         tool_calls=tool_calls,
         reasoning=reasoning,
+        structured=structured,
     )
 
 

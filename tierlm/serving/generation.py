@@ -148,6 +148,7 @@ async def chat_prompt(
     template_kwargs: dict[str, Any] | None = None,
     tool_calls: toolcalls.ToolCallFormat | None = None,
     reasoning: ReasoningFormat | None = None,
+    structured: bool = False,
 ) -> ChatPrompt:
     """Render a conversation, with its tools (in chat-template form), for either API.
 
@@ -159,7 +160,8 @@ async def chat_prompt(
     unconstrained model call a tool.
     `check_length` refuses a prompt that cannot fit the context (see `render_chat`).
     `reasoning` is the model's think syntax (ModelRegistry.reasoning; None: answers are text);
-    a forced call's answer starts with the call, never with reasoning.
+    a forced call's answer starts with the call, never with reasoning. A `structured` answer
+    (a grammar from its first token) is neither reasoning nor read for tool calls.
     """
     forced = ""
     parse_tools = False
@@ -192,8 +194,9 @@ async def chat_prompt(
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, check_length=check_length,
                                         template_kwargs=template_kwargs, suffix=forced, call_name=call_name)
-    if forced:
+    if forced or structured:
         reasoning = None
+    parse_tools = parse_tools and not structured
     prefill = messages[-1].get("content") if continue_final_message and messages else None
     prefill = prefill if isinstance(prefill, str) else None
     opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill)

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from tierlm import __version__
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.errors import InvalidRequestError, TierlmError
-from tierlm.sampling_params import SamplingParams, choice_seed, truncate_prompt
+from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, truncate_prompt
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, from_engine_error, openai_error_body, stream_error
@@ -105,7 +105,7 @@ async def chat_completions(request: Request) -> Response:
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     engine = state.models.get(body.model)
-    structured = body.structured()
+    structured = await _checked_structured(engine, body)
     forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
     if structured is not None and forced and body.tools:
         raise InvalidRequest("tool_choice: a required tool call cannot follow a structured output as well; use "
@@ -117,16 +117,11 @@ async def chat_completions(request: Request) -> Response:
             "writes no <think>, --reasoning-parser none, or its tokenizer has no <think> and </think> tokens of "
             "their own); remove the field",
             param="thinking_token_budget")
-    await check_structured(engine, structured, body.constraints()[0][0] if structured else "")
-    # A structured answer follows its grammar from the first token: there is no think block (nor
-    # a budget for one)
-    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model),
-                                     reasoning if structured is None else None)
+    prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning,
+                                     structured=structured is not None)
     if prompt.reasoning is not None:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
         prompt.show_reasoning = body.include_reasoning
-    if structured is not None:  # the answer is the structured one: never read as a call
-        prompt.parse_tools = False
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
@@ -156,8 +151,7 @@ async def completions(request: Request) -> Response:
     engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
-    structured = body.structured()
-    await check_structured(engine, structured, body.constraints()[0][0] if structured else "")
+    structured = await _checked_structured(engine, body)
     prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens,
                             body.max_tokens)
     if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
@@ -273,9 +267,19 @@ async def _collect_all(streams: list[EngineStream], request: Request) -> list[Ge
 # ---- request → prompt ------------------------------------------------------------------
 
 
+async def _checked_structured(engine: "AsyncEngine", body: Any) -> StructuredOutputsParams | None:
+    """The body's structured output, once the engine has found it followable (a 400 naming the
+    field otherwise)."""
+    asked = body.structured()
+    if asked is None:
+        return None
+    await check_structured(engine, asked[1], asked[0])
+    return asked[1]
+
+
 async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
                             tool_calls: toolcalls.ToolCallFormat | None = None,
-                            reasoning: ReasoningFormat | None = None) -> ChatPrompt:
+                            reasoning: ReasoningFormat | None = None, structured: bool = False) -> ChatPrompt:
     _check_tool_turns(body.messages)
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
@@ -298,6 +302,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
         template_kwargs=variables,
         tool_calls=tool_calls,
         reasoning=reasoning,
+        structured=structured,
     )
 
 

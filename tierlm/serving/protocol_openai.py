@@ -255,7 +255,7 @@ class StructuredOutputsBody(_Body):
 
     def params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(json=self.json_, regex=self.regex,
-                                       choice=tuple(self.choice) if self.choice is not None else None,
+                                       choice=self.choice,
                                        json_object=bool(self.json_object))
 
 
@@ -427,13 +427,14 @@ class _SamplingFields(_Body):
         if self.guided_regex is not None:
             found.append(("guided_regex", StructuredOutputsParams(regex=self.guided_regex)))
         if self.guided_choice is not None:
-            found.append(("guided_choice", StructuredOutputsParams(choice=tuple(self.guided_choice))))
+            found.append(("guided_choice", StructuredOutputsParams(choice=self.guided_choice)))
         if self.structured_outputs is not None:
             found.append(("structured_outputs", self.structured_outputs.params()))
         return found
 
-    def structured(self) -> StructuredOutputsParams | None:
-        """The one structured output asked for, or a 400 naming the fields that ask for two."""
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The one structured output asked for and the field that asks for it, or a 400 naming
+        the fields that ask for two."""
         found = self.constraints()
         if len(found) > 1:
             names = " and ".join(name for name, _ in found)
@@ -441,7 +442,7 @@ class _SamplingFields(_Body):
                                  param=found[1][0])
         if found and (problem := found[0][1].problem()) is not None:
             raise InvalidRequest(f"{found[0][0]}: {problem}", param=found[0][0])
-        return found[0][1] if found else None
+        return found[0] if found else None
 
 
 class ChatCompletionRequest(_SamplingFields):
