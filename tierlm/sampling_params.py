@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json as _json
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,21 +162,72 @@ class BadWords:
 
 
 @dataclass(frozen=True)
+class ThinkBlock:
+    """A reasoning model's think block, which a structured output starts after (vLLM applies the
+    grammar once its reasoning parser sees the reasoning end; Anthropic's output_config.format
+    with thinking on thinks first): the block the answer opens with its very first token
+    (`start_token_id`; None: the answer never opens one), or, `starts_inside`, the one the prompt
+    opened. It ends at `end_token_id`. Each marker is one token of its own: spelled in several,
+    a marker the model wrote another way would go unseen, and the grammar would never start."""
+
+    end_token_id: int
+    start_token_id: int | None = None
+    starts_inside: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("end_token_id", "start_token_id"):  # numpy's ints as Python's
+            if _is_int(value := getattr(self, name)):
+                object.__setattr__(self, name, int(value))
+
+    @classmethod
+    def of(cls, budget: "ThinkingBudget") -> "ThinkBlock | None":
+        """The block `budget` caps, or None where its markers are not one token each."""
+        if len(budget.end_token_ids) != 1 or len(budget.start_token_ids) > 1:
+            return None
+        return cls(budget.end_token_ids[0], budget.start_token_ids[0] if budget.start_token_ids else None,
+                   budget.starts_inside)
+
+    def token_ids(self) -> tuple[int, ...]:
+        return (self.end_token_id,) + (() if self.start_token_id is None else (self.start_token_id,))
+
+    def problem(self) -> str | None:
+        """Why this block is refused, or None."""
+        if any(not _is_int(t) or t < 0 for t in self.token_ids()):
+            return "after_reasoning's marker token ids must be non-negative integers (one token each)"
+        if not isinstance(self.starts_inside, bool):
+            return f"after_reasoning's starts_inside must be true or false (got {self.starts_inside!r})"
+        return None
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured outputs: the answer follows a JSON schema (`json`, a dict or its JSON
     text), is any JSON object (`json_object`), matches a regular expression (`regex`) or is one
     of some strings (`choice`). Exactly one is given. Decoding is constrained token by token
     (engine/grammar.py): only tokens that keep the answer on the grammar can be sampled, and EOS
-    only once it is complete."""
+    only once it is complete.
+
+    `after_reasoning` (tierlm's; the server sets it for a reasoning model whose markers are
+    tokens of their own) lets the model think first: until the block's end marker the answer is
+    unconstrained, the marker is not the grammar's, and the grammar holds from the next token.
+    An answer that does not open the block with its first token (its first token may be the
+    start marker or the grammar's) follows the grammar from that first token. Beside a
+    `thinking_budget` the grammar starts after the budget's block without it."""
 
     json: Any = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    after_reasoning: ThinkBlock | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
+
+    def grammar_key(self) -> str:
+        """What the compiled grammar depends on (not `after_reasoning`), as text: its cache key.
+        Key order is kept: llguidance writes an object's properties in the schema's order."""
+        return _json.dumps([self.json, self.json_object, self.regex, self.choice], default=str)
 
     def problem(self) -> str | None:
         """Why this is refused (before the grammar is compiled), or None."""
@@ -189,6 +241,10 @@ class StructuredOutputsParams:
             return "regex must be a string"
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             return "choice must be a non-empty list of non-empty strings"
+        if self.after_reasoning is not None:
+            if not isinstance(self.after_reasoning, ThinkBlock):
+                return f"after_reasoning must be a ThinkBlock (got {self.after_reasoning!r})"
+            return self.after_reasoning.problem()
         return None
 
 
@@ -293,6 +349,7 @@ class SamplingParams:
     `thinking_budget` caps a reasoning model's think block (see `ThinkingBudget`); the tokens it
     forces keep the model's own logprobs. `structured_outputs` constrains the answer to a JSON
     schema, a regular expression or a choice (see `StructuredOutputsParams`); logprobs stay the model's own.
+    Both together: the model thinks, within its budget, and the grammar holds from the block's end.
     """
 
     n: int = 1
@@ -436,11 +493,33 @@ class SamplingParams:
                 bad("structured_outputs", f"must be a StructuredOutputsParams (got {self.structured_outputs!r})")
             if (problem := self.structured_outputs.problem()) is not None:
                 bad("structured_outputs", problem)
-            if self.thinking_budget is not None:  # (its forced </think> is off any grammar)
-                bad("structured_outputs", "cannot be combined with thinking_budget: a structured answer follows its "
-                                          "grammar from its first token, with no think block to cap; drop one")
+            if self.thinking_budget is not None and (problem := self._budget_block_problem()) is not None:
+                bad("structured_outputs", problem)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"must be an integer in [-2**63, 2**64) (got {self.seed!r})")
+
+    def _budget_block_problem(self) -> str | None:
+        """Why this thinking_budget cannot stand beside this structured output, or None: the
+        grammar starts after the budget's block, which must be one a grammar can wait for."""
+        block = ThinkBlock.of(self.thinking_budget)
+        if block is None:  # (its forced marker tokens would be off the grammar)
+            return ("beside a thinking_budget needs its think markers to be one token each (the grammar starts "
+                    "after the block's end marker); drop one of them")
+        given = self.structured_outputs.after_reasoning
+        if given is not None and given != block:
+            return (f"after_reasoning ({given}) is not the thinking_budget's think block ({block}); give the same "
+                    "markers, or leave after_reasoning out")
+        return None
+
+    def think_block(self) -> ThinkBlock | None:
+        """The think block the structured output starts after (its own, else the thinking
+        budget's), or None: the grammar holds from the first token."""
+        spec = self.structured_outputs
+        if spec is None:
+            return None
+        if spec.after_reasoning is None and self.thinking_budget is not None:
+            return ThinkBlock.of(self.thinking_budget)
+        return spec.after_reasoning
 
     @property
     def uses_penalties(self) -> bool:

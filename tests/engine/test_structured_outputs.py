@@ -11,7 +11,7 @@ import pytest
 
 from tierlm import LLM, SamplingParams
 from tierlm.errors import InvalidRequestError
-from tierlm.sampling_params import StructuredOutputsParams, ThinkingBudget
+from tierlm.sampling_params import StructuredOutputsParams
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok", "tags", "name"],
@@ -107,12 +107,10 @@ def test_a_grammar_that_cannot_be_followed_further_ends_the_request_with_an_erro
     (StructuredOutputsParams(regex="a", choice=("b",)), "(got regex, choice)"),
     (StructuredOutputsParams(choice=()), "choice must be a non-empty list"),
     (StructuredOutputsParams(json=5), "json must be a JSON schema"),
-    (StructuredOutputsParams(regex="[0-9]"), "cannot be combined with thinking_budget"),
 ])
 def test_a_malformed_spec_is_refused_by_name(spec, says):
-    budget = ThinkingBudget(4, (1,)) if "thinking_budget" in says else None
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
-        SamplingParams(structured_outputs=spec, thinking_budget=budget)
+        SamplingParams(structured_outputs=spec)
     assert info.value.param == "structured_outputs"
 
 

@@ -395,8 +395,10 @@ class LLMEngine:
             ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         budget = params.thinking_budget
         thinking_ids = (*budget.end_token_ids, *budget.start_token_ids) if budget is not None else ()
+        block = params.think_block()  # (the structured output's grammar starts after it)
         for name, asked in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                            ("thinking_budget", thinking_ids)):
+                            ("thinking_budget", thinking_ids),
+                            ("structured_outputs", block.token_ids() if block is not None else ())):
             outside = sorted(t for t in asked or () if t >= vocab)
             if outside:  # the sampler would scatter past the logits' last column
                 raise InvalidRequestError(f"{name} names token id {outside[0]}, outside the model's vocabulary "
@@ -423,7 +425,7 @@ class LLMEngine:
         bad_words = self.bad_words(params.bad_words) if params.bad_words else None
         if allowed is not None:
             self._check_something_allowed(allowed, bad_words, params)
-        grammar = self.grammars.follower(params.structured_outputs) if params.structured_outputs else None
+        grammar = self.grammars.follower(params.structured_outputs, block) if params.structured_outputs else None
         rid = request_id or uuid.uuid4().hex
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,

@@ -5,11 +5,15 @@ is compiled by llguidance (the Rust library behind vLLM's `guidance` backend: an
 over the tokenizer's byte-level vocabulary) into a matcher that, fed the tokens sampled so far,
 says which tokens may come next. The sampler lets only those be drawn; EOS only once the answer
 is complete, and nothing but EOS once the grammar can go no further, so a complete answer ends
-there. Each token is fed to the matcher once (preemption only ever appends tokens).
+there. Each token is fed to the matcher once (preemption only ever appends tokens: a recompute
+keeps the output, and with it where the follower stands).
+
+A reasoning model may think first (StructuredOutputsParams.after_reasoning, or a thinking
+budget's block): the grammar then starts after the think block's end marker, as vLLM's does once
+its reasoning parser sees the reasoning end. Until then the follower's row is left alone.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -21,7 +25,7 @@ import numpy as np
 import torch
 
 from tierlm.errors import InvalidRequestError
-from tierlm.sampling_params import StructuredOutputsParams
+from tierlm.sampling_params import StructuredOutputsParams, ThinkBlock
 
 logger = logging.getLogger("tierlm.engine")
 _CACHED_GRAMMARS = 256  # compiled grammars kept per engine
@@ -97,8 +101,7 @@ class GrammarCompiler:
         or InvalidRequestError naming what is wrong with it. Thread-safe: the server and
         AsyncEngine call it on worker threads before the request is made."""
         tokenizer = self._ll_tokenizer()
-        # (key order kept: llguidance writes an object's properties in the schema's order)
-        key = json.dumps(dataclasses.asdict(spec), default=str)
+        key = spec.grammar_key()
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
@@ -118,12 +121,13 @@ class GrammarCompiler:
                 self._grammars.popitem(last=False)
         return matcher
 
-    def follower(self, spec: StructuredOutputsParams) -> "GrammarFollower":
-        """A new request's matcher (InvalidRequestError if `spec` cannot be followed)."""
+    def follower(self, spec: StructuredOutputsParams, block: ThinkBlock | None = None) -> "GrammarFollower":
+        """A new request's matcher, from after `block` when the model may think first
+        (InvalidRequestError if `spec` cannot be followed)."""
         pristine = self.grammar(spec)
         tokenizer = self._ll_tokenizer()
         return GrammarFollower(pristine.deep_copy(), self.vocab_size, self.eos_token_ids,
-                               int(tokenizer.eos_token), int(tokenizer.vocab_size))
+                               int(tokenizer.eos_token), int(tokenizer.vocab_size), block)
 
 
 def _first_step_problem(matcher: Any) -> str:
@@ -146,11 +150,22 @@ def _first_line(problem: Any) -> str:
 class GrammarFollower:
     """One request's place in its grammar, and the tokens it may sample next, as a bitmask (bit
     t of word t // 32 set: token t may come next; 32 times smaller than a bool mask to build and
-    to copy to the device each step)."""
+    to copy to the device each step).
+
+    With a think `block`, the answer's tokens reach the grammar only after it: while the model
+    thinks, nothing constrains it (`constrains` is False, and the sampler builds no mask); its
+    end marker is not the grammar's; the grammar holds from the next token. An answer that
+    does not open the block with its first token is all the grammar's, and so may that first
+    token be: it may be the block's start marker or one the grammar allows."""
 
     def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: frozenset[int], grammar_eos: int,
-                 grammar_vocab: int) -> None:
+                 grammar_vocab: int, block: ThinkBlock | None = None) -> None:
         self._matcher = matcher
+        self._block = block
+        # Where the grammar's part of the output begins; None until the think block is over (or
+        # the answer's first token shows it never opens one).
+        self._start: int | None = 0 if block is None else None
+        self._thinking = block is not None and block.starts_inside
         # The model's EOS tokens (chat models end on <|im_end|>, not the tokenizer's eos) all end
         # a complete answer, as the tokenizer's EOS does for the matcher.
         self._eos = sorted(t for t in eos_token_ids if 0 <= t < vocab_size)
@@ -166,32 +181,51 @@ class GrammarFollower:
 
     def advance(self, output_token_ids: list[int]) -> None:
         """Feed the matcher the tokens it has not seen (the engine calls this as each token comes,
-        so a token off the grammar ends the request before it is shown)."""
+        so a token off the grammar ends the request before it is shown); a think block's tokens
+        only move the follower towards the grammar's start."""
         m = self._matcher
         for i in range(self._seen, len(output_token_ids)):
+            token = output_token_ids[i]
+            if self._start is None:  # (a block: the prompt's, or one the first token may open)
+                if self._thinking:
+                    if token == self._block.end_token_id:
+                        self._start = i + 1
+                    continue
+                if token == self._block.start_token_id:  # (the answer's first token: after it, thinking or started)
+                    self._thinking = True
+                    continue
+                self._start = i  # the model chose not to think: its answer is the grammar's
             if self.failed is None and not m.is_stopped():
-                token = output_token_ids[i]
                 token = self._grammar_eos if token in self._eos else token
                 if not m.consume_token(token):
-                    self._fail(m, f"token {token} is off it", i)
+                    self._fail(m, f"token {token} is off it", i - self._start)
         self._seen = len(output_token_ids)
+
+    def constrains(self, output_token_ids: list[int]) -> bool:
+        """Whether the grammar holds over the next token (not while the model thinks)."""
+        self.advance(output_token_ids)
+        return not self._thinking or self._start is not None
 
     def fill(self, output_token_ids: list[int], row: torch.Tensor) -> None:
         """Write the next tokens that stay on the grammar into `row` (int32, CPU, contiguous, at
-        least `words` long, zeroed): EOS alone once it failed (see `failed`)."""
+        least `words` long, zeroed): EOS alone once it failed (see `failed`); and, at an answer's
+        first token, the think block's start marker (the model may open the block). Called only
+        where `constrains`."""
         m = self._matcher
         self.advance(output_token_ids)
         bits = row.numpy().view(np.uint32)
         if self.failed is None and not m.is_stopped():
             m.unsafe_compute_mask_ptr(row.data_ptr(), self._grammar_words * 4)
             if m.is_error():
-                self._fail(m, "llguidance gave up", self._seen)
+                self._fail(m, "llguidance gave up", self._seen - (self._start or 0))
                 row.zero_()
             elif self._grammar_eos not in self._eos:  # (the tokenizer's EOS, which does not end this model's answers)
                 bits[self._grammar_eos >> 5] &= ~np.uint32(1 << (self._grammar_eos & 31))
         if self.failed is not None or m.is_stopped() or m.is_accepting():
             for t in self._eos or [self._grammar_eos]:
                 bits[t >> 5] |= np.uint32(1 << (t & 31))
+        if self._start is None and self.failed is None and (t := self._block.start_token_id) is not None:
+            bits[t >> 5] |= np.uint32(1 << (t & 31))
 
     def _fail(self, m: Any, fallback: str, followed: int) -> None:
         """`followed`: how many of the answer's tokens kept to the grammar."""

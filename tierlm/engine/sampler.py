@@ -157,8 +157,9 @@ def _refill_empty_rows(logits: torch.Tensor, rows: torch.Tensor, fallback: torch
 def grammar_masks(reqs: Sequence[Request], vocab_size: int,
                   device: torch.device) -> tuple[list[int], torch.Tensor | None]:
     """The rows under a grammar (structured output) and, on `device`, their masks of the tokens
-    that keep the answer on it: built on the host as bitmasks, copied in one piece, unpacked there."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    that keep the answer on it: built on the host as bitmasks, copied in one piece, unpacked there.
+    A row still thinking before its grammar starts is left alone (no mask built)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.constrains(r.output_token_ids)]
     if not rows:
         return [], None
     bitmask = torch.zeros(len(rows), max(reqs[i].grammar.words for i in rows), dtype=torch.int32)
