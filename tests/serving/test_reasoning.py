@@ -505,16 +505,105 @@ def test_a_thinking_budget_for_a_model_without_think_markers_is_refused(openai_c
     assert r.status_code == 400 and "thinking_token_budget" in r.text
 
 
-def test_a_structured_answer_is_never_reasoning(clients):
-    """A structured answer follows its grammar from its first token: OPENER's prompt opens a think
-    block, so without its reasoning turned off the whole answer was reasoning and content empty."""
+# ---- a structured answer after the reasoning -------------------------------------------------
+
+CHOICE_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok"],
+                 "properties": {"ok": {"enum": ["yes", "no"]}}}
+CHOICES = ('{"ok": "yes"}', '{"ok": "no"}')
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "ok", "schema": CHOICE_SCHEMA}}
+ANTHROPIC_FORMAT = {"format": {"type": "json_schema", "schema": CHOICE_SCHEMA}}
+
+
+@pytest.mark.parametrize("model, thought", [(SPECIAL_THINKER, THOUGHT), (OPENER, OPEN_THOUGHT)])
+def test_a_structured_answer_thinks_first_then_keeps_to_its_grammar(clients, model, thought):
+    """As vLLM with a reasoning parser and Anthropic's output_config.format with thinking: the
+    model thinks unconstrained (THOUGHT's words are no JSON), and its answer after </think> follows
+    the schema (the script's own answer, prose, is not). It opened the block, or the prompt did."""
     claude, openai_client = clients
-    message = openai_client.chat.completions.create(model=OPENER, messages=USER, max_tokens=8,
+    for seed in range(3):
+        done = openai_client.chat.completions.create(model=model, messages=USER, max_tokens=64, seed=seed,
+                                                     response_format=JSON_FORMAT)
+        message = done.choices[0].message
+        assert message.model_extra == {"reasoning_content": thought, "reasoning": thought}
+        assert message.content in CHOICES and done.choices[0].finish_reason == "stop", message.content
+        streamed = openai_stream(openai_client, model=model, messages=USER, max_tokens=64, seed=seed,
+                                 response_format=JSON_FORMAT)
+        assert streamed[:4] == (thought, message.content, [], "stop")
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    beta = {"anthropic-beta": "interleaved-thinking-2025-05-14"}  # (a budget above max_tokens)
+    for kwargs in ({}, {"thinking": thinking, "extra_headers": beta}):
+        done = claude.messages.create(model=model, max_tokens=64, messages=USER, output_config=ANTHROPIC_FORMAT,
+                                      **kwargs)
+        assert blocks(done)[0] == ("thinking", thought) and done.stop_reason == "end_turn"
+        assert [b.type for b in done.content] == ["thinking", "text"] and done.content[1].text in CHOICES
+        with claude.messages.stream(model=model, max_tokens=64, messages=USER, output_config=ANTHROPIC_FORMAT,
+                                    **kwargs) as stream:
+            streamed = stream.get_final_message()
+        # (sampled unseeded: the answer may differ, not its shape)
+        assert blocks(streamed)[0] == ("thinking", thought) and streamed.content[1].text in CHOICES
+
+
+def test_a_structured_answer_beside_tools_thinks_first_and_is_never_a_call(clients):
+    """TOOL_THINKER thinks, then writes a call: under a structured output the call's place is the
+    grammar's, and the answer is never read for calls."""
+    claude, openai_client = clients
+    done = openai_client.chat.completions.create(model=TOOL_THINKER, messages=USER, max_tokens=64,
+                                                 tools=[OPENAI_WEATHER], response_format=JSON_FORMAT)
+    choice = done.choices[0]
+    assert choice.message.model_extra["reasoning_content"] == TOOL_THOUGHT and not choice.message.tool_calls
+    assert choice.message.content in CHOICES and choice.finish_reason == "stop"
+    message = claude.messages.create(model=TOOL_THINKER, max_tokens=64, messages=USER, tools=[WEATHER],
+                                     output_config=ANTHROPIC_FORMAT)
+    assert blocks(message)[0] == ("thinking", TOOL_THOUGHT) and [b.type for b in message.content] == [
+        "thinking", "text"] and message.content[1].text in CHOICES
+
+
+def test_a_thinking_budget_beside_a_structured_output_ends_the_thinking_then_the_grammar_holds(
+        clients, server, monkeypatch):
+    """It was refused (its forced </think> was off the grammar): now the forced marker ends the
+    thinking, and the answer keeps to the schema."""
+    _, engines = server
+    claude, openai_client = clients
+    budget = {"thinking_token_budget": 6}
+    done = openai_client.chat.completions.create(model=PONDERER, messages=USER, max_tokens=40, extra_body=budget,
+                                                 response_format=JSON_FORMAT)
+    message = done.choices[0].message
+    capped = openai_client.chat.completions.create(model=PONDERER, messages=USER, max_tokens=40, extra_body=budget)
+    assert message.model_extra["reasoning_content"] == capped.choices[0].message.model_extra["reasoning_content"]
+    assert message.content in CHOICES and done.choices[0].finish_reason == "stop"
+    streamed = openai_stream(openai_client, model=PONDERER, messages=USER, max_tokens=40, extra_body=budget,
+                             response_format=JSON_FORMAT)
+    assert streamed[0] == message.model_extra["reasoning_content"] and streamed[1] in CHOICES
+    # no budget: it thinks until max_tokens, unconstrained, and gives no answer
+    looped = openai_client.chat.completions.create(model=PONDERER, messages=USER, max_tokens=12,
+                                                   response_format=JSON_FORMAT).choices[0]
+    assert looped.finish_reason == "length" and looped.message.content == ""
+    # Anthropic's budget_tokens: the engine request waits for the budget's block
+    asked = record_requests(engines[SPECIAL_THINKER], monkeypatch)
+    claude.messages.create(model=SPECIAL_THINKER, max_tokens=64, messages=USER, output_config=ANTHROPIC_FORMAT,
+                           thinking={"type": "enabled", "budget_tokens": 1024},
+                           extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"})
+    params = asked[0].params
+    tokenizer = engines[SPECIAL_THINKER].tokenizer
+    block = params.structured_outputs.after_reasoning
+    assert params.thinking_budget.budget == 1024 and (block.starts_inside, *tokenizer.convert_ids_to_tokens(
+        [block.start_token_id, block.end_token_id])) == (False, "<think>", "</think>")
+
+
+def test_a_structured_answer_whose_markers_are_not_tokens_is_never_reasoning(clients, server, monkeypatch):
+    """THINKER spells <think> and </think> in ordinary tokens: the engine could not see its block
+    end, so its structured answer follows the grammar from its first token, and is not parsed for
+    reasoning."""
+    _, engines = server
+    claude, openai_client = clients
+    asked = record_requests(engines[THINKER], monkeypatch)
+    message = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=8,
                                                     extra_body={"guided_choice": ["yes", "no"]}).choices[0].message
     assert message.content in ("yes", "no") and "reasoning_content" not in (message.model_extra or {})
-    done = claude.messages.create(model=OPENER, max_tokens=16, messages=USER,
+    done = claude.messages.create(model=THINKER, max_tokens=16, messages=USER,
                                   output_config={"format": {"type": "json_schema", "schema": {"enum": [1, 2]}}})
     assert [(b.type, b.text) for b in done.content] in ([("text", "1")], [("text", "2")])
+    assert [r.params.structured_outputs.after_reasoning for r in asked] == [None, None]
 
 
 def test_reasoning_parser_none_leaves_the_answer_as_text(models):

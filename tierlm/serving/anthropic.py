@@ -113,7 +113,7 @@ async def create_message(request: Request) -> Response:
         stop=body.stop_sequences,
         keep_special_token_ids=prompt.keep_special_token_ids,
         thinking_budget=prompt.thinking_budget(body.thinking_budget_tokens),
-        structured_outputs=structured,
+        structured_outputs=prompt.structured_outputs(structured),
     )
     stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)

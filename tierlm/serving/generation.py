@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
-from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkingBudget
+from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import (
@@ -99,6 +99,16 @@ class ChatPrompt:
             return None
         return ThinkingBudget(budget, fmt.end_token_ids, fmt.start_token_ids, starts_inside=self.opens_in_reasoning)
 
+    def structured_outputs(self, spec: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """`spec` as the engine keeps it for this answer: from after its think block where the
+        reasoning is parsed (chat_prompt keeps it for a structured answer only where the markers
+        are tokens of their own), else from the answer's first token."""
+        fmt = self.reasoning
+        if spec is None or fmt is None or not fmt.budget_kept:
+            return spec
+        return replace(spec, after_reasoning=ThinkBlock(fmt.end_token_ids[0], fmt.start_token_ids[0],
+                                                        starts_inside=self.opens_in_reasoning))
+
     def reasoning_splitter(self) -> ReasoningSplitter | None:
         if self.reasoning is None:
             return None
@@ -160,8 +170,11 @@ async def chat_prompt(
     unconstrained model call a tool.
     `check_length` refuses a prompt that cannot fit the context (see `render_chat`).
     `reasoning` is the model's think syntax (ModelRegistry.reasoning; None: answers are text);
-    a forced call's answer starts with the call, never with reasoning. A `structured` answer
-    (a grammar from its first token) is neither reasoning nor read for tool calls.
+    a forced call's answer starts with the call, never with reasoning. A `structured` answer is
+    never read for tool calls; it may think first, its grammar starting after the think block
+    (ChatPrompt.structured_outputs), where the markers are tokens of their own (the engine finds
+    the block's end by its token); otherwise it follows its grammar from its first token, and its
+    reasoning is not parsed.
     """
     forced = ""
     parse_tools = False
@@ -194,7 +207,7 @@ async def chat_prompt(
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, check_length=check_length,
                                         template_kwargs=template_kwargs, suffix=forced, call_name=call_name)
-    if forced or structured:
+    if forced or (structured and not (reasoning is not None and reasoning.budget_kept)):
         reasoning = None
     parse_tools = parse_tools and not structured
     prefill = messages[-1].get("content") if continue_final_message and messages else None

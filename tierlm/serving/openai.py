@@ -129,7 +129,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
                              keep_special_token_ids=prompt.keep_special_token_ids,
                              thinking_budget=prompt.thinking_budget(body.thinking_token_budget),
-                             structured_outputs=structured)
+                             structured_outputs=prompt.structured_outputs(structured))
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)

@@ -58,10 +58,11 @@ class ReasoningFormat:
     # vLLM's deepseek_r1: every answer starts inside the block (R1 templates that do not write
     # the `<think>` the model no longer writes either)
     always_opens: bool = False
-    # The markers' tokens, for a thinking budget to follow the block and force its end: only
-    # where each marker is one token of its own (Qwen3's, R1's, SmolLM3's). Spelled in several
-    # ordinary tokens, a marker the model wrote another way would go unseen, and the budget would
-    # force `</think>` into the answer: no budget is kept then.
+    # The markers' tokens, for a thinking budget to follow the block and force its end, and for
+    # a structured answer's grammar to start after it: only where each marker is one token of its
+    # own (Qwen3's, R1's, SmolLM3's). Spelled in several ordinary tokens, a marker the model wrote
+    # another way would go unseen: the budget would force `</think>` into the answer, the grammar
+    # would never start. No budget is kept then, and a structured answer does not think first.
     start_token_ids: tuple[int, ...] = ()
     end_token_ids: tuple[int, ...] = ()
 
@@ -89,7 +90,8 @@ class ReasoningFormat:
 
     @property
     def budget_kept(self) -> bool:
-        """Whether a thinking budget can be kept (both markers are tokens of their own)."""
+        """Whether the engine can follow the block by its tokens (both markers are tokens of their
+        own): to keep a thinking budget, and to start a structured answer's grammar after it."""
         return bool(self.start_token_ids and self.end_token_ids)
 
     def decoded(self, skip_special_tokens: bool) -> "ReasoningFormat":
