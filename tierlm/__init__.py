@@ -6,7 +6,7 @@ from tierlm.config import EngineConfig
 from tierlm.engine.async_engine import AsyncEngine
 from tierlm.engine.llm import LLM
 from tierlm.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkingBudget
+from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "ThinkingBudget", "AsyncEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "ThinkBlock", "ThinkingBudget", "AsyncEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta"]
 __version__ = "0.1.0"

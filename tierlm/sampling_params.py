@@ -503,8 +503,8 @@ class SamplingParams:
         grammar starts after the budget's block, which must be one a grammar can wait for."""
         block = ThinkBlock.of(self.thinking_budget)
         if block is None:  # (its forced marker tokens would be off the grammar)
-            return ("beside a thinking_budget needs its think markers to be one token each (the grammar starts "
-                    "after the block's end marker); drop one of them")
+            return ("beside a thinking_budget needs the budget's think markers to be one token each (the grammar "
+                    "starts after the block's end marker token); give one-token markers, or drop one of them")
         given = self.structured_outputs.after_reasoning
         if given is not None and given != block:
             return (f"after_reasoning ({given}) is not the thinking_budget's think block ({block}); give the same "

@@ -173,7 +173,7 @@ def test_a_think_block_the_grammar_cannot_wait_for_is_refused_by_name(llms):
     llm = llms[THINKER]
     start, end = markers(llm)
     cases = [
-        (dict(thinking_budget=ThinkingBudget(4, (end, end))), "needs its think markers to be one token each"),
+        (dict(thinking_budget=ThinkingBudget(4, (end, end))), "needs the budget's think markers to be one token each"),
         (dict(thinking_budget=ThinkingBudget(4, (end,), (start, start))), "one token each"),
         (dict(thinking_budget=ThinkingBudget(4, (end,)), after=ThinkBlock(end, start)),
          "is not the thinking_budget's think block"),
