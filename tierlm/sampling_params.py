@@ -281,6 +281,8 @@ class ThinkingBudget:
             return "end_token_ids must name the end marker's tokens"
         if any(not _is_int(t) or t < 0 for t in (*self.end_token_ids, *self.start_token_ids)):
             return "token ids must be non-negative integers"
+        if not isinstance(self.starts_inside, bool):
+            return f"starts_inside must be true or false (got {self.starts_inside!r})"
         return None
 
 

@@ -620,3 +620,24 @@ def test_reasoning_parser_none_leaves_the_answer_as_text(models):
         server.stop()
     with pytest.raises(ValueError, match="unknown reasoning parser 'on'"):
         build_app({THINKER: engine}, ApiKeyAuth.from_keys({"alice": API_KEY}), reasoning_parser="on")
+
+
+def test_a_structured_answer_with_thinking_switched_off_may_not_open_a_block(clients, server, monkeypatch):
+    """Qwen3's enable_thinking false (Anthropic's thinking disabled) ends the prompt with an empty
+    block: the grammar holds from the first token, and <think> is not among the tokens it may be
+    (offering it there pushed a model told not to think into thinking)."""
+    _, engines = server
+    claude, openai_client = clients
+    asked = record_requests(engines[SPECIAL_THINKER], monkeypatch)
+    done = openai_client.chat.completions.create(
+        model=SPECIAL_THINKER, messages=USER, max_tokens=16, response_format=JSON_FORMAT,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "thinking_token_budget": 4})
+    assert done.choices[0].message.content in CHOICES
+    claude.messages.create(model=SPECIAL_THINKER, max_tokens=16, messages=USER, output_config=ANTHROPIC_FORMAT,
+                           thinking={"type": "disabled"})
+    openai_client.chat.completions.create(model=SPECIAL_THINKER, messages=USER, max_tokens=16,
+                                          response_format=JSON_FORMAT)  # thinking on: the answer may open one
+    blocks_asked = [r.params.structured_outputs.after_reasoning for r in asked]
+    assert [b.start_token_id is None for b in blocks_asked] == [True, True, False]
+    assert asked[0].params.thinking_budget is None  # (no block to cap)
+    assert "<think>\n\n</think>" in engines[SPECIAL_THINKER].tokenizer.decode(asked[0].prompt_token_ids)

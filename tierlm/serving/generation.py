@@ -81,6 +81,7 @@ class ChatPrompt:
     reasoning: ReasoningFormat | None = None  # the model's think markers (None: no reasoning parsed)
     opens_in_reasoning: bool = False  # the prompt ends inside a think block
     continues_reasoning: bool = False  # ... in the middle of reasoning a prefill began writing
+    thinking_off: bool = False  # the prompt ends with a whole think block: the answer opens none
     show_reasoning: bool = True  # False: the reasoning is parsed out of the answer, and dropped
 
     @property
@@ -95,7 +96,7 @@ class ChatPrompt:
         """`budget` tokens for this answer's think block, as the engine keeps it (None: no
         budget, no block to cap, or markers that are not tokens of their own)."""
         fmt = self.reasoning
-        if budget is None or fmt is None or not fmt.budget_kept:
+        if budget is None or fmt is None or not fmt.budget_kept or self.thinking_off:
             return None
         return ThinkingBudget(budget, fmt.end_token_ids, fmt.start_token_ids, starts_inside=self.opens_in_reasoning)
 
@@ -106,7 +107,9 @@ class ChatPrompt:
         fmt = self.reasoning
         if spec is None or fmt is None or not fmt.budget_kept:
             return spec
-        return replace(spec, after_reasoning=ThinkBlock(fmt.end_token_ids[0], fmt.start_token_ids[0],
+        # (thinking switched off: the grammar holds from the first token, which may not open a block)
+        start = None if self.thinking_off else fmt.start_token_ids[0]
+        return replace(spec, after_reasoning=ThinkBlock(fmt.end_token_ids[0], start,
                                                         starts_inside=self.opens_in_reasoning))
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
@@ -213,9 +216,10 @@ async def chat_prompt(
     prefill = messages[-1].get("content") if continue_final_message and messages else None
     prefill = prefill if isinstance(prefill, str) else None
     opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill)
+    closed = reasoning is not None and not opens and reasoning.closed_in_prompt(text)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls,
-                      reasoning=reasoning, opens_in_reasoning=opens,
+                      reasoning=reasoning, opens_in_reasoning=opens, thinking_off=closed,
                       continues_reasoning=opens and reasoning is not None and reasoning.continues_reasoning(prefill))
 
 

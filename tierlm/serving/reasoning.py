@@ -72,13 +72,18 @@ class ReasoningFormat:
         opened it), or it lies in the assistant `prefill` the answer continues."""
         at = prompt_text.rfind(self.start)
         if self.always_opens:  # unless the prompt itself wrote a whole block last (thinking switched off)
-            closed = prompt_text.rfind(self.end)
-            return not (closed > at and not prompt_text[closed + len(self.end):].strip())
+            return not self.closed_in_prompt(prompt_text)
         if at < 0 or prompt_text.rfind(self.end) > at:
             return False
         if not prompt_text[at + len(self.start):].strip():
             return True
         return self._open_in(prefill)
+
+    def closed_in_prompt(self, prompt_text: str) -> bool:
+        """Whether the prompt ends with a whole think block (and blank space): thinking switched
+        off (Qwen3's `enable_thinking: false`, R1's closed block), so the answer opens none."""
+        closed = prompt_text.rfind(self.end)
+        return closed >= 0 and closed > prompt_text.rfind(self.start) and not prompt_text[closed + len(self.end):].strip()
 
     def continues_reasoning(self, prefill: str | None) -> bool:
         """Whether an assistant `prefill` ends inside a think block it has begun writing: the
