@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tierlm.serving import anthropic, openai
+from tierlm.serving import anthropic, openai, openai_responses
 from tierlm.serving.auth import Authenticator
 from tierlm.serving.errors import (
     APIError,
@@ -33,6 +33,7 @@ from tierlm.serving.errors import (
     error_json_bytes,
 )
 from tierlm.serving.models import ModelRegistry
+from tierlm.serving.response_store import ResponseStore
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.state import ServerState, request_id_of, server_state
 from tierlm.serving.telemetry import Telemetry, TelemetryMiddleware
@@ -55,6 +56,7 @@ def build_app(
     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
     tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -65,10 +67,12 @@ def build_app(
     `request_read_timeout` and `stream_send_timeout`: see `ServerState`. `tool_call_parser`:
     every model's tool-call syntax (see tools.tool_call_syntax; "auto": each one's own).
     `reasoning_parser`: whether answers' think blocks are read as reasoning (see reasoning.py;
-    "auto": for each model whose chat template writes think markers).
+    "auto": for each model whose chat template writes think markers). `response_store`: where
+    the Responses API keeps stored responses (default: 256 MiB in memory).
     """
     state = ServerState(models=ModelRegistry(engines, tool_call_parser, reasoning_parser), auth=auth, max_body_bytes=max_body_bytes,
-                        request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout)
+                        request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout,
+                        responses=response_store if response_store is not None else ResponseStore())
     telemetry = telemetry or Telemetry()
     telemetry.watch(state.models.items)
 
@@ -93,6 +97,7 @@ def build_app(
     app.state.telemetry = telemetry
     app.include_router(anthropic.router)
     app.include_router(openai.router)
+    app.include_router(openai_responses.router)
     # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
     reads = ["GET", "HEAD"]
     app.add_api_route("/v1/models", list_models, methods=reads)

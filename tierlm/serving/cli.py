@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from tierlm.cli import _add_engine_args, at_least, engine_kwargs
+from tierlm.serving.response_store import DEFAULT_MAX_BYTES, ResponseStore
 from tierlm.serving.reasoning import PARSERS as REASONING_PARSERS
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
@@ -84,6 +85,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "answer starts inside the block, as vLLM's parser of that name reads R1; none: answers "
                         "are all text; auto: think for each model whose chat template writes "
                         "<think> or </think>. The choice is logged at start (default: %(default)s)")
+    p.add_argument("--responses-store-mb", type=at_least(0, float), default=DEFAULT_MAX_BYTES / 2**20,
+                   help="memory for the Responses API's stored responses (store true: previous_response_id, "
+                        "GET /v1/responses/ID), least recently used dropped first; 0 keeps none "
+                        "(default: %(default)g)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
@@ -189,7 +194,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engines, auth, max_body_bytes=args.max_body_bytes, telemetry=telemetry,
                     request_read_timeout=args.request_read_timeout, stream_send_timeout=args.stream_send_timeout,
                     tool_call_parser=getattr(args, "tool_call_parser", "auto"),
-                    reasoning_parser=getattr(args, "reasoning_parser", "auto"))
+                    reasoning_parser=getattr(args, "reasoning_parser", "auto"),
+                    response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)))
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

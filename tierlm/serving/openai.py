@@ -1,4 +1,4 @@
-"""OpenAI API: /v1/chat/completions and /v1/completions.
+"""OpenAI API: /v1/chat/completions and /v1/completions (the Responses API runs through `start_chat`).
 
 `developer` messages are rendered as `system` (chat templates predate that role); assistant
 `tool_calls` arguments are decoded from their JSON text because templates render dicts.
@@ -99,11 +99,39 @@ def _common_sampling(engine: "AsyncEngine", body: Any, max_tokens: int, logprobs
     )
 
 
+@dataclass
+class ChatRun:
+    """A chat request handed to its engine: what reads the answer, and its engine streams (open)."""
+
+    engine: "AsyncEngine"
+    prompt: ChatPrompt
+    prompt_ids: list[int]
+    top_n: int | None  # top logprobs per token (None: no logprobs)
+    streams: list[EngineStream]
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
+    run = await start_chat(state, context, request, body)
+    engine, prompt, streams, top_n = run.engine, run.prompt, run.streams, run.top_n
+    completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+    if body.stream:
+        chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n,
+                             *_stream_usage(body, run.prompt_ids))
+        return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
+    results = await _collect_all(streams, request)
+    return await json_answer(lambda: chat_response(results, engine, prompt, body.model, completion_id, top_n),
+                             _entries(results, top_n))
+
+
+async def start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
+                     limit_field: str | None = None) -> ChatRun:
+    """Render `body`'s conversation, check what it asks for and open its engine requests (one
+    per choice): the chat path, shared with the Responses API (`limit_field` names its output
+    limit in 400s)."""
     engine = state.models.get(body.model)
     structured = await _checked_structured(engine, body)
     forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
@@ -123,7 +151,7 @@ async def chat_completions(request: Request) -> Response:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
         prompt.show_reasoning = body.include_reasoning
     prompt_ids = _truncated(engine, prompt.token_ids, body.truncate_prompt_tokens, body.output_limit())
-    limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    limit_field = limit_field or ("max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
@@ -133,14 +161,7 @@ async def chat_completions(request: Request) -> Response:
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
-    completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
-    if body.stream:
-        chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n,
-                             *_stream_usage(body, prompt_ids))
-        return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
-    results = await _collect_all(streams, request)
-    return await json_answer(lambda: chat_response(results, engine, prompt, body.model, completion_id, top_n),
-                             _entries(results, top_n))
+    return ChatRun(engine, prompt, prompt_ids, top_n, streams)
 
 
 @router.post("/v1/completions")

@@ -13,6 +13,7 @@ from tierlm.serving.auth import Authenticator, RequestContext
 from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightRequests
 from tierlm.serving.models import ModelRegistry
+from tierlm.serving.response_store import ResponseStore
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.validation import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, first_part_past,
                                        parse_request)
@@ -33,6 +34,7 @@ class ServerState:
     # aborted and the connection closed (0: no limit).
     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT
     inflight: InflightRequests = field(default_factory=InflightRequests)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     draining: bool = False
 
     def admit(self, request: Request) -> RequestContext:

@@ -34,6 +34,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tierlm.serving.errors import OPENAI_PATHS
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -51,6 +52,7 @@ GENERATION_ROUTES: dict[str, str] = {
     "/v1/messages": "chat",
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
+    "/v1/responses": "chat",
 }
 DEFAULT_TENANT = "default"
 UNKNOWN_MODEL = "unknown"  # the request failed before its model was resolved (bad body, no such model)
@@ -354,7 +356,7 @@ class RequestTelemetry:
 
     def on_error(self, error: BaseException) -> None:
         """The request failed after it reached the engine (possibly mid-stream, after a 200)."""
-        style = "openai" if self.route in ("/v1/chat/completions", "/v1/completions") else "anthropic"
+        style = "openai" if self.route in OPENAI_PATHS else "anthropic"
         status_for = getattr(error, "status_for", None)  # APIError: the status this API's clients see
         self.error_status = int(status_for(style) if status_for else getattr(error, "status", 500))
         self.error_type = getattr(error, "anthropic_type", None) or type(error).__name__

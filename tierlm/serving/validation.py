@@ -203,23 +203,24 @@ def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
         total += len(system)
         if total > limit:
             return "system", total
-    messages = data.get("messages")
+    key = "messages" if "messages" in data else "input"  # (the Responses API's items)
+    messages = data.get(key)
     if not isinstance(messages, list):
         return None
     total += len(messages)
     if total > limit:
-        return "messages", total
+        return key, total
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
-        for key in ("content", "tool_calls"):
-            parts = message.get(key)
+        for field in ("content", "tool_calls", "output", "summary"):
+            parts = message.get(field)
             if not isinstance(parts, list):
                 continue
             total += len(parts)
             if total > limit:
-                return f"messages.{i}.{key}", total
-            for where, nested in _inner_lists(parts, f"messages.{i}.{key}"):
+                return f"{key}.{i}.{field}", total
+            for where, nested in _inner_lists(parts, f"{key}.{i}.{field}"):
                 total += len(nested)
                 if total > limit:
                     return where, total
