@@ -164,7 +164,7 @@ def test_engine_streams_report_to_the_scope_observer(checkpoints, monkeypatch):
     assert failed.events == [("request", "observed", 20, None), ("delta", False), ("error", 500)]
 
 
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/v1/chat/completion", "/v1/chat",
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses/x/y", "/v1/chat/completion", "/v1/chat",
                                   "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/files",
                                   "/v1/batches/b1", "/v1/completions/x", "/v1/conversations", "/v1/vector_stores",
                                   "/v1/fine_tuning/jobs", "/v1/assistants", "/v1/uploads", "/v1/containers",
