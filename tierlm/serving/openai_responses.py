@@ -70,7 +70,7 @@ async def create_response(request: Request) -> Response:
                                  param="previous_response_id", code="previous_response_not_found")
         history = previous.conversation
     items = history + [_with_id(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
-    chat = _chat_request(body, items)
+    chat = _chat_request(body, items, len(history))
     try:
         run = await start_chat(state, context, request, chat, limit_field="max_output_tokens")
     except InvalidRequest as exc:  # the chat path's names for the Responses API's fields
@@ -128,11 +128,19 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     return ""
 
 
-def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
     """The items as chat messages: an assistant message and the function calls after it are one
     assistant turn; a reasoning item is the reasoning of the assistant turn that follows it; each
     function_call_output is a tool message. Every call must be answered by an output after it,
-    and every output must answer a call before it (OpenAI's rules, in input.N terms)."""
+    and every output must answer a call before it (OpenAI's rules). Items from `first` on are the
+    request's own `input` and are named input.N as it counts them; those before it are the
+    previous response's conversation, named by their id."""
+    def at(i: int) -> str:
+        return f"input.{i - first}" if i >= first else f"item {items[i]['id']} of the previous response"
+
+    def param(i: int) -> str:
+        return f"input.{i - first}" if i >= first else "input"
+
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning: str | None = None
     calls: dict[str, int] = {}  # call_id -> the index of its function_call item
@@ -151,12 +159,12 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
             reasoning = None
             messages.append(message)
         elif kind == "function_call":
-            _arguments_checked(item["arguments"], i)
+            _arguments_checked(item["arguments"], param(i))
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}
             if item["call_id"] in calls:
-                raise InvalidRequest(f"input.{i}: call_id '{item['call_id']}' is used by input.{calls[item['call_id']]} "
-                                     "too; give each function call its own", param=f"input.{i}")
+                raise InvalidRequest(f"{at(i)}: call_id '{item['call_id']}' is used by {at(calls[item['call_id']])} "
+                                     "too; give each function call its own", param=param(i))
             calls[item["call_id"]] = i
             if not turn_open:
                 messages.append({"role": "assistant", "content": None, "tool_calls": []})
@@ -166,37 +174,39 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
             messages[-1].setdefault("tool_calls", []).append(call)
         else:  # function_call_output
             if item["call_id"] not in calls:
-                raise InvalidRequest(f"input.{i}: no function_call item before it has call_id '{item['call_id']}'; "
-                                     "send the call before its output", param=f"input.{i}")
+                raise InvalidRequest(f"{at(i)}: no function_call item before it has call_id '{item['call_id']}'; "
+                                     "send the call before its output", param=param(i))
             answered.add(item["call_id"])
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _part_text(item["output"])})
             turn_open = False
     if unanswered := [c for c in calls if c not in answered]:
-        raise InvalidRequest(f"No tool output found for function call {unanswered[0]}; send a function_call_output "
-                             "item for it", param=f"input.{calls[unanswered[0]]}")
+        raise InvalidRequest(f"No tool output found for function call {unanswered[0]} ({at(calls[unanswered[0]])}); "
+                             "send a function_call_output item for it", param=param(calls[unanswered[0]]))
     if not any(m["role"] != "system" for m in messages):
         raise InvalidRequest("input: needs a message besides instructions and system messages", param="input")
     return messages
 
 
-def _arguments_checked(text: str, index: int) -> None:
+def _arguments_checked(text: str, where: str) -> None:
     try:
         value = json.loads(text) if text.strip() else {}
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
-        raise InvalidRequest(f"input.{index}.arguments: must be a JSON object encoded as a string",
-                             param=f"input.{index}.arguments")
+        raise InvalidRequest(f"{where}.arguments: must be a JSON object encoded as a string",
+                             param=f"{where}.arguments")
 
 
-def _chat_request(body: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+def _chat_request(body: ResponsesRequest, items: list[dict[str, Any]], first: int) -> ChatCompletionRequest:
+    """The chat request `body` is; `items` are the previous response's conversation, then (from
+    `first` on) the request's own input."""
     logprobs = body.wants(LOGPROBS_INCLUDE)
     choice: Any = body.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = {"type": "function", "function": {"name": choice.name}}
     fields = {
         "model": body.model,
-        "messages": chat_messages(body.instructions, items),
+        "messages": chat_messages(body.instructions, items, first),
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty, "seed": body.seed, "cache_salt": body.cache_salt,
