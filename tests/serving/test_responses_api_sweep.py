@@ -72,6 +72,31 @@ def test_item_indices_in_errors_count_the_requests_own_input_not_the_previous_re
 
 
 
+@pytest.mark.parametrize("items, param, names", [
+    ([USER, call_item("c1"), {"role": "user", "content": "And?"}, output_item("c1")], "input.2", "input.1"),
+    ([USER, call_item("c1"), {"role": "assistant", "content": "Hm."}, output_item("c1")], "input.2", "input.1"),
+    ([USER, call_item("c1"), call_item("c2"), output_item("c1"), call_item("c3"), output_item("c2"),
+      output_item("c3")], "input.4", "input.2"),
+    ([USER, call_item("c1"), output_item("c1"), call_item("c2"), output_item("c1"), output_item("c2")],
+     "input.4", "input.1"),
+])
+def test_outputs_out_of_their_calls_turn_are_refused_naming_input_items(scripted_server, items, param, names):
+    """Was: the chat path refused these in its own words: "messages.1: An assistant message with
+    'tool_calls' must be followed by tool messages", a message index no Responses client sent."""
+    error = error_of(post(scripted_server, {"model": TOOLS_MODEL, "tools": [TOOL], "input": items}))
+    assert error["param"] == param and error["message"].startswith(param + ": "), error
+    assert names in error["message"] and "messages" not in error["message"], error
+
+
+def test_a_message_after_the_previous_responses_unanswered_call_is_refused_naming_it(oai, scripted_server):
+    first = oai.responses.create(model=TOOLS_MODEL, input="Weather?", tools=[TOOL])
+    error = error_of(post(scripted_server, {"model": TOOLS_MODEL, "previous_response_id": first.id, "tools": [TOOL],
+                                            "input": [{"role": "user", "content": "And?"}]}))
+    assert error["param"] == "input.0" and first.output[1].call_id in error["message"], error
+    assert "previous response" in error["message"] and "messages" not in error["message"], error
+
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

@@ -132,7 +132,9 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
     """The items as chat messages: an assistant message and the function calls after it are one
     assistant turn; a reasoning item is the reasoning of the assistant turn that follows it; each
     function_call_output is a tool message. Every call must be answered by an output after it,
-    and every output must answer a call before it (OpenAI's rules). Items from `first` on are the
+    and every output must answer a call before it (OpenAI's rules); and, as chat templates need
+    (the chat path's rule), a turn's calls are answered before any other message or turn, and an
+    output answers a call of the turn just before it. Items from `first` on are the
     request's own `input` and are named input.N as it counts them; those before it are the
     previous response's conversation, named by their id."""
     def at(i: int) -> str:
@@ -145,13 +147,25 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
     reasoning: str | None = None
     calls: dict[str, int] = {}  # call_id -> the index of its function_call item
     answered: set[str] = set()
+    turn: dict[str, int] = {}  # the calls of the last assistant turn with calls
     turn_open = False  # the last message is an assistant turn that later calls join
+
+    def turn_answered(i: int) -> None:
+        """Item i starts a message or turn: the last turn's calls must all be answered by now."""
+        if waiting := [c for c in turn if c not in answered]:
+            call = waiting[0]
+            raise InvalidRequest(f"{at(i)}: no tool output found for function call {call} ({at(turn[call])}) before "
+                                 "this item; send each call's function_call_output right after the calls",
+                                 param=param(i))
+        turn.clear()
+
     for i, item in enumerate(items):
         kind = item["type"]
         if kind == "reasoning":
             reasoning = _reasoning_text(item) or reasoning
             continue
         if kind == "message":
+            turn_answered(i)
             message = {"role": item["role"], "content": _part_text(item["content"])}
             turn_open = item["role"] == "assistant"
             if turn_open and reasoning:
@@ -167,15 +181,21 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
                                      "too; give each function call its own", param=param(i))
             calls[item["call_id"]] = i
             if not turn_open:
+                turn_answered(i)
                 messages.append({"role": "assistant", "content": None, "tool_calls": []})
                 if reasoning:
                     messages[-1]["reasoning_content"] = reasoning
                 reasoning, turn_open = None, True
             messages[-1].setdefault("tool_calls", []).append(call)
+            turn[item["call_id"]] = i
         else:  # function_call_output
             if item["call_id"] not in calls:
                 raise InvalidRequest(f"{at(i)}: no function_call item before it has call_id '{item['call_id']}'; "
                                      "send the call before its output", param=param(i))
+            if item["call_id"] not in turn:
+                raise InvalidRequest(f"{at(i)}: answers function call {item['call_id']} ({at(calls[item['call_id']])}) "
+                                     "of an earlier turn; send each function_call_output right after its call's turn",
+                                     param=param(i))
             answered.add(item["call_id"])
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _part_text(item["output"])})
             turn_open = False
