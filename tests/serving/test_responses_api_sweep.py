@@ -71,7 +71,6 @@ def test_item_indices_in_errors_count_the_requests_own_input_not_the_previous_re
     assert error["param"] == "input.2.arguments", error
 
 
-
 @pytest.mark.parametrize("items, param, names", [
     ([USER, call_item("c1"), {"role": "user", "content": "And?"}, output_item("c1")], "input.2", "input.1"),
     ([USER, call_item("c1"), {"role": "assistant", "content": "Hm."}, output_item("c1")], "input.2", "input.1"),
@@ -95,6 +94,14 @@ def test_a_message_after_the_previous_responses_unanswered_call_is_refused_namin
     assert error["param"] == "input.0" and first.output[1].call_id in error["message"], error
     assert "previous response" in error["message"] and "messages" not in error["message"], error
 
+
+def test_non_standard_json_in_call_arguments_is_refused_as_input_arguments(scripted_server):
+    """Was: NaN and Infinity passed the item's check, then the chat path refused them as
+    `messages.1.tool_calls.0.function.arguments`."""
+    for arguments in ('{"a": NaN}', '{"a": Infinity}', '{"a": 1e400}'):
+        error = error_of(post(scripted_server, {"model": TEXT_MODEL, "input": [
+            USER, call_item("c1", arguments), output_item("c1")]}))
+        assert error["param"] == "input.1.arguments" and error["message"].startswith("input.1.arguments: "), error
 
 
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------

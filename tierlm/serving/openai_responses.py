@@ -30,6 +30,7 @@ from tierlm.serving.protocol_responses import (ENCRYPTED_REASONING_INCLUDE, LOGP
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
+from tierlm.serving.validation import loads_strict
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
@@ -208,8 +209,8 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
 
 
 def _arguments_checked(text: str, where: str) -> None:
-    try:
-        value = json.loads(text) if text.strip() else {}
+    try:  # strict, as the chat path reads them: no NaN or Infinity
+        value = loads_strict(text) if text.strip() else {}
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
