@@ -104,6 +104,18 @@ def test_non_standard_json_in_call_arguments_is_refused_as_input_arguments(scrip
         assert error["param"] == "input.1.arguments" and error["message"].startswith("input.1.arguments: "), error
 
 
+def test_errors_of_the_chat_path_speak_of_the_responses_fields(scripted_server):
+    """Was: the param was renamed (text.format, input) but the message still began with the chat
+    field's name (`response_format: ...`, `messages: ...`)."""
+    error = error_of(post(scripted_server, {"model": TEXT_MODEL, "input": "Hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}))
+    assert error["param"] == "text.format" and error["message"].startswith("text.format: "), error
+    # call arguments the tokenizer cannot take (a lone surrogate, escaped in the JSON text)
+    error = error_of(post(scripted_server, {"model": TEXT_MODEL, "input": [
+        USER, call_item("c1", '{"a": "\\ud800"}'), output_item("c1")]}))
+    assert error["param"].startswith("input") and not error["message"].startswith("messages"), error
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

@@ -74,11 +74,8 @@ async def create_response(request: Request) -> Response:
     chat = _chat_request(body, items, len(history))
     try:
         run = await start_chat(state, context, request, chat, limit_field="max_output_tokens")
-    except InvalidRequest as exc:  # the chat path's names for the Responses API's fields
-        if exc.param and exc.param.startswith("messages"):
-            exc.param = "input"
-        elif exc.param == "response_format":
-            exc.param = "text.format"
+    except InvalidRequest as exc:
+        _renamed(exc)
         raise
     shape = _Shape(body, _new_id("resp"), time.time(), run.engine, run.prompt, run.top_n, items)
     if body.stream:
@@ -89,6 +86,19 @@ async def create_response(request: Request) -> Response:
     if body.store:
         state.responses.put(owner, response, items)
     return await json_answer(lambda: _Dumped(response), result.num_output_tokens * (1 if run.top_n is None else 2 + run.top_n))
+
+
+def _renamed(exc: InvalidRequest) -> None:
+    """The chat path's field names in its error (the param, and the name the message starts
+    with) as the Responses API's: `response_format` is text.format; `messages` the input (as a
+    whole: a message's index is not its item's, and the items' own rules were checked first)."""
+    old = exc.param or ""
+    new = "input" if old.startswith("messages") else "text.format" if old == "response_format" else None
+    if new is None:
+        return
+    if exc.message.startswith(old + ":"):
+        exc.message = new + exc.message[len(old):]
+    exc.param = new
 
 
 class _Dumped:
