@@ -116,6 +116,17 @@ def test_errors_of_the_chat_path_speak_of_the_responses_fields(scripted_server):
     assert error["param"].startswith("input") and not error["message"].startswith("messages"), error
 
 
+def test_unknown_include_values_are_refused(scripted_server):
+    """Was: any `include` value was accepted, so a typo (`message.output_text.logprob`) silently
+    returned no logprobs; OpenAI answers a 400 listing the values."""
+    error = error_of(post(scripted_server, {"model": TEXT_MODEL, "input": "Hi",
+                                            "include": ["message.output_text.logprob"]}))
+    assert error["param"].startswith("include") and "message.output_text.logprobs" in error["message"], error
+    # OpenAI's values for its built-in tools are still accepted (and have nothing to add here)
+    r = post(scripted_server, {"model": TEXT_MODEL, "input": "Hi", "include": ["file_search_call.results"]})
+    assert r.status_code == 200, r.text
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

@@ -36,9 +36,13 @@ _REFUSED_ITEMS = {
 _TEXT_ONLY = "tierlm's models read text only; send input_text parts"
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
-# `include` values tierlm honours; the others name outputs of built-in tools, which never occur here.
+# `include` values tierlm honours; OpenAI's others name outputs of built-in tools and images,
+# which never occur here (accepted, adding nothing); any other value is a 400, as at OpenAI.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY = 64
@@ -183,7 +187,7 @@ class ResponsesRequest(_Body):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
