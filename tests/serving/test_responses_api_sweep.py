@@ -127,6 +127,22 @@ def test_unknown_include_values_are_refused(scripted_server):
     assert r.status_code == 200, r.text
 
 
+# ---- stored responses --------------------------------------------------------------------------
+
+
+def test_listed_input_messages_hold_content_parts_as_the_sdk_reads_them(oai):
+    """Was: a message sent as a string (`input="Hi"`, or easy input messages) was listed with
+    `content: "Hi"`; the SDK's ResponseInputMessageItem holds a list of parts, so
+    `item.content[0].text` failed."""
+    first = oai.responses.create(model=TEXT_MODEL, input="Hi")
+    second = oai.responses.create(model=TEXT_MODEL, previous_response_id=first.id, input=[
+        {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Again"}])
+    items = list(oai.responses.input_items.list(second.id, order="asc"))
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in items] == [
+        ("user", "input_text", "Hi"), ("assistant", "output_text", REPLY),
+        ("assistant", "output_text", "Noted."), ("user", "input_text", "Again")]
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

@@ -70,7 +70,7 @@ async def create_response(request: Request) -> Response:
                                  "send the conversation's items in 'input' instead",
                                  param="previous_response_id", code="previous_response_not_found")
         history = previous.conversation
-    items = history + [_with_id(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
+    items = history + [_listed(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
     chat = _chat_request(body, items, len(history))
     try:
         run = await start_chat(state, context, request, chat, limit_field="max_output_tokens")
@@ -111,11 +111,17 @@ class _Dumped:
         return self.data
 
 
-def _with_id(item: dict[str, Any]) -> dict[str, Any]:
-    """An input item with an id (as OpenAI lists input items: each has one)."""
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it (input_items, and the SDK's types): with an id, and a
+    message's text as one content part (`input_text`, or `output_text` for the assistant's),
+    never a bare string. The prompt reads the same text either way."""
     if not item.get("id"):
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[item["type"]]
         item["id"] = _new_id(prefix)
+    if item["type"] == "message" and isinstance(item["content"], str):
+        part = ({"type": "output_text", "text": item["content"], "annotations": []} if item["role"] == "assistant"
+                else {"type": "input_text", "text": item["content"]})
+        item["content"] = [part]
     return item
 
 
