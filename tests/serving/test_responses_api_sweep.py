@@ -143,6 +143,21 @@ def test_listed_input_messages_hold_content_parts_as_the_sdk_reads_them(oai):
         ("assistant", "output_text", "Noted."), ("user", "input_text", "Again")]
 
 
+def test_an_item_id_sent_twice_is_refused(oai, scripted_server):
+    """Was: the previous response's output sent again beside previous_response_id (a common
+    mistake) was read twice, and its input_items listed the same id twice: a page `after` that
+    id started over at its first copy, so the SDK's auto-paging never ended. OpenAI refuses
+    such input ("Duplicate item found with id ...")."""
+    first = oai.responses.create(model=TEXT_MODEL, input="Hi")
+    again = first.output[0].model_dump(exclude_none=True)
+    error = error_of(post(scripted_server, {"model": TEXT_MODEL, "previous_response_id": first.id,
+                                            "input": [again, {"role": "user", "content": "More"}]}))
+    assert error["param"] == "input.0" and first.output[0].id in error["message"], error
+    twice = {"type": "message", "id": "msg_1", "role": "user", "content": "Hi"}
+    error = error_of(post(scripted_server, {"model": TEXT_MODEL, "input": [twice, twice]}))
+    assert error["param"] == "input.1" and "msg_1" in error["message"], error
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

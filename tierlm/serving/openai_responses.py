@@ -149,11 +149,11 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
     """The items as chat messages: an assistant message and the function calls after it are one
     assistant turn; a reasoning item is the reasoning of the assistant turn that follows it; each
     function_call_output is a tool message. Every call must be answered by an output after it,
-    and every output must answer a call before it (OpenAI's rules); and, as chat templates need
-    (the chat path's rule), a turn's calls are answered before any other message or turn, and an
-    output answers a call of the turn just before it. Items from `first` on are the
-    request's own `input` and are named input.N as it counts them; those before it are the
-    previous response's conversation, named by their id."""
+    and every output must answer a call before it, and no two items have the same id (OpenAI's
+    rules); and, as chat templates need (the chat path's rule), a turn's calls are answered
+    before any other message or turn, and an output answers a call of the turn just before it.
+    Items from `first` on are the request's own `input` and are named input.N as it counts
+    them; those before it are the previous response's conversation, named by their id."""
     def at(i: int) -> str:
         return f"input.{i - first}" if i >= first else f"item {items[i]['id']} of the previous response"
 
@@ -176,8 +176,13 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
                                  param=param(i))
         turn.clear()
 
+    ids: dict[str, int] = {}  # item id -> the index of its item
     for i, item in enumerate(items):
         kind = item["type"]
+        if item.get("id") and (j := ids.setdefault(item["id"], i)) != i:  # (read twice, listed twice)
+            again = ("the previous response holds it already; send only new items beside previous_response_id"
+                     if j < first else f"as {at(j)}; remove one")
+            raise InvalidRequest(f"{at(i)}: duplicate item found with id '{item['id']}' ({again})", param=param(i))
         if kind == "reasoning":
             reasoning = _reasoning_text(item) or reasoning
             continue
