@@ -158,6 +158,18 @@ def test_an_item_id_sent_twice_is_refused(oai, scripted_server):
     assert error["param"] == "input.1" and "msg_1" in error["message"], error
 
 
+def test_stored_responses_answer_head_and_405s_name_every_method(oai, scripted_server):
+    """Was: HEAD on GET /v1/responses/{id} and its input_items was a 405 (every GET route
+    answers HEAD), and a 405 there offered only GET, not DELETE."""
+    created = oai.responses.create(model=TEXT_MODEL, input="Hi")
+    for path in (f"/v1/responses/{created.id}", f"/v1/responses/{created.id}/input_items"):
+        head = httpx.head(scripted_server.url + path, headers=HEADERS)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
+    assert httpx.head(scripted_server.url + "/v1/responses/resp_nope", headers=HEADERS).status_code == 404
+    r = httpx.put(scripted_server.url + f"/v1/responses/{created.id}", headers=HEADERS)
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

@@ -526,20 +526,19 @@ def _stored(request: Request, response_id: str) -> tuple[Any, str, Any]:
     return state, owner, entry
 
 
-@router.get("/v1/responses/{response_id}")
-async def get_response(request: Request, response_id: str) -> Response:
+# One route for a stored response's methods, so that a 405 there names them all (the Allow
+# header of a route per method named only the first's); HEAD beside GET, as on every GET route.
+@router.api_route("/v1/responses/{response_id}", methods=["GET", "HEAD", "DELETE"])
+async def stored_response(request: Request, response_id: str) -> Response:
+    if request.method == "DELETE":
+        state, owner, _ = _stored(request, response_id)
+        state.responses.delete(owner, response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
     if request.query_params.get("stream") in ("true", "1"):
         raise InvalidRequest("stream: a stored response cannot be streamed again (tierlm runs no background "
                              "responses); GET it without stream", param="stream")
     _, _, entry = _stored(request, response_id)
     return JSONResponse(entry.response)
-
-
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(request: Request, response_id: str) -> Response:
-    state, owner, _ = _stored(request, response_id)
-    state.responses.delete(owner, response_id)
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -549,7 +548,7 @@ async def cancel_response(request: Request, response_id: str) -> Response:
                          "the background: this one has finished", param="response_id")
 
 
-@router.get("/v1/responses/{response_id}/input_items")
+@router.api_route("/v1/responses/{response_id}/input_items", methods=["GET", "HEAD"])
 async def list_input_items(request: Request, response_id: str) -> Response:
     """The items the response read (its history's and its own), a page at a time: `order` desc
     (the default, newest first) or asc, `limit` 1-100 (20), after the item id `after`."""
