@@ -170,6 +170,16 @@ def test_stored_responses_answer_head_and_405s_name_every_method(oai, scripted_s
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}
 
 
+def test_timestamps_are_whole_seconds_as_openai_sends_them(scripted_server):
+    """Was: created_at and completed_at were floats (1796226800.05); OpenAI sends integers, as
+    the chat side's `created` does, and clients typed for them (u64) fail on a fraction."""
+    body = post(scripted_server, {"model": TEXT_MODEL, "input": "Hi"}).json()
+    assert isinstance(body["created_at"], int) and isinstance(body["completed_at"], int), body
+    frames = parse_sse(post(scripted_server, {"model": TEXT_MODEL, "input": "Hi", "stream": True}).text)
+    assert isinstance(frames[0][1]["response"]["created_at"], int)
+    assert isinstance(frames[-1][1]["response"]["completed_at"], int)
+
+
 # ---- streams: what the SDK's accumulator checks, and what is left behind --------------------------
 
 

@@ -77,7 +77,7 @@ async def create_response(request: Request) -> Response:
     except InvalidRequest as exc:
         _renamed(exc)
         raise
-    shape = _Shape(body, _new_id("resp"), time.time(), run.engine, run.prompt, run.top_n, items)
+    shape = _Shape(body, _new_id("resp"), int(time.time()), run.engine, run.prompt, run.top_n, items)
     if body.stream:
         return EventStreamResponse(shape.events(run.streams[0], state, owner),
                                    on_close=lambda: _close_all(run.streams))
@@ -274,7 +274,7 @@ def _chat_request(body: ResponsesRequest, items: list[dict[str, Any]], first: in
 class _Shape:
     """One response's fixed fields, and how its answer becomes output items and events."""
 
-    def __init__(self, body: ResponsesRequest, response_id: str, created_at: float, engine: "AsyncEngine",
+    def __init__(self, body: ResponsesRequest, response_id: str, created_at: int, engine: "AsyncEngine",
                  prompt: ChatPrompt, top_n: int | None, items: list[dict[str, Any]]) -> None:
         self.body, self.response_id, self.created_at = body, response_id, created_at
         self.engine, self.prompt, self.top_n, self.items = engine, prompt, top_n, items
@@ -304,7 +304,8 @@ class _Shape:
             "top_logprobs": body.top_logprobs, "top_p": body.top_p if body.top_p is not None else 1.0,
             "truncation": body.truncation or "disabled", "usage": usage, "user": body.user,
             "metadata": body.metadata or {},
-            "completed_at": time.time() if status in ("completed", "incomplete") else None,
+            # whole seconds, as OpenAI sends them (clients typed for integers fail on a fraction)
+            "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
         }
 
     def usage(self, result: Generation, reasoning: str) -> dict[str, Any]:
