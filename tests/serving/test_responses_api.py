@@ -158,7 +158,8 @@ def test_instructions_are_not_carried_to_the_next_response(oai, requests_to, scr
     first = oai.responses.create(model=TEXT_MODEL, instructions="Speak like a pirate.", input="Hi")
     seen = requests_to(TEXT_MODEL)
     oai.responses.create(model=TEXT_MODEL, previous_response_id=first.id, input="Again")
-    assert "pirate" not in scripted_engines[TEXT_MODEL].tokenizer.decode(seen[0].prompt_token_ids)
+    text = scripted_engines[TEXT_MODEL].tokenizer.decode(seen[0].prompt_token_ids)
+    assert "pirate" not in text and "Hi" in text and REPLY in text and "Again" in text  # (the rest is carried)
 
 
 # ---- stored responses -------------------------------------------------------------------------
@@ -219,11 +220,22 @@ def test_the_store_drops_least_recently_used_responses_past_its_bounds():
     store.get("k", "r0")  # used: r1 is now the oldest
     store.put("k", {"id": "r3", "output": []}, [])
     assert [store.get("k", f"r{i}") is not None for i in range(4)] == [True, False, True, True]
-    assert store.get("other", "r0") is None
+    assert store.get("other", "r0") is None and len(store) == 3
     assert not store.put("k", {"id": "big", "output": ["x" * 20_000]}, [])  # alone past the bound: not kept
     store.put("k", {"id": "half", "output": ["x" * 6_000]}, [])
     store.put("k", {"id": "half2", "output": ["x" * 6_000]}, [])
     assert store.get("k", "half") is None and store.get("k", "half2") is not None and store.bytes <= 10_000
+    assert not ResponseStore(max_bytes=0).put("k", {"id": "r", "output": []}, [])  # --responses-store-mb 0
+
+
+def test_a_busy_key_loses_its_own_responses_first():
+    """The bound is shared, eviction is not: the key holding the most pays for the room."""
+    store = ResponseStore(max_bytes=20_000)
+    store.put("quiet", {"id": "q", "output": ["x" * 2_000]}, [])
+    for i in range(10):
+        store.put("busy", {"id": f"b{i}", "output": ["x" * 3_000]}, [])
+    assert store.get("quiet", "q") is not None and store.bytes <= 20_000
+    assert store.get("busy", "b0") is None and store.get("busy", "b9") is not None
 
 
 # ---- bad requests ------------------------------------------------------------------------------
@@ -337,7 +349,7 @@ def test_logprobs_come_with_the_text_they_belong_to(demo_server, demo_engine):
     created = oai.responses.create(**kwargs)
     part = created.output[0].content[0]
     assert part.logprobs and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
-    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode(errors="replace").startswith(part.text[:1])
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode(errors="replace") == part.text
     with oai.responses.stream(**kwargs) as stream:
         events = list(stream)
     final = events[-1].response  # (response.incomplete, at max_output_tokens, or completed)
@@ -382,3 +394,35 @@ def test_a_reasoning_answers_logprobs_are_the_messages_tokens_alone(reasoning_se
     assert "".join(tokens).strip() == ANSWER  # (no token of the think block or its markers)
     assert [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == tokens
     assert [lp.token for lp in final.output[1].content[0].logprobs] == tokens
+
+
+def test_logprobs_of_prose_before_a_call_are_the_proses_alone(oai):
+    kwargs = dict(model=TOOLS_MODEL, input="Weather in Paris?", tools=[TOOL], include=["message.output_text.logprobs"])
+    created = oai.responses.create(**kwargs)
+    with oai.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    tokens = [lp.token for lp in created.output[0].content[0].logprobs]
+    assert "".join(tokens).strip() == TOOL_PROSE  # (not the call's markup, which the message does not hold)
+    assert [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == tokens
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == tokens
+
+
+def test_a_streamed_response_with_store_false_keeps_nothing(oai):
+    with oai.responses.stream(model=TEXT_MODEL, input="Hi", store=False) as stream:
+        final = stream.get_final_response()
+    assert final.store is False and final.output_text == REPLY
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(final.id)
+
+
+def test_an_answer_cut_off_while_thinking_is_its_reasoning_item_alone(reasoning_server):
+    server, _ = reasoning_server
+    oai = sdk_clients(server.url)[1]
+    created = oai.responses.create(model=THINKER, input="Hi", max_output_tokens=3)
+    r = httpx.post(server.url + "/v1/responses", json={"model": THINKER, "input": "Hi", "max_output_tokens": 3,
+                                                      "stream": True}, headers={"x-api-key": API_KEY}, timeout=60)
+    streamed = parse_sse(r.text)[-1][1]["response"]
+    for response in (created.model_dump(), streamed):
+        assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["reasoning"]
+        assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 3

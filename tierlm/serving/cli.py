@@ -86,8 +86,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "are all text; auto: think for each model whose chat template writes "
                         "<think> or </think>. The choice is logged at start (default: %(default)s)")
     p.add_argument("--responses-store-mb", type=at_least(0, float), default=DEFAULT_MAX_BYTES / 2**20,
-                   help="memory for the Responses API's stored responses (store true: previous_response_id, "
-                        "GET /v1/responses/ID), least recently used dropped first; 0 keeps none "
+                   help="MiB of JSON the Responses API may keep of stored responses (store true: "
+                        "previous_response_id, GET /v1/responses/ID; Python holds a few times that); past it the "
+                        "API key holding the most loses its least recently used first; 0 keeps none "
                         "(default: %(default)g)")
     p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")

@@ -9,6 +9,7 @@ Streams are typed events (`event:` + `data:` lines, each with a `sequence_number
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -22,12 +23,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tierlm.serving.auth import RequestContext
-from tierlm.serving.errors import InvalidRequest, NotFound, openai_error_body, stream_error
+from tierlm.serving.errors import InvalidRequest, NotFound, stream_error
 from tierlm.serving.generation import Answer, ChatPrompt, Generation, StreamedAnswer
 from tierlm.serving.openai import ReturnedTokens, _close_all, _collect_all, chat_logprobs, start_chat
 from tierlm.serving.protocol_openai import ChatCompletionRequest
 from tierlm.serving.protocol_responses import (ENCRYPTED_REASONING_INCLUDE, LOGPROBS_INCLUDE, ResponsesRequest)
-from tierlm.serving.responses import json_answer
+from tierlm.serving.response_store import stored_size
+from tierlm.serving.responses import off_loop
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
 from tierlm.serving.validation import loads_strict
@@ -48,8 +50,9 @@ def _new_id(prefix: str) -> str:
 
 
 def owner_of(context: RequestContext) -> str:
-    """Whose stored responses a request may read: its tenant's, else its key's ("" without auth)."""
-    return context.tenant_id or context.api_key_id or ""
+    """Whose stored responses a request may read: its API key's ("" without auth). (Not its
+    tenant's: a tenant's keys may belong to different people.)"""
+    return f"key:{context.api_key_id}" if context.api_key_id is not None else ""
 
 
 # ---- POST /v1/responses ------------------------------------------------------------------
@@ -82,10 +85,29 @@ async def create_response(request: Request) -> Response:
         return EventStreamResponse(shape.events(run.streams[0], state, owner),
                                    on_close=lambda: _close_all(run.streams))
     result = (await _collect_all(run.streams, request))[0]
-    response = shape.finished(result, run.prompt.split(result, id_prefix="call_"))
+
+    def build() -> tuple[dict[str, Any], JSONResponse, int]:
+        response = shape.finished(result, run.prompt.split(result, id_prefix="call_"))
+        return response, JSONResponse(response), stored_size(response, items) if body.store else 0
+
+    entries = result.num_output_tokens * (1 if run.top_n is None else 2 + run.top_n)
+    response, answer, size = await off_loop(build, entries + _chars(items) // 64)
     if body.store:
-        state.responses.put(owner, response, items)
-    return await json_answer(lambda: _Dumped(response), result.num_output_tokens * (1 if run.top_n is None else 2 + run.top_n))
+        state.responses.put(owner, response, items, size)
+    return answer
+
+
+def _chars(items: list[dict[str, Any]]) -> int:
+    """About how many characters of text the items hold (what storing them costs to measure)."""
+    total = 0
+    for item in items:
+        for key in ("content", "output", "arguments", "summary"):
+            value = item.get(key)
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, list):
+                total += sum(len(p.get("text", "")) for p in value if isinstance(p, dict))
+    return total
 
 
 def _renamed(exc: InvalidRequest) -> None:
@@ -99,16 +121,6 @@ def _renamed(exc: InvalidRequest) -> None:
     if exc.message.startswith(old + ":"):
         exc.message = new + exc.message[len(old):]
     exc.param = new
-
-
-class _Dumped:
-    """A ready dict where json_answer expects a pydantic model."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = data
-
-    def model_dump(self) -> dict[str, Any]:
-        return self.data
 
 
 def _listed(item: dict[str, Any]) -> dict[str, Any]:
@@ -303,6 +315,7 @@ class _Shape:
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "top_logprobs": body.top_logprobs, "top_p": body.top_p if body.top_p is not None else 1.0,
             "truncation": body.truncation or "disabled", "usage": usage, "user": body.user,
+            "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
             "metadata": body.metadata or {},
             # whole seconds, as OpenAI sends them (clients typed for integers fail on a fraction)
             "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
@@ -358,14 +371,21 @@ class _Shape:
         return chat_logprobs(self.engine, logprobs, self.top_n)["content"]
 
     def _answer_logprobs(self, result: Generation, answer: Answer) -> list["TokenLogprob"]:
-        """The returned tokens after the think block (its tokens are not the message's)."""
-        cut = self._answer_start(result.text, bool(answer.reasoning))
-        return [t for t in ReturnedTokens().add(result.logprobs, result.text) if t.text_start >= cut]
+        """The returned tokens of the message's text: not the think block's, nor (with calls)
+        the calls' markup after the prose, which a stream never shows either."""
+        start = self._answer_start(result.text)
+        end = len(result.text)
+        if answer.calls:  # the prose, where it lies in the raw text; the calls follow it
+            at = result.text.find(answer.text, start) if answer.text else -1
+            end = at + len(answer.text) if at >= 0 else start
+        return [t for t in ReturnedTokens().add(result.logprobs, result.text) if start <= t.text_start < end]
 
-    def _answer_start(self, text: str, reasoned: bool) -> int:
-        """Where the answer starts in the generated `text`: past the think block's end marker."""
+    def _answer_start(self, text: str) -> int:
+        """Where the answer starts in the generated `text`: past the think block's end marker,
+        where the answer is in a block (opened by the prompt, or by the answer's start), even an
+        empty one; else 0."""
         fmt = self.prompt.reasoning
-        if not reasoned or fmt is None:
+        if fmt is None or not (self.prompt.opens_in_reasoning or text.lstrip().startswith(fmt.answer_start)):
             return 0
         end = text.find(fmt.answer_end)
         return len(text) if end < 0 else end + len(fmt.answer_end)
@@ -376,7 +396,7 @@ class _Shape:
         output: list[dict[str, Any]] = []
         if answer.reasoning and self.prompt.show_reasoning:
             output.append(self.reasoning_item(_new_id("rs"), answer.reasoning))
-        if answer.text or not answer.calls:
+        if answer.text or not (answer.calls or output):  # (an answer of reasoning alone: no empty message)
             logprobs = self.logprob_entries(self._answer_logprobs(result, answer)) if self.top_n is not None else None
             output.append(self.message_item(_new_id("msg"), [self.text_part(answer.text, logprobs)], status))
         output.extend(self.call_item(c, json.dumps(c.arguments)) for c in answer.calls)
@@ -395,12 +415,11 @@ class _Shape:
         thinking: dict[str, Any] | None = None  # the open reasoning item: {"id", "text"}
         message: dict[str, Any] | None = None  # the open message: {"id", "text", "logprobs"}
         pending: list["TokenLogprob"] = []  # tokens whose text is out, not yet shown with text
-        reasoned, cut = False, 0
+        cut = 0
         try:
             async for thought, text, delta in answer.pieces():
                 if returned is not None and delta is not None:
                     pending += returned.add(delta.logprobs or [], delta.text)
-                reasoned = reasoned or bool(thought)
                 if thought and self.prompt.show_reasoning:
                     if thinking is None:
                         thinking = {"id": _new_id("rs"), "text": ""}
@@ -423,7 +442,7 @@ class _Shape:
                     message = {"id": _new_id("msg"), "text": "", "logprobs": []}
                     for frame in self._open_message(frames, output, message):
                         yield frame
-                    cut = self._answer_start(answer.result.text, reasoned)  # (the think block's tokens lie before it)
+                    cut = self._answer_start(answer.result.text)  # (the think block's tokens lie before it)
                 entries = self.logprob_entries([t for t in pending if t.text_start >= cut])
                 pending = []
                 message["text"] += text
@@ -435,7 +454,7 @@ class _Shape:
             if thinking is not None:
                 for frame in self._close_reasoning(frames, output, thinking):
                     yield frame
-            if message is None and not answer.calls:  # an empty answer is an empty message, as when not streamed
+            if message is None and not (answer.calls or output):  # an empty answer is an empty message, as not streamed
                 message = {"id": _new_id("msg"), "text": "", "logprobs": []}
                 for frame in self._open_message(frames, output, message):
                     yield frame
@@ -453,14 +472,16 @@ class _Shape:
                 done = self.call_item(call, arguments)
                 yield frames.event("response.output_item.done", output_index=len(output), item=done)
                 output.append(done)
-            response = self.response(status, output, self.usage(result, thinking_text(output)))
+            usage = await asyncio.to_thread(self.usage, result, thinking_text(output))  # (may tokenize)
+            response = self.response(status, output, usage)
             if self.body.store:
-                state.responses.put(owner, response, self.items)
+                state.responses.put(owner, response, self.items,
+                                    await asyncio.to_thread(stored_size, response, self.items))
             yield frames.event(f"response.{status}", response=response)
         except Exception as exc:
-            err = openai_error_body(stream_error(exc, stream.request_id))["error"]
-            failed = self.response("failed", output, error={"code": err.get("code") or err.get("type") or "server_error",
-                                                              "message": err.get("message", "")})
+            err = stream_error(exc, stream.request_id)
+            failed = self.response("failed", output, error={"code": _failure_code(err.status_for("openai")),
+                                                              "message": err.message_for("openai")})
             yield frames.event("response.failed", response=failed)
 
     def _open_message(self, frames: "_Frames", output: list[dict[str, Any]], message: dict[str, Any]) -> list[bytes]:
@@ -496,6 +517,12 @@ class _Shape:
                          part={"type": "reasoning_text", "text": thinking["text"]}),
             frames.event("response.output_item.done", output_index=index, item=item),
         ]
+
+
+def _failure_code(status: int) -> str:
+    """A failed response's error.code, among OpenAI's (ResponseError.code): by the HTTP status
+    the failure would have had."""
+    return "rate_limit_exceeded" if status == 429 else "server_error" if status >= 500 else "invalid_prompt"
 
 
 def thinking_text(output: list[dict[str, Any]]) -> str:

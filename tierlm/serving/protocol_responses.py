@@ -83,11 +83,6 @@ class MessageItem(_Body):
 
     _readable = field_validator("content", mode="before")(_refuse_unreadable_parts)
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.refusal if isinstance(p, RefusalText) else p.text for p in self.content)
-
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
@@ -106,11 +101,6 @@ class FunctionCallOutputItem(_Body):
     status: str | None = None
 
     _readable = field_validator("output", mode="before")(_refuse_unreadable_parts)
-
-    def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "\n".join(p.refusal if isinstance(p, RefusalText) else p.text for p in self.output)
 
 
 class ReasoningText(_Body):

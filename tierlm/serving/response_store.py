@@ -2,11 +2,12 @@
 and its input_items read.
 
 Kept in this process's memory (a restart, or another replica, does not have them: a client
-then gets `previous_response_not_found` and sends the items itself), per owner (an API key, or
-its tenant): another key's id is not found, as if it did not exist. Each entry holds its whole
-conversation, so a chain of responses costs the sum of its conversations; entries are dropped
-least recently used first once `max_bytes` (their JSON size) or `max_responses` is passed.
-Used from the event loop only.
+then gets `previous_response_not_found` and sends the items itself), per owner (an API key):
+another key's id is not found, as if it did not exist. Each entry holds its whole conversation,
+so a chain of responses costs the sum of its conversations. The bound counts the entries' JSON
+size (Python holds them in a few times that); past it, or past `max_responses`, the owner that
+holds the most loses its least recently used entry first, so one busy key cannot flush every
+other key's responses. Used from the event loop only (sizes are measured beforehand, off it).
 """
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from typing import Any
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_RESPONSES = 10_000
+
+
+def stored_size(response: dict[str, Any], input_items: list[dict[str, Any]]) -> int:
+    """What an entry counts against the bound: its JSON size (seconds for a 30 MB conversation:
+    measured in a worker thread)."""
+    return len(json.dumps(response, separators=(",", ":"))) + len(json.dumps(input_items, separators=(",", ":")))
 
 
 @dataclass
@@ -31,39 +38,58 @@ class StoredResponse:
         return self.input_items + list(self.response.get("output") or ())
 
 
+class _Owned:
+    """One owner's entries, least recently used first."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.bytes = 0
+
+
 class ResponseStore:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_responses: int = DEFAULT_MAX_RESPONSES) -> None:
         self.max_bytes = max_bytes
         self.max_responses = max_responses
-        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._owners: dict[str, _Owned] = {}
         self.bytes = 0
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
-    def put(self, owner: str, response: dict[str, Any], input_items: list[dict[str, Any]]) -> bool:
-        """Keep `response` for `owner`; False (nothing kept) if it alone is past the byte bound."""
-        size = len(json.dumps(response, separators=(",", ":"))) + len(json.dumps(input_items, separators=(",", ":")))
-        if size > self.max_bytes:
+    def put(self, owner: str, response: dict[str, Any], input_items: list[dict[str, Any]],
+            size: int | None = None) -> bool:
+        """Keep `response` for `owner` (`size`: its stored_size, if measured already); False
+        (nothing kept) if it alone is past the byte bound."""
+        size = stored_size(response, input_items) if size is None else size
+        if size > self.max_bytes or self.max_responses < 1:
             return False
-        key = (owner, response["id"])
         self.delete(owner, response["id"])
-        self._entries[key] = StoredResponse(response, input_items, size)
+        owned = self._owners.setdefault(owner, _Owned())
+        owned.entries[response["id"]] = StoredResponse(response, input_items, size)
+        owned.bytes += size
         self.bytes += size
-        while self.bytes > self.max_bytes or len(self._entries) > self.max_responses:
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= dropped.size
+        self._count += 1
+        while self.bytes > self.max_bytes or self._count > self.max_responses:
+            heaviest = max(self._owners, key=lambda o: self._owners[o].bytes)
+            self.delete(heaviest, next(iter(self._owners[heaviest].entries)))
         return True
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get((owner, response_id))
+        owned = self._owners.get(owner)
+        entry = owned.entries.get(response_id) if owned is not None else None
         if entry is not None:
-            self._entries.move_to_end((owner, response_id))
+            owned.entries.move_to_end(response_id)
         return entry
 
     def delete(self, owner: str, response_id: str) -> bool:
-        entry = self._entries.pop((owner, response_id), None)
+        owned = self._owners.get(owner)
+        entry = owned.entries.pop(response_id, None) if owned is not None else None
         if entry is None:
             return False
+        owned.bytes -= entry.size
         self.bytes -= entry.size
+        self._count -= 1
+        if not owned.entries:
+            del self._owners[owner]
         return True

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TypeVar
 
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
+
+T = TypeVar("T")
 
 OFF_LOOP_ENTRIES = 2048  # tokens (and logprob entries) past which an answer is built in a thread
 
@@ -18,6 +21,11 @@ OFF_LOOP_ENTRIES = 2048  # tokens (and logprob entries) past which an answer is 
 async def json_answer(build: Callable[[], BaseModel], entries: int) -> JSONResponse:
     """`build()` as a JSON response; in a worker thread if it holds `entries` tokens and logprob
     entries or more (a small one costs less than the hand-off)."""
+    return await off_loop(lambda: JSONResponse(build().model_dump()), entries)  # renders the body too
+
+
+async def off_loop(build: Callable[[], T], entries: int) -> T:
+    """`build()`, in a worker thread if its work is `entries` tokens and logprob entries or more."""
     if entries < OFF_LOOP_ENTRIES:
-        return JSONResponse(build().model_dump())
-    return await asyncio.to_thread(lambda: JSONResponse(build().model_dump()))  # renders the body too
+        return build()
+    return await asyncio.to_thread(build)
