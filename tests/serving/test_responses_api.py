@@ -228,6 +228,19 @@ def test_the_store_drops_least_recently_used_responses_past_its_bounds():
     assert not ResponseStore(max_bytes=0).put("k", {"id": "r", "output": []}, [])  # --responses-store-mb 0
 
 
+def test_past_the_count_bound_the_key_with_most_entries_pays_and_a_new_entry_is_never_the_victim():
+    store = ResponseStore(max_bytes=10**9, max_responses=10)
+    for i in range(3):
+        store.put("agent", {"id": f"a{i}", "output": ["x" * 3_000]}, [])  # few, large
+    for i in range(20):
+        store.put("batch", {"id": f"b{i}", "output": []}, [])  # many, small
+    assert all(store.get("agent", f"a{i}") is not None for i in range(3)) and len(store) == 10
+    small = ResponseStore(max_bytes=10_000)
+    small.put("b", {"id": "old", "output": ["x" * 4_000]}, [])
+    assert small.put("a", {"id": "new", "output": ["x" * 7_000]}, [])  # the heaviest now: b's goes instead
+    assert small.get("a", "new") is not None and small.get("b", "old") is None
+
+
 def test_a_busy_key_loses_its_own_responses_first():
     """The bound is shared, eviction is not: the key holding the most pays for the room."""
     store = ResponseStore(max_bytes=20_000)
@@ -289,13 +302,15 @@ def test_cancel_is_refused_for_a_finished_response(oai):
 
 # ---- reasoning -------------------------------------------------------------------------------
 
-THINKER, HISTORY = "r-thinker", "r-history"
+THINKER, HISTORY, BLANK = "r-thinker", "r-history", "r-blank"
+BLANK_REPLY = f"<think></think>\n\n{ANSWER}"  # an empty think block, then the answer
 
 
 @pytest.fixture(scope="module")
 def reasoning_server(demo_tokenizer, tmp_path_factory):
     models = build_templated_models(tmp_path_factory.mktemp("responses-reasoning"), demo_tokenizer, [
         (THINKER, THINK_TEMPLATE, THINKING_REPLY, ("<think>", "</think>")), (HISTORY, HISTORY_TEMPLATE, ANSWER, ()),
+        (BLANK, THINK_TEMPLATE, BLANK_REPLY, ("<think>", "</think>")),
     ])
     engines = {name: model.engine(name) for name, model in models.items()}
     server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
@@ -426,3 +441,31 @@ def test_an_answer_cut_off_while_thinking_is_its_reasoning_item_alone(reasoning_
     for response in (created.model_dump(), streamed):
         assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["reasoning"]
         assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
+
+
+def test_an_answer_that_was_reasoning_alone_is_continued_as_an_assistant_turn(reasoning_server, monkeypatch):
+    """Cut off while thinking, the answer is its reasoning item alone; the next turn's prompt
+    holds it as the assistant's turn, not two user turns in a row."""
+    from tests.serving.harness import record_requests
+
+    server, engines = reasoning_server
+    oai = sdk_clients(server.url)[1]
+    cut = oai.responses.create(model=THINKER, input="Hi", max_output_tokens=3)
+    seen = record_requests(engines[HISTORY], monkeypatch)
+    oai.responses.create(model=HISTORY, previous_response_id=cut.id, input="Go on")
+    text = engines[HISTORY].tokenizer.decode(seen[0].prompt_token_ids)
+    thought = cut.output[0].content[0].text
+    assert thought and f"<|im_start|>assistant\n<think>\n{thought}\n</think>" in text
+    assert text.index(thought) < text.index("Go on")
+
+
+def test_an_empty_think_blocks_markers_are_not_the_messages_logprobs(reasoning_server):
+    server, _ = reasoning_server
+    oai = sdk_clients(server.url)[1]
+    kwargs = dict(model=BLANK, input="Hi", include=["message.output_text.logprobs"])
+    created = oai.responses.create(**kwargs)
+    with oai.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    tokens = [lp.token for lp in created.output[-1].content[0].logprobs]
+    assert created.output_text == ANSWER and "".join(tokens).strip() == ANSWER
+    assert [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == tokens

@@ -204,6 +204,8 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
             turn_open = item["role"] == "assistant"
             if turn_open and reasoning:
                 message["reasoning_content"] = reasoning
+            elif reasoning:  # an answer that was reasoning alone (cut off while thinking): its turn
+                messages.append(_reasoning_turn(reasoning))
             reasoning = None
             messages.append(message)
         elif kind == "function_call":
@@ -233,12 +235,20 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: 
             answered.add(item["call_id"])
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _part_text(item["output"])})
             turn_open = False
+    if reasoning:  # the conversation ends with an answer that was reasoning alone
+        messages.append(_reasoning_turn(reasoning))
     if unanswered := [c for c in calls if c not in answered]:
         raise InvalidRequest(f"No tool output found for function call {unanswered[0]} ({at(calls[unanswered[0]])}); "
                              "send a function_call_output item for it", param=param(calls[unanswered[0]]))
     if not any(m["role"] != "system" for m in messages):
         raise InvalidRequest("input: needs a message besides instructions and system messages", param="input")
     return messages
+
+
+def _reasoning_turn(reasoning: str) -> dict[str, Any]:
+    """The assistant turn of an answer that was its reasoning alone: without it the prompt lost
+    the answer and held two user turns in a row, which templates that alternate refuse."""
+    return {"role": "assistant", "content": "", "reasoning_content": reasoning}
 
 
 def _arguments_checked(text: str, where: str) -> None:
@@ -458,8 +468,11 @@ class _Shape:
                 message = {"id": _new_id("msg"), "text": "", "logprobs": []}
                 for frame in self._open_message(frames, output, message):
                     yield frame
+            # The closing events each carry the whole text and its logprobs: built off the loop when large.
+            heavy = len(message["logprobs"]) * (2 + (self.top_n or 0)) if message is not None else 0
             if message is not None:
-                for frame in self._close_message(frames, output, message, status):
+                closing = message
+                for frame in await off_loop(lambda: self._close_message(frames, output, closing, status), heavy):
                     yield frame
             for call in answer.calls:
                 arguments = json.dumps(call.arguments)
@@ -477,7 +490,7 @@ class _Shape:
             if self.body.store:
                 state.responses.put(owner, response, self.items,
                                     await asyncio.to_thread(stored_size, response, self.items))
-            yield frames.event(f"response.{status}", response=response)
+            yield await off_loop(lambda: frames.event(f"response.{status}", response=response), heavy)
         except Exception as exc:
             err = stream_error(exc, stream.request_id)
             failed = self.response("failed", output, error={"code": _failure_code(err.status_for("openai")),

@@ -5,9 +5,10 @@ Kept in this process's memory (a restart, or another replica, does not have them
 then gets `previous_response_not_found` and sends the items itself), per owner (an API key):
 another key's id is not found, as if it did not exist. Each entry holds its whole conversation,
 so a chain of responses costs the sum of its conversations. The bound counts the entries' JSON
-size (Python holds them in a few times that); past it, or past `max_responses`, the owner that
-holds the most loses its least recently used entry first, so one busy key cannot flush every
-other key's responses. Used from the event loop only (sizes are measured beforehand, off it).
+size (Python holds them in a few times that, and a chain's entries share their early turns'
+objects, so a chain is counted as more than it holds); past it, or past `max_responses`, the
+owner holding the most bytes (or entries) loses its least recently used entry first, never the
+one just stored, so one busy key cannot flush every other key's responses. Used from the event loop only (sizes are measured beforehand, off it).
 """
 from __future__ import annotations
 
@@ -71,9 +72,24 @@ class ResponseStore:
         self.bytes += size
         self._count += 1
         while self.bytes > self.max_bytes or self._count > self.max_responses:
-            heaviest = max(self._owners, key=lambda o: self._owners[o].bytes)
-            self.delete(heaviest, next(iter(self._owners[heaviest].entries)))
+            if not self._evict(owner, response["id"], by_count=self._count > self.max_responses):
+                self.delete(owner, response["id"])  # (only the new entry is left to drop)
+                return False
         return True
+
+    def _evict(self, owner: str, response_id: str, by_count: bool) -> bool:
+        """Drop the least recently used entry of the owner holding the most (entries when over
+        the count bound, bytes when over the byte bound), never the entry just stored (`owner`'s
+        `response_id`: its client is about to continue it); False if there is no other."""
+        def weight(o: str) -> int:
+            return len(self._owners[o].entries) if by_count else self._owners[o].bytes
+
+        for candidate in sorted(self._owners, key=weight, reverse=True):
+            victim = next(iter(self._owners[candidate].entries))
+            if (candidate, victim) != (owner, response_id):
+                self.delete(candidate, victim)
+                return True
+        return False
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         owned = self._owners.get(owner)
