@@ -203,9 +203,11 @@ class ThinkBlock:
 class StructuredOutputsParams:
     """vLLM's structured outputs: the answer follows a JSON schema (`json`, a dict or its JSON
     text), is any JSON object (`json_object`), matches a regular expression (`regex`) or is one
-    of some strings (`choice`). Exactly one is given. Decoding is constrained token by token
-    (engine/grammar.py): only tokens that keep the answer on the grammar can be sampled, and EOS
-    only once it is complete.
+    of some strings (`choice`); or, tierlm's own, it follows a grammar in llguidance's Lark
+    dialect (`lark`, whose `%json {...}` embeds a schema: the server composes one for a required
+    tool call, see serving/tool_grammar.py; the HTTP APIs take none from clients). Exactly one is
+    given. Decoding is constrained token by token (engine/grammar.py): only tokens that keep the
+    answer on the grammar can be sampled, and EOS only once it is complete.
 
     `after_reasoning` (tierlm's; the server sets it for a reasoning model whose markers are
     tokens of their own) lets the model think first: until the block's end marker the answer is
@@ -218,6 +220,7 @@ class StructuredOutputsParams:
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    lark: str | None = None
     after_reasoning: ThinkBlock | None = None
 
     def __post_init__(self) -> None:
@@ -227,18 +230,20 @@ class StructuredOutputsParams:
     def grammar_key(self) -> str:
         """What the compiled grammar depends on (not `after_reasoning`), as text: its cache key.
         Key order is kept: llguidance writes an object's properties in the schema's order."""
-        return _json.dumps([self.json, self.json_object, self.regex, self.choice], default=str)
+        return _json.dumps([self.json, self.json_object, self.regex, self.choice, self.lark], default=str)
 
     def problem(self) -> str | None:
         """Why this is refused (before the grammar is compiled), or None."""
-        given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None] + \
+        given = [n for n in ("json", "regex", "choice", "lark") if getattr(self, n) is not None] + \
             (["json_object"] if self.json_object else [])
         if len(given) != 1:
-            return f"must set exactly one of json, json_object, regex, choice (got {', '.join(given) or 'none'})"
+            return f"must set exactly one of json, json_object, regex, choice, lark (got {', '.join(given) or 'none'})"
         if self.json is not None and not isinstance(self.json, (dict, str)):
             return f"json must be a JSON schema (an object, or its JSON text) (got {type(self.json).__name__})"
         if self.regex is not None and not isinstance(self.regex, str):
             return "regex must be a string"
+        if self.lark is not None and not isinstance(self.lark, str):
+            return "lark must be a string (a grammar in llguidance's Lark dialect)"
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             return "choice must be a non-empty list of non-empty strings"
         if self.after_reasoning is not None:

@@ -103,10 +103,12 @@ def test_a_grammar_that_cannot_be_followed_further_ends_the_request_with_an_erro
 
 
 @pytest.mark.parametrize("spec, says", [
-    (StructuredOutputsParams(), "must set exactly one of json, json_object, regex, choice (got none)"),
+    (StructuredOutputsParams(), "must set exactly one of json, json_object, regex, choice, lark (got none)"),
     (StructuredOutputsParams(regex="a", choice=("b",)), "(got regex, choice)"),
     (StructuredOutputsParams(choice=()), "choice must be a non-empty list"),
     (StructuredOutputsParams(json=5), "json must be a JSON schema"),
+    (StructuredOutputsParams(lark=5), "lark must be a string"),
+    (StructuredOutputsParams(json={}, lark='start: "a"'), "(got json, lark)"),
 ])
 def test_a_malformed_spec_is_refused_by_name(spec, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
@@ -120,12 +122,37 @@ def test_a_malformed_spec_is_refused_by_name(spec, says):
     (StructuredOutputsParams(regex="(a"), "this regex cannot be followed"),
     (StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]"), "nothing can follow it"),
     (StructuredOutputsParams(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "cannot be followed"),
+    (StructuredOutputsParams(lark='start: "a" %json {"type": "objec"}'), "this grammar cannot be followed"),
+    (StructuredOutputsParams(lark="start: nowhere"), "this grammar cannot be followed"),
 ])
 def test_a_grammar_the_engine_cannot_follow_is_refused_before_it_runs(llm, spec, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert info.value.param == "structured_outputs"
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing half-ran
+
+
+def test_a_lark_grammar_keeps_its_text_and_its_embedded_schema(llm):
+    """tierlm's own `lark` (the server composes one for a required tool call): literal text
+    around a `%json` schema, compact as its `x-guidance` asks (a grammar's schemas get no
+    defaults: the tool-call grammar sets it on each)."""
+    from tierlm.engine.grammar import COMPACT_JSON
+
+    schema = {**SCHEMA, "x-guidance": COMPACT_JSON}
+    spec = StructuredOutputsParams(lark='start: "call(" %json ' + json.dumps(schema) + ' ")" | "none"')
+    for out in answers(llm, spec, temperature=1.5):
+        assert out.finish_reason == "stop", out.text
+        if out.text != "none":
+            assert out.text.startswith("call(") and out.text.endswith(")"), out.text
+            value = json.loads(out.text[5:-1])
+            assert follows_schema(value) and out.text[5:-1] == json.dumps(value, ensure_ascii=False)
+
+
+def test_two_lark_grammars_are_two_cached_grammars(llm):
+    """The cache key holds the grammar's text: a second grammar never reuses the first's."""
+    for word in ("alpha", "omega"):
+        out = answers(llm, StructuredOutputsParams(lark=f'start: "{word}"'), temperature=0, n=1)
+        assert [o.text for o in out] == [word] * len(PROMPTS)
 
 
 def test_the_tokenizer_is_converted_once_and_grammars_compiled_once(llm, monkeypatch):
@@ -177,6 +204,8 @@ def test_a_tokenizer_llguidance_cannot_take_is_a_clear_refusal(llm):
             return {str(i): i for i in range(10)}
 
     compiler = GrammarCompiler(Slow(), 10, frozenset({0}))
+    assert not compiler.available()  # (the server then starts a required tool call unconstrained)
+    assert llm.engine.grammars.available()
     for _ in range(2):  # (the failure is kept, not tried again each request)
         with pytest.raises(InvalidRequestError, match="this model's tokenizer cannot be used for structured outputs"):
             compiler.follower(StructuredOutputsParams(regex="[0-9]"))

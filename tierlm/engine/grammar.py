@@ -1,7 +1,7 @@
 """Structured output: which tokens keep an answer on its grammar, step by step.
 
-A request's StructuredOutputsParams (a JSON schema, any JSON object, a regular expression, a choice)
-is compiled by llguidance (the Rust library behind vLLM's `guidance` backend: an Earley parser
+A request's StructuredOutputsParams (a JSON schema, any JSON object, a regular expression, a choice,
+a Lark grammar) is compiled by llguidance (the Rust library behind vLLM's `guidance` backend: an Earley parser
 over the tokenizer's byte-level vocabulary) into a matcher that, fed the tokens sampled so far,
 says which tokens may come next. The sampler lets only those be drawn; EOS only once the answer
 is complete, and nothing but EOS once the grammar can go no further, so a complete answer ends
@@ -63,6 +63,8 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         return matcher.grammar_from_json_schema(schema)
     if spec.regex is not None:
         return matcher.grammar_from_regex(spec.regex)
+    if spec.lark is not None:
+        return matcher.grammar_from_lark(spec.lark)
     return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice or ()))
 
 
@@ -95,6 +97,16 @@ class GrammarCompiler:
                                           "(tokenizer.json)", param="structured_outputs")
             return self._tokenizer
 
+    def available(self) -> bool:
+        """Whether grammars can be followed here at all (llguidance is installed and takes this
+        tokenizer: a slow, Python-only one it cannot). The server constrains a required tool call
+        only then, and starts it unconstrained otherwise. The first call converts the tokenizer."""
+        try:
+            self._ll_tokenizer()
+        except InvalidRequestError:
+            return False
+        return True
+
     def grammar(self, spec: StructuredOutputsParams) -> Any:
         """`spec` compiled against the tokenizer into a pristine matcher (cached: followers are
         copies of it, so a schema is compiled once, however many requests and samples use it),
@@ -112,7 +124,8 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured_outputs: {_first_line(exc)}", param="structured_outputs") from None
         matcher = _llguidance().LLMatcher(tokenizer, text)
         if problem := (matcher.get_error() if matcher.is_error() else "") or _first_step_problem(matcher):
-            what = "json" if spec.json is not None or spec.json_object else "regex" if spec.regex is not None else "choice"
+            what = ("json" if spec.json is not None or spec.json_object else "regex" if spec.regex is not None
+                    else "grammar" if spec.lark is not None else "choice")
             raise InvalidRequestError(f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}",
                                       param="structured_outputs")
         with self._lock:
@@ -143,8 +156,14 @@ def _first_step_problem(matcher: Any) -> str:
 
 
 def _first_line(problem: Any) -> str:
-    text = str(problem).strip()
-    return text.splitlines()[0] if text else "invalid"
+    """llguidance's message in one line: its first, and where that only opens a regex's error
+    ("regex parse error:"), the line below that says what is wrong."""
+    lines = [line.strip() for line in str(problem).strip().splitlines()]
+    if not lines:
+        return "invalid"
+    if lines[0].endswith(":") and (why := next((x for x in lines[1:] if x.startswith("error:")), None)):
+        return lines[0] + " " + why.removeprefix("error:").strip()
+    return lines[0]
 
 
 class GrammarFollower:
