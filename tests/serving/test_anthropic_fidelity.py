@@ -551,7 +551,7 @@ def test_an_unknown_model_is_named_before_the_thinking_budget(client):
 
 
 def test_strict_tools_are_accepted_on_both_routes(client):
-    """Accepted and not enforced (README); a strict that is not a boolean is refused."""
+    """Accepted, changing nothing (README); a strict that is not a boolean is refused."""
     tool = {**WEATHER_TOOL, "strict": True}
     r = client.post("/v1/messages", json=conversation(USER, max_tokens=64, tools=[tool]))
     assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn", r.text

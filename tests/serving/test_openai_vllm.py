@@ -5,6 +5,8 @@ the scripted models (see scripted_model.py) and, where a random distribution is 
 demo model."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -315,13 +317,26 @@ def test_unfinished_forced_call_is_the_models_text_without_the_prefill(client, s
     assert streamed_answer == (before, "stop", False)
 
 
-def test_forced_call_the_model_never_starts_is_empty_content(client):
-    """The call model has no script after the started call: EOS at once, nothing to return."""
-    body = {"model": CALL_MODEL, "messages": HI, "tools": [WEATHER_TOOL],
+def test_a_forced_call_the_model_would_not_write_is_written_on_the_schema(client):
+    """The call model has no script after the started call: unconstrained it ended at once (empty
+    content, no call). The call's grammar allows no EOS before the call is whole, so what it
+    writes, off its script, is a call to the named tool whose arguments follow the schema."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"],
+              "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": FORCED_TOOL, "parameters": schema}}
+    body = {"model": CALL_MODEL, "messages": HI, "tools": [tool],
             "tool_choice": {"type": "function", "function": {"name": FORCED_TOOL}}}
-    choice, streamed_answer = forced_answer(client, body)
-    assert (choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]) == ("", None, "stop")
-    assert streamed_answer == ("", "stop", False)
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == FORCED_TOOL
+    assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Paris")
+    frames = [d for _, d in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)]
+    deltas = [c["choices"][0] for c in frames[:-1] if c["choices"]]
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or ()]
+    assert [c["function"]["name"] for c in calls] == [FORCED_TOOL] and deltas[-1]["finish_reason"] == "tool_calls"
+    assert json.loads(calls[0]["function"]["arguments"]) in ({"city": "Oslo"}, {"city": "Paris"})
+    assert not "".join(d["delta"].get("content") or "" for d in deltas)
 
 
 THINKING_TEMPLATE = (  # Qwen3's switch: `enable_thinking=false` opens the answer with an empty think block

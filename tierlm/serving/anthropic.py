@@ -181,6 +181,7 @@ async def build_prompt(engine: "AsyncEngine", body: ConversationBody, *, check_l
         tool_calls=tool_calls,
         reasoning=reasoning,
         structured=structured,
+        schema_field="tools.{}.input_schema",
     )
 
 

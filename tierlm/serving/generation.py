@@ -26,6 +26,7 @@ from starlette.requests import Request
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
 from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
+from tierlm.serving import tool_grammar
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import (
@@ -74,7 +75,8 @@ class ChatPrompt:
     """A rendered conversation and how to read the answer."""
 
     token_ids: list[int]
-    forced_prefix: str = ""  # assistant text tierlm put in front of the answer (tool calls)
+    forced_prefix: str = ""  # assistant text tierlm put in front of the answer (a required call's start)
+    call_grammar: StructuredOutputsParams | None = None  # what the rest of that call follows (tool_grammar.py)
     parse_tools: bool = False
     tool_names: frozenset[str] = frozenset()  # the tools offered: a call to another one is text
     tool_calls: toolcalls.ToolCallFormat = toolcalls.ToolCallFormat(toolcalls.HERMES)
@@ -103,9 +105,12 @@ class ChatPrompt:
     def structured_outputs(self, spec: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
         """`spec` as the engine keeps it for this answer: from after its think block where the
         reasoning is parsed (chat_prompt keeps it for a structured answer only where the markers
-        are tokens of their own), else from the answer's first token."""
+        are tokens of their own), else from the answer's first token. Without one, a required
+        call's grammar (a forced call has no reasoning, and refuses a structured output beside it)."""
         fmt = self.reasoning
-        if spec is None or fmt is None or not fmt.budget_kept:
+        if spec is None:
+            return self.call_grammar
+        if fmt is None or not fmt.budget_kept:
             return spec
         # (thinking switched off: the grammar holds from the first token, which may not open a block)
         start = None if self.thinking_off else fmt.start_token_ids[0]
@@ -137,10 +142,10 @@ class ChatPrompt:
 
     def without_forced_prefix(self, text: str, calls: list[toolcalls.ParsedToolCall]) -> str:
         """A parsed answer's prose (its kept markers taken out), less the call start tierlm wrote.
-        When the model does not finish the forced call (max_tokens, a stop string, bad JSON,
-        another tool's name) no call is parsed and the whole text comes back as prose: the
-        client gets what the model wrote, never tierlm's own prefill (with calls parsed, the
-        prose lies before them and cannot hold it)."""
+        When the model does not finish the forced call (max_tokens, a stop string; bad JSON or
+        another tool's name where no grammar holds it to the call) no call is parsed and the
+        whole text comes back as prose: the client gets what the model wrote, never tierlm's own
+        prefill (with calls parsed, the prose lies before them and cannot hold it)."""
         forced = self.forced_prefix  # plain text (its markers were never kept tokens): not scrubbed
         if forced and not calls and text.startswith(forced):
             return text[len(forced):]
@@ -162,6 +167,7 @@ async def chat_prompt(
     tool_calls: toolcalls.ToolCallFormat | None = None,
     reasoning: ReasoningFormat | None = None,
     structured: bool = False,
+    schema_field: str = "tools.{}.function.parameters",
 ) -> ChatPrompt:
     """Render a conversation, with its tools (in chat-template form), for either API.
 
@@ -169,8 +175,9 @@ async def chat_prompt(
     tool-call syntax (ModelRegistry.tool_calls; by default detected from its template).
     `call_required_by` names the tool_choice that demands a call (Anthropic `any`/`tool`, OpenAI
     `required`/a named one): the assistant turn is then started with the syntax's call start
-    (`<tool_call>`, naming `tool_name` if given), because nothing else can make an
-    unconstrained model call a tool.
+    (`<tool_call>`, naming `tool_name` if given), and the rest of the call follows a grammar
+    (`ChatPrompt.call_grammar`, see tool_grammar.py): one call, its arguments on the tool's
+    schema; a schema that cannot be followed is a 400 naming `schema_field` (with the tool's index).
     `check_length` refuses a prompt that cannot fit the context (see `render_chat`).
     `reasoning` is the model's think syntax (ModelRegistry.reasoning; None: answers are text);
     a forced call's answer starts with the call, never with reasoning. A `structured` answer is
@@ -210,6 +217,12 @@ async def chat_prompt(
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, check_length=check_length,
                                         template_kwargs=template_kwargs, suffix=forced, call_name=call_name)
+    grammar = None
+    if forced:
+        # The start as the prompt ends with it: a prefill's trailing blank space may be trimmed by
+        # the template (continue_final_message then ends the prompt without it).
+        forced = forced if text.endswith(forced) or not text.endswith(forced.rstrip()) else forced.rstrip()
+        grammar = await tool_grammar.call_grammar(engine, tool_calls, tools or [], tool_name, forced, schema_field)
     if forced or (structured and not (reasoning is not None and reasoning.budget_kept)):
         reasoning = None
     parse_tools = parse_tools and not structured
@@ -217,7 +230,7 @@ async def chat_prompt(
     prefill = prefill if isinstance(prefill, str) else None
     opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill)
     closed = reasoning is not None and not opens and reasoning.closed_in_prompt(text)
-    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, parse_tools=parse_tools,
+    return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, call_grammar=grammar, parse_tools=parse_tools,
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls,
                       reasoning=reasoning, opens_in_reasoning=opens, thinking_off=closed,
                       continues_reasoning=opens and reasoning is not None and reasoning.continues_reasoning(prefill))

@@ -3,9 +3,9 @@
 `developer` messages are rendered as `system` (chat templates predate that role); assistant
 `tool_calls` arguments are decoded from their JSON text because templates render dicts.
 tool_choice `required` / a named function start the answer with a call in the model's syntax
-(`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py), as on the
-Anthropic side; a call the model does not finish comes back as the text it wrote, without that
-start (see ChatPrompt.without_forced_prefix).
+(`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py), as on the Anthropic side, and the rest of the
+call follows the tool's schema (tool_grammar.py); a call cut off (max_tokens, a stop string)
+comes back as the text the model wrote, without that start (see ChatPrompt.without_forced_prefix).
 """
 from __future__ import annotations
 

@@ -265,9 +265,9 @@ class Tool(_Body):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
-    # Accepted, not enforced (as vLLM without guided decoding): agent frameworks set it on every
-    # tool, and refusing it broke them. A call's input is a parsed JSON object, never checked
-    # against input_schema (README).
+    # Accepted, and changes nothing: agent frameworks set it on every tool, and refusing it broke
+    # them. Under tool_choice any / tool the call's input follows input_schema whatever it says
+    # (tool_grammar.py); under auto it is a parsed JSON object, never checked against it (README).
     strict: bool | None = None
 
     @field_validator("name")

@@ -186,8 +186,9 @@ class FunctionDef(_Body):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    # Accepted, not enforced (as vLLM without guided decoding): agent frameworks set it on every
-    # tool. A call's arguments are parsed JSON, never checked against `parameters` (README).
+    # Accepted, and changes nothing: agent frameworks set it on every tool. A required or named
+    # call's arguments follow `parameters` whatever it says (tool_grammar.py); under tool_choice
+    # auto they are parsed JSON, never checked against it (README).
     strict: bool | None = None
 
 

@@ -83,6 +83,10 @@ class ToolCallSyntax:
     # model ended it: cut by max_tokens, a stop string or a stop token right after a complete
     # call, it may have been going on to another call or to prose, which was lost.
     closes_calls = False
+    any_prefix = ""  # how tierlm starts a call to any tool (tool_choice required): every call begins so
+    # Texts of the syntax a real tokenizer may hold as one token of its own: a required call's
+    # grammar writes such a marker as that token, as the model learnt it (see tool_grammar.py).
+    token_texts: tuple[str, ...] = ()
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(where a call begins in `text`, the whole answer so far, or None; how many characters
@@ -104,8 +108,16 @@ class ToolCallSyntax:
         holds, or None if it is not all calls."""
         raise NotImplementedError
 
-    def forced_prefix(self, tool_name: str | None) -> str:
+    def call_parts(self, tool_name: str) -> tuple[str, str]:
+        """A whole call to `tool_name` (from its start marker) as the text before its arguments'
+        JSON and the text after it: what tierlm starts a named call with, and what a required
+        call's grammar writes around the tool's schema."""
         raise NotImplementedError
+
+    def forced_prefix(self, tool_name: str | None) -> str:
+        """The start of a call tierlm writes when tool_choice requires one: the call up to its
+        arguments when the tool is named, else the syntax's start of any call."""
+        return self.any_prefix if tool_name is None else self.call_parts(tool_name)[0]
 
 
 class HermesSyntax(ToolCallSyntax):
@@ -113,16 +125,16 @@ class HermesSyntax(ToolCallSyntax):
     start = TOOL_CALL_START
     closes_calls = True
     needs_arguments = False  # the tag says it is a call: `{"name": ...}` alone calls with {}
+    any_prefix = TOOL_CALL_START + "\n"
+    token_texts = (TOOL_CALL_START, TOOL_CALL_END)  # (Qwen's tokenizers hold both)
 
     def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
         # (an unclosed call, cut off: None, which no call takes)
         items = [_json_or_none(m.group(1)) if m.group(2) else None for m in _CALL_RE.finditer(_unwrapped(text))]
         return _all_calls(items, id_prefix, self.needs_arguments)
 
-    def forced_prefix(self, tool_name: str | None) -> str:
-        if tool_name is None:
-            return TOOL_CALL_START + "\n"
-        return TOOL_CALL_START + "\n" + '{"name": ' + json.dumps(tool_name) + ', "arguments": '
+    def call_parts(self, tool_name: str) -> tuple[str, str]:
+        return self.any_prefix + '{"name": ' + json.dumps(tool_name) + ', "arguments": ', "}\n" + TOOL_CALL_END
 
 
 class Llama3JsonSyntax(ToolCallSyntax):
@@ -130,6 +142,8 @@ class Llama3JsonSyntax(ToolCallSyntax):
     markers = (PYTHON_TAG,)
     start = PYTHON_TAG
     at_start_only = True
+    any_prefix = '{"name": "'
+    token_texts = markers
 
     def locate(self, text: str) -> tuple[int | None, int]:
         rest = text.lstrip()
@@ -159,16 +173,16 @@ class Llama3JsonSyntax(ToolCallSyntax):
             if not body[pos:].strip():  # a trailing `;`
                 return _all_calls(items, id_prefix, self.needs_arguments)
 
-    def forced_prefix(self, tool_name: str | None) -> str:
-        if tool_name is None:
-            return '{"name": "'
-        return '{"name": ' + json.dumps(tool_name) + ', "parameters": '
+    def call_parts(self, tool_name: str) -> tuple[str, str]:
+        return '{"name": ' + json.dumps(tool_name) + ', "parameters": ', "}"
 
 
 class MistralSyntax(ToolCallSyntax):
     name = "mistral"
     markers = (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)
     start = MISTRAL_CALLS
+    any_prefix = MISTRAL_CALLS
+    token_texts = markers
 
     def __init__(self, args_form: bool = False) -> None:
         self.args_form = args_form  # the template writes `name[ARGS]{...}` (how a forced call starts)
@@ -199,12 +213,10 @@ class MistralSyntax(ToolCallSyntax):
                 items += data if isinstance(data, list) else [data]
         return _all_calls(items, id_prefix, self.needs_arguments)
 
-    def forced_prefix(self, tool_name: str | None) -> str:
-        if tool_name is None:
-            return MISTRAL_CALLS
+    def call_parts(self, tool_name: str) -> tuple[str, str]:
         if self.args_form:
-            return MISTRAL_CALLS + tool_name + MISTRAL_ARGS
-        return MISTRAL_CALLS + ' [{"name": ' + json.dumps(tool_name) + ', "arguments": '  # as v0.3's template
+            return MISTRAL_CALLS + tool_name + MISTRAL_ARGS, ""
+        return MISTRAL_CALLS + ' [{"name": ' + json.dumps(tool_name) + ', "arguments": ', "}]"  # as v0.3's template
 
 
 HERMES = HermesSyntax()
@@ -251,6 +263,7 @@ class ToolCallFormat:
     syntax: ToolCallSyntax
     keep_token_ids: tuple[int, ...] = ()
     hidden: tuple[str, ...] = ()
+    marker_tokens: tuple[tuple[str, int], ...] = ()  # the syntax's token_texts that are one token here, and its id
 
 
 def tool_call_format(parser: str, tokenizer: Any) -> ToolCallFormat:
@@ -259,9 +272,13 @@ def tool_call_format(parser: str, tokenizer: Any) -> ToolCallFormat:
 
     syntax = tool_call_syntax(parser, getattr(tokenizer, "chat_template", None))
     added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-    skipped = skipped_ids(tokenizer) if syntax.markers else frozenset()
+    skipped = skipped_ids(tokenizer) if syntax.markers or syntax.token_texts else frozenset()
     kept = [(added[m], m) for m in syntax.markers if added.get(m) in skipped]
-    return ToolCallFormat(syntax, tuple(i for i, _ in kept), tuple(m for _, m in kept))
+    # A required call's grammar writes these as their tokens, unless a decode would drop the token
+    # (a special `</tool_call>`: the call would never close): it then writes the text.
+    tokens = tuple((t, int(added[t])) for t in syntax.token_texts
+                   if t in added and (added[t] not in skipped or t in syntax.markers))
+    return ToolCallFormat(syntax, tuple(i for i, _ in kept), tuple(m for _, m in kept), tokens)
 
 
 # The variables through which chat templates read the tools offered: `tools` (most), and
@@ -545,9 +562,7 @@ def anthropic_tools_to_template(tools: list[Any]) -> list[dict[str, Any]]:
 
 
 def forced_call_prefix(tool_name: str | None, syntax: ToolCallSyntax = HERMES) -> str:
-    """Assistant text that starts a tool call, used when the client requires one.
-
-    Without constrained decoding the model cannot be made to call a tool; starting the call
-    for it (and naming the tool when one is required) is the strongest nudge available.
-    """
+    """Assistant text that starts a tool call, used when the client requires one: the call's
+    start (and the tool's name when one is named), which the call's grammar then completes
+    (tool_grammar.py), and which alone nudges a model where no grammar can be followed."""
     return syntax.forced_prefix(tool_name)
