@@ -254,3 +254,87 @@ def test_markers_are_written_as_their_tokens_unless_a_decode_drops_them(demo_tok
     assert tool_call_format("hermes", tokenizer(["<tool_call>", "</tool_call>"], special=True)).marker_tokens == ()
     mistral = tokenizer(SPECIALS, special=True)
     assert {t for t, _ in tool_call_format("mistral", mistral).marker_tokens} == set(SPECIALS) - {"<|python_tag|>"}
+
+
+def test_keywords_llguidance_does_not_implement_are_not_enforced_nor_refused(served):
+    """MCP and zod schemas carry uniqueItems, formats llguidance does not know, if/then: a required
+    call follows the rest of the schema (they were 400s); a client's x-guidance is not the grammar's."""
+    name, claude, oai = served[DEMO]
+    loose = {"type": "object", "additionalProperties": False, "required": ["zone"],
+             "properties": {"zone": {"enum": ["CET", "UTC"]},
+                            "tags": {"type": "array", "uniqueItems": True, "maxItems": 2, "items": {"enum": ["a", "b"]}},
+                            "when": {"type": "string", "format": "no-such-format", "maxLength": 4}},
+             "x-guidance": {"whitespace_flexible": True, "key_separator": "</tool_call>"}}
+    got = oai.chat.completions.create(model=name, messages=USER, tools=openai_tools({"get_time": loose}),
+                                      tool_choice="required", max_tokens=120).choices[0]
+    (call,) = got.message.tool_calls
+    assert got.finish_reason == "tool_calls" and json.loads(call.function.arguments)["zone"] in ("CET", "UTC")
+    message = claude.messages.create(model=name, max_tokens=120, messages=USER, tools=claude_tools({"get_time": loose}),
+                                     tool_choice={"type": "any"})
+    assert message.stop_reason == "tool_use" and message.content[0].input["zone"] in ("CET", "UTC")
+
+
+def test_two_tools_of_one_name_cannot_take_a_required_call(served):
+    name, _, oai = served[DEMO]
+    tools = openai_tools() + [{"type": "function", "function": {"name": "get_time", "parameters": WEATHER}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=name, messages=USER, tools=tools, tool_choice="required")
+    assert info.value.body["param"] == "tools.2" and "two tools are named 'get_time'" in info.value.body["message"]
+
+
+def test_the_responses_api_takes_a_required_call_on_the_schema_and_names_its_fields(served):
+    name, _, oai = served[DEMO]
+    flat = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        created = oai.responses.create(model=name, input="Weather?", tools=flat, tool_choice=choice,
+                                       max_output_tokens=120)
+        (call,) = [item for item in created.output if item.type == "function_call"]
+        assert follows(call.name, json.loads(call.arguments)) and (choice == "required" or call.name == "get_weather")
+    broken = flat + [{"type": "function", "name": "broken", "parameters": {"type": "string"}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.responses.create(model=name, input="Weather?", tools=broken, tool_choice="required")
+    assert info.value.body["param"] == "tools.2.parameters"
+
+
+def test_a_diagnosis_leaves_the_shared_cache_alone_and_a_failure_is_remembered(demo_engine, monkeypatch):
+    """One bad tool among many: finding which one compiles each alone, kept out of the cache
+    other requests share; the failed grammar is not compiled again."""
+    import asyncio
+
+    import llguidance
+
+    from tierlm.serving.tool_grammar import call_grammar
+    from tierlm.serving.tools import HERMES, ToolCallFormat
+
+    grammars = demo_engine.engine.grammars
+    tools = [{"function": {"name": f"t{i}", "parameters": TIME}} for i in range(6)]
+    tools.append({"function": {"name": "bad", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/missing"}}}}})
+    from tierlm.engine import grammar as grammar_module
+
+    before = len(grammars._grammars)
+    compiled = []
+
+    class CountingMatcher:  # llguidance's LLMatcher, counting what is compiled
+        def __call__(self, *args, **kwargs):
+            compiled.append(1)
+            return llguidance.LLMatcher(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(llguidance.LLMatcher, name)
+
+    class Library:
+        LLMatcher = CountingMatcher()
+
+        def __getattr__(self, name):
+            return getattr(llguidance, name)
+
+    monkeypatch.setattr(grammar_module, "_llguidance", lambda: Library())
+    for attempt in range(2):
+        with pytest.raises(Exception, match="tools.6.function.parameters"):
+            asyncio.run(call_grammar(demo_engine, ToolCallFormat(HERMES), tools, None, HERMES.forced_prefix(None),
+                                     "tools.{}.function.parameters"))
+        if attempt == 0:
+            first = len(compiled)
+    assert len(grammars._grammars) == before  # (the six good tools' own grammars were not kept)
+    assert first == 8 and len(compiled) - first == 7  # the whole failed once; each alone is a one-off check

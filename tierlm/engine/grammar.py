@@ -79,6 +79,7 @@ class GrammarCompiler:
         self._unusable: str | None = None  # why llguidance cannot take this tokenizer
         self._lock = threading.Lock()
         self._grammars: OrderedDict[str, Any] = OrderedDict()  # spec -> its pristine matcher
+        self._failures: OrderedDict[str, str] = OrderedDict()  # spec -> why it cannot be followed
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
@@ -107,17 +108,20 @@ class GrammarCompiler:
             return False
         return True
 
-    def grammar(self, spec: StructuredOutputsParams) -> Any:
+    def grammar(self, spec: StructuredOutputsParams, cache: bool = True) -> Any:
         """`spec` compiled against the tokenizer into a pristine matcher (cached: followers are
         copies of it, so a schema is compiled once, however many requests and samples use it),
-        or InvalidRequestError naming what is wrong with it. Thread-safe: the server and
-        AsyncEngine call it on worker threads before the request is made."""
+        or InvalidRequestError naming what is wrong with it (remembered too: a grammar that
+        failed is not compiled again). Without `cache`, neither is kept: a one-off check.
+        Thread-safe: the server and AsyncEngine call it on worker threads before the request is made."""
         tokenizer = self._ll_tokenizer()
         key = spec.grammar_key()
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
+            if (failed := self._failures.get(key)) is not None:
+                raise InvalidRequestError(failed, param="structured_outputs")
         try:
             text = grammar_of(spec)
         except (ValueError, TypeError) as exc:
@@ -126,8 +130,15 @@ class GrammarCompiler:
         if problem := (matcher.get_error() if matcher.is_error() else "") or _first_step_problem(matcher):
             what = ("json" if spec.json is not None or spec.json_object else "regex" if spec.regex is not None
                     else "grammar" if spec.lark is not None else "choice")
-            raise InvalidRequestError(f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}",
-                                      param="structured_outputs")
+            message = f"structured_outputs: this {what} cannot be followed: {_first_line(problem)}"
+            if cache:
+                with self._lock:
+                    self._failures[key] = message
+                    while len(self._failures) > _CACHED_GRAMMARS:
+                        self._failures.popitem(last=False)
+            raise InvalidRequestError(message, param="structured_outputs")
+        if not cache:
+            return matcher
         with self._lock:
             self._grammars[key] = matcher
             while len(self._grammars) > _CACHED_GRAMMARS:

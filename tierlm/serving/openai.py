@@ -128,10 +128,10 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
-                     limit_field: str | None = None) -> ChatRun:
+                     limit_field: str | None = None, schema_field: str = "tools.{}.function.parameters") -> ChatRun:
     """Render `body`'s conversation, check what it asks for and open its engine requests (one
     per choice): the chat path, shared with the Responses API (`limit_field` names its output
-    limit in 400s)."""
+    limit in 400s, `schema_field` a tool's parameters: see chat_prompt)."""
     engine = state.models.get(body.model)
     structured = await _checked_structured(engine, body)
     forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
@@ -146,7 +146,7 @@ async def start_chat(state: Any, context: RequestContext, request: Request, body
             "their own); remove the field",
             param="thinking_token_budget")
     prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning,
-                                     structured=structured is not None)
+                                     structured=structured is not None, schema_field=schema_field)
     if prompt.reasoning is not None:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
         prompt.show_reasoning = body.include_reasoning
@@ -300,7 +300,8 @@ async def _checked_structured(engine: "AsyncEngine", body: Any) -> StructuredOut
 
 async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
                             tool_calls: toolcalls.ToolCallFormat | None = None,
-                            reasoning: ReasoningFormat | None = None, structured: bool = False) -> ChatPrompt:
+                            reasoning: ReasoningFormat | None = None, structured: bool = False,
+                            schema_field: str = "tools.{}.function.parameters") -> ChatPrompt:
     _check_tool_turns(body.messages)
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
@@ -324,6 +325,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
         tool_calls=tool_calls,
         reasoning=reasoning,
         structured=structured,
+        schema_field=schema_field,
     )
 
 

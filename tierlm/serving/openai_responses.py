@@ -76,7 +76,8 @@ async def create_response(request: Request) -> Response:
     items = history + [_listed(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
     chat = _chat_request(body, items, len(history))
     try:
-        run = await start_chat(state, context, request, chat, limit_field="max_output_tokens")
+        run = await start_chat(state, context, request, chat, limit_field="max_output_tokens",
+                               schema_field="tools.{}.parameters")
     except InvalidRequest as exc:
         _renamed(exc)
         raise

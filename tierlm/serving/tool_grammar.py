@@ -33,9 +33,12 @@ if TYPE_CHECKING:
 
 def arguments_schema(schema: Any, field: str) -> dict[str, Any]:
     """A tool's parameters as the schema its call's arguments follow: a JSON object (the parsers
-    take nothing else as arguments), compact unless the schema's own `x-guidance` says otherwise.
-    No schema (OpenAI's parameters left out) is any object; a schema with no `type` is one of
-    type object; one whose type cannot be an object is a 400 naming `field`."""
+    take nothing else as arguments), compact, and lenient: keywords llguidance does not implement
+    (`uniqueItems`, `not`, `if`, an unknown `format`, ... common in MCP and zod schemas) are not
+    enforced rather than refused (a client's own `x-guidance` is dropped: it could allow spacing
+    or separators the call's parser does not read). No schema (OpenAI's parameters left out) is
+    any object; a schema with no `type` is one of type object; one whose type cannot be an
+    object is a 400 naming `field`."""
     if schema is None:
         schema = {}
     kind = schema.get("type")
@@ -45,9 +48,7 @@ def arguments_schema(schema: Any, field: str) -> dict[str, Any]:
         raise InvalidRequest(f"{field}: a required call's arguments are a JSON object, and this schema's type "
                              f"is {json.dumps(kind)}; give a schema of type object, or use tool_choice 'auto'",
                              param=field)
-    if "x-guidance" not in schema:
-        schema = {**schema, "x-guidance": COMPACT_JSON}
-    return schema
+    return {**schema, "x-guidance": {**COMPACT_JSON, "lenient": True}}
 
 
 def call_lark(fmt: ToolCallFormat, tools: list[tuple[str, dict[str, Any]]], written: str) -> str:
@@ -91,6 +92,12 @@ async def call_grammar(engine: "AsyncEngine", fmt: ToolCallFormat, tools: list[d
     grammars = engine.engine.grammars
     if not await asyncio.to_thread(grammars.available):
         return None
+    named: dict[str, int] = {}
+    for i, t in enumerate(tools):  # (a call's name must say which schema its arguments follow)
+        if (j := named.setdefault(t["function"]["name"], i)) != i:
+            where = ".".join(schema_field.format(i).split(".")[:2])
+            raise InvalidRequest(f"{where}: two tools are named '{t['function']['name']}' (the other is tool {j}); a "
+                                 "required call must know which schema it follows: rename one", param=where)
     chosen = [(i, t["function"]) for i, t in enumerate(tools)
               if tool_name is None or t["function"]["name"] == tool_name]
     schemas = [(f["name"], arguments_schema(f.get("parameters"), schema_field.format(i))) for i, f in chosen]
@@ -100,7 +107,8 @@ async def call_grammar(engine: "AsyncEngine", fmt: ToolCallFormat, tools: list[d
     except TierlmError as whole:
         for (i, _), one in zip(chosen, schemas):  # which tool's schema: each alone (only once one failed)
             try:
-                await asyncio.to_thread(grammars.grammar, StructuredOutputsParams(lark=call_lark(fmt, [one], written)))
+                await asyncio.to_thread(grammars.grammar, StructuredOutputsParams(lark=call_lark(fmt, [one], written)),
+                                        False)  # (a diagnosis: kept out of the cache other requests share)
             except TierlmError as exc:
                 raise _unfollowable(schema_field.format(i), exc) from None
         raise _unfollowable("tools", whole) from None
