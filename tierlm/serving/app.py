@@ -37,6 +37,7 @@ from tierlm.serving.response_store import ResponseStore
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.state import ServerState, request_id_of, server_state
 from tierlm.serving.telemetry import Telemetry, TelemetryMiddleware
+from tierlm.serving.tenancy import Tenancy, TenancyMiddleware
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def build_app(
     tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
     response_store: ResponseStore | None = None,
+    tenancy: Tenancy | None = None,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -68,12 +70,15 @@ def build_app(
     every model's tool-call syntax (see tools.tool_call_syntax; "auto": each one's own).
     `reasoning_parser`: whether answers' think blocks are read as reasoning (see reasoning.py;
     "auto": for each model whose chat template writes think markers). `response_store`: where
-    the Responses API keeps stored responses (default: 256 MiB in memory).
+    the Responses API keeps stored responses (default: 256 MiB in memory). `tenancy`: keys →
+    tenants, their priorities and limits (default: each key a tenant of its own, unlimited).
     """
     state = ServerState(models=ModelRegistry(engines, tool_call_parser, reasoning_parser), auth=auth, max_body_bytes=max_body_bytes,
                         request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout,
-                        responses=response_store if response_store is not None else ResponseStore())
+                        responses=response_store if response_store is not None else ResponseStore(),
+                        tenancy=tenancy if tenancy is not None else Tenancy())
     telemetry = telemetry or Telemetry()
+    state.tenancy.on_refused = telemetry.metrics.count_refusal
     telemetry.watch(state.models.items)
 
     @asynccontextmanager
@@ -108,6 +113,7 @@ def build_app(
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_middleware(TenancyMiddleware)  # inside TelemetryMiddleware: reads its token counts
     app.add_middleware(TelemetryMiddleware, telemetry=telemetry)  # inside RequestIdMiddleware: reads its id
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -9,8 +9,8 @@ and a presented key is hashed and compared with every stored digest in constant 
 neither the file nor response timing reveals keys. Print a line for a new key with
 `echo -n "$KEY" | python -m tierlm.serving.auth alice`.
 
-Tenancy (a later issue) maps `api_key_id` to a tenant and fills `tenant_id`, `priority` and
-`cache_salt`; routes already pass those fields to `AsyncEngine.generate`.
+Tenancy (tenancy.py) maps `api_key_id` to a tenant and fills `tenant_id`, `priority` and
+`cache_salt`, which routes pass to `AsyncEngine.generate`.
 """
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ class ApiKeyAuth:
         if not digests:
             raise ValueError("no API keys given; add keys to the keys file or use --no-auth")
         self._digests = [(key_id, bytes.fromhex(d)) for key_id, d in digests.items()]
+
+    @property
+    def key_ids(self) -> list[str]:
+        return [key_id for key_id, _ in self._digests]
 
     @classmethod
     def from_keys(cls, keys: Mapping[str, str]) -> "ApiKeyAuth":

@@ -59,6 +59,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     auth.add_argument("--api-keys", metavar="FILE", default=None,
                       help="file of '<key-id> sha256:<hex>' lines (see `python -m tierlm.serving.auth`)")
     auth.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local use only)")
+    p.add_argument("--tenants", metavar="FILE", default=None,
+                   help="TOML file grouping the --api-keys key ids into tenants, each with a tier (gold, silver, "
+                        "bronze: the engine's priority) and optional limits (requests_per_minute, "
+                        "tokens_per_minute, max_concurrent); see README 'Tenants' (default: each key a tenant "
+                        "of its own, no limits)")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
     p.add_argument("--request-read-timeout", type=at_least(0, float), default=DEFAULT_REQUEST_READ_TIMEOUT,
@@ -144,6 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.serving.auth import ApiKeyAuth, Authenticator, NoAuth
     from tierlm.serving.server import listen_socket, make_server, raise_fd_limit
     from tierlm.serving.telemetry import Telemetry, configure_request_log
+    from tierlm.serving.tenancy import Tenancy
 
     raise_fd_limit()  # each connection holds a file descriptor
     sock = None
@@ -163,6 +169,11 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             raise ValueError(f"refusing to serve {args.host} without API keys; pass --api-keys FILE "
                              "(or --no-auth if this network is trusted)")
+        tenancy = Tenancy()
+        if getattr(args, "tenants", None) is not None:
+            if not isinstance(auth, ApiKeyAuth):
+                raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
+            tenancy = Tenancy.from_file(args.tenants, auth.key_ids)
         sock = listen_socket(args.host, args.port)  # a busy port fails now, not after loading
         port = sock.getsockname()[1]
         engines: dict[str, AsyncEngine] = {}
@@ -188,6 +199,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if isinstance(auth, NoAuth):
         logger.warning(NO_AUTH_BANNER.format(where=f"{args.host}:{port}"))
     logger.info("serving %s on http://%s:%d", ", ".join(engines), args.host, port)
+    if tenancy.config is not None:
+        logger.info("tenants from %s: %s", args.tenants, ", ".join(
+            f"{t.id} ({t.tier})" for t in tenancy.config.tenants.values()) or "none (each key its own)")
     if telemetry.log_requests:
         configure_request_log()
     if telemetry.tracer is not None:
@@ -196,7 +210,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     request_read_timeout=args.request_read_timeout, stream_send_timeout=args.stream_send_timeout,
                     tool_call_parser=getattr(args, "tool_call_parser", "auto"),
                     reasoning_parser=getattr(args, "reasoning_parser", "auto"),
-                    response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)))
+                    response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)),
+                    tenancy=tenancy)
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

@@ -10,11 +10,13 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from tierlm.serving.auth import Authenticator, RequestContext
-from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded
+from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, api_style_for
 from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightRequests
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.response_store import ResponseStore
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
+from tierlm.serving.telemetry import GENERATION_ROUTES
+from tierlm.serving.tenancy import TICKET, Tenancy
 from tierlm.serving.validation import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, first_part_past,
                                        parse_request)
 
@@ -35,18 +37,29 @@ class ServerState:
     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT
     inflight: InflightRequests = field(default_factory=InflightRequests)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
+    tenancy: Tenancy = field(default_factory=Tenancy)  # keys → tenants, and their limits
     draining: bool = False
 
     def admit(self, request: Request) -> RequestContext:
-        """Authenticate and build the request's context (tenancy will extend this step)."""
+        """Authenticate, find the key's tenant and, for a generation request, take one request of
+        the tenant's limits (a 429 if it is over one). The hold ends with the response
+        (tenancy.TenancyMiddleware)."""
         if self.draining:
             raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
-        # Until tenancy maps keys to tenants, each key is a tenant of its own for the prefix
-        # cache: a key reads in its usage whether a prompt was cached, so no other key's prompts
-        # may be (they were: one key could tell what another had recently sent).
-        salt = None if api_key_id is None else f"key\x1f{api_key_id}"
-        return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, cache_salt=salt)
+        tenant = self.tenancy.tenant_of(api_key_id)
+        scope_state = request.scope.setdefault("state", {})
+        observer = scope_state.get("telemetry")
+        if observer is not None and tenant.id is not None:
+            observer.tenant = tenant.id  # a refusal or a 400 counts under its tenant too
+        if request.method == "POST" and request.url.path in GENERATION_ROUTES and TICKET not in scope_state:
+            ticket = self.tenancy.admit(tenant, api_style_for(request.url.path, request.headers))
+            if ticket is not None:
+                scope_state[TICKET] = ticket
+        # The cache salt is the tenant's: a key reads in its usage whether a prompt was cached, so
+        # no other tenant's prompts may be (one could tell what another had recently sent).
+        return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, tenant_id=tenant.id,
+                              priority=tenant.priority, cache_salt=tenant.cache_salt)
 
     async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON

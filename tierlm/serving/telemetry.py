@@ -116,6 +116,12 @@ class Metrics:
                                           TOKEN_BUCKETS)
         self.request_generation_tokens = hist("tierlm:request_generation_tokens",
                                               "Output length per finished request.", TOKEN_BUCKETS)
+        self.rate_limited = Counter("tierlm:rate_limited_requests", "Requests refused (429) at admission because "
+                                    "their tenant was over a limit: requests, tokens (per minute) or concurrency.",
+                                    ["tenant", "reason"], registry=registry)
+
+    def count_refusal(self, tenant: str, reason: str) -> None:
+        self.rate_limited.labels(tenant, reason).inc()
 
 
 @dataclass

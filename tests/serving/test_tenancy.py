@@ -1,0 +1,394 @@
+"""Tenants (tierlm/serving/tenancy.py): the tenants file, the cache each tenant shares only with
+itself, limits refused with 429 through both official SDKs, slots released however a response
+ends, tier priority in a real engine, and `tierlm serve --tenants`.
+
+The server's tenancy runs on a clock the tests move (`Clock`), so a minute's refill takes no
+time and retry-after values are exact."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from typing import Any, Callable
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.serving.harness import ServerThread, record_requests, slow_steps, wait_until
+from tests.serving.scripted_model import ENGINE_OPTIONS, LOOP_MODEL, TEXT_MODEL
+from tests.serving.test_cli import SMALL_ENGINE, free_port, serve, wait_ready
+from tests.serving.test_telemetry import value
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth, keys_file_line
+from tierlm.serving.tenancy import Limits, Tenancy, TenantsConfig
+
+KEYS = {name: f"sk-{name}" for name in ("acme-a", "acme-b", "globex", "rpm", "tpm", "conc", "vip", "lone")}
+TENANTS = """
+[tiers.silver]
+requests_per_minute = 1000      # a tier's default for its tenants
+
+[tenants.acme]
+tier = "gold"
+keys = ["acme-a", "acme-b"]
+
+[tenants.globex]
+tier = "silver"
+keys = ["globex"]
+
+[tenants.rpm]
+keys = ["rpm"]
+requests_per_minute = 2
+
+[tenants.tpm]
+keys = ["tpm"]
+tokens_per_minute = 5
+
+[tenants.conc]
+keys = ["conc"]
+max_concurrent = 1
+
+[tenants.vip]
+tier = "gold"
+keys = ["vip"]
+"""  # "lone" is in no tenant: a bronze tenant of its own
+ONE_SEQ = "loop-one-seq"  # the looping model on an engine that runs one request at a time
+HI = [{"role": "user", "content": "Hi"}]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# ---- the tenants file ----------------------------------------------------------------------
+
+
+def parse(text: str, keys: Any = KEYS) -> TenantsConfig:
+    import tomllib
+    return TenantsConfig.parse(tomllib.loads(text), keys, source="t.toml")
+
+
+def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
+    config = parse('default_tier = "silver"\n' + TENANTS + '[tiers.gold]\npriority = -5\n'
+                   '[tiers.platinum]\npriority = -9\nmax_concurrent = 3\n'
+                   '[tenants.plat]\ntier = "platinum"\nkeys = ["lone"]\n')
+    assert {n: t.priority for n, t in config.tiers.items()} == {"gold": -5, "silver": 1, "bronze": 2, "platinum": -9}
+    acme_a, acme_b = config.tenant_of("acme-a"), config.tenant_of("acme-b")
+    assert acme_a == acme_b and acme_a.id == "acme" and acme_a.priority == -5 and acme_a.limits == Limits()
+    assert config.tenant_of("globex").limits == Limits(requests_per_minute=1000)  # its tier's default
+    assert config.tenant_of("rpm").tier == "silver"  # no tier: default_tier
+    assert config.tenant_of("rpm").limits == Limits(requests_per_minute=2)  # its own over the tier's
+    assert config.tenant_of("lone").limits == Limits(max_concurrent=3)
+    # a key no tenant names: a tenant of its own, of the default tier, with a salt apart from every tenant's
+    lone = parse(TENANTS).tenant_of("lone")
+    assert (lone.id, lone.tier, lone.priority, lone.limits) == ("lone", "bronze", 2, Limits())
+    salts = {parse(TENANTS).tenant_of(k).cache_salt for k in KEYS}
+    assert len(salts) == len(KEYS) - 1  # acme's two keys share one
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[tenants.a]\nkeys = ["rpm"]\n[tenants.b]\nkeys = ["rpm"]',
+     "t.toml: tenants.b.keys: key id 'rpm' already belongs to tenant 'a'; a key belongs to one tenant"),
+    ('[tenants.a]\nkeys = ["nobody"]', "t.toml: tenants.a.keys: key id 'nobody' is not in the keys file; add its line"),
+    ('[tenants.a]\nkeys = []', "tenants.a.keys: list the ids of the keys this tenant owns"),
+    ('[tenants.a]\ntier = "tin"\nkeys = ["rpm"]', "tenants.a.tier: no tier named 'tin'; use one of bronze, gold, silver"),
+    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, max_concurrent, requests_per_minute"),
+    ('[tenants.a]\nkeys = ["rpm"]\nmax_concurrent = 0', "tenants.a.max_concurrent: must be a whole number of at least 1"),
+    ('[tiers.gold]\ntokens_per_minute = "lots"', "tiers.gold.tokens_per_minute: must be a whole number of at least 1"),
+    ('[tiers.tin]\nmax_concurrent = 1', "tiers.tin.priority: a tier other than gold, silver and bronze needs a priority"),
+    ('default_tier = "tin"', "default_tier: no tier named 'tin'"),
+    ('[tenants.rpm]\nkeys = ["tpm"]', "tenants.rpm: this tenant has the name of key 'rpm', which is in no tenant"),
+    ('tenants = 3', "tenants: must be a table"),
+])
+def test_tenants_file_mistakes_name_the_field_and_the_fix(text, error):
+    with pytest.raises(ValueError) as e:
+        parse(text)
+    assert error in str(e.value)
+
+
+def test_tenants_file_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.a]\nkeys = ["rpm"]\ntier = gold\n')
+    with pytest.raises(ValueError, match=r"tenants.toml: not valid TOML: .*line 3"):
+        TenantsConfig.from_file(path, KEYS)
+    with pytest.raises(ValueError, match="cannot read tenants file"):
+        TenantsConfig.from_file(tmp_path / "missing.toml", KEYS)
+
+
+# ---- a server with tenants -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(scope="module")
+def tenancy(clock, tmp_path_factory) -> Tenancy:
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text(TENANTS)
+    return Tenancy.from_file(path, KEYS, clock=clock)
+
+
+@pytest.fixture(scope="module")
+def engines(scripted_models) -> dict:
+    from tierlm.engine.async_engine import AsyncEngine
+
+    loop = scripted_models[LOOP_MODEL]
+    return {TEXT_MODEL: scripted_models[TEXT_MODEL].engine(), LOOP_MODEL: loop.engine(),
+            ONE_SEQ: AsyncEngine.from_model(str(loop.path), served_model_name=ONE_SEQ,
+                                            **{**ENGINE_OPTIONS, "max_num_seqs": 1})}
+
+
+@pytest.fixture(scope="module")
+def server(engines, tenancy):
+    app = build_app(engines, ApiKeyAuth.from_keys(KEYS), tenancy=tenancy)
+    srv = ServerThread(app).start()
+    yield srv
+    srv.stop()
+
+
+def claude(server: ServerThread, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEYS[key], max_retries=0, timeout=60)
+
+
+def oai(server: ServerThread, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=60)
+
+
+def metrics(server: ServerThread) -> str:
+    return httpx.get(server.url + "/metrics").text
+
+
+def test_keys_of_one_tenant_share_cached_prefixes_and_tenants_never_do(server):
+    messages = [{"role": "user", "content": uuid.uuid4().hex + " the same long preamble, again and again" * 6}]
+
+    def cached(key: str) -> int:
+        usage = claude(server, key).messages.create(model=TEXT_MODEL, max_tokens=4, messages=messages).usage
+        return usage.cache_read_input_tokens
+
+    assert cached("globex") == 0
+    assert cached("acme-a") == 0  # globex sent it, acme never did
+    assert cached("acme-b") > 0  # acme-a did: the same tenant
+    assert cached("lone") == 0  # a key in no tenant is a tenant of its own
+    answer = oai(server, "acme-a").chat.completions.create(model=TEXT_MODEL, max_tokens=4, messages=messages)
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0
+    answer = oai(server, "vip").chat.completions.create(model=TEXT_MODEL, max_tokens=4, messages=messages)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0  # gold like acme, yet another tenant
+    text = metrics(server)  # the tenant label names the tenant
+    assert value(text, "tierlm:requests_total", model=TEXT_MODEL, tenant="acme", status="200") >= 3
+    assert value(text, "tierlm:requests_total", model=TEXT_MODEL, tenant="lone", status="200") >= 1
+
+
+def test_requests_per_minute_429_through_both_sdks_then_admits_after_refill(server, clock):
+    c, o = claude(server, "rpm"), oai(server, "rpm")
+    first = c.messages.with_raw_response.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
+    assert first.headers["anthropic-ratelimit-requests-limit"] == "2"
+    assert first.headers["anthropic-ratelimit-requests-remaining"] == "1"
+    assert first.headers["anthropic-ratelimit-requests-reset"].endswith("Z")  # RFC 3339
+    assert "x-ratelimit-limit-requests" not in first.headers
+    second = o.chat.completions.with_raw_response.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
+    assert (second.headers["x-ratelimit-limit-requests"], second.headers["x-ratelimit-remaining-requests"],
+            second.headers["x-ratelimit-reset-requests"]) == ("2", "0", "1m0s")  # a minute to refill both
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        c.messages.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
+    assert refused.value.response.headers["retry-after"] == "30"  # one request refills in 30 s
+    assert refused.value.response.headers["retry-after-ms"] == "30000"
+    assert refused.value.response.headers["anthropic-ratelimit-requests-remaining"] == "0"
+    error = refused.value.response.json()
+    assert error["error"]["type"] == "rate_limit_error"
+    assert "tenant 'rpm' (bronze tier) is over its limit of 2 requests per minute" in error["error"]["message"]
+    with pytest.raises(openai.RateLimitError) as refused:
+        o.chat.completions.create(model=TEXT_MODEL, max_tokens=2, messages=HI, stream=True)
+    assert refused.value.code == "rate_limit_exceeded" and refused.value.type == "rate_limit_error"
+    assert refused.value.response.headers["retry-after"] == "30"
+    assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+    clock.advance(29)
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        c.messages.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
+    assert refused.value.response.headers["retry-after"] == "1"
+    clock.advance(1)
+    assert o.chat.completions.create(model=TEXT_MODEL, max_tokens=2, messages=HI).choices[0].message.content
+    with pytest.raises(openai.RateLimitError):
+        o.completions.create(model=TEXT_MODEL, max_tokens=2, prompt="Hi")
+    assert value(metrics(server), "tierlm:rate_limited_requests_total", tenant="rpm", reason="requests") == 4
+    # count_tokens and the model list are not generation requests: never limited
+    assert c.messages.count_tokens(model=TEXT_MODEL, messages=HI).input_tokens > 0
+    assert [m.id for m in o.models.list()]
+
+
+def _seconds(wait: float) -> str:
+    """A wait as retry-after gives it: whole seconds, rounded up (past float noise)."""
+    return str(math.ceil(round(wait, 3)))
+
+
+def test_tokens_per_minute_are_charged_when_a_request_ends(server, clock, tenancy):
+    tpm = 5  # tokens a minute: one every 12 s
+    c, o = claude(server, "tpm"), oai(server, "tpm")
+    raw = c.messages.with_raw_response.create(model=TEXT_MODEL, max_tokens=3, messages=HI)
+    assert raw.headers["anthropic-ratelimit-tokens-limit"] == str(tpm)
+    assert raw.headers["anthropic-ratelimit-tokens-remaining"] == str(tpm)  # post-paid: nothing taken yet
+    usage = raw.parse().usage
+    used = usage.input_tokens + usage.cache_read_input_tokens + usage.output_tokens
+    assert used > tpm  # the bucket is in debt now
+    level = tpm - used
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        c.messages.create(model=TEXT_MODEL, max_tokens=3, messages=HI)
+    debt_wait = (1 - level) * 60 / tpm  # until it holds a token again
+    assert refused.value.response.headers["retry-after"] == _seconds(debt_wait)
+    assert f"{tpm} tokens per minute" in refused.value.response.json()["error"]["message"]
+    with pytest.raises(openai.RateLimitError) as refused:
+        o.chat.completions.create(model=TEXT_MODEL, max_tokens=3, messages=HI)
+    assert refused.value.response.headers["retry-after"] == _seconds(debt_wait)
+    assert refused.value.response.headers["x-ratelimit-limit-tokens"] == str(tpm)
+    clock.advance(int(_seconds(debt_wait)))
+    level += int(_seconds(debt_wait)) * tpm / 60
+    # n = 2, streamed: the prompt once and both choices' output are charged
+    with o.chat.completions.create(model=TEXT_MODEL, max_tokens=3, messages=HI, n=2, stream=True,
+                                   stream_options={"include_usage": True}) as stream:
+        chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6 and usage.total_tokens == usage.prompt_tokens + 6
+    level -= usage.total_tokens
+    with pytest.raises(openai.RateLimitError) as refused:
+        o.chat.completions.create(model=TEXT_MODEL, max_tokens=3, messages=HI)
+    assert refused.value.response.headers["retry-after"] == _seconds((1 - level) * 60 / tpm)
+    assert value(metrics(server), "tierlm:rate_limited_requests_total", tenant="tpm", reason="tokens") == 3
+    assert tenancy.in_flight("tpm") == 0
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_max_concurrent_slots_are_released_however_a_response_ends(server, tenancy, engines, monkeypatch):
+    c, o = claude(server, "conc"), oai(server, "conc")
+    slow_steps(engines[LOOP_MODEL], monkeypatch, 0.05)  # 480 tokens: 24 s at least, until the client leaves
+    body = {"model": LOOP_MODEL, "max_tokens": 480, "messages": HI}
+    headers = {"x-api-key": KEYS["conc"]}
+    # a stream holds the slot until its client leaves
+    with httpx.stream("POST", server.url + "/v1/messages", headers=headers, json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if "text_delta" in line)
+        assert tenancy.in_flight("conc") == 1
+        with pytest.raises(anthropic.RateLimitError) as refused:
+            c.messages.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert "over its limit of 1 requests at a time" in refused.value.response.json()["error"]["message"]
+        with pytest.raises(openai.RateLimitError):
+            o.chat.completions.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
+    assert wait_until(lambda: tenancy.in_flight("conc") == 0)
+    # a stream read to its end: free before its last bytes arrive, so the next request is admitted at once
+    with c.messages.stream(model=LOOP_MODEL, max_tokens=5, messages=HI) as stream:
+        assert stream.get_final_message().usage.output_tokens == 5
+    assert tenancy.in_flight("conc") == 0
+    assert o.chat.completions.create(model=TEXT_MODEL, max_tokens=2, messages=HI).choices
+    # errors after admission: a 400 the engine finds, a model not served, a bad body
+    with pytest.raises(anthropic.BadRequestError):
+        c.messages.create(model=TEXT_MODEL, max_tokens=1000, messages=HI)
+    with pytest.raises(openai.NotFoundError):
+        o.chat.completions.create(model="no-such-model", max_tokens=2, messages=HI)
+    assert httpx.post(server.url + "/v1/messages", headers=headers, content=b"{").status_code == 400
+    assert tenancy.in_flight("conc") == 0
+
+    async def abandoned() -> None:  # a non-streaming request whose client leaves
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as client:
+            task = asyncio.ensure_future(client.post("/v1/messages", json=body))
+            await _until(lambda: tenancy.in_flight("conc") == 1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(abandoned())
+    assert wait_until(lambda: tenancy.in_flight("conc") == 0)
+    assert c.messages.create(model=TEXT_MODEL, max_tokens=2, messages=HI).content
+    assert value(metrics(server), "tierlm:rate_limited_requests_total", tenant="conc", reason="concurrency") == 2
+
+
+def test_a_queued_gold_request_runs_before_queued_bronze_ones(server, engines, monkeypatch):
+    """One sequence at a time: while a bronze request runs, a bronze one queues, then a gold one;
+    when the first ends, gold goes next, though it came last."""
+    engine = engines[ONE_SEQ]
+    seen = record_requests(engine, monkeypatch)
+    slow_steps(engine, monkeypatch, 0.05)  # the busy request (24 s at least) outlasts the others' queueing
+
+    def post(client: httpx.AsyncClient, key: str, max_tokens: int) -> Any:
+        return client.post("/v1/messages", headers={"x-api-key": KEYS[key]},
+                           json={"model": ONE_SEQ, "max_tokens": max_tokens, "messages": HI})
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            busy = asyncio.ensure_future(post(client, "lone", 480))
+            await _until(lambda: engine.stats().num_running == 1)
+            bronze = asyncio.ensure_future(post(client, "lone", 3))
+            await _until(lambda: engine.stats().num_waiting == 1)
+            gold = asyncio.ensure_future(post(client, "vip", 3))
+            await _until(lambda: engine.stats().num_waiting == 2)
+            busy.cancel()  # its client leaves: the engine's one slot frees
+            await asyncio.gather(busy, return_exceptions=True)
+            return list(await asyncio.gather(bronze, gold))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200, 200]
+    busy, bronze, gold = seen
+    assert [busy.priority, bronze.priority, gold.priority] == [2, 2, 0]  # bronze, bronze, gold
+    assert bronze.arrival_time < gold.arrival_time
+    assert gold.first_scheduled_time < bronze.first_scheduled_time
+
+
+# ---- tierlm serve --tenants ----------------------------------------------------------------
+
+
+def test_serve_refuses_a_bad_tenants_file_or_tenants_without_keys(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(keys_file_line("ci", "sk-cli") + "\n")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.team]\nkeys = ["ci", "cd"]\n')
+    proc = serve("--port", str(free_port()), "--api-keys", str(keys), "--tenants", str(tenants))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert f"error: {tenants}: tenants.team.keys: key id 'cd' is not in the keys file" in out
+    assert "Traceback" not in out and "engine ready" not in out
+    proc = serve("--port", str(free_port()), "--no-auth", "--tenants", str(tenants))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "error: --tenants needs --api-keys" in out, out
+
+
+@pytest.mark.slow
+def test_serve_with_tenants_limits_and_labels_requests(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(keys_file_line("ci", "sk-cli") + "\n")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.team]\ntier = "gold"\nkeys = ["ci"]\nrequests_per_minute = 1\n')
+    port = free_port()
+    proc = serve("--port", str(port), "--api-keys", str(keys), "--tenants", str(tenants))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, port, time.monotonic() + 120)
+        model = httpx.get(url + "/v1/models", headers={"x-api-key": "sk-cli"}).json()["data"][0]["id"]
+        body = {"model": model, "max_tokens": 2, "messages": HI}
+        ok = httpx.post(url + "/v1/messages", headers={"x-api-key": "sk-cli"}, json=body, timeout=60)
+        assert ok.status_code == 200 and ok.headers["anthropic-ratelimit-requests-remaining"] == "0"
+        refused = httpx.post(url + "/v1/messages", headers={"x-api-key": "sk-cli"}, json=body, timeout=60)
+        assert refused.status_code == 429 and 1 <= int(refused.headers["retry-after"]) <= 60
+        text = httpx.get(url + "/metrics").text
+        assert value(text, "tierlm:rate_limited_requests_total", tenant="team", reason="requests") == 1
+        assert value(text, "tierlm:requests_total", tenant="team", status="200") == 1
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert "tenants from" in out and "team (gold)" in out

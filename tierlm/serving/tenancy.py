@@ -1,0 +1,435 @@
+"""Tenants: who owns which API keys, at what tier, within which limits.
+
+A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key ids into tenants:
+
+    default_tier = "bronze"            # the tier of keys no tenant names (each its own tenant)
+
+    [tiers.gold]                       # gold, silver and bronze exist with priorities 0, 1, 2;
+    priority = 0                       # a table here changes them or adds a tier
+    requests_per_minute = 600          # limits set on a tier are its tenants' defaults
+
+    [tenants.acme]
+    tier = "gold"
+    keys = ["acme-prod", "acme-dev"]   # key ids from the keys file; a key belongs to one tenant
+    tokens_per_minute = 100000         # overrides the tier's
+    max_concurrent = 8
+
+A request is admitted for its key's tenant: the engine runs it at the tier's priority (a lower
+number runs first, and is preempted last), its prefix cache is salted per tenant (a tenant's
+keys share cached prefixes, tenants never do), and the tenant's limits are checked:
+
+- requests_per_minute and tokens_per_minute are token buckets holding a minute's worth and
+  refilled continuously. A request takes one request. Tokens (the whole prompt, cached part
+  included, plus every choice's output) are charged post-paid, when the request ends, because
+  only then are they known: a tenant may overshoot by what its requests in flight use, and is
+  then refused until the bucket has refilled past that debt.
+- max_concurrent counts requests in flight, from admission until the response has ended (a
+  stream's last event, a client gone, an error).
+
+A refused request is a 429 in its API's shape with `retry-after` (and `retry-after-ms`): the
+seconds until the limit would admit it. Limited tenants' responses carry the rate-limit headers
+of the client's SDK family (Anthropic's `anthropic-ratelimit-*`, OpenAI's `x-ratelimit-*`).
+
+Only generation requests (`GENERATION_ROUTES`) are limited; every request is attributed.
+Without a tenants file each key is a tenant of its own at priority 0, with no limits.
+"""
+from __future__ import annotations
+
+import math
+import time
+import tomllib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tierlm.serving.errors import ApiStyle, RateLimited
+
+DEFAULT_TIERS = {"gold": 0, "silver": 1, "bronze": 2}  # tier → engine priority (lower runs first)
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's limits (None: unlimited)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    def over(self, defaults: "Limits") -> "Limits":
+        """These limits, each unset one taken from `defaults` (a tenant's over its tier's)."""
+        return Limits(*(getattr(self, f) if getattr(self, f) is not None else getattr(defaults, f)
+                        for f in LIMIT_FIELDS))
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, f) is not None for f in LIMIT_FIELDS)
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    priority: int
+    limits: Limits = Limits()
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """`id` None: no tenants file and no key (--no-auth): the request is nobody's."""
+
+    id: str | None
+    tier: str | None
+    priority: int
+    cache_salt: str | None
+    limits: Limits = Limits()
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    tiers: dict[str, Tier]
+    tenants: dict[str, Tenant]
+    key_owner: dict[str, str]  # key id → tenant id (only keys a tenant names)
+    default_tier: str
+
+    @classmethod
+    def from_file(cls, path: str | Path, key_ids: Iterable[str]) -> "TenantsConfig":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read tenants file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:  # its message names the line and column
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
+        return cls.parse(data, key_ids, source=str(path))
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], key_ids: Iterable[str], source: str = "tenants file") -> "TenantsConfig":
+        """A checked config; a mistake is a ValueError naming the file, the field and the fix."""
+
+        def fail(where: str, what: str) -> ValueError:
+            return ValueError(f"{source}: {where}: {what}")
+
+        known_keys = set(key_ids)
+        _only(data, {"default_tier", "tiers", "tenants"}, "", fail)
+        tiers = {name: Tier(name, priority) for name, priority in DEFAULT_TIERS.items()}
+        for name, table in _table(data, "tiers", fail).items():
+            where = f"tiers.{name}"
+            table = _as_table(table, where, fail)
+            _only(table, {"priority", *LIMIT_FIELDS}, where, fail)
+            priority = table.get("priority", DEFAULT_TIERS.get(name))
+            if priority is None:
+                raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
+                                                 "(an integer; lower runs first: gold is 0, bronze 2)")
+            if isinstance(priority, bool) or not isinstance(priority, int):
+                raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
+            tiers[name] = Tier(name, priority, _limits(table, where, fail))
+        default_tier = data.get("default_tier", "bronze")
+        if default_tier not in tiers:
+            raise fail("default_tier", f"no tier named {default_tier!r}; use one of {', '.join(sorted(tiers))}")
+
+        tenants: dict[str, Tenant] = {}
+        key_owner: dict[str, str] = {}
+        for name, table in _table(data, "tenants", fail).items():
+            where = f"tenants.{name}"
+            table = _as_table(table, where, fail)
+            _only(table, {"tier", "keys", *LIMIT_FIELDS}, where, fail)
+            tier_name = table.get("tier", default_tier)
+            if tier_name not in tiers:
+                raise fail(f"{where}.tier", f"no tier named {tier_name!r}; use one of {', '.join(sorted(tiers))} "
+                                            "or define it under [tiers]")
+            keys = table.get("keys")
+            if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+                raise fail(f"{where}.keys", "list the ids of the keys this tenant owns, e.g. keys = [\"acme-prod\"] "
+                                            "(ids from the keys file)")
+            for key in keys:
+                if key not in known_keys:
+                    raise fail(f"{where}.keys", f"key id {key!r} is not in the keys file; add its line there "
+                                                f"(`echo -n \"$KEY\" | python -m tierlm.serving.auth {key}`) or "
+                                                "remove it here")
+                if key in key_owner:
+                    raise fail(f"{where}.keys", f"key id {key!r} already belongs to tenant {key_owner[key]!r}; "
+                                                "a key belongs to one tenant: remove it from one of them")
+                key_owner[key] = name
+            tier = tiers[tier_name]
+            tenants[name] = Tenant(name, tier_name, tier.priority, f"tenant\x1f{name}",
+                                   _limits(table, where, fail).over(tier.limits))
+        for key in sorted(known_keys - key_owner.keys()):
+            if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
+                raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
+                                             f"(and so would be a tenant of its own named {key!r}); add the key to "
+                                             "its keys, or rename the tenant")
+        return cls(tiers, tenants, key_owner, default_tier)
+
+    def tenant_of(self, key_id: str) -> Tenant:
+        owner = self.key_owner.get(key_id)
+        if owner is not None:
+            return self.tenants[owner]
+        tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
+        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits)
+
+
+def _key_salt(key_id: str) -> str:
+    # A lone key's salt is the one each key had before tenants existed, so its cached prefixes
+    # (disk and Redis tiers outlive the process) stay its own; "key" and "tenant" salts never meet.
+    return f"key\x1f{key_id}"
+
+
+def _table(data: Mapping[str, Any], name: str, fail: Callable[[str, str], ValueError]) -> dict[str, Any]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise fail(name, f"must be a table ([{name}.NAME] sections)")
+    return value
+
+
+def _as_table(value: Any, where: str, fail: Callable[[str, str], ValueError]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise fail(where, f"must be a table: write it as a [{where}] section")
+    return value
+
+
+def _only(table: Mapping[str, Any], allowed: set[str], where: str, fail: Callable[[str, str], ValueError]) -> None:
+    for name in table:
+        if name not in allowed:
+            raise fail(f"{where}.{name}" if where else name,
+                       f"unknown field; use {', '.join(sorted(allowed))}")
+
+
+def _limits(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError]) -> Limits:
+    values: dict[str, int] = {}
+    for name in LIMIT_FIELDS:
+        if name in table:
+            value = table[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise fail(f"{where}.{name}", f"must be a whole number of at least 1 (got {value!r}); "
+                                              "leave it out for no limit")
+            values[name] = value
+    return Limits(**values)
+
+
+# ---- limiting ----------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """`per_minute` units, refilled continuously up to per_minute. Its level may go below zero:
+    post-paid charges are debts the refill pays off. (Rates are kept as per-minute integers, so
+    a bucket of 2 a minute is due exactly 30 s after it emptied.)"""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.per_minute = per_minute
+        self._level = float(per_minute)
+        self._at = now
+
+    def level(self, now: float) -> float:
+        if now > self._at:
+            self._level = min(float(self.per_minute), self._level + (now - self._at) * self.per_minute / 60.0)
+            self._at = now
+        return self._level
+
+    def take(self, amount: float, now: float) -> None:
+        self._level = self.level(now) - amount
+
+    def wait(self, now: float) -> float:
+        """Seconds until the bucket holds a whole unit (0: it does now)."""
+        return max(0.0, (1.0 - self.level(now)) * 60.0 / self.per_minute)
+
+    def until_full(self, now: float) -> float:
+        return (self.per_minute - self.level(now)) * 60.0 / self.per_minute
+
+
+@dataclass
+class _Usage:
+    """One tenant's buckets and requests in flight."""
+
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    in_flight: int = 0
+
+
+@dataclass
+class Ticket:
+    """An admitted request's hold on its tenant's limits; `release` once, when it has ended."""
+
+    tenancy: "Tenancy"
+    tenant: Tenant
+    headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers for its response
+    released: bool = False
+
+    def release(self, tokens: int) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.tenancy._release(self.tenant, tokens)
+
+
+class TenantRateLimited(RateLimited):
+    """A 429 for a tenant over one of its limits (`reason`: requests, tokens or concurrency)."""
+
+    def __init__(self, message: str, *, tenant: str, reason: str, retry_after: float,
+                 headers: dict[str, str]) -> None:
+        retry_after = round(retry_after, 3)  # (30.000000000000004 s is 30 s, not 31)
+        super().__init__(message, retry_after=math.ceil(retry_after),
+                         headers={**headers, "retry-after-ms": str(max(1, math.ceil(retry_after * 1000)))})
+        self.tenant, self.reason = tenant, reason
+
+
+class Tenancy:
+    """Maps keys to tenants and holds each tenant's limits; lives as long as the server.
+
+    `clock` (monotonic seconds) drives the buckets: tests pass one they can move. Everything
+    runs on the event loop, so no lock is needed.
+    """
+
+    def __init__(self, config: TenantsConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._usage: dict[str, _Usage] = {}
+        # Told of every refusal (tenant id, reason): build_app counts them in /metrics.
+        self.on_refused: Callable[[str, str], None] | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path, key_ids: Iterable[str], **kwargs: Any) -> "Tenancy":
+        return cls(TenantsConfig.from_file(path, key_ids), **kwargs)
+
+    def tenant_of(self, api_key_id: str | None) -> Tenant:
+        if self.config is None or api_key_id is None:
+            # No tenants file: each key a tenant of its own for the cache, unnamed and unlimited
+            # (the label `default` in /metrics), as before tenants existed.
+            return Tenant(None, None, 0, None if api_key_id is None else _key_salt(api_key_id))
+        return self.config.tenant_of(api_key_id)
+
+    def in_flight(self, tenant_id: str) -> int:
+        usage = self._usage.get(tenant_id)
+        return usage.in_flight if usage is not None else 0
+
+    def admit(self, tenant: Tenant, style: ApiStyle) -> Ticket | None:
+        """Take one request of `tenant`'s limits, or raise TenantRateLimited (nothing taken).
+        None: the tenant has no limits."""
+        limits = tenant.limits
+        if tenant.id is None or not limits.any:
+            return None
+        usage = self._usage_of(tenant)
+        now = self.clock()
+        waits: list[tuple[str, float, str]] = []  # (reason, seconds, what)
+        if usage.requests is not None and (wait := usage.requests.wait(now)) > 0:
+            waits.append(("requests", wait, f"{limits.requests_per_minute} requests per minute"))
+        if usage.tokens is not None and (wait := usage.tokens.wait(now)) > 0:
+            waits.append(("tokens", wait, f"{limits.tokens_per_minute} tokens per minute (prompt and output, "
+                                          "charged when each request ends)"))
+        if limits.max_concurrent is not None and usage.in_flight >= limits.max_concurrent:
+            # When a slot frees is not known: a second is a guess that costs a client little.
+            waits.append(("concurrency", 1.0, f"{limits.max_concurrent} requests at a time"))
+        if waits:
+            reason, _, what = waits[0]
+            retry_after = max(w for _, w, _ in waits)
+            if self.on_refused is not None:
+                self.on_refused(tenant.id, reason)
+            raise TenantRateLimited(
+                f"tenant '{tenant.id}' ({tenant.tier} tier) is over its limit of {what}; retry after "
+                f"{math.ceil(round(retry_after, 3))} s", tenant=tenant.id, reason=reason, retry_after=retry_after,
+                headers=self._headers(usage, limits, style, now))
+        if usage.requests is not None:
+            usage.requests.take(1, now)
+        usage.in_flight += 1
+        return Ticket(self, tenant, self._headers(usage, limits, style, now))
+
+    def _usage_of(self, tenant: Tenant) -> _Usage:
+        assert tenant.id is not None
+        usage = self._usage.get(tenant.id)
+        if usage is None:
+            now = self.clock()
+            limits = tenant.limits
+            usage = self._usage[tenant.id] = _Usage(
+                TokenBucket(limits.requests_per_minute, now) if limits.requests_per_minute else None,
+                TokenBucket(limits.tokens_per_minute, now) if limits.tokens_per_minute else None)
+        return usage
+
+    def _release(self, tenant: Tenant, tokens: int) -> None:
+        assert tenant.id is not None
+        usage = self._usage[tenant.id]
+        usage.in_flight -= 1
+        if usage.tokens is not None and tokens > 0:
+            usage.tokens.take(tokens, self.clock())
+
+    def _headers(self, usage: _Usage, limits: Limits, style: ApiStyle, now: float) -> dict[str, str]:
+        """The rate-limit headers of the client's SDK family: limit, what remains now, and when
+        the bucket is full again (Anthropic: an RFC 3339 time; OpenAI: a duration, "6m0s")."""
+        headers: dict[str, str] = {}
+        for kind, bucket, limit in (("requests", usage.requests, limits.requests_per_minute),
+                                    ("tokens", usage.tokens, limits.tokens_per_minute)):
+            if bucket is None:
+                continue
+            remaining = str(max(0, math.floor(bucket.level(now))))
+            full_in = bucket.until_full(now)
+            if style == "anthropic":
+                headers[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
+                headers[f"anthropic-ratelimit-{kind}-remaining"] = remaining
+                headers[f"anthropic-ratelimit-{kind}-reset"] = _rfc3339(self.wall_clock() + full_in)
+            else:
+                headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+                headers[f"x-ratelimit-remaining-{kind}"] = remaining
+                headers[f"x-ratelimit-reset-{kind}"] = _duration(full_in)
+        return headers
+
+
+def _rfc3339(epoch: float) -> str:
+    return datetime.fromtimestamp(math.ceil(epoch), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: "20ms", "1.5s", "6m0s"."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, rest = divmod(round(seconds, 3), 60)
+    return f"{int(minutes)}m{rest:g}s" if minutes else f"{rest:g}s"
+
+
+class TenancyMiddleware:
+    """Ends each admitted request's hold on its tenant's limits when its response ends, charging
+    the tokens telemetry counted for it, and adds the ticket's rate-limit headers to the response.
+
+    The hold ends just before the response's last bytes are sent, so a client that reads a whole
+    answer and at once sends the next request finds its slot free; a response that never gets
+    there (a client gone, an error, a cancellation) ends it when the app returns or raises.
+    It must sit inside `TelemetryMiddleware`, whose per-request counts it reads.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+
+        def release() -> None:
+            ticket = state.pop(TICKET, None)
+            if ticket is not None:
+                # Usage as the response reports it: the prompt once, every choice's output.
+                observed = state.get("telemetry")
+                ticket.release((observed.num_prompt_tokens + observed.num_output_tokens) if observed else 0)
+
+        async def send_and_release(message: Message) -> None:
+            ticket = state.get(TICKET)
+            if ticket is not None:
+                if message["type"] == "http.response.start" and ticket.headers:
+                    headers = MutableHeaders(scope=message)
+                    for name, value in ticket.headers.items():
+                        headers[name] = value
+                elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                    release()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_release)
+        finally:
+            release()
+
+
+TICKET = "tenancy_ticket"  # where ServerState.admit leaves a request's Ticket in the ASGI scope's state
