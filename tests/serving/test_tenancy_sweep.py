@@ -342,3 +342,20 @@ def test_every_choice_and_route_runs_at_its_tiers_priority(server, engines, monk
     o.completions.create(model=TEXT_MODEL, max_tokens=2, prompt="Hi", n=2)
     claude(server, "lone").messages.create(model=TEXT_MODEL, max_tokens=0, messages=HI)  # bronze: 2
     assert [(r.priority, r.tenant_id) for r in seen] == [(1, "one")] * 5 + [(2, "lone")]
+
+
+# ---- bugs the sweep found --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, error", [
+    ('default_tier = ["gold"]', "t.toml: default_tier: must be the name of a tier (a string) such as \"bronze\" "
+                                "(got ['gold'])"),
+    ('[tenants.t]\nkeys = ["lone"]\ntier = ["gold"]', "t.toml: tenants.t.tier: must be the name of a tier"),
+    ('[tenants.t]\nkeys = ["lone"]\ntier = {name = "gold"}', "t.toml: tenants.t.tier: must be the name of a tier"),
+    ('[tenants.t]\nkeys = ["lone"]\ntier = 0', "t.toml: tenants.t.tier: must be the name of a tier"),
+])
+def test_a_tier_that_is_not_a_string_is_named_not_a_crash(text, error):
+    """Was: a list or table as a tier was a TypeError (unhashable) out of `serve`, a traceback."""
+    with pytest.raises(ValueError) as e:
+        parse(text)
+    assert error in str(e.value)

@@ -127,9 +127,7 @@ class TenantsConfig:
             if isinstance(priority, bool) or not isinstance(priority, int):
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
             tiers[name] = Tier(name, priority, _limits(table, where, fail))
-        default_tier = data.get("default_tier", "bronze")
-        if default_tier not in tiers:
-            raise fail("default_tier", f"no tier named {default_tier!r}; use one of {', '.join(sorted(tiers))}")
+        default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
         key_owner: dict[str, str] = {}
@@ -137,10 +135,8 @@ class TenantsConfig:
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
             _only(table, {"tier", "keys", *LIMIT_FIELDS}, where, fail)
-            tier_name = table.get("tier", default_tier)
-            if tier_name not in tiers:
-                raise fail(f"{where}.tier", f"no tier named {tier_name!r}; use one of {', '.join(sorted(tiers))} "
-                                            "or define it under [tiers]")
+            tier_name = _tier_name(table.get("tier", default_tier), f"{where}.tier", tiers, fail,
+                                   " or define it under [tiers]")
             keys = table.get("keys")
             if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
                 raise fail(f"{where}.keys", "list the ids of the keys this tenant owns, e.g. keys = [\"acme-prod\"] "
@@ -176,6 +172,17 @@ def _key_salt(key_id: str) -> str:
     # A lone key's salt is the one each key had before tenants existed, so its cached prefixes
     # (disk and Redis tiers outlive the process) stay its own; "key" and "tenant" salts never meet.
     return f"key\x1f{key_id}"
+
+
+def _tier_name(value: Any, where: str, tiers: Mapping[str, Tier], fail: Callable[[str, str], ValueError],
+               hint: str = "") -> str:
+    names = ", ".join(sorted(tiers))
+    if not isinstance(value, str):  # (a list or table is no dict key: checked before the lookup)
+        raise fail(where, f"must be the name of a tier (a string) such as \"bronze\" (got {value!r}); "
+                          f"use one of {names}{hint}")
+    if value not in tiers:
+        raise fail(where, f"no tier named {value!r}; use one of {names}{hint}")
+    return value
 
 
 def _table(data: Mapping[str, Any], name: str, fail: Callable[[str, str], ValueError]) -> dict[str, Any]:
