@@ -359,3 +359,15 @@ def test_a_tier_that_is_not_a_string_is_named_not_a_crash(text, error):
     with pytest.raises(ValueError) as e:
         parse(text)
     assert error in str(e.value)
+
+
+def test_a_tenants_file_that_is_not_utf8_names_the_file(tmp_path):
+    """Was: `error: 'utf-8' codec can't decode byte 0xff in position 0` alone, no file named."""
+    path = tmp_path / "tenants.toml"
+    path.write_bytes('[tenants."café"]\nkeys = ["lone"]\n'.encode("latin-1"))
+    with pytest.raises(ValueError) as e:
+        TenantsConfig.from_file(path, KEYS)
+    assert str(e.value).startswith(f"{path}: not valid TOML: a TOML file is UTF-8; this one is not (byte 0xe9 at "
+                                   "line 1, column 14): save it as UTF-8")
+    path.write_bytes(f'[tenants."{UNICODE_TENANT}"]\nkeys = ["lone"]\n'.encode())  # UTF-8 whatever the locale
+    assert TenantsConfig.from_file(path, KEYS).tenant_of("lone").id == UNICODE_TENANT

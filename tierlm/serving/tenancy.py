@@ -99,9 +99,15 @@ class TenantsConfig:
     def from_file(cls, path: str | Path, key_ids: Iterable[str]) -> "TenantsConfig":
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            raw = path.read_bytes()
+            data = tomllib.loads(raw.decode("utf-8"))  # TOML is UTF-8, whatever the locale says
         except OSError as exc:
             raise ValueError(f"cannot read tenants file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:  # (a ValueError: it said which byte, not which file)
+            line = raw.count(b"\n", 0, exc.start) + 1
+            column = exc.start - raw.rfind(b"\n", 0, exc.start)
+            raise ValueError(f"{path}: not valid TOML: a TOML file is UTF-8; this one is not (byte "
+                             f"0x{raw[exc.start]:02x} at line {line}, column {column}): save it as UTF-8") from None
         except tomllib.TOMLDecodeError as exc:  # its message names the line and column
             raise ValueError(f"{path}: not valid TOML: {exc}") from None
         return cls.parse(data, key_ids, source=str(path))
