@@ -371,3 +371,10 @@ def test_a_tenants_file_that_is_not_utf8_names_the_file(tmp_path):
                                    "line 1, column 14): save it as UTF-8")
     path.write_bytes(f'[tenants."{UNICODE_TENANT}"]\nkeys = ["lone"]\n'.encode())  # UTF-8 whatever the locale
     assert TenantsConfig.from_file(path, KEYS).tenant_of("lone").id == UNICODE_TENANT
+
+
+def test_a_key_listed_twice_by_one_tenant_is_named_as_such():
+    """Was: "key id 'lone' already belongs to tenant 't' ... remove it from one of them", of one tenant."""
+    with pytest.raises(ValueError) as e:
+        parse('[tenants.t]\nkeys = ["lone", "tok", "lone"]')
+    assert str(e.value) == "t.toml: tenants.t.keys: key id 'lone' is listed twice; list each key once"

@@ -152,6 +152,8 @@ class TenantsConfig:
                     raise fail(f"{where}.keys", f"key id {key!r} is not in the keys file; add its line there "
                                                 f"(`echo -n \"$KEY\" | python -m tierlm.serving.auth {key}`) or "
                                                 "remove it here")
+                if key_owner.get(key) == name:
+                    raise fail(f"{where}.keys", f"key id {key!r} is listed twice; list each key once")
                 if key in key_owner:
                     raise fail(f"{where}.keys", f"key id {key!r} already belongs to tenant {key_owner[key]!r}; "
                                                 "a key belongs to one tenant: remove it from one of them")
