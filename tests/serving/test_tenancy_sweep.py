@@ -378,3 +378,16 @@ def test_a_key_listed_twice_by_one_tenant_is_named_as_such():
     with pytest.raises(ValueError) as e:
         parse('[tenants.t]\nkeys = ["lone", "tok", "lone"]')
     assert str(e.value) == "t.toml: tenants.t.keys: key id 'lone' is listed twice; list each key once"
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[tenants.""]\nkeys = ["lone"]', 't.toml: tenants."": a tenant needs a name (429s, logs and the tenant label '
+                                      'of /metrics name it); write [tenants.NAME]'),
+    ('[tiers.""]\npriority = 1', 't.toml: tiers."": a tier needs a name (429s name it); write [tiers.NAME]'),
+])
+def test_empty_tenant_and_tier_names_are_refused(text, error):
+    """Was: accepted; the tenant's served requests were labelled `default` in /metrics (the label
+    of requests without a tenant) and its 429s `""`, and a 429 read "tenant '' (bronze tier)"."""
+    with pytest.raises(ValueError) as e:
+        parse(text)
+    assert str(e.value) == error

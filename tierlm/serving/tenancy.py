@@ -123,6 +123,8 @@ class TenantsConfig:
         _only(data, {"default_tier", "tiers", "tenants"}, "", fail)
         tiers = {name: Tier(name, priority) for name, priority in DEFAULT_TIERS.items()}
         for name, table in _table(data, "tiers", fail).items():
+            if not name:
+                raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
             _only(table, {"priority", *LIMIT_FIELDS}, where, fail)
@@ -138,6 +140,9 @@ class TenantsConfig:
         tenants: dict[str, Tenant] = {}
         key_owner: dict[str, str] = {}
         for name, table in _table(data, "tenants", fail).items():
+            if not name:  # (telemetry reads "" as no tenant: `default`)
+                raise fail('tenants.""', "a tenant needs a name (429s, logs and the tenant label of /metrics name "
+                                         "it); write [tenants.NAME]")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
             _only(table, {"tier", "keys", *LIMIT_FIELDS}, where, fail)
