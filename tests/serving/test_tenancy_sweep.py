@@ -391,3 +391,17 @@ def test_empty_tenant_and_tier_names_are_refused(text, error):
     with pytest.raises(ValueError) as e:
         parse(text)
     assert str(e.value) == error
+
+
+def test_huge_limits_never_report_more_remaining_than_the_limit():
+    """Was: with TOML's largest integer as a limit, `remaining` read 9223372036854775808, one past
+    the limit and past a signed 64-bit integer, which clients parse headers into (a float bucket
+    rounds the level up)."""
+    biggest = 2**63 - 1
+    config = parse(f'[tenants.t]\nkeys = ["lone"]\nrequests_per_minute = {biggest}\ntokens_per_minute = {biggest}')
+    tenancy = Tenancy(config, clock=Clock())
+    for style, remaining in (("openai", "x-ratelimit-remaining-{}"), ("anthropic", "anthropic-ratelimit-{}-remaining")):
+        ticket = tenancy.admit(config.tenant_of("lone"), style)
+        for kind in ("requests", "tokens"):
+            assert 0 <= int(ticket.headers[remaining.format(kind)]) <= biggest
+        ticket.release(10**6)

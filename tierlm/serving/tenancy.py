@@ -384,7 +384,8 @@ class Tenancy:
                                     ("tokens", usage.tokens, limits.tokens_per_minute)):
             if bucket is None:
                 continue
-            remaining = str(max(0, math.floor(bucket.level(now))))
+            # (never past the limit: a float level rounds a limit past 2**53 up)
+            remaining = str(min(limit, max(0, math.floor(bucket.level(now)))))
             full_in = bucket.until_full(now)
             if style == "anthropic":
                 headers[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
