@@ -405,3 +405,17 @@ def test_huge_limits_never_report_more_remaining_than_the_limit():
         for kind in ("requests", "tokens"):
             assert 0 <= int(ticket.headers[remaining.format(kind)]) <= biggest
         ticket.release(10**6)
+
+
+def test_one_key_under_two_ids_in_the_keys_file_is_refused(tmp_path):
+    """Was: accepted, and the key authenticated as the last of its ids: pasted once more under a
+    second id, acme's key ran as globex, in globex's tier, limits and cache."""
+    from tierlm.serving.auth import keys_file_line, load_keys_file
+
+    path = tmp_path / "keys.txt"
+    path.write_text("\n".join([keys_file_line("acme-prod", "sk-acme"), keys_file_line("other", "sk-other"),
+                               keys_file_line("globex", "sk-acme")]) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_keys_file(path)
+    assert str(e.value) == (f"{path}:3: key id 'globex' has the same key as 'acme-prod' (line 1); a key has one id: "
+                            "remove one of the lines, or give globex a key of its own")

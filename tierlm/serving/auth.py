@@ -141,6 +141,7 @@ def load_keys_file(path: str | Path) -> dict[str, str]:
     except OSError as exc:
         raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
     digests: dict[str, str] = {}
+    seen: dict[str, tuple[str, int]] = {}  # digest → (key id, line): a key under two ids runs as the last
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -156,7 +157,12 @@ def load_keys_file(path: str | Path) -> dict[str, str]:
             raise ValueError(f"{path}:{lineno}: '{fields[1]}' is not a SHA-256 hex digest (64 hex digits)")
         if key_id in digests:
             raise ValueError(f"{path}:{lineno}: key id '{key_id}' appears twice; ids must be unique")
+        if digest in seen:
+            first, first_line = seen[digest]
+            raise ValueError(f"{path}:{lineno}: key id '{key_id}' has the same key as '{first}' (line {first_line}); "
+                             f"a key has one id: remove one of the lines, or give {key_id} a key of its own")
         digests[key_id] = digest
+        seen[digest] = (key_id, lineno)
     if not digests:
         raise ValueError(f"{path}: no API keys found; add '<key-id> sha256:<hex digest>' lines")
     return digests
