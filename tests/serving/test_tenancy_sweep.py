@@ -344,6 +344,36 @@ def test_every_choice_and_route_runs_at_its_tiers_priority(server, engines, monk
     assert [(r.priority, r.tenant_id) for r in seen] == [(1, "one")] * 5 + [(2, "lone")]
 
 
+
+def test_a_client_cannot_mint_metric_label_values(server):
+    """Unknown models, keys, paths and body fields, each new every time, add no labelled series
+    to /metrics: its labels come from the tenants file and what the server serves."""
+    from tests.serving.test_telemetry import samples
+
+    def series() -> set:
+        text = httpx.get(server.url + "/metrics").text
+        return {(name, labels) for name, labels in samples(text) if not name.endswith("_created")}
+
+    def junk() -> None:
+        new = uuid.uuid4().hex
+        body = {"model": TEXT_MODEL, "max_tokens": 2, "messages": HI}
+        with httpx.Client(base_url=server.url, timeout=30, headers={"x-api-key": KEYS["iso-a"]}) as client:
+            client.post("/v1/messages", json={**body, "model": new})
+            client.post("/v1/messages", json=body, headers={"x-api-key": "sk-" + new})
+            client.post("/v1/messages", json=body, headers={"x-api-key": KEYS["uni"]})  # a 429 once its minute is used
+            client.post("/v1/chat/completions", json={**body, "user": new, "metadata": {"tenant": new}},
+                        headers={"authorization": f"Bearer {KEYS['iso-a']}", "x-tenant": new})
+            client.post("/v1/" + new, json=body)
+            client.post("/v1/messages?tenant=" + new, json={**body, "stop_sequences": [new]})
+            client.post("/v1/messages", content=b"{" + new.encode())
+
+    junk(), junk()  # every outcome once
+    before = series()
+    for _ in range(3):
+        junk()
+    assert series() == before
+
+
 # ---- bugs the sweep found --------------------------------------------------------------------
 
 
