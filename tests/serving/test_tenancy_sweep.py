@@ -449,3 +449,18 @@ def test_one_key_under_two_ids_in_the_keys_file_is_refused(tmp_path):
         load_keys_file(path)
     assert str(e.value) == (f"{path}:3: key id 'globex' has the same key as 'acme-prod' (line 1); a key has one id: "
                             "remove one of the lines, or give globex a key of its own")
+
+
+def test_serve_names_an_empty_tenants_flag(tmp_path):
+    """Was: `--tenants "$UNSET"` said "cannot read tenants file .: Is a directory"."""
+    from tierlm.serving.auth import keys_file_line
+    from tests.serving.test_cli import free_port, serve
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(keys_file_line("ci", "sk-cli") + "\n")
+    proc = serve("--port", str(free_port()), "--api-keys", str(keys), "--tenants", " ")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert ("error: --tenants is empty (an unset variable?); give the tenants file, or leave it out for no "
+            "tenants (each key its own, no limits)") in out
+    assert "Traceback" not in out

@@ -170,6 +170,9 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"refusing to serve {args.host} without API keys; pass --api-keys FILE "
                              "(or --no-auth if this network is trusted)")
         tenancy = Tenancy()
+        if getattr(args, "tenants", None) is not None and not args.tenants.strip():  # "$UNSET_VARIABLE"
+            raise ValueError("--tenants is empty (an unset variable?); give the tenants file, or leave it out for "
+                             "no tenants (each key its own, no limits)")
         if getattr(args, "tenants", None) is not None:
             if not isinstance(auth, ApiKeyAuth):
                 raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
