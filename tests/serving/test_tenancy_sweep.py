@@ -18,9 +18,10 @@ import pytest
 
 from tests.serving.harness import ServerThread, fail_after_steps, record_requests, slow_steps, wait_until
 from tests.serving.scripted_model import LOOP_MODEL, TEXT_MODEL
-from tests.serving.test_telemetry import value
+from tests.serving.test_cli import free_port, serve
+from tests.serving.test_telemetry import samples, value
 from tierlm.serving.app import build_app
-from tierlm.serving.auth import ApiKeyAuth
+from tierlm.serving.auth import ApiKeyAuth, keys_file_line, load_keys_file
 from tierlm.serving.tenancy import Tenancy, TenantsConfig
 
 KEYS = {name: f"sk-{name}" for name in ("one-a", "one-b", "tok", "iso-a", "iso-b", "uni", "lone")}
@@ -344,12 +345,9 @@ def test_every_choice_and_route_runs_at_its_tiers_priority(server, engines, monk
     assert [(r.priority, r.tenant_id) for r in seen] == [(1, "one")] * 5 + [(2, "lone")]
 
 
-
 def test_a_client_cannot_mint_metric_label_values(server):
     """Unknown models, keys, paths and body fields, each new every time, add no labelled series
     to /metrics: its labels come from the tenants file and what the server serves."""
-    from tests.serving.test_telemetry import samples
-
     def series() -> set:
         text = httpx.get(server.url + "/metrics").text
         return {(name, labels) for name, labels in samples(text) if not name.endswith("_created")}
@@ -392,7 +390,7 @@ def test_a_tier_that_is_not_a_string_is_named_not_a_crash(text, error):
 
 
 def test_a_tenants_file_that_is_not_utf8_names_the_file(tmp_path):
-    """Was: `error: 'utf-8' codec can't decode byte 0xff in position 0` alone, no file named."""
+    """Was: "'utf-8' codec can't decode byte 0xe9 in position 13: invalid continuation byte" alone."""
     path = tmp_path / "tenants.toml"
     path.write_bytes('[tenants."café"]\nkeys = ["lone"]\n'.encode("latin-1"))
     with pytest.raises(ValueError) as e:
@@ -440,8 +438,6 @@ def test_huge_limits_never_report_more_remaining_than_the_limit():
 def test_one_key_under_two_ids_in_the_keys_file_is_refused(tmp_path):
     """Was: accepted, and the key authenticated as the last of its ids: pasted once more under a
     second id, acme's key ran as globex, in globex's tier, limits and cache."""
-    from tierlm.serving.auth import keys_file_line, load_keys_file
-
     path = tmp_path / "keys.txt"
     path.write_text("\n".join([keys_file_line("acme-prod", "sk-acme"), keys_file_line("other", "sk-other"),
                                keys_file_line("globex", "sk-acme")]) + "\n")
@@ -453,9 +449,6 @@ def test_one_key_under_two_ids_in_the_keys_file_is_refused(tmp_path):
 
 def test_serve_names_an_empty_tenants_flag(tmp_path):
     """Was: `--tenants "$UNSET"` said "cannot read tenants file .: Is a directory"."""
-    from tierlm.serving.auth import keys_file_line
-    from tests.serving.test_cli import free_port, serve
-
     keys = tmp_path / "keys.txt"
     keys.write_text(keys_file_line("ci", "sk-cli") + "\n")
     proc = serve("--port", str(free_port()), "--api-keys", str(keys), "--tenants", " ")
