@@ -284,7 +284,10 @@ def test_max_concurrent_slots_are_released_however_a_response_ends(server, tenan
     with httpx.stream("POST", server.url + "/v1/messages", headers=headers, json={**body, "stream": True},
                       timeout=60) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if "text_delta" in line)
+        # (the lines iterator held: dropped, it was finalized at once, which closed the stream, and
+        # the server then saw its client gone, racing the checks below)
+        lines = r.iter_lines()
+        next(line for line in lines if "text_delta" in line)
         assert tenancy.in_flight("conc") == 1
         with pytest.raises(anthropic.RateLimitError) as refused:
             c.messages.create(model=TEXT_MODEL, max_tokens=2, messages=HI)
@@ -350,6 +353,35 @@ def test_a_queued_gold_request_runs_before_queued_bronze_ones(server, engines, m
     assert gold.first_scheduled_time < bronze.first_scheduled_time
 
 
+def test_a_request_that_ends_before_its_first_token_pays_for_its_prompt(server, engines, tenancy, clock, monkeypatch):
+    """Queued behind a busy request, its client gone before any output: it was charged nothing
+    (its usage is only known from the first token on), so large prefills abandoned early were free."""
+    engine = engines[ONE_SEQ]
+    seen = record_requests(engine, monkeypatch)
+    slow_steps(engine, monkeypatch, 0.05)
+    clock.advance(3600)  # the tpm tenant's bucket full again: 5 tokens
+
+    def post(client: httpx.AsyncClient, key: str, max_tokens: int) -> Any:
+        return client.post("/v1/messages", headers={"x-api-key": KEYS[key]},
+                           json={"model": ONE_SEQ, "max_tokens": max_tokens, "messages": HI})
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            busy = asyncio.ensure_future(post(client, "lone", 480))
+            await _until(lambda: engine.stats().num_running == 1)
+            queued = asyncio.ensure_future(post(client, "tpm", 3))
+            await _until(lambda: engine.stats().num_waiting == 1)
+            queued.cancel()  # its client leaves while it waits
+            await asyncio.gather(queued, return_exceptions=True)
+            await _until(lambda: tenancy.in_flight("tpm") == 0)
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+
+    asyncio.run(run())
+    prompt = len(seen[1].prompt_token_ids)
+    assert prompt > 5 and tenancy._usage["tpm"].tokens.level(clock()) == 5 - prompt
+
+
 # ---- tierlm serve --tenants ----------------------------------------------------------------
 
 
@@ -392,3 +424,30 @@ def test_serve_with_tenants_limits_and_labels_requests(tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert "tenants from" in out and "team (gold)" in out
+
+
+def test_a_429_names_the_limit_that_holds_it_longest_with_the_headers_wait():
+    """Over 7 requests a minute (a short wait) and deep in token debt (a long one): the message
+    named the first limit with the longest wait; and a wait under half a millisecond read 0 s
+    beside a retry-after of 1."""
+    from tierlm.serving.tenancy import TenantRateLimited
+
+    clock = Clock()
+    tenancy = Tenancy(parse('[tenants.t]\nkeys = ["rpm"]\nrequests_per_minute = 7\ntokens_per_minute = 10'),
+                      clock=clock)
+    tenant = tenancy.tenant_of("rpm")
+    for _ in range(7):
+        tenancy.admit(tenant, "openai").release(100 if _ == 6 else 0)  # the last one runs 100 tokens
+    with pytest.raises(TenantRateLimited) as refused:
+        tenancy.admit(tenant, "openai")
+    assert refused.value.reason == "tokens" and "10 tokens per minute" in refused.value.message
+    seconds = refused.value.headers["retry-after"]
+    assert f"retry after {seconds} s" in refused.value.message and int(seconds) > 60
+    fresh = Tenancy(parse('[tenants.t]\nkeys = ["rpm"]\nrequests_per_minute = 7'), clock=clock)
+    tenant = fresh.tenant_of("rpm")
+    for _ in range(7):
+        fresh.admit(tenant, "openai")
+    clock.advance(60 / 7 - 1e-5)  # a hundredth of a millisecond short of the next request
+    with pytest.raises(TenantRateLimited) as refused:
+        fresh.admit(tenant, "openai")
+    assert "retry after 1 s" in refused.value.message and refused.value.headers["retry-after"] == "1"

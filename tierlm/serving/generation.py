@@ -604,7 +604,8 @@ class EngineStream:
         # Telemetry's middleware leaves a per-request observer in the scope (see telemetry.py).
         self._observer = request.scope.get("state", {}).get("telemetry")
         if self._observer is not None:
-            self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id)
+            self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id,
+                                             prompt_tokens=len(self.prompt_token_ids))
         self._iterator = aiter(
             self.engine.generate(
                 self.prompt_token_ids,

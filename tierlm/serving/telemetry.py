@@ -288,6 +288,7 @@ class RequestTelemetry:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # all choices' (OpenAI `n`: one engine request per choice)
+    submitted_prompt_tokens: int = 0  # the prompt handed to the engine (known before any output)
     # Engine request id -> its output tokens so far: the choices of one HTTP request each report
     # their own running count (the last to report stood for all of them).
     _outputs: dict[str, int] = field(default_factory=dict)
@@ -307,10 +308,12 @@ class RequestTelemetry:
 
     # -- fed by the engine stream ------------------------------------------------------------
     def on_engine_request(self, model: str, params: "SamplingParams | None" = None, *,
-                          tenant: str | None = None) -> None:
-        """The request was resolved to a model and handed to its engine."""
+                          tenant: str | None = None, prompt_tokens: int = 0) -> None:
+        """The request was resolved to a model and handed to its engine (with a prompt of
+        `prompt_tokens`: what it costs even if it ends before its first token)."""
         self.model = model
         self.tenant = tenant or DEFAULT_TENANT
+        self.submitted_prompt_tokens = max(self.submitted_prompt_tokens, prompt_tokens)
         if params is not None:
             self.max_tokens, self.temperature, self.top_p = params.max_tokens, params.temperature, params.top_p
         if self.warm_prompt_tokens is not None:

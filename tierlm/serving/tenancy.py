@@ -143,6 +143,9 @@ class TenantsConfig:
             if not name:  # (telemetry reads "" as no tenant: `default`)
                 raise fail('tenants.""', "a tenant needs a name (429s, logs and the tenant label of /metrics name "
                                          "it); write [tenants.NAME]")
+            if name == "default":  # (the tenant label of requests without one: 401s, --no-auth)
+                raise fail("tenants.default", "'default' is the metrics label of requests that have no tenant; "
+                                              "give this tenant another name")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
             _only(table, {"tier", "keys", *LIMIT_FIELDS}, where, fail)
@@ -345,14 +348,15 @@ class Tenancy:
             # When a slot frees is not known: a second is a guess that costs a client little.
             waits.append(("concurrency", 1.0, f"{limits.max_concurrent} requests at a time"))
         if waits:
-            reason, _, what = waits[0]
-            retry_after = max(w for _, w, _ in waits)
+            # The limit that holds the request longest is the one named, with the wait the
+            # retry-after header gives (whole seconds, at least 1).
+            reason, retry_after, what = max(waits, key=lambda w: w[1])
             if self.on_refused is not None:
                 self.on_refused(tenant.id, reason)
             raise TenantRateLimited(
                 f"tenant '{tenant.id}' ({tenant.tier} tier) is over its limit of {what}; retry after "
-                f"{math.ceil(round(retry_after, 3))} s", tenant=tenant.id, reason=reason, retry_after=retry_after,
-                headers=self._headers(usage, limits, style, now))
+                f"{max(1, math.ceil(round(retry_after, 3)))} s", tenant=tenant.id, reason=reason,
+                retry_after=retry_after, headers=self._headers(usage, limits, style, now))
         if usage.requests is not None:
             usage.requests.take(1, now)
         usage.in_flight += 1
@@ -432,9 +436,12 @@ class TenancyMiddleware:
         def release() -> None:
             ticket = state.pop(TICKET, None)
             if ticket is not None:
-                # Usage as the response reports it: the prompt once, every choice's output.
+                # Usage as the response reports it: the prompt once, every choice's output; a
+                # request that ended before its first token (queued, in a long prefill, its
+                # client gone) still pays for the prompt it handed the engine.
                 observed = state.get("telemetry")
-                ticket.release((observed.num_prompt_tokens + observed.num_output_tokens) if observed else 0)
+                prompt = max(observed.num_prompt_tokens, observed.submitted_prompt_tokens) if observed else 0
+                ticket.release((prompt + observed.num_output_tokens) if observed else 0)
 
         async def send_and_release(message: Message) -> None:
             ticket = state.get(TICKET)
