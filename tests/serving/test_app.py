@@ -122,7 +122,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def on_engine_request(self, model, params=None, *, tenant=None) -> None:
+    def on_engine_request(self, model, params=None, *, tenant=None, prompt_tokens=0) -> None:
         self.events.append(("request", model, params.max_tokens, tenant))
 
     def on_delta(self, delta) -> None:

@@ -440,7 +440,7 @@ class TenancyMiddleware:
                 # request that ended before its first token (queued, in a long prefill, its
                 # client gone) still pays for the prompt it handed the engine.
                 observed = state.get("telemetry")
-                prompt = max(observed.num_prompt_tokens, observed.submitted_prompt_tokens) if observed else 0
+                prompt = max(observed.num_prompt_tokens, getattr(observed, "submitted_prompt_tokens", 0)) if observed else 0
                 ticket.release((prompt + observed.num_output_tokens) if observed else 0)
 
         async def send_and_release(message: Message) -> None:
