@@ -278,6 +278,14 @@ _REFUSED_OPENAI_FIELDS = {
 }
 
 
+def vllm_top_k(value: int | None) -> int | None:
+    """vLLM's rule (OpenAI routes): -1 and 0 mean no limit; values past the vocabulary too (see
+    generation.top_k_limit)."""
+    if value is not None and value < -1:
+        raise ValueError(f"must be -1 or 0 (no limit) or at least 1 (got {value})")
+    return value
+
+
 def _check_stop(value: Any) -> Any:
     stops = [value] if isinstance(value, str) else value
     if isinstance(stops, list) and (problem := stop_strings_problem(stops)) is not None:
@@ -358,13 +366,7 @@ class _SamplingFields(_Body):
     def _stop(cls, value: Any) -> Any:
         return _check_stop(value)
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int | None) -> int | None:
-        # vLLM's rule: -1 and 0 mean no limit; values past the vocabulary too (see generation.top_k_limit).
-        if value is not None and value < -1:
-            raise ValueError(f"must be -1 or 0 (no limit) or at least 1 (got {value})")
-        return value
+    _top_k = field_validator("top_k")(lambda value: vllm_top_k(value))
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.serving.protocol_openai import _FUNCTION_NAME, _Body, refused_unless_null
+from tierlm.serving.protocol_openai import _FUNCTION_NAME, _Body, refused_unless_null, vllm_top_k
 
 # Item and part types of OpenAI's that tierlm cannot take, with what to send instead.
 _BUILT_IN = ("it is a built-in tool of OpenAI's, which tierlm does not run; offer your own functions "
@@ -289,12 +289,7 @@ class ResponsesRequest(_Body):
                                  f"(key {key[:80]!r})")
         return value
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int | None) -> int | None:
-        if value is not None and value < -1:
-            raise ValueError(f"must be -1 or 0 (no limit) or at least 1 (got {value})")
-        return value
+    _top_k = field_validator("top_k")(lambda value: vllm_top_k(value))
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         """The input as items (a string is one user message)."""
