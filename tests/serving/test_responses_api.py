@@ -469,3 +469,15 @@ def test_an_empty_think_blocks_markers_are_not_the_messages_logprobs(reasoning_s
     tokens = [lp.token for lp in created.output[-1].content[0].logprobs]
     assert created.output_text == ANSWER and "".join(tokens).strip() == ANSWER
     assert [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == tokens
+
+
+def test_more_items_than_the_context_holds_are_refused_before_validation_whatever_else_the_body_holds(
+        scripted_server):
+    """The raw JSON's items are counted before validation (each renders to a token at least): a
+    stray `messages` key beside `input` made the count skip `input`, and 200,000 items then held
+    the event loop for seconds in validation."""
+    items = [{"role": "user", "content": "x"}] * 600  # past the scripted models' 512-token context
+    for extra in ({}, {"messages": []}):
+        r = post(scripted_server, "/v1/responses", {"model": TEXT_MODEL, "input": items, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert "input: the request has 600 tools, messages and content blocks" in r.json()["error"]["message"]

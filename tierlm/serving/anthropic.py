@@ -9,8 +9,8 @@ Translation rules (the parts the API leaves to the server):
   the shapes Hugging Face chat templates render, with ids rewritten to 9 alphanumerics
   (tools.template_tool_call_id: Mistral's templates accept no other);
 - tool_choice `any` / `tool` start the assistant turn with a call in the model's syntax
-  (`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py; and the tool's name)
-  because nothing else can make an unconstrained model call a tool; `none` leaves tools out;
+  (`<tool_call>`, `[TOOL_CALLS]`, ...: tools.py; and the tool's name), and the rest of the call
+  follows the tool's input_schema (tool_grammar.py); `none` leaves tools out;
 - plain-text documents and search results are text (title, context or source, then the text),
   at the top of a user message or in a tool_result;
 - `thinking` becomes the template's `enable_thinking` (Qwen3, SmolLM3); a reasoning model's think

@@ -73,8 +73,14 @@ async def create_response(request: Request) -> Response:
                                  "send the conversation's items in 'input' instead",
                                  param="previous_response_id", code="previous_response_not_found")
         history = previous.conversation
-    items = history + [_listed(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
-    chat = _chat_request(body, items, len(history))
+    def prepare() -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
+        items = history + [_listed(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
+        return items, _chat_request(body, items, len(history))
+
+    # The items as a chat, validated again: off the event loop for a long conversation, as the
+    # chat route's validation is (100,000 items held every other client up for 2.8 s).
+    count = len(history) + (len(body.input) if isinstance(body.input, list) else 1)
+    items, chat = await off_loop(prepare, 4 * count)
     try:
         run = await start_chat(state, context, request, chat, limit_field="max_output_tokens",
                                schema_field="tools.{}.parameters")

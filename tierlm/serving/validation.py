@@ -203,27 +203,27 @@ def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
         total += len(system)
         if total > limit:
             return "system", total
-    key = "messages" if "messages" in data else "input"  # (the Responses API's items)
-    messages = data.get(key)
-    if not isinstance(messages, list):
-        return None
-    total += len(messages)
-    if total > limit:
-        return key, total
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
+    for key in ("messages", "input"):  # (the Responses API's items; both counted: a body may hold both)
+        messages = data.get(key)
+        if not isinstance(messages, list):
             continue
-        for field in ("content", "tool_calls", "output", "summary"):
-            parts = message.get(field)
-            if not isinstance(parts, list):
+        total += len(messages)
+        if total > limit:
+            return key, total
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
                 continue
-            total += len(parts)
-            if total > limit:
-                return f"{key}.{i}.{field}", total
-            for where, nested in _inner_lists(parts, f"{key}.{i}.{field}"):
-                total += len(nested)
+            for field in ("content", "tool_calls", "output", "summary"):
+                parts = message.get(field)
+                if not isinstance(parts, list):
+                    continue
+                total += len(parts)
                 if total > limit:
-                    return where, total
+                    return f"{key}.{i}.{field}", total
+                for where, nested in _inner_lists(parts, f"{key}.{i}.{field}"):
+                    total += len(nested)
+                    if total > limit:
+                        return where, total
     return None
 
 
