@@ -45,6 +45,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from tierlm.engine.fairness import SCHEDULING_POLICIES
     from tierlm.kv.policies import DEFAULT_POLICY, POLICIES
 
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: built-in demo model)")
@@ -56,6 +57,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--scheduling-policy", default="fair", choices=SCHEDULING_POLICIES,
+                   help="within one priority: 'fair' shares the engine equally between tenants (the least "
+                        "served goes next), 'fcfs' runs requests in arrival order (default: fair)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="device KV pool: a size ('8GiB'), a count ('2000 blocks') or bytes "
                         "(default: a share of free memory)")
@@ -97,7 +101,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, compute_dtype=args.compute_dtype, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                scheduling_policy=args.scheduling_policy, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                 enable_prefix_caching=args.prefix_caching, eviction_policy=args.eviction_policy,
                 kv_host_capacity=args.kv_host_capacity, kv_disk_dir=args.kv_disk_dir,
                 kv_disk_capacity=args.kv_disk_capacity, kv_remote=args.kv_remote,
@@ -177,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from tierlm.bench import throughput
     throughput.add_cli(bsub)
-    for mod in ("cache", "prefix", "serve", "sweep"):
+    for mod in ("cache", "prefix", "serve", "sweep", "fairness"):
         try:
             m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
         except ImportError:

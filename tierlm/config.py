@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierlm.engine.fairness import SCHEDULING_POLICIES
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
 from tierlm.kv.tiers import block_count, lower_scheme, parse_capacity, redact_url, url_cut_short
 
@@ -40,6 +41,9 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
+    # Within one priority: "fair" shares the engine equally between tenants (engine/fairness.py),
+    # "fcfs" keeps arrival order. Priority (a tenant's tier) always comes first.
+    scheduling_policy: str = "fair"
     max_model_len: int | None = None
     # The device KV pool: bytes (int), a size ("8GiB", "512MiB") or a count ("2000 blocks").
     kv_cache_memory: int | str | None = None
@@ -118,6 +122,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1 (got {self.max_model_len}); leave it unset for the "
                              "model's own limit")
         self.resolve_device()  # an unknown or absent device fails here, before anything loads
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)} (got "
+                             f"{self.scheduling_policy!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -628,12 +628,14 @@ def test_no_leaked_blocks_after_random_finishes_and_aborts(llm, data):
         return eng.add_request({"prompt_token_ids": [rng.randrange(5, 600) for _ in range(rng.randint(1, 90))]},
                                SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 1.0]),
                                               ignore_eos=True, seed=rng.randint(0, 9)),
-                               priority=rng.randint(0, 2))
+                               priority=rng.randint(0, 2), tenant_id=rng.choice([None, "a", "b"]))
 
     _random_traffic(eng, rng, make, max_live=data.draw(st.integers(1, 10)), steps=60, p_add=0.5, p_abort=0.2)
     assert not eng.has_unfinished()
     assert eng.pool.num_used == 0
     assert sum(b.ref_cnt for b in eng.pool.blocks) == 0
+    # Fair shares are kept within a busy period: with nothing left, nothing is remembered.
+    assert not eng.scheduler.fair.counters and not eng.scheduler.fair._active
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -874,7 +876,7 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_re
               kv_cache_memory=per_block * (-(-130 // bs) * rng.choice([1, 2, 4])),
               enable_prefix_caching=rng.random() < 0.7, eviction_policy=rng.choice(POLICIES),
               kv_host_capacity=rng.choice([0, "64 blocks"]), cuda_graphs=rng.random() < 0.5,
-              cpu_kernels=rng.random() < 0.5)
+              cpu_kernels=rng.random() < 0.5, scheduling_policy=rng.choice(["fair", "fcfs"]))
     eng = llm.engine
     prefixes = [[rng.randrange(5, 250) for _ in range(rng.randint(1, 60))] for _ in range(3)]
     live: dict[str, tuple[list[int], int]] = {}
@@ -887,7 +889,7 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_re
             n = rng.randint(1, 12)
             r = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, temperature=0,
                                                                            ignore_eos=True),
-                                priority=rng.randint(0, 2))
+                                priority=rng.randint(0, 2), tenant_id=rng.choice([None, "a", "b", "c"]))
             live[r.request_id], got[r.request_id] = (prompt, n), []
         if live and rng.random() < 0.05:
             rid = rng.choice(list(live))

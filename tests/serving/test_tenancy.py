@@ -322,6 +322,11 @@ def test_max_concurrent_slots_are_released_however_a_response_ends(server, tenan
     assert value(metrics(server), "tierlm:rate_limited_requests_total", tenant="conc", reason="concurrency") == 2
 
 
+def _post_one_seq(client: httpx.AsyncClient, key: str, max_tokens: int) -> Any:
+    return client.post("/v1/messages", headers={"x-api-key": KEYS[key]},
+                       json={"model": ONE_SEQ, "max_tokens": max_tokens, "messages": HI})
+
+
 def test_a_queued_gold_request_runs_before_queued_bronze_ones(server, engines, monkeypatch):
     """One sequence at a time: while a bronze request runs, a bronze one queues, then a gold one;
     when the first ends, gold goes next, though it came last."""
@@ -329,17 +334,13 @@ def test_a_queued_gold_request_runs_before_queued_bronze_ones(server, engines, m
     seen = record_requests(engine, monkeypatch)
     slow_steps(engine, monkeypatch, 0.05)  # the busy request (24 s at least) outlasts the others' queueing
 
-    def post(client: httpx.AsyncClient, key: str, max_tokens: int) -> Any:
-        return client.post("/v1/messages", headers={"x-api-key": KEYS[key]},
-                           json={"model": ONE_SEQ, "max_tokens": max_tokens, "messages": HI})
-
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            busy = asyncio.ensure_future(post(client, "lone", 480))
+            busy = asyncio.ensure_future(_post_one_seq(client, "lone", 480))
             await _until(lambda: engine.stats().num_running == 1)
-            bronze = asyncio.ensure_future(post(client, "lone", 3))
+            bronze = asyncio.ensure_future(_post_one_seq(client, "lone", 3))
             await _until(lambda: engine.stats().num_waiting == 1)
-            gold = asyncio.ensure_future(post(client, "vip", 3))
+            gold = asyncio.ensure_future(_post_one_seq(client, "vip", 3))
             await _until(lambda: engine.stats().num_waiting == 2)
             busy.cancel()  # its client leaves: the engine's one slot frees
             await asyncio.gather(busy, return_exceptions=True)
@@ -353,6 +354,41 @@ def test_a_queued_gold_request_runs_before_queued_bronze_ones(server, engines, m
     assert gold.first_scheduled_time < bronze.first_scheduled_time
 
 
+def test_a_tenant_is_not_queued_behind_another_tenants_burst_in_its_tier(server, engines, monkeypatch):
+    """Fair shares within a tier: while acme's long request runs, acme queues three more, then
+    vip (also gold) one. vip has had no service, acme plenty: when the slot frees, vip goes
+    next, though it came last (first come first served would run it fourth)."""
+    engine = engines[ONE_SEQ]
+    seen = record_requests(engine, monkeypatch)
+    slow_steps(engine, monkeypatch, 0.05)
+    fair = engine.engine.scheduler.fair
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            busy = asyncio.ensure_future(_post_one_seq(client, "acme-a", 480))
+            await _until(lambda: engine.stats().num_running == 1)
+            burst = []
+            for i, key in enumerate(("acme-a", "acme-b", "acme-a")):
+                burst.append(asyncio.ensure_future(_post_one_seq(client, key, 3)))
+                await _until(lambda: engine.stats().num_waiting == i + 1)
+            late = asyncio.ensure_future(_post_one_seq(client, "vip", 3))
+            await _until(lambda: engine.stats().num_waiting == 4)
+            # vip starts level with acme (no credit for the time it was away); acme's running
+            # request then keeps adding to acme's share.
+            await _until(lambda: fair.counters.get("acme", 0) > fair.counters.get("vip", 0) > 0)
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+            return list(await asyncio.gather(*burst, late))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 4
+    busy, *burst, late = seen
+    assert {r.tenant_id for r in (busy, *burst)} == {"acme"} and late.tenant_id == "vip"
+    assert busy.priority == late.priority == 0
+    assert all(late.arrival_time > r.arrival_time and late.first_scheduled_time < r.first_scheduled_time
+               for r in burst)
+
+
 def test_a_request_that_ends_before_its_first_token_pays_for_its_prompt(server, engines, tenancy, clock, monkeypatch):
     """Queued behind a busy request, its client gone before any output: it was charged nothing
     (its usage is only known from the first token on), so large prefills abandoned early were free."""
@@ -361,15 +397,11 @@ def test_a_request_that_ends_before_its_first_token_pays_for_its_prompt(server, 
     slow_steps(engine, monkeypatch, 0.05)
     clock.advance(3600)  # the tpm tenant's bucket full again: 5 tokens
 
-    def post(client: httpx.AsyncClient, key: str, max_tokens: int) -> Any:
-        return client.post("/v1/messages", headers={"x-api-key": KEYS[key]},
-                           json={"model": ONE_SEQ, "max_tokens": max_tokens, "messages": HI})
-
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            busy = asyncio.ensure_future(post(client, "lone", 480))
+            busy = asyncio.ensure_future(_post_one_seq(client, "lone", 480))
             await _until(lambda: engine.stats().num_running == 1)
-            queued = asyncio.ensure_future(post(client, "tpm", 3))
+            queued = asyncio.ensure_future(_post_one_seq(client, "tpm", 3))
             await _until(lambda: engine.stats().num_waiting == 1)
             queued.cancel()  # its client leaves while it waits
             await asyncio.gather(queued, return_exceptions=True)

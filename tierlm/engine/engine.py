@@ -295,7 +295,8 @@ class LLMEngine:
                                  io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
                                  prefetch=(self.device.type == "cuda" or bool(config.kv_remote))
                                  if config.kv_prefetch is None else config.kv_prefetch)
-        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy)
         # How long a step with nothing to run but a prefix read waits for it: None, until it is
         # done or overdue (a caller stepping in a loop); an AsyncEngine polls (READ_POLL_S).
         self.read_wait_s: float | None = None

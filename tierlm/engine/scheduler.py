@@ -5,12 +5,17 @@ is 1, a prefill chunk is many, a prefix-cache hit just starts later. Budget orde
 decodes, then running prefill chunks, then waiting requests, until the token budget or the
 sequence cap is spent. When KV blocks run out, the lowest-priority, latest-arrived running
 request is preempted (blocks freed, recomputed later), so the engine never deadlocks.
+
+Within one priority the "fair" policy (the default) shares the engine equally between tenants
+(fairness.py): waiting requests are admitted by the least-served tenant first, and preemption
+takes from the most-served tenant first. "fcfs" keeps arrival order within a priority.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from tierlm.engine.fairness import SCHEDULING_POLICIES, FairShare, fcfs_order, tenant_of
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.kv.manager import KVCacheManager
 
@@ -29,15 +34,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: str = "fair") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy {policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}")
         self.kv = kv
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
+        self.policy = policy
+        self.fair = FairShare()
+        self._order = self.fair.order if policy == "fair" else fcfs_order
+        self._victim_key = self.fair.victim_key if policy == "fair" else Request.sort_key
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        self.fair.arrive(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -49,10 +62,14 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:  # not queued (removed before): nothing left to count
+            self.kv.free(req)
+            return
+        self.fair.leave(req)
         self.kv.free(req)
 
     def _preempt(self, out: SchedulerOutput) -> Request:
-        victim = max(self.running, key=Request.sort_key)
+        victim = max(self.running, key=self._victim_key)
         self.running.remove(victim)
         self.kv.free(victim)
         self.kv.prefetch(victim)  # what of its prefix moves down meanwhile is read back off the loop
@@ -89,9 +106,12 @@ class Scheduler:
         #    run, the step reports the first such read for the caller to wait on briefly (new
         #    arrivals and aborts are still taken between waits). Past the store's read timeout a
         #    request counts as ready, busy or not, and starts with what was read so far.
-        self.waiting.sort(key=Request.sort_key)
+        # Fair order: each admission adds its cost to `pending`, so the next pick sees it.
+        pending: dict[str, float] = {}
+        for req, n in chosen.items():
+            self._add_cost(pending, req, n)
         reading = None
-        for req in list(self.waiting):
+        for req in self._order(list(self.waiting), pending):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
             if req in out.preempted:
@@ -107,10 +127,17 @@ class Scheduler:
             if not self._admit(req, budget, chosen):
                 break
             budget -= chosen[req]
+            self._add_cost(pending, req, chosen[req])
         if not chosen and reading is not None:
             out.reading = reading
         out.scheduled = sorted(chosen.items(), key=lambda kv: kv[1] > 1)
+        if self.policy == "fair":
+            self.fair.charge(pending)
         return out
+
+    def _add_cost(self, pending: dict[str, float], req: Request, n: int) -> None:
+        tenant = tenant_of(req)
+        pending[tenant] = pending.get(tenant, 0.0) + self.fair.cost(req, n)
 
     def _admit(self, req: Request, budget: int, chosen: dict[Request, int]) -> bool:
         """Start `req` after its cached prefix, within `budget` tokens; False if there is no room."""

@@ -15,8 +15,9 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     max_concurrent = 8
 
 A request is admitted for its key's tenant: the engine runs it at the tier's priority (a lower
-number runs first, and is preempted last), its prefix cache is salted per tenant (a tenant's
-keys share cached prefixes, tenants never do), and the tenant's limits are checked:
+number runs first, and is preempted last), in fair shares with the other tenants of its tier
+(engine/fairness.py: the least-served tenant goes next), its prefix cache is salted per tenant (a
+tenant's keys share cached prefixes, tenants never do), and the tenant's limits are checked:
 
 - requests_per_minute and tokens_per_minute are token buckets holding a minute's worth and
   refilled continuously. A request takes one request. Tokens (the whole prompt, cached part

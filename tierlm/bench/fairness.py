@@ -1,0 +1,147 @@
+"""`tierlm bench fairness`: what one flooding tenant costs the other tenants of its tier.
+
+One tenant ("flood") queues many requests at once; a few light tenants queue a couple each right
+behind them, all at one priority. The same burst runs on the same model twice in one process:
+first come first served (the peer: vLLM's and TGI's order within a priority) and tierlm's fair
+shares (engine/fairness.py). Reported per policy: each tenant's time to first token, the
+throughput, and the largest gap in service (prompt tokens x1, generated x2) between the flood
+and a light tenant while both had requests waiting; then the ratios fcfs / fair (medians over
+`--repeats` alternated runs).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from tierlm.cli import at_least
+
+
+def _burst(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
+    """(tenant, prompt) in arrival order: the flood's first, then each light tenant's."""
+    rng = random.Random(args.seed)
+
+    def prompt() -> list[int]:  # distinct prompts: no prefix hits, the schedule is the subject
+        return [rng.randrange(min(5, vocab - 1), vocab) for _ in range(args.prompt_len)]
+
+    burst = [("flood", prompt()) for _ in range(args.flood)]
+    for t in range(args.light_tenants):
+        burst += [(f"light{t}", prompt()) for _ in range(args.light_requests)]
+    return burst
+
+
+def _served(reqs) -> dict[str, float]:
+    from tierlm.engine.fairness import DECODE_COST, PROMPT_COST
+    out: dict[str, float] = {}
+    for r in reqs:
+        out[r.tenant_id] = out.get(r.tenant_id, 0.0) + PROMPT_COST * min(r.num_computed_tokens, r.num_prompt_tokens) \
+            + DECODE_COST * r.num_output_tokens
+    return out
+
+
+def _run_policy(model: str, policy: str, args: argparse.Namespace) -> dict:
+    from tierlm import LLM, SamplingParams
+    with LLM(model, dtype=args.dtype, load_progress=False, max_num_seqs=args.max_num_seqs,
+             max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy) as llm:
+        eng = llm.engine
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        t0 = time.monotonic()
+        reqs = [eng.add_request({"prompt_token_ids": p}, params, tenant_id=tenant) for tenant, p in _burst(args, eng.args.vocab_size)]
+        gap, step, first_step = 0.0, 0, {}
+        while eng.has_unfinished():
+            eng.step()
+            step += 1
+            for r in reqs:
+                if r not in first_step and r.first_token_time is not None:
+                    first_step[r] = step
+            waiting = {r.tenant_id for r in eng.scheduler.waiting}
+            if "flood" in waiting and len(waiting) > 1:
+                served = _served(reqs)
+                gap = max(gap, max(abs(served["flood"] - served.get(t, 0.0)) for t in waiting if t != "flood"))
+        wall = time.monotonic() - t0
+    ttft: dict[str, list[float]] = {}
+    ttft_steps: dict[str, list[int]] = {}
+    for r in reqs:
+        who = "flood" if r.tenant_id == "flood" else "light"
+        ttft.setdefault(who, []).append(r.first_token_time - r.arrival_time)
+        ttft_steps.setdefault(who, []).append(first_step[r])
+    tokens = sum(r.num_output_tokens for r in reqs)
+    row = {"policy": policy, "wall_s": wall, "steps": step, "output_tokens_per_s": tokens / wall,
+           "max_service_gap": gap}
+    for who, xs in ttft.items():
+        row[f"{who}_ttft_mean_s"] = statistics.fmean(xs)
+        row[f"{who}_ttft_max_s"] = max(xs)
+        # In engine steps: the same on any machine (the schedule is deterministic), unlike seconds.
+        row[f"{who}_ttft_mean_steps"] = statistics.fmean(ttft_steps[who])
+    print(f"{policy:>4}: light tenants' TTFT mean {row['light_ttft_mean_s'] * 1e3:.0f} ms (max "
+          f"{row['light_ttft_max_s'] * 1e3:.0f}; {row['light_ttft_mean_steps']:.1f} steps), flood's mean {row['flood_ttft_mean_s'] * 1e3:.0f} ms, "
+          f"{row['output_tokens_per_s']:.0f} output tok/s, largest service gap {gap:.0f}")
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tierlm.bench.outputs import check_outputs, write_json
+    outs = check_outputs({"--json": args.json, "--plot": args.plot})
+    args.json, args.plot = outs["--json"], outs["--plot"]
+    if args.model is None:
+        from tierlm.models.demo import ensure_demo_model
+        model = str(ensure_demo_model())
+    else:
+        model = args.model
+    runs: dict[str, list[dict]] = {"fcfs": [], "fair": []}
+    for _ in range(args.repeats):  # alternated, so a drift in the machine's speed hits both alike
+        for policy in runs:
+            runs[policy].append(_run_policy(model, policy, args))
+    fcfs, fair = ({k: (statistics.median(r[k] for r in rows) if k != "policy" else policy) for k in rows[0]}
+                  for policy, rows in runs.items())
+    result = {
+        "model": model, "flood": args.flood, "light_tenants": args.light_tenants,
+        "light_requests": args.light_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "results": [fcfs, fair],
+        "samples": runs,
+        "ratios": {
+            "light_ttft_fcfs_over_fair": fcfs["light_ttft_mean_s"] / fair["light_ttft_mean_s"],
+            "flood_ttft_fair_over_fcfs": fair["flood_ttft_mean_s"] / fcfs["flood_ttft_mean_s"],
+            "light_ttft_steps_fcfs_over_fair": fcfs["light_ttft_mean_steps"] / fair["light_ttft_mean_steps"],
+            "flood_ttft_steps_fair_over_fcfs": fair["flood_ttft_mean_steps"] / fcfs["flood_ttft_mean_steps"],
+            "steps_fair_over_fcfs": fair["steps"] / fcfs["steps"],
+            "throughput_fair_over_fcfs": fair["output_tokens_per_s"] / fcfs["output_tokens_per_s"],
+            "service_gap_fcfs_over_fair": fcfs["max_service_gap"] / max(fair["max_service_gap"], 1.0),
+        },
+    }
+    r = result["ratios"]
+    print(f"fair shares: the light tenants' first tokens come {r['light_ttft_fcfs_over_fair']:.1f}x sooner "
+          f"({r['light_ttft_steps_fcfs_over_fair']:.1f}x in steps), the flood's {r['flood_ttft_fair_over_fcfs']:.2f}x "
+          f"later ({r['flood_ttft_steps_fair_over_fcfs']:.2f}x in steps), at {r['throughput_fair_over_fcfs']:.2f}x "
+          f"the throughput and {r['steps_fair_over_fcfs']:.2f}x the steps of first come first served")
+    write_json(args.json, result)
+    if args.plot is not None:
+        plot_fairness(result, args.plot)
+    return result
+
+
+def plot_fairness(result: dict, path: str) -> str:
+    from tierlm.bench.plots import bar_plot
+    bars = {f"{row['policy']}: {who}": row[f"{who}_ttft_mean_s"] * 1e3
+            for row in result["results"] for who in ("light", "flood")}
+    return bar_plot(path, bars, title=f"Mean TTFT per tenant: {result['flood']} flood requests, "
+                    f"{result['light_tenants']}x{result['light_requests']} light", ylabel="ms")
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("fairness", help="a flooding tenant against light tenants of its tier: fcfs vs fair shares")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--flood", type=at_least(1, int), default=48, help="requests the flooding tenant queues")
+    p.add_argument("--light-tenants", type=at_least(1, int), default=3)
+    p.add_argument("--light-requests", type=at_least(1, int), default=2, help="requests each light tenant queues")
+    p.add_argument("--prompt-len", type=at_least(1, int), default=128)
+    p.add_argument("--max-tokens", type=at_least(1, int), default=32)
+    p.add_argument("--max-num-seqs", type=at_least(1, int), default=8)
+    p.add_argument("--max-num-batched-tokens", type=at_least(1, int), default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=at_least(1, int), default=3, help="runs of each policy, alternated")
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=lambda a: run(a) and 0)
