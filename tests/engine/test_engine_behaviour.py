@@ -735,6 +735,9 @@ def test_sampling_params_of_the_wrong_type_are_refused_by_name(field, value):
 @pytest.mark.parametrize("kw, says", [
     ({"priority": "x"}, "priority"), ({"priority": None}, "priority"), ({"priority": True}, "priority"),
     ({"cache_salt": 123}, "cache_salt"), ({"tenant_id": 7}, "tenant_id"), ({"request_id": 5}, "request_id"),
+    ({"tenant_weight": 0}, "tenant_weight"), ({"tenant_weight": -1.0}, "tenant_weight"),
+    ({"tenant_weight": float("nan")}, "tenant_weight"), ({"tenant_weight": float("inf")}, "tenant_weight"),
+    ({"tenant_weight": True}, "tenant_weight"), ({"tenant_weight": "2"}, "tenant_weight"),
 ])
 def test_request_fields_of_the_wrong_type_are_refused_before_they_reach_a_step(llm, kw, says):
     """They were accepted, then failed the step they first mattered in (the scheduler's sort,

@@ -23,11 +23,11 @@ def _engine(llama_dir, policy: str, **kw):
 _rng = random.Random(0)  # prompts differ (no prefix hits); the schedule depends only on their lengths
 
 
-def _add(eng, tenant: str | None, prompt_len: int, max_tokens: int, priority: int = 0):
+def _add(eng, tenant: str | None, prompt_len: int, max_tokens: int, priority: int = 0, weight: float = 1.0):
     prompt = [_rng.randrange(5, 250) for _ in range(prompt_len)]
     return eng.add_request({"prompt_token_ids": prompt},
                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                           priority=priority, tenant_id=tenant)
+                           priority=priority, tenant_id=tenant, tenant_weight=weight)
 
 
 def _admission_steps(eng, reqs: list[Request], on_step=None) -> dict[Request, int]:
@@ -101,6 +101,34 @@ def test_two_backlogged_tenants_receive_service_within_a_bounded_gap(llama_dir, 
         assert max(gaps) > 2 * bound  # first come, first served: "chat" waits for all of "long"
 
 
+@pytest.mark.parametrize("weights", [(2.0, 1.0), (1.0, 3.0)])
+def test_weighted_tenants_share_in_proportion_to_their_weights(llama_dir, weights):
+    """Two backlogged tenants of equal request shapes, weights w_a and w_b: while both wait,
+    service divided by weight stays within twice the largest weighted request cost, so the
+    service itself splits w_a : w_b."""
+    eng = _engine(llama_dir, "fair", max_num_seqs=4, max_num_batched_tokens=48)
+    wa, wb = weights
+    shape = (16, 8)
+    reqs = [_add(eng, "a", *shape, weight=wa) for _ in range(16)] + [_add(eng, "b", *shape, weight=wb)
+                                                                     for _ in range(16)]
+    cost = PROMPT_COST * shape[0] + DECODE_COST * shape[1]
+    bound = 2 * cost / min(weights)
+    state = {"gap": 0.0, "served": None}
+
+    def measure(_step):
+        served = {t: sum(min(r.num_computed_tokens, r.num_prompt_tokens) * PROMPT_COST + r.num_output_tokens * DECODE_COST
+                         for r in reqs if r.tenant_id == t) for t in ("a", "b")}
+        if {r.tenant_id for r in eng.scheduler.waiting} == {"a", "b"}:
+            state["gap"] = max(state["gap"], abs(served["a"] / wa - served["b"] / wb))
+            state["served"] = served
+
+    _admission_steps(eng, reqs, measure)
+    assert state["gap"] <= bound, (state, bound)
+    served = state["served"]  # at the last step both were waiting: well into the backlog
+    assert served["a"] + served["b"] > 8 * cost
+    assert served["a"] / served["b"] == pytest.approx(wa / wb, rel=0.25)
+
+
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])
 def test_preemption_takes_from_the_most_served_tenant(llama_dir, policy):
     """Three requests outgrow the pool: two of tenant "a", then one of "b". First come first
@@ -131,6 +159,8 @@ def test_cost_counts_prompt_and_generated_tokens_apart():
     assert fs.cost(r, 5) == 2 * PROMPT_COST + 3 * DECODE_COST  # a recompute running past its prompt
     r.num_computed_tokens = 10
     assert fs.cost(r, 1) == DECODE_COST
+    r.tenant_weight = 4.0  # a tenant of weight 4 pays a quarter
+    assert fs.cost(r, 1) == DECODE_COST / 4
 
 
 def test_a_returning_tenant_is_lifted_to_the_least_served_active_tenant_and_idle_forgets():

@@ -29,6 +29,7 @@ KEYS = {name: f"sk-{name}" for name in ("acme-a", "acme-b", "globex", "rpm", "tp
 TENANTS = """
 [tiers.silver]
 requests_per_minute = 1000      # a tier's default for its tenants
+weight = 0.5
 
 [tenants.acme]
 tier = "gold"
@@ -53,6 +54,7 @@ max_concurrent = 1
 [tenants.vip]
 tier = "gold"
 keys = ["vip"]
+weight = 3
 """  # "lone" is in no tenant: a bronze tenant of its own
 ONE_SEQ = "loop-one-seq"  # the looping model on an engine that runs one request at a time
 HI = [{"role": "user", "content": "Hi"}]
@@ -88,6 +90,10 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     assert config.tenant_of("rpm").tier == "silver"  # no tier: default_tier
     assert config.tenant_of("rpm").limits == Limits(requests_per_minute=2)  # its own over the tier's
     assert config.tenant_of("lone").limits == Limits(max_concurrent=3)
+    # weights: a tenant's own, else its tier's, else 1
+    assert (config.tenant_of("vip").weight, config.tenant_of("globex").weight, config.tenant_of("rpm").weight,
+            acme_a.weight, config.tenant_of("lone").weight) == (3.0, 0.5, 0.5, 1.0, 1.0)
+    assert parse(TENANTS).tenant_of("lone").weight == 1.0  # bronze, no weight set
     # a key no tenant names: a tenant of its own, of the default tier, with a salt apart from every tenant's
     lone = parse(TENANTS).tenant_of("lone")
     assert (lone.id, lone.tier, lone.priority, lone.limits) == ("lone", "bronze", 2, Limits())
@@ -103,6 +109,10 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     ('[tenants.a]\ntier = "tin"\nkeys = ["rpm"]', "tenants.a.tier: no tier named 'tin'; use one of bronze, gold, silver"),
     ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, max_concurrent, requests_per_minute"),
     ('[tenants.a]\nkeys = ["rpm"]\nmax_concurrent = 0', "tenants.a.max_concurrent: must be a whole number of at least 1"),
+    ('[tenants.a]\nkeys = ["rpm"]\nweight = 0', "tenants.a.weight: must be a number from 0.01 to 100 (got 0)"),
+    ('[tenants.a]\nkeys = ["rpm"]\nweight = "2"', "tenants.a.weight: must be a number from 0.01 to 100"),
+    ('[tenants.a]\nkeys = ["rpm"]\nweight = nan', "tenants.a.weight: must be a number from 0.01 to 100 (got nan)"),
+    ('[tiers.gold]\nweight = true', "tiers.gold.weight: must be a number from 0.01 to 100 (got True)"),
     ('[tiers.gold]\ntokens_per_minute = "lots"', "tiers.gold.tokens_per_minute: must be a whole number of at least 1"),
     ('[tiers.tin]\nmax_concurrent = 1', "tiers.tin.priority: a tier other than gold, silver and bronze needs a priority"),
     ('default_tier = "tin"', "default_tier: no tier named 'tin'"),
@@ -384,6 +394,7 @@ def test_a_tenant_is_not_queued_behind_another_tenants_burst_in_its_tier(server,
     assert [r.status_code for r in responses] == [200] * 4
     busy, *burst, late = seen
     assert {r.tenant_id for r in (busy, *burst)} == {"acme"} and late.tenant_id == "vip"
+    assert late.tenant_weight == 3.0 and busy.tenant_weight == 1.0  # the tenants file's weights reach the engine
     assert busy.priority == late.priority == 0
     assert all(late.arrival_time > r.arrival_time and late.first_scheduled_time < r.first_scheduled_time
                for r in burst)

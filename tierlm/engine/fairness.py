@@ -7,7 +7,9 @@ Language Models", OSDI 2024: the virtual token counter): every token the engine 
 it adds a cost, prompt tokens 1 and generated tokens 2 (a decode token costs the device about
 as much as several prompt tokens; the paper's default weights). Among waiting requests of one
 priority, the tenant with the smallest counter goes next, so tenants share the engine equally
-however many requests each has queued; a tenant's own requests keep their arrival order.
+however many requests each has queued; a tenant's own requests keep their arrival order. A
+request's `tenant_weight` divides its cost: a tenant of weight 2 gets twice the share of one of
+weight 1 (weighted fair queueing; a tenants file sets it per tier or tenant).
 
 A tenant that returns after an idle spell does not bank credit: its counter is lifted to the
 least counter among the tenants with work at its priority, so it is served next but cannot
@@ -46,9 +48,10 @@ class FairShare:
         return self.counters.get(tenant_of(req), 0.0)
 
     def cost(self, req: Request, n: int) -> float:
-        """What computing `n` more tokens of `req` costs its tenant."""
+        """What computing `n` more tokens of `req` costs its tenant (a weight-2 tenant pays half,
+        and so gets twice the service of a weight-1 tenant for the same counter)."""
         prompt = max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-        return PROMPT_COST * prompt + DECODE_COST * (n - prompt)
+        return (PROMPT_COST * prompt + DECODE_COST * (n - prompt)) / req.tenant_weight
 
     def arrive(self, req: Request) -> None:
         """A request joins the queues; a tenant with no other work at its priority is lifted."""

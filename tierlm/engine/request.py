@@ -34,6 +34,8 @@ class Request:
     prompt: str | None = None
     priority: int = 0
     tenant_id: str | None = None
+    # Its tenant's share of the engine within the priority (fairness.py): 2 gets twice a 1's.
+    tenant_weight: float = 1.0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0

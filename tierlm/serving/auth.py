@@ -37,6 +37,7 @@ class RequestContext:
     api_key_id: str | None = None
     tenant_id: str | None = None
     priority: int = 0
+    tenant_weight: float = 1.0
     cache_salt: str | None = None
 
     def salted(self, extra: str | None) -> "RequestContext":

@@ -614,6 +614,7 @@ class EngineStream:
                 priority=ctx.priority,
                 tenant_id=ctx.tenant_id,
                 cache_salt=ctx.cache_salt,
+                tenant_weight=ctx.tenant_weight,
             )
         )
         self._inflight.add(self)

@@ -13,6 +13,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     keys = ["acme-prod", "acme-dev"]   # key ids from the keys file; a key belongs to one tenant
     tokens_per_minute = 100000         # overrides the tier's
     max_concurrent = 8
+    weight = 2                         # twice the share of a weight-1 tenant of its tier (default 1)
 
 A request is admitted for its key's tenant: the engine runs it at the tier's priority (a lower
 number runs first, and is preempted last), in fair shares with the other tenants of its tier
@@ -76,6 +77,7 @@ class Tier:
     name: str
     priority: int
     limits: Limits = Limits()
+    weight: float = 1.0  # each tenant's share among the tenants of this priority, unless it sets its own
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Tenant:
     priority: int
     cache_salt: str | None
     limits: Limits = Limits()
+    weight: float = 1.0  # its share of the engine among the tenants of its priority (engine/fairness.py)
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,14 @@ class TenantsConfig:
                 raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"priority", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"priority", "weight", *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
                                                  "(an integer; lower runs first: gold is 0, bronze 2)")
             if isinstance(priority, bool) or not isinstance(priority, int):
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
-            tiers[name] = Tier(name, priority, _limits(table, where, fail))
+            tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -149,7 +152,7 @@ class TenantsConfig:
                                               "give this tenant another name")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"tier", "keys", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"tier", "keys", "weight", *LIMIT_FIELDS}, where, fail)
             tier_name = _tier_name(table.get("tier", default_tier), f"{where}.tier", tiers, fail,
                                    " or define it under [tiers]")
             keys = table.get("keys")
@@ -169,7 +172,8 @@ class TenantsConfig:
                 key_owner[key] = name
             tier = tiers[tier_name]
             tenants[name] = Tenant(name, tier_name, tier.priority, f"tenant\x1f{name}",
-                                   _limits(table, where, fail).over(tier.limits))
+                                   _limits(table, where, fail).over(tier.limits),
+                                   _weight(table, where, fail, tier.weight))
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
@@ -182,7 +186,7 @@ class TenantsConfig:
         if owner is not None:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
-        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits)
+        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight)
 
 
 def _key_salt(key_id: str) -> str:
@@ -232,6 +236,14 @@ def _limits(table: Mapping[str, Any], where: str, fail: Callable[[str, str], Val
                                               "leave it out for no limit")
             values[name] = value
     return Limits(**values)
+
+
+def _weight(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError], default: float) -> float:
+    value = table.get("weight", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 100:
+        raise fail(f"{where}.weight", f"must be a number from 0.01 to 100 (got {value!r}); a tenant of weight 2 "
+                                      "gets twice the share of one of weight 1 among the tenants of its priority")
+    return float(value)
 
 
 # ---- limiting ----------------------------------------------------------------------------
