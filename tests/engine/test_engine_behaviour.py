@@ -628,7 +628,8 @@ def test_no_leaked_blocks_after_random_finishes_and_aborts(llm, data):
         return eng.add_request({"prompt_token_ids": [rng.randrange(5, 600) for _ in range(rng.randint(1, 90))]},
                                SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 1.0]),
                                               ignore_eos=True, seed=rng.randint(0, 9)),
-                               priority=rng.randint(0, 2), tenant_id=rng.choice([None, "a", "b"]))
+                               priority=rng.randint(0, 2), tenant_id=rng.choice([None, "a", "b"]),
+                               kv_share=rng.choice([None, 0.2, 1.0]))
 
     _random_traffic(eng, rng, make, max_live=data.draw(st.integers(1, 10)), steps=60, p_add=0.5, p_abort=0.2)
     assert not eng.has_unfinished()
@@ -738,6 +739,7 @@ def test_sampling_params_of_the_wrong_type_are_refused_by_name(field, value):
     ({"tenant_weight": 0}, "tenant_weight"), ({"tenant_weight": -1.0}, "tenant_weight"),
     ({"tenant_weight": float("nan")}, "tenant_weight"), ({"tenant_weight": float("inf")}, "tenant_weight"),
     ({"tenant_weight": True}, "tenant_weight"), ({"tenant_weight": "2"}, "tenant_weight"),
+    ({"kv_share": 0}, "kv_share"), ({"kv_share": 2}, "kv_share"),
 ])
 def test_request_fields_of_the_wrong_type_are_refused_before_they_reach_a_step(llm, kw, says):
     """They were accepted, then failed the step they first mattered in (the scheduler's sort,
@@ -881,6 +883,7 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_re
               kv_host_capacity=rng.choice([0, "64 blocks"]), cuda_graphs=rng.random() < 0.5,
               cpu_kernels=rng.random() < 0.5, scheduling_policy=rng.choice(["fair", "fcfs"]))
     eng = llm.engine
+    shares = {t: rng.choice([None, None, 0.3, 0.6]) for t in (None, "a", "b", "c")}  # KV quotas
     prefixes = [[rng.randrange(5, 250) for _ in range(rng.randint(1, 60))] for _ in range(3)]
     live: dict[str, tuple[list[int], int]] = {}
     got: dict[str, list[int]] = {}
@@ -890,9 +893,11 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_re
             tail = [rng.randrange(5, 250) for _ in range(rng.randint(0, 40))]
             prompt = rng.choice(prefixes)[: rng.randint(1, 60)] + tail
             n = rng.randint(1, 12)
+            tenant = rng.choice([None, "a", "b", "c"])
             r = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, temperature=0,
                                                                            ignore_eos=True),
-                                priority=rng.randint(0, 2), tenant_id=rng.choice([None, "a", "b", "c"]))
+                                priority=rng.randint(0, 2), tenant_id=tenant, kv_share=shares[tenant],
+                                tenant_weight=rng.choice([0.5, 1, 3]))
             live[r.request_id], got[r.request_id] = (prompt, n), []
         if live and rng.random() < 0.05:
             rid = rng.choice(list(live))

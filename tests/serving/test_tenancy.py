@@ -30,6 +30,7 @@ TENANTS = """
 [tiers.silver]
 requests_per_minute = 1000      # a tier's default for its tenants
 weight = 0.5
+kv_share = 0.75
 
 [tenants.acme]
 tier = "gold"
@@ -55,6 +56,7 @@ max_concurrent = 1
 tier = "gold"
 keys = ["vip"]
 weight = 3
+kv_share = 0.5
 """  # "lone" is in no tenant: a bronze tenant of its own
 ONE_SEQ = "loop-one-seq"  # the looping model on an engine that runs one request at a time
 HI = [{"role": "user", "content": "Hi"}]
@@ -94,6 +96,9 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     assert (config.tenant_of("vip").weight, config.tenant_of("globex").weight, config.tenant_of("rpm").weight,
             acme_a.weight, config.tenant_of("lone").weight) == (3.0, 0.5, 0.5, 1.0, 1.0)
     assert parse(TENANTS).tenant_of("lone").weight == 1.0  # bronze, no weight set
+    # KV quotas likewise: a tenant's own, else its tier's, else none
+    assert (config.tenant_of("vip").kv_share, config.tenant_of("globex").kv_share, acme_a.kv_share,
+            parse(TENANTS).tenant_of("lone").kv_share) == (0.5, 0.75, None, None)
     # a key no tenant names: a tenant of its own, of the default tier, with a salt apart from every tenant's
     lone = parse(TENANTS).tenant_of("lone")
     assert (lone.id, lone.tier, lone.priority, lone.limits) == ("lone", "bronze", 2, Limits())
@@ -107,12 +112,15 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     ('[tenants.a]\nkeys = ["nobody"]', "t.toml: tenants.a.keys: key id 'nobody' is not in the keys file; add its line"),
     ('[tenants.a]\nkeys = []', "tenants.a.keys: list the ids of the keys this tenant owns"),
     ('[tenants.a]\ntier = "tin"\nkeys = ["rpm"]', "tenants.a.tier: no tier named 'tin'; use one of bronze, gold, silver"),
-    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, max_concurrent, requests_per_minute"),
+    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_share, max_concurrent, requests_per_minute, tier, tokens_per_minute, weight"),
     ('[tenants.a]\nkeys = ["rpm"]\nmax_concurrent = 0', "tenants.a.max_concurrent: must be a whole number of at least 1"),
     ('[tenants.a]\nkeys = ["rpm"]\nweight = 0', "tenants.a.weight: must be a number from 0.01 to 100 (got 0)"),
     ('[tenants.a]\nkeys = ["rpm"]\nweight = "2"', "tenants.a.weight: must be a number from 0.01 to 100"),
     ('[tenants.a]\nkeys = ["rpm"]\nweight = nan', "tenants.a.weight: must be a number from 0.01 to 100 (got nan)"),
     ('[tiers.gold]\nweight = true', "tiers.gold.weight: must be a number from 0.01 to 100 (got True)"),
+    ('[tenants.a]\nkeys = ["rpm"]\nkv_share = 0', "tenants.a.kv_share: must be a fraction above 0 and at most 1 (got 0)"),
+    ('[tiers.gold]\nkv_share = 1.5', "tiers.gold.kv_share: must be a fraction above 0 and at most 1 (got 1.5)"),
+    ('[tenants.a]\nkeys = ["rpm"]\nkv_share = "half"', "tenants.a.kv_share: must be a fraction"),
     ('[tiers.gold]\ntokens_per_minute = "lots"', "tiers.gold.tokens_per_minute: must be a whole number of at least 1"),
     ('[tiers.tin]\nmax_concurrent = 1', "tiers.tin.priority: a tier other than gold, silver and bronze needs a priority"),
     ('default_tier = "tin"', "default_tier: no tier named 'tin'"),
@@ -394,7 +402,8 @@ def test_a_tenant_is_not_queued_behind_another_tenants_burst_in_its_tier(server,
     assert [r.status_code for r in responses] == [200] * 4
     busy, *burst, late = seen
     assert {r.tenant_id for r in (busy, *burst)} == {"acme"} and late.tenant_id == "vip"
-    assert late.tenant_weight == 3.0 and busy.tenant_weight == 1.0  # the tenants file's weights reach the engine
+    # the tenants file's weights and KV quotas reach the engine
+    assert (late.tenant_weight, late.kv_share, busy.tenant_weight, busy.kv_share) == (3.0, 0.5, 1.0, None)
     assert busy.priority == late.priority == 0
     assert all(late.arrival_time > r.arrival_time and late.first_scheduled_time < r.first_scheduled_time
                for r in burst)

@@ -7,6 +7,11 @@ shares (engine/fairness.py). Reported per policy: each tenant's time to first to
 throughput, and the largest gap in service (prompt tokens x1, generated x2) between the flood
 and a light tenant while both had requests waiting; then the ratios fcfs / fair (medians over
 `--repeats` alternated runs).
+
+Second part, KV quotas (engine/quotas.py): a "hog" tenant's long requests fill a small KV pool;
+light tenants arrive once it is full. The peer is the same run without a quota; with the hog's
+`kv_share` set, the light tenants find room at once. Reported: the light tenants' time to first
+token (from their arrival) and the hog's throughput, both ways.
 """
 from __future__ import annotations
 
@@ -80,6 +85,45 @@ def _run_policy(model: str, policy: str, args: argparse.Namespace) -> dict:
     return row
 
 
+def _run_kv(model: str, share: float | None, args: argparse.Namespace) -> dict:
+    from tierlm import LLM, SamplingParams
+    with LLM(model, dtype=args.dtype, load_progress=False, max_num_seqs=args.max_num_seqs,
+             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=f"{args.kv_blocks} blocks") as llm:
+        eng = llm.engine
+        vocab, rng = eng.args.vocab_size, random.Random(args.seed)
+
+        def add(tenant: str, prompt_len: int, max_tokens: int, kv_share: float | None):
+            prompt = [rng.randrange(min(5, vocab - 1), vocab) for _ in range(prompt_len)]
+            return eng.add_request({"prompt_token_ids": prompt},
+                                   SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                   tenant_id=tenant, kv_share=kv_share)
+
+        t0 = time.monotonic()
+        hog = [add("hog", args.hog_prompt_len, args.hog_max_tokens, share) for _ in range(args.hog)]
+        light, first_step, step, peak = [], {}, 0, 0
+        while eng.has_unfinished():
+            if step == args.light_arrival_step:
+                light = [add(f"light{t}", args.prompt_len, args.max_tokens, None)
+                         for t in range(args.light_tenants) for _ in range(args.light_requests)]
+            eng.step()
+            step += 1
+            peak = max(peak, sum(len(r.blocks) for r in eng.scheduler.running if r.tenant_id == "hog"))
+            for r in light:
+                if r not in first_step and r.first_token_time is not None:
+                    first_step[r] = step - args.light_arrival_step
+        wall = time.monotonic() - t0
+    hog_tokens = sum(r.num_output_tokens for r in hog)
+    row = {"kv_share": share, "wall_s": wall, "steps": step, "hog_peak_blocks": peak,
+           "pool_blocks": eng.pool.num_blocks, "hog_output_tokens_per_s": hog_tokens / wall,
+           "preemptions": eng.scheduler.num_preemptions,
+           "light_ttft_mean_s": statistics.fmean(r.first_token_time - r.arrival_time for r in light),
+           "light_ttft_mean_steps": statistics.fmean(first_step.values())}
+    print(f"kv_share {share}: light tenants' TTFT mean {row['light_ttft_mean_s'] * 1e3:.0f} ms "
+          f"({row['light_ttft_mean_steps']:.1f} steps), the hog held at most {peak}/{row['pool_blocks']} blocks, "
+          f"{row['hog_output_tokens_per_s']:.0f} hog tok/s, {row['preemptions']} preemptions")
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
     from tierlm.bench.outputs import check_outputs, write_json
     outs = check_outputs({"--json": args.json, "--plot": args.plot})
@@ -95,6 +139,12 @@ def run(args: argparse.Namespace) -> dict:
             runs[policy].append(_run_policy(model, policy, args))
     fcfs, fair = ({k: (statistics.median(r[k] for r in rows) if k != "policy" else policy) for k in rows[0]}
                   for policy, rows in runs.items())
+    kv_runs: dict[str, list[dict]] = {"none": [], "quota": []}
+    for _ in range(args.repeats):
+        for name, share in (("none", None), ("quota", args.hog_kv_share)):
+            kv_runs[name].append(_run_kv(model, share, args))
+    no_quota, quota = ({k: statistics.median(r[k] for r in rows) if k != "kv_share" else rows[0][k] for k in rows[0]}
+                       for rows in kv_runs.values())
     result = {
         "model": model, "flood": args.flood, "light_tenants": args.light_tenants,
         "light_requests": args.light_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -109,12 +159,26 @@ def run(args: argparse.Namespace) -> dict:
             "throughput_fair_over_fcfs": fair["output_tokens_per_s"] / fcfs["output_tokens_per_s"],
             "service_gap_fcfs_over_fair": fcfs["max_service_gap"] / max(fair["max_service_gap"], 1.0),
         },
+        "kv_quota": {
+            "hog": args.hog, "hog_prompt_len": args.hog_prompt_len, "hog_max_tokens": args.hog_max_tokens,
+            "kv_blocks": args.kv_blocks, "light_arrival_step": args.light_arrival_step,
+            "results": [no_quota, quota], "samples": kv_runs,
+            "ratios": {
+                "light_ttft_none_over_quota": no_quota["light_ttft_mean_s"] / quota["light_ttft_mean_s"],
+                "light_ttft_steps_none_over_quota": no_quota["light_ttft_mean_steps"] / quota["light_ttft_mean_steps"],
+                "hog_throughput_quota_over_none": quota["hog_output_tokens_per_s"] / no_quota["hog_output_tokens_per_s"],
+            },
+        },
     }
     r = result["ratios"]
     print(f"fair shares: the light tenants' first tokens come {r['light_ttft_fcfs_over_fair']:.1f}x sooner "
           f"({r['light_ttft_steps_fcfs_over_fair']:.1f}x in steps), the flood's {r['flood_ttft_fair_over_fcfs']:.2f}x "
           f"later ({r['flood_ttft_steps_fair_over_fcfs']:.2f}x in steps), at {r['throughput_fair_over_fcfs']:.2f}x "
           f"the throughput and {r['steps_fair_over_fcfs']:.2f}x the steps of first come first served")
+    k = result["kv_quota"]["ratios"]
+    print(f"KV quota {args.hog_kv_share} on the hog: light tenants' first tokens {k['light_ttft_none_over_quota']:.1f}x "
+          f"sooner ({k['light_ttft_steps_none_over_quota']:.1f}x in steps), the hog at "
+          f"{k['hog_throughput_quota_over_none']:.2f}x its throughput without one")
     write_json(args.json, result)
     if args.plot is not None:
         plot_fairness(result, args.plot)
@@ -125,8 +189,22 @@ def plot_fairness(result: dict, path: str) -> str:
     from tierlm.bench.plots import bar_plot
     bars = {f"{row['policy']}: {who}": row[f"{who}_ttft_mean_s"] * 1e3
             for row in result["results"] for who in ("light", "flood")}
-    return bar_plot(path, bars, title=f"Mean TTFT per tenant: {result['flood']} flood requests, "
-                    f"{result['light_tenants']}x{result['light_requests']} light", ylabel="ms")
+    for row in result["kv_quota"]["results"]:
+        quota = "no quota" if row["kv_share"] is None else f"kv_share {row['kv_share']}"
+        bars[f"KV hog, {quota}: light"] = row["light_ttft_mean_s"] * 1e3
+    return bar_plot(path, bars, title=f"Mean TTFT: {result['flood']} flood requests vs "
+                    f"{result['light_tenants']}x{result['light_requests']} light; a KV hog vs light", ylabel="ms (log scale)",
+                    logy=True)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction above 0 and at most 1, got {text!r}")
+    return value
 
 
 def add_cli(sub) -> None:
@@ -142,6 +220,14 @@ def add_cli(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=at_least(1, int), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=at_least(1, int), default=3, help="runs of each policy, alternated")
+    q = p.add_argument_group("KV quota part")
+    q.add_argument("--hog", type=at_least(1, int), default=12, help="long requests the KV hog queues")
+    q.add_argument("--hog-prompt-len", type=at_least(1, int), default=512)
+    q.add_argument("--hog-max-tokens", type=at_least(1, int), default=128)
+    q.add_argument("--hog-kv-share", type=_fraction, default=0.5, help="the hog's quota, a fraction of the pool")
+    q.add_argument("--kv-blocks", type=at_least(4, int), default=256, help="device KV pool size, in blocks")
+    q.add_argument("--light-arrival-step", type=at_least(0, int), default=40,
+                   help="the step at which the light tenants' requests arrive (the pool full by then)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: run(a) and 0)

@@ -203,14 +203,15 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
-                       cache_salt: str | None = None, tenant_weight: float = 1.0) -> AsyncIterator[StreamDelta]:
+                       cache_salt: str | None = None, tenant_weight: float = 1.0,
+                       kv_share: float | None = None) -> AsyncIterator[StreamDelta]:
         await self.start()  # (a free lock is taken without waiting)
         if params is not None and params.structured_outputs is not None:
             # compiled (or found compiled) on a worker thread: a large schema, and the first
             # grammar's tokenizer conversion, take long enough to hold up every other stream
             await asyncio.to_thread(self.engine.grammars.grammar, params.structured_outputs)
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
-                                       cache_salt=cache_salt, tenant_weight=tenant_weight)
+                                       cache_salt=cache_salt, tenant_weight=tenant_weight, kv_share=kv_share)
         rid = req.request_id
         while (old := self._streams.get(rid)) is not None:
             if not isinstance(old, _Closing):

@@ -334,7 +334,8 @@ class LLMEngine:
     # -- admission -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
-                     cache_salt: str | None = None, tenant_weight: float = 1.0) -> Request:
+                     cache_salt: str | None = None, tenant_weight: float = 1.0,
+                     kv_share: float | None = None) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})",
@@ -355,6 +356,10 @@ class LLMEngine:
                 or not 0 < tenant_weight < float("inf")):
             raise InvalidRequestError(f"tenant_weight must be a positive number (got {tenant_weight!r}); 1 is an "
                                       "equal share with the other tenants of its priority", param="tenant_weight")
+        if kv_share is not None and (isinstance(kv_share, bool) or not isinstance(kv_share, numbers.Real)
+                                     or not 0 < kv_share <= 1):
+            raise InvalidRequestError(f"kv_share must be a fraction of the KV pool above 0 and at most 1, or None for "
+                                      f"no quota (got {kv_share!r})", param="kv_share")
         for name, value in (("request_id", request_id), ("tenant_id", tenant_id), ("cache_salt", cache_salt)):
             if value is not None and not isinstance(value, str):
                 raise InvalidRequestError(f"{name} must be a string (got {type(value).__name__})", param=name)
@@ -434,7 +439,8 @@ class LLMEngine:
         rid = request_id or uuid.uuid4().hex
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
-                       tenant_id=tenant_id, tenant_weight=float(tenant_weight), cache_salt=cache_salt,
+                       tenant_id=tenant_id, tenant_weight=float(tenant_weight),
+                       kv_share=None if kv_share is None else float(kv_share), cache_salt=cache_salt,
                        arrival_seq=next(self._seq), generator=gen,
                        allowed_token_ids=allowed, bad_words=bad_words,
                        thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar)

@@ -36,6 +36,8 @@ class Request:
     tenant_id: str | None = None
     # Its tenant's share of the engine within the priority (fairness.py): 2 gets twice a 1's.
     tenant_weight: float = 1.0
+    # The most of the device KV pool its tenant's running requests may hold (quotas.py); None: no cap.
+    kv_share: float | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0

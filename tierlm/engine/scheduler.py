@@ -8,7 +8,8 @@ request is preempted (blocks freed, recomputed later), so the engine never deadl
 
 Within one priority the "fair" policy (the default) shares the engine equally between tenants
 (fairness.py): waiting requests are admitted by the least-served tenant first, and preemption
-takes from the most-served tenant first. "fcfs" keeps arrival order within a priority.
+takes from the most-served tenant first. "fcfs" keeps arrival order within a priority. A
+request's `kv_share` caps how much of the KV pool its tenant's running requests hold (quotas.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from tierlm.engine.fairness import SCHEDULING_POLICIES, FairShare, fcfs_order, tenant_of
+from tierlm.engine.quotas import KVQuotas
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.kv.manager import KVCacheManager
 
@@ -43,6 +45,7 @@ class Scheduler:
         self.max_seqs = max_num_seqs
         self.policy = policy
         self.fair = FairShare()
+        self.quotas = KVQuotas(kv.block_size, kv.pool.num_blocks)
         self._order = self.fair.order if policy == "fair" else fcfs_order
         self._victim_key = self.fair.victim_key if policy == "fair" else Request.sort_key
         self.waiting: list[Request] = []
@@ -68,8 +71,9 @@ class Scheduler:
         self.fair.leave(req)
         self.kv.free(req)
 
-    def _preempt(self, out: SchedulerOutput) -> Request:
-        victim = max(self.running, key=self._victim_key)
+    def _preempt(self, out: SchedulerOutput, victim: Request | None = None) -> Request:
+        if victim is None:
+            victim = max(self.running, key=self._victim_key)
         self.running.remove(victim)
         self.kv.free(victim)
         self.kv.prefetch(victim)  # what of its prefix moves down meanwhile is read back off the loop
@@ -85,6 +89,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_tokens
         chosen: dict[Request, int] = {}
+        # 0) a tenant that decoding took past its KV quota gives back its latest requests.
+        for tenant in self.quotas.over(self.running):
+            while tenant in self.quotas.over(self.running):
+                self._preempt(out, max((r for r in self.running if tenant_of(r) == tenant), key=Request.sort_key))
+        over_quota = set(out.preempted)
         # 1) running requests: decodes first, then unfinished prefills, in priority order.
         self.running.sort(key=Request.sort_key)
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -115,7 +124,11 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
             if req in out.preempted:
+                if req in over_quota:
+                    continue  # (its tenant's quota, not the pool, was full: others may still fit)
                 break  # do not re-admit what this step just evicted
+            if not self.quotas.admits(req, self.running):
+                continue  # its tenant's quota is full: others go ahead
             if not self.kv.prefix_ready(req) and not self.kv.read_overdue(req):
                 if reading is None:
                     reading = req

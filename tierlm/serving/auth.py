@@ -38,6 +38,7 @@ class RequestContext:
     tenant_id: str | None = None
     priority: int = 0
     tenant_weight: float = 1.0
+    kv_share: float | None = None
     cache_salt: str | None = None
 
     def salted(self, extra: str | None) -> "RequestContext":

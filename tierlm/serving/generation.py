@@ -615,6 +615,7 @@ class EngineStream:
                 tenant_id=ctx.tenant_id,
                 cache_salt=ctx.cache_salt,
                 tenant_weight=ctx.tenant_weight,
+                kv_share=ctx.kv_share,
             )
         )
         self._inflight.add(self)

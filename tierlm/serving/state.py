@@ -59,7 +59,8 @@ class ServerState:
         # The cache salt is the tenant's: a key reads in its usage whether a prompt was cached, so
         # no other tenant's prompts may be (one could tell what another had recently sent).
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, tenant_id=tenant.id,
-                              priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight)
+                              priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight,
+                              kv_share=tenant.kv_share)
 
     async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON

@@ -14,6 +14,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     tokens_per_minute = 100000         # overrides the tier's
     max_concurrent = 8
     weight = 2                         # twice the share of a weight-1 tenant of its tier (default 1)
+    kv_share = 0.5                     # its running requests hold at most half the KV cache
 
 A request is admitted for its key's tenant: the engine runs it at the tier's priority (a lower
 number runs first, and is preempted last), in fair shares with the other tenants of its tier
@@ -78,6 +79,7 @@ class Tier:
     priority: int
     limits: Limits = Limits()
     weight: float = 1.0  # each tenant's share among the tenants of this priority, unless it sets its own
+    kv_share: float | None = None  # each tenant's KV quota, unless it sets its own
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Tenant:
     cache_salt: str | None
     limits: Limits = Limits()
     weight: float = 1.0  # its share of the engine among the tenants of its priority (engine/fairness.py)
+    kv_share: float | None = None  # the most of each engine's device KV pool it may hold (engine/quotas.py)
 
 
 @dataclass(frozen=True)
@@ -131,14 +134,15 @@ class TenantsConfig:
                 raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"priority", "weight", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"priority", "weight", "kv_share", *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
                                                  "(an integer; lower runs first: gold is 0, bronze 2)")
             if isinstance(priority, bool) or not isinstance(priority, int):
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
-            tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0))
+            tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0),
+                               _kv_share(table, where, fail, None))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -152,7 +156,7 @@ class TenantsConfig:
                                               "give this tenant another name")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"tier", "keys", "weight", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"tier", "keys", "weight", "kv_share", *LIMIT_FIELDS}, where, fail)
             tier_name = _tier_name(table.get("tier", default_tier), f"{where}.tier", tiers, fail,
                                    " or define it under [tiers]")
             keys = table.get("keys")
@@ -173,7 +177,7 @@ class TenantsConfig:
             tier = tiers[tier_name]
             tenants[name] = Tenant(name, tier_name, tier.priority, f"tenant\x1f{name}",
                                    _limits(table, where, fail).over(tier.limits),
-                                   _weight(table, where, fail, tier.weight))
+                                   _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share))
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
@@ -186,7 +190,7 @@ class TenantsConfig:
         if owner is not None:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
-        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight)
+        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share)
 
 
 def _key_salt(key_id: str) -> str:
@@ -243,6 +247,17 @@ def _weight(table: Mapping[str, Any], where: str, fail: Callable[[str, str], Val
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 100:
         raise fail(f"{where}.weight", f"must be a number from 0.01 to 100 (got {value!r}); a tenant of weight 2 "
                                       "gets twice the share of one of weight 1 among the tenants of its priority")
+    return float(value)
+
+
+def _kv_share(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError],
+              default: float | None) -> float | None:
+    value = table.get("kv_share", default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise fail(f"{where}.kv_share", f"must be a fraction above 0 and at most 1 (got {value!r}): the most of "
+                                        "each model's KV cache the tenant's running requests may hold")
     return float(value)
 
 

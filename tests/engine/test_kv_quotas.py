@@ -1,0 +1,87 @@
+"""Per-tenant KV quotas (engine/quotas.py) on a real tiny model; the peer is the same engine
+and traffic without a quota, which shows the tenant taking more of the pool."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierlm import SamplingParams
+from tierlm.engine.fairness import tenant_of
+from tests.engine.test_fair_scheduling import _engine
+
+_rng = random.Random(1)
+
+
+def _add(eng, tenant: str, prompt_len: int, max_tokens: int, kv_share: float | None):
+    prompt = [_rng.randrange(5, 250) for _ in range(prompt_len)]
+    return eng.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                           tenant_id=tenant, kv_share=kv_share)
+
+
+def _run(eng, reqs, each_step) -> None:
+    for _ in range(5000):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+        each_step()
+    assert not eng.has_unfinished() and eng.pool.num_used == 0
+
+
+@pytest.mark.parametrize("share", [0.25, None])
+def test_a_tenant_holds_no_more_than_its_kv_quota_while_it_runs_two_or_more(llama_dir, share):
+    eng = _engine(llama_dir, "fair", max_num_seqs=8, kv_cache_memory="64 blocks")
+    big = [_add(eng, "big", 40, 40, share) for _ in range(8)]  # 10 blocks each when done
+    small = [_add(eng, "small", 8, 8, None) for _ in range(4)]
+    peak = {"blocks": 0, "running": 0}
+
+    def each_step():
+        mine = [r for r in eng.scheduler.running if tenant_of(r) == "big"]
+        if len(mine) > 1:
+            peak["blocks"] = max(peak["blocks"], sum(len(r.blocks) for r in mine))
+        peak["running"] = max(peak["running"], len(mine))
+
+    _run(eng, big + small, each_step)
+    assert all(r.num_output_tokens == r.max_tokens for r in big + small)
+    if share is not None:
+        assert 0 < peak["blocks"] <= 16  # a quarter of 64
+        assert peak["running"] >= 2  # a quota bounds how many run at once, not whether several can
+    else:
+        assert peak["blocks"] > 16
+
+
+def test_a_request_larger_than_its_tenants_quota_runs_alone(llama_dir):
+    eng = _engine(llama_dir, "fair", max_num_seqs=8, kv_cache_memory="64 blocks")
+    reqs = [_add(eng, "tiny", 40, 8, 0.05) for _ in range(3)]  # quota 3 blocks; each needs 6
+    other = _add(eng, "other", 8, 4, None)
+    seen = {"most": 0}
+
+    def each_step():
+        seen["most"] = max(seen["most"], sum(1 for r in eng.scheduler.running if r.tenant_id == "tiny"))
+
+    _run(eng, reqs + [other], each_step)
+    assert seen["most"] == 1
+    assert all(r.num_output_tokens == 8 for r in reqs) and other.num_output_tokens == 4
+    assert other.first_token_time < reqs[1].first_token_time  # the quota holds back only its tenant
+
+
+def test_decoding_past_the_quota_preempts_the_tenants_latest_request_only(llama_dir):
+    """Two requests fit the quota when admitted (3 + 3 blocks of 8), then each decodes into
+    more blocks: the later one is preempted, the earlier runs on, and the other tenant, with no
+    quota, is untouched; both finish in full."""
+    eng = _engine(llama_dir, "fair", max_num_seqs=8, kv_cache_memory="64 blocks")
+    first, second = (_add(eng, "q", 24, 30, 0.125) for _ in range(2))  # quota 8 blocks; 7 each when done
+    bystander = _add(eng, "free", 24, 30, None)
+    _run(eng, [first, second, bystander], lambda: None)
+    assert second.num_preemptions > 0 and first.num_preemptions == 0 and bystander.num_preemptions == 0
+    assert all(r.num_output_tokens == 30 for r in (first, second, bystander))
+
+
+@pytest.mark.parametrize("share", [0, -0.5, 1.5, float("nan"), True, "0.5"])
+def test_a_bad_kv_share_is_refused_by_name_and_changes_nothing(llama_dir, share):
+    from tierlm.errors import InvalidRequestError
+    eng = _engine(llama_dir, "fair")
+    with pytest.raises(InvalidRequestError, match="kv_share must be a fraction"):
+        _add(eng, "t", 8, 2, share)
+    assert not eng.has_unfinished() and eng.pool.num_used == 0

@@ -1,0 +1,62 @@
+"""Per-tenant KV quotas: how much of the device KV pool one tenant's running requests may hold.
+
+Why: fair shares (fairness.py) divide the engine's steps, but a tenant with long contexts could
+still fill the KV pool, and every other tenant's new request would then wait for room. A
+request's `kv_share` (a fraction of the pool; the tenants file sets it per tier or tenant) caps
+its tenant: a waiting request is admitted only if its tokens so far fit in what its tenant's
+running requests leave of the quota, and when decoding pushes a tenant past its quota its latest
+running request is preempted (recomputed later, as any preemption). A tenant may always run one
+request, however large: a quota bounds how many run at once, never whether one can.
+
+A running request counts the blocks it holds or will hold for the tokens it has (a prompt still
+being prefilled in chunks counts whole), so requests admitted in consecutive steps cannot
+together overshoot. Blocks shared between a tenant's requests (a common prefix) count once per
+request: the quota is on what the requests reference, a safe over-estimate.
+"""
+from __future__ import annotations
+
+from tierlm.engine.fairness import tenant_of
+from tierlm.engine.request import Request
+
+
+class KVQuotas:
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def quota(self, req: Request) -> int | None:
+        """`req`'s tenant's quota in blocks (None: no quota)."""
+        if req.kv_share is None:
+            return None
+        return max(1, int(req.kv_share * self.num_blocks))
+
+    def committed(self, req: Request) -> int:
+        return max(len(req.blocks), -(-req.num_tokens // self.block_size))
+
+    def held(self, tenant: str, running: list[Request]) -> tuple[int, int]:
+        """(blocks committed to `tenant`'s running requests, how many there are)."""
+        mine = [r for r in running if tenant_of(r) == tenant]
+        return sum(self.committed(r) for r in mine), len(mine)
+
+    def admits(self, req: Request, running: list[Request]) -> bool:
+        """Whether `req` may start now: its tenant runs nothing, or its tokens fit in the rest."""
+        quota = self.quota(req)
+        if quota is None:
+            return True
+        held, count = self.held(tenant_of(req), running)
+        return count == 0 or held + self.committed(req) <= quota
+
+    def over(self, running: list[Request]) -> list[str]:
+        """Tenants with a quota whose running requests (two or more) hold more than it allows."""
+        tenants: dict[str, int] = {}
+        for r in running:
+            quota = self.quota(r)
+            if quota is not None:
+                t = tenant_of(r)
+                tenants[t] = min(quota, tenants.get(t, quota))
+        out = []
+        for t, quota in tenants.items():
+            held, count = self.held(t, running)
+            if count > 1 and held > quota:
+                out.append(t)
+        return out
