@@ -28,6 +28,7 @@ from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
 from tierlm.engine.grammar import GrammarCompiler
 from tierlm.engine.sampler import Sampler, seeded_generator
+from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, estimate_ttft
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
@@ -316,6 +317,9 @@ class LLMEngine:
         self.generation_tokens = 0
         self.steps = 0
         self.last_step = (0, 0)
+        self.step_time = StepTimeModel()  # what a step of n tokens takes here (load.py)
+        self.arrivals = ArrivalRates()  # prompt tokens arriving per second, per priority (load.py)
+        self.output_lengths = OutputLengths()  # what finished requests generated (load.py)
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                  self.model_name, self.device, str(self.dtype).replace("torch.", ""), num_blocks, bs,
                  num_blocks * per_block / 2**20, self.max_model_len)
@@ -490,6 +494,7 @@ class LLMEngine:
         if req.params.logprobs is not None:
             self.logprobs[req.request_id] = []
         self.scheduler.add(req)
+        self.arrivals.add(req.priority, req.num_prompt_tokens)
         self.kv.prefetch(req)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, **kw) -> Request:
@@ -519,6 +524,13 @@ class LLMEngine:
             return []
         self.steps += 1
         self.last_step = (sched.num_tokens, len(sched.scheduled))
+        t0 = time.perf_counter()
+        try:
+            return self._run_step(sched)
+        finally:
+            self.step_time.observe(sched.num_tokens, time.perf_counter() - t0)
+
+    def _run_step(self, sched) -> list[StreamDelta]:
         samplers, logits = self.runner.execute(sched)
         for req, n in sched.scheduled:
             # The prompt's share of the chunk: a recompute after preemption runs past the prompt.
@@ -575,6 +587,8 @@ class LLMEngine:
             reason, stop_reason = "stop", detok.matched_stop
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        if reason in ("stop", "length"):
+            self.output_lengths.add(req.num_output_tokens)
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.logprobs.pop(req.request_id, None)
@@ -604,6 +618,16 @@ class LLMEngine:
             first_token_time=req.first_token_time)
 
     # -- introspection ---------------------------------------------------------------------
+    def estimate_ttft(self, prompt_tokens: int, priority: int = 0) -> float | None:
+        """Seconds a request of `priority` with `prompt_tokens` arriving now would wait for its
+        first token (load.py); None before the first step. Safe from any thread (it reads copies
+        of the queues, which the engine thread may be changing: an estimate, not a promise)."""
+        s = self.scheduler
+        return estimate_ttft(self.step_time, prompt_tokens=prompt_tokens, priority=priority,
+                             running=list(s.running), waiting=list(s.waiting),
+                             budget=self.max_num_batched_tokens, max_seqs=s.max_seqs, rates=self.arrivals,
+                             mean_output=self.output_lengths.mean())
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

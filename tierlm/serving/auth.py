@@ -39,6 +39,8 @@ class RequestContext:
     priority: int = 0
     tenant_weight: float = 1.0
     kv_share: float | None = None
+    tier: str | None = None
+    ttft_target_s: float | None = None  # the tier's time-to-first-token target (sla.py)
     cache_salt: str | None = None
 
     def salted(self, extra: str | None) -> "RequestContext":

@@ -39,6 +39,7 @@ from tierlm.serving.errors import (
     from_engine_error,
 )
 from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter
+from tierlm.serving.sla import check_ttft_target
 from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
@@ -603,6 +604,9 @@ class EngineStream:
         ctx = self.context
         # Telemetry's middleware leaves a per-request observer in the scope (see telemetry.py).
         self._observer = request.scope.get("state", {}).get("telemetry")
+        # Before the engine (and the tenant's token count) sees it: a shed request costs nothing.
+        check_ttft_target(self.engine, self.model, ctx, len(self.prompt_token_ids),
+                          getattr(self._observer, "on_shed", None))
         if self._observer is not None:
             self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id,
                                              prompt_tokens=len(self.prompt_token_ids))

@@ -60,7 +60,7 @@ class ServerState:
         # no other tenant's prompts may be (one could tell what another had recently sent).
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, tenant_id=tenant.id,
                               priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight,
-                              kv_share=tenant.kv_share)
+                              kv_share=tenant.kv_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s)
 
     async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON

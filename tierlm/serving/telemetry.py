@@ -120,6 +120,10 @@ class Metrics:
                                     "their tenant was over a limit: requests, tokens (per minute) or concurrency.",
                                     ["tenant", "reason"], registry=registry)
 
+        self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "
+                                "because its estimated time to first token was past their tier's target.",
+                                ["model", "tier"], registry=registry)
+
     def count_refusal(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
 
@@ -318,6 +322,12 @@ class RequestTelemetry:
             self.max_tokens, self.temperature, self.top_p = params.max_tokens, params.temperature, params.top_p
         if self.warm_prompt_tokens is not None:
             self.max_tokens = 0
+
+    def on_shed(self, model: str, tier: str) -> None:
+        """The SLA guard refused the request before its engine saw it (sla.py)."""
+        self.model = model
+        if self.owner:
+            self.owner.metrics.sla_shed.labels(model, tier).inc()
 
     def warming(self, num_prompt_tokens: int) -> None:
         """The request only warms the cache (Anthropic's max_tokens 0): the one token the engine

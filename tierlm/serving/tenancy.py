@@ -7,6 +7,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     [tiers.gold]                       # gold, silver and bronze exist with priorities 0, 1, 2;
     priority = 0                       # a table here changes them or adds a tier
     requests_per_minute = 600          # limits set on a tier are its tenants' defaults
+    ttft_target_ms = 2000              # the SLA guard sheds what would wait longer (sla.py)
 
     [tenants.acme]
     tier = "gold"
@@ -80,6 +81,7 @@ class Tier:
     limits: Limits = Limits()
     weight: float = 1.0  # each tenant's share among the tenants of this priority, unless it sets its own
     kv_share: float | None = None  # each tenant's KV quota, unless it sets its own
+    ttft_target_s: float | None = None  # the SLA guard's time-to-first-token target (serving/sla.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Tenant:
     limits: Limits = Limits()
     weight: float = 1.0  # its share of the engine among the tenants of its priority (engine/fairness.py)
     kv_share: float | None = None  # the most of each engine's device KV pool it may hold (engine/quotas.py)
+    ttft_target_s: float | None = None  # its tier's time-to-first-token target (serving/sla.py)
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class TenantsConfig:
                 raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"priority", "weight", "kv_share", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
@@ -142,7 +145,7 @@ class TenantsConfig:
             if isinstance(priority, bool) or not isinstance(priority, int):
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
             tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0),
-                               _kv_share(table, where, fail, None))
+                               _kv_share(table, where, fail, None), _ttft_target(table, where, fail))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -177,7 +180,8 @@ class TenantsConfig:
             tier = tiers[tier_name]
             tenants[name] = Tenant(name, tier_name, tier.priority, f"tenant\x1f{name}",
                                    _limits(table, where, fail).over(tier.limits),
-                                   _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share))
+                                   _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share),
+                                   tier.ttft_target_s)
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
@@ -190,7 +194,8 @@ class TenantsConfig:
         if owner is not None:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
-        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share)
+        return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share,
+                      tier.ttft_target_s)
 
 
 def _key_salt(key_id: str) -> str:
@@ -259,6 +264,16 @@ def _kv_share(table: Mapping[str, Any], where: str, fail: Callable[[str, str], V
         raise fail(f"{where}.kv_share", f"must be a fraction above 0 and at most 1 (got {value!r}): the most of "
                                         "each model's KV cache the tenant's running requests may hold")
     return float(value)
+
+
+def _ttft_target(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError]) -> float | None:
+    value = table.get("ttft_target_ms")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 3_600_000:
+        raise fail(f"{where}.ttft_target_ms", f"must be a number of milliseconds from 1 to 3600000 (got {value!r}): "
+                                              "the time to first token this tier's requests are promised")
+    return value / 1000.0
 
 
 # ---- limiting ----------------------------------------------------------------------------

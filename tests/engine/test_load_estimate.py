@@ -1,0 +1,104 @@
+"""The engine's time-to-first-token estimate (engine/load.py): the step-time fit against exact
+data, the queue arithmetic against a hand computation, and a real engine's estimate moving
+with the work ahead of a request at its priority."""
+from __future__ import annotations
+
+import pytest
+
+from tierlm import LLM, SamplingParams
+from tierlm.engine.load import StepTimeModel, estimate_ttft
+from tierlm.engine.request import Request
+
+
+def test_the_step_time_fit_recovers_a_line_and_forgets_old_steps():
+    m = StepTimeModel(half_life_steps=20)
+    assert m.coefficients() is None and m.seconds(10) is None
+    for n in (1, 8, 64, 256, 3, 100) * 5:
+        m.observe(n, 0.004 + 0.0001 * n)
+    c0, c1 = m.coefficients()
+    assert c0 == pytest.approx(0.004) and c1 == pytest.approx(0.0001)
+    for n in (1, 8, 64, 256, 3, 100) * 40:  # the machine got twice as slow: the fit follows
+        m.observe(n, 2 * (0.004 + 0.0001 * n))
+    assert m.seconds(100) == pytest.approx(2 * 0.014, rel=0.01)
+
+
+def test_one_batch_size_seen_is_charged_per_token_and_nothing_goes_negative():
+    m = StepTimeModel()
+    m.observe(50, 0.05)
+    assert m.coefficients() == (0.0, pytest.approx(0.001))
+    m2 = StepTimeModel()
+    for n, dt in ((1, 0.5), (100, 0.01)):  # bigger steps faster (noise): no negative per-token cost
+        m2.observe(n, dt)
+    c0, c1 = m2.coefficients()
+    assert c1 == 0.0 and c0 > 0
+
+
+def _req(priority: int, prompt: int, computed: int = 0, outputs: int = 0, max_tokens: int = 50) -> Request:
+    r = Request("r", list(range(prompt)), SamplingParams(), max_tokens, frozenset(), priority=priority)
+    r.num_computed_tokens = computed
+    for _ in range(outputs):
+        r.append_token(1)
+    return r
+
+
+def test_the_estimate_counts_work_ahead_at_its_priority_decodes_and_slots():
+    m = StepTimeModel()
+    for n in (1, 64):
+        m.observe(n, 0.01 + 0.001 * n)  # c0 = 10 ms, c1 = 1 ms per token
+    running = [_req(0, 10, computed=10, outputs=1, max_tokens=5), _req(2, 10, computed=10, outputs=1, max_tokens=30)]
+    waiting = [_req(0, 100), _req(2, 1000)]
+    kw = dict(running=running, waiting=waiting, budget=64, max_seqs=4)
+    # gold: 100 ahead + 20 of its own, 62 a step beside the 2 decodes: 2 full steps of 64 tokens
+    # (two slots are free: the slot bound, 1 step, is the smaller).
+    step = 0.01 + 0.064
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, **kw) == pytest.approx(2 * step)
+    # bronze: 1,120 tokens ahead and its own, 19 steps; its slot comes sooner (after 4 steps,
+    # when the running gold request is done: the two free ones go to the two ahead of it).
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, **kw) == pytest.approx(19 * step)
+    # Two slots, both taken: the gold ahead of it gets the first to free (after 4 steps) for
+    # 2 prefill + 50 decode steps; the bronze running one frees at 29, so a gold request starts
+    # then: 29 + 1 steps, past the token bound.
+    kw["max_seqs"] = 2
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, **kw) == pytest.approx(30 * step)
+    # Finished requests generated 10 tokens on average: the bronze one frees after 9 steps, the
+    # gold one ahead takes the first at 4 and holds it to 16, so a gold request starts at 9 + 1.
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, mean_output=10, **kw) == pytest.approx(10 * step)
+    assert estimate_ttft(StepTimeModel(), prompt_tokens=20, priority=0, **kw) is None
+
+
+def test_a_real_engines_estimate_grows_with_the_work_ahead_of_its_priority(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=256, block_size=8,
+              max_num_batched_tokens=32, load_progress=False, warmup=False)
+    eng = llm.engine
+    assert eng.estimate_ttft(10) is None  # no step yet: no guess
+    llm.generate([{"prompt_token_ids": list(range(5, 60))}], SamplingParams(max_tokens=4, ignore_eos=True))
+    idle = eng.estimate_ttft(10)
+    assert idle is not None and idle > 0
+    for _ in range(3):
+        eng.add_request({"prompt_token_ids": list(range(5, 100))}, SamplingParams(max_tokens=2), priority=2)
+    assert eng.estimate_ttft(10, priority=0) == pytest.approx(idle)  # bronze work waits behind gold
+    assert eng.estimate_ttft(10, priority=2) > 5 * idle  # 295 tokens ahead, 32 a step
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
+    from tierlm.engine.load import ArrivalRates
+    m = StepTimeModel()
+    for n in (1, 64):
+        m.observe(n, 0.01 + 0.001 * n)
+    kw = dict(running=[], waiting=[], budget=64, max_seqs=4, now=100.0)
+    rates = ArrivalRates(tau_s=10)
+    alone = estimate_ttft(m, prompt_tokens=20, priority=2, **kw)
+    assert alone == pytest.approx(0.01 + 0.020)  # one 20-token step
+    # Gold brings 10 s x 300 tokens/s: at 64 tokens per 74 ms (865 tokens/s) that takes 35% of
+    # the prefill capacity, so a bronze request's wait is stretched by 1 / 0.65.
+    for t in range(100):
+        rates.add(0, 30, now=90.0 + t * 0.1)
+    taken = rates.rate_before(2, now=100.0) / (64 / 0.074)
+    assert 0.2 < taken < 0.4
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, **kw) == pytest.approx(alone / (1 - taken))
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, rates=rates, **kw) == pytest.approx(alone)  # none better
+    for t in range(100):
+        rates.add(1, 300, now=90.0 + t * 0.1)  # silver takes the rest
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, **kw) == float("inf")

@@ -1,0 +1,153 @@
+"""How long a new request would wait for its first token: the engine's own estimate.
+
+Why: an SLA guard (serving/sla.py) refuses a request up front when it would miss its tier's
+time-to-first-token target anyway, instead of queueing it to be served late, which also delays
+everyone behind it. The estimate comes from two things the engine knows:
+
+- a step-time model, dt = c0 + c1 * tokens, fitted to every step it has run by least squares
+  with exponential forgetting (recent steps count most; the machine's speed and the batch mix
+  drift), and
+- the queue: the prompt tokens still to compute of running prefills and of waiting requests at
+  the new request's priority or better (they go first), its own prompt, and the decodes that
+  share each step's token budget with them, in full-budget steps. When every sequence slot is
+  taken, the wait for the slots it needs is added: the running requests' remaining token
+  allowances, soonest first (an upper bound: a request may stop early);
+- what keeps arriving ahead of it: requests of a better priority that come while it waits go
+  first, so it gets only the prefill capacity they leave. Their prompt tokens per second are
+  measured per priority (decayed over ~10 s); the wait is stretched by 1 / (1 - their share of
+  the capacity), and is infinite when they take all of it.
+
+A cached prefix is not known before the request is admitted, so its whole prompt counts: the
+estimate errs on the side of waiting longer.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+import time
+
+
+class StepTimeModel:
+    """dt = c0 + c1 * tokens, by exponentially weighted least squares."""
+
+    def __init__(self, half_life_steps: float = 200.0) -> None:
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._lock = threading.Lock()  # fed on the engine thread, read on the server's
+        self.steps = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            d = self.decay
+            self._w = self._w * d + 1.0
+            self._x = self._x * d + tokens
+            self._y = self._y * d + seconds
+            self._xx = self._xx * d + tokens * tokens
+            self._xy = self._xy * d + tokens * seconds
+            self.steps += 1
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(c0, c1), both at least 0; None before any step."""
+        with self._lock:
+            if self._w == 0:
+                return None
+            mx, my = self._x / self._w, self._y / self._w
+            var = self._xx / self._w - mx * mx
+            if var <= 1e-9 * max(1.0, mx * mx):  # one batch size seen so far: all of it per token
+                return 0.0, my / max(mx, 1.0)
+            c1 = (self._xy / self._w - mx * my) / var
+            c1 = max(c1, 0.0)
+            return max(my - c1 * mx, 0.0), c1
+
+    def seconds(self, tokens: int) -> float | None:
+        c = self.coefficients()
+        return None if c is None else c[0] + c[1] * tokens
+
+
+class ArrivalRates:
+    """Prompt tokens arriving per second, per priority, decayed with time constant `tau_s`."""
+
+    def __init__(self, tau_s: float = 10.0) -> None:
+        self.tau = tau_s
+        self._sums: dict[int, tuple[float, float]] = {}  # priority → (decayed tokens, as of when)
+        self._lock = threading.Lock()
+
+    def add(self, priority: int, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            total, at = self._sums.get(priority, (0.0, now))
+            self._sums[priority] = (total * math.exp(-(now - at) / self.tau) + tokens, now)
+
+    def rate_before(self, priority: int, now: float | None = None) -> float:
+        """Tokens per second arriving at priorities better (lower) than `priority`."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return sum(total * math.exp(-(now - at) / self.tau) for p, (total, at) in self._sums.items()
+                       if p < priority) / self.tau
+
+
+class OutputLengths:
+    """The mean number of tokens finished requests generated (decayed: recent ones count most).
+    A request's `max_tokens` is only a ceiling, often far above what it generates."""
+
+    def __init__(self, half_life: float = 100.0) -> None:
+        self.decay = 0.5 ** (1.0 / half_life)
+        self._sum = self._n = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._sum = self._sum * self.decay + tokens
+            self._n = self._n * self.decay + 1.0
+
+    def mean(self) -> float | None:
+        with self._lock:
+            return self._sum / self._n if self._n else None
+
+
+def _decode_steps_left(req, mean_output: float | None) -> int:
+    """Steps until `req` frees its slot: its expected output (the mean, never past its
+    max_tokens, and at least one more token) less what it has generated."""
+    expected = req.max_tokens if mean_output is None else min(req.max_tokens, max(mean_output,
+                                                                                   req.num_output_tokens + 1))
+    return max(1, math.ceil(expected) - req.num_output_tokens)
+
+
+def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, running: list, waiting: list,
+                  budget: int, max_seqs: int, rates: ArrivalRates | None = None, mean_output: float | None = None,
+                  now: float | None = None) -> float | None:
+    """Seconds until a request of `priority` with `prompt_tokens` would get its first token if it
+    arrived now (None: no step measured yet). `running`/`waiting`: the scheduler's requests.
+
+    In steps, the larger of two bounds: the token budget (every prefill token ahead of it, and
+    its own, at what the decodes leave of each step) and the sequence slots (each running
+    request frees its slot after its expected decode steps, each request ahead takes the next
+    free slot for its prefill and decode steps, and this one takes the slot after them)."""
+    if model.coefficients() is None:
+        return None
+    decodes = sum(1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens)
+    room = max(1, budget - decodes)  # prefill tokens a step has beside the decodes
+    ahead = [r for r in waiting if r.priority <= priority]
+    prefill = (sum(max(0, r.num_tokens - r.num_computed_tokens) for r in running if r.num_computed_tokens
+                   < r.num_prompt_tokens) + sum(r.num_tokens - r.num_computed_tokens for r in ahead) + prompt_tokens)
+    token_steps = math.ceil(prefill / room)
+    # Sequence slots, as a small simulation of when each frees.
+    free_at = [0] * max(0, max_seqs - len(running))
+    free_at += [math.ceil(max(0, r.num_prompt_tokens - r.num_computed_tokens) / room)
+                + _decode_steps_left(r, mean_output) for r in running]
+    heapq.heapify(free_at)
+    for r in sorted(ahead, key=lambda r: (r.priority, r.arrival_time, r.arrival_seq)):
+        start = heapq.heappop(free_at)
+        heapq.heappush(free_at, start + math.ceil((r.num_tokens - r.num_computed_tokens) / room)
+                       + _decode_steps_left(r, mean_output))
+    slot_steps = free_at[0] + math.ceil(prompt_tokens / room) if free_at else token_steps
+    steps = max(token_steps, slot_steps)
+    seconds = steps * model.seconds(min(budget, decodes + min(room, prefill)))
+    if rates is not None and seconds > 0:
+        capacity = room / max(model.seconds(min(budget, decodes + room)), 1e-9)  # prefill tokens/s, full steps
+        taken = rates.rate_before(priority, now) / capacity
+        if taken >= 1:
+            return math.inf
+        seconds /= 1 - taken
+    return seconds
