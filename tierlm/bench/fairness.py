@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 
-from tierlm.cli import at_least
+from tierlm.cli import at_least, in_range
 
 
 def _burst(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
@@ -197,16 +197,6 @@ def plot_fairness(result: dict, path: str) -> str:
                     logy=True)
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction above 0 and at most 1, got {text!r}")
-    return value
-
-
 def add_cli(sub) -> None:
     p = sub.add_parser("fairness", help="a flooding tenant against light tenants of its tier: fcfs vs fair shares")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
@@ -224,7 +214,7 @@ def add_cli(sub) -> None:
     q.add_argument("--hog", type=at_least(1, int), default=12, help="long requests the KV hog queues")
     q.add_argument("--hog-prompt-len", type=at_least(1, int), default=512)
     q.add_argument("--hog-max-tokens", type=at_least(1, int), default=128)
-    q.add_argument("--hog-kv-share", type=_fraction, default=0.5, help="the hog's quota, a fraction of the pool")
+    q.add_argument("--hog-kv-share", type=in_range(float, 0, 1, low_open=True), default=0.5, help="the hog's quota, a fraction of the pool")
     q.add_argument("--kv-blocks", type=at_least(4, int), default=256, help="device KV pool size, in blocks")
     q.add_argument("--light-arrival-step", type=at_least(0, int), default=40,
                    help="the step at which the light tenants' requests arrive (the pool full by then)")

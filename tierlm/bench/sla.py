@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tierlm.cli import at_least
+from tierlm.cli import at_least, in_range
 
 MODEL = "bench"
 
@@ -156,27 +156,17 @@ def plot_sla(result: dict, path: str) -> str:
     from tierlm.bench.plots import bar_plot
     bars = {f"{'guard' if run == 'guard' else 'no guard'}: {tier}": s["goodput_rps"]
             for run, tiers in result["results"].items() for tier, s in tiers.items()}
-    return bar_plot(path, bars, title=f"Goodput (requests within their TTFT target per s) at "
-                    f"{result['overload']:g}x capacity", ylabel="requests/s")
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}")
-    return value
+    return bar_plot(path, bars, title=f"Goodput at {result['overload']:g}x capacity",
+                    ylabel="requests/s within their TTFT target")
 
 
 def add_cli(sub) -> None:
     p = sub.add_parser("sla", help="the SLA guard under overload: goodput per tier with and without it")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--overload", type=float, default=2.0, help="arrival rate as a multiple of measured capacity")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
-    p.add_argument("--gold-share", type=_share, default=0.3, help="share of arrivals in the gold tier")
+    p.add_argument("--overload", type=in_range(float, 0, low_open=True), default=2.0, help="arrival rate as a multiple of measured capacity")
+    p.add_argument("--duration", type=in_range(float, 0, low_open=True), default=10.0, help="seconds of arrivals per run")
+    p.add_argument("--gold-share", type=in_range(float, 0, 1), default=0.3, help="share of arrivals in the gold tier")
     p.add_argument("--gold-target-ms", type=at_least(1, int), default=1000)
     p.add_argument("--bronze-target-ms", type=at_least(1, int), default=3000)
     p.add_argument("--prompt-len", type=at_least(1, int), default=256)
