@@ -3,6 +3,8 @@ data, the queue arithmetic against a hand computation, and a real engine's estim
 with the work ahead of a request at its priority."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tierlm import LLM, SamplingParams
@@ -91,14 +93,65 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     rates = ArrivalRates(tau_s=10)
     alone = estimate_ttft(m, prompt_tokens=20, priority=2, **kw)
     assert alone == pytest.approx(0.01 + 0.020)  # one 20-token step
-    # Gold brings 10 s x 300 tokens/s: at 64 tokens per 74 ms (865 tokens/s) that takes 35% of
-    # the prefill capacity, so a bronze request's wait is stretched by 1 / 0.65.
+    # Gold: 10 requests of 30 tokens a second for the last 10 s (the decayed sums divided by the
+    # span they cover since the first arrival: 10/s and 300 tokens/s). A full step (64 tokens)
+    # takes 74 ms: gold takes ~35% of the prefill tokens, and of the 4 slots, each held for its
+    # prefill (30/64 of a step) and its expected output (10 tokens), ~190%: more than all of them.
     for t in range(100):
         rates.add(0, 30, now=90.0 + t * 0.1)
-    taken = rates.rate_before(2, now=100.0) / (64 / 0.074)
-    assert 0.2 < taken < 0.4
-    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, **kw) == pytest.approx(alone / (1 - taken))
-    assert estimate_ttft(m, prompt_tokens=20, priority=0, rates=rates, **kw) == pytest.approx(alone)  # none better
+    requests, tokens = rates.rates_before(2, now=100.0)
+    decayed = sum(math.exp(-(10 - t * 0.1) / 10) for t in range(100))
+    assert requests == pytest.approx(decayed / (10 * (1 - math.exp(-1)))) and requests == pytest.approx(10, rel=0.01)
+    assert tokens == pytest.approx(30 * requests)
+    assert rates.rates_before(0, now=100.0) == (0.0, 0.0)  # nothing is better than gold
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, mean_output=10, **kw) == float("inf")
+    # With one expected output token each and 64 slots they take ~2% of the slots, less than the
+    # 35% of the tokens: the tokens' share stretches the wait.
+    kw["max_seqs"] = 64
+    taken = tokens * 0.074 / 64
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, mean_output=1, **kw) == pytest.approx(
+        alone / (1 - taken))
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, rates=rates, mean_output=1, **kw) == pytest.approx(alone)
     for t in range(100):
-        rates.add(1, 300, now=90.0 + t * 0.1)  # silver takes the rest
-    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, **kw) == float("inf")
+        rates.add(1, 300, now=90.0 + t * 0.1)  # silver takes the rest of the tokens
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, mean_output=1, **kw) == float("inf")
+
+
+def test_the_calibration_settles_where_half_the_first_tokens_come_within_the_estimate():
+    """Actual waits are the raw estimate times a lognormal factor (median 2: the model sees half
+    the wait); the learnt factor settles near 2, with half of them within the corrected estimate."""
+    import random
+
+    from tierlm.engine.load import TtftCalibration
+    cal, rng = TtftCalibration(), random.Random(0)
+    assert cal.factor(2) == 1.0
+    within = []
+    for i in range(6000):
+        raw = rng.uniform(0.1, 3.0)
+        estimate = raw * cal.factor(2)
+        actual = raw * math.exp(rng.gauss(math.log(2), 0.3))
+        cal.observe(2, estimate, actual)
+        if i >= 3000:
+            within.append(actual <= estimate)
+    assert sum(within) / len(within) == pytest.approx(0.5, abs=0.05)
+    assert 1.7 < cal.factor(2) < 2.3
+    assert cal.factor(0) == 1.0 and cal.observed == {2: 6000}  # per priority
+    cal.observe(0, float("inf"), 1.0)  # nothing learnt from an infinite estimate
+    assert cal.observed == {2: 6000}
+    for _ in range(200):  # a long run of misses: bounded
+        cal.observe(1, 1.0, 100.0)
+    assert cal.factor(1) == pytest.approx(4.0)
+
+
+def test_arrival_rates_see_a_burst_at_once_and_a_lull_starts_afresh():
+    from tierlm.engine.load import ArrivalRates
+    rates = ArrivalRates(tau_s=10)
+    for t in range(20):  # 20 requests a second for one second, right after start
+        rates.add(0, 100, now=t * 0.05)
+    requests, _ = rates.rates_before(1, now=1.0)
+    assert requests == pytest.approx(20, rel=0.1)  # not 2/s, as dividing by the full 10 s would say
+    # A minute of silence, then 4 a second: the old burst neither dilutes nor inflates the new rate.
+    for t in range(8):
+        rates.add(0, 100, now=61.0 + t * 0.25)
+    requests, _ = rates.rates_before(1, now=63.0)
+    assert requests == pytest.approx(4, rel=0.15)

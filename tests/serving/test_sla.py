@@ -105,6 +105,8 @@ def test_a_request_that_would_miss_its_tiers_target_is_shed_through_both_sdks(se
     assert int(a.response.headers["retry-after"]) >= 1
     assert o.status_code == 503 and o.body["code"] == "sla_overloaded" and "tier 'strict'" in o.message
     assert [r.status_code for r in served] == [200, 200]
+    # The relaxed tier's request (a target, admitted) taught the estimate how it did; gold has none.
+    assert engine.engine.ttft_calibration.observed.get(0) == 1
     # nothing of the shed ones (the two served were sent together: either may reach the engine first)
     assert seen[0].tenant_id == "busy" and sorted(r.tenant_id for r in seen[1:]) == ["plain", "relaxed"]
     metrics = httpx.get(server.url + "/metrics").text

@@ -59,13 +59,15 @@ async def _replay(engine, arrivals: list[tuple[float, TierSpec, list[int]]], par
         ctx = RequestContext(request_id=uuid.uuid4().hex, tier=tier.name, priority=tier.priority,
                              ttft_target_s=tier.target_s if guard else None)
         try:
-            check_ttft_target(engine, MODEL, ctx, len(prompt))
+            estimate = check_ttft_target(engine, MODEL, ctx, len(prompt))
         except SlaShed:
             return {"tier": tier.name, "shed": True}
         first = None
         async for delta in engine.generate(prompt, params, ctx.request_id, priority=tier.priority):
             if first is None and delta.token_ids:
                 first = time.monotonic()
+                if estimate is not None:  # as the server does: the estimate learns how it did
+                    engine.engine.observe_ttft(tier.priority, estimate, delta.first_token_time - delta.arrival_time)
         ttft = first - arrived
         return {"tier": tier.name, "shed": False, "ttft_s": ttft, "met": ttft <= tier.target_s}
 

@@ -28,7 +28,7 @@ from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
 from tierlm.engine.grammar import GrammarCompiler
 from tierlm.engine.sampler import Sampler, seeded_generator
-from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, estimate_ttft
+from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, TtftCalibration, estimate_ttft
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
@@ -320,6 +320,7 @@ class LLMEngine:
         self.step_time = StepTimeModel()  # what a step of n tokens takes here (load.py)
         self.arrivals = ArrivalRates()  # prompt tokens arriving per second, per priority (load.py)
         self.output_lengths = OutputLengths()  # what finished requests generated (load.py)
+        self.ttft_calibration = TtftCalibration()  # the estimate's factor, learnt from outcomes (load.py)
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                  self.model_name, self.device, str(self.dtype).replace("torch.", ""), num_blocks, bs,
                  num_blocks * per_block / 2**20, self.max_model_len)
@@ -623,10 +624,16 @@ class LLMEngine:
         first token (load.py); None before the first step. Safe from any thread (it reads copies
         of the queues, which the engine thread may be changing: an estimate, not a promise)."""
         s = self.scheduler
-        return estimate_ttft(self.step_time, prompt_tokens=prompt_tokens, priority=priority,
-                             running=list(s.running), waiting=list(s.waiting),
-                             budget=self.max_num_batched_tokens, max_seqs=s.max_seqs, rates=self.arrivals,
-                             mean_output=self.output_lengths.mean())
+        raw = estimate_ttft(self.step_time, prompt_tokens=prompt_tokens, priority=priority,
+                            running=list(s.running), waiting=list(s.waiting),
+                            budget=self.max_num_batched_tokens, max_seqs=s.max_seqs, rates=self.arrivals,
+                            mean_output=self.output_lengths.mean())
+        return None if raw is None else raw * self.ttft_calibration.factor(priority)
+
+    def observe_ttft(self, priority: int, estimate: float, actual: float) -> None:
+        """A request admitted on `estimate` (from `estimate_ttft`) got its first token after
+        `actual` seconds: the estimate's factor for its priority learns from it."""
+        self.ttft_calibration.observe(priority, estimate, actual)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -13,12 +13,20 @@ everyone behind it. The estimate comes from two things the engine knows:
   taken, the wait for the slots it needs is added: the running requests' remaining token
   allowances, soonest first (an upper bound: a request may stop early);
 - what keeps arriving ahead of it: requests of a better priority that come while it waits go
-  first, so it gets only the prefill capacity they leave. Their prompt tokens per second are
-  measured per priority (decayed over ~10 s); the wait is stretched by 1 / (1 - their share of
-  the capacity), and is infinite when they take all of it.
+  first, so it gets only the capacity they leave. Their requests and prompt tokens per second
+  are measured per priority (decayed over ~10 s); the wait is stretched by 1 / (1 - their share
+  of the prefill tokens or of the sequence slots, whichever is larger), and is infinite when they
+  take all of it.
 
 A cached prefix is not known before the request is admitted, so its whole prompt counts: the
 estimate errs on the side of waiting longer.
+
+What the model cannot see (requests of better tiers that overtake one already queued, a machine
+slower under load) is learnt from the outcome: each admitted request's first token is compared
+with the estimate it was admitted on (`TtftCalibration`), and a factor per priority (from 0.5
+to 4) is moved until half the first tokens come within the estimate: a median, which a burst of
+misses moves no more than a run of hits (a higher quantile, tried first, climbed during a burst
+and then came down too slowly, from the few requests it still admitted, shedding most of gold).
 """
 from __future__ import annotations
 
@@ -65,26 +73,74 @@ class StepTimeModel:
         return None if c is None else c[0] + c[1] * tokens
 
 
+LULL = 0.05  # decayed requests under which the arrivals so far count as a finished spell
+
+
 class ArrivalRates:
-    """Prompt tokens arriving per second, per priority, decayed with time constant `tau_s`."""
+    """Requests and prompt tokens arriving per second, per priority, decayed with time constant
+    `tau_s`. Over the first seconds of a busy spell the decayed sums cover less than `tau_s`: they
+    are divided by the span they do cover (since the spell's first arrival, at least half a
+    second), not by `tau_s`, so a burst's rate is seen at once rather than ramped up over ten
+    seconds. A lull (the sums decayed to almost nothing: three time constants without an
+    arrival, after a single one) starts a new spell."""
 
     def __init__(self, tau_s: float = 10.0) -> None:
         self.tau = tau_s
-        self._sums: dict[int, tuple[float, float]] = {}  # priority → (decayed tokens, as of when)
+        self._sums: dict[int, tuple[float, float, float]] = {}  # priority → (requests, tokens, as of when)
+        self._since: float | None = None
         self._lock = threading.Lock()
 
     def add(self, priority: int, tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
-            total, at = self._sums.get(priority, (0.0, now))
-            self._sums[priority] = (total * math.exp(-(now - at) / self.tau) + tokens, now)
+            if self._since is None or sum(n * math.exp(-(now - at) / self.tau)
+                                          for n, _, at in self._sums.values()) < LULL:
+                self._since = now  # a new busy spell
+            requests, total, at = self._sums.get(priority, (0.0, 0.0, now))
+            keep = math.exp(-(now - at) / self.tau)
+            self._sums[priority] = (requests * keep + 1, total * keep + tokens, now)
 
-    def rate_before(self, priority: int, now: float | None = None) -> float:
-        """Tokens per second arriving at priorities better (lower) than `priority`."""
+    def rates_before(self, priority: int, now: float | None = None) -> tuple[float, float]:
+        """(requests, prompt tokens) per second arriving at priorities better (lower) than `priority`."""
         now = time.monotonic() if now is None else now
+        requests = tokens = 0.0
         with self._lock:
-            return sum(total * math.exp(-(now - at) / self.tau) for p, (total, at) in self._sums.items()
-                       if p < priority) / self.tau
+            if self._since is None:
+                return 0.0, 0.0
+            for p, (n, total, at) in self._sums.items():
+                if p < priority:
+                    keep = math.exp(-(now - at) / self.tau)
+                    requests, tokens = requests + n * keep, tokens + total * keep
+            # The decayed window the sums cover: tau * (1 - e^(-age/tau)), at least half a second.
+            span = self.tau * -math.expm1(-max(0.5, now - self._since) / self.tau)
+        return requests / span, tokens / span
+
+
+class TtftCalibration:
+    """Per priority, a factor on the estimate, learnt by quantile tracking in log space: each
+    first token later than its estimate raises it by `rate * quantile`, each one within lowers it
+    by `rate * (1 - quantile)`, so it settles where a `quantile` share come within."""
+
+    def __init__(self, quantile: float = 0.5, rate: float = 0.1, low: float = 0.5, high: float = 4.0) -> None:
+        self.quantile, self.rate = quantile, rate
+        self.low, self.high = math.log(low), math.log(high)
+        self._log: dict[int, float] = {}
+        self.observed: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def factor(self, priority: int) -> float:
+        with self._lock:
+            return math.exp(self._log.get(priority, 0.0))
+
+    def observe(self, priority: int, estimate: float, actual: float) -> None:
+        """A request of `priority` admitted on `estimate` (the factor applied) got its first token
+        after `actual` seconds."""
+        if not (math.isfinite(estimate) and math.isfinite(actual)):
+            return
+        step = self.rate * (self.quantile - (actual <= estimate))
+        with self._lock:
+            self._log[priority] = min(self.high, max(self.low, self._log.get(priority, 0.0) + step))
+            self.observed[priority] = self.observed.get(priority, 0) + 1
 
 
 class OutputLengths:
@@ -145,8 +201,12 @@ def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, ru
     steps = max(token_steps, slot_steps)
     seconds = steps * model.seconds(min(budget, decodes + min(room, prefill)))
     if rates is not None and seconds > 0:
-        capacity = room / max(model.seconds(min(budget, decodes + room)), 1e-9)  # prefill tokens/s, full steps
-        taken = rates.rate_before(priority, now) / capacity
+        # The share better tiers' arrivals take, of prefill tokens or of sequence slots (each
+        # holds one for its prefill and expected decode steps), whichever they take more of.
+        full = max(model.seconds(min(budget, decodes + room)), 1e-9)
+        requests, tokens = rates.rates_before(priority, now)
+        per_request = (tokens / requests / room if requests else 0.0) + (mean_output or 1.0)  # steps a slot is held
+        taken = max(tokens * full / room, requests * per_request * full / max_seqs)
         if taken >= 1:
             return math.inf
         seconds /= 1 - taken

@@ -605,8 +605,8 @@ class EngineStream:
         # Telemetry's middleware leaves a per-request observer in the scope (see telemetry.py).
         self._observer = request.scope.get("state", {}).get("telemetry")
         # Before the engine (and the tenant's token count) sees it: a shed request costs nothing.
-        check_ttft_target(self.engine, self.model, ctx, len(self.prompt_token_ids),
-                          getattr(self._observer, "on_shed", None))
+        estimate = check_ttft_target(self.engine, self.model, ctx, len(self.prompt_token_ids),
+                                     getattr(self._observer, "on_shed", None))
         if self._observer is not None:
             self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id,
                                              prompt_tokens=len(self.prompt_token_ids))
@@ -628,6 +628,10 @@ class EngineStream:
         except BaseException:
             await self.close()
             raise
+        first = self._first
+        if estimate is not None and first.first_token_time is not None and first.arrival_time is not None:
+            # The guard's estimate learns how it did (engine/load.py's TtftCalibration).
+            self.engine.engine.observe_ttft(ctx.priority, estimate, first.first_token_time - first.arrival_time)
         return self._first
 
     async def _next(self) -> StreamDelta:
