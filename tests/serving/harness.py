@@ -2,6 +2,7 @@
 watch or disturb a real engine (record what it was asked, slow its steps, make a step fail)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -89,6 +90,15 @@ def parse_sse(raw: str) -> list[tuple[str | None, Any]]:
                 data = payload if payload == "[DONE]" else json.loads(payload)
         frames.append((event, data))
     return frames
+
+
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait, in an event loop, until `condition()` holds (an assertion error past `timeout`)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:

@@ -12,10 +12,9 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.harness import ServerThread, record_requests, slow_steps
+from tests.serving.harness import ServerThread, record_requests, slow_steps, until
 from tests.serving.scripted_model import ENGINE_OPTIONS, LOOP_MODEL
 from tests.serving.test_telemetry import value
-from tests.serving.test_tenancy import _until
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
 from tierlm.serving.tenancy import Tenancy
@@ -90,11 +89,11 @@ def test_a_request_that_would_miss_its_tiers_target_is_shed_through_both_sdks(se
     async def run() -> tuple[Any, list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             busy = asyncio.ensure_future(_post(client, "busy", 480))
-            await _until(lambda: engine.stats().num_running == 1 and engine.engine.estimate_ttft(8) is not None)
+            await until(lambda: engine.stats().num_running == 1 and engine.engine.estimate_ttft(8) is not None)
             refused = await asyncio.to_thread(shed_both)
             assert engine.stats().num_waiting == 0  # the shed requests never reached the engine
             served = [asyncio.ensure_future(_post(client, key, 3)) for key in ("relaxed", "plain")]
-            await _until(lambda: engine.stats().num_waiting == 2)  # queued: their targets allow it
+            await until(lambda: engine.stats().num_waiting == 2)  # queued: their targets allow it
             busy.cancel()
             await asyncio.gather(busy, return_exceptions=True)
             return refused, list(await asyncio.gather(*served))

@@ -10,14 +10,14 @@ import asyncio
 import math
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.serving.harness import ServerThread, record_requests, slow_steps, wait_until
+from tests.serving.harness import ServerThread, record_requests, slow_steps, until, wait_until
 from tests.serving.scripted_model import ENGINE_OPTIONS, LOOP_MODEL, TEXT_MODEL
 from tests.serving.test_cli import SMALL_ENGINE, free_port, serve, wait_ready
 from tests.serving.test_telemetry import value
@@ -285,14 +285,6 @@ def test_tokens_per_minute_are_charged_when_a_request_ends(server, clock, tenanc
     assert tenancy.in_flight("tpm") == 0
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def test_max_concurrent_slots_are_released_however_a_response_ends(server, tenancy, engines, monkeypatch):
     c, o = claude(server, "conc"), oai(server, "conc")
     slow_steps(engines[LOOP_MODEL], monkeypatch, 0.05)  # 480 tokens: 24 s at least, until the client leaves
@@ -330,7 +322,7 @@ def test_max_concurrent_slots_are_released_however_a_response_ends(server, tenan
     async def abandoned() -> None:  # a non-streaming request whose client leaves
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as client:
             task = asyncio.ensure_future(client.post("/v1/messages", json=body))
-            await _until(lambda: tenancy.in_flight("conc") == 1)
+            await until(lambda: tenancy.in_flight("conc") == 1)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
@@ -355,11 +347,11 @@ def test_a_queued_gold_request_runs_before_queued_bronze_ones(server, engines, m
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             busy = asyncio.ensure_future(_post_one_seq(client, "lone", 480))
-            await _until(lambda: engine.stats().num_running == 1)
+            await until(lambda: engine.stats().num_running == 1)
             bronze = asyncio.ensure_future(_post_one_seq(client, "lone", 3))
-            await _until(lambda: engine.stats().num_waiting == 1)
+            await until(lambda: engine.stats().num_waiting == 1)
             gold = asyncio.ensure_future(_post_one_seq(client, "vip", 3))
-            await _until(lambda: engine.stats().num_waiting == 2)
+            await until(lambda: engine.stats().num_waiting == 2)
             busy.cancel()  # its client leaves: the engine's one slot frees
             await asyncio.gather(busy, return_exceptions=True)
             return list(await asyncio.gather(bronze, gold))
@@ -384,16 +376,16 @@ def test_a_tenant_is_not_queued_behind_another_tenants_burst_in_its_tier(server,
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             busy = asyncio.ensure_future(_post_one_seq(client, "acme-a", 480))
-            await _until(lambda: engine.stats().num_running == 1)
+            await until(lambda: engine.stats().num_running == 1)
             burst = []
             for i, key in enumerate(("acme-a", "acme-b", "acme-a")):
                 burst.append(asyncio.ensure_future(_post_one_seq(client, key, 3)))
-                await _until(lambda: engine.stats().num_waiting == i + 1)
+                await until(lambda: engine.stats().num_waiting == i + 1)
             late = asyncio.ensure_future(_post_one_seq(client, "vip", 3))
-            await _until(lambda: engine.stats().num_waiting == 4)
+            await until(lambda: engine.stats().num_waiting == 4)
             # vip starts level with acme (no credit for the time it was away); acme's running
             # request then keeps adding to acme's share.
-            await _until(lambda: fair.counters.get("acme", 0) > fair.counters.get("vip", 0) > 0)
+            await until(lambda: fair.counters.get("acme", 0) > fair.counters.get("vip", 0) > 0)
             busy.cancel()
             await asyncio.gather(busy, return_exceptions=True)
             return list(await asyncio.gather(*burst, late))
@@ -420,12 +412,12 @@ def test_a_request_that_ends_before_its_first_token_pays_for_its_prompt(server, 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             busy = asyncio.ensure_future(_post_one_seq(client, "lone", 480))
-            await _until(lambda: engine.stats().num_running == 1)
+            await until(lambda: engine.stats().num_running == 1)
             queued = asyncio.ensure_future(_post_one_seq(client, "tpm", 3))
-            await _until(lambda: engine.stats().num_waiting == 1)
+            await until(lambda: engine.stats().num_waiting == 1)
             queued.cancel()  # its client leaves while it waits
             await asyncio.gather(queued, return_exceptions=True)
-            await _until(lambda: tenancy.in_flight("tpm") == 0)
+            await until(lambda: tenancy.in_flight("tpm") == 0)
             busy.cancel()
             await asyncio.gather(busy, return_exceptions=True)
 

@@ -2,16 +2,17 @@
 
 Why: an SLA guard (serving/sla.py) refuses a request up front when it would miss its tier's
 time-to-first-token target anyway, instead of queueing it to be served late, which also delays
-everyone behind it. The estimate comes from two things the engine knows:
+everyone behind it. The estimate comes from what the engine knows:
 
 - a step-time model, dt = c0 + c1 * tokens, fitted to every step it has run by least squares
   with exponential forgetting (recent steps count most; the machine's speed and the batch mix
-  drift), and
-- the queue: the prompt tokens still to compute of running prefills and of waiting requests at
-  the new request's priority or better (they go first), its own prompt, and the decodes that
-  share each step's token budget with them, in full-budget steps. When every sequence slot is
-  taken, the wait for the slots it needs is added: the running requests' remaining token
-  allowances, soonest first (an upper bound: a request may stop early);
+  drift);
+- the queue, in steps, the larger of two bounds: the token budget (the prompt tokens still to
+  compute of running prefills and of waiting requests at the new request's priority or better,
+  which go first, and its own, at what the running decodes leave of each step's budget) and the
+  sequence slots (a small simulation: each running request frees its slot after its expected
+  output, the mean of what finished requests generated, never past its max_tokens; each request
+  ahead takes the next free slot for its prefill and decode steps; this one takes the next);
 - what keeps arriving ahead of it: requests of a better priority that come while it waits go
   first, so it gets only the capacity they leave. Their requests and prompt tokens per second
   are measured per priority (decayed over ~10 s); the wait is stretched by 1 / (1 - their share
