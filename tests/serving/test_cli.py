@@ -147,6 +147,7 @@ def test_bad_command_line_input_gets_one_error_line(argv, says, tmp_path):
     (["serve", "--kv-disk-dir", ""], "kv_disk_dir is empty"),
     (["serve", "--kv-remote", " "], "kv_remote is empty"),
     (["serve", "--api-keys", ""], "--api-keys is empty"),
+    (["serve", "--safety-policies", ""], "--safety-policies is empty"),
     (["serve", ""], "model is empty"),
     (["generate", "--model", "", "hi"], "model is empty"),
 ])

@@ -89,13 +89,15 @@ def _draw_lines(ax: "plt.Axes", series: Series, xlabel: str, ylabel: str, logx: 
 
 
 def line_plot(path: str, series: Series, title: str, xlabel: str, ylabel: str,
-              logx: bool = False, markers: bool = True, styles: Styles | None = None) -> str:
+              logx: bool = False, markers: bool = True, styles: Styles | None = None, logy: bool = False) -> str:
     """One panel, one line per series label: `series[label] = (xs, ys)`. Returns `path`.
 
     `styles[label]` holds extra matplotlib line kwargs, e.g. {"linestyle": "--"} for a bound.
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _draw_lines(ax, series, xlabel, ylabel, logx, markers, styles)
+    if logy:
+        ax.set_yscale("log")
     ax.set_title(title)
     return _save(fig, path)
 

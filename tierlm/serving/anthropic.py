@@ -66,6 +66,7 @@ from tierlm.serving.protocol_anthropic import (
 )
 from tierlm.sampling_params import StructuredOutputsParams
 from tierlm.serving.reasoning import ReasoningFormat, both_names
+from tierlm.serving.safety import FINISH_REASON
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
@@ -117,6 +118,7 @@ async def create_message(request: Request) -> Response:
     )
     stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
     first = await stream.open(request)
+    warming = warming and first.finish_reason != FINISH_REASON  # a refused prompt is refused, not warmed
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         num_prompt = len(prompt.token_ids) if warming else first.num_prompt_tokens or len(prompt.token_ids)
@@ -447,6 +449,8 @@ def stop_details(result: Generation, has_tool_calls: bool) -> tuple[str, str | N
     even after complete calls (a call cut off itself is text: tools.parse_tool_calls)."""
     if result.finish_reason == "length":
         return "max_tokens", None
+    if result.finish_reason == FINISH_REASON:  # stopped by the safety layer
+        return "refusal", None
     if has_tool_calls:
         return "tool_use", None
     if isinstance(result.stop_reason, str):

@@ -20,9 +20,12 @@ import logging
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 from tierlm.serving.errors import AuthenticationFailed
+
+if TYPE_CHECKING:
+    from tierlm.serving.safety import RequestSafety
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -42,6 +45,7 @@ class RequestContext:
     tier: str | None = None
     ttft_target_s: float | None = None  # the tier's time-to-first-token target (sla.py)
     cache_salt: str | None = None
+    safety: "RequestSafety | None" = None  # the policies its prompt and answer are checked against (safety.py)
 
     def salted(self, extra: str | None) -> "RequestContext":
         """This context with a client's own `cache_salt` (a request field, as in vLLM) mixed under

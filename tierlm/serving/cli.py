@@ -64,6 +64,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "bronze: the engine's priority) and optional limits (requests_per_minute, "
                         "tokens_per_minute, max_concurrent); see README 'Tenants' (default: each key a tenant "
                         "of its own, no limits)")
+    p.add_argument("--safety-policies", metavar="FILE", default=None,
+                   help="TOML file of phrase policies checked on prompts and answers as they stream: block "
+                        "(refusal / content_filter) or redact, per tier or tenant; see README 'Safety policies'")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
     p.add_argument("--request-read-timeout", type=at_least(0, float), default=DEFAULT_REQUEST_READ_TIMEOUT,
@@ -142,6 +145,30 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _safety_policies(path: str | None, tenancy: "Tenancy", auth: "Authenticator") -> "SafetyPolicies":
+    """--safety-policies read, checked against the tenants file's names, and compiled for every
+    tier and tenant (a refused file is a ValueError naming what to mend)."""
+    from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.safety import SafetyPolicies
+
+    if path is None:
+        return SafetyPolicies()
+    if not path.strip():  # "$UNSET_VARIABLE"
+        raise ValueError("--safety-policies is empty (an unset variable?); give the policies file, or leave it out")
+    config = tenancy.config
+    key_ids = set(auth.key_ids) if isinstance(auth, ApiKeyAuth) else set()
+    policies = SafetyPolicies.from_file(path, tiers=set(config.tiers) if config else None,
+                                        tenants=set(config.tenants) | key_ids if config else None)
+    selections = [(None, None)]
+    if config is not None:
+        selections += [(t.tier, t.id) for t in config.tenants.values()]
+        selections += [(config.default_tier, key) for key in key_ids - set(config.key_owner)]
+    policies.compile_all(selections)
+    logger.info("safety policies from %s: %s", path, ", ".join(
+        f"{p.name} ({len(p.phrases)} phrases, {p.check}, {p.action})" for p in policies.policies))
+    return policies
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from tierlm.engine.async_engine import AsyncEngine
     from tierlm.errors import TierlmError
@@ -177,6 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if not isinstance(auth, ApiKeyAuth):
                 raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
             tenancy = Tenancy.from_file(args.tenants, auth.key_ids)
+        safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)
         sock = listen_socket(args.host, args.port)  # a busy port fails now, not after loading
         port = sock.getsockname()[1]
         engines: dict[str, AsyncEngine] = {}
@@ -214,7 +242,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", "auto"),
                     reasoning_parser=getattr(args, "reasoning_parser", "auto"),
                     response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)),
-                    tenancy=tenancy)
+                    tenancy=tenancy, safety=safety)
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

@@ -39,6 +39,7 @@ from tierlm.serving.errors import (
     from_engine_error,
 )
 from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter
+from tierlm.serving.safety import FINISH_REASON, OutputGuard, Policy, blocked_delta, refused_delta
 from tierlm.serving.sla import check_ttft_target
 from tierlm.serving.vocab import vocabulary
 
@@ -594,6 +595,8 @@ class EngineStream:
         self._first: StreamDelta | None = None
         self._closed = False
         self.finished = False
+        self._guard: OutputGuard | None = context.safety.output_guard() if context.safety is not None else None
+        self._redactions_told = 0
 
     @property
     def request_id(self) -> str:
@@ -604,6 +607,14 @@ class EngineStream:
         ctx = self.context
         # Telemetry's middleware leaves a per-request observer in the scope (see telemetry.py).
         self._observer = request.scope.get("state", {}).get("telemetry")
+        if ctx.safety is not None and ctx.safety.input is not None:
+            # First in line (DESIGN.md: safety(input) → SLA guard): a refused prompt costs nothing.
+            policy = await until_disconnect(request, asyncio.to_thread(self._prompt_breaks, ctx))
+            if policy is not None:
+                self._on_policy(policy, "input")
+                self.finished = True
+                self._first = refused_delta(ctx.request_id, len(self.prompt_token_ids), policy)
+                return self._first
         # Before the engine (and the tenant's token count) sees it: a shed request costs nothing.
         estimate = check_ttft_target(self.engine, self.model, ctx, len(self.prompt_token_ids),
                                      getattr(self._observer, "on_shed", None))
@@ -633,6 +644,20 @@ class EngineStream:
             # The guard's estimate learns how it did (engine/load.py's TtftCalibration).
             self.engine.engine.observe_ttft(ctx.priority, estimate, first.first_token_time - first.arrival_time)
         return self._first
+
+    def _prompt_breaks(self, ctx: RequestContext) -> Policy | None:
+        """The input policy the prompt breaks (decoded without special tokens: the template's
+        markers are not the client's words), or None. On a worker thread: seconds per MB."""
+        assert ctx.safety is not None
+        text = self.engine.tokenizer.decode(self.prompt_token_ids, skip_special_tokens=True)
+        return ctx.safety.check_prompt(text)
+
+    def _on_policy(self, policy: Policy, stage: str) -> None:
+        logger.info("request %s (tenant %s): safety policy '%s' %s its %s", self.request_id,
+                    self.context.tenant_id, policy.name,
+                    "redacted a phrase of" if stage == "redact" else "stopped", "prompt" if stage == "input" else "answer")
+        if self._observer is not None:
+            self._observer.on_safety(self.model, policy.name, stage)
 
     async def _next(self) -> StreamDelta:
         try:
@@ -672,10 +697,29 @@ class EngineStream:
         if self._first is None:
             raise RuntimeError("EngineStream.open() must be called first")
         delta: StreamDelta = self._first
-        yield delta
-        while not delta.finished:
-            delta = await self._next()
+        guard = self._guard
+        if guard is None or (delta.finished and delta.finish_reason == FINISH_REASON):
             yield delta
+            while not delta.finished:
+                delta = await self._next()
+                yield delta
+            return
+        while True:  # the answer through the output policies: held back, redacted or stopped
+            shown, blocked = guard.feed(delta)
+            for policy in guard.redacted[self._redactions_told:]:
+                self._on_policy(policy, "redact")
+            self._redactions_told = len(guard.redacted)
+            for piece in shown:
+                yield piece
+            if blocked is not None:
+                self._on_policy(blocked, "output")
+                await self.abort()  # its KV blocks are freed now, not at the end of the answer
+                self.finished = True
+                yield blocked_delta(delta, blocked)
+                return
+            if delta.finished:
+                return
+            delta = await self._next()
 
     async def run_to_end(self) -> Generation:
         """Every delta, gathered (errors arrive as APIError)."""

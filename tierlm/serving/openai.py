@@ -60,6 +60,7 @@ from tierlm.serving.protocol_openai import (
     Usage,
 )
 from tierlm.serving.reasoning import ReasoningFormat, both_names
+from tierlm.serving.safety import FINISH_REASON
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
@@ -461,8 +462,8 @@ def usage_of(results: list[Generation]) -> Usage:
 
 def _finish_reason(result: Generation, has_tool_calls: bool) -> str:
     """A cut-off answer is `length` even after complete calls (as in Anthropic's stop_details)."""
-    if result.finish_reason == "length":
-        return "length"
+    if result.finish_reason in ("length", FINISH_REASON):  # (the safety layer's: content_filter, as OpenAI's)
+        return result.finish_reason
     return "tool_calls" if has_tool_calls else "stop"
 
 

@@ -5,7 +5,8 @@ A request is translated into a chat (protocol_responses) and run by the chat pat
 (`openai.start_chat`); its answer comes back as output items: a `reasoning` item (a reasoning
 model's think block), a `message` with one `output_text` part, and a `function_call` per call.
 Streams are typed events (`event:` + `data:` lines, each with a `sequence_number`), ending with
-`response.completed`, `response.incomplete` (max_output_tokens) or `response.failed`.
+`response.completed`, `response.incomplete` (max_output_tokens, or content_filter: the safety
+layer stopped it) or `response.failed`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tierlm.serving.errors import InvalidRequest, NotFound, stream_error
 from tierlm.serving.generation import Answer, ChatPrompt, Generation, StreamedAnswer
 from tierlm.serving.openai import ReturnedTokens, _close_all, _collect_all, chat_logprobs, start_chat
 from tierlm.serving.protocol_openai import ChatCompletionRequest
+from tierlm.serving.safety import FINISH_REASON
 from tierlm.serving.protocol_responses import (ENCRYPTED_REASONING_INCLUDE, LOGPROBS_INCLUDE, ResponsesRequest)
 from tierlm.serving.response_store import stored_size
 from tierlm.serving.responses import off_loop
@@ -308,6 +310,15 @@ class _Shape:
         self.body, self.response_id, self.created_at = body, response_id, created_at
         self.engine, self.prompt, self.top_n, self.items = engine, prompt, top_n, items
         self.carry_reasoning = body.wants(ENCRYPTED_REASONING_INCLUDE)
+        self.incomplete_reason = "max_output_tokens"
+
+    def status(self, result: Generation) -> str:
+        """`incomplete` for an answer cut off (max_output_tokens) or stopped by the safety layer
+        (content_filter, as OpenAI's), else `completed`."""
+        if result.finish_reason == FINISH_REASON:
+            self.incomplete_reason = "content_filter"
+            return "incomplete"
+        return "incomplete" if result.finish_reason == "length" else "completed"
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -318,7 +329,7 @@ class _Shape:
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": {"reason": self.incomplete_reason} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls, "model": body.model, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
@@ -409,7 +420,7 @@ class _Shape:
 
     def finished(self, result: Generation, answer: Answer) -> dict[str, Any]:
         """The response to a finished answer (not streamed)."""
-        status = "incomplete" if result.finish_reason == "length" else "completed"
+        status = self.status(result)
         output: list[dict[str, Any]] = []
         if answer.reasoning and self.prompt.show_reasoning:
             output.append(self.reasoning_item(_new_id("rs"), answer.reasoning))
@@ -467,7 +478,7 @@ class _Shape:
                 yield frames.event("response.output_text.delta", item_id=message["id"], output_index=len(output),
                                    content_index=0, delta=text, logprobs=entries)
             result = answer.result
-            status = "incomplete" if result.finish_reason == "length" else "completed"
+            status = self.status(result)
             if thinking is not None:
                 for frame in self._close_reasoning(frames, output, thinking):
                     yield frame

@@ -627,7 +627,7 @@ class ResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None
     logprobs: dict[str, Any] | None = None
 
 
@@ -644,7 +644,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "content_filter"] | None
     logprobs: dict[str, Any] | None = None
 
 

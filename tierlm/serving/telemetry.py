@@ -123,6 +123,9 @@ class Metrics:
         self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "
                                 "because its estimated time to first token was past their tier's target.",
                                 ["model", "tier"], registry=registry)
+        self.safety = counter("tierlm:safety_actions", "What the safety layer did, per policy: 'input' (a prompt "
+                              "refused), 'output' (an answer stopped), 'redact' (a phrase of an answer masked).",
+                              ["policy", "action"])
 
     def count_refusal(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
@@ -328,6 +331,15 @@ class RequestTelemetry:
         self.model = model
         if self.owner:
             self.owner.metrics.sla_shed.labels(model, tier).inc()
+
+    def on_safety(self, model: str, policy: str, action: str) -> None:
+        """The safety layer refused the prompt ('input'), stopped the answer ('output') or
+        masked a phrase of it ('redact') for `policy` (safety.py)."""
+        self.model = model
+        if action != "redact":
+            self.finish_reason = "content_filter"
+        if self.owner:
+            self.owner.metrics.safety.labels(model, self.tenant, policy, action).inc()
 
     def warming(self, num_prompt_tokens: int) -> None:
         """The request only warms the cache (Anthropic's max_tokens 0): the one token the engine

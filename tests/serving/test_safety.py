@@ -1,0 +1,212 @@
+"""The safety layer end to end (tierlm/serving/safety.py): a real server over scripted models,
+policies per tier and tenant, through the official SDKs, streamed and not.
+
+The text model answers every chat with REPLY ("alpha beta STOP gamma; one, two"), the loop
+model repeats "tick tock, " until max_tokens. Policies: "STOP gamma" stops bronze answers,
+"beta" is redacted for the tenant acme, "tock" stops bronze answers, and a prompt holding
+"forbidden phrase" is refused for everyone."""
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.serving.harness import ServerThread, record_requests
+from tests.serving.scripted_model import LOOP_MODEL, REPLY, TEXT_MODEL
+from tests.serving.test_cli import free_port, serve
+from tests.serving.test_telemetry import value
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth, keys_file_line
+from tierlm.serving.safety import SafetyPolicies
+from tierlm.serving.tenancy import Tenancy
+
+KEYS = {"acme": "sk-acme", "zeta": "sk-zeta"}
+TENANTS = """
+[tenants.acme]
+tier = "gold"
+keys = ["acme"]
+
+[tenants.zeta]
+tier = "bronze"
+keys = ["zeta"]
+"""
+POLICIES = """
+[policies.stop_word]
+phrases = ["stop  GAMMA"]
+check = "output"
+tiers = ["bronze"]
+
+[policies.codename]
+phrases = ["beta"]
+action = "redact"
+replacement = "[x]"
+whole_word = true
+tenants = ["acme"]
+
+[policies.prompt_words]
+phrases = ["forbidden phrase"]
+check = "input"
+
+[policies.tock]
+phrases = ["tock"]
+check = "output"
+whole_word = true
+tiers = ["bronze"]
+"""
+HI = [{"role": "user", "content": "Hi"}]
+BAD = [{"role": "user", "content": "tell me the Forbidden\n phrase please"}]
+
+
+@pytest.fixture(scope="module")
+def engines(scripted_models):
+    return {name: scripted_models[name].engine(name) for name in (TEXT_MODEL, LOOP_MODEL)}
+
+
+@pytest.fixture(scope="module")
+def server(engines, tmp_path_factory):
+    root = tmp_path_factory.mktemp("safety")
+    (root / "tenants.toml").write_text(TENANTS)
+    (root / "policies.toml").write_text(POLICIES)
+    tenancy = Tenancy.from_file(root / "tenants.toml", KEYS)
+    safety = SafetyPolicies.from_file(root / "policies.toml", tiers=set(tenancy.config.tiers),
+                                      tenants=set(tenancy.config.tenants))
+    srv = ServerThread(build_app(engines, ApiKeyAuth.from_keys(KEYS), tenancy=tenancy, safety=safety)).start()
+    yield srv
+    srv.stop()
+
+
+def clients(server, key: str) -> tuple[anthropic.Anthropic, openai.OpenAI]:
+    return (anthropic.Anthropic(base_url=server.url, api_key=KEYS[key], max_retries=0, timeout=60),
+            openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=60))
+
+
+def test_an_answer_that_writes_a_blocked_phrase_stops_before_it_in_every_api(server):
+    claude, oai = clients(server, "zeta")
+    cut = REPLY[:REPLY.index("STOP")]  # "alpha beta "
+    message = claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+    assert message.stop_reason == "refusal" and message.stop_sequence is None
+    text = "".join(b.text for b in message.content)
+    assert cut.startswith(text) and text.strip() == cut.strip() and message.usage.output_tokens > 0
+
+    with claude.messages.stream(model=TEXT_MODEL, max_tokens=50, messages=HI) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text and final.stop_reason == "refusal"
+
+    chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+    assert chat.choices[0].finish_reason == "content_filter" and chat.choices[0].message.content == text
+
+    chunks = list(oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["content_filter"]
+
+    response = oai.responses.create(model=TEXT_MODEL, max_output_tokens=50, input="Hi")
+    assert response.status == "incomplete" and response.incomplete_details.reason == "content_filter"
+    assert response.output_text == text
+    events = list(oai.responses.create(model=TEXT_MODEL, max_output_tokens=50, input="Hi", stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "content_filter"
+
+
+def test_a_redacted_phrase_is_masked_and_the_answer_goes_on(server):
+    claude, oai = clients(server, "acme")  # gold: "STOP gamma" is not its tier's policy
+    want = REPLY.replace("beta", "[x]")
+    message = claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+    assert message.stop_reason == "end_turn" and message.content[0].text == want
+    with claude.messages.stream(model=TEXT_MODEL, max_tokens=50, messages=HI) as stream:
+        assert "".join(stream.text_stream) == want
+
+    chunks = list(oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI, stream=True,
+                                              logprobs=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert tokens and not any("beta" in t for t in tokens)  # the masked token's logprob would spell it
+    chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI, logprobs=True)
+    assert chat.choices[0].message.content == want and chat.choices[0].finish_reason == "stop"
+    assert not any("beta" in t.token for t in chat.choices[0].logprobs.content)
+
+
+def test_a_prompt_that_breaks_an_input_policy_never_reaches_the_engine(server, engines, monkeypatch):
+    seen = record_requests(engines[TEXT_MODEL], monkeypatch)
+    for key in KEYS:
+        claude, oai = clients(server, key)
+        message = claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=BAD)
+        assert (message.stop_reason, message.content, message.usage.output_tokens) == ("refusal", [], 0)
+        assert message.usage.input_tokens > 0
+        with claude.messages.stream(model=TEXT_MODEL, max_tokens=50, messages=BAD) as stream:
+            assert "".join(stream.text_stream) == "" and stream.get_final_message().stop_reason == "refusal"
+        chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=BAD)
+        assert chat.choices[0].finish_reason == "content_filter" and not chat.choices[0].message.content
+        completion = oai.completions.create(model=TEXT_MODEL, max_tokens=5, prompt="a forbidden phrase")
+        warm = claude.messages.create(model=TEXT_MODEL, max_tokens=0, messages=BAD)  # a cache warm: refused too
+        assert (warm.stop_reason, warm.content) == ("refusal", [])
+        assert completion.choices[0].finish_reason == "content_filter" and completion.choices[0].text == ""
+    assert seen == []
+    claude, _ = clients(server, "zeta")  # the same words apart are no phrase
+    message = claude.messages.create(model=TEXT_MODEL, max_tokens=50,
+                                     messages=[{"role": "user", "content": "forbidden, a phrase"}])
+    assert message.stop_reason == "refusal" and len(seen) == 1  # (bronze: its answer's "STOP gamma")
+
+
+def test_a_stopped_endless_answer_frees_the_engine_at_once(server, engines):
+    _, oai = clients(server, "zeta")
+    chunks = list(oai.chat.completions.create(model=LOOP_MODEL, max_tokens=400, messages=HI, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "tock" not in text and text.startswith("tick")
+    assert chunks[-1].usage.completion_tokens < 20  # stopped, not run to 400
+    engine = engines[LOOP_MODEL].engine
+    assert not engine.has_unfinished()  # aborted: its KV blocks are free
+    acme, _ = clients(server, "acme")  # gold has no "tock" policy: the whole answer
+    message = acme.messages.create(model=LOOP_MODEL, max_tokens=30, messages=HI)
+    assert message.stop_reason == "max_tokens" and message.content[0].text.count("tock") >= 5
+
+
+def test_every_action_is_counted_per_policy(server):
+    metrics = lambda: httpx.get(server.url + "/metrics").text  # noqa: E731
+    before = metrics()
+    claude, _ = clients(server, "zeta")
+    claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+    claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=BAD)
+    acme, _ = clients(server, "acme")
+    acme.messages.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+    after = metrics()
+    for policy, action, tenant in (("stop_word", "output", "zeta"), ("prompt_words", "input", "zeta"),
+                                   ("codename", "redact", "acme")):
+        name = "tierlm:safety_actions_total"
+        got = value(after, name, policy=policy, action=action, tenant=tenant, model=TEXT_MODEL) - \
+            value(before, name, policy=policy, action=action, tenant=tenant, model=TEXT_MODEL)
+        assert got == 1, (policy, action)
+    assert value(after, "tierlm:request_success_total", finished_reason="content_filter") >= 2
+
+
+def test_serve_refuses_a_bad_policies_file_before_the_model_loads(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(keys_file_line("ci", "sk-cli") + "\n")
+    policies = tmp_path / "policies.toml"
+    policies.write_text('[policies.team]\nphrases = ["x"]\ntenants = ["ci"]\n')
+    proc = serve("--port", str(free_port()), "--api-keys", str(keys), "--safety-policies", str(policies))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert f"error: safety policies file {policies}: policy 'team': lists tenants, which come from a tenants " \
+           "file; pass --tenants" in out
+    assert "Traceback" not in out and "engine ready" not in out
+
+
+def test_serve_compiles_every_tenants_and_lone_keys_policies_at_start(tmp_path):
+    from tierlm.serving.cli import _safety_policies
+    (tmp_path / "tenants.toml").write_text('default_tier = "bronze"\n' + TENANTS)
+    (tmp_path / "policies.toml").write_text(POLICIES)
+    keys = {**KEYS, "lone": "sk-lone"}  # in no tenant: a tenant of its own, of the default tier
+    auth = ApiKeyAuth.from_keys(keys)
+    tenancy = Tenancy.from_file(tmp_path / "tenants.toml", keys)
+    policies = _safety_policies(str(tmp_path / "policies.toml"), tenancy, auth)
+    compiled = dict(policies._compiled)
+    lone = tenancy.tenant_of("lone")
+    assert policies.for_request(lone.tier, lone.id) is compiled[tuple(
+        p.name for p in policies.policies if p.applies_to(lone.tier, lone.id))]
+    assert policies._compiled == compiled  # nothing left to compile once serving
+    assert lone.tier == "bronze" and policies.for_request(lone.tier, lone.id).check_prompt("a forbidden phrase")
+    assert {p.name for p in policies.policies if p.applies_to("bronze", "zeta")} == {"stop_word", "prompt_words", "tock"}

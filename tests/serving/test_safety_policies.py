@@ -1,0 +1,172 @@
+"""The safety layer's parts without a server (tierlm/serving/safety.py): the policies file and
+its refusals, which policies a request gets, and OutputGuard over engine deltas (what is held,
+what is shown, redactions across deltas, logprobs, a block)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierlm.engine.outputs import StreamDelta, TokenLogprob
+from tierlm.serving.safety import (FINISH_REASON, OutputGuard, PolicyFileError, Rules, SafetyPolicies,
+                                   blocked_delta)
+
+
+def policies(tmp_path: Path, text: str, **names) -> SafetyPolicies:
+    path = tmp_path / "policies.toml"
+    path.write_text(text)
+    return SafetyPolicies.from_file(path, **names)
+
+
+FILE = """
+[policies.secrets]
+phrases = ["sk-live-", "BEGIN RSA PRIVATE KEY"]
+
+[policies.names]
+phrases = ["Project Falcon"]
+check = "output"
+action = "redact"
+replacement = "[codename]"
+
+[policies.bronze_words]
+phrases = ["darn"]
+whole_word = true
+check = "input"
+tiers = ["bronze"]
+tenants = ["acme"]
+"""
+
+
+def test_a_file_is_read_and_each_request_gets_its_tiers_and_tenants_policies(tmp_path):
+    ps = policies(tmp_path, FILE, tiers={"gold", "bronze"}, tenants={"acme", "zeta"})
+    assert [p.name for p in ps.policies] == ["secrets", "names", "bronze_words"]
+    gold = ps.for_request("gold", "zeta")
+    assert gold.check_prompt("my key is SK-LIVE-123").name == "secrets"
+    assert gold.check_prompt("darn it") is None  # bronze's and acme's only
+    assert gold.check_prompt("Project Falcon") is None  # output only
+    for tier, tenant in (("bronze", "zeta"), ("gold", "acme")):
+        assert ps.for_request(tier, tenant).check_prompt("Darn it").name == "bronze_words"
+    assert ps.for_request("bronze", "zeta").check_prompt("darned") is None  # whole word
+    assert ps.for_request("gold", "zeta") is gold  # compiled once per selection
+
+
+def test_phrases_file_beside_the_policies_file(tmp_path):
+    (tmp_path / "words.txt").write_text("# one per line\nalpha beta\n\n  gamma  \n")
+    ps = policies(tmp_path, '[policies.listed]\nphrases_file = "words.txt"\n')
+    assert ps.policies[0].phrases == ("alpha beta", "gamma")
+
+
+@pytest.mark.parametrize("text, names, message", [
+    ("", {}, "no \\[policies.NAME\\] table"),
+    ("x = 1\n[policies.a]\nphrases=['a']\n", {}, "unknown key\\(s\\) \\['x'\\]"),
+    ("[policies.a]\nphrases=['a']\ncolour='red'\n", {}, "policy 'a': unknown key\\(s\\) \\['colour'\\]"),
+    ("[policies.a]\n", {}, "policy 'a': no phrases"),
+    ("[policies.a]\nphrases=['  ']\n", {}, "only white space"),
+    ("[policies.a]\nphrases='a'\n", {}, "phrases must be a list of strings"),
+    ("[policies.a]\nphrases=['a']\naction='warn'\n", {}, "action must be 'block' or 'redact'"),
+    ("[policies.a]\nphrases=['a']\ncheck='prompt'\n", {}, "check must be 'input', 'output' or 'both'"),
+    ("[policies.a]\nphrases=['a']\naction='redact'\ncheck='input'\n", {}, "'redact' applies to answers"),
+    ("[policies.a]\nphrases=['secret']\naction='redact'\nreplacement='no secret'\n", {}, "holds one of its own"),
+    ("[policies.a]\nphrases=['a']\ntiers=['gold']\n", {}, "lists tiers, which come from a tenants file"),
+    ("[policies.a]\nphrases=['a']\ntenants=['acme']\n", {"tiers": {"gold"}, "tenants": {"zeta"}},
+     "unknown tenant\\(s\\) \\['acme'\\]"),
+    ("[policies.a]\nphrases=['a']\nphrases_file='missing.txt'\n", {}, "phrases_file .*missing.txt cannot be read"),
+    ("[policies.a\n", {}, "not valid TOML"),
+    ("[policies.a]\nphrases=['" + "x" * 1001 + "']\n", {}, "a phrase of 1001 characters"),
+])
+def test_a_bad_file_is_refused_naming_the_policy_and_key(tmp_path, text, names, message):
+    with pytest.raises(PolicyFileError, match=message):
+        policies(tmp_path, text, **names)
+
+
+def test_an_unreadable_file_is_refused(tmp_path):
+    with pytest.raises(PolicyFileError, match="cannot be read"):
+        SafetyPolicies.from_file(tmp_path / "nope.toml")
+
+
+def _rules(tmp_path: Path, text: str) -> Rules:
+    rules = policies(tmp_path, text).for_request(None, None).output
+    assert rules is not None
+    return rules
+
+
+def deltas(pieces: list[str], finish: bool = True) -> list[StreamDelta]:
+    """Engine deltas of `pieces`, one token each, with logprobs whose text_start are exact."""
+    out, at = [], 0
+    for i, piece in enumerate(pieces):
+        last = finish and i == len(pieces) - 1
+        out.append(StreamDelta("r", piece, [i], finished=last, finish_reason="stop" if last else None,
+                               logprobs=[TokenLogprob(i, -0.5, text_start=at)], num_output_tokens=i + 1))
+        at += len(piece)
+    return out
+
+
+def test_only_what_may_become_a_phrase_is_held_and_everything_is_shown_at_the_end(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, "[policies.s]\nphrases=['sk-live-']\n"))
+    pieces = ["Your", " key", " sk", "-li", "ght", " ok", "!"]
+    shown_after = []
+    for d in deltas(pieces):
+        shown, blocked = guard.feed(d)
+        assert blocked is None
+        shown_after.append("".join(x.text for x in shown))
+    # " sk" and "-li" wait for "ght", which shows they were no key; the rest goes at once
+    assert shown_after == ["Your", " key", "", "", " sk-light", " ok", "!"]
+
+
+def test_a_block_shows_nothing_of_the_phrase_and_ends_with_the_policy(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, "[policies.s]\nphrases=['sk-live-']\n"))
+    shown_text = ""
+    ds = deltas(["Key:", " sk-", "live", "-abc", " more"])
+    for d in ds:
+        shown, blocked = guard.feed(d)
+        shown_text += "".join(x.text for x in shown)
+        if blocked is not None:
+            break
+    assert blocked.name == "s" and shown_text == "Key:"
+    last = blocked_delta(d, blocked)
+    assert (last.finished, last.finish_reason, last.stop_reason, last.text, last.num_output_tokens) == \
+        (True, FINISH_REASON, "s", "", 4)
+
+
+def test_a_whole_word_phrase_at_the_very_end_is_found_when_the_answer_ends(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, "[policies.w]\nphrases=['darn']\nwhole_word=true\n"))
+    shown, blocked = guard.feed(deltas(["oh darn"], finish=False)[0])
+    assert blocked is None and shown == []  # "darn" may be "darned": held
+    final = StreamDelta("r", "", [], finished=True, finish_reason="stop")
+    assert guard.feed(final)[1].name == "w"
+
+
+def test_redactions_across_deltas_keep_the_rest_and_drop_only_touched_logprobs(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, "[policies.n]\nphrases=['Project Falcon']\naction='redact'\n"
+                                         "replacement='[x]'\n"))
+    pieces = ["About", " Proj", "ect Fal", "con:", " it", " works"]
+    out: list[StreamDelta] = []
+    for d in deltas(pieces):
+        shown, blocked = guard.feed(d)
+        assert blocked is None
+        out += shown
+    assert "".join(d.text for d in out) == "About [x]: it works"
+    assert [d.logprobs is None for d in out] == [False, True, True, True, False, False]
+    # later tokens' text_start follow the redacted text, as the APIs read them
+    text = "".join(d.text for d in out)
+    for d in out[4:]:
+        lp = d.logprobs[0]
+        assert text[lp.text_start:lp.text_start + len(d.text)] == d.text
+    assert [p.name for p in guard.redacted] == ["n"]
+
+
+def test_overlapping_redactions_become_one(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, "[policies.n]\nphrases=['ab', 'bc', 'abcd e']\naction='redact'\n"
+                                         "replacement='#'\n"))
+    out = []
+    for d in deltas(["x ab", "cd e", "f abc"]):
+        out += guard.feed(d)[0]
+    assert "".join(d.text for d in out) == "x #f #"
+
+
+def test_block_wins_over_redact_on_the_same_text(tmp_path):
+    rules = _rules(tmp_path, "[policies.r]\nphrases=['secret']\naction='redact'\n"
+                             "[policies.b]\nphrases=['top secret']\n")
+    guard = OutputGuard(rules)
+    results = [guard.feed(d) for d in deltas(["a top", " secret", " plan"])]
+    assert results[1][1].name == "b"

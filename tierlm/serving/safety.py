@@ -1,0 +1,324 @@
+"""The safety layer: prompts and answers checked against phrase policies, as they stream.
+
+A policies file (`tierlm serve --safety-policies FILE`, TOML) names phrase lists and what to do
+when one appears:
+
+    [policies.credentials]
+    phrases = ["BEGIN RSA PRIVATE KEY", "sk-live-"]
+    phrases_file = "credentials.txt"   # more phrases, one per line ('#' comments), beside this file
+    check = "both"                     # "input" (the prompt), "output" (the answer) or "both" (default)
+    action = "block"                   # "block" (default) or "redact" (answers only)
+    whole_word = false                 # true: "ass" does not match inside "class" (default false)
+    replacement = "[redacted]"         # what a redacted phrase becomes
+    tiers = ["bronze"]                 # only for these tiers' requests ...
+    tenants = ["acme"]                 # ... or these tenants' (neither: every request)
+
+Phrases are compared case-folded, with runs of white space as one space (phrase_scan.py), on
+text, not token ids: the same words tokenize differently in different contexts and models.
+
+- **Input.** The prompt (the engine's token ids, decoded, special tokens left out: every route
+  and template, system prompt and tool results included) is read before the SLA guard and the
+  engine see it. A match of any input policy ends the request at once: HTTP 200, nothing
+  generated, Anthropic `stop_reason: "refusal"`, OpenAI `finish_reason: "content_filter"`
+  (Responses API: `incomplete`, reason `content_filter`); no token is charged.
+- **Output.** The answer's text (its reasoning and tool calls too) is read as it streams. Text
+  that may still become a phrase is held back, and nothing else (the automaton's depth: `a` is
+  shown at once, `sk-li` waits for what follows). A `block` match stops the request there (its
+  KV blocks freed at once): the client never sees the phrase, and the answer ends with the
+  refusal / content_filter reason; a `redact` match is replaced by its `replacement` and the
+  answer goes on. Token logprobs of a stream delta that held redacted text are dropped (they
+  would spell it).
+
+Why held deltas and not held characters: a delta carries its tokens' logprobs; showing part of
+its text would show them all.
+"""
+from __future__ import annotations
+
+import logging
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Literal, Sequence
+
+from tierlm.engine.outputs import StreamDelta, TokenLogprob
+from tierlm.serving.phrase_scan import Match, PhraseSet, normalise
+
+logger = logging.getLogger("tierlm.serving")
+
+FINISH_REASON = "content_filter"  # the engine-level finish reason of a request the layer ended
+Check = Literal["input", "output", "both"]
+Action = Literal["block", "redact"]
+_POLICY_KEYS = {"phrases", "phrases_file", "check", "action", "whole_word", "replacement", "tiers", "tenants"}
+MAX_PHRASE_CHARS = 1000
+
+
+class PolicyFileError(ValueError):
+    """A policies file that cannot be used; the message names the file, the policy and the key."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    phrases: tuple[str, ...]
+    check: Check = "both"
+    action: Action = "block"
+    whole_word: bool = False
+    replacement: str = "[redacted]"
+    tiers: frozenset[str] = frozenset()
+    tenants: frozenset[str] = frozenset()
+
+    def applies_to(self, tier: str | None, tenant: str | None) -> bool:
+        if not self.tiers and not self.tenants:
+            return True
+        return (tier is not None and tier in self.tiers) or (tenant is not None and tenant in self.tenants)
+
+    @property
+    def checks_input(self) -> bool:
+        return self.check in ("input", "both")
+
+    @property
+    def checks_output(self) -> bool:
+        return self.check in ("output", "both")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Compiled phrases of some policies, with the policy behind each phrase."""
+
+    phrases: PhraseSet
+    owners: tuple[Policy, ...]  # phrase index → its policy
+
+    @classmethod
+    def of(cls, policies: Iterable[Policy]) -> "Rules | None":
+        patterns: list[str] = []
+        owners: list[Policy] = []
+        for policy in policies:
+            for phrase in policy.phrases:
+                patterns.append(normalise(phrase, policy.whole_word))
+                owners.append(policy)
+        return cls(PhraseSet(patterns), tuple(owners)) if patterns else None
+
+    def first_block(self, matches: Sequence[Match]) -> Policy | None:
+        """The policy that blocks on these matches (the first to end), if any does."""
+        for m in matches:
+            if self.owners[m.phrase].action == "block":
+                return self.owners[m.phrase]
+        return None
+
+
+@dataclass(frozen=True)
+class RequestSafety:
+    """What one request is checked against (its tier's and tenant's policies)."""
+
+    input: Rules | None
+    output: Rules | None
+
+    def check_prompt(self, text: str) -> Policy | None:
+        """The policy a prompt's text breaks (any match blocks), or None."""
+        if self.input is None:
+            return None
+        matches = self.input.phrases.find_all(text)
+        return self.input.owners[matches[0].phrase] if matches else None
+
+    def output_guard(self) -> "OutputGuard | None":
+        return OutputGuard(self.output) if self.output is not None else None
+
+
+@dataclass
+class SafetyPolicies:
+    """Every policy of the file, and each request's compiled selection (cached per selection)."""
+
+    policies: tuple[Policy, ...] = ()
+    _compiled: dict[tuple[str, ...], RequestSafety | None] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.policies)
+
+    def compile_all(self, selections: Iterable[tuple[str | None, str | None]]) -> None:
+        """Compile every (tier, tenant) selection now, so no request waits for it (a long phrase
+        list takes seconds)."""
+        for tier, tenant in selections:
+            self.for_request(tier, tenant)
+
+    def for_request(self, tier: str | None, tenant: str | None) -> RequestSafety | None:
+        chosen = [p for p in self.policies if p.applies_to(tier, tenant)]
+        key = tuple(p.name for p in chosen)
+        if key not in self._compiled:
+            safety = RequestSafety(Rules.of(p for p in chosen if p.checks_input),
+                                   Rules.of(p for p in chosen if p.checks_output))
+            self._compiled[key] = safety if (safety.input or safety.output) else None
+        return self._compiled[key]
+
+    @classmethod
+    def from_file(cls, path: str | Path, tiers: Iterable[str] | None = None,
+                  tenants: Iterable[str] | None = None) -> "SafetyPolicies":
+        """Read and check a policies file; `tiers` and `tenants` are the names a policy may list
+        (None: there are none, no tenants file)."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise PolicyFileError(f"safety policies file {path}: cannot be read ({exc.strerror or exc})") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise PolicyFileError(f"safety policies file {path}: not valid TOML ({exc})") from None
+        unknown = set(data) - {"policies"}
+        if unknown:
+            raise PolicyFileError(f"safety policies file {path}: unknown key(s) {sorted(unknown)}; "
+                                  "policies go in [policies.NAME] tables")
+        table = data.get("policies", {})
+        if not isinstance(table, dict) or not table:
+            raise PolicyFileError(f"safety policies file {path}: no [policies.NAME] table; add one, or leave "
+                                  "--safety-policies out")
+        known_tiers = set(tiers) if tiers is not None else None
+        known_tenants = set(tenants) if tenants is not None else None
+        policies = tuple(_policy(path, name, spec, known_tiers, known_tenants) for name, spec in table.items())
+        return cls(policies)
+
+
+def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: set[str] | None) -> Policy:
+    where = f"safety policies file {path}: policy '{name}'"
+    if not isinstance(spec, dict):
+        raise PolicyFileError(f"{where}: must be a table of keys")
+    unknown = set(spec) - _POLICY_KEYS
+    if unknown:
+        raise PolicyFileError(f"{where}: unknown key(s) {sorted(unknown)}; the keys are {sorted(_POLICY_KEYS)}")
+    phrases = _strings(where, "phrases", spec.get("phrases", []))
+    if "phrases_file" in spec:
+        if not isinstance(spec["phrases_file"], str):
+            raise PolicyFileError(f"{where}: phrases_file must be a path")
+        listed = (path.parent / spec["phrases_file"])
+        try:
+            lines = listed.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PolicyFileError(f"{where}: phrases_file {listed} cannot be read ({exc})") from None
+        phrases += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    check = spec.get("check", "both")
+    action = spec.get("action", "block")
+    whole_word = spec.get("whole_word", False)
+    replacement = spec.get("replacement", "[redacted]")
+    if check not in ("input", "output", "both"):
+        raise PolicyFileError(f"{where}: check must be 'input', 'output' or 'both', not {check!r}")
+    if action not in ("block", "redact"):
+        raise PolicyFileError(f"{where}: action must be 'block' or 'redact', not {action!r}")
+    if action == "redact" and check == "input":
+        raise PolicyFileError(f"{where}: 'redact' applies to answers (a prompt that matches is refused); "
+                              "use check 'output' or 'both', or action 'block'")
+    if not isinstance(whole_word, bool):
+        raise PolicyFileError(f"{where}: whole_word must be true or false")
+    if not isinstance(replacement, str):
+        raise PolicyFileError(f"{where}: replacement must be a string")
+    if not phrases:
+        raise PolicyFileError(f"{where}: no phrases; give 'phrases' or 'phrases_file'")
+    for phrase in phrases:
+        if len(phrase) > MAX_PHRASE_CHARS:
+            raise PolicyFileError(f"{where}: a phrase of {len(phrase)} characters (at most {MAX_PHRASE_CHARS}): "
+                                  f"{phrase[:40]!r}...")
+        if not normalise(phrase, whole_word):
+            raise PolicyFileError(f"{where}: the phrase {phrase!r} is only white space")
+    if action == "redact" and Rules.of([Policy(name, tuple(phrases), whole_word=whole_word)]).phrases.find_all(replacement):
+        raise PolicyFileError(f"{where}: its replacement {replacement!r} holds one of its own phrases")
+    listed_tiers = frozenset(_strings(where, "tiers", spec.get("tiers", [])))
+    listed_tenants = frozenset(_strings(where, "tenants", spec.get("tenants", [])))
+    for kind, names, known in (("tier", listed_tiers, tiers), ("tenant", listed_tenants, tenants)):
+        if names and known is None:
+            raise PolicyFileError(f"{where}: lists {kind}s, which come from a tenants file; pass --tenants, or "
+                                  f"drop '{kind}s' to apply the policy to every request")
+        if known is not None and (missing := names - known):
+            raise PolicyFileError(f"{where}: unknown {kind}(s) {sorted(missing)}; the tenants file has "
+                                  f"{sorted(known)}")
+    return Policy(name, tuple(phrases), check, action, whole_word, replacement, listed_tiers, listed_tenants)
+
+
+def _strings(where: str, key: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PolicyFileError(f"{where}: {key} must be a list of strings")
+    return list(value)
+
+
+@dataclass
+class _Held:
+    delta: StreamDelta
+    start: int  # where its text starts in the answer (original characters)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.delta.text)
+
+
+class OutputGuard:
+    """One answer's text against output rules, delta by delta.
+
+    `feed` returns the deltas that may be shown now (in order, redactions applied) and the
+    policy that blocked the answer, if one did: then nothing more is shown."""
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self._scanner = rules.phrases.scanner()
+        self._held: list[_Held] = []
+        self._spans: list[tuple[int, int, str]] = []  # redactions not yet shown: (start, end, replacement)
+        self._shift = 0  # characters the redactions shown so far added (text_start of later logprobs)
+        self.redacted: list[Policy] = []  # one entry per redaction, for telemetry
+
+    def feed(self, delta: StreamDelta) -> tuple[list[StreamDelta], Policy | None]:
+        start = self._scanner.fed
+        matches = self._scanner.feed(delta.text)
+        if delta.finished:
+            matches += self._scanner.finish()
+        self._held.append(_Held(delta, start))
+        blocked = self.rules.first_block(matches)
+        if blocked is not None:
+            self._held.clear()
+            return [], blocked
+        for m in matches:
+            policy = self.rules.owners[m.phrase]
+            self.redacted.append(policy)
+            self._add_span(m.start, m.end, policy.replacement)
+        until = self._scanner.fed if delta.finished else self._scanner.held_from
+        shown: list[StreamDelta] = []
+        while self._held and self._held[0].end <= until:
+            shown.append(self._redacted(self._held.pop(0)))
+        return shown, None
+
+    def _add_span(self, start: int, end: int, replacement: str) -> None:
+        """Merge [start, end) into the pending redactions (overlapping ones become one)."""
+        keep = []
+        for s, e, r in self._spans:
+            if s < end and start < e:
+                start, end, replacement = min(start, s), max(end, e), (r if s < start else replacement)
+            else:
+                keep.append((s, e, r))
+        self._spans = sorted([*keep, (start, end, replacement)])
+
+    def _redacted(self, held: _Held) -> StreamDelta:
+        delta, ds, de = held.delta, held.start, held.end
+        touched = [(s, e, r) for s, e, r in self._spans if s < de and e > ds]
+        if not touched:
+            if self._shift and delta.logprobs:
+                delta = replace(delta, logprobs=[_shifted(lp, self._shift) for lp in delta.logprobs])
+            return delta
+        text, at = [], ds
+        for s, e, r in touched:
+            if s >= ds:
+                text.append(delta.text[at - ds:s - ds])
+                text.append(r)
+                self._shift += len(r) - (e - s)
+            at = max(at, min(e, de))
+        text.append(delta.text[at - ds:])
+        self._spans = [span for span in self._spans if span[1] > de]
+        return replace(delta, text="".join(text), logprobs=None)
+
+
+def _shifted(lp: TokenLogprob, shift: int) -> TokenLogprob:
+    return replace(lp, text_start=max(0, lp.text_start + shift))
+
+
+def refused_delta(request_id: str, num_prompt_tokens: int, policy: Policy) -> StreamDelta:
+    """The whole answer to a prompt an input policy refused: nothing generated."""
+    return StreamDelta(request_id=request_id, text="", token_ids=[], finished=True, finish_reason=FINISH_REASON,
+                       stop_reason=policy.name, num_prompt_tokens=num_prompt_tokens)
+
+
+def blocked_delta(last: StreamDelta, policy: Policy) -> StreamDelta:
+    """The last delta of an answer an output policy stopped (counters as the engine had them)."""
+    return replace(last, text="", token_ids=[], logprobs=None, finished=True, finish_reason=FINISH_REASON,
+                   stop_reason=policy.name)
