@@ -129,6 +129,9 @@ def test_a_busy_port_fails_before_the_model_loads_and_port_0_picks_a_free_one():
     (["bench", "throughput", "--model", "/no/such/model"], "not a Hugging Face checkpoint directory"),
     (["generate", "--model", "/no/such/model", "hi"], "model directory /no/such/model does not exist"),
     (["serve", "/no/such/model", "--port", "0"], "model directory /no/such/model does not exist"),
+    # named models: a fallback naming none of them fails before any model loads
+    (["serve", "--model", "big=/no/such/model", "--fallback-model", "big=small", "--port", "0"],
+     "--fallback-model big=small: no model is served as 'small'; served: big"),
 ])
 def test_bad_command_line_input_gets_one_error_line(argv, says, tmp_path):
     bad_trace = tmp_path / "trace.jsonl"

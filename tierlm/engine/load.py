@@ -37,7 +37,21 @@ import threading
 import time
 
 
-class StepTimeModel:
+class _Copyable:
+    """copy.deepcopy and pickle work though it holds a lock (the copy gets a lock of its own):
+    a benchmark starts each run from the same learnt state."""
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class StepTimeModel(_Copyable):
     """dt = c0 + c1 * tokens, by exponentially weighted least squares."""
 
     def __init__(self, half_life_steps: float = 200.0) -> None:
@@ -77,7 +91,7 @@ class StepTimeModel:
 LULL = 0.05  # decayed requests under which the arrivals so far count as a finished spell
 
 
-class ArrivalRates:
+class ArrivalRates(_Copyable):
     """Requests and prompt tokens arriving per second, per priority, decayed with time constant
     `tau_s`. Over the first seconds of a busy spell the decayed sums cover less than `tau_s`: they
     are divided by the span they do cover (since the spell's first arrival, at least half a
@@ -117,7 +131,7 @@ class ArrivalRates:
         return requests / span, tokens / span
 
 
-class TtftCalibration:
+class TtftCalibration(_Copyable):
     """Per priority, a factor on the estimate, learnt by quantile tracking in log space: each
     first token later than its estimate raises it by `rate * quantile`, each one within lowers it
     by `rate * (1 - quantile)`, so it settles where a `quantile` share come within."""
@@ -144,7 +158,7 @@ class TtftCalibration:
             self.observed[priority] = self.observed.get(priority, 0) + 1
 
 
-class OutputLengths:
+class OutputLengths(_Copyable):
     """The mean number of tokens finished requests generated (decayed: recent ones count most).
     A request's `max_tokens` is only a ceiling, often far above what it generates."""
 

@@ -113,8 +113,12 @@ def build_demo_model(out_dir: Path, kind: str = "moe", seed: int = 0) -> Path:
         model = Qwen2MoeForCausalLM(cfg)
     elif kind == "dense":
         model = LlamaForCausalLM(LlamaConfig(intermediate_size=768, **common))
+    elif kind == "small":  # a fallback for the others (`tierlm bench sla`): same tokenizer, a fraction of the work
+        model = LlamaForCausalLM(LlamaConfig(**{**common, "hidden_size": 128, "num_hidden_layers": 2,
+                                                "num_attention_heads": 4, "num_key_value_heads": 2},
+                                             intermediate_size=384))
     else:
-        raise ValueError(f"unknown demo model kind '{kind}'; use 'moe' or 'dense'")
+        raise ValueError(f"unknown demo model kind '{kind}'; use 'moe', 'dense' or 'small'")
     _favour_printable_tokens(model, tok)
     model.save_pretrained(str(out_dir))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(str(out_dir))

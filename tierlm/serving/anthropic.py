@@ -31,7 +31,9 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tierlm.engine.outputs import StreamDelta
 from tierlm.serving import tools as toolcalls
+from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, anthropic_error_body, stream_error
 from tierlm.serving.generation import (
     ChatPrompt,
@@ -67,6 +69,7 @@ from tierlm.serving.protocol_anthropic import (
 from tierlm.sampling_params import StructuredOutputsParams
 from tierlm.serving.reasoning import ReasoningFormat, both_names
 from tierlm.serving.safety import FINISH_REASON
+from tierlm.serving.sla import fallback_marked, with_fallback
 from tierlm.serving.responses import json_answer
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
@@ -83,12 +86,32 @@ async def create_message(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, MessagesRequest)
-    engine = state.models.get(body.model)
+    state.models.get(body.model)  # an unknown model is named first (404), as Anthropic does
     # With interleaved thinking (a beta Claude Code sends) the budget covers the whole turn and
     # may exceed max_tokens, as Anthropic's docs allow.
     interleaved = "interleaved-thinking" in ",".join(request.headers.getlist("anthropic-beta"))
     if not interleaved and (problem := body.thinking_problem()) is not None:
         raise InvalidRequest(f"thinking.budget_tokens: {problem}", param="thinking.budget_tokens")
+    asked = body.model
+    served, started = await with_fallback(
+        state.sla, request_telemetry(request), asked,
+        lambda name: _start_message(request, state, context, body if name == asked else body.model_copy(update={"model": name})))
+    return fallback_marked(await _answer(request, context, started), asked, served)
+
+
+@dataclass
+class _Started:
+    body: MessagesRequest  # (its model: the one serving it, a fallback's when the SLA guard sent it there)
+    prompt: ChatPrompt
+    stream: EngineStream
+    first: StreamDelta
+    warming: bool
+
+
+async def _start_message(request: Request, state: Any, context: RequestContext, body: MessagesRequest) -> _Started:
+    """Render `body` for its model and open its engine request (the SLA guard's refusal, SlaShed,
+    surfaces here, before the engine sees anything)."""
+    engine = state.models.get(body.model)
     structured = await checked_format(engine, body)
     if structured is not None and body.tools and body.tool_choice is not None and body.tool_choice.type in ("any", "tool"):
         raise InvalidRequest("tool_choice: a required tool call cannot follow output_config.format as well; use "
@@ -105,7 +128,6 @@ async def create_message(request: Request) -> Response:
         # but the last, which caches the blocks any later request can read (at most all but
         # the last token of a prompt that fits).
         token_ids = token_ids[: int(engine.max_model_len) - 1]
-        request_telemetry(request).warming(len(prompt.token_ids))
     params = sampling_params(
         max_tokens=max_tokens or 1,
         temperature=body.temperature,
@@ -117,8 +139,15 @@ async def create_message(request: Request) -> Response:
         structured_outputs=prompt.structured_outputs(structured),
     )
     stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
+    if warming:
+        request_telemetry(request).warming(len(prompt.token_ids))
     first = await stream.open(request)
     warming = warming and first.finish_reason != FINISH_REASON  # a refused prompt is refused, not warmed
+    return _Started(body, prompt, stream, first, warming)
+
+
+async def _answer(request: Request, context: RequestContext, started: _Started) -> Response:
+    body, prompt, stream, first, warming = started.body, started.prompt, started.stream, started.first, started.warming
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         num_prompt = len(prompt.token_ids) if warming else first.num_prompt_tokens or len(prompt.token_ids)

@@ -35,6 +35,7 @@ from tierlm.serving.errors import (
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.response_store import ResponseStore
 from tierlm.serving.safety import SafetyPolicies
+from tierlm.serving.sla import SlaGuard
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.state import ServerState, request_id_of, server_state
 from tierlm.serving.telemetry import Telemetry, TelemetryMiddleware
@@ -61,6 +62,7 @@ def build_app(
     response_store: ResponseStore | None = None,
     tenancy: Tenancy | None = None,
     safety: SafetyPolicies | None = None,
+    sla: SlaGuard | None = None,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -74,15 +76,23 @@ def build_app(
     "auto": for each model whose chat template writes think markers). `response_store`: where
     the Responses API keeps stored responses (default: 256 MiB in memory). `tenancy`: keys →
     tenants, their priorities and limits (default: each key a tenant of its own, unlimited).
-    `safety`: phrase policies prompts and answers are checked against (default: none).
+    `safety`: phrase policies prompts and answers are checked against (default: none). `sla`:
+    the SLA guard's breaker settings and fallback models (default: breakers on, no fallbacks).
     """
+    sla = sla if sla is not None else SlaGuard()
+    for big, small in sla.fallbacks.items():
+        for name in (big, small):
+            if name not in engines:
+                raise ValueError(f"--fallback-model {big}={small}: model '{name}' is not served here; serve it with "
+                                 f"--model {name}=DIR (served: {', '.join(engines)})")
     state = ServerState(models=ModelRegistry(engines, tool_call_parser, reasoning_parser), auth=auth, max_body_bytes=max_body_bytes,
                         request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout,
                         responses=response_store if response_store is not None else ResponseStore(),
                         tenancy=tenancy if tenancy is not None else Tenancy(),
-                        safety=safety if safety is not None else SafetyPolicies())
+                        safety=safety if safety is not None else SafetyPolicies(), sla=sla)
     telemetry = telemetry or Telemetry()
     state.tenancy.on_refused = telemetry.metrics.count_refusal
+    state.sla.on_trip = state.sla.on_trip or telemetry.metrics.count_trip
     telemetry.watch(state.models.items)
 
     @asynccontextmanager

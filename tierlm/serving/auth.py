@@ -26,6 +26,7 @@ from tierlm.serving.errors import AuthenticationFailed
 
 if TYPE_CHECKING:
     from tierlm.serving.safety import RequestSafety
+    from tierlm.serving.sla import SlaGuard
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -46,6 +47,7 @@ class RequestContext:
     ttft_target_s: float | None = None  # the tier's time-to-first-token target (sla.py)
     cache_salt: str | None = None
     safety: "RequestSafety | None" = None  # the policies its prompt and answer are checked against (safety.py)
+    sla: "SlaGuard | None" = None  # the server's breakers and fallbacks (sla.py)
 
     def salted(self, extra: str | None) -> "RequestContext":
         """This context with a client's own `cache_salt` (a request field, as in vLLM) mixed under

@@ -67,6 +67,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--safety-policies", metavar="FILE", default=None,
                    help="TOML file of phrase policies checked on prompts and answers as they stream: block "
                         "(refusal / content_filter) or redact, per tier or tenant; see README 'Safety policies'")
+    p.add_argument("--fallback-model", dest="fallback_models", action="append", default=[], metavar="BIG=SMALL",
+                   help="serve with model SMALL what the SLA guard refuses for model BIG (its estimate or its "
+                        "breaker says the tier's ttft_target_ms would be missed), where SMALL's guard admits it; "
+                        "both must be served (--model), repeat for several; see README 'SLA guard'")
+    p.add_argument("--sla-breaker", action=argparse.BooleanOptionalAction, default=True,
+                   help="refuse a tier's requests to a model for a cool-down once half of its last 8-20 missed "
+                        "their ttft_target_ms (tiers without a target are never refused)")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
     p.add_argument("--request-read-timeout", type=at_least(0, float), default=DEFAULT_REQUEST_READ_TIMEOUT,
@@ -169,12 +176,31 @@ def _safety_policies(path: str | None, tenancy: "Tenancy", auth: "Authenticator"
     return policies
 
 
+def parse_fallbacks(specs: list[str], served: list[str]) -> dict[str, str]:
+    """--fallback-model BIG=SMALL specs → {BIG: SMALL}, both among the `served` names."""
+    fallbacks: dict[str, str] = {}
+    for spec in specs:
+        big, sep, small = spec.partition("=")
+        if not sep or not big or not small:
+            raise ValueError(f"--fallback-model expects BIG=SMALL (two served model names), got '{spec}'")
+        if big in fallbacks:
+            raise ValueError(f"--fallback-model: model '{big}' is given two fallbacks; give one")
+        for name in (big, small):
+            if name not in served:
+                raise ValueError(f"--fallback-model {spec}: no model is served as '{name}'; served: "
+                                 f"{', '.join(served)} (name models with --model NAME=DIR)")
+        fallbacks[big] = small
+    return fallbacks
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from tierlm.engine.async_engine import AsyncEngine
     from tierlm.errors import TierlmError
     from tierlm.serving.app import build_app
     from tierlm.serving.auth import ApiKeyAuth, Authenticator, NoAuth
+    from tierlm.serving.breaker import BreakerSettings
     from tierlm.serving.server import listen_socket, make_server, raise_fd_limit
+    from tierlm.serving.sla import SlaGuard
     from tierlm.serving.telemetry import Telemetry, configure_request_log
     from tierlm.serving.tenancy import Tenancy
 
@@ -205,6 +231,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
             tenancy = Tenancy.from_file(args.tenants, auth.key_ids)
         safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)
+        fallback_specs = getattr(args, "fallback_models", [])
+        if "" not in specs:  # every name known: a bad fallback fails before the models load
+            parse_fallbacks(fallback_specs, list(specs))
         sock = listen_socket(args.host, args.port)  # a busy port fails now, not after loading
         port = sock.getsockname()[1]
         engines: dict[str, AsyncEngine] = {}
@@ -221,6 +250,8 @@ def run_serve(args: argparse.Namespace) -> int:
             if path is None:
                 from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
                 logger.warning(RANDOM_WEIGHTS_NOTICE)
+        sla = SlaGuard(parse_fallbacks(fallback_specs, list(engines)),
+                       breaker=BreakerSettings() if getattr(args, "sla_breaker", True) else None)
     except (TierlmError, ValueError, OSError) as exc:
         if sock is not None:
             sock.close()
@@ -242,7 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", "auto"),
                     reasoning_parser=getattr(args, "reasoning_parser", "auto"),
                     response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)),
-                    tenancy=tenancy, safety=safety)
+                    tenancy=tenancy, safety=safety, sla=sla)
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

@@ -40,7 +40,7 @@ from tierlm.serving.errors import (
 )
 from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter
 from tierlm.serving.safety import FINISH_REASON, OutputGuard, Policy, blocked_delta, refused_delta
-from tierlm.serving.sla import check_ttft_target
+from tierlm.serving.sla import SlaGuard
 from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
@@ -572,6 +572,9 @@ class InflightRequests:
             await stream.close()
 
 
+_ESTIMATE_ONLY = SlaGuard(breaker=None)  # for a context with a target but no server's guard
+
+
 class EngineStream:
     """One engine request from first delta to guaranteed cleanup."""
 
@@ -616,8 +619,7 @@ class EngineStream:
                 self._first = refused_delta(ctx.request_id, len(self.prompt_token_ids), policy)
                 return self._first
         # Before the engine (and the tenant's token count) sees it: a shed request costs nothing.
-        estimate = check_ttft_target(self.engine, self.model, ctx, len(self.prompt_token_ids),
-                                     getattr(self._observer, "on_shed", None))
+        admission = (ctx.sla or _ESTIMATE_ONLY).admit(self.engine, self.model, ctx, len(self.prompt_token_ids))
         if self._observer is not None:
             self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id,
                                              prompt_tokens=len(self.prompt_token_ids))
@@ -634,15 +636,23 @@ class EngineStream:
             )
         )
         self._inflight.add(self)
+        if admission is not None:
+            admission.start()
         try:
             self._first = await until_disconnect(request, self._next())
-        except BaseException:
+        except BaseException as exc:
+            if admission is not None:
+                admission.failed(exc)
             await self.close()
             raise
         first = self._first
-        if estimate is not None and first.first_token_time is not None and first.arrival_time is not None:
-            # The guard's estimate learns how it did (engine/load.py's TtftCalibration).
-            self.engine.engine.observe_ttft(ctx.priority, estimate, first.first_token_time - first.arrival_time)
+        if admission is not None:
+            ttft = (first.first_token_time - first.arrival_time
+                    if first.first_token_time is not None and first.arrival_time is not None else None)
+            admission.first_token(ttft)  # the tier's breaker learns how it went
+            if admission.estimate is not None and ttft is not None:
+                # and so does the estimate (engine/load.py's TtftCalibration)
+                self.engine.engine.observe_ttft(ctx.priority, admission.estimate, ttft)
         return self._first
 
     def _prompt_breaks(self, ctx: RequestContext) -> Policy | None:

@@ -60,10 +60,12 @@ from tierlm.serving.protocol_openai import (
     Usage,
 )
 from tierlm.serving.reasoning import ReasoningFormat, both_names
-from tierlm.serving.safety import FINISH_REASON
 from tierlm.serving.responses import json_answer
+from tierlm.serving.safety import FINISH_REASON
+from tierlm.serving.sla import fallback_marked, with_fallback
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
+from tierlm.serving.telemetry import request_telemetry
 from tierlm.serving.validation import loads_strict
 from tierlm.serving.vocab import vocabulary
 
@@ -109,6 +111,12 @@ class ChatRun:
     prompt_ids: list[int]
     top_n: int | None  # top logprobs per token (None: no logprobs)
     streams: list[EngineStream]
+    model: str  # the model serving it: the one asked for, or its fallback (sla.py)
+    asked: str  # the model the request named
+
+    def mark(self, response: Response) -> Response:
+        """`response`, with the fallback header where a fallback model served it."""
+        return fallback_marked(response, self.asked, self.model)
 
 
 @router.post("/v1/chat/completions")
@@ -120,19 +128,31 @@ async def chat_completions(request: Request) -> Response:
     engine, prompt, streams, top_n = run.engine, run.prompt, run.streams, run.top_n
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
-        chunks = chat_chunks(streams, engine, prompt, body.model, completion_id, top_n,
+        chunks = chat_chunks(streams, engine, prompt, run.model, completion_id, top_n,
                              *_stream_usage(body, run.prompt_ids))
-        return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
+        return run.mark(EventStreamResponse(chunks, on_close=lambda: _close_all(streams)))
     results = await _collect_all(streams, request)
-    return await json_answer(lambda: chat_response(results, engine, prompt, body.model, completion_id, top_n),
-                             _entries(results, top_n))
+    return run.mark(await json_answer(lambda: chat_response(results, engine, prompt, run.model, completion_id, top_n),
+                                      _entries(results, top_n)))
 
 
 async def start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
                      limit_field: str | None = None, schema_field: str = "tools.{}.function.parameters") -> ChatRun:
     """Render `body`'s conversation, check what it asks for and open its engine requests (one
     per choice): the chat path, shared with the Responses API (`limit_field` names its output
-    limit in 400s, `schema_field` a tool's parameters: see chat_prompt)."""
+    limit in 400s, `schema_field` a tool's parameters: see chat_prompt). On its model, or on
+    that model's fallback where the SLA guard refuses it there."""
+    asked = body.model
+    _, run = await with_fallback(
+        state.sla, request_telemetry(request), asked,
+        lambda name: _start_chat(state, context, request, body if name == asked else body.model_copy(update={"model": name}),
+                                 limit_field, schema_field))
+    run.asked = asked
+    return run
+
+
+async def _start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
+                      limit_field: str | None, schema_field: str) -> ChatRun:
     engine = state.models.get(body.model)
     structured = await _checked_structured(engine, body)
     forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
@@ -162,7 +182,7 @@ async def start_chat(state: Any, context: RequestContext, request: Request, body
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
-    return ChatRun(engine, prompt, prompt_ids, top_n, streams)
+    return ChatRun(engine, prompt, prompt_ids, top_n, streams, body.model, body.model)
 
 
 @router.post("/v1/completions")
@@ -170,9 +190,28 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, CompletionRequest)
-    engine = state.models.get(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
+    asked = body.model
+    served, (body, engine, prompt_ids, streams) = await with_fallback(
+        state.sla, request_telemetry(request), asked,
+        lambda name: _start_completion(state, context, request,
+                                       body if name == asked else body.model_copy(update={"model": name})))
+    completion_id = "cmpl-" + uuid.uuid4().hex[:24]
+    echo = _prompt_text(engine, body) if body.echo else ""
+    if body.stream:
+        chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs,
+                                   *_stream_usage(body, prompt_ids))
+        return fallback_marked(EventStreamResponse(chunks, on_close=lambda: _close_all(streams)), asked, served)
+    results = await _collect_all(streams, request)
+    return fallback_marked(await json_answer(lambda: completion_response(results, engine, body, completion_id, echo),
+                                             _entries(results, body.logprobs)), asked, served)
+
+
+async def _start_completion(state: Any, context: RequestContext, request: Request, body: CompletionRequest
+                            ) -> tuple[CompletionRequest, "AsyncEngine", list[int], list[EngineStream]]:
+    """`body`'s prompt on its model, its engine requests open (one per choice)."""
+    engine = state.models.get(body.model)
     structured = await _checked_structured(engine, body)
     prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens,
                             body.max_tokens)
@@ -183,15 +222,7 @@ async def completions(request: Request) -> Response:
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
-    completion_id = "cmpl-" + uuid.uuid4().hex[:24]
-    echo = _prompt_text(engine, body) if body.echo else ""
-    if body.stream:
-        chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs,
-                                   *_stream_usage(body, prompt_ids))
-        return EventStreamResponse(chunks, on_close=lambda: _close_all(streams))
-    results = await _collect_all(streams, request)
-    return await json_answer(lambda: completion_response(results, engine, body, completion_id, echo),
-                             _entries(results, body.logprobs))
+    return body, engine, prompt_ids, streams
 
 
 def _stream_usage(body: Any, prompt_ids: list[int]) -> tuple[bool, int | None]:

@@ -89,10 +89,12 @@ async def create_response(request: Request) -> Response:
     except InvalidRequest as exc:
         _renamed(exc)
         raise
+    if run.model != body.model:  # a fallback model serves it (sla.py): the response names it
+        body = body.model_copy(update={"model": run.model})
     shape = _Shape(body, _new_id("resp"), int(time.time()), run.engine, run.prompt, run.top_n, items)
     if body.stream:
-        return EventStreamResponse(shape.events(run.streams[0], state, owner),
-                                   on_close=lambda: _close_all(run.streams))
+        return run.mark(EventStreamResponse(shape.events(run.streams[0], state, owner),
+                                            on_close=lambda: _close_all(run.streams)))
     result = (await _collect_all(run.streams, request))[0]
 
     def build() -> tuple[dict[str, Any], JSONResponse, int]:
@@ -103,7 +105,7 @@ async def create_response(request: Request) -> Response:
     response, answer, size = await off_loop(build, entries + _chars(items) // 64)
     if body.store:
         state.responses.put(owner, response, items, size)
-    return answer
+    return run.mark(answer)
 
 
 def _chars(items: list[dict[str, Any]]) -> int:

@@ -15,6 +15,7 @@ from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightReq
 from tierlm.serving.models import ModelRegistry
 from tierlm.serving.response_store import ResponseStore
 from tierlm.serving.safety import SafetyPolicies
+from tierlm.serving.sla import SlaGuard
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.telemetry import GENERATION_ROUTES
 from tierlm.serving.tenancy import TICKET, Tenancy
@@ -40,6 +41,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     tenancy: Tenancy = field(default_factory=Tenancy)  # keys → tenants, and their limits
     safety: SafetyPolicies = field(default_factory=SafetyPolicies)  # phrase policies on prompts and answers
+    sla: SlaGuard = field(default_factory=SlaGuard)  # breakers per model and tier, fallback models
     draining: bool = False
 
     def admit(self, request: Request) -> RequestContext:
@@ -63,7 +65,8 @@ class ServerState:
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, tenant_id=tenant.id,
                               priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight,
                               kv_share=tenant.kv_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s,
-                              safety=self.safety.for_request(tenant.tier, tenant.id) if self.safety else None)
+                              safety=self.safety.for_request(tenant.tier, tenant.id) if self.safety else None,
+                              sla=self.sla)
 
     async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON

@@ -121,14 +121,24 @@ class Metrics:
                                     ["tenant", "reason"], registry=registry)
 
         self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "
-                                "because its estimated time to first token was past their tier's target.",
-                                ["model", "tier"], registry=registry)
+                                "because of their tier's time-to-first-token target: 'estimate' (the engine's "
+                                "estimate was past it) or 'breaker' (the tier's circuit breaker was open).",
+                                ["model", "tier", "reason"], registry=registry)
+        self.sla_fallbacks = Counter("tierlm:sla_fallbacks", "Requests the SLA guard refused for `model` and "
+                                     "its `fallback` model served instead (--fallback-model).",
+                                     ["model", "fallback", "tier", "reason"], registry=registry)
+        self.sla_breaker_trips = Counter("tierlm:sla_breaker_trips", "Times a tier's SLA circuit breaker on a "
+                                         "model opened (too many of its requests missed their target).",
+                                         ["model", "tier"], registry=registry)
         self.safety = counter("tierlm:safety_actions", "What the safety layer did, per policy: 'input' (a prompt "
                               "refused), 'output' (an answer stopped), 'redact' (a phrase of an answer masked).",
                               ["policy", "action"])
 
     def count_refusal(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
+
+    def count_trip(self, model: str, tier: str) -> None:
+        self.sla_breaker_trips.labels(model, tier).inc()
 
 
 @dataclass
@@ -326,11 +336,16 @@ class RequestTelemetry:
         if self.warm_prompt_tokens is not None:
             self.max_tokens = 0
 
-    def on_shed(self, model: str, tier: str) -> None:
+    def on_shed(self, model: str, tier: str, reason: str) -> None:
         """The SLA guard refused the request before its engine saw it (sla.py)."""
         self.model = model
         if self.owner:
-            self.owner.metrics.sla_shed.labels(model, tier).inc()
+            self.owner.metrics.sla_shed.labels(model, tier, reason).inc()
+
+    def on_fallback(self, model: str, fallback: str, tier: str, reason: str) -> None:
+        """The SLA guard refused the request for `model`; `fallback` serves it (sla.py)."""
+        if self.owner:
+            self.owner.metrics.sla_fallbacks.labels(model, fallback, tier, reason).inc()
 
     def on_safety(self, model: str, policy: str, action: str) -> None:
         """The safety layer refused the prompt ('input'), stopped the answer ('output') or
