@@ -64,7 +64,7 @@ def test_the_estimate_counts_work_ahead_at_its_priority_decodes_and_slots():
     assert estimate_ttft(m, prompt_tokens=20, priority=0, **kw) == pytest.approx(30 * step)
     # Finished requests generated 10 tokens on average: the bronze one frees after 9 steps, the
     # gold one ahead takes the first at 4 and holds it to 16, so a gold request starts at 9 + 1.
-    assert estimate_ttft(m, prompt_tokens=20, priority=0, mean_output=10, **kw) == pytest.approx(10 * step)
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, outputs=10, **kw) == pytest.approx(10 * step)
     assert estimate_ttft(StepTimeModel(), prompt_tokens=20, priority=0, **kw) is None
 
 
@@ -104,17 +104,17 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     assert requests == pytest.approx(decayed / (10 * (1 - math.exp(-1)))) and requests == pytest.approx(10, rel=0.01)
     assert tokens == pytest.approx(30 * requests)
     assert rates.rates_before(0, now=100.0) == (0.0, 0.0)  # nothing is better than gold
-    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, mean_output=10, **kw) == float("inf")
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=10, **kw) == float("inf")
     # With one expected output token each and 64 slots they take ~2% of the slots, less than the
     # 35% of the tokens: the tokens' share stretches the wait.
     kw["max_seqs"] = 64
     taken = tokens * 0.074 / 64
-    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, mean_output=1, **kw) == pytest.approx(
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=1, **kw) == pytest.approx(
         alone / (1 - taken))
-    assert estimate_ttft(m, prompt_tokens=20, priority=0, rates=rates, mean_output=1, **kw) == pytest.approx(alone)
+    assert estimate_ttft(m, prompt_tokens=20, priority=0, rates=rates, outputs=1, **kw) == pytest.approx(alone)
     for t in range(100):
         rates.add(1, 300, now=90.0 + t * 0.1)  # silver takes the rest of the tokens
-    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, mean_output=1, **kw) == float("inf")
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=1, **kw) == float("inf")
 
 
 def test_the_calibration_settles_where_half_the_first_tokens_come_within_the_estimate():
@@ -155,3 +155,35 @@ def test_arrival_rates_see_a_burst_at_once_and_a_lull_starts_afresh():
         rates.add(0, 100, now=61.0 + t * 0.25)
     requests, _ = rates.rates_before(1, now=63.0)
     assert requests == pytest.approx(4, rel=0.15)
+
+
+def test_a_long_running_answer_is_expected_to_run_on_as_the_long_ones_did():
+    """Lengths 10 (nine in ten) and 500: the mean is 59, but an answer past 10 tokens is one of
+    the long ones, with 500 - generated to go, not one more token."""
+    from tierlm.engine.load import OutputLengths
+    lengths = OutputLengths(window=10)
+    assert lengths.expected_total(0) is None and lengths.mean() is None
+    for n in [10] * 9 + [500]:
+        lengths.add(n)
+    assert lengths.mean() == 59
+    assert lengths.expected_total(0) == 59 and lengths.expected_total(9) == 59
+    assert lengths.expected_total(10) == 500 and lengths.expected_total(499) == 500
+    assert lengths.expected_total(500) is None  # none went further: one more token, as before
+    lengths.add(20)  # the window keeps the last 10: one 10 leaves
+    assert lengths.mean() == pytest.approx((8 * 10 + 500 + 20) / 10)
+    assert lengths.expected_total(10) == pytest.approx(260)
+
+    m = StepTimeModel()
+    for n in (1, 64):
+        m.observe(n, 0.01 + 0.001 * n)
+    step = 0.01 + 0.002  # the running decode and the new request's one prompt token
+    running = [_req(0, 10, computed=10, outputs=100, max_tokens=1000)]
+    kw = dict(running=running, waiting=[], budget=64, max_seqs=1)
+    # nothing finished yet: it is expected to run to its max_tokens
+    assert estimate_ttft(m, prompt_tokens=1, priority=0, outputs=OutputLengths(), **kw) == pytest.approx(901 * step)
+    # One slot, held by an answer 100 tokens long: with the mean (59) it would end next step;
+    # as one of the long ones it has 400 to go, then the new one-token prompt takes one more.
+    assert estimate_ttft(m, prompt_tokens=1, priority=0, outputs=59.0, **kw) == pytest.approx(2 * step)
+    assert estimate_ttft(m, prompt_tokens=1, priority=0, outputs=lengths, **kw) == pytest.approx((500 - 100 + 1) * step)
+    running[0].max_tokens = 300  # never past its ceiling
+    assert estimate_ttft(m, prompt_tokens=1, priority=0, outputs=lengths, **kw) == pytest.approx((300 - 100 + 1) * step)

@@ -627,7 +627,7 @@ class LLMEngine:
         raw = estimate_ttft(self.step_time, prompt_tokens=prompt_tokens, priority=priority,
                             running=list(s.running), waiting=list(s.waiting),
                             budget=self.max_num_batched_tokens, max_seqs=s.max_seqs, rates=self.arrivals,
-                            mean_output=self.output_lengths.mean())
+                            outputs=self.output_lengths)
         return None if raw is None else raw * self.ttft_calibration.factor(priority)
 
     def observe_ttft(self, priority: int, estimate: float, actual: float) -> None:

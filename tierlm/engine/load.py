@@ -11,8 +11,9 @@ everyone behind it. The estimate comes from what the engine knows:
   compute of running prefills and of waiting requests at the new request's priority or better,
   which go first, and its own, at what the running decodes leave of each step's budget) and the
   sequence slots (a small simulation: each running request frees its slot after its expected
-  output, the mean of what finished requests generated, never past its max_tokens; each request
-  ahead takes the next free slot for its prefill and decode steps; this one takes the next);
+  output, the mean of the last finished requests' lengths past what it has generated, never past
+  its max_tokens; each request ahead takes the next free slot for its prefill and decode steps;
+  this one takes the next);
 - what keeps arriving ahead of it: requests of a better priority that come while it waits go
   first, so it gets only the capacity they leave. Their requests and prompt tokens per second
   are measured per priority (decayed over ~10 s); the wait is stretched by 1 / (1 - their share
@@ -31,10 +32,13 @@ and then came down too slowly, from the few requests it still admitted, shedding
 """
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 import threading
 import time
+from collections import deque
 
 
 class _Copyable:
@@ -159,34 +163,59 @@ class TtftCalibration(_Copyable):
 
 
 class OutputLengths(_Copyable):
-    """The mean number of tokens finished requests generated (decayed: recent ones count most).
-    A request's `max_tokens` is only a ceiling, often far above what it generates."""
+    """What the last `window` finished requests generated. A request's `max_tokens` is only a
+    ceiling, often far above what it generates; and one that has generated more than most is
+    not about to end: its expected length is the mean of the lengths past what it has (E[L |
+    L > generated]), which a plain mean would put at its next token. Lengths are heavy-tailed
+    (a few long answers among many short ones), and the requests still running are the long
+    ones, so the difference is most of a slot's wait."""
 
-    def __init__(self, half_life: float = 100.0) -> None:
-        self.decay = 0.5 ** (1.0 / half_life)
-        self._sum = self._n = 0.0
+    def __init__(self, window: int = 256) -> None:
+        self._recent: deque[int] = deque(maxlen=window)
+        self._sorted: list[int] | None = None  # the window sorted, and suffix sums, rebuilt on use
+        self._tail_sums: list[int] = []
         self._lock = threading.Lock()
 
     def add(self, tokens: int) -> None:
         with self._lock:
-            self._sum = self._sum * self.decay + tokens
-            self._n = self._n * self.decay + 1.0
+            self._recent.append(tokens)
+            self._sorted = None
+
+    def __len__(self) -> int:
+        return len(self._recent)
 
     def mean(self) -> float | None:
         with self._lock:
-            return self._sum / self._n if self._n else None
+            return sum(self._recent) / len(self._recent) if self._recent else None
+
+    def expected_total(self, generated: int) -> float | None:
+        """E[L | L > generated] over the window (None: none of them went past it)."""
+        with self._lock:
+            if self._sorted is None:
+                self._sorted = sorted(self._recent)
+                self._tail_sums = list(itertools.accumulate(reversed(self._sorted)))[::-1] + [0]
+            lengths = self._sorted
+            i = bisect.bisect_right(lengths, generated)
+            n = len(lengths) - i
+            return self._tail_sums[i] / n if n else None
 
 
-def _decode_steps_left(req, mean_output: float | None) -> int:
-    """Steps until `req` frees its slot: its expected output (the mean, never past its
-    max_tokens, and at least one more token) less what it has generated."""
-    expected = req.max_tokens if mean_output is None else min(req.max_tokens, max(mean_output,
-                                                                                   req.num_output_tokens + 1))
-    return max(1, math.ceil(expected) - req.num_output_tokens)
+def _decode_steps_left(req, outputs: "OutputLengths | float | None") -> int:
+    """Steps until `req` frees its slot: its expected output (given what it has generated, never
+    past its max_tokens, and at least one more token) less what it has generated. `outputs`:
+    the finished requests' lengths, or one length all are taken to have (None: max_tokens)."""
+    done = req.num_output_tokens
+    if outputs is None or (isinstance(outputs, OutputLengths) and not outputs):  # nothing finished yet
+        expected: float = req.max_tokens
+    else:
+        total = outputs.expected_total(done) if isinstance(outputs, OutputLengths) else outputs
+        expected = min(req.max_tokens, max(total or 0.0, done + 1))
+    return max(1, math.ceil(expected) - done)
 
 
 def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, running: list, waiting: list,
-                  budget: int, max_seqs: int, rates: ArrivalRates | None = None, mean_output: float | None = None,
+                  budget: int, max_seqs: int, rates: ArrivalRates | None = None,
+                  outputs: OutputLengths | float | None = None,
                   now: float | None = None) -> float | None:
     """Seconds until a request of `priority` with `prompt_tokens` would get its first token if it
     arrived now (None: no step measured yet). `running`/`waiting`: the scheduler's requests.
@@ -206,12 +235,12 @@ def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, ru
     # Sequence slots, as a small simulation of when each frees.
     free_at = [0] * max(0, max_seqs - len(running))
     free_at += [math.ceil(max(0, r.num_prompt_tokens - r.num_computed_tokens) / room)
-                + _decode_steps_left(r, mean_output) for r in running]
+                + _decode_steps_left(r, outputs) for r in running]
     heapq.heapify(free_at)
     for r in sorted(ahead, key=lambda r: (r.priority, r.arrival_time, r.arrival_seq)):
         start = heapq.heappop(free_at)
         heapq.heappush(free_at, start + math.ceil((r.num_tokens - r.num_computed_tokens) / room)
-                       + _decode_steps_left(r, mean_output))
+                       + _decode_steps_left(r, outputs))
     slot_steps = free_at[0] + math.ceil(prompt_tokens / room) if free_at else token_steps
     steps = max(token_steps, slot_steps)
     seconds = steps * model.seconds(min(budget, decodes + min(room, prefill)))
@@ -220,6 +249,7 @@ def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, ru
         # holds one for its prefill and expected decode steps), whichever they take more of.
         full = max(model.seconds(min(budget, decodes + room)), 1e-9)
         requests, tokens = rates.rates_before(priority, now)
+        mean_output = outputs.mean() if isinstance(outputs, OutputLengths) else outputs
         per_request = (tokens / requests / room if requests else 0.0) + (mean_output or 1.0)  # steps a slot is held
         taken = max(tokens * full / room, requests * per_request * full / max_seqs)
         if taken >= 1:
