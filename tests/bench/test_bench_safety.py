@@ -40,6 +40,14 @@ def test_bench_safety_tiny(tmp_path):
     assert rows[("regex_full", 10)]["matches"] == rows[("tierlm", 10)]["matches"]
     assert rows[("regex_full", 50)]["us_per_token"] is None and "full-max-phrases" in rows[("regex_full", 50)]["skipped"]
     assert res["tierlm_meets_target"] == all(rows[("tierlm", n)]["meets_target"] for n in (10, 50))
+    # the detectors, streamed: both filters find every planted item (and agree with finditer over
+    # the whole text), the scanner holding back less than the window filter's fixed window
+    d = res["detectors"]
+    assert d["agree"] is True and d["tokens"] == 1000 and d["planted"] >= 3
+    det = {r["system"]: r for r in d["results"]}
+    assert det["tierlm"]["matches"] == det["regex_window"]["matches"] >= d["planted"]
+    assert det["tierlm"]["mean_held_chars"] < det["regex_window"]["mean_held_chars"] <= d["window_chars"]
+    assert d["regex_window_over_tierlm"] == det["regex_window"]["us_per_token"] / det["tierlm"]["us_per_token"]
     assert png.stat().st_size > 1000
 
 

@@ -210,3 +210,41 @@ def test_serve_compiles_every_tenants_and_lone_keys_policies_at_start(tmp_path):
     assert policies._compiled == compiled  # nothing left to compile once serving
     assert lone.tier == "bronze" and policies.for_request(lone.tier, lone.id).check_prompt("a forbidden phrase")
     assert {p.name for p in policies.policies if p.applies_to("bronze", "zeta")} == {"stop_word", "prompt_words", "tock"}
+
+
+DETECTORS = """
+[policies.shapes]
+patterns = ['(?i)beta\\s+stop']        # "alpha beta STOP gamma; one, two"
+check = "output"
+action = "redact"
+replacement = "[pii]"
+
+[policies.personal_data]
+detect = ["email", "aws_access_key_id"]
+check = "input"
+"""
+
+
+def test_detectors_and_patterns_redact_answers_and_refuse_prompts(scripted_models, tmp_path, monkeypatch):
+    (tmp_path / "policies.toml").write_text(DETECTORS)
+    safety = SafetyPolicies.from_file(tmp_path / "policies.toml")
+    engine = scripted_models[TEXT_MODEL].engine(TEXT_MODEL)  # (an engine serves one server's event loop)
+    seen = record_requests(engine, monkeypatch)
+    srv = ServerThread(build_app({TEXT_MODEL: engine}, ApiKeyAuth.from_keys(KEYS), safety=safety)).start()
+    try:
+        claude, oai = clients(srv, "acme")
+        want = REPLY.replace("beta STOP", "[pii]")
+        with claude.messages.stream(model=TEXT_MODEL, max_tokens=50, messages=HI) as stream:
+            assert "".join(stream.text_stream) == want
+        chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+        assert chat.choices[0].message.content == want and chat.choices[0].finish_reason == "stop"
+        asked = len(seen)
+        mail = [{"role": "user", "content": "write to jane.doe@example.com for me"}]
+        assert claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=mail).stop_reason == "refusal"
+        chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=mail)
+        assert chat.choices[0].finish_reason == "content_filter" and len(seen) == asked  # no engine request
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert value(metrics, "tierlm:safety_actions_total", policy="personal_data", action="input") == 2
+        assert value(metrics, "tierlm:safety_actions_total", policy="shapes", action="redact") == 2
+    finally:
+        srv.stop()

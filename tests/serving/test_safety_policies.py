@@ -1,11 +1,13 @@
 """The safety layer's parts without a server (tierlm/serving/safety.py): the policies file and
 its refusals, which policies a request gets, and OutputGuard over engine deltas (what is held,
-what is shown, redactions across deltas, logprobs, a block)."""
+what is shown, redactions across deltas, logprobs, a block), for phrases and for detectors."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.serving.safety import (FINISH_REASON, OutputGuard, PolicyFileError, Rules, SafetyPolicies,
@@ -60,13 +62,17 @@ def test_phrases_file_beside_the_policies_file(tmp_path):
     ("", {}, "no \\[policies.NAME\\] table"),
     ("x = 1\n[policies.a]\nphrases=['a']\n", {}, "unknown key\\(s\\) \\['x'\\]"),
     ("[policies.a]\nphrases=['a']\ncolour='red'\n", {}, "policy 'a': unknown key\\(s\\) \\['colour'\\]"),
-    ("[policies.a]\n", {}, "policy 'a': no phrases"),
+    ("[policies.a]\n", {}, "policy 'a': nothing to look for; give 'phrases', 'phrases_file', 'detect' or 'patterns'"),
+    ("[policies.a]\ndetect=['email', 'passport']\n", {}, "unknown detector\\(s\\) \\['passport'\\]; the built-in"),
+    ("[policies.a]\npatterns=['a(']\n", {}, "policy 'a': patterns\\[0\\]: pattern 'a\\(' is not a valid regular"),
+    ("[policies.a]\npatterns=['x*']\n", {}, "patterns\\[0\\]: .* can match empty text"),
+    ("[policies.a]\ndetect=['email']\naction='redact'\nreplacement='<a@b.com>'\n", {}, "matches the policy itself"),
     ("[policies.a]\nphrases=['  ']\n", {}, "only white space"),
     ("[policies.a]\nphrases='a'\n", {}, "phrases must be a list of strings"),
     ("[policies.a]\nphrases=['a']\naction='warn'\n", {}, "action must be 'block' or 'redact'"),
     ("[policies.a]\nphrases=['a']\ncheck='prompt'\n", {}, "check must be 'input', 'output' or 'both'"),
     ("[policies.a]\nphrases=['a']\naction='redact'\ncheck='input'\n", {}, "'redact' applies to answers"),
-    ("[policies.a]\nphrases=['secret']\naction='redact'\nreplacement='no secret'\n", {}, "holds one of its own"),
+    ("[policies.a]\nphrases=['secret']\naction='redact'\nreplacement='no secret'\n", {}, "matches the policy itself"),
     ("[policies.a]\nphrases=['a']\ntiers=['gold']\n", {}, "lists tiers, which come from a tenants file"),
     ("[policies.a]\nphrases=['a']\ntenants=['acme']\n", {"tiers": {"gold"}, "tenants": {"zeta"}},
      "unknown tenant\\(s\\) \\['acme'\\]"),
@@ -170,3 +176,77 @@ def test_block_wins_over_redact_on_the_same_text(tmp_path):
     guard = OutputGuard(rules)
     results = [guard.feed(d) for d in deltas(["a top", " secret", " plan"])]
     assert results[1][1].name == "b"
+
+
+# ---- detectors and patterns -----------------------------------------------------------
+
+PII = """
+[policies.pii]
+detect = ["email", "credit_card"]
+patterns = ['(?i)acct-\\d{6}']
+check = "output"
+action = "redact"
+replacement = "[pii]"
+
+[policies.keys]
+detect = ["aws_access_key_id"]
+"""
+
+
+def test_detected_personal_data_is_redacted_across_deltas_and_only_it(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, PII))
+    pieces = ["Mail jane", ".doe@exam", "ple.com or pay 4111 ", "1111 1111 1111", " from ACCT-12", "3456; card",
+              " 4111 1111 1111 1112 is not one."]
+    out: list[StreamDelta] = []
+    for d in deltas(pieces):
+        shown, blocked = guard.feed(d)
+        assert blocked is None
+        out += shown
+    assert "".join(d.text for d in out) == "Mail [pii] or pay [pii] from [pii]; card 4111 1111 1111 1112 is not one."
+    assert [p.name for p in guard.redacted] == ["pii"] * 3
+
+
+def test_a_detected_key_blocks_before_any_of_it_is_shown(tmp_path):
+    guard = OutputGuard(_rules(tmp_path, PII))
+    shown_text = ""
+    for d in deltas(["The key is AKIA", "IOSFODNN7", "EXAMPLE and", " more"]):
+        shown, blocked = guard.feed(d)
+        shown_text += "".join(x.text for x in shown)
+        if blocked is not None:
+            break
+    assert blocked.name == "keys" and "AKIA" not in shown_text
+
+
+def test_a_prompt_with_a_detected_key_is_refused(tmp_path):
+    safety = policies(tmp_path, PII).for_request(None, None)
+    assert safety.check_prompt("use AKIAIOSFODNN7EXAMPLE please").name == "keys"
+    assert safety.check_prompt("mail jane.doe@example.com") is None  # 'pii' checks answers only
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["jane.doe@example.com", "4111 1111 1111 1111", "ACCT-123456", "acct-12345",
+                                 " ", ".", "a", "1", "-", "@", "x@y", "4111", "ok "]), max_size=14),
+       st.data())
+def test_the_guard_shows_what_redacting_the_whole_answer_gives(tmp_path_factory, parts, data):
+    """For any answer and any cutting of it into deltas: the text shown is the whole answer with
+    every match replaced, and what is shown at any moment is the start of that (no delta ever
+    shows a character of a match)."""
+    rules = _rules(tmp_path_factory.mktemp("pii"), PII)
+    text = "".join(parts)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)))))
+    bounds = [0, *[c for c in cuts if c < len(text)], len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a] or [""]
+    hits = rules.find_all(text)
+    want, at = [], 0
+    for h in hits:
+        want += [text[at:h.start], "[pii]"]
+        at = h.end
+    want.append(text[at:])
+    guard, out = OutputGuard(rules), []
+    for d in deltas(pieces):
+        shown, blocked = guard.feed(d)
+        assert blocked is None
+        out += shown
+        # what was shown so far is the start of the redacted answer: no character of a match
+        assert "".join(want).startswith("".join(x.text for x in out))
+    assert "".join(d.text for d in out) == "".join(want)

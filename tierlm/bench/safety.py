@@ -21,7 +21,11 @@ the word): it counts on the token that brings that character, or at the end of t
 
 Every run checks that the systems found the same (phrase, start, end) matches; a difference is
 printed and the command exits with status 1. Also measured: the one-shot input check
-(`PhraseSet.find_all` over the whole text against `re.finditer`), in µs per 1,000 characters.
+(`PhraseSet.find_all` over the whole text against `re.finditer`), in µs per 1,000 characters;
+and the built-in detectors (serving/pattern_scan.py: e-mail, card numbers, ...) streamed over
+text with personal data planted in it, tierlm's scanner against the window filter (`finditer`
+over the last 2 W characters per token, holding back W = 256), both checked against `finditer`
+over the whole text.
 """
 from __future__ import annotations
 
@@ -147,7 +151,11 @@ def _phrase_of(phrases: Sequence[tuple[str, bool]]) -> Callable[[str], int]:
 
 def run_tierlm(phrase_set, tokens: Sequence[str]) -> tuple[float, Found, float]:
     """(seconds, matches, mean characters held back after a token)."""
-    scanner = phrase_set.scanner()
+    return _run_scanner(phrase_set.scanner(), tokens, lambda m: (m.phrase, m.start, m.end))
+
+
+def _run_scanner(scanner, tokens: Sequence[str], key: Callable) -> tuple[float, set, float]:
+    """A tierlm scanner fed a token at a time: (seconds, matches as `key`s, mean characters held)."""
     found = []
     held = fed = 0
     t0 = time.perf_counter()
@@ -157,7 +165,7 @@ def run_tierlm(phrase_set, tokens: Sequence[str]) -> tuple[float, Found, float]:
         held += fed - scanner.held_from
     found += scanner.finish()
     elapsed = time.perf_counter() - t0
-    return elapsed, {(m.phrase, m.start, m.end) for m in found}, held / max(1, len(tokens))
+    return elapsed, {key(m) for m in found}, held / max(1, len(tokens))
 
 
 def run_regex(pattern: re.Pattern, phrases: Sequence[tuple[str, bool]], tokens: Sequence[str],
@@ -333,11 +341,93 @@ def run(args: argparse.Namespace) -> dict:
               "tierlm_meets_target": all(by[("tierlm", n)]["meets_target"] for n in counts),
               "results": results, "ratios": ratios, "input_check": checks, "texts": texts,
               "agree": not differences, "differences": differences}
+    result["detectors"] = bench_detectors(args)
+    if not result["detectors"]["agree"]:
+        result["agree"] = False
+        result["differences"].append("detectors: tierlm, regex_window and finditer over the whole text differ")
     _print_summary(result)
     write_json(args.json, result)
     if args.plot is not None:
         plot_safety(result, args.plot)
     return result
+
+
+# ---- detectors (serving/pattern_scan.py) ---------------------------------------------
+
+_PII = ("jane.doe@example.com", "ops+alerts@mail.example.org", "4111 1111 1111 1111", "5500-0000-0000-0004",
+        "123-45-6789", "192.168.1.20", "AKIAIOSFODNN7EXAMPLE")
+DETECTOR_WINDOW = 256  # characters a window filter re-reads per token: the longest e-mail address, about
+
+
+def make_detector_tokens(n_tokens: int, seed: int) -> tuple[list[str], int]:
+    """English-like words with personal data planted about once in 70 words, cut into tokens of
+    1-6 characters: (tokens, items planted whole in them)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < n_tokens * 6:  # enough text for n_tokens tokens
+        words.append(rng.choice(_PII) if rng.random() < 0.015 else rng.choice(_COMMON))
+    text = " ".join(words)
+    tokens, at = [], 0
+    while len(tokens) < n_tokens:
+        size = rng.randint(1, 6)
+        tokens.append(text[at:at + size])
+        at += size
+    planted, end = 0, 0
+    for w in words:
+        end += len(w) + 1
+        planted += w in _PII and end - 1 <= at
+    return tokens, planted
+
+
+def run_detectors_tierlm(patterns, tokens: Sequence[str]) -> tuple[float, set, float]:
+    return _run_scanner(patterns.scanner(), tokens, lambda m: (m.detector, m.start, m.end))
+
+
+def run_detectors_window(patterns, tokens: Sequence[str]) -> tuple[float, set, float]:
+    """The usual streaming filter: per token, `finditer` over the last 2 W characters (W =
+    DETECTOR_WINDOW); a match is final once it ends W characters before the end of the text so
+    far (or the text has ended), and the last W characters are held. Matches starting in the
+    first W / 2 characters scanned are left out: the scan may have cut them, and any real one
+    there was final in an earlier scan (the planted items are under W / 2 long)."""
+    W, find_all = DETECTOR_WINDOW, patterns.find_all
+    found: set = set()
+    text, fed, held = "", 0, 0
+    t0 = time.perf_counter()
+    for tok in tokens:
+        text += tok
+        fed += len(tok)
+        start = max(0, fed - 2 * W)
+        for m in find_all(text[start:]):
+            if start + m.end <= fed - W and (start == 0 or m.start >= W // 2):
+                found.add((m.detector, start + m.start, start + m.end))
+        held += min(W, fed)
+    start = max(0, fed - 2 * W)
+    for m in find_all(text[start:]):
+        if start == 0 or m.start >= W // 2:
+            found.add((m.detector, start + m.start, start + m.end))
+    return time.perf_counter() - t0, found, held / max(1, len(tokens))
+
+
+def bench_detectors(args: argparse.Namespace) -> dict:
+    """The built-in detectors streamed: tierlm's scanner against the window filter."""
+    from tierlm.serving.pattern_scan import BUILTIN, PatternSet
+    patterns = PatternSet(list(BUILTIN.values()))
+    tokens, planted = make_detector_tokens(args.tokens, args.seed)
+    rows, found = {}, {}
+    for name, fn in (("tierlm", run_detectors_tierlm), ("regex_window", run_detectors_window)):
+        times, matches, held = [], None, 0.0
+        for _ in range(args.repeats):
+            t, matches, held = fn(patterns, tokens)
+            times.append(t)
+        found[name] = matches
+        rows[name] = {"system": name, "us_per_token": statistics.median(times) / len(tokens) * 1e6,
+                      "matches": len(matches), "mean_held_chars": held}
+    reference = {(m.detector, m.start, m.end) for m in patterns.find_all("".join(tokens))}
+    return {"detectors": sorted(BUILTIN), "tokens": len(tokens), "planted": planted, "window_chars": DETECTOR_WINDOW,
+            "results": list(rows.values()),
+            "regex_window_over_tierlm": rows["regex_window"]["us_per_token"] / rows["tierlm"]["us_per_token"],
+            "tierlm_meets_target": rows["tierlm"]["us_per_token"] <= TARGET_US_PER_TOKEN,
+            "agree": found["tierlm"] == found["regex_window"] == reference}
 
 
 def _print_summary(result: dict) -> None:
@@ -358,6 +448,13 @@ def _print_summary(result: dict) -> None:
     met = "meets" if result["tierlm_meets_target"] else "does NOT meet"
     print(f"tierlm {met} the {result['target_us_per_token']:g} µs/token target at every phrase count; "
           f"matches {'agree' if result['agree'] else 'DISAGREE'}")
+    d = result["detectors"]
+    rows = {r["system"]: r for r in d["results"]}
+    print(f"detectors ({', '.join(d['detectors'])}), {d['tokens']} tokens, {d['planted']} planted: tierlm "
+          f"{rows['tierlm']['us_per_token']:.2f} µs/token (holds {rows['tierlm']['mean_held_chars']:.1f} chars), "
+          f"regex_window {rows['regex_window']['us_per_token']:.2f} (holds {rows['regex_window']['mean_held_chars']:.0f}),"
+          f" {d['regex_window_over_tierlm']:.1f}x; {rows['tierlm']['matches']} matches, "
+          f"{'agree' if d['agree'] else 'DISAGREE'}")
     for d in result["differences"][:1]:
         print(f"first difference: {d}")
 

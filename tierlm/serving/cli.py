@@ -172,7 +172,8 @@ def _safety_policies(path: str | None, tenancy: "Tenancy", auth: "Authenticator"
         selections += [(config.default_tier, key) for key in key_ids - set(config.key_owner)]
     policies.compile_all(selections)
     logger.info("safety policies from %s: %s", path, ", ".join(
-        f"{p.name} ({len(p.phrases)} phrases, {p.check}, {p.action})" for p in policies.policies))
+        f"{p.name} ({len(p.phrases)} phrases, {len(p.detectors)} detectors, {p.check}, {p.action})"
+        for p in policies.policies))
     return policies
 
 

@@ -6,6 +6,9 @@ when one appears:
     [policies.credentials]
     phrases = ["BEGIN RSA PRIVATE KEY", "sk-live-"]
     phrases_file = "credentials.txt"   # more phrases, one per line ('#' comments), beside this file
+    detect = ["aws_access_key_id"]     # built-in detectors (pattern_scan.py): email, credit_card,
+                                       #   us_ssn, ipv4, aws_access_key_id
+    patterns = ['(?i)acct-\d{6}']      # regular expressions of your own (the `regex` module's syntax)
     check = "both"                     # "input" (the prompt), "output" (the answer) or "both" (default)
     action = "block"                   # "block" (default) or "redact" (answers only)
     whole_word = false                 # true: "ass" does not match inside "class" (default false)
@@ -15,6 +18,8 @@ when one appears:
 
 Phrases are compared case-folded, with runs of white space as one space (phrase_scan.py), on
 text, not token ids: the same words tokenize differently in different contexts and models.
+Detectors and patterns match the text as it is (pattern_scan.py; `(?i)` for any case); a
+policy needs phrases, detectors or patterns, and may mix them.
 
 - **Input.** The prompt (the engine's token ids, decoded, special tokens left out: every route
   and template, system prompt and tool results included) is read before the SLA guard and the
@@ -41,14 +46,16 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
-from tierlm.serving.phrase_scan import Match, PhraseSet, normalise
+from tierlm.serving.pattern_scan import BUILTIN, Detector, PatternSet, compile_pattern
+from tierlm.serving.phrase_scan import PhraseSet, normalise
 
 logger = logging.getLogger("tierlm.serving")
 
 FINISH_REASON = "content_filter"  # the engine-level finish reason of a request the layer ended
 Check = Literal["input", "output", "both"]
 Action = Literal["block", "redact"]
-_POLICY_KEYS = {"phrases", "phrases_file", "check", "action", "whole_word", "replacement", "tiers", "tenants"}
+_POLICY_KEYS = {"phrases", "phrases_file", "detect", "patterns", "check", "action", "whole_word", "replacement",
+                "tiers", "tenants"}
 MAX_PHRASE_CHARS = 1000
 
 
@@ -66,6 +73,7 @@ class Policy:
     replacement: str = "[redacted]"
     tiers: frozenset[str] = frozenset()
     tenants: frozenset[str] = frozenset()
+    detectors: tuple[Detector, ...] = ()  # built-in detectors and the policy's own patterns
 
     def applies_to(self, tier: str | None, tenant: str | None) -> bool:
         if not self.tiers and not self.tenants:
@@ -82,27 +90,56 @@ class Policy:
 
 
 @dataclass(frozen=True)
-class Rules:
-    """Compiled phrases of some policies, with the policy behind each phrase."""
+class Hit:
+    """A match in the text: the policy it breaks and the span of original characters."""
 
-    phrases: PhraseSet
-    owners: tuple[Policy, ...]  # phrase index → its policy
+    policy: Policy
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Compiled phrases and detectors of some policies, with the policy behind each."""
+
+    phrases: PhraseSet | None
+    phrase_owners: tuple[Policy, ...]  # phrase index → its policy
+    patterns: PatternSet | None
+    pattern_owners: tuple[Policy, ...]  # detector index → its policy
 
     @classmethod
     def of(cls, policies: Iterable[Policy]) -> "Rules | None":
-        patterns: list[str] = []
-        owners: list[Policy] = []
+        phrases: list[str] = []
+        phrase_owners: list[Policy] = []
+        detectors: list[Detector] = []
+        pattern_owners: list[Policy] = []
         for policy in policies:
             for phrase in policy.phrases:
-                patterns.append(normalise(phrase, policy.whole_word))
-                owners.append(policy)
-        return cls(PhraseSet(patterns), tuple(owners)) if patterns else None
+                phrases.append(normalise(phrase, policy.whole_word))
+                phrase_owners.append(policy)
+            detectors += policy.detectors
+            pattern_owners += [policy] * len(policy.detectors)
+        if not phrases and not detectors:
+            return None
+        return cls(PhraseSet(phrases) if phrases else None, tuple(phrase_owners),
+                   PatternSet(detectors) if detectors else None, tuple(pattern_owners))
 
-    def first_block(self, matches: Sequence[Match]) -> Policy | None:
-        """The policy that blocks on these matches (the first to end), if any does."""
-        for m in matches:
-            if self.owners[m.phrase].action == "block":
-                return self.owners[m.phrase]
+    def hits(self, phrase_matches: Sequence[Any] = (), pattern_matches: Sequence[Any] = ()) -> list[Hit]:
+        """Both kinds of matches as hits, in the order they end in the text."""
+        found = [Hit(self.phrase_owners[m.phrase], m.start, m.end) for m in phrase_matches]
+        found += [Hit(self.pattern_owners[m.detector], m.start, m.end) for m in pattern_matches]
+        return sorted(found, key=lambda h: (h.end, h.start))
+
+    def find_all(self, text: str) -> list[Hit]:
+        return self.hits(self.phrases.find_all(text) if self.phrases is not None else (),
+                         self.patterns.find_all(text) if self.patterns is not None else ())
+
+    @staticmethod
+    def first_block(hits: Sequence[Hit]) -> Policy | None:
+        """The policy that blocks on these hits (the first to end), if any does."""
+        for h in hits:
+            if h.policy.action == "block":
+                return h.policy
         return None
 
 
@@ -117,8 +154,8 @@ class RequestSafety:
         """The policy a prompt's text breaks (any match blocks), or None."""
         if self.input is None:
             return None
-        matches = self.input.phrases.find_all(text)
-        return self.input.owners[matches[0].phrase] if matches else None
+        hits = self.input.find_all(text)
+        return hits[0].policy if hits else None
 
     def output_guard(self) -> "OutputGuard | None":
         return OutputGuard(self.output) if self.output is not None else None
@@ -192,6 +229,7 @@ def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: s
         except (OSError, UnicodeDecodeError) as exc:
             raise PolicyFileError(f"{where}: phrases_file {listed} cannot be read ({exc})") from None
         phrases += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    detectors = _detectors(where, spec)
     check = spec.get("check", "both")
     action = spec.get("action", "block")
     whole_word = spec.get("whole_word", False)
@@ -207,16 +245,18 @@ def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: s
         raise PolicyFileError(f"{where}: whole_word must be true or false")
     if not isinstance(replacement, str):
         raise PolicyFileError(f"{where}: replacement must be a string")
-    if not phrases:
-        raise PolicyFileError(f"{where}: no phrases; give 'phrases' or 'phrases_file'")
+    if not phrases and not detectors:
+        raise PolicyFileError(f"{where}: nothing to look for; give 'phrases', 'phrases_file', 'detect' or "
+                              "'patterns'")
     for phrase in phrases:
         if len(phrase) > MAX_PHRASE_CHARS:
             raise PolicyFileError(f"{where}: a phrase of {len(phrase)} characters (at most {MAX_PHRASE_CHARS}): "
                                   f"{phrase[:40]!r}...")
         if not normalise(phrase, whole_word):
             raise PolicyFileError(f"{where}: the phrase {phrase!r} is only white space")
-    if action == "redact" and Rules.of([Policy(name, tuple(phrases), whole_word=whole_word)]).phrases.find_all(replacement):
-        raise PolicyFileError(f"{where}: its replacement {replacement!r} holds one of its own phrases")
+    own = Rules.of([Policy(name, tuple(phrases), whole_word=whole_word, detectors=detectors)])
+    if action == "redact" and own is not None and own.find_all(replacement):
+        raise PolicyFileError(f"{where}: its replacement {replacement!r} matches the policy itself")
     listed_tiers = frozenset(_strings(where, "tiers", spec.get("tiers", [])))
     listed_tenants = frozenset(_strings(where, "tenants", spec.get("tenants", [])))
     for kind, names, known in (("tier", listed_tiers, tiers), ("tenant", listed_tenants, tenants)):
@@ -226,7 +266,25 @@ def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: s
         if known is not None and (missing := names - known):
             raise PolicyFileError(f"{where}: unknown {kind}(s) {sorted(missing)}; the tenants file has "
                                   f"{sorted(known)}")
-    return Policy(name, tuple(phrases), check, action, whole_word, replacement, listed_tiers, listed_tenants)
+    return Policy(name, tuple(phrases), check, action, whole_word, replacement, listed_tiers, listed_tenants,
+                  detectors)
+
+
+def _detectors(where: str, spec: dict) -> tuple[Detector, ...]:
+    """The policy's `detect` (built-in names) and `patterns` (its own), checked and compiled."""
+    named = _strings(where, "detect", spec.get("detect", []))
+    unknown = [n for n in named if n not in BUILTIN]
+    if unknown:
+        raise PolicyFileError(f"{where}: unknown detector(s) {unknown}; the built-in ones are {sorted(BUILTIN)} "
+                              "(give a regular expression of your own in 'patterns')")
+    found = [BUILTIN[n] for n in dict.fromkeys(named)]
+    for i, pattern in enumerate(_strings(where, "patterns", spec.get("patterns", []))):
+        try:
+            compile_pattern(pattern)
+        except ValueError as exc:
+            raise PolicyFileError(f"{where}: patterns[{i}]: {exc}") from None
+        found.append(Detector(f"pattern {i}", pattern))
+    return tuple(found)
 
 
 def _strings(where: str, key: str, value: Any) -> list[str]:
@@ -253,27 +311,35 @@ class OutputGuard:
 
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
-        self._scanner = rules.phrases.scanner()
+        self._phrases = rules.phrases.scanner() if rules.phrases is not None else None
+        self._patterns = rules.patterns.scanner() if rules.patterns is not None else None
+        self._fed = 0
         self._held: list[_Held] = []
         self._spans: list[tuple[int, int, str]] = []  # redactions not yet shown: (start, end, replacement)
         self._shift = 0  # characters the redactions shown so far added (text_start of later logprobs)
         self.redacted: list[Policy] = []  # one entry per redaction, for telemetry
 
     def feed(self, delta: StreamDelta) -> tuple[list[StreamDelta], Policy | None]:
-        start = self._scanner.fed
-        matches = self._scanner.feed(delta.text)
-        if delta.finished:
-            matches += self._scanner.finish()
+        start, self._fed = self._fed, self._fed + len(delta.text)
+        phrases = patterns = ()
+        until = self._fed
+        if self._phrases is not None:
+            phrases = self._phrases.feed(delta.text) + (self._phrases.finish() if delta.finished else [])
+            until = min(until, self._phrases.held_from)
+        if self._patterns is not None:
+            patterns = self._patterns.feed(delta.text) + (self._patterns.finish() if delta.finished else [])
+            until = min(until, self._patterns.held_from)
+        hits = self.rules.hits(phrases, patterns)
         self._held.append(_Held(delta, start))
-        blocked = self.rules.first_block(matches)
+        blocked = self.rules.first_block(hits)
         if blocked is not None:
             self._held.clear()
             return [], blocked
-        for m in matches:
-            policy = self.rules.owners[m.phrase]
-            self.redacted.append(policy)
-            self._add_span(m.start, m.end, policy.replacement)
-        until = self._scanner.fed if delta.finished else self._scanner.held_from
+        for h in hits:
+            self.redacted.append(h.policy)
+            self._add_span(h.start, h.end, h.policy.replacement)
+        if delta.finished:
+            until = self._fed
         shown: list[StreamDelta] = []
         while self._held and self._held[0].end <= until:
             shown.append(self._redacted(self._held.pop(0)))

@@ -1,0 +1,179 @@
+"""Find regular-expression detectors (e-mail addresses, card numbers, keys, ...) in a text that
+arrives a piece at a time, as a model writes it.
+
+Why beside phrase_scan.py: phrases are fixed strings; personal data and secrets are shapes. A
+detector is a pattern of the `regex` module (Perl-like syntax, with partial matching). The
+scanner must report exactly the matches `finditer` would find in the whole answer, and hold back
+only text that may still be part of one:
+
+- `search(text, pos, partial=True)` finds the leftmost place where a match starts or could
+  start if the text went on. Text before it can be shown.
+- A complete match there is final only if no longer or different match could start at the
+  same place once more text comes: `fullmatch(text, start, partial=True)` says whether the
+  text from its start to the end read so far could still be (a prefix of) a match. If it could,
+  the match is held (`\\d+` on "12" waits for what follows; "12 " is final).
+
+All the detectors of a request run as one alternation (leftmost first, as `finditer` over it),
+so their matches never overlap. A detector may also have a check on its match (a card number's
+Luhn digit): a match that fails it is no match, and scanning goes on after it, as a filter over
+`finditer`'s matches.
+
+Look-behind sees at most `LOOKBEHIND` characters before the text still held; patterns must not
+look further back (none of the built-in ones do).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import regex
+
+LOOKBEHIND = 64  # characters kept before the held text, for look-behind assertions
+_GROUP = "tierlm_detector_"  # the alternation's group names (a pattern's own names must differ)
+
+
+def luhn(text: str) -> bool:
+    """The Luhn check digit of the digits in `text` holds (card numbers)."""
+    digits = [int(c) for c in text if c.isdigit()]
+    total = sum(d if i % 2 == 0 else (d * 2 - 9 if d > 4 else d * 2) for i, d in enumerate(reversed(digits)))
+    return len(digits) > 1 and total % 10 == 0
+
+
+@dataclass(frozen=True)
+class Detector:
+    name: str
+    pattern: str  # the `regex` module's syntax
+    check: Callable[[str], bool] | None = None  # a match failing it is no match
+
+
+BUILTIN: dict[str, Detector] = {d.name: d for d in (
+    Detector("email", r"(?<![\w.%+-])[\w.%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,6}\.[A-Za-z]{2,24}"
+                      r"(?![\w-])"),
+    Detector("credit_card", r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])", luhn),
+    Detector("us_ssn", r"(?<![\d-])(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\d-])"),
+    Detector("ipv4", r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+                     r"(?!\.?\d)"),
+    Detector("aws_access_key_id", r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"),
+)}
+
+
+_EMPTY_PROBES = ("", " ", "a", "0", "a b.c 1-2 @ x_y")
+
+
+def compile_pattern(pattern: str) -> "regex.Pattern[str]":
+    """`pattern` compiled, or ValueError naming what is wrong: a syntax error, or a pattern that
+    matches empty text (every position would be a match)."""
+    try:
+        compiled = regex.compile(pattern, regex.VERSION1)
+    except regex.error as exc:
+        raise ValueError(f"pattern {pattern!r} is not a valid regular expression ({exc})") from None
+    if any(m.end() == m.start() for probe in _EMPTY_PROBES for m in compiled.finditer(probe)):
+        raise ValueError(f"pattern {pattern!r} can match empty text; make it match at least one character")
+    return compiled
+
+
+@dataclass(frozen=True)
+class PatternMatch:
+    detector: int  # index in the PatternSet
+    start: int
+    end: int
+
+
+class PatternSet:
+    """Detectors compiled as one alternation, each its own named group."""
+
+    def __init__(self, detectors: Sequence[Detector]) -> None:
+        if not detectors:
+            raise ValueError("a pattern set needs at least one detector")
+        for d in detectors:
+            compile_pattern(d.pattern)
+        self.detectors = tuple(detectors)
+        self.regex = regex.compile("|".join(f"(?P<{_GROUP}{i}>{d.pattern})" for i, d in enumerate(detectors)),
+                                   regex.VERSION1)
+
+    def _outer(self, m: "regex.Match[str]") -> int:
+        """The detector whose group matched (its own groups may be named too: not lastgroup)."""
+        for i in range(len(self.detectors)):
+            if m.start(f"{_GROUP}{i}") >= 0:
+                return i
+        raise AssertionError("a match of no detector")
+
+    def accepts(self, m: "regex.Match[str]") -> PatternMatch | None:
+        i = self._outer(m)
+        check = self.detectors[i].check
+        if check is not None and not check(m.group()):
+            return None
+        return PatternMatch(i, m.start(), m.end())
+
+    def find_all(self, text: str) -> list[PatternMatch]:
+        """Every match in a whole text (the reference the scanner agrees with)."""
+        return [pm for m in self.regex.finditer(text) if m.end() > m.start() and (pm := self.accepts(m)) is not None]
+
+    def scanner(self) -> "PatternScanner":
+        return PatternScanner(self)
+
+
+class PatternScanner:
+    """Matches of a PatternSet in a text fed piece by piece; offsets count every character fed."""
+
+    def __init__(self, patterns: PatternSet) -> None:
+        self.patterns = patterns
+        self._text = ""  # the characters from `_base` on
+        self._base = 0
+        self._pos = 0  # where the next search starts (absolute)
+        self._held = 0  # the first character that may still be part of a match (absolute)
+
+    @property
+    def fed(self) -> int:
+        return self._base + len(self._text)
+
+    @property
+    def held_from(self) -> int:
+        return self._held
+
+    def feed(self, text: str) -> list[PatternMatch]:
+        self._text += text
+        found = self._scan(final=False)
+        keep_from = max(0, min(self._held, self._pos) - LOOKBEHIND - self._base)
+        if keep_from:
+            self._text, self._base = self._text[keep_from:], self._base + keep_from
+        return found
+
+    def finish(self) -> list[PatternMatch]:
+        """The matches left once the text has ended."""
+        return self._scan(final=True)
+
+    def _scan(self, final: bool) -> list[PatternMatch]:
+        rx, text, base = self.patterns.regex, self._text, self._base
+        found: list[PatternMatch] = []
+        pos = self._pos - base
+        hold = self._first_open(max(pos, self._held - base), final)
+        while True:
+            m = rx.search(text, pos)  # a complete match starting before `hold` is final
+            if m is None or m.start() >= hold:
+                break
+            if m.end() == m.start():  # (compile_pattern refuses such patterns; never loop on one)
+                pos = m.end() + 1
+            else:
+                accepted = self.patterns.accepts(m)
+                if accepted is not None:
+                    found.append(PatternMatch(accepted.detector, base + accepted.start, base + accepted.end))
+                pos = m.end()
+            if pos > hold:
+                hold = self._first_open(pos, final)
+        # No match starts in [pos, hold), nor can one: the next search starts at `hold`.
+        self._pos, self._held = base + max(pos, hold), base + hold
+        return found
+
+    def _first_open(self, start: int, final: bool) -> int:
+        """The first position from `start` where the text read so far could still be the start
+        of a match (a prefix of one, or one that more text could lengthen or change); the end if
+        none. A position that is not, never becomes one: more text only rules out more."""
+        text = self._text
+        if final:
+            return len(text)
+        fullmatch = self.patterns.regex.fullmatch
+        for p in range(start, len(text)):
+            if fullmatch(text, p, partial=True) is not None:
+                return p
+        return len(text)
