@@ -187,3 +187,16 @@ def test_a_long_running_answer_is_expected_to_run_on_as_the_long_ones_did():
     assert estimate_ttft(m, prompt_tokens=1, priority=0, outputs=lengths, **kw) == pytest.approx((500 - 100 + 1) * step)
     running[0].max_tokens = 300  # never past its ceiling
     assert estimate_ttft(m, prompt_tokens=1, priority=0, outputs=lengths, **kw) == pytest.approx((300 - 100 + 1) * step)
+
+
+def test_the_calibration_scales_at_once_within_its_bounds():
+    from tierlm.engine.load import TtftCalibration
+    cal = TtftCalibration(low=0.5, high=4.0)
+    cal.scale(2, 2.0)
+    assert cal.factor(2) == pytest.approx(2.0) and cal.factor(0) == 1.0
+    cal.scale(2, 2.0)
+    cal.scale(2, 2.0)
+    assert cal.factor(2) == pytest.approx(4.0)  # capped
+    for _ in range(20):  # first tokens well within the estimate bring it back down, a step each
+        cal.observe(2, 1.0, 0.1)
+    assert cal.factor(2) == pytest.approx(4.0 * math.exp(-20 * 0.05))

@@ -168,9 +168,13 @@ class _IdleEngine:
     def __init__(self, estimate: float | None) -> None:
         self.engine = self
         self.estimate = estimate
+        self.distrusted: list[tuple[int, float]] = []
 
     def estimate_ttft(self, prompt_tokens: int, priority: int = 0) -> float | None:
         return self.estimate
+
+    def distrust_ttft_estimate(self, priority: int, by: float) -> None:
+        self.distrusted.append((priority, by))
 
 
 def _ctx(target_s: float | None = 0.05) -> RequestContext:
@@ -211,9 +215,11 @@ def test_an_open_breaker_refuses_before_the_estimate_and_the_estimate_frees_a_pr
     clock = [0.0]
     trips: list[tuple[str, str]] = []
     guard = SlaGuard(breaker=SMALL, clock=lambda: clock[0], on_trip=lambda m, t: trips.append((m, t)))
+    engine = _IdleEngine(None)
     for _ in range(3):
-        guard.admit(_IdleEngine(None), "m", _ctx(), 10)._report(False)
+        guard.admit(engine, "m", _ctx(), 10)._report(False)
     assert trips == [("m", "gold")]
+    assert engine.distrusted == [(0, 2.0)]  # the estimate that let them in is told at once
     with pytest.raises(SlaShed) as shed:
         guard.admit(_IdleEngine(0.0), "m", _ctx(), 10)  # the estimate would admit it
     assert shed.value.reason == "breaker" and shed.value.headers["retry-after"] == "1"

@@ -110,3 +110,9 @@ def test_luhn_and_pattern_errors():
                       (r"\b", "can match empty text")):
         with pytest.raises(ValueError, match=says):
             compile_pattern(bad)
+    for slow in (r"(a+)+$", r"(\w+\s?)+$"):
+        compile_pattern(slow)  # (the speed probe is for operators' patterns)
+        with pytest.raises(ValueError, match="took over 250 ms on 2,000 characters .*backtracks badly"):
+            compile_pattern(slow, probe_speed=True)
+    for name, detector in BUILTIN.items():
+        compile_pattern(detector.pattern, probe_speed=True)

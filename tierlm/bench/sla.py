@@ -18,7 +18,8 @@ requests that met their target (wall-clock time to first token, as a client sees
 goodput (requests that met their target per second of the run), with the goodput ratios of each
 run to no_guard and of each run to the one before it. Each run starts from the estimate's state
 after the calibration (its step-time fit; no arrival rates, no learnt factor), so no run inherits
-what the one before it taught the estimate.
+what the one before it taught the estimate, and each run has a cache salt of its own, so no
+prompt hits the prefix cache a run before it filled.
 """
 from __future__ import annotations
 
@@ -110,7 +111,10 @@ async def _replay(engines: dict, arrivals: list[tuple[float, TierSpec, list[int]
             """Serve the request on `name`'s engine (SlaShed if its guard refuses it): wall-clock TTFT."""
             engine = engines[name]
             admission = guard.admit(engine, name, ctx, len(prompt))
-            stream = aiter(engine.generate(prompt, params, ctx.request_id, priority=tier.priority))
+            # Each run its own cache salt: the runs replay the same prompts, and a prompt an earlier
+            # run left in the prefix cache would start sooner in a later one.
+            stream = aiter(engine.generate(prompt, params, ctx.request_id, priority=tier.priority,
+                                           cache_salt=f"bench-sla-{spec.name}"))
             if admission is not None:
                 admission.start()
             first = None

@@ -635,6 +635,12 @@ class LLMEngine:
         `actual` seconds: the estimate's factor for its priority learns from it."""
         self.ttft_calibration.observe(priority, estimate, actual)
 
+    def distrust_ttft_estimate(self, priority: int, by: float = 2.0) -> None:
+        """Requests of `priority` admitted on the estimate came late in bulk (the SLA breaker
+        opened): its factor grows at once, rather than by one step a late first token, which
+        under a slowdown comes seconds later; outcomes within the estimate bring it back down."""
+        self.ttft_calibration.scale(priority, by)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

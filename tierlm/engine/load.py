@@ -161,6 +161,12 @@ class TtftCalibration(_Copyable):
             self._log[priority] = min(self.high, max(self.low, self._log.get(priority, 0.0) + step))
             self.observed[priority] = self.observed.get(priority, 0) + 1
 
+    def scale(self, priority: int, by: float) -> None:
+        """Multiply the factor at once (within its bounds): what outcomes showed in bulk, e.g. a
+        circuit breaker that opened on late first tokens the estimate had let in."""
+        with self._lock:
+            self._log[priority] = min(self.high, max(self.low, self._log.get(priority, 0.0) + math.log(by)))
+
 
 class OutputLengths(_Copyable):
     """What the last `window` finished requests generated. A request's `max_tokens` is only a

@@ -115,6 +115,12 @@ class Breaker:
         return Outcome(self, self._epoch, probe=False)
 
     @property
+    def tripped_by(self) -> tuple[int, int]:
+        """(misses, outcomes) kept when it last opened on its window ((0, 0) before; a missed
+        probe reopens it without changing this)."""
+        return self._tripped_by
+
+    @property
     def refusing_until(self) -> float:
         """When an open breaker's cool-down ends (its clock's time; 0 unless open)."""
         return self._open_until if self.state is BreakerState.OPEN else 0.0

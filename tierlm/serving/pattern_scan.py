@@ -60,15 +60,30 @@ BUILTIN: dict[str, Detector] = {d.name: d for d in (
 _EMPTY_PROBES = ("", " ", "a", "0", "a b.c 1-2 @ x_y")
 
 
-def compile_pattern(pattern: str) -> "regex.Pattern[str]":
-    """`pattern` compiled, or ValueError naming what is wrong: a syntax error, or a pattern that
-    matches empty text (every position would be a match)."""
+# Long runs that make a pattern with nested repetition ((a+)+, (\w+\s?)+) backtrack for ever.
+_SLOW_PROBES = tuple(unit * (2000 // len(unit)) + "!" for unit in ("a", "1", "a ", "a.", "a-", "a@"))
+SLOW_PROBE_S = 0.25
+
+
+def compile_pattern(pattern: str, probe_speed: bool = False) -> "regex.Pattern[str]":
+    """`pattern` compiled, or ValueError naming what is wrong: a syntax error, a pattern that
+    matches empty text (every position would be a match), or (`probe_speed`: an operator's own
+    pattern) one that takes over SLOW_PROBE_S on 2,000 characters of a repeated unit: it would
+    hold up every answer it reads, on the server's event loop."""
     try:
         compiled = regex.compile(pattern, regex.VERSION1)
     except regex.error as exc:
         raise ValueError(f"pattern {pattern!r} is not a valid regular expression ({exc})") from None
     if any(m.end() == m.start() for probe in _EMPTY_PROBES for m in compiled.finditer(probe)):
         raise ValueError(f"pattern {pattern!r} can match empty text; make it match at least one character")
+    for probe in _SLOW_PROBES if probe_speed else ():
+        try:
+            compiled.search(probe, timeout=SLOW_PROBE_S)
+            compiled.fullmatch(probe, partial=True, timeout=SLOW_PROBE_S)
+        except TimeoutError:
+            raise ValueError(f"pattern {pattern!r} took over {SLOW_PROBE_S * 1000:.0f} ms on {len(probe) - 1:,} "
+                             f"characters ({probe[:6]!r}...): it backtracks badly; rewrite it without nested "
+                             "repetition such as (a+)+") from None
     return compiled
 
 

@@ -280,7 +280,7 @@ def _detectors(where: str, spec: dict) -> tuple[Detector, ...]:
     found = [BUILTIN[n] for n in dict.fromkeys(named)]
     for i, pattern in enumerate(_strings(where, "patterns", spec.get("patterns", []))):
         try:
-            compile_pattern(pattern)
+            compile_pattern(pattern, probe_speed=True)
         except ValueError as exc:
             raise PolicyFileError(f"{where}: patterns[{i}]: {exc}") from None
         found.append(Detector(f"pattern {i}", pattern))

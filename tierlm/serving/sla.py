@@ -40,6 +40,7 @@ logger = logging.getLogger("tierlm.serving")
 UNKNOWN_WAIT_S = 30  # retry-after when better tiers take the whole engine: no drain time to tell
 MAX_WAIT_S = 600
 FALLBACK_HEADER = "x-tierlm-fallback-from"
+TRIP_DISTRUST = 2.0  # each time a breaker opens, its tier's estimate is taken as this much too short
 T = TypeVar("T")
 R = TypeVar("R", bound=Response)
 
@@ -77,8 +78,10 @@ class Admission:
     """A request the guard let through: it reports how it did to its breaker and its estimate."""
 
     guard: "SlaGuard"
+    engine: Any
     model: str
     tier: str
+    priority: int
     target_s: float
     estimate: float | None
     outcome: Outcome | None
@@ -102,7 +105,7 @@ class Admission:
             self._timer.cancel()
             self._timer = None
         if self.outcome is not None:
-            self.guard._report(self.model, self.tier, self.outcome, met)
+            self.guard._report(self, met)
 
 
 @dataclass
@@ -157,16 +160,23 @@ class SlaGuard:
             if outcome is not None:
                 outcome.report(None, self.clock())  # (a probe's place goes to the next request)
             raise
-        return Admission(self, model, tier, ctx.ttft_target_s, estimate, outcome)
+        return Admission(self, engine, model, tier, ctx.priority, ctx.ttft_target_s, estimate, outcome)
 
-    def _report(self, model: str, tier: str, outcome: Outcome, met: bool | None) -> None:
+    def _report(self, admission: Admission, met: bool | None) -> None:
+        outcome = admission.outcome
+        assert outcome is not None
         trips = outcome.breaker.trips
         outcome.report(met, self.clock())
         if outcome.breaker.trips != trips:
-            misses, outcomes = outcome.breaker._tripped_by
-            logger.warning("SLA breaker for model %s, tier %s opened (%d of the last %d requests missed the "
-                           "time-to-first-token target); new requests of that tier are refused or sent to its "
-                           "fallback until probes meet the target again", model, tier, misses, outcomes)
+            model, tier = admission.model, admission.tier
+            if outcome.probe:
+                why = "a probe request missed the time-to-first-token target"
+            else:
+                why = "%d of the last %d requests missed the time-to-first-token target" % outcome.breaker.tripped_by
+            logger.warning("SLA breaker for model %s, tier %s opened (%s); new requests of that tier are refused or "
+                           "sent to its fallback until probes meet the target again", model, tier, why)
+            # The estimate let those requests in: it learns at once that it is too hopeful.
+            admission.engine.engine.distrust_ttft_estimate(admission.priority, TRIP_DISTRUST)
             if self.on_trip is not None:
                 self.on_trip(model, tier)
 
