@@ -190,6 +190,7 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     context = state.admit(request)
     body = await state.parse(request, CompletionRequest)
+    state.models.get(body.model)  # an unknown model is named first (404)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
     asked = body.model
