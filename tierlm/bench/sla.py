@@ -122,11 +122,8 @@ async def _replay(engines: dict, arrivals: list[tuple[float, TierSpec, list[int]
                 async for delta in stream:
                     if first is None and delta.token_ids:
                         first = time.monotonic()
-                        if admission is not None:
-                            ttft = delta.first_token_time - delta.arrival_time
-                            admission.first_token(ttft)
-                            if admission.estimate is not None:  # the estimate learns how it did
-                                engine.engine.observe_ttft(tier.priority, admission.estimate, ttft)
+                        if admission is not None:  # as the server does: the breaker and estimate learn
+                            admission.first_token(delta.first_token_time - delta.arrival_time)
             except BaseException as exc:
                 if admission is not None:
                     admission.failed(exc)

@@ -649,10 +649,7 @@ class EngineStream:
         if admission is not None:
             ttft = (first.first_token_time - first.arrival_time
                     if first.first_token_time is not None and first.arrival_time is not None else None)
-            admission.first_token(ttft)  # the tier's breaker learns how it went
-            if admission.estimate is not None and ttft is not None:
-                # and so does the estimate (engine/load.py's TtftCalibration)
-                self.engine.engine.observe_ttft(ctx.priority, admission.estimate, ttft)
+            admission.first_token(ttft)  # the tier's breaker and the estimate learn how it went
         return self._first
 
     def _prompt_breaks(self, ctx: RequestContext) -> Policy | None:

@@ -254,9 +254,10 @@ def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: s
                                   f"{phrase[:40]!r}...")
         if not normalise(phrase, whole_word):
             raise PolicyFileError(f"{where}: the phrase {phrase!r} is only white space")
-    own = Rules.of([Policy(name, tuple(phrases), whole_word=whole_word, detectors=detectors)])
-    if action == "redact" and own is not None and own.find_all(replacement):
-        raise PolicyFileError(f"{where}: its replacement {replacement!r} matches the policy itself")
+    if action == "redact":  # (compiling a long phrase list takes a while: only where it is needed)
+        own = Rules.of([Policy(name, tuple(phrases), whole_word=whole_word, detectors=detectors)])
+        if own is not None and own.find_all(replacement):
+            raise PolicyFileError(f"{where}: its replacement {replacement!r} matches the policy itself")
     listed_tiers = frozenset(_strings(where, "tiers", spec.get("tiers", [])))
     listed_tenants = frozenset(_strings(where, "tenants", spec.get("tenants", [])))
     for kind, names, known in (("tier", listed_tiers, tiers), ("tenant", listed_tenants, tenants)):

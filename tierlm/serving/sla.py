@@ -94,7 +94,11 @@ class Admission:
             self._timer = asyncio.get_running_loop().call_later(self.target_s, self._report, False)
 
     def first_token(self, ttft_s: float | None) -> None:
+        """The first token came `ttft_s` after arrival (None: the request ended without one):
+        the tier's breaker and the estimate it was admitted on both learn how it went."""
         self._report(None if ttft_s is None else ttft_s <= self.target_s)
+        if self.estimate is not None and ttft_s is not None:  # (engine/load.py's TtftCalibration)
+            self.engine.engine.observe_ttft(self.priority, self.estimate, ttft_s)
 
     def failed(self, exc: BaseException) -> None:
         """No first token: an engine failure (5xx) is a miss; a client's leaving or error is no verdict."""
