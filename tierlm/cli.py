@@ -176,12 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tierlm.kv.cli import add_cli as add_kv_cli
     add_kv_cli(sub)
+    from tierlm.dist.cli import add_router_parser
+    add_router_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG, ratios against a peer in the same run)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from tierlm.bench import throughput
     throughput.add_cli(bsub)
-    for mod in ("cache", "prefix", "serve", "sweep", "fairness", "sla", "safety"):
+    for mod in ("cache", "prefix", "serve", "sweep", "fairness", "sla", "safety", "router"):
         try:
             m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
         except ImportError:
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --replicas` starts each replica with it
     if extra:  # argparse takes a subcommand's positional list only before its options
         more = getattr(args, "more_positionals", None)
         if more and extra[0] == "--":

@@ -220,3 +220,21 @@ def test_a_server_at_its_open_file_limit_logs_a_line_not_a_flood():
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert out.count(ACCEPT_ERROR) == 1, out[-3000:]
+
+
+def test_successful_probes_are_left_out_of_the_access_log():
+    """A router probing /ready every 2 s (and a scraper reading /metrics) wrote most of the log."""
+    import logging
+
+    from tierlm.serving.server import ProbeLogFilter
+
+    def record(method: str, path: str, status: int) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5000", method, path, "1.1", status), None)
+
+    f = ProbeLogFilter()
+    assert not f.filter(record("GET", "/ready", 200)) and not f.filter(record("HEAD", "/health", 200))
+    assert not f.filter(record("GET", "/metrics", 200))
+    assert f.filter(record("GET", "/ready", 503))  # a failing probe is news
+    assert f.filter(record("POST", "/v1/messages", 200)) and f.filter(record("GET", "/v1/models", 200))
+    assert f.filter(logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "plain", None, None))

@@ -111,6 +111,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="send OpenTelemetry traces (OTLP/HTTP) here, e.g. http://localhost:4318 (default: no tracing)")
     p.add_argument("--request-log", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per finished request on stderr (logger tierlm.requests)")
+    from tierlm.dist.cli import add_scale_out_args
+    add_scale_out_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -195,6 +197,9 @@ def parse_fallbacks(specs: list[str], served: list[str]) -> dict[str, str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "replicas", 1) > 1:  # copies of this server on Ray, behind a router here
+        from tierlm.dist.ray_serve import run_replicated
+        return run_replicated(args, getattr(args, "argv", sys.argv[1:]))
     from tierlm.engine.async_engine import AsyncEngine
     from tierlm.errors import TierlmError
     from tierlm.serving.app import build_app

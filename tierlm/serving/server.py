@@ -65,6 +65,7 @@ def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, shutdown
                             timeout_graceful_shutdown=shutdown_timeout + FLUSH_GRACE_S,
                             http=timed_h11_protocol(state))
     install_accept_error_filter()
+    install_probe_log_filter()
     return GracefulServer(config, state, shutdown_timeout)
 
 
@@ -205,6 +206,28 @@ def install_accept_error_filter(interval: float = 10.0) -> AcceptErrorFilter:
     accept_filter = AcceptErrorFilter(interval)
     log.addFilter(accept_filter)
     return accept_filter
+
+
+class ProbeLogFilter(logging.Filter):
+    """Drops uvicorn's access-log lines for successful probes (GET/HEAD /health, /ready,
+    /metrics): a router or load balancer probing every 2 s, and a scraper, wrote most of the log."""
+
+    PATHS = ("/health", "/ready", "/metrics")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:  # client, method, path, http version, status
+            _, method, path, _, status = args
+            if method in ("GET", "HEAD") and path in self.PATHS and status == 200:
+                return False
+        return True
+
+
+def install_probe_log_filter() -> None:
+    """On uvicorn's access logger, once per process."""
+    log = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ProbeLogFilter) for f in log.filters):
+        log.addFilter(ProbeLogFilter())
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -1,0 +1,120 @@
+"""`tierlm serve --replicas 2` for real: a local Ray cluster, two replica servers (demo model)
+started by Ray actors, the router in front; a replica killed and brought back."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving.harness import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _serve_pids(port: int) -> list[int]:
+    """Processes running `tierlm.cli serve ... --port PORT` (a replica server)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tierlm.cli" in argv and b"serve" in argv and str(port).encode() in argv:
+            pids.append(int(d.name))
+    return pids
+
+
+class _Log:
+    """A process's stderr, read on a thread (Ray and the replicas write a lot to it)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            self.lines.append(line)
+
+    def find(self, pattern: str) -> re.Match | None:
+        for line in list(self.lines):
+            m = re.search(pattern, line)
+            if m:
+                return m
+        return None
+
+
+def test_serve_with_two_replicas_on_ray(tmp_path):
+    import anthropic
+
+    cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--replicas", "2", "--port", "0", "--device", "cpu",
+           "--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-num-seqs", "8"]
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                            cwd=tmp_path)
+    log = _Log(proc)
+    try:
+        assert wait_until(lambda: log.find(r"routing http://127\.0\.0\.1:(\d+) to 2 replicas") or proc.poll() is not None,
+                          timeout=240), "".join(log.lines[-40:])
+        m = log.find(r"routing http://127\.0\.0\.1:(\d+) to 2 replicas")
+        assert m is not None, "".join(log.lines[-40:])
+        url = f"http://127.0.0.1:{m.group(1)}"
+        assert wait_until(lambda: _ready(url), timeout=30)
+        replicas = httpx.get(url + "/ready").json()["replicas"]
+        ports = [int(r["url"].rsplit(":", 1)[1]) for r in replicas]
+        assert len(ports) == 2 and all(len(_serve_pids(p)) == 1 for p in ports)
+
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        system = "Answer in one word. " * 30
+
+        def ask(tag: str, turns: int) -> list[tuple[str, int]]:
+            messages, out = [], []
+            for t in range(turns):
+                messages.append({"role": "user", "content": f"{tag} {t}"})
+                raw = client.messages.with_raw_response.create(model=model, max_tokens=3, system=tag + system,
+                                                               messages=messages)
+                msg = raw.parse()
+                out.append((raw.headers["x-tierlm-replica"], msg.usage.cache_read_input_tokens))
+                messages.append({"role": "assistant", "content": msg.content[0].text if msg.content else "."})
+            return out
+
+        a, b = ask("alpha", 2), ask("beta", 2)
+        # unrelated prompts spread out (the idler replica), then each conversation stays on its own
+        assert a[0][0] == a[1][0] and b[0][0] == b[1][0] and a[0][0] != b[0][0]
+        assert a[1][1] > 0 and b[1][1] > 0  # follow-ups read the conversation from their replica's cache
+
+        # kill replica 0's server: requests go to replica 1 meanwhile, and its actor starts it again
+        (victim,) = _serve_pids(ports[0])
+        os.kill(victim, signal.SIGKILL)
+        for i in range(3):
+            assert ask(f"during {i}", 1)[0][0] == "1"
+        assert wait_until(lambda: [p for p in _serve_pids(ports[0]) if p != victim], timeout=30)
+        assert wait_until(lambda: all(r["up"] for r in httpx.get(url + "/ready").json()["replicas"]), timeout=120)
+        assert log.find("exited with status -9; starting it again")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    assert code == 128 + signal.SIGTERM, "".join(log.lines[-40:])  # the shell's status for a SIGTERM
+    assert wait_until(lambda: not any(_serve_pids(p) for p in ports), timeout=30)  # no replica outlives it

@@ -1,0 +1,319 @@
+"""The router in front of real tierlm servers on 127.0.0.1 (two demo-model replicas, each its own
+engine and KV cache), driven through the official SDKs."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from tests.serving.harness import API_KEY, ServerThread, parse_sse, slow_steps, wait_until
+from tierlm.dist.router import Router, RouterConfig
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+
+GREEDY = {"temperature": 0}  # the anthropic SDK no longer takes it as an argument
+SYSTEM = "You are a careful assistant. " * 20  # 580 bytes: two full routing chunks, ~370 demo tokens
+
+
+class RouterThread:
+    """`Router` under uvicorn on 127.0.0.1, a free port, in a background thread."""
+
+    def __init__(self, replicas: list[str], **kwargs) -> None:
+        self.router = Router(RouterConfig(replicas=replicas, **{"health_interval": 0.2, **kwargs}))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.router, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "RouterThread":
+        self.thread.start()
+        assert wait_until(lambda: self.server.started, timeout=30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def clients(self):
+        import anthropic
+        import openai
+        return (anthropic.Anthropic(base_url=self.url, api_key=API_KEY, max_retries=0, timeout=60),
+                openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60))
+
+
+def _free_url() -> str:
+    """A URL nothing listens on (a port just released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from tierlm.engine.async_engine import AsyncEngine
+    return [AsyncEngine.from_model(None, device="cpu", max_model_len=1024, kv_cache_memory=32 << 20,
+                                   max_num_seqs=16, load_progress=False) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def replicas(engines) -> Iterator[list[ServerThread]]:
+    servers = [ServerThread(build_app({e.model_name: e}, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+               for e in engines]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def _conversation(client, model: str, turns: int, tag: str) -> list[tuple[str, int, int]]:
+    """`turns` turns of one conversation with a long system prompt: per turn, the replica that
+    answered and the prompt tokens computed and read from the cache."""
+    messages: list[dict] = []
+    out = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"{tag} question {t}"})
+        raw = client.messages.with_raw_response.create(model=model, max_tokens=4, system=SYSTEM, messages=messages)
+        msg = raw.parse()
+        out.append((raw.headers["x-tierlm-replica"], msg.usage.input_tokens, msg.usage.cache_read_input_tokens))
+        messages.append({"role": "assistant", "content": msg.content[0].text if msg.content else "."})
+    return out
+
+
+def test_a_conversation_stays_where_its_prefix_is_cached(replicas, engines):
+    """Affinity against round robin, on the same two replicas: every follow-up turn lands where
+    the conversation is cached and reads its prefix from the cache; round robin sends each turn
+    to the other replica, which computes the whole conversation again."""
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+    with RouterThread(urls, policy="cache_aware") as router:
+        anthropic_client, _ = router.clients()
+        turns = _conversation(anthropic_client, model, 4, "affinity")
+    assert len({replica for replica, _, _ in turns}) == 1
+    assert all(cached > 0 for _, _, cached in turns[1:])
+    with RouterThread(urls, policy="round_robin") as router:
+        anthropic_client, _ = router.clients()
+        rr = _conversation(anthropic_client, model, 4, "round robin")
+    assert [r for r, _, _ in rr] in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
+    # each turn's replica saw the conversation two turns ago at best: less of it is cached
+    assert sum(c for _, _, c in turns[1:]) > sum(c for _, _, c in rr[1:])
+    assert sum(i for _, i, _ in turns[1:]) < sum(i for _, i, _ in rr[1:])
+
+
+def test_answers_through_the_router_equal_the_replicas_own(replicas, engines):
+    """Greedy answers, streamed and not, through both SDKs: byte for byte what a replica gives
+    when asked directly (the router passes bodies and event streams through unchanged)."""
+    import anthropic
+    model = engines[0].model_name
+    direct = anthropic.Anthropic(base_url=replicas[1].url, api_key=API_KEY, max_retries=0)
+    want = direct.messages.create(model=model, max_tokens=12, messages=[{"role": "user", "content": "same words"}],
+                                 extra_body=GREEDY)
+    with RouterThread([s.url for s in replicas]) as router:
+        a, o = router.clients()
+        got = a.messages.create(model=model, max_tokens=12, messages=[{"role": "user", "content": "same words"}],
+                                 extra_body=GREEDY)
+        assert got.content[0].text == want.content[0].text and got.stop_reason == want.stop_reason
+        with a.messages.stream(model=model, max_tokens=12, messages=[{"role": "user", "content": "same words"}],
+                               extra_body=GREEDY) as stream:
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert streamed == want.content[0].text and final.usage.output_tokens == want.usage.output_tokens
+        chat = dict(model=model, max_tokens=12, temperature=0, messages=[{"role": "user", "content": "same words"}])
+        direct_chat = httpx.post(replicas[0].url + "/v1/chat/completions", json=chat,
+                                 headers={"authorization": f"Bearer {API_KEY}"}).json()
+        pieces = [c.choices[0].delta.content or "" for c in o.chat.completions.create(**chat, stream=True)
+                  if c.choices]
+        assert "".join(pieces) == direct_chat["choices"][0]["message"]["content"]
+        assert [m.id for m in o.models.list()] == [model]
+
+
+def test_a_replica_that_cannot_be_reached_is_skipped(replicas, engines):
+    model = engines[0].model_name
+    dead = _free_url()
+    with RouterThread([dead, replicas[0].url], policy="round_robin") as router:
+        a, _ = router.clients()
+        for i in range(4):
+            raw = a.messages.with_raw_response.create(model=model, max_tokens=2,
+                                                      messages=[{"role": "user", "content": f"q{i}"}])
+            assert raw.headers["x-tierlm-replica"] == "1"
+        ready = httpx.get(router.url + "/ready").json()
+        assert [r["up"] for r in ready["replicas"]] == [False, True]
+        assert "ConnectError" in ready["replicas"][0]["error"]
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'tierlm:router_replica_up{replica="0"} 0.0' in metrics
+        assert 'tierlm:router_requests_total{decision="round_robin",replica="1"}' in metrics
+
+
+def test_no_replica_left_is_an_overload_error_in_each_apis_shape():
+    import anthropic
+    import openai
+    with RouterThread([_free_url(), _free_url()]) as router:
+        a, o = router.clients()
+        with pytest.raises(anthropic.APIStatusError) as e:
+            a.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+        assert "no replica" in e.value.body["error"]["message"] and e.value.response.headers["retry-after"] == "2"
+        with pytest.raises(openai.APIStatusError) as e2:
+            o.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert e2.value.status_code == 503 and e2.value.body["code"] == "overloaded"
+        assert httpx.get(router.url + "/ready").status_code == 503
+        assert httpx.get(router.url + "/health").status_code == 200  # the router itself is alive
+
+
+def test_a_replica_that_sheds_the_request_passes_it_on(replicas, engines):
+    """A replica that refuses before any work (529: its SLA guard, or draining for a restart)
+    sends the request on to the next one. When every replica refuses, the client gets the last
+    refusal as its replica gave it. A draining replica also fails its /ready probe: out of
+    rotation until it is back."""
+    import openai
+    model = engines[0].model_name
+    states = [s.app.state.tierlm for s in replicas]
+    try:
+        # probes far apart: the router still thinks replica 0 is up when it starts refusing
+        with RouterThread([s.url for s in replicas], policy="round_robin", health_interval=60) as router:
+            a, o = router.clients()
+            states[0].draining = True
+            for i in range(3):
+                raw = a.messages.with_raw_response.create(model=model, max_tokens=2,
+                                                          messages=[{"role": "user", "content": f"d{i}"}])
+                assert raw.headers["x-tierlm-replica"] == "1"
+            assert 'tierlm:router_retries_total{reason="overloaded",replica="0"}' in httpx.get(router.url + "/metrics").text
+            states[1].draining = True
+            with pytest.raises(openai.APIStatusError) as e:
+                o.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+            assert e.value.status_code == 503 and "shutting down" in e.value.body["message"]
+            assert all(r.in_flight == 0 and r.pending == 0 for r in router.router.replicas)
+        states[1].draining = False
+        with RouterThread([s.url for s in replicas], policy="round_robin") as router:
+            assert [r["up"] for r in httpx.get(router.url + "/ready").json()["replicas"]] == [False, True]
+            states[0].draining = False
+            assert wait_until(lambda: router.router.replicas[0].up, timeout=5)
+    finally:
+        for st in states:
+            st.draining = False
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_replicas_kv_blocks(replicas, engines, monkeypatch):
+    model = engines[0].model_name
+    with RouterThread([s.url for s in replicas]) as router:
+        for e in engines:
+            slow_steps(e, monkeypatch, 0.02)
+        body = {"model": model, "max_tokens": 200, "stream": True,
+                "messages": [{"role": "user", "content": "go " * 200}]}  # two routing chunks: work 3 until it answers
+        before = sum(e.stats().generation_tokens for e in engines)
+        with httpx.stream("POST", router.url + "/v1/messages", json=body, timeout=30,
+                          headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}) as r:
+            lines = r.iter_lines()
+            for _ in range(8):
+                next(lines)
+            assert sum(e.stats().kv_blocks_used for e in engines) > 0
+            # answering: its prompt no longer counts as work queued there, only the request itself
+            (busy,) = [rep for rep in router.router.replicas if rep.in_flight]
+            assert busy.in_flight == 1 and busy.pending == 1
+        assert wait_until(lambda: sum(e.stats().kv_blocks_used for e in engines) == 0, timeout=5)
+        assert sum(e.stats().generation_tokens for e in engines) - before < 100  # aborted, not run to the end
+        assert wait_until(lambda: all(r.in_flight == 0 and r.pending == 0 for r in router.router.replicas), timeout=5)
+        # and one waiting for a non-streamed answer
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(router.url + "/v1/messages", json={**body, "stream": False}, timeout=0.5,
+                       headers={"x-api-key": API_KEY})
+        assert wait_until(lambda: sum(e.stats().kv_blocks_used for e in engines) == 0, timeout=5)
+        assert wait_until(lambda: all(r.in_flight == 0 and r.pending == 0 for r in router.router.replicas), timeout=5)
+
+
+def test_stored_responses_are_found_on_the_replica_that_made_them(replicas, engines):
+    """Responses-API objects live on one replica: the router remembers which, and when it does not
+    (it was restarted), asks each replica in turn."""
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+    with RouterThread(urls, policy="round_robin") as router:
+        _, o = router.clients()
+        first = o.responses.create(model=model, input="remember me", max_output_tokens=3)
+        for _ in range(3):  # round robin would send these elsewhere half the time
+            follow = o.responses.create(model=model, input="and then", previous_response_id=first.id,
+                                        max_output_tokens=3)
+            assert follow.previous_response_id == first.id
+            assert o.responses.retrieve(first.id).id == first.id
+        streamed = [e for e in o.responses.create(model=model, input="streamed", max_output_tokens=3, stream=True)]
+        sid = streamed[-1].response.id
+    with RouterThread(list(reversed(urls)), policy="round_robin") as fresh:  # knows no owners
+        _, o = fresh.clients()
+        for rid in (first.id, sid, first.id):
+            assert o.responses.retrieve(rid).id == rid
+        o.responses.create(model=model, input="later", previous_response_id=sid, max_output_tokens=2)
+        import openai
+        with pytest.raises(openai.BadRequestError) as e:
+            o.responses.create(model=model, input="x", previous_response_id="resp_nowhere", max_output_tokens=2)
+        assert e.value.body["code"] == "previous_response_not_found"
+        with pytest.raises(openai.NotFoundError):
+            o.responses.retrieve("resp_nowhere")
+
+
+def test_bad_requests_get_the_replicas_own_errors_and_the_router_its_limits(replicas, engines):
+    with RouterThread([s.url for s in replicas], max_body_bytes=1000) as router:
+        r = httpx.post(router.url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY})
+        assert r.status_code == 400 and r.json()["type"] == "error"  # the replica's own answer, in its shape
+        r = httpx.post(router.url + "/v1/messages", json={"model": "m", "messages": []}, headers={"x-api-key": "bad"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(router.url + "/v1/chat/completions", content=b"x" * 2000, headers={"x-api-key": API_KEY})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert all(rep.in_flight == 0 and rep.pending == 0 for rep in router.router.replicas)
+
+
+def test_router_settings_are_checked():
+    with pytest.raises(ValueError, match="at least one replica"):
+        RouterConfig(replicas=[])
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        RouterConfig(replicas=["localhost:8000"])
+    with pytest.raises(ValueError, match="given twice"):
+        RouterConfig(replicas=["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        RouterConfig(replicas=["http://a:1"], policy="random")
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_answer_ends_the_stream_with_an_error_event(tmp_path):
+    """A replica process killed while it streams: the client's stream ends with an `error` event
+    in its API's shape (not a cut connection), and the next request finds the replica gone."""
+    import os
+    import signal
+
+    from tierlm.dist.ray_serve import ServerProcess
+
+    server = ServerProcess(["--log-level", "warning", "serve", "--device", "cpu", "--max-model-len", "1024",
+                            "--kv-cache-memory", "16MiB", "--no-request-log"], "127.0.0.1",
+                           log=str(tmp_path / "replica.log"))
+    server.start(ready_timeout=120)
+    try:
+        with RouterThread([server.url]) as router:
+            model = httpx.get(router.url + "/v1/models").json()["data"][0]["id"]
+            for path, body, headers in [
+                ("/v1/messages", {"model": model, "max_tokens": 900, "stream": True, "ignore_eos": True,
+                                  "messages": [{"role": "user", "content": "go on"}]},
+                 {"anthropic-version": "2023-06-01"}),
+                ("/v1/chat/completions", {"model": model, "max_tokens": 900, "stream": True, "ignore_eos": True,
+                                          "messages": [{"role": "user", "content": "go on"}]}, {}),
+            ]:
+                assert wait_until(lambda: router.router.replicas[0].up and server.ready(), timeout=60)
+                with httpx.stream("POST", router.url + path, json=body, headers=headers, timeout=60) as r:
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    for _ in range(10):
+                        next(lines)
+                    os.kill(server.pid(), signal.SIGKILL)
+                    rest = "\n".join(lines)
+                events = parse_sse(rest)
+                name, data = events[-1]
+                if path == "/v1/messages":
+                    assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
+                else:
+                    assert data["error"]["type"] == "server_error"
+                assert "failed mid-answer" in json.dumps(data)
+    finally:
+        server.stop()
