@@ -155,3 +155,15 @@ def test_replica_command_line_drops_the_routers_own_options():
     argv = ["--log-level", "debug", "serve", "/m", "--replicas", "4", "--port=9000", "--host", "0.0.0.0",
             "--ray-address=auto", "--routing-policy", "round_robin", "--affinity-chunks", "10", "--api-keys", "k.txt"]
     assert replica_argv(argv) == ["--log-level", "debug", "serve", "/m", "--api-keys", "k.txt"]
+
+
+def test_router_command_line_refuses_bad_settings_in_one_line(capsys):
+    from tierlm.cli import main
+
+    assert main(["router"]) == 2
+    assert "error: the router needs at least one replica URL (--replica http://HOST:PORT)" in capsys.readouterr().err
+    assert main(["router", "--replica", "localhost:8000"]) == 2
+    assert "replica 'localhost:8000' is not a server's base URL; give it as http://HOST:PORT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["router", "--replica", "http://a:1", "--routing-policy", "random"])
+    assert e.value.code == 2 and "invalid choice: 'random'" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from tierlm.dist.router import Router, RouterConfig
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
 
+KEYS = {"alice": API_KEY, "bob": "sk-bob-key"}  # the replicas' keys (no tenants: no limits of their own)
 GREEDY = {"temperature": 0}  # the anthropic SDK no longer takes it as an argument
 SYSTEM = "You are a careful assistant. " * 20  # 580 bytes: two full routing chunks, ~370 demo tokens
 
@@ -65,8 +66,7 @@ def engines():
 
 @pytest.fixture(scope="module")
 def replicas(engines) -> Iterator[list[ServerThread]]:
-    servers = [ServerThread(build_app({e.model_name: e}, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
-               for e in engines]
+    servers = [ServerThread(build_app({e.model_name: e}, ApiKeyAuth.from_keys(KEYS))).start() for e in engines]
     yield servers
     for s in servers:
         s.stop()
@@ -317,3 +317,62 @@ def test_a_replica_killed_mid_answer_ends_the_stream_with_an_error_event(tmp_pat
                 assert "failed mid-answer" in json.dumps(data)
     finally:
         server.stop()
+
+
+def _tenancy(toml: str):
+    import tomllib
+
+    from tierlm.serving.tenancy import Tenancy, TenantsConfig
+    return Tenancy(TenantsConfig.parse(tomllib.loads(toml), list(KEYS), source="t.toml"))
+
+
+def test_tenant_limits_hold_across_replicas_at_the_router(replicas, engines):
+    """The replicas have no limits of their own here (as if each allowed the tenant all it may
+    have, alone); with the tenants file the router holds the tenant to 3 requests a minute
+    across both (round robin spreads them), and its headers count for both. Another tenant is
+    not held back; a bad key fails as at a replica."""
+    import anthropic
+
+    toml = '[tenants.acme]\ntier = "gold"\nkeys = ["alice"]\nrequests_per_minute = 3\n[tenants.other]\nkeys = ["bob"]\n'
+    model = engines[0].model_name
+    with RouterThread([s.url for s in replicas], policy="round_robin", auth=ApiKeyAuth.from_keys(KEYS),
+                      tenancy=_tenancy(toml)) as router:
+        a, _ = router.clients()
+        bob = anthropic.Anthropic(base_url=router.url, api_key=KEYS["bob"], max_retries=0)
+        seen = set()
+        for i in range(3):
+            raw = a.messages.with_raw_response.create(model=model, max_tokens=2,
+                                                      messages=[{"role": "user", "content": f"t{i}"}])
+            seen.add(raw.headers["x-tierlm-replica"])
+            assert raw.headers["anthropic-ratelimit-requests-remaining"] == str(2 - i)  # the router's count
+        assert seen == {"0", "1"}
+        with pytest.raises(anthropic.RateLimitError) as e:
+            a.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "t3"}])
+        assert "tenant 'acme'" in e.value.body["error"]["message"] and int(e.value.response.headers["retry-after"]) > 0
+        bob.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "other tenant"}])
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0).messages.create(
+                model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert all(rep.in_flight == 0 and rep.pending == 0 for rep in router.router.replicas)
+        assert router.router.config.tenancy.in_flight("acme") == 0
+
+
+def test_a_tenants_concurrency_limit_holds_across_replicas(replicas, engines, monkeypatch):
+    tenancy = _tenancy('[tenants.acme]\nkeys = ["alice"]\nmax_concurrent = 1\n')
+    model = engines[0].model_name
+    with RouterThread([s.url for s in replicas], auth=ApiKeyAuth.from_keys(KEYS), tenancy=tenancy) as router:
+        for e in engines:
+            slow_steps(e, monkeypatch, 0.02)
+        body = {"model": model, "max_tokens": 100, "stream": True, "ignore_eos": True,  # ~2 s
+                "messages": [{"role": "user", "content": "a"}]}
+        headers = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
+        with httpx.stream("POST", router.url + "/v1/messages", json=body, headers=headers, timeout=30) as r:
+            lines = r.iter_lines()  # kept: a generator dropped closes the response (a disconnect)
+            next(lines)
+            assert tenancy.in_flight("acme") == 1
+            second = httpx.post(router.url + "/v1/messages", json={**body, "stream": False}, headers=headers)
+            assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
+            assert "1 requests at a time" in second.json()["error"]["message"]
+        assert wait_until(lambda: tenancy.in_flight("acme") == 0, timeout=5)
+        ok = httpx.post(router.url + "/v1/messages", json={**body, "stream": False, "max_tokens": 2}, headers=headers)
+        assert ok.status_code == 200

@@ -46,6 +46,12 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (the log says which)")
     _routing_args(p)
+    p.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="the replicas' keys file: with it the router checks keys itself and routes by "
+                        "each key's (or, with --tenants, tenant's) cache salt")
+    p.add_argument("--tenants", metavar="FILE", default=None,
+                   help="the replicas' tenants file (needs --api-keys): each tenant's requests_per_minute "
+                        "and max_concurrent are enforced here across all replicas, not per replica")
     p.add_argument("--health-interval", type=in_range(float, 0, low_open=True), default=2.0,
                    help="seconds between probes of each replica's /ready (default: %(default)g)")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
@@ -54,15 +60,30 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def tenants_of(args: argparse.Namespace):
+    """The router's (auth, tenancy) from --api-keys and --tenants: (None, None) without keys."""
+    from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.tenancy import Tenancy
+
+    if getattr(args, "tenants", None) and not getattr(args, "api_keys", None):
+        raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
+    if not getattr(args, "api_keys", None):
+        return None, None
+    auth = ApiKeyAuth.from_file(args.api_keys)
+    tenancy = Tenancy.from_file(args.tenants, auth.key_ids) if getattr(args, "tenants", None) else Tenancy()
+    return auth, tenancy
+
+
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierlm.dist.router import Router, RouterConfig
     from tierlm.serving.server import install_probe_log_filter, listen_socket, raise_fd_limit
 
+    auth, tenancy = tenants_of(args)
     config = RouterConfig(replicas=args.replicas, policy=args.routing_policy,
                           affinity_chunks=args.affinity_chunks, health_interval=args.health_interval,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, auth=auth, tenancy=tenancy)
     raise_fd_limit()
     install_probe_log_filter()
     sock = listen_socket(args.host, args.port)

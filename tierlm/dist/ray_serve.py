@@ -242,6 +242,9 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not (args.api_keys or args.no_auth or _is_loopback(args.host)):
         raise ValueError(f"refusing to serve {args.host} without API keys; pass --api-keys FILE (the replicas "
                          "check them) or --no-auth if this network is trusted")
+    from tierlm.dist.cli import tenants_of
+
+    auth, tenancy = tenants_of(args)  # a bad keys or tenants file fails before Ray starts
     raise_fd_limit()
     install_probe_log_filter()
     sock = listen_socket(args.host, args.port)  # a busy port fails before any replica starts
@@ -249,7 +252,7 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
     actors, urls = start_replicas(args.replicas, replica_argv(argv), getattr(args, "ray_address", None))
     try:
         router = Router(RouterConfig(replicas=urls, policy=args.routing_policy, affinity_chunks=args.affinity_chunks,
-                                     max_body_bytes=args.max_body_bytes))
+                                     max_body_bytes=args.max_body_bytes, auth=auth, tenancy=tenancy))
         logger.info("routing http://%s:%d to %d replicas (%s)", args.host, port, len(urls), args.routing_policy)
         config = uvicorn.Config(router, log_level=str(getattr(args, "log_level", "info")).lower(), lifespan="on",
                                 timeout_graceful_shutdown=args.shutdown_timeout)

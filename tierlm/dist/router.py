@@ -50,6 +50,9 @@ from tierlm.serving.errors import (
     api_style_for,
     error_body,
 )
+from tierlm.serving.auth import Authenticator
+from tierlm.serving.telemetry import GENERATION_ROUTES
+from tierlm.serving.tenancy import Tenancy, Ticket
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
 
 __all__ = ["RouterConfig", "Router", "DEFAULT_AFFINITY_CHUNKS"]
@@ -84,6 +87,11 @@ class RouterConfig:
     #: nothing for a while; streams send pings)
     read_timeout: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: With both (the replicas' own keys and tenants files), the router admits each generation
+    #: request against its tenant's requests_per_minute and max_concurrent across all replicas
+    #: (each replica alone sees only its share), and routes by the tenant's cache salt.
+    auth: Authenticator | None = None
+    tenancy: Tenancy | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -212,12 +220,29 @@ class Router:
             return
         try:
             body = await self._read_body(receive)
+            salt, ticket = self._admit(scope["method"], path, hmap, style)
         except APIError as e:
             await self._error(send, e, style)
             return
         except _Disconnected:
             return
-        await self._forward(scope, receive, send, path, headers, body, style)
+        try:
+            await self._forward(scope, receive, send, path, headers, body, style, salt, ticket)
+        finally:
+            if ticket is not None:
+                ticket.release(0)  # tokens are charged by the replica that ran the request
+
+    def _admit(self, method: str, path: str, headers: dict[str, str], style: str) -> tuple[str | None, Ticket | None]:
+        """With tenants: the caller's cache salt (what routing keys prefixes by) and its hold on
+        its tenant's limits for a generation request; raises the replica's own 401 or 429."""
+        if self.config.tenancy is None or self.config.auth is None:
+            return None, None
+        key_id = self.config.auth.authenticate(headers)
+        tenant = self.config.tenancy.tenant_of(key_id)
+        ticket = None
+        if method == "POST" and path in GENERATION_ROUTES:
+            ticket = self.config.tenancy.admit(tenant, style)  # type: ignore[arg-type]
+        return tenant.cache_salt, ticket
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:
         while True:
@@ -268,7 +293,7 @@ class Router:
                        [(k, v) for k, v in err.headers.items()])
 
     # -- routing ---------------------------------------------------------------------------
-    def _plan(self, method: str, path: str, headers: dict[str, str], body: bytes) -> "_Plan":
+    def _plan(self, method: str, path: str, headers: dict[str, str], body: bytes, salt: str | None) -> "_Plan":
         """Where to try a request, in order: `_Plan.next(tried)` names the next replica."""
         m = _ID_ROUTE.match(path)
         if m is not None:  # a stored response: where it was made, else ask each replica
@@ -284,19 +309,21 @@ class Router:
         if data is None:
             return _Plan(self, search="any")
         model = parsed.get("model") if isinstance(parsed, dict) else None
-        key = headers.get("x-api-key") or headers.get("authorization") or ""
-        salt = hashlib.sha256(f"{key}\0{model}".encode()).digest()
-        return _Plan(self, chain=prefix_chain(salt, data))
+        # The tenant's cache salt where the router knows tenants, else the caller's key: what the
+        # replicas' caches are keyed by (a key is a tenant of its own without a tenants file).
+        who = salt if salt is not None else headers.get("x-api-key") or headers.get("authorization") or ""
+        return _Plan(self, chain=prefix_chain(hashlib.sha256(f"{who}\0{model}".encode()).digest(), data))
 
     async def _forward(self, scope: dict, receive: Callable, send: Callable, path: str,
-                       headers: list[tuple[str, str]], body: bytes, style: str) -> None:
+                       headers: list[tuple[str, str]], body: bytes, style: str, salt: str | None,
+                       ticket: Ticket | None) -> None:
         """Send the request on, watching for the client leaving meanwhile: then the upstream
         request is cancelled wherever it is (waiting for a non-streamed answer, or streaming),
         which closes its connection, and the replica aborts it (its KV blocks freed)."""
 
         async def attempts(cancel: anyio.CancelScope) -> None:
             try:
-                await self._attempts(scope, send, path, headers, body, style)
+                await self._attempts(scope, send, path, headers, body, style, salt, ticket)
             finally:
                 cancel.cancel()
 
@@ -310,10 +337,13 @@ class Router:
             tg.start_soon(watch, tg.cancel_scope)
 
     async def _attempts(self, scope: dict, send: Callable, path: str, headers: list[tuple[str, str]],
-                        body: bytes, style: str) -> None:
+                        body: bytes, style: str, salt: str | None, ticket: Ticket | None) -> None:
         method = scope["method"]
         hmap = dict(headers)
-        plan = self._plan(method, path, hmap, body)
+        plan = self._plan(method, path, hmap, body, salt)
+        # The router's view of the request limit, across replicas, replaces each replica's own
+        # (tokens are counted by the replicas: theirs stay).
+        limit_headers = {k: v for k, v in (ticket.headers if ticket is not None else {}).items() if "requests" in k}
         qs = scope.get("query_string", b"").decode("latin-1")
         target = path + (f"?{qs}" if qs else "")
         out_headers = [(k, v) for k, v in headers if k not in _HOP]
@@ -375,7 +405,8 @@ class Router:
             plan.routed(choice, r)
             self.metrics.requests.labels(r.name, choice.decision).inc()
             try:
-                await self._relay(upstream, r, send, style, path, sniff=path == "/v1/responses" and method == "POST")
+                await self._relay(upstream, r, send, style, path, sniff=path == "/v1/responses" and method == "POST",
+                                  extra_headers=limit_headers)
             finally:
                 release()
             return
@@ -401,15 +432,16 @@ class Router:
             self._owners.popitem(last=False)
 
     async def _relay(self, upstream: httpx.Response, r: Replica, send: Callable, style: str, path: str,
-                     *, sniff: bool) -> None:
+                     *, sniff: bool, extra_headers: dict[str, str]) -> None:
         """Stream `upstream` to the client as it comes. With `sniff`, the id of the response it
         creates (Responses API) is remembered as living on `r`. A replica that fails
         mid-answer ends an event stream with an error event in the route's shape."""
         seen = b""
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         try:
+            hdrs = [(k, v) for k, v in _response_headers(upstream, r) if k not in extra_headers]
             await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": _encode(_response_headers(upstream, r))})
+                        "headers": _encode(hdrs + list(extra_headers.items()))})
             try:
                 async for chunk in _chunks(upstream):
                     if sniff and len(seen) < 16384:
