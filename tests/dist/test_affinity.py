@@ -15,7 +15,7 @@ from tierlm.dist.affinity import (
     prefix_chain,
     prompt_prefix,
 )
-from tierlm.dist.ray_serve import replica_argv
+from tierlm.dist.ray_serve import per_replica_argv, replica_argv
 
 SALT = b"key\0model"
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
@@ -155,6 +155,10 @@ def test_replica_command_line_drops_the_routers_own_options():
     argv = ["--log-level", "debug", "serve", "/m", "--replicas", "4", "--port=9000", "--host", "0.0.0.0",
             "--ray-address=auto", "--routing-policy", "round_robin", "--affinity-chunks", "10", "--api-keys", "k.txt"]
     assert replica_argv(argv) == ["--log-level", "debug", "serve", "/m", "--api-keys", "k.txt"]
+    # a disk tier's directory serves one engine: each replica gets its own under it
+    assert per_replica_argv(["serve", "--kv-disk-dir", "/c", "--kv-disk-dir=/d"], 1) == [
+        "serve", "--kv-disk-dir", "/c/replica-1", "--kv-disk-dir=/d/replica-1"]
+    assert per_replica_argv(["serve", "/m"], 0) == ["serve", "/m"]
 
 
 def test_router_command_line_refuses_bad_settings_in_one_line(capsys):

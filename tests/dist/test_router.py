@@ -376,3 +376,34 @@ def test_a_tenants_concurrency_limit_holds_across_replicas(replicas, engines, mo
         assert wait_until(lambda: tenancy.in_flight("acme") == 0, timeout=5)
         ok = httpx.post(router.url + "/v1/messages", json={**body, "stream": False, "max_tokens": 2}, headers=headers)
         assert ok.status_code == 200
+
+
+def test_refused_requests_are_not_recorded_and_router_faults_are_api_errors(replicas, engines, monkeypatch):
+    long = [{"role": "user", "content": "hello world " * 60}]  # 750 bytes as the router serializes it: 2 chunks
+    with RouterThread([s.url for s in replicas]) as router:
+        r = httpx.post(router.url + "/v1/messages", json={"model": "no-such-model", "max_tokens": 2, "messages": long},
+                       headers={"x-api-key": API_KEY})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"  # the replica's answer
+        assert all(len(rep.index) == 0 for rep in router.router.replicas)  # nothing was cached there
+        ok = httpx.post(router.url + "/v1/messages", json={"model": engines[0].model_name, "max_tokens": 2,
+                                                           "messages": long}, headers={"x-api-key": API_KEY})
+        assert ok.status_code == 200 and sum(len(rep.index) for rep in router.router.replicas) == 2
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the router")
+
+        monkeypatch.setattr("tierlm.dist.router.prompt_prefix", broken)
+        r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m", "messages": long},
+                       headers={"authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "a bug" not in r.text and "Traceback" not in r.text
+        assert all(rep.in_flight == 0 and rep.pending == 0 for rep in router.router.replicas)
+
+
+def test_a_replica_process_that_cannot_start_says_why(tmp_path):
+    from tierlm.dist.ray_serve import ServerProcess
+
+    server = ServerProcess(["serve", "--model", "not-a-spec"], "127.0.0.1", log=str(tmp_path / "r.log"))
+    with pytest.raises(RuntimeError, match=r"exited with status 2 before it was ready; the end of its log:\n"
+                                           r"error: --model expects NAME=DIR, got 'not-a-spec'"):
+        server.start(ready_timeout=60)

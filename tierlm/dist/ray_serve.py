@@ -32,7 +32,7 @@ import uvicorn
 
 logger = logging.getLogger("tierlm.router")
 
-__all__ = ["replica_argv", "run_replicated", "ServerProcess"]
+__all__ = ["per_replica_argv", "replica_argv", "run_replicated", "ServerProcess"]
 
 #: Options of `tierlm serve` that belong to the front (the router), not to each replica.
 _FRONT_OPTIONS = {"--replicas": True, "--ray-address": True, "--host": True, "--port": True,
@@ -55,6 +55,18 @@ def replica_argv(argv: Sequence[str]) -> list[str]:
             skip = _FRONT_OPTIONS[name] and "=" not in arg
             continue
         out.append(arg)
+    return out
+
+
+def per_replica_argv(argv: Sequence[str], index: int) -> list[str]:
+    """Replica `index`'s command line: a `--kv-disk-dir DIR` becomes `DIR/replica-INDEX`, as a
+    disk tier's directory serves one engine at a time (the second replica would be refused)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--kv-disk-dir" and i + 1 < len(out):
+            out[i + 1] = os.path.join(out[i + 1], f"replica-{index}")
+        elif arg.startswith("--kv-disk-dir="):
+            out[i] = "--kv-disk-dir=" + os.path.join(arg.split("=", 1)[1], f"replica-{index}")
     return out
 
 
@@ -100,13 +112,23 @@ class ServerProcess:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the replica server `{' '.join(self.cmd)}` exited with status "
-                                   f"{self.proc.returncode} before it was ready; its log above says why")
+                                   f"{self.proc.returncode} before it was ready; {self._log_tail()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the replica server on {self.url} was not ready within {ready_timeout:.0f}s")
             time.sleep(0.25)
         self._watch = threading.Thread(target=self._keep_running, name="replica-watch", daemon=True)
         self._watch.start()
         return self.url
+
+    def _log_tail(self, lines: int = 15) -> str:
+        if self.log is None:
+            return "its log above says why"
+        try:
+            with open(self.log, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError as e:
+            return f"its log {self.log} could not be read ({e})"
+        return "the end of its log:\n" + "".join(tail)
 
     def _spawn(self) -> None:
         if self.log is None:
@@ -199,7 +221,7 @@ def start_replicas(n: int, serve_args: list[str], ray_address: str | None, use_g
                 "1 GPU" if use_gpus else f"{opts['num_cpus']:g} CPU")
     actor_cls = _replica_actor_class().options(**opts)
     driver_ip = ray.util.get_node_ip_address()
-    actors = [actor_cls.remote(list(serve_args), driver_ip) for _ in range(n)]
+    actors = [actor_cls.remote(per_replica_argv(serve_args, i), driver_ip) for i in range(n)]
     pending = {a.start.remote(): i for i, a in enumerate(actors)}
     urls: list[str | None] = [None] * n
     started = time.monotonic()

@@ -226,8 +226,20 @@ class Router:
             return
         except _Disconnected:
             return
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self._forward(scope, receive, send, path, headers, body, style, salt, ticket)
+            await self._forward(scope, receive, tracked, path, headers, body, style, salt, ticket)
+        except Exception:  # a bug of the router's: logged with its trace, the client gets a 500 in its API's shape
+            logger.exception("router error on %s %s", scope["method"], path)
+            if started:
+                raise
+            await self._error(send, APIError("internal error in the router; the cause is in its log"), style)
         finally:
             if ticket is not None:
                 ticket.release(0)  # tokens are charged by the replica that ran the request
@@ -402,7 +414,8 @@ class Router:
                 last = (upstream.status_code, _response_headers(upstream, r), content)
                 self.metrics.retries.labels(r.name, reason).inc()
                 continue
-            plan.routed(choice, r)
+            if upstream.status_code < 400:  # a refused request (a bad body, an unknown model) cached nothing
+                plan.routed(choice, r)
             self.metrics.requests.labels(r.name, choice.decision).inc()
             try:
                 await self._relay(upstream, r, send, style, path, sniff=path == "/v1/responses" and method == "POST",
