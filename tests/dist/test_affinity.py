@@ -171,3 +171,29 @@ def test_router_command_line_refuses_bad_settings_in_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["router", "--replica", "http://a:1", "--routing-policy", "random"])
     assert e.value.code == 2 and "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_router_reads_the_replicas_keys_and_tenants_files(tmp_path):
+    import argparse
+
+    from tierlm.dist.cli import tenants_of
+    from tierlm.serving.auth import hash_key
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"alice sha256:{hash_key('sk-a')}\nbob sha256:{hash_key('sk-b')}\n")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.acme]\nkeys = ["alice"]\nrequests_per_minute = 5\n')
+
+    def ns(**kw):
+        return argparse.Namespace(**{"api_keys": None, "tenants": None, **kw})
+
+    assert tenants_of(ns()) == (None, None)
+    with pytest.raises(ValueError, match="--tenants needs --api-keys"):
+        tenants_of(ns(tenants=str(tenants)))
+    auth, tenancy = tenants_of(ns(api_keys=str(keys), tenants=str(tenants)))
+    acme = tenancy.tenant_of(auth.authenticate({"x-api-key": "sk-a"}))
+    assert acme.id == "acme" and acme.limits.requests_per_minute == 5
+    assert tenancy.tenant_of(auth.authenticate({"x-api-key": "sk-b"})).id == "bob"  # a tenant of its own
+    auth, tenancy = tenants_of(ns(api_keys=str(keys)))  # keys alone: each key's own cache salt, no limits
+    alice = tenancy.tenant_of(auth.authenticate({"x-api-key": "sk-a"}))
+    assert alice.cache_salt and not alice.limits.any
