@@ -118,3 +118,13 @@ def test_serve_with_two_replicas_on_ray(tmp_path):
             code = proc.wait()
     assert code == 128 + signal.SIGTERM, "".join(log.lines[-40:])  # the shell's status for a SIGTERM
     assert wait_until(lambda: not any(_serve_pids(p) for p in ports), timeout=30)  # no replica outlives it
+
+
+def test_replicas_that_cannot_start_end_the_command_with_the_reason(tmp_path):
+    cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--replicas", "2", "--port", "0", "--model", "not-a-spec"]
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.search(r"error: replica \d did not start: the replica server .* exited with status 2", done.stderr)
+    assert "--model expects NAME=DIR, got 'not-a-spec'" in done.stderr  # the replica's own line, forwarded
+    assert "Traceback" not in done.stderr.split("error: replica")[-1]

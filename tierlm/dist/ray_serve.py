@@ -233,7 +233,11 @@ def start_replicas(n: int, serve_args: list[str], ray_address: str | None, use_g
                             time.monotonic() - started)
                 continue
             i = pending.pop(done[0])
-            urls[i] = ray.get(done[0])
+            try:
+                urls[i] = ray.get(done[0])
+            except Exception as e:  # the actor's error (its server exited: why is in the log above) or its death
+                cause = getattr(e, "cause", None) or e
+                raise ValueError(f"replica {i} did not start: {cause}") from None
             logger.info("replica %d ready on %s (%d of %d)", i, urls[i], n - len(pending), n)
     except BaseException:
         stop_replicas(actors)
@@ -271,7 +275,12 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
     install_probe_log_filter()
     sock = listen_socket(args.host, args.port)  # a busy port fails before any replica starts
     port = sock.getsockname()[1]
-    actors, urls = start_replicas(args.replicas, replica_argv(argv), getattr(args, "ray_address", None))
+    try:
+        actors, urls = start_replicas(args.replicas, replica_argv(argv), getattr(args, "ray_address", None))
+    except BaseException:
+        sock.close()
+        ray.shutdown()
+        raise
     try:
         router = Router(RouterConfig(replicas=urls, policy=args.routing_policy, affinity_chunks=args.affinity_chunks,
                                      max_body_bytes=args.max_body_bytes, auth=auth, tenancy=tenancy))
