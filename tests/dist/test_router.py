@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 from typing import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.serving.harness import API_KEY, ServerThread, parse_sse, slow_steps, wait_until
+from tierlm.dist import router as router_module
 from tierlm.dist.router import Router, RouterConfig
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
@@ -22,26 +20,12 @@ GREEDY = {"temperature": 0}  # the anthropic SDK no longer takes it as an argume
 SYSTEM = "You are a careful assistant. " * 20  # 580 bytes: two full routing chunks, ~370 demo tokens
 
 
-class RouterThread:
-    """`Router` under uvicorn on 127.0.0.1, a free port, in a background thread."""
+class RouterThread(router_module.RouterThread):
+    """The router's own thread runner, built from replica URLs and config fields (probing every
+    0.2 s unless told), with the SDK clients of it."""
 
     def __init__(self, replicas: list[str], **kwargs) -> None:
-        self.router = Router(RouterConfig(replicas=replicas, **{"health_interval": 0.2, **kwargs}))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.router, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "RouterThread":
-        self.thread.start()
-        assert wait_until(lambda: self.server.started, timeout=30)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
+        super().__init__(Router(RouterConfig(replicas=replicas, **{"health_interval": 0.2, **kwargs})))
 
     def clients(self):
         import anthropic

@@ -19,11 +19,9 @@ import argparse
 import asyncio
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,34 +31,6 @@ from tierlm.cli import at_least, in_range
 logger = logging.getLogger("tierlm.bench")
 
 PEER = "round_robin"
-
-
-class _RouterThread:
-    """The router under uvicorn on 127.0.0.1 in a thread of this process."""
-
-    def __init__(self, router) -> None:
-        import uvicorn
-
-        self.router = router
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(router, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "_RouterThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the router did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
@@ -90,7 +60,7 @@ def run_once(args: argparse.Namespace, policy: str, requests, reuse: list[float]
     or more (mostly a conversation's later turns) get their own TTFT figures."""
     from tierlm.bench.serve import Target, latency_stats, run_benchmark, summarize
     from tierlm.dist.ray_serve import ServerProcess
-    from tierlm.dist.router import Router, RouterConfig
+    from tierlm.dist.router import Router, RouterConfig, RouterThread
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_replica)}
     servers = [ServerProcess(_serve_args(args), "127.0.0.1", env=env, log=str(workdir / f"replica-{run_no}-{i}.log"))
@@ -100,7 +70,7 @@ def run_once(args: argparse.Namespace, policy: str, requests, reuse: list[float]
             print(f"  starting replica {i} for {policy} (log: {s.log})", file=sys.stderr, flush=True)
             s.start(ready_timeout=600)
         router = Router(RouterConfig(replicas=[s.url for s in servers], policy=policy))
-        with _RouterThread(router) as front:
+        with RouterThread(router) as front:
             import httpx
             model = httpx.get(servers[0].url + "/v1/models", timeout=30).json()["data"][0]["id"]  # not counted by the router
             target = Target(front.url, api="openai", model=model, endpoint="/v1/completions", ignore_eos=True)

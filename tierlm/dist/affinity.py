@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence

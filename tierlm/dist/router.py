@@ -25,12 +25,16 @@ import hashlib
 import json
 import logging
 import re
+import socket
+import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import anyio
 import httpx
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from tierlm.dist.affinity import (
@@ -55,7 +59,7 @@ from tierlm.serving.telemetry import GENERATION_ROUTES
 from tierlm.serving.tenancy import Tenancy, Ticket
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
 
-__all__ = ["RouterConfig", "Router", "DEFAULT_AFFINITY_CHUNKS"]
+__all__ = ["RouterConfig", "Router", "RouterThread", "DEFAULT_AFFINITY_CHUNKS"]
 
 logger = logging.getLogger("tierlm.router")
 # httpx logs every request at INFO: each probe and forwarded request would be a line here.
@@ -473,6 +477,33 @@ class Router:
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
+
+
+class RouterThread:
+    """A `Router` under uvicorn on 127.0.0.1 (a free port) in a background thread of this process,
+    as a context manager: for `tierlm bench router` and the tests, which drive it from here."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(router, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "RouterThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the router did not start within 30 s")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
 
 
 class _Disconnected(Exception):
