@@ -225,7 +225,7 @@ def check_kv_pool_memory(nbytes: int, device: torch.device, available: bool = Tr
                          f"give less (leave it unset for a share of free memory)")
 
 
-def check_redis_url(url: str) -> None:
+def check_redis_url(url: str, option: str = "kv_remote") -> None:
     """Refuse a kv_remote that redis-py would misread, before the weights load: a password with
     an unencoded / # ? or @ (redis-py took part of it for the port or database, and the error
     came minutes later without naming kv_remote), a bad port, a database that is not a
@@ -233,47 +233,47 @@ def check_redis_url(url: str) -> None:
     shown = redact_url(url)
     url = lower_scheme(url)
     if not url.startswith(REDIS_URL_SCHEMES):
-        raise ValueError(f"kv_remote {shown!r} is not a Redis URL; use redis://host:port/db "
+        raise ValueError(f"{option} {shown!r} is not a Redis URL; use redis://host:port/db "
                          "(or rediss:// for TLS, unix:///path/redis.sock)")
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError as e:  # e.g. an unclosed [ of an IPv6 host
-        raise ValueError(f"kv_remote {shown!r}: cannot read it ({e}); e.g. redis://[::1]:6379/0") from None
+        raise ValueError(f"{option} {shown!r}: cannot read it ({e}); e.g. redis://[::1]:6379/0") from None
     encode = ("percent-encode the password (and user name): in Python urllib.parse.quote(password, safe=''), "
               "e.g. / is %2F, # is %23, ? is %3F, @ is %40, : is %3A")
     if url_cut_short(parts) and parts.scheme != "unix":
-        raise ValueError(f"kv_remote {shown!r}: the password seems to hold a / # or ? that cuts the URL short; "
+        raise ValueError(f"{option} {shown!r}: the password seems to hold a / # or ? that cuts the URL short; "
                          + encode)
     if parts.scheme != "unix":
         try:
             parts.port  # noqa: B018 - raises on a port that is not a number in range
         except ValueError as e:
-            raise ValueError(f"kv_remote {shown!r}: cannot read the port ({e}); if the password holds a : or @, "
+            raise ValueError(f"{option} {shown!r}: cannot read the port ({e}); if the password holds a : or @, "
                              + encode) from None
         if parts.port == 0:
-            raise ValueError(f"kv_remote {shown!r}: port 0 is no server's port; Redis listens on 6379 by default")
+            raise ValueError(f"{option} {shown!r}: port 0 is no server's port; Redis listens on 6379 by default")
         host = parts.hostname or ""
         if host and not (host.isascii() and host.isprintable() and " " not in host):
-            raise ValueError(f"kv_remote {shown!r}: the host name {host!r} holds spaces or characters a host "
+            raise ValueError(f"{option} {shown!r}: the host name {host!r} holds spaces or characters a host "
                              "name cannot; e.g. redis://127.0.0.1:6379/0")
         db = parts.path.strip("/")
         if db and not (db.isascii() and db.isdigit()):  # redis-py would quietly use database 0
             said = repr(db) if "password" not in db.lower() else "a path holding a password"
-            raise ValueError(f"kv_remote {shown!r}: the path names the database and must be a number "
+            raise ValueError(f"{option} {shown!r}: the path names the database and must be a number "
                              f"(got {said}); e.g. redis://host:6379/0")
-        _check_db_number(db, shown)
+        _check_db_number(db, shown, option)
     for name, value in urllib.parse.parse_qsl(parts.query):
         if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path") and not os.path.exists(value):
-            raise ValueError(f"kv_remote {shown!r}: {name} names {value!r}, which does not exist")
+            raise ValueError(f"{option} {shown!r}: {name} names {value!r}, which does not exist")
         if name == "db" and parts.scheme == "unix" and value.isascii() and value.isdigit():
-            _check_db_number(value, shown)
+            _check_db_number(value, shown, option)
         if name == "db" and parts.scheme != "unix":  # redis-py takes it over the path, which logs would show
-            raise ValueError(f"kv_remote {shown!r}: give the database in the path, not as ?db=; e.g. "
+            raise ValueError(f"{option} {shown!r}: give the database in the path, not as ?db=; e.g. "
                              "redis://host:6379/3")
         if name in ("socket_timeout", "socket_connect_timeout"):
-            raise ValueError(f"kv_remote {shown!r}: tierlm sets {name} itself (a request must never wait "
-                             "long on Redis); remove it, and use kv_read_timeout for how long a request "
-                             "may wait for its prefix")
+            raise ValueError(f"{option} {shown!r}: tierlm sets {name} itself (a request must never wait "
+                             "long on Redis); remove it" + (", and use kv_read_timeout for how long a request may "
+                                                        "wait for its prefix" if option == "kv_remote" else ""))
     try:
         from redis.connection import parse_url
     except ImportError:  # the serving extras are not installed: the tier will say so when built
@@ -281,18 +281,18 @@ def check_redis_url(url: str) -> None:
     try:
         parse_url(url)  # what redis-py itself will refuse (a db=abc option, a bad timeout), now
     except ValueError as e:
-        raise ValueError(f"kv_remote {shown!r}: {str(e).replace(url, shown)}") from None
+        raise ValueError(f"{option} {shown!r}: {str(e).replace(url, shown)}") from None
 
 
 _MAX_REDIS_DB = 2**31 - 1  # SELECT reads a C int: past it Redis answers "out of range", on every connect
 
 
-def _check_db_number(db: str, shown: str) -> None:
+def _check_db_number(db: str, shown: str, option: str) -> None:
     """A database number Redis cannot even parse (2**31 and up) started the tier, which then
     failed every connect as an outage, with warnings blaming its memory settings."""
     if db and (len(db.lstrip("0")) > 10 or int(db) > _MAX_REDIS_DB):  # (int() refuses 4,300 digits and more)
         said = db if len(db) <= 20 else f"{db[:20]}... ({len(db)} digits)"
-        raise ValueError(f"kv_remote {shown!r}: database {said} is out of Redis's range; use a database "
+        raise ValueError(f"{option} {shown!r}: database {said} is out of Redis's range; use a database "
                          "number below the server's `databases` setting (default 16), e.g. redis://host:6379/0")
 
 

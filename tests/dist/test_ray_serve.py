@@ -60,11 +60,20 @@ class _Log:
         return None
 
 
-def test_serve_with_two_replicas_on_ray(tmp_path):
+def test_serve_with_two_replicas_on_ray(tmp_path, redis_server):
+    """With tenants whose limits the replicas share through one Redis (`--limits-store`): the
+    replicas count there, and the router, which then admits nothing itself, does not."""
     import anthropic
+    import redis
 
+    from tierlm.serving.auth import keys_file_line
+
+    (tmp_path / "keys.txt").write_text(keys_file_line("k", "sk-ray") + "\n")
+    (tmp_path / "tenants.toml").write_text('[tenants.t]\nkeys = ["k"]\nrequests_per_minute = 1000\n'
+                                           'max_concurrent = 50\n')
     cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--replicas", "2", "--port", "0", "--device", "cpu",
-           "--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-num-seqs", "8"]
+           "--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-num-seqs", "8",
+           "--api-keys", "keys.txt", "--tenants", "tenants.toml", "--limits-store", redis_server.url]
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
                             cwd=tmp_path)
@@ -80,7 +89,7 @@ def test_serve_with_two_replicas_on_ray(tmp_path):
         ports = [int(r["url"].rsplit(":", 1)[1]) for r in replicas]
         assert len(ports) == 2 and all(len(_serve_pids(p)) == 1 for p in ports)
 
-        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+        client = anthropic.Anthropic(base_url=url, api_key="sk-ray", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         system = "Answer in one word. " * 30
 
@@ -92,10 +101,14 @@ def test_serve_with_two_replicas_on_ray(tmp_path):
                                                                messages=messages)
                 msg = raw.parse()
                 out.append((raw.headers["x-tierlm-replica"], msg.usage.cache_read_input_tokens))
+                assert int(raw.headers["anthropic-ratelimit-requests-remaining"]) < 1000  # a replica's limit
                 messages.append({"role": "assistant", "content": msg.content[0].text if msg.content else "."})
             return out
 
         a, b = ask("alpha", 2), ask("beta", 2)
+        store = redis.Redis.from_url(redis_server.url)
+        # the replicas count in the store, and the router (admitting nothing itself) does not
+        assert store.keys("tierlm:limits:server:*") and not store.keys("tierlm:limits:router:*")
         # unrelated prompts spread out (the idler replica), then each conversation stays on its own
         assert a[0][0] == a[1][0] and b[0][0] == b[1][0] and a[0][0] != b[0][0]
         assert a[1][1] > 0 and b[1][1] > 0  # follow-ups read the conversation from their replica's cache

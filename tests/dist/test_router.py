@@ -341,6 +341,33 @@ def test_tenant_limits_hold_across_replicas_at_the_router(replicas, engines):
         assert router.router.config.tenancy.in_flight("acme") == 0
 
 
+def test_two_routers_sharing_a_limits_store_hold_a_tenant_to_one_limit(replicas, engines, redis_server):
+    """Two routers in front of the same replicas (`tierlm router --limits-store`): a tenant's 3
+    requests a minute hold across both routers; a router without the store alone would have
+    let 3 through each."""
+    import anthropic
+
+    from tierlm.serving.limit_store import LimitStore
+
+    toml = '[tenants.acme]\nkeys = ["alice"]\nrequests_per_minute = 3\n'
+    model = engines[0].model_name
+    routers = []
+    for _ in range(2):
+        tenancy = _tenancy(toml)
+        tenancy.store = LimitStore(redis_server.url, role="router")
+        routers.append(RouterThread([s.url for s in replicas], auth=ApiKeyAuth.from_keys(KEYS), tenancy=tenancy))
+    with routers[0] as one, routers[1] as two:
+        remaining = []
+        for router in (one, two, one):
+            raw = router.clients()[0].messages.with_raw_response.create(
+                model=model, max_tokens=2, messages=[{"role": "user", "content": "shared"}])
+            remaining.append(raw.headers["anthropic-ratelimit-requests-remaining"])
+        assert remaining == ["2", "1", "0"]
+        with pytest.raises(anthropic.RateLimitError) as refused:
+            two.clients()[0].messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert "3 requests per minute" in refused.value.body["error"]["message"]
+
+
 def test_a_tenants_concurrency_limit_holds_across_replicas(replicas, engines, monkeypatch):
     tenancy = _tenancy('[tenants.acme]\nkeys = ["alice"]\nmax_concurrent = 1\n')
     model = engines[0].model_name

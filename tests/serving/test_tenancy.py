@@ -481,17 +481,17 @@ def test_a_429_names_the_limit_that_holds_it_longest_with_the_headers_wait():
                       clock=clock)
     tenant = tenancy.tenant_of("rpm")
     for _ in range(7):
-        tenancy.admit(tenant, "openai").release(100 if _ == 6 else 0)  # the last one runs 100 tokens
+        asyncio.run(tenancy.admit_here(tenant, "openai").release(100 if _ == 6 else 0))  # the last one runs 100 tokens
     with pytest.raises(TenantRateLimited) as refused:
-        tenancy.admit(tenant, "openai")
+        tenancy.admit_here(tenant, "openai")
     assert refused.value.reason == "tokens" and "10 tokens per minute" in refused.value.message
     seconds = refused.value.headers["retry-after"]
     assert f"retry after {seconds} s" in refused.value.message and int(seconds) > 60
     fresh = Tenancy(parse('[tenants.t]\nkeys = ["rpm"]\nrequests_per_minute = 7'), clock=clock)
     tenant = fresh.tenant_of("rpm")
     for _ in range(7):
-        fresh.admit(tenant, "openai")
+        fresh.admit_here(tenant, "openai")
     clock.advance(60 / 7 - 1e-5)  # a hundredth of a millisecond short of the next request
     with pytest.raises(TenantRateLimited) as refused:
-        fresh.admit(tenant, "openai")
+        fresh.admit_here(tenant, "openai")
     assert "retry after 1 s" in refused.value.message and refused.value.headers["retry-after"] == "1"

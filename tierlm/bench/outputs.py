@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["check_outputs", "check_writable", "write_json"]
+__all__ = ["check_outputs", "check_writable", "publish", "write_json"]
 
 
 def check_writable(path: str, flag: str) -> None:
@@ -81,3 +81,13 @@ def write_json(path: str, obj: object, flag: str = "--json") -> None:
         Path(path).write_text(json.dumps(obj, indent=2))
     except OSError as e:
         raise ValueError(f"cannot write {flag} {path}: {e.strerror or e}") from None
+
+
+def publish(doc: dict, json_path: str, report: Callable[[dict], str], plot_path: str | None,
+            plot: Callable[[str, dict], object]) -> dict:
+    """A run's end: its JSON written, its report printed, its plot drawn where asked."""
+    write_json(json_path, doc)
+    print(report(doc))
+    if plot_path:
+        plot(plot_path, doc)
+    return doc

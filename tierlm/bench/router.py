@@ -116,7 +116,7 @@ def _median(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> flo
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from tierlm.bench.outputs import check_outputs, write_json
+    from tierlm.bench.outputs import check_outputs, publish
     from tierlm.bench.serve import TraceScaling, trace_requests
 
     check_outputs({"--json": args.json, "--plot": args.plot}, inputs=[args.trace])
@@ -176,11 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "follow_ups": sum(1 for x in reuse if x >= 0.5),
            "model": args.model or "demo", "scaling": vars(scaling), "peer": PEER,
            "elapsed_s": time.monotonic() - started, "summary": summary, "vs_peer": vs_peer, "runs": runs}
-    write_json(args.json, doc)
-    print(report(doc))
-    if args.plot:
-        _plot(args.plot, doc)
-    return doc
+    return publish(doc, args.json, report, args.plot, _plot)
 
 
 def report(doc: dict[str, Any]) -> str:

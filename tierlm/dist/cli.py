@@ -52,6 +52,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tenants", metavar="FILE", default=None,
                    help="the replicas' tenants file (needs --api-keys): each tenant's requests_per_minute "
                         "and max_concurrent are enforced here across all replicas, not per replica")
+    p.add_argument("--limits-store", metavar="URL", default=None,
+                   help="a Redis (redis://HOST:PORT/DB) shared by several routers in front of the same "
+                        "replicas: the limits --tenants enforces here then hold across all of them (needs "
+                        "--tenants)")
     p.add_argument("--health-interval", type=in_range(float, 0, low_open=True), default=2.0,
                    help="seconds between probes of each replica's /ready (default: %(default)g)")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
@@ -60,17 +64,25 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def tenants_of(args: argparse.Namespace):
-    """The router's (auth, tenancy) from --api-keys and --tenants: (None, None) without keys."""
+def tenants_of(args: argparse.Namespace, store: bool = True):
+    """The router's (auth, tenancy) from --api-keys and --tenants: (None, None) without keys.
+    `store`: the router itself shares its limits through --limits-store (`tierlm router`); under
+    `serve --replicas` the replicas do, and the router does not open it."""
     from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.limit_store import limit_store_from_args
     from tierlm.serving.tenancy import Tenancy
 
     if getattr(args, "tenants", None) and not getattr(args, "api_keys", None):
         raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
     if not getattr(args, "api_keys", None):
+        if getattr(args, "limits_store", None):
+            raise ValueError("--limits-store needs --tenants (and --api-keys): the limits it shares are the tenants "
+                             "file's")
         return None, None
     auth = ApiKeyAuth.from_file(args.api_keys)
     tenancy = Tenancy.from_file(args.tenants, auth.key_ids) if getattr(args, "tenants", None) else Tenancy()
+    if store:
+        tenancy.store = limit_store_from_args(getattr(args, "limits_store", None), "router", tenancy.config is not None)
     return auth, tenancy
 
 

@@ -270,7 +270,16 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
                          "check them) or --no-auth if this network is trusted")
     from tierlm.dist.cli import tenants_of
 
-    auth, tenancy = tenants_of(args)  # a bad keys or tenants file fails before Ray starts
+    # A bad keys or tenants file fails before Ray starts. With --limits-store the replicas share
+    # the tenants' limits through it (all three of them), and the router only routes.
+    shared = bool(getattr(args, "limits_store", None))
+    if shared:
+        from tierlm.config import check_redis_url
+
+        if not getattr(args, "tenants", None):
+            raise ValueError("--limits-store needs --tenants: the limits it shares are the tenants file's")
+        check_redis_url(args.limits_store, option="--limits-store")
+    auth, tenancy = tenants_of(args, store=False)
     raise_fd_limit()
     install_probe_log_filter()
     sock = listen_socket(args.host, args.port)  # a busy port fails before any replica starts
@@ -283,7 +292,8 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise
     try:
         router = Router(RouterConfig(replicas=urls, policy=args.routing_policy, affinity_chunks=args.affinity_chunks,
-                                     max_body_bytes=args.max_body_bytes, auth=auth, tenancy=tenancy))
+                                     max_body_bytes=args.max_body_bytes, auth=auth, tenancy=tenancy,
+                                     admit_limits=not shared))
         logger.info("routing http://%s:%d to %d replicas (%s)", args.host, port, len(urls), args.routing_policy)
         config = uvicorn.Config(router, log_level=str(getattr(args, "log_level", "info")).lower(), lifespan="on",
                                 timeout_graceful_shutdown=args.shutdown_timeout)

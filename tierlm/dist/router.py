@@ -9,9 +9,12 @@ Responses-API objects are found on the replica that made them; a replica that di
 until it answers `/ready` again. Errors of its own come in the route's API shape (Anthropic's
 529 `overloaded_error`, OpenAI's 503), never as a stack trace.
 
-What it leaves to the replicas: authentication (keys are forwarded unchanged, and a bad key
-gets the replica's own 401), tenants, rate limits and the SLA guard, each per replica (limits
-are not shared between replicas). It keeps no conversation state and can be restarted freely;
+What it leaves to the replicas: the SLA guard, tokens_per_minute and KV quotas, each per replica,
+and without `--api-keys`, authentication (keys are forwarded unchanged, and a bad key gets the
+replica's own 401). With the replicas' keys and tenants files it authenticates itself, routes by
+tenant, and holds each tenant to requests_per_minute and max_concurrent across the replicas (with
+`--limits-store`, across routers too); with `admit_limits` off, the replicas do all of that
+through a limits store they share. It keeps no conversation state and can be restarted freely;
 its affinity record then starts empty.
 
 It is a raw ASGI app: it streams bodies both ways without buffering an answer, and watches for
@@ -96,6 +99,9 @@ class RouterConfig:
     #: (each replica alone sees only its share), and routes by the tenant's cache salt.
     auth: Authenticator | None = None
     tenancy: Tenancy | None = None
+    #: False: the replicas hold the tenants to their limits across all of them (one shared
+    #: limits store), and the router only authenticates and routes.
+    admit_limits: bool = True
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -168,6 +174,8 @@ class Router:
                 pass
         if self._client is not None:
             await self._client.aclose()
+        if self.config.tenancy is not None:
+            await self.config.tenancy.close()
 
     async def _probe_forever(self) -> None:
         while True:
@@ -224,7 +232,7 @@ class Router:
             return
         try:
             body = await self._read_body(receive)
-            salt, ticket = self._admit(scope["method"], path, hmap, style)
+            salt, ticket = await self._admit(scope["method"], path, hmap, style)
         except APIError as e:
             await self._error(send, e, style)
             return
@@ -246,9 +254,10 @@ class Router:
             await self._error(send, APIError("internal error in the router; the cause is in its log"), style)
         finally:
             if ticket is not None:
-                ticket.release(0)  # tokens are charged by the replica that ran the request
+                await ticket.release(0)  # tokens are charged by the replica that ran the request
 
-    def _admit(self, method: str, path: str, headers: dict[str, str], style: str) -> tuple[str | None, Ticket | None]:
+    async def _admit(self, method: str, path: str, headers: dict[str, str],
+                     style: str) -> tuple[str | None, Ticket | None]:
         """With tenants: the caller's cache salt (what routing keys prefixes by) and its hold on
         its tenant's limits for a generation request; raises the replica's own 401 or 429."""
         if self.config.tenancy is None or self.config.auth is None:
@@ -256,8 +265,8 @@ class Router:
         key_id = self.config.auth.authenticate(headers)
         tenant = self.config.tenancy.tenant_of(key_id)
         ticket = None
-        if method == "POST" and path in GENERATION_ROUTES:
-            ticket = self.config.tenancy.admit(tenant, style)  # type: ignore[arg-type]
+        if method == "POST" and path in GENERATION_ROUTES and self.config.admit_limits:
+            ticket = await self.config.tenancy.admit(tenant, style)  # type: ignore[arg-type]
         return tenant.cache_salt, ticket
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:

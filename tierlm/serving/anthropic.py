@@ -84,7 +84,7 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
     state = server_state(request)
-    context = state.admit(request)
+    context = await state.admit(request)
     body = await state.parse(request, MessagesRequest)
     state.models.get(body.model)  # an unknown model is named first (404), as Anthropic does
     # With interleaved thinking (a beta Claude Code sends) the budget covers the whole turn and
@@ -166,7 +166,7 @@ async def _answer(request: Request, context: RequestContext, started: _Started) 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     state = server_state(request)
-    state.admit(request)
+    state.identify(request)
     body = await state.parse(request, CountTokensRequest, counting=True)
     engine = state.models.get(body.model)
     await checked_format(engine, body)  # (refused here as by /v1/messages; it adds nothing to the prompt)

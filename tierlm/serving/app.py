@@ -92,6 +92,8 @@ def build_app(
                         safety=safety if safety is not None else SafetyPolicies(), sla=sla)
     telemetry = telemetry or Telemetry()
     state.tenancy.on_refused = telemetry.metrics.count_refusal
+    if state.tenancy.store is not None:
+        state.tenancy.store.on_failure = telemetry.metrics.limits_store_failures.inc
     state.sla.on_trip = state.sla.on_trip or telemetry.metrics.count_trip
     telemetry.watch(state.models.items)
 
@@ -106,6 +108,7 @@ def build_app(
             if len(state.inflight):
                 logger.warning("releasing %d request(s) still in flight at shutdown", len(state.inflight))
             await state.inflight.close_all()
+            await state.tenancy.close()
             if manage_engines:
                 await state.models.shutdown()
             state.models.started = False
@@ -140,7 +143,7 @@ async def list_models(request: Request) -> Response:
     """All models, or one page of them: Anthropic's `limit` (1-1000; default all, as OpenAI
     lists all) after `after_id` or before `before_id`, with `has_more` for that direction."""
     state = server_state(request)
-    state.admit(request)
+    state.identify(request)
     names = state.models.names
     query = request.query_params
     limit = _limit_param(query.get("limit"))
@@ -186,7 +189,7 @@ def _cursor_index(names: list[str], model_id: str, param: str) -> int:
 
 async def get_model(request: Request, model_id: str) -> Response:
     state = server_state(request)
-    state.admit(request)
+    state.identify(request)
     return JSONResponse(state.models.describe(model_id))
 
 

@@ -64,6 +64,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "bronze: the engine's priority) and optional limits (requests_per_minute, "
                         "tokens_per_minute, max_concurrent); see README 'Tenants' (default: each key a tenant "
                         "of its own, no limits)")
+    p.add_argument("--limits-store", metavar="URL", default=None,
+                   help="a Redis (redis://HOST:PORT/DB) that every server serving these tenants shares: each "
+                        "tenant's requests_per_minute, tokens_per_minute and max_concurrent then hold across all "
+                        "of them, not per server (needs --tenants; while it does not answer, each server limits "
+                        "on its own)")
     p.add_argument("--safety-policies", metavar="FILE", default=None,
                    help="TOML file of phrase policies checked on prompts and answers as they stream: block "
                         "(refusal / content_filter) or redact, per tier or tenant; see README 'Safety policies'")
@@ -208,6 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.serving.server import listen_socket, make_server, raise_fd_limit
     from tierlm.serving.sla import SlaGuard
     from tierlm.serving.telemetry import Telemetry, configure_request_log
+    from tierlm.serving.limit_store import limit_store_from_args
     from tierlm.serving.tenancy import Tenancy
 
     raise_fd_limit()  # each connection holds a file descriptor
@@ -236,6 +242,8 @@ def run_serve(args: argparse.Namespace) -> int:
             if not isinstance(auth, ApiKeyAuth):
                 raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
             tenancy = Tenancy.from_file(args.tenants, auth.key_ids)
+        tenancy.store = limit_store_from_args(getattr(args, "limits_store", None), "server",
+                                              tenancy.config is not None)
         safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)
         fallback_specs = getattr(args, "fallback_models", [])
         if "" not in specs:  # every name known: a bad fallback fails before the models load

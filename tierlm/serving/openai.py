@@ -122,7 +122,7 @@ class ChatRun:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    context = state.admit(request)
+    context = await state.admit(request)
     body = await state.parse(request, ChatCompletionRequest)
     run = await start_chat(state, context, request, body)
     engine, prompt, streams, top_n = run.engine, run.prompt, run.streams, run.top_n
@@ -188,7 +188,7 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    context = state.admit(request)
+    context = await state.admit(request)
     body = await state.parse(request, CompletionRequest)
     state.models.get(body.model)  # an unknown model is named first (404)
     if body.echo and body.logprobs is not None:

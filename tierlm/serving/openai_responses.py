@@ -63,7 +63,7 @@ def owner_of(context: RequestContext) -> str:
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     state = server_state(request)
-    context = state.admit(request)
+    context = await state.admit(request)
     body = await state.parse(request, ResponsesRequest)
     owner = owner_of(context)
     history: list[dict[str, Any]] = []
@@ -579,7 +579,7 @@ class _Frames:
 
 def _stored(request: Request, response_id: str) -> tuple[Any, str, Any]:
     state = server_state(request)
-    owner = owner_of(state.admit(request))
+    owner = owner_of(state.identify(request))
     entry = state.responses.get(owner, response_id)
     if entry is None:
         raise NotFound(f"Response with id '{response_id}' not found. Only responses created with store true are "

@@ -18,7 +18,7 @@ from tierlm.serving.safety import SafetyPolicies
 from tierlm.serving.sla import SlaGuard
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
 from tierlm.serving.telemetry import GENERATION_ROUTES
-from tierlm.serving.tenancy import TICKET, Tenancy
+from tierlm.serving.tenancy import TICKET, Tenancy, Tenant
 from tierlm.serving.validation import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, first_part_past,
                                        parse_request)
 
@@ -44,29 +44,38 @@ class ServerState:
     sla: SlaGuard = field(default_factory=SlaGuard)  # breakers per model and tier, fallback models
     draining: bool = False
 
-    def admit(self, request: Request) -> RequestContext:
+    async def admit(self, request: Request) -> RequestContext:
         """Authenticate, find the key's tenant and, for a generation request, take one request of
         the tenant's limits (a 429 if it is over one). The hold ends with the response
         (tenancy.TenancyMiddleware)."""
+        context, tenant = self._identify(request)
+        scope_state = request.scope.setdefault("state", {})
+        if request.method == "POST" and request.url.path in GENERATION_ROUTES and TICKET not in scope_state:
+            ticket = await self.tenancy.admit(tenant, api_style_for(request.url.path, request.headers))
+            if ticket is not None:
+                scope_state[TICKET] = ticket
+        return context
+
+    def identify(self, request: Request) -> RequestContext:
+        """Authenticate and find the key's tenant, taking nothing of its limits: for the routes
+        that generate nothing (models, count_tokens, stored responses)."""
+        return self._identify(request)[0]
+
+    def _identify(self, request: Request) -> tuple[RequestContext, Tenant]:
         if self.draining:
             raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
         tenant = self.tenancy.tenant_of(api_key_id)
-        scope_state = request.scope.setdefault("state", {})
-        observer = scope_state.get("telemetry")
+        observer = request.scope.setdefault("state", {}).get("telemetry")
         if observer is not None and tenant.id is not None:
             observer.tenant = tenant.id  # a refusal or a 400 counts under its tenant too
-        if request.method == "POST" and request.url.path in GENERATION_ROUTES and TICKET not in scope_state:
-            ticket = self.tenancy.admit(tenant, api_style_for(request.url.path, request.headers))
-            if ticket is not None:
-                scope_state[TICKET] = ticket
         # The cache salt is the tenant's: a key reads in its usage whether a prompt was cached, so
         # no other tenant's prompts may be (one could tell what another had recently sent).
         return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, tenant_id=tenant.id,
                               priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight,
                               kv_share=tenant.kv_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s,
                               safety=self.safety.for_request(tenant.tier, tenant.id) if self.safety else None,
-                              sla=self.sla)
+                              sla=self.sla), tenant
 
     async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON

@@ -119,6 +119,9 @@ class Metrics:
         self.rate_limited = Counter("tierlm:rate_limited_requests", "Requests refused (429) at admission because "
                                     "their tenant was over a limit: requests, tokens (per minute) or concurrency.",
                                     ["tenant", "reason"], registry=registry)
+        self.limits_store_failures = Counter(
+            "tierlm:limits_store_failures", "Calls to the shared limits store (--limits-store) that failed or "
+            "timed out; the server then limits its tenants on its own for a few seconds.", registry=registry)
 
         self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "
                                 "because of their tier's time-to-first-token target: 'estimate' (the engine's "

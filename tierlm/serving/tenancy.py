@@ -34,14 +34,20 @@ A refused request is a 429 in its API's shape with `retry-after` (and `retry-aft
 seconds until the limit would admit it. Limited tenants' responses carry the rate-limit headers
 of the client's SDK family (Anthropic's `anthropic-ratelimit-*`, OpenAI's `x-ratelimit-*`).
 
+The limits are each process's own, unless `--limits-store redis://...` names a Redis that every
+server (or router) serving the tenants shares: then each limit holds across all of them
+(limit_store.py), and falls back to each process's own while that Redis does not answer.
+
 Only generation requests (`GENERATION_ROUTES`) are limited; every request is attributed.
 Without a tenants file each key is a tenant of its own at priority 0, with no limits.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import tomllib
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,6 +57,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierlm.serving.errors import ApiStyle, RateLimited
+from tierlm.serving.limit_store import LimitStore, LimitStoreUnavailable
 
 DEFAULT_TIERS = {"gold": 0, "silver": 1, "bronze": 2}  # tier → engine priority (lower runs first)
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
@@ -302,9 +309,6 @@ class TokenBucket:
         """Seconds until the bucket holds a whole unit (0: it does now)."""
         return max(0.0, (1.0 - self.level(now)) * 60.0 / self.per_minute)
 
-    def until_full(self, now: float) -> float:
-        return (self.per_minute - self.level(now)) * 60.0 / self.per_minute
-
 
 @dataclass
 class _Usage:
@@ -317,18 +321,20 @@ class _Usage:
 
 @dataclass
 class Ticket:
-    """An admitted request's hold on its tenant's limits; `release` once, when it has ended."""
+    """An admitted request's hold on its tenant's limits; `release` once, when it has ended.
+    `shared`: its id in the limits store, when the store admitted it."""
 
     tenancy: "Tenancy"
     tenant: Tenant
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers for its response
+    shared: str | None = None
     released: bool = False
 
-    def release(self, tokens: int) -> None:
+    async def release(self, tokens: int) -> None:
         if self.released:
             return
         self.released = True
-        self.tenancy._release(self.tenant, tokens)
+        await self.tenancy._release(self, tokens)
 
 
 class TenantRateLimited(RateLimited):
@@ -345,16 +351,21 @@ class TenantRateLimited(RateLimited):
 class Tenancy:
     """Maps keys to tenants and holds each tenant's limits; lives as long as the server.
 
-    `clock` (monotonic seconds) drives the buckets: tests pass one they can move. Everything
-    runs on the event loop, so no lock is needed.
+    The limits are this process's own, or, with a `store` (limit_store.LimitStore: one Redis),
+    shared with every process pointed at it; while the store does not answer, this process's
+    own again. `clock` (monotonic seconds) drives the in-process buckets: tests pass one they
+    can move. Everything runs on the event loop, so no lock is needed.
     """
 
     def __init__(self, config: TenantsConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, store: "LimitStore | None" = None) -> None:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
+        self.store = store
         self._usage: dict[str, _Usage] = {}
+        self._shared_in_flight: dict[str, int] = {}  # tenant id → this process's requests the store holds
+        self._releasing: set[asyncio.Task] = set()
         # Told of every refusal (tenant id, reason): build_app counts them in /metrics.
         self.on_refused: Callable[[str, str], None] | None = None
 
@@ -370,40 +381,69 @@ class Tenancy:
         return self.config.tenant_of(api_key_id)
 
     def in_flight(self, tenant_id: str) -> int:
+        """This process's requests of `tenant_id` that hold a slot (in the store or here)."""
         usage = self._usage.get(tenant_id)
-        return usage.in_flight if usage is not None else 0
+        return (usage.in_flight if usage is not None else 0) + self._shared_in_flight.get(tenant_id, 0)
 
-    def admit(self, tenant: Tenant, style: ApiStyle) -> Ticket | None:
+    async def admit(self, tenant: Tenant, style: ApiStyle) -> Ticket | None:
         """Take one request of `tenant`'s limits, or raise TenantRateLimited (nothing taken).
         None: the tenant has no limits."""
         limits = tenant.limits
         if tenant.id is None or not limits.any:
             return None
+        if self.store is not None and self.store.available:
+            ticket_id = uuid.uuid4().hex
+            try:
+                said = await self.store.admit(tenant.id, limits.requests_per_minute, limits.tokens_per_minute,
+                                              limits.max_concurrent, ticket_id)
+            except LimitStoreUnavailable:
+                pass  # logged by the store: this process's own limits until it answers again
+            else:
+                headers = self._headers(limits, style, said.requests_level, said.tokens_level)
+                if not said.admitted:
+                    raise self._refusal(tenant, said.reason, said.wait, headers)
+                self._shared_in_flight[tenant.id] = self._shared_in_flight.get(tenant.id, 0) + 1
+                return Ticket(self, tenant, headers, shared=ticket_id)
+        return self.admit_here(tenant, style)
+
+    def admit_here(self, tenant: Tenant, style: ApiStyle) -> Ticket | None:
+        """`admit` against this process's own limits only."""
+        limits = tenant.limits
+        if tenant.id is None or not limits.any:
+            return None
         usage = self._usage_of(tenant)
         now = self.clock()
-        waits: list[tuple[str, float, str]] = []  # (reason, seconds, what)
+        waits: list[tuple[str, float]] = []  # (reason, seconds)
         if usage.requests is not None and (wait := usage.requests.wait(now)) > 0:
-            waits.append(("requests", wait, f"{limits.requests_per_minute} requests per minute"))
+            waits.append(("requests", wait))
         if usage.tokens is not None and (wait := usage.tokens.wait(now)) > 0:
-            waits.append(("tokens", wait, f"{limits.tokens_per_minute} tokens per minute (prompt and output, "
-                                          "charged when each request ends)"))
+            waits.append(("tokens", wait))
         if limits.max_concurrent is not None and usage.in_flight >= limits.max_concurrent:
             # When a slot frees is not known: a second is a guess that costs a client little.
-            waits.append(("concurrency", 1.0, f"{limits.max_concurrent} requests at a time"))
+            waits.append(("concurrency", 1.0))
         if waits:
             # The limit that holds the request longest is the one named, with the wait the
             # retry-after header gives (whole seconds, at least 1).
-            reason, retry_after, what = max(waits, key=lambda w: w[1])
-            if self.on_refused is not None:
-                self.on_refused(tenant.id, reason)
-            raise TenantRateLimited(
-                f"tenant '{tenant.id}' ({tenant.tier} tier) is over its limit of {what}; retry after "
-                f"{max(1, math.ceil(round(retry_after, 3)))} s", tenant=tenant.id, reason=reason,
-                retry_after=retry_after, headers=self._headers(usage, limits, style, now))
+            reason, retry_after = max(waits, key=lambda w: w[1])
+            raise self._refusal(tenant, reason, retry_after, self._local_headers(usage, limits, style, now))
         if usage.requests is not None:
             usage.requests.take(1, now)
         usage.in_flight += 1
-        return Ticket(self, tenant, self._headers(usage, limits, style, now))
+        return Ticket(self, tenant, self._local_headers(usage, limits, style, now))
+
+    def _refusal(self, tenant: Tenant, reason: str, retry_after: float, headers: dict[str, str]) -> TenantRateLimited:
+        assert tenant.id is not None
+        limits = tenant.limits
+        what = {"requests": f"{limits.requests_per_minute} requests per minute",
+                "tokens": f"{limits.tokens_per_minute} tokens per minute (prompt and output, charged when each "
+                          "request ends)",
+                "concurrency": f"{limits.max_concurrent} requests at a time"}[reason]
+        if self.on_refused is not None:
+            self.on_refused(tenant.id, reason)
+        return TenantRateLimited(
+            f"tenant '{tenant.id}' ({tenant.tier} tier) is over its limit of {what}; retry after "
+            f"{max(1, math.ceil(round(retry_after, 3)))} s", tenant=tenant.id, reason=reason,
+            retry_after=retry_after, headers=headers)
 
     def _usage_of(self, tenant: Tenant) -> _Usage:
         assert tenant.id is not None
@@ -416,24 +456,54 @@ class Tenancy:
                 TokenBucket(limits.tokens_per_minute, now) if limits.tokens_per_minute else None)
         return usage
 
-    def _release(self, tenant: Tenant, tokens: int) -> None:
+    async def _release(self, ticket: Ticket, tokens: int) -> None:
+        tenant = ticket.tenant
         assert tenant.id is not None
-        usage = self._usage[tenant.id]
-        usage.in_flight -= 1
-        if usage.tokens is not None and tokens > 0:
-            usage.tokens.take(tokens, self.clock())
+        if ticket.shared is None:
+            usage = self._usage[tenant.id]
+            usage.in_flight -= 1
+            if usage.tokens is not None and tokens > 0:
+                usage.tokens.take(tokens, self.clock())
+            return
+        self._shared_in_flight[tenant.id] -= 1
+        assert self.store is not None
+        # Shielded: a request cancelled as it ends (its client gone) still frees its slot in the
+        # store, and pays for its tokens, rather than holding the slot until its lease lapses.
+        task = asyncio.ensure_future(self._release_shared(ticket, tokens))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        await asyncio.shield(task)
 
-    def _headers(self, usage: _Usage, limits: Limits, style: ApiStyle, now: float) -> dict[str, str]:
+    async def _release_shared(self, ticket: Ticket, tokens: int) -> None:
+        assert self.store is not None and ticket.shared is not None and ticket.tenant.id is not None
+        try:
+            await self.store.release(ticket.tenant.id, ticket.tenant.limits.tokens_per_minute, ticket.shared, tokens)
+        except LimitStoreUnavailable:
+            pass  # the slot's lease lapses in the store; these tokens go uncharged
+
+    async def close(self) -> None:
+        """Finish releases under way and close the store's connection (at shutdown)."""
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
+        if self.store is not None:
+            await self.store.close()
+
+    def _local_headers(self, usage: _Usage, limits: Limits, style: ApiStyle, now: float) -> dict[str, str]:
+        return self._headers(limits, style, usage.requests.level(now) if usage.requests is not None else None,
+                             usage.tokens.level(now) if usage.tokens is not None else None)
+
+    def _headers(self, limits: Limits, style: ApiStyle, requests_level: float | None,
+                 tokens_level: float | None) -> dict[str, str]:
         """The rate-limit headers of the client's SDK family: limit, what remains now, and when
         the bucket is full again (Anthropic: an RFC 3339 time; OpenAI: a duration, "6m0s")."""
         headers: dict[str, str] = {}
-        for kind, bucket, limit in (("requests", usage.requests, limits.requests_per_minute),
-                                    ("tokens", usage.tokens, limits.tokens_per_minute)):
-            if bucket is None:
+        for kind, level, limit in (("requests", requests_level, limits.requests_per_minute),
+                                   ("tokens", tokens_level, limits.tokens_per_minute)):
+            if level is None or limit is None:
                 continue
             # (never past the limit: a float level rounds a limit past 2**53 up)
-            remaining = str(min(limit, max(0, math.floor(bucket.level(now)))))
-            full_in = bucket.until_full(now)
+            remaining = str(min(limit, max(0, math.floor(level))))
+            full_in = max(0.0, (limit - level) * 60.0 / limit)
             if style == "anthropic":
                 headers[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
                 headers[f"anthropic-ratelimit-{kind}-remaining"] = remaining
@@ -476,7 +546,7 @@ class TenancyMiddleware:
             return
         state = scope.setdefault("state", {})
 
-        def release() -> None:
+        async def release() -> None:
             ticket = state.pop(TICKET, None)
             if ticket is not None:
                 # Usage as the response reports it: the prompt once, every choice's output; a
@@ -484,7 +554,7 @@ class TenancyMiddleware:
                 # client gone) still pays for the prompt it handed the engine.
                 observed = state.get("telemetry")
                 prompt = max(observed.num_prompt_tokens, getattr(observed, "submitted_prompt_tokens", 0)) if observed else 0
-                ticket.release((prompt + observed.num_output_tokens) if observed else 0)
+                await ticket.release((prompt + observed.num_output_tokens) if observed else 0)
 
         async def send_and_release(message: Message) -> None:
             ticket = state.get(TICKET)
@@ -494,13 +564,13 @@ class TenancyMiddleware:
                     for name, value in ticket.headers.items():
                         headers[name] = value
                 elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                    release()
+                    await release()
             await send(message)
 
         try:
             await self.app(scope, receive, send_and_release)
         finally:
-            release()
+            await release()
 
 
 TICKET = "tenancy_ticket"  # where ServerState.admit leaves a request's Ticket in the ASGI scope's state
