@@ -4,11 +4,13 @@ reported before any of it could be shown, and held text released as soon as it c
 of one; the built-in detectors on examples of what they must and must not find."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierlm.serving.pattern_scan import BUILTIN, Detector, PatternSet, compile_pattern, luhn
+from tierlm.serving.pattern_scan import BUILTIN, Detector, PatternSet, PatternTimeout, compile_pattern, luhn
 
 # Patterns whose matches can grow, change alternative or be undone by what follows.
 TRICKY = [Detector("opt", r"a(?:bc)?"), Detector("ahead", r"\d{3}(?!\d)"), Detector("alt", r"ab|a"),
@@ -116,3 +118,26 @@ def test_luhn_and_pattern_errors():
             compile_pattern(slow, probe_speed=True)
     for name, detector in BUILTIN.items():
         compile_pattern(detector.pattern, probe_speed=True)
+
+
+# Passes the start-up probe (no probe text holds an x), yet backtracks exponentially on x's:
+# forty of them would take about a minute.
+EVADES_THE_PROBE = r"(?:x|xx)+y"
+
+
+def test_a_pattern_that_backtracks_for_ever_runs_out_of_time_instead():
+    compile_pattern(EVADES_THE_PROBE, probe_speed=True)
+    patterns = PatternSet([BUILTIN["email"], Detector("slow", EVADES_THE_PROBE)], timeout=0.05)
+    assert PatternSet(list(BUILTIN.values())).timeout is None  # bounded: untimed, as timing costs every call
+    assert [m.detector for m in patterns.find_all("xxxy and a@b.co")] == [1, 0]  # it still matches
+    for scan in (lambda: patterns.find_all("x" * 40),
+                 lambda: patterns.scanner().feed("x" * 40),
+                 lambda: [s := patterns.scanner(), *[s.feed("x") for _ in range(20)], s.feed("x" * 20), s.finish()]):
+        started = time.perf_counter()
+        with pytest.raises(PatternTimeout, match="matching took over 50 ms"):
+            scan()
+        assert time.perf_counter() - started < 1.0
+    # the budget is per scan: pieces that each finish in time never add up to a timeout
+    scanner = patterns.scanner()
+    found = [m for _ in range(200) for m in scanner.feed("a@b.co xxxxxxxxxxxx ")] + scanner.finish()
+    assert len(found) == 200 and found == patterns.find_all("a@b.co xxxxxxxxxxxx " * 200)

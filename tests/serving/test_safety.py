@@ -248,3 +248,50 @@ def test_detectors_and_patterns_redact_answers_and_refuse_prompts(scripted_model
         assert value(metrics, "tierlm:safety_actions_total", policy="shapes", action="redact") == 2
     finally:
         srv.stop()
+
+
+SLOW_PATTERNS = """
+[policies.ticks]
+patterns = ['(?:tick |tock, |tick tock, )+y']   # passes the start-up probe; exponential on the loop's answer
+check = "output"
+action = "redact"
+
+[policies.xs]
+patterns = ['(?:x|xx)+y']                       # the same on a run of x's
+check = "input"
+"""
+
+
+def test_patterns_that_run_out_of_time_stop_the_answer_or_refuse_the_prompt(scripted_models, tmp_path):
+    """An operator's pattern that backtracks for ever on what the model writes, or on what a
+    client sends, would hold the server's event loop for minutes per request; past the scan's
+    time budget it counts as a match instead: the answer stops (content_filter) and the prompt
+    is refused, each counted under its policy, and the server answers on."""
+    import time
+
+    (tmp_path / "policies.toml").write_text(SLOW_PATTERNS)
+    safety = SafetyPolicies.from_file(tmp_path / "policies.toml")
+    engines = {LOOP_MODEL: scripted_models[LOOP_MODEL].engine(LOOP_MODEL)}
+    srv = ServerThread(build_app(engines, ApiKeyAuth.from_keys(KEYS), safety=safety)).start()
+    try:
+        claude, oai = clients(srv, "acme")
+        started = time.monotonic()
+        with claude.messages.stream(model=LOOP_MODEL, max_tokens=400, messages=HI) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert final.stop_reason == "refusal" and final.usage.output_tokens < 400
+        assert text.startswith("tick tock") or text == ""
+        chat = oai.chat.completions.create(model=LOOP_MODEL, max_tokens=400, messages=HI)
+        assert chat.choices[0].finish_reason == "content_filter"
+        refused = claude.messages.create(model=LOOP_MODEL, max_tokens=5,
+                                         messages=[{"role": "user", "content": "x" * 60}])
+        assert refused.stop_reason == "refusal" and refused.usage.output_tokens == 0
+        assert time.monotonic() - started < 60  # (unbounded, the first answer alone would take hours)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        ok = claude.messages.create(model=LOOP_MODEL, max_tokens=4, messages=HI)  # short: matched in time
+        assert ok.stop_reason == "max_tokens" and ok.content[0].text.startswith("tick")
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert value(metrics, "tierlm:safety_actions_total", policy="ticks", action="output") == 2
+        assert value(metrics, "tierlm:safety_actions_total", policy="xs", action="input") == 1
+    finally:
+        srv.stop()

@@ -250,3 +250,40 @@ def test_the_guard_shows_what_redacting_the_whole_answer_gives(tmp_path_factory,
         # what was shown so far is the start of the redacted answer: no character of a match
         assert "".join(want).startswith("".join(x.text for x in out))
     assert "".join(d.text for d in out) == "".join(want)
+
+
+SLOW = """
+[policies.slow_redact]
+patterns = ['(?:x|xx)+y']    # passes the start-up probe; exponential on a run of x's
+action = "redact"
+
+[policies.names]
+phrases = ["Project Falcon"]
+"""
+
+
+def test_patterns_out_of_time_count_as_a_match_and_say_which(tmp_path, caplog):
+    """A prompt or an answer the patterns cannot finish in time: refused or stopped (a redact
+    policy cannot redact a span it never found, so it blocks too), logged naming the policy,
+    within about the time budget; text they finish in time goes on as before."""
+    import logging
+    import time
+
+    safety = policies(tmp_path, SLOW).for_request(None, None)
+    with caplog.at_level(logging.WARNING, logger="tierlm.serving"):
+        started = time.perf_counter()
+        assert safety.check_prompt("say " + "x" * 60).name == "slow_redact"
+        guard = safety.output_guard()
+        shown, blocked = guard.feed(deltas(["ok. ", "x" * 60], finish=False)[0])
+        assert blocked is None and "".join(d.text for d in shown) == "ok. "
+        shown, blocked = guard.feed(deltas(["ok. ", "x" * 60], finish=False)[1])
+        assert shown == [] and blocked.name == "slow_redact"
+        assert time.perf_counter() - started < 3
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("safety patterns of 'slow_redact'" in m and "rewrite the slow pattern" in m
+                                  for m in said)
+    assert "in a prompt" in said[0] and "refused" in said[0] and "in an answer" in said[1]
+    assert safety.check_prompt("xxxxxxxxxxxxxxxxxxxx, done in time") is None
+    guard = safety.output_guard()
+    out = [d for piece in deltas(["a xxy b ", "xxxxy"]) for d in guard.feed(piece)[0]]
+    assert "".join(d.text for d in out) == "a [redacted] b [redacted]"

@@ -20,9 +20,16 @@ Luhn digit): a match that fails it is no match, and scanning goes on after it, a
 
 Look-behind sees at most `LOOKBEHIND` characters before the text still held; patterns must not
 look further back (none of the built-in ones do).
+
+Time: an operator's pattern that passed the start-up probe may still backtrack for minutes on
+some other text (`(?:x|xx)+y` on forty x's), on the server's event loop. So every scan (a whole
+prompt, or one piece of an answer) gets `SCAN_TIMEOUT_S` of matching in all; past it the scan
+raises PatternTimeout, and the safety layer treats the text as matching (safety.py). Sets of
+built-in detectors only run untimed: those are bounded, and a timeout costs every call.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -63,6 +70,11 @@ _EMPTY_PROBES = ("", " ", "a", "0", "a b.c 1-2 @ x_y")
 # Long runs that make a pattern with nested repetition ((a+)+, (\w+\s?)+) backtrack for ever.
 _SLOW_PROBES = tuple(unit * (2000 // len(unit)) + "!" for unit in ("a", "1", "a ", "a.", "a-", "a@"))
 SLOW_PROBE_S = 0.25
+SCAN_TIMEOUT_S = 0.25  # the most matching time one scan (a prompt, one piece of an answer) may take
+
+
+class PatternTimeout(Exception):
+    """A scan ran past its time budget: the patterns could not say whether the text matches."""
 
 
 def compile_pattern(pattern: str, probe_speed: bool = False) -> "regex.Pattern[str]":
@@ -97,9 +109,13 @@ class PatternMatch:
 class PatternSet:
     """Detectors compiled as one alternation, each its own named group."""
 
-    def __init__(self, detectors: Sequence[Detector]) -> None:
+    def __init__(self, detectors: Sequence[Detector], timeout: float | None = SCAN_TIMEOUT_S) -> None:
         if not detectors:
             raise ValueError("a pattern set needs at least one detector")
+        # The built-in detectors are bounded (every repetition has a maximum): a set of only
+        # those runs untimed, as a timeout costs each regex call about a microsecond.
+        builtin = set(BUILTIN.values())
+        self.timeout = timeout if any(d not in builtin for d in detectors) else None
         for d in detectors:
             compile_pattern(d.pattern)
         self.detectors = tuple(detectors)
@@ -121,8 +137,13 @@ class PatternSet:
         return PatternMatch(i, m.start(), m.end())
 
     def find_all(self, text: str) -> list[PatternMatch]:
-        """Every match in a whole text (the reference the scanner agrees with)."""
-        return [pm for m in self.regex.finditer(text) if m.end() > m.start() and (pm := self.accepts(m)) is not None]
+        """Every match in a whole text (the reference the scanner agrees with); PatternTimeout
+        past the time budget."""
+        try:
+            matches = list(self.regex.finditer(text, timeout=self.timeout))  # (None: untimed)
+        except TimeoutError:
+            raise PatternTimeout(f"matching took over {self.timeout * 1000:.0f} ms on {len(text):,} characters") from None
+        return [pm for m in matches if m.end() > m.start() and (pm := self.accepts(m)) is not None]
 
     def scanner(self) -> "PatternScanner":
         return PatternScanner(self)
@@ -137,6 +158,7 @@ class PatternScanner:
         self._base = 0
         self._pos = 0  # where the next search starts (absolute)
         self._held = 0  # the first character that may still be part of a match (absolute)
+        self._deadline = 0.0  # perf_counter time the scan under way must end by
 
     @property
     def fed(self) -> int:
@@ -158,13 +180,42 @@ class PatternScanner:
         """The matches left once the text has ended."""
         return self._scan(final=True)
 
+    def _left(self) -> float:
+        """Seconds left of this scan's budget (PatternTimeout once none are)."""
+        left = self._deadline - time.perf_counter()
+        if left <= 0:
+            raise PatternTimeout(f"matching took over {self.patterns.timeout * 1000:.0f} ms on "
+                                 f"{len(self._text):,} characters held")
+        return left
+
+    def _search(self, text: str, pos: int) -> "regex.Match[str] | None":
+        if self.patterns.timeout is None:
+            return self.patterns.regex.search(text, pos)
+        return self.patterns.regex.search(text, pos, timeout=self._left())
+
+    def _open_at(self, text: str, pos: int) -> bool:
+        """Whether the text from `pos` could still be (a prefix of) a match."""
+        if self.patterns.timeout is None:
+            return self.patterns.regex.fullmatch(text, pos, partial=True) is not None
+        return self.patterns.regex.fullmatch(text, pos, partial=True, timeout=self._left()) is not None
+
     def _scan(self, final: bool) -> list[PatternMatch]:
-        rx, text, base = self.patterns.regex, self._text, self._base
+        if self.patterns.timeout is None:
+            return self._scan_within(final)
+        self._deadline = time.perf_counter() + self.patterns.timeout
+        try:
+            return self._scan_within(final)
+        except TimeoutError:
+            raise PatternTimeout(f"matching took over {self.patterns.timeout * 1000:.0f} ms on "
+                                 f"{len(self._text):,} characters held") from None
+
+    def _scan_within(self, final: bool) -> list[PatternMatch]:
+        text, base = self._text, self._base
         found: list[PatternMatch] = []
         pos = self._pos - base
         hold = self._first_open(max(pos, self._held - base), final)
         while True:
-            m = rx.search(text, pos)  # a complete match starting before `hold` is final
+            m = self._search(text, pos)  # a complete match starting before `hold` is final
             if m is None or m.start() >= hold:
                 break
             if m.end() == m.start():  # (compile_pattern refuses such patterns; never loop on one)
@@ -187,8 +238,7 @@ class PatternScanner:
         text = self._text
         if final:
             return len(text)
-        fullmatch = self.patterns.regex.fullmatch
         for p in range(start, len(text)):
-            if fullmatch(text, p, partial=True) is not None:
+            if self._open_at(text, p):
                 return p
         return len(text)

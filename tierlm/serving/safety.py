@@ -36,6 +36,10 @@ policy needs phrases, detectors or patterns, and may mix them.
 
 Why held deltas and not held characters: a delta carries its tokens' logprobs; showing part of
 its text would show them all.
+
+Patterns that run out of time (pattern_scan.SCAN_TIMEOUT_S per prompt or per delta) cannot
+vouch for the text: it counts as matching (`Rules.timed_out`), so a prompt is refused and an
+answer stopped, rather than the event loop held for as long as the pattern backtracks.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
-from tierlm.serving.pattern_scan import BUILTIN, Detector, PatternSet, compile_pattern
+from tierlm.serving.pattern_scan import BUILTIN, Detector, PatternSet, PatternTimeout, compile_pattern
 from tierlm.serving.phrase_scan import PhraseSet, normalise
 
 logger = logging.getLogger("tierlm.serving")
@@ -134,6 +138,18 @@ class Rules:
         return self.hits(self.phrases.find_all(text) if self.phrases is not None else (),
                          self.patterns.find_all(text) if self.patterns is not None else ())
 
+    def timed_out(self, error: PatternTimeout, what: str) -> Policy:
+        """The policy a text is refused or stopped by when its patterns ran out of time: they
+        cannot vouch for it, so it counts as matching (a blocking policy's if any has patterns;
+        a redact policy's cannot be redacted, with no span: it blocks too)."""
+        owners = list(dict.fromkeys(self.pattern_owners))
+        policy = next((p for p in owners if p.action == "block"), owners[0])
+        logger.warning("safety patterns of %s: %s in %s, so it counts as matching policy '%s' (%s); rewrite the "
+                       "slow pattern without nested repetition such as (a|aa)+", ", ".join(
+                           f"'{p.name}'" for p in owners), error, what, policy.name,
+                       "refused" if what == "a prompt" else "stopped")
+        return policy
+
     @staticmethod
     def first_block(hits: Sequence[Hit]) -> Policy | None:
         """The policy that blocks on these hits (the first to end), if any does."""
@@ -154,7 +170,10 @@ class RequestSafety:
         """The policy a prompt's text breaks (any match blocks), or None."""
         if self.input is None:
             return None
-        hits = self.input.find_all(text)
+        try:
+            hits = self.input.find_all(text)
+        except PatternTimeout as e:
+            return self.input.timed_out(e, "a prompt")
         return hits[0].policy if hits else None
 
     def output_guard(self) -> "OutputGuard | None":
@@ -328,7 +347,11 @@ class OutputGuard:
             phrases = self._phrases.feed(delta.text) + (self._phrases.finish() if delta.finished else [])
             until = min(until, self._phrases.held_from)
         if self._patterns is not None:
-            patterns = self._patterns.feed(delta.text) + (self._patterns.finish() if delta.finished else [])
+            try:
+                patterns = self._patterns.feed(delta.text) + (self._patterns.finish() if delta.finished else [])
+            except PatternTimeout as e:
+                self._held.clear()
+                return [], self.rules.timed_out(e, "an answer")
             until = min(until, self._patterns.held_from)
         hits = self.rules.hits(phrases, patterns)
         self._held.append(_Held(delta, start))
