@@ -240,3 +240,41 @@ def test_fallbacks_are_one_step_down():
     for bad in ({"big": "big"}, {"big": "mid", "mid": "small"}):
         with pytest.raises(ValueError, match="one step down"):
             SlaGuard(fallbacks=bad)
+
+
+def test_a_tiers_own_breaker_settings_or_none_override_the_servers():
+    """Tiers of one server, one model: gold's breaker is off (`breaker = false`), silver trips
+    after 2 misses of 2 (its own settings), bronze keeps the server's (3 of 3, SMALL); with the
+    server's breaker off (--no-sla-breaker), a tier's own settings still hold."""
+    import dataclasses
+
+    own = BreakerSettings(window=2, min_outcomes=2, cooldown_s=0.5, max_cooldown_s=1.0, probes=1)
+    clock = [0.0]
+
+    def ctx(tier: str, breaker) -> RequestContext:
+        return dataclasses.replace(_ctx(), tier=tier, breaker=breaker)
+
+    def misses_until_refused(guard: SlaGuard, tier: str, breaker) -> int | None:
+        for n in range(1, 30):
+            guard.admit(_IdleEngine(None), "m", ctx(tier, breaker), 10)._report(False)
+            try:
+                guard.admit(_IdleEngine(None), "m", ctx(tier, breaker), 10)._report(None)
+            except SlaShed as shed:
+                assert shed.reason == "breaker"
+                return n
+        return None
+
+    guard = SlaGuard(breaker=SMALL, clock=lambda: clock[0])
+    assert misses_until_refused(guard, "gold", False) is None and guard.breaker_for("m", "gold", False) is None
+    assert misses_until_refused(guard, "silver", own) == 2
+    assert misses_until_refused(guard, "bronze", None) == 3
+    with pytest.raises(SlaShed) as shed:
+        guard.admit(_IdleEngine(None), "m", ctx("silver", own), 10)
+    assert shed.value.headers["retry-after"] == "1"  # its own 0.5 s cool-down, in whole seconds
+    clock[0] = 0.6  # silver's cool-down is over; bronze's (SMALL's 1 s) is not
+    guard.admit(_IdleEngine(None), "m", ctx("silver", own), 10)
+    with pytest.raises(SlaShed):
+        guard.admit(_IdleEngine(None), "m", ctx("bronze", None), 10)
+    off = SlaGuard(breaker=None, clock=lambda: clock[0])
+    assert misses_until_refused(off, "bronze", None) is None
+    assert misses_until_refused(off, "silver", own) == 2

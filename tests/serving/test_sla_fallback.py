@@ -25,7 +25,7 @@ from tierlm.serving.cli import parse_fallbacks
 from tierlm.serving.sla import FALLBACK_HEADER, SlaGuard
 from tierlm.serving.tenancy import Tenancy
 
-KEYS = {name: f"sk-{name}" for name in ("firm", "tight", "steady")}
+KEYS = {name: f"sk-{name}" for name in ("firm", "tight", "steady", "loose", "twitchy")}
 TENANTS = """
 [tiers.firm]
 priority = 0
@@ -37,6 +37,24 @@ ttft_target_ms = 1000
 
 [tiers.steady]
 priority = 0                   # no target: never refused, never sent elsewhere
+
+[tiers.loose]
+priority = 0
+ttft_target_ms = 60000
+breaker = false                # the estimate may shed it, its breaker never
+
+[tiers.twitchy]
+priority = 0
+ttft_target_ms = 60000
+breaker = { window = 2, min_outcomes = 2, cooldown_ms = 250 }
+
+[tenants.loose]
+tier = "loose"
+keys = ["loose"]
+
+[tenants.twitchy]
+tier = "twitchy"
+keys = ["twitchy"]
 
 [tenants.firm]
 tier = "firm"
@@ -241,3 +259,15 @@ def test_fallbacks_name_served_models(engines):
             parse_fallbacks(specs, ["a", "b", "c"])
     with pytest.raises(ValueError, match=f"model 'nope' is not served here; serve it with --model nope=DIR"):
         build_app(engines, ApiKeyAuth.from_keys(KEYS), sla=SlaGuard(fallbacks={BIG: "nope"}))
+
+
+def test_a_tiers_breaker_settings_from_the_tenants_file_reach_its_requests(server):
+    """`breaker = false` on a tier: its requests have no breaker at all; a tier's own table:
+    its breaker runs with those settings; the others keep the server's."""
+    guard = server.app.state.tierlm.sla
+    for key in ("loose", "twitchy", "firm"):
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=60)
+        assert oai.chat.completions.create(model=SMALL, max_tokens=1, messages=HI).choices
+    assert (SMALL, "loose") not in guard._breakers
+    assert guard._breakers[(SMALL, "twitchy")].settings == BreakerSettings(window=2, min_outcomes=2, cooldown_s=0.25)
+    assert guard._breakers[(SMALL, "firm")].settings == BREAKER

@@ -96,6 +96,13 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     assert (config.tenant_of("vip").weight, config.tenant_of("globex").weight, config.tenant_of("rpm").weight,
             acme_a.weight, config.tenant_of("lone").weight) == (3.0, 0.5, 0.5, 1.0, 1.0)
     assert parse(TENANTS).tenant_of("lone").weight == 1.0  # bronze, no weight set
+    # breakers: a tier's own settings (times in ms), none, or the server's
+    from tierlm.serving.breaker import BreakerSettings
+    tiers = parse('[tiers.gold]\nbreaker = { min_outcomes = 4, cooldown_ms = 500, horizon_ms = 10000 }\n'
+                  '[tiers.silver]\nbreaker = false\n[tenants.t]\ntier = "gold"\nkeys = ["rpm"]\n')
+    assert tiers.tenant_of("rpm").breaker == BreakerSettings(min_outcomes=4, cooldown_s=0.5, horizon_s=10.0)
+    assert tiers.tiers["silver"].breaker is False and tiers.tiers["bronze"].breaker is None
+    assert tiers.tenant_of("lone").breaker is None  # a lone key: the default tier's (bronze)
     # KV quotas likewise: a tenant's own, else its tier's, else none
     assert (config.tenant_of("vip").kv_share, config.tenant_of("globex").kv_share, acme_a.kv_share,
             parse(TENANTS).tenant_of("lone").kv_share) == (0.5, 0.75, None, None)
@@ -126,6 +133,15 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     ('default_tier = "tin"', "default_tier: no tier named 'tin'"),
     ('[tenants.rpm]\nkeys = ["tpm"]', "tenants.rpm: this tenant has the name of key 'rpm', which is in no tenant"),
     ('tenants = 3', "tenants: must be a table"),
+    ('[tiers.gold]\nbreaker = true', "tiers.gold.breaker: must be false (no breaker for this tier) or a table"),
+    ('[tiers.gold]\nbreaker = { min_outcomes = 30 }', "tiers.gold.breaker: min_outcomes (30) must be at most window (20"),
+    ('[tiers.gold]\nbreaker = { cooldown_ms = 0 }', "tiers.gold.breaker.cooldown_ms: must be a number above 0 (got 0)"),
+    ('[tiers.gold]\nbreaker = { cooldown_ms = 60000 }', "tiers.gold.breaker: cooldown_ms (60000) must be at most "
+                                                      "max_cooldown_ms (30000)"),
+    ('[tiers.gold]\nbreaker = { trip_fraction = 2 }', "tiers.gold.breaker.trip_fraction: must be a share above 0"),
+    ('[tiers.gold]\nbreaker = { probes = 1.5 }', "tiers.gold.breaker.probes: must be a whole number of at least 1"),
+    ('[tiers.gold]\nbreaker = { cool = 1 }', "tiers.gold.breaker.cool: unknown field; use cooldown_ms, horizon_ms"),
+    ('[tenants.a]\nkeys = ["rpm"]\nbreaker = false', "tenants.a.breaker: unknown field"),  # a tier's, not a tenant's
 ])
 def test_tenants_file_mistakes_name_the_field_and_the_fix(text, error):
     with pytest.raises(ValueError) as e:

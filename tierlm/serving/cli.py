@@ -78,7 +78,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "both must be served (--model), repeat for several; see README 'SLA guard'")
     p.add_argument("--sla-breaker", action=argparse.BooleanOptionalAction, default=True,
                    help="refuse a tier's requests to a model for a cool-down once half of its last 8-20 missed "
-                        "their ttft_target_ms (tiers without a target are never refused)")
+                        "their ttft_target_ms (tiers without a target are never refused; a tier's own `breaker` "
+                        "in the tenants file overrides this)")
     p.add_argument("--max-body-bytes", type=at_least(1, int), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 request_too_large")
     p.add_argument("--request-read-timeout", type=at_least(0, float), default=DEFAULT_REQUEST_READ_TIMEOUT,

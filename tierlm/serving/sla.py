@@ -132,12 +132,15 @@ class SlaGuard:
                 raise ValueError(f"--fallback-model {big}={small}: a fallback must be another model with no "
                                  "fallback of its own (one step down, no chains or cycles)")
 
-    def breaker_for(self, model: str, tier: str) -> Breaker | None:
-        if self.breaker is None:
+    def breaker_for(self, model: str, tier: str, own: BreakerSettings | bool | None = None) -> Breaker | None:
+        """The breaker of (model, tier): with the tier's `own` settings (False: none), else the
+        server's (`breaker`)."""
+        settings = self.breaker if own is None else (own or None)
+        if not isinstance(settings, BreakerSettings):
             return None
         found = self._breakers.get((model, tier))
-        if found is None:
-            found = self._breakers[(model, tier)] = Breaker(self.breaker)
+        if found is None or found.settings != settings:
+            found = self._breakers[(model, tier)] = Breaker(settings)
         return found
 
     def admit(self, engine: Any, model: str, ctx: RequestContext, prompt_tokens: int) -> Admission | None:
@@ -146,7 +149,7 @@ class SlaGuard:
         if ctx.ttft_target_s is None:
             return None
         tier = ctx.tier or ""
-        breaker = self.breaker_for(model, tier)
+        breaker = self.breaker_for(model, tier, ctx.breaker)
         outcome = None
         if breaker is not None:
             try:

@@ -8,6 +8,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     priority = 0                       # a table here changes them or adds a tier
     requests_per_minute = 600          # limits set on a tier are its tenants' defaults
     ttft_target_ms = 2000              # the SLA guard sheds what would wait longer (sla.py)
+    breaker = { min_outcomes = 4 }     # its breaker's own settings (breaker.py); false: none
 
     [tenants.acme]
     tier = "gold"
@@ -56,6 +57,7 @@ from typing import Any, Callable, Iterable, Mapping
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tierlm.serving.breaker import BreakerSettings
 from tierlm.serving.errors import ApiStyle, RateLimited
 from tierlm.serving.limit_store import LimitStore, LimitStoreUnavailable
 
@@ -89,6 +91,9 @@ class Tier:
     weight: float = 1.0  # each tenant's share among the tenants of this priority, unless it sets its own
     kv_share: float | None = None  # each tenant's KV quota, unless it sets its own
     ttft_target_s: float | None = None  # the SLA guard's time-to-first-token target (serving/sla.py)
+    # Its requests' circuit breaker (serving/breaker.py): own settings, False for none, None for
+    # the server's (--sla-breaker).
+    breaker: BreakerSettings | bool | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,7 @@ class Tenant:
     weight: float = 1.0  # its share of the engine among the tenants of its priority (engine/fairness.py)
     kv_share: float | None = None  # the most of each engine's device KV pool it may hold (engine/quotas.py)
     ttft_target_s: float | None = None  # its tier's time-to-first-token target (serving/sla.py)
+    breaker: BreakerSettings | bool | None = None  # its tier's breaker settings (Tier.breaker)
 
 
 @dataclass(frozen=True)
@@ -144,7 +150,7 @@ class TenantsConfig:
                 raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", "breaker", *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
@@ -152,7 +158,8 @@ class TenantsConfig:
             if isinstance(priority, bool) or not isinstance(priority, int):
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
             tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0),
-                               _kv_share(table, where, fail, None), _ttft_target(table, where, fail))
+                               _kv_share(table, where, fail, None), _ttft_target(table, where, fail),
+                               _breaker(table, where, fail))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -188,7 +195,7 @@ class TenantsConfig:
             tenants[name] = Tenant(name, tier_name, tier.priority, f"tenant\x1f{name}",
                                    _limits(table, where, fail).over(tier.limits),
                                    _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share),
-                                   tier.ttft_target_s)
+                                   tier.ttft_target_s, tier.breaker)
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
@@ -202,7 +209,7 @@ class TenantsConfig:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
         return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share,
-                      tier.ttft_target_s)
+                      tier.ttft_target_s, tier.breaker)
 
 
 def _key_salt(key_id: str) -> str:
@@ -281,6 +288,48 @@ def _ttft_target(table: Mapping[str, Any], where: str, fail: Callable[[str, str]
         raise fail(f"{where}.ttft_target_ms", f"must be a number of milliseconds from 1 to 3600000 (got {value!r}): "
                                               "the time to first token this tier's requests are promised")
     return value / 1000.0
+
+
+# A tier's `breaker` table: its keys, as BreakerSettings' fields (times in ms in the file).
+_BREAKER_FIELDS = {"window": "window", "horizon_ms": "horizon_s", "min_outcomes": "min_outcomes",
+                   "trip_fraction": "trip_fraction", "cooldown_ms": "cooldown_s", "max_cooldown_ms": "max_cooldown_s",
+                   "probes": "probes"}
+
+
+def _breaker(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError]) -> BreakerSettings | bool | None:
+    """A tier's circuit breaker: `breaker = false` (none), a table of the settings to change
+    from the defaults, or nothing (the server's)."""
+    value = table.get("breaker")
+    where = f"{where}.breaker"
+    if value is None:
+        return None
+    if value is False:
+        return False
+    if not isinstance(value, dict):
+        raise fail(where, f"must be false (no breaker for this tier) or a table of settings such as "
+                          f"{{ min_outcomes = 4, cooldown_ms = 500 }} (got {value!r})")
+    _only(value, set(_BREAKER_FIELDS), where, fail)
+    settings: dict[str, Any] = {}
+    for key, name in _BREAKER_FIELDS.items():
+        if key not in value:
+            continue
+        v = value[key]
+        if name in ("window", "min_outcomes", "probes"):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise fail(f"{where}.{key}", f"must be a whole number of at least 1 (got {v!r})")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise fail(f"{where}.{key}", f"must be a number above 0 (got {v!r})")
+        settings[name] = v / 1000.0 if key.endswith("_ms") else v
+    merged = {**BreakerSettings().__dict__, **settings}
+    if merged["min_outcomes"] > merged["window"]:
+        raise fail(where, f"min_outcomes ({merged['min_outcomes']}) must be at most window ({merged['window']}, "
+                          "the outcomes kept)")
+    if merged["trip_fraction"] > 1:
+        raise fail(f"{where}.trip_fraction", f"must be a share above 0 and at most 1 (got {merged['trip_fraction']!r})")
+    if merged["cooldown_s"] > merged["max_cooldown_s"]:
+        raise fail(where, f"cooldown_ms ({merged['cooldown_s'] * 1000:g}) must be at most max_cooldown_ms "
+                          f"({merged['max_cooldown_s'] * 1000:g})")
+    return BreakerSettings(**settings)
 
 
 # ---- limiting ----------------------------------------------------------------------------
