@@ -239,6 +239,35 @@ def test_stored_responses_are_found_on_the_replica_that_made_them(replicas, engi
             o.responses.retrieve("resp_nowhere")
 
 
+def test_message_batches_are_found_on_the_replica_that_runs_them(replicas, engines):
+    """A batch lives on the replica that took it: retrieve, results, cancel and delete through
+    the router reach it (remembered from the answer, or searched for by a fresh router)."""
+    import time
+
+    import anthropic
+
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+    with RouterThread(urls, policy="round_robin") as router:
+        c, _ = router.clients()
+        batch = c.messages.batches.create(requests=[
+            {"custom_id": f"r{i}", "params": {"model": model, "max_tokens": 2, "messages": [
+                {"role": "user", "content": f"batch {i}"}]}} for i in range(3)])
+        deadline = time.monotonic() + 60
+        while c.messages.batches.retrieve(batch.id).processing_status != "ended":  # each retrieve: its replica
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert sorted(r.custom_id for r in c.messages.batches.results(batch.id)) == ["r0", "r1", "r2"]
+    with RouterThread(list(reversed(urls)), policy="round_robin") as fresh:  # knows no owners
+        c, _ = fresh.clients()
+        for _ in range(2):
+            assert c.messages.batches.retrieve(batch.id).request_counts.succeeded == 3
+        assert all(r.result.type == "succeeded" for r in c.messages.batches.results(batch.id))
+        assert c.messages.batches.delete(batch.id).type == "message_batch_deleted"
+        with pytest.raises(anthropic.NotFoundError):
+            c.messages.batches.retrieve(batch.id)  # every replica said 404: the last one's answer
+
+
 def test_bad_requests_get_the_replicas_own_errors_and_the_router_its_limits(replicas, engines):
     with RouterThread([s.url for s in replicas], max_body_bytes=1000) as router:
         r = httpx.post(router.url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY})

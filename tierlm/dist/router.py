@@ -77,8 +77,10 @@ _PROBE_TIMEOUTS_DOWN = 3
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-authenticate", "proxy-authorization", "host", "content-length"}
 _OWN_RESPONSE_HEADERS = {"server", "date"}  # the router's server sets its own
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]+)"')
-_ID_ROUTE = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_\-]+)(/.*)?$")
+# Objects a replica keeps, found again by their ids: stored responses and message batches.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp|msgbatch)_[A-Za-z0-9_\-]+)"')
+_ID_ROUTE = re.compile(r"^/v1/(?:responses|messages/batches)/((?:resp|msgbatch)_[A-Za-z0-9_\-]+)(/.*)?$")
+_CREATES_OBJECT = ("/v1/responses", "/v1/messages/batches")  # POSTed: the answer's id is remembered
 
 
 @dataclass
@@ -431,7 +433,7 @@ class Router:
                 plan.routed(choice, r)
             self.metrics.requests.labels(r.name, choice.decision).inc()
             try:
-                await self._relay(upstream, r, send, style, path, sniff=path == "/v1/responses" and method == "POST",
+                await self._relay(upstream, r, send, style, path, sniff=path in _CREATES_OBJECT and method == "POST",
                                   extra_headers=limit_headers)
             finally:
                 release()

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tierlm.serving import anthropic, openai, openai_responses
+from tierlm.serving import anthropic, batches, openai, openai_responses
+from tierlm.serving.paging import limit_param, page
 from tierlm.serving.auth import Authenticator
 from tierlm.serving.errors import (
     APIError,
@@ -107,6 +108,7 @@ def build_app(
         finally:
             if len(state.inflight):
                 logger.warning("releasing %d request(s) still in flight at shutdown", len(state.inflight))
+            await state.batches.close()
             await state.inflight.close_all()
             await state.tenancy.close()
             if manage_engines:
@@ -118,6 +120,7 @@ def build_app(
     app.state.tierlm = state
     app.state.telemetry = telemetry
     app.include_router(anthropic.router)
+    app.include_router(batches.router)
     app.include_router(openai.router)
     app.include_router(openai_responses.router)
     # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
@@ -146,18 +149,9 @@ async def list_models(request: Request) -> Response:
     state.identify(request)
     names = state.models.names
     query = request.query_params
-    limit = _limit_param(query.get("limit"))
-    after, before = query.get("after_id"), query.get("before_id")
-    if after is not None and before is not None:
-        raise InvalidRequest("after_id and before_id cannot be combined; send one of them", param="before_id")
-    if before is not None:
-        end = _cursor_index(names, before, "before_id")
-        start = max(0, end - limit) if limit is not None else 0
-        has_more = start > 0
-    else:
-        start = _cursor_index(names, after, "after_id") + 1 if after is not None else 0
-        end = min(len(names), start + limit) if limit is not None else len(names)
-        has_more = end < len(names)
+    start, end, has_more = page(names, limit_param(query.get("limit"), None), query.get("after_id"),
+                                query.get("before_id"),
+                                lambda param, name: f"{param}: model '{name}' is not served here; use an id from the list")
     data = [state.models.describe(name) for name in names[start:end]]
     return JSONResponse({
         "object": "list",
@@ -166,25 +160,6 @@ async def list_models(request: Request) -> Response:
         "first_id": data[0]["id"] if data else None,
         "last_id": data[-1]["id"] if data else None,
     })
-
-
-def _limit_param(value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        limit = int(value)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest(f"limit: must be an integer from 1 to 1000 (got {value!r})", param="limit")
-    return limit
-
-
-def _cursor_index(names: list[str], model_id: str, param: str) -> int:
-    if model_id not in names:
-        raise InvalidRequest(f"{param}: model '{model_id}' is not served here; use an id from the list",
-                             param=param)
-    return names.index(model_id)
 
 
 async def get_model(request: Request, model_id: str) -> Response:

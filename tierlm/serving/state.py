@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from starlette.requests import Request
 
 from tierlm.serving.auth import Authenticator, RequestContext
+from tierlm.serving.batches import BATCH_CONTEXT, BatchStore
 from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, api_style_for
 from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightRequests
 from tierlm.serving.models import ModelRegistry
@@ -42,14 +43,23 @@ class ServerState:
     tenancy: Tenancy = field(default_factory=Tenancy)  # keys → tenants, and their limits
     safety: SafetyPolicies = field(default_factory=SafetyPolicies)  # phrase policies on prompts and answers
     sla: SlaGuard = field(default_factory=SlaGuard)  # breakers per model and tier, fallback models
+    batches: BatchStore = field(default_factory=BatchStore)  # the Message Batches API's batches
     draining: bool = False
 
     async def admit(self, request: Request) -> RequestContext:
         """Authenticate, find the key's tenant and, for a generation request, take one request of
         the tenant's limits (a 429 if it is over one). The hold ends with the response
         (tenancy.TenancyMiddleware)."""
-        context, tenant = self._identify(request)
         scope_state = request.scope.setdefault("state", {})
+        preset = scope_state.get(BATCH_CONTEXT)
+        if preset is not None:  # a request of a message batch, run in process as its creator (batches.py)
+            if self.draining:
+                raise Overloaded("the server is shutting down; retry on another replica or after restart")
+            observer = scope_state.get("telemetry")
+            if observer is not None and preset.tenant_id is not None:
+                observer.tenant = preset.tenant_id
+            return replace(preset, request_id=request_id_of(request))
+        context, tenant = self._identify(request)
         if request.method == "POST" and request.url.path in GENERATION_ROUTES and TICKET not in scope_state:
             ticket = await self.tenancy.admit(tenant, api_style_for(request.url.path, request.headers))
             if ticket is not None:

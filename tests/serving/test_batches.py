@@ -1,0 +1,180 @@
+"""Anthropic's Message Batches API (tierlm/serving/batches.py) through the official SDK against a
+real server on scripted models: results equal /v1/messages' own answers, per-request errors in
+Anthropic's shapes, batches per key, listing and deleting, cancelling that frees the engine,
+batch work waiting behind interactive requests, and tenants' rate limits not charged."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from tests.serving.harness import ServerThread, slow_steps, wait_until
+from tests.serving.scripted_model import ENGINE_OPTIONS, LOOP_MODEL, REPLY, TEXT_MODEL
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+from tierlm.serving.tenancy import Tenancy
+
+KEYS = {"a": "sk-batch-a", "b": "sk-batch-b"}
+TENANTS = """
+[tenants.acme]
+tier = "gold"
+keys = ["a"]
+requests_per_minute = 2       # interactive requests only: a batch's are not charged
+"""
+ONE_SEQ = "loop-one-at-a-time"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def engines(scripted_models) -> dict:
+    from tierlm.engine.async_engine import AsyncEngine
+
+    loop = scripted_models[LOOP_MODEL]
+    return {TEXT_MODEL: scripted_models[TEXT_MODEL].engine(TEXT_MODEL), LOOP_MODEL: loop.engine(LOOP_MODEL),
+            ONE_SEQ: AsyncEngine.from_model(str(loop.path), served_model_name=ONE_SEQ,
+                                            **{**ENGINE_OPTIONS, "max_num_seqs": 1})}
+
+
+@pytest.fixture(scope="module")
+def server(engines, tmp_path_factory):
+    path = tmp_path_factory.mktemp("batches") / "tenants.toml"
+    path.write_text(TENANTS)
+    srv = ServerThread(build_app(engines, ApiKeyAuth.from_keys(KEYS), tenancy=Tenancy.from_file(path, KEYS))).start()
+    yield srv
+    srv.stop()
+
+
+def client(server: ServerThread, key: str = "a") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEYS[key], max_retries=0, timeout=60)
+
+
+def ended(c: anthropic.Anthropic, batch_id: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = c.messages.batches.retrieve(batch_id)
+        if batch.processing_status == "ended":
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+
+
+def test_a_batchs_results_are_what_messages_answers_and_its_errors_anthropics(server):
+    c = client(server, "b")
+    interactive = c.messages.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
+    batch = c.messages.batches.create(requests=[
+        {"custom_id": "text", "params": {"model": TEXT_MODEL, "max_tokens": 50, "messages": HI}},
+        {"custom_id": "loop-5", "params": {"model": LOOP_MODEL, "max_tokens": 5, "messages": HI,
+                                           "stop_sequences": ["never"]}},
+        {"custom_id": "no-max-tokens", "params": {"model": TEXT_MODEL, "messages": HI}},
+        {"custom_id": "unknown-model", "params": {"model": "no-such-model", "max_tokens": 5, "messages": HI}},
+        {"custom_id": "streamed", "params": {"model": TEXT_MODEL, "max_tokens": 5, "messages": HI, "stream": True}},
+    ])
+    assert batch.id.startswith("msgbatch_") and batch.type == "message_batch"
+    assert batch.processing_status == "in_progress" and batch.results_url is None  # (answered as it is made)
+    assert (batch.expires_at - batch.created_at).total_seconds() == pytest.approx(24 * 3600, abs=1)
+    done = ended(c, batch.id)
+    counts = done.request_counts
+    assert (counts.processing, counts.succeeded, counts.errored, counts.canceled, counts.expired) == (0, 2, 3, 0, 0)
+    assert done.results_url == f"/v1/messages/batches/{batch.id}/results" and done.ended_at >= done.created_at
+    results = {r.custom_id: r.result for r in c.messages.batches.results(batch.id)}
+    assert set(results) == {"text", "loop-5", "no-max-tokens", "unknown-model", "streamed"}
+    text = results["text"]
+    assert text.type == "succeeded" and text.message.content[0].text == REPLY
+    assert text.message.content == interactive.content and text.message.usage.output_tokens == \
+        interactive.usage.output_tokens
+    loop = results["loop-5"]
+    assert loop.type == "succeeded" and loop.message.stop_reason == "max_tokens" and loop.message.usage.output_tokens == 5
+    for cid, kind, says in (("no-max-tokens", "invalid_request_error", "max_tokens"),
+                            ("unknown-model", "not_found_error", "no-such-model"),
+                            ("streamed", "invalid_request_error", "cannot stream")):
+        assert results[cid].type == "errored" and results[cid].error.type == "error", cid
+        assert results[cid].error.error.type == kind and says in results[cid].error.error.message, cid
+
+
+def test_batches_are_a_keys_own_listed_newest_first_and_deleted_once_ended(server, engines, monkeypatch):
+    a, b = client(server, "a"), client(server, "b")
+    slow_steps(engines[LOOP_MODEL], monkeypatch, 0.02)
+    long = {"model": LOOP_MODEL, "max_tokens": 200, "messages": HI}  # 4 s at least
+    first = a.messages.batches.create(requests=[{"custom_id": "one", "params": {**long, "max_tokens": 2}}])
+    second = a.messages.batches.create(requests=[{"custom_id": "x", "params": long}])
+    mine = [x.id for x in a.messages.batches.list(limit=20).data]
+    assert mine[:2] == [second.id, first.id]  # newest first
+    page = a.messages.batches.list(limit=1)
+    assert [x.id for x in page.data] == [second.id] and page.has_more and page.last_id == second.id
+    assert [x.id for x in a.messages.batches.list(limit=1, after_id=second.id).data] == [first.id]
+    assert second.id not in [x.id for x in b.messages.batches.list().data]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        b.messages.batches.retrieve(second.id)  # another key's batch is not found, as if it did not exist
+    assert "not found" in missing.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        a.messages.batches.delete(second.id)
+    assert "still in_progress" in refused.value.body["error"]["message"] and "cancel it first" in \
+        refused.value.body["error"]["message"]
+    with pytest.raises(anthropic.AnthropicError, match="No `results_url`"):
+        a.messages.batches.results(second.id)  # the SDK asks for results once results_url is set
+    raw = httpx.get(f"{server.url}/v1/messages/batches/{second.id}/results", headers={"x-api-key": KEYS["a"]})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    a.messages.batches.cancel(second.id)
+    ended(a, second.id)
+    ended(a, first.id)
+    deleted = a.messages.batches.delete(second.id)
+    assert deleted.id == second.id and deleted.type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        a.messages.batches.retrieve(second.id)
+
+
+@pytest.mark.parametrize("requests, says", [
+    ([], "requests: give a non-empty list"),
+    ([{"custom_id": "a b", "params": {}}], "requests.0.custom_id: must be 1-64 letters"),
+    ([{"custom_id": "x", "params": {}}, {"custom_id": "x", "params": {}}], "requests.1.custom_id: 'x' is used twice"),
+    ([{"custom_id": "x", "params": []}], "requests.0.params: must be an object"),
+    ([{"custom_id": "x", "params": {}, "extra": 1}], "requests.0.extra: Extra inputs are not permitted"),
+    ("nope", "requests: give a non-empty list"),
+])
+def test_a_bad_batch_is_refused_whole_naming_the_request(server, requests, says):
+    r = httpx.post(server.url + "/v1/messages/batches", json={"requests": requests},
+                   headers={"x-api-key": KEYS["b"]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and says in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/messages/batches", content=b"{",
+                      headers={"x-api-key": KEYS["b"]}).status_code == 400
+    assert httpx.post(server.url + "/v1/messages/batches", json={"requests": requests}).status_code == 401
+
+
+def test_cancelling_aborts_what_runs_and_skips_the_rest(server, engines, monkeypatch):
+    c = client(server, "b")
+    engine = engines[LOOP_MODEL]
+    slow_steps(engine, monkeypatch, 0.02)
+    batch = c.messages.batches.create(requests=[
+        {"custom_id": f"r{i}", "params": {"model": LOOP_MODEL, "max_tokens": 300, "messages": HI}} for i in range(40)])
+    assert wait_until(lambda: engine.stats().num_running > 0, timeout=30)
+    canceling = c.messages.batches.cancel(batch.id)
+    assert canceling.processing_status in ("canceling", "ended") and canceling.cancel_initiated_at is not None
+    done = ended(c, batch.id, timeout=30)
+    assert done.request_counts.canceled == 40 and done.request_counts.succeeded == 0
+    assert all(r.result.type == "canceled" for r in c.messages.batches.results(batch.id))
+    assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
+
+
+def test_batch_work_waits_behind_interactive_requests_and_skips_rate_limits(server, engines, monkeypatch):
+    """On an engine that runs one request at a time: a batch of 4 long answers has started; an
+    interactive request sent then is answered before the batch's second request starts, not
+    after all four. The tenant may send 2 requests a minute; its batch of 4 runs whole."""
+    c = client(server, "a")
+    engine = engines[ONE_SEQ]
+    slow_steps(engine, monkeypatch, 0.02)
+    batch = c.messages.batches.create(requests=[
+        {"custom_id": f"r{i}", "params": {"model": ONE_SEQ, "max_tokens": 40, "messages": HI}} for i in range(4)])
+    assert wait_until(lambda: engine.stats().num_running == 1, timeout=30)
+    started = time.monotonic()
+    answer = c.messages.create(model=ONE_SEQ, max_tokens=2, messages=HI)
+    waited = time.monotonic() - started
+    assert answer.usage.output_tokens == 2
+    done = ended(c, batch.id)
+    assert done.request_counts.succeeded == 4
+    total = (done.ended_at - done.created_at).total_seconds()
+    assert waited < total / 2, (waited, total)  # at most the one running batch answer before it
+    assert all(r.result.message.usage.output_tokens == 40 for r in c.messages.batches.results(batch.id))

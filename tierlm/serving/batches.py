@@ -1,0 +1,364 @@
+"""Anthropic's Message Batches API: /v1/messages/batches (create, list, retrieve, cancel, delete,
+results), as the official SDK's `client.messages.batches` calls it.
+
+Why: many tenants have work that needs no answer within seconds (evaluations, labelling,
+summaries overnight). Sent as a batch it runs when interactive requests leave the engine room:
+each request of a batch runs at its tenant's priority lowered by BATCH_PRIORITY, so the
+scheduler serves every waiting interactive request of any tier first, and preempts batch work
+first when KV blocks run out. No SLA guard sheds it (it has no time-to-first-token target), and
+the tenant's request rate and concurrency limits are not charged (Anthropic's batches have
+limits of their own).
+
+Each request runs through this server's own /v1/messages route, in process (an ASGI call, not a
+socket), as its creator: the same rendering, validation, safety policies, fallback models and
+telemetry as an interactive request, so its result is what /v1/messages would have answered
+(`succeeded` with the message, or `errored` with the error body). As in Anthropic's API, a
+request's params are checked when it runs, not when the batch is created; the batch itself
+(its list of custom_id + params) is checked at once. Up to BATCH_CONCURRENCY requests of one
+batch are in the engine at a time.
+
+Kept in this process's memory, per API key as stored responses are (a restart loses them; a
+batch in progress then is gone). Cancelling stops what has not started and aborts what is
+running (its engine request freed at once); what finished is kept. A batch expires 24 hours
+after it was created: requests not started by then are `expired`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tierlm.serving.auth import RequestContext
+from tierlm.serving.errors import InvalidRequest, NotFound
+from tierlm.serving.paging import limit_param, page
+from tierlm.serving.validation import parse_json_object, read_body
+
+logger = logging.getLogger("tierlm.serving")
+
+router = APIRouter()
+
+BATCH_CONTEXT = "tierlm_batch_context"  # ASGI scope state: a batch's request, admitted as its creator
+BATCH_PRIORITY = 1_000_000  # added to the tenant's priority: after every interactive request
+BATCH_CONCURRENCY = 16  # requests of one batch in the engine at once
+MAX_BATCH_REQUESTS = 100_000  # Anthropic's limit
+EXPIRES_AFTER_S = 24 * 3600
+DEFAULT_MAX_BATCHES = 10_000  # kept per server; past it the oldest ended batch goes first
+_CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def _rfc3339(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class BatchItem:
+    custom_id: str
+    params: dict[str, Any]
+    result: dict[str, Any] | None = None  # {"type": "succeeded" | "errored" | "canceled" | "expired", ...}
+
+
+@dataclass
+class MessageBatch:
+    id: str
+    owner: str
+    context: RequestContext  # its creator's, at batch priority
+    items: list[BatchItem]
+    created_at: float = field(default_factory=time.time)
+    cancel_initiated_at: float | None = None
+    ended_at: float | None = None
+    task: asyncio.Task | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def expires_at(self) -> float:
+        return self.created_at + EXPIRES_AFTER_S
+
+    @property
+    def status(self) -> str:
+        if self.ended_at is not None:
+            return "ended"
+        return "canceling" if self.cancel_initiated_at is not None else "in_progress"
+
+    def describe(self) -> dict[str, Any]:
+        """The MessageBatch object. As in Anthropic's API, requests count as `processing` until
+        the whole batch has ended."""
+        counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+        if self.ended_at is None:
+            counts["processing"] = len(self.items)
+        else:
+            for item in self.items:
+                counts[item.result["type"] if item.result else "canceled"] += 1
+        return {"id": self.id, "type": "message_batch", "processing_status": self.status,
+                "request_counts": counts, "created_at": _rfc3339(self.created_at),
+                "expires_at": _rfc3339(self.expires_at), "ended_at": _rfc3339(self.ended_at),
+                "cancel_initiated_at": _rfc3339(self.cancel_initiated_at), "archived_at": None,
+                "results_url": f"/v1/messages/batches/{self.id}/results" if self.ended_at is not None else None}
+
+
+class BatchStore:
+    """This server's batches, oldest first; each owner sees only its own."""
+
+    def __init__(self, max_batches: int = DEFAULT_MAX_BATCHES) -> None:
+        self.max_batches = max_batches
+        self._batches: OrderedDict[str, MessageBatch] = OrderedDict()
+
+    def add(self, batch: MessageBatch) -> None:
+        self._batches[batch.id] = batch
+        while len(self._batches) > self.max_batches:
+            oldest = next((b for b in self._batches.values() if b.ended_at is not None), None)
+            if oldest is None:
+                break  # every batch is running: none is dropped
+            del self._batches[oldest.id]
+
+    def get(self, owner: str, batch_id: str) -> MessageBatch:
+        batch = self._batches.get(batch_id)
+        if batch is None or batch.owner != owner:
+            raise NotFound(f"message batch '{batch_id}' not found. Batches are kept in this server's memory, per "
+                           "API key, until it restarts or needs the room", param="message_batch_id")
+        return batch
+
+    def owned(self, owner: str) -> list[MessageBatch]:
+        """The owner's batches, newest first."""
+        return [b for b in reversed(self._batches.values()) if b.owner == owner]
+
+    def delete(self, batch: MessageBatch) -> None:
+        self._batches.pop(batch.id, None)
+
+    def running(self) -> list[MessageBatch]:
+        return [b for b in self._batches.values() if b.ended_at is None]
+
+    async def close(self) -> None:
+        """Stop every batch still running (at shutdown: they are not kept)."""
+        tasks = [b.task for b in self._batches.values() if b.task is not None and not b.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- running a batch ------------------------------------------------------------------------
+
+
+async def _call(app: Any, body: bytes, context: RequestContext, cancelled: asyncio.Event) -> tuple[int | None, bytes]:
+    """POST /v1/messages to `app` in process, admitted as `context`: (status, body); status None
+    if the batch was cancelled first (the request is then aborted like one whose client left)."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/messages", "raw_path": b"/v1/messages",
+             "query_string": b"", "root_path": "", "client": ("batch", 0), "server": ("tierlm", 0),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"anthropic-version", b"2023-06-01")],
+             "state": {BATCH_CONTEXT: context}}
+    sent = False
+    status: int | None = None
+    chunks: list[bytes] = []
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await cancelled.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    if cancelled.is_set() and status != 200:
+        return None, b""
+    return status, b"".join(chunks)
+
+
+async def _run_item(app: Any, batch: MessageBatch, item: BatchItem) -> dict[str, Any]:
+    if item.params.get("stream") is True:
+        return _errored("invalid_request_error", "params.stream: a batch's requests cannot stream; leave stream out")
+    try:
+        body = json.dumps(item.params).encode()
+    except (TypeError, ValueError) as e:  # (parsed from JSON: cannot happen, but never crash a batch)
+        return _errored("invalid_request_error", f"params: {e}")
+    status, answer = await _call(app, body, batch.context, batch.cancelled)
+    if status is None:
+        return {"type": "canceled"}
+    try:
+        data = json.loads(answer)
+    except ValueError:
+        data = None
+    if status == 200 and isinstance(data, dict):
+        return {"type": "succeeded", "message": data}
+    if isinstance(data, dict) and data.get("type") == "error":
+        return {"type": "errored", "error": data}
+    return _errored("api_error", f"the request ended with HTTP {status} and no error body")
+
+
+def _errored(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "errored", "error": {"type": "error", "error": {"type": kind, "message": message}}}
+
+
+async def run_batch(app: Any, batch: MessageBatch) -> None:
+    """Run every request of `batch`, BATCH_CONCURRENCY at a time, then mark it ended."""
+    pending = iter(batch.items)
+
+    async def worker() -> None:
+        for item in pending:
+            if batch.cancelled.is_set():
+                item.result = {"type": "canceled"}
+            elif time.time() >= batch.expires_at:
+                item.result = {"type": "expired"}
+            else:
+                try:
+                    item.result = await _run_item(app, batch, item)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a fault of ours: this request errs, the batch goes on
+                    logger.exception("batch %s, request %s failed", batch.id, item.custom_id)
+                    item.result = _errored("api_error", "internal error running this request; the cause is in "
+                                                        "the server's log")
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(min(BATCH_CONCURRENCY, len(batch.items)))))
+    finally:
+        for item in batch.items:
+            if item.result is None:  # (the server stopped under it)
+                item.result = {"type": "canceled"}
+        batch.ended_at = time.time()
+        counts = batch.describe()["request_counts"]
+        logger.info("message batch %s ended: %s", batch.id, ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+
+
+# ---- routes ---------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> Any:
+    return request.app.state.tierlm
+
+
+def _owner(context: RequestContext) -> str:
+    from tierlm.serving.openai_responses import owner_of  # (one rule for what a key may read back)
+    return owner_of(context)
+
+
+def parse_batch(data: dict[str, Any]) -> list[BatchItem]:
+    """The batch's requests, or a 400 naming the first thing wrong with its list."""
+    extra = sorted(set(data) - {"requests"})
+    if extra:
+        raise InvalidRequest(f"{extra[0]}: Extra inputs are not permitted", param=extra[0])
+    requests = data.get("requests")
+    if not isinstance(requests, list) or not requests:
+        raise InvalidRequest("requests: give a non-empty list of {custom_id, params} objects", param="requests")
+    if len(requests) > MAX_BATCH_REQUESTS:
+        raise InvalidRequest(f"requests: a batch holds at most {MAX_BATCH_REQUESTS:,} requests (got "
+                             f"{len(requests):,}); split it", param="requests")
+    items: list[BatchItem] = []
+    seen: set[str] = set()
+    for i, r in enumerate(requests):
+        where = f"requests.{i}"
+        if not isinstance(r, dict):
+            raise InvalidRequest(f"{where}: must be an object with custom_id and params", param=where)
+        extra = sorted(set(r) - {"custom_id", "params"})
+        if extra:
+            raise InvalidRequest(f"{where}.{extra[0]}: Extra inputs are not permitted", param=f"{where}.{extra[0]}")
+        cid = r.get("custom_id")
+        if not isinstance(cid, str) or not _CUSTOM_ID.match(cid):
+            raise InvalidRequest(f"{where}.custom_id: must be 1-64 letters, digits, '-' or '_' (got {cid!r})",
+                                 param=f"{where}.custom_id")
+        if cid in seen:
+            raise InvalidRequest(f"{where}.custom_id: '{cid}' is used twice; each request of a batch needs its "
+                                 "own custom_id", param=f"{where}.custom_id")
+        seen.add(cid)
+        params = r.get("params")
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"{where}.params: must be an object: a /v1/messages request body",
+                                 param=f"{where}.params")
+        items.append(BatchItem(cid, params))
+    return items
+
+
+@router.post("/v1/messages/batches")
+async def create_batch(request: Request) -> Response:
+    state = _state(request)
+    context = state.identify(request)
+    raw = await read_body(request, state.max_body_bytes, state.request_read_timeout)
+    data = await asyncio.to_thread(parse_json_object, raw) if len(raw) > 1 << 20 else parse_json_object(raw)
+    items = parse_batch(data)
+    runs_as = replace(context, priority=context.priority + BATCH_PRIORITY, ttft_target_s=None)
+    batch = MessageBatch("msgbatch_" + uuid.uuid4().hex[:24], _owner(context), runs_as, items)
+    state.batches.add(batch)
+    batch.task = asyncio.get_running_loop().create_task(run_batch(request.app, batch))
+    logger.info("message batch %s: %d requests (tenant %s)", batch.id, len(items), context.tenant_id)
+    return JSONResponse(batch.describe())
+
+
+@router.get("/v1/messages/batches")
+async def list_batches(request: Request) -> Response:
+    """The key's batches, newest first: `limit` (1-1000, 20) after `after_id` or before `before_id`."""
+    state = _state(request)
+    batches = state.batches.owned(_owner(state.identify(request)))
+    query = request.query_params
+    start, end, has_more = page([b.id for b in batches], limit_param(query.get("limit"), 20), query.get("after_id"),
+                                query.get("before_id"), lambda param, bid: f"{param}: no batch '{bid}' of this key")
+    found = [b.describe() for b in batches[start:end]]
+    return JSONResponse({"data": found, "has_more": has_more, "first_id": found[0]["id"] if found else None,
+                         "last_id": found[-1]["id"] if found else None})
+
+
+def _batch(request: Request, batch_id: str) -> tuple[Any, MessageBatch]:
+    """(the server's state, the caller's batch `batch_id`): a 404 for another key's."""
+    state = _state(request)
+    return state, state.batches.get(_owner(state.identify(request)), batch_id)
+
+
+@router.get("/v1/messages/batches/{batch_id}")
+async def get_batch(request: Request, batch_id: str) -> Response:
+    return JSONResponse(_batch(request, batch_id)[1].describe())
+
+
+@router.post("/v1/messages/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> Response:
+    _, batch = _batch(request, batch_id)
+    if batch.ended_at is None and batch.cancel_initiated_at is None:
+        batch.cancel_initiated_at = time.time()
+        batch.cancelled.set()
+        logger.info("message batch %s: cancel asked", batch.id)
+    return JSONResponse(batch.describe())
+
+
+def _ended(batch: MessageBatch, then: str) -> None:
+    if batch.ended_at is None:
+        raise InvalidRequest(f"message batch '{batch.id}' is still {batch.status}; {then}", param="message_batch_id")
+
+
+@router.delete("/v1/messages/batches/{batch_id}")
+async def delete_batch(request: Request, batch_id: str) -> Response:
+    state, batch = _batch(request, batch_id)
+    _ended(batch, "a batch can be deleted once it has ended: cancel it first")
+    state.batches.delete(batch)
+    return JSONResponse({"id": batch.id, "type": "message_batch_deleted"})
+
+
+@router.get("/v1/messages/batches/{batch_id}/results")
+async def batch_results(request: Request, batch_id: str) -> Response:
+    _, batch = _batch(request, batch_id)
+    _ended(batch, "its results come once it has ended (results_url is set then)")
+
+    async def lines() -> AsyncIterator[bytes]:
+        for item in batch.items:
+            yield (json.dumps({"custom_id": item.custom_id, "result": item.result}, separators=(",", ":"))
+                   + "\n").encode()
+
+    return StreamingResponse(lines(), media_type="application/x-jsonl")
