@@ -20,11 +20,12 @@ import logging
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 from tierlm.serving.errors import AuthenticationFailed
 
 if TYPE_CHECKING:
+    from tierlm.serving.breaker import BreakerSettings
     from tierlm.serving.safety import RequestSafety
     from tierlm.serving.sla import SlaGuard
 
@@ -45,8 +46,7 @@ class RequestContext:
     kv_share: float | None = None
     tier: str | None = None
     ttft_target_s: float | None = None  # the tier's time-to-first-token target (sla.py)
-    # The tier's own breaker settings (BreakerSettings), False for none, None for the server's.
-    breaker: Any = None
+    breaker: "BreakerSettings | bool | None" = None  # the tier's own breaker, False: none, None: the server's
     cache_salt: str | None = None
     safety: "RequestSafety | None" = None  # the policies its prompt and answer are checked against (safety.py)
     sla: "SlaGuard | None" = None  # the server's breakers and fallbacks (sla.py)
