@@ -13,6 +13,7 @@ import pytest
 
 from tests.serving.harness import ServerThread, slow_steps, wait_until
 from tests.serving.scripted_model import ENGINE_OPTIONS, LOOP_MODEL, REPLY, TEXT_MODEL
+from tests.serving.test_telemetry import value
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
 from tierlm.serving.tenancy import Tenancy
@@ -87,6 +88,10 @@ def test_a_batchs_results_are_what_messages_answers_and_its_errors_anthropics(se
         interactive.usage.output_tokens
     loop = results["loop-5"]
     assert loop.type == "succeeded" and loop.message.stop_reason == "max_tokens" and loop.message.usage.output_tokens == 5
+    metrics = httpx.get(server.url + "/metrics").text
+    assert value(metrics, "tierlm:batch_requests_total", tenant="b", result="succeeded") == 2
+    assert value(metrics, "tierlm:batch_requests_total", tenant="b", result="errored") == 3
+    assert value(metrics, "tierlm:batches_in_progress") == 0
     for cid, kind, says in (("no-max-tokens", "invalid_request_error", "max_tokens"),
                             ("unknown-model", "not_found_error", "no-such-model"),
                             ("streamed", "invalid_request_error", "cannot stream")):

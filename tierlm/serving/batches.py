@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, NotFound
 from tierlm.serving.paging import limit_param, page
+from tierlm.serving.telemetry import DEFAULT_TENANT
 from tierlm.serving.validation import parse_json_object, read_body
 
 logger = logging.getLogger("tierlm.serving")
@@ -211,8 +212,13 @@ def _errored(kind: str, message: str) -> dict[str, Any]:
 
 
 async def run_batch(app: Any, batch: MessageBatch) -> None:
-    """Run every request of `batch`, BATCH_CONCURRENCY at a time, then mark it ended."""
+    """Run every request of `batch`, BATCH_CONCURRENCY at a time, then mark it ended (counted in
+    the app's metrics where it has them)."""
     pending = iter(batch.items)
+    telemetry = getattr(app.state, "telemetry", None)
+    metrics = telemetry.metrics if telemetry is not None else None
+    if metrics is not None:
+        metrics.batches_in_progress.inc()
 
     async def worker() -> None:
         for item in pending:
@@ -238,6 +244,11 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
                 item.result = {"type": "canceled"}
         batch.ended_at = time.time()
         counts = batch.describe()["request_counts"]
+        if metrics is not None:
+            metrics.batches_in_progress.dec()
+            for result, n in counts.items():
+                if n:
+                    metrics.batch_requests.labels(batch.context.tenant_id or DEFAULT_TENANT, result).inc(n)
         logger.info("message batch %s ended: %s", batch.id, ", ".join(f"{v} {k}" for k, v in counts.items() if v))
 
 

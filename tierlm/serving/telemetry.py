@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 from urllib.parse import urlparse
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.datastructures import Headers
@@ -122,6 +122,12 @@ class Metrics:
         self.limits_store_failures = Counter(
             "tierlm:limits_store_failures", "Calls to the shared limits store (--limits-store) that failed or "
             "timed out; the server then limits its tenants on its own for a few seconds.", registry=registry)
+
+        self.batch_requests = Counter("tierlm:batch_requests", "Requests of message batches (/v1/messages/batches) "
+                                      "by how they ended: succeeded, errored, canceled or expired.",
+                                      ["tenant", "result"], registry=registry)
+        self.batches_in_progress = Gauge("tierlm:batches_in_progress", "Message batches not yet ended.",
+                                         registry=registry)
 
         self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "
                                 "because of their tier's time-to-first-token target: 'estimate' (the engine's "
