@@ -156,8 +156,8 @@ def test_replica_command_line_drops_the_routers_own_options():
             "--ray-address=auto", "--routing-policy", "round_robin", "--affinity-chunks", "10", "--api-keys", "k.txt"]
     assert replica_argv(argv) == ["--log-level", "debug", "serve", "/m", "--api-keys", "k.txt"]
     # a disk tier's directory serves one engine: each replica gets its own under it
-    assert per_replica_argv(["serve", "--kv-disk-dir", "/c", "--kv-disk-dir=/d"], 1) == [
-        "serve", "--kv-disk-dir", "/c/replica-1", "--kv-disk-dir=/d/replica-1"]
+    assert per_replica_argv(["serve", "--kv-disk-dir", "/c", "--kv-disk-dir=/d", "--batches-dir", "/b"], 1) == [
+        "serve", "--kv-disk-dir", "/c/replica-1", "--kv-disk-dir=/d/replica-1", "--batches-dir", "/b/replica-1"]
     assert per_replica_argv(["serve", "/m"], 0) == ["serve", "/m"]
 
 

@@ -183,3 +183,77 @@ def test_batch_work_waits_behind_interactive_requests_and_skips_rate_limits(serv
     total = (done.ended_at - done.created_at).total_seconds()
     assert waited < total / 2, (waited, total)  # at most the one running batch answer before it
     assert all(r.result.message.usage.output_tokens == 40 for r in c.messages.batches.results(batch.id))
+
+
+# ---- a batches directory: batches outlive the server -------------------------------------------
+
+
+def test_batches_outlive_a_restart_and_the_unfinished_requests_run_again(scripted_models, tmp_path, monkeypatch):
+    """With --batches-dir: a finished batch is found again after a restart, with its results; one
+    stopped halfway goes on from the requests that had not finished, keeping those that had; a
+    deleted one stays deleted; a second server cannot use the same directory."""
+    from tierlm.serving.batches import BatchJournal, BatchStore
+
+    def start() -> tuple[ServerThread, Any]:
+        engine = scripted_models[LOOP_MODEL].engine(LOOP_MODEL)
+        app = build_app({LOOP_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                        batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))
+        return ServerThread(app).start(), engine
+
+    one, engine = start()
+    try:
+        c = client(one, "b")
+        done = c.messages.batches.create(requests=[
+            {"custom_id": f"d{i}", "params": {"model": LOOP_MODEL, "max_tokens": 3, "messages": HI}} for i in range(3)])
+        gone = c.messages.batches.create(requests=[
+            {"custom_id": "g", "params": {"model": LOOP_MODEL, "max_tokens": 2, "messages": HI}}])
+        ended(c, done.id)
+        ended(c, gone.id)
+        c.messages.batches.delete(gone.id)
+        before = {r.custom_id: r.result.message.content for r in c.messages.batches.results(done.id)}
+        with pytest.raises(ValueError, match="is in use by another tierlm server"):
+            BatchJournal(tmp_path / "batches")
+        slow_steps(engine, monkeypatch, 0.01)
+        halfway = c.messages.batches.create(requests=[  # 16 at a time: the first 16 finish, the rest wait
+            {"custom_id": f"h{i}", "params": {"model": LOOP_MODEL, "max_tokens": 2 if i < 16 else 400,
+                                              "messages": HI}} for i in range(20)])
+        lines = tmp_path / "batches" / halfway.id / "results.jsonl"
+        assert wait_until(lambda: lines.exists() and len(lines.read_text().splitlines()) >= 16, timeout=30)
+    finally:
+        one.stop()
+    with open(lines, "a") as f:
+        f.write('{"custom_id": "h19", "res')  # a crash's torn last line: ignored, h19 runs again
+    two, _ = start()
+    try:
+        c = client(two, "b")
+        again = c.messages.batches.retrieve(done.id)
+        assert again.processing_status == "ended" and again.request_counts.succeeded == 3
+        assert {r.custom_id: r.result.message.content for r in c.messages.batches.results(done.id)} == before
+        with pytest.raises(anthropic.NotFoundError):
+            c.messages.batches.retrieve(gone.id)
+        with pytest.raises(anthropic.NotFoundError):
+            client(two, "a").messages.batches.retrieve(done.id)  # still the key's own
+        finished = ended(c, halfway.id)
+        assert finished.request_counts.succeeded == 20
+        results = {r.custom_id: r.result for r in c.messages.batches.results(halfway.id)}
+        assert all(results[f"h{i}"].message.usage.output_tokens == (2 if i < 16 else 400) for i in range(20))
+        assert [x.id for x in c.messages.batches.list().data] == [halfway.id, done.id]
+    finally:
+        two.stop()
+    import json
+    rows = [json.loads(line) for line in lines.read_text().splitlines()]  # the torn line was cut off
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"h{i}" for i in range(20))
+
+
+def test_serve_refuses_a_batches_dir_another_server_holds(tmp_path):
+    from tests.serving.test_cli import free_port, serve
+    from tierlm.serving.batches import BatchJournal
+
+    held = BatchJournal(tmp_path / "b")
+    try:
+        proc = serve("--port", str(free_port()), "--batches-dir", str(tmp_path / "b"))
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        held.close()
+    assert proc.returncode == 2 and f"error: --batches-dir {tmp_path / 'b'} is in use by another tierlm server" in out
+    assert "Traceback" not in out

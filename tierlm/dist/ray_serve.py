@@ -59,14 +59,16 @@ def replica_argv(argv: Sequence[str]) -> list[str]:
 
 
 def per_replica_argv(argv: Sequence[str], index: int) -> list[str]:
-    """Replica `index`'s command line: a `--kv-disk-dir DIR` becomes `DIR/replica-INDEX`, as a
-    disk tier's directory serves one engine at a time (the second replica would be refused)."""
+    """Replica `index`'s command line: a `--kv-disk-dir DIR` (or `--batches-dir DIR`) becomes
+    `DIR/replica-INDEX`, as such a directory serves one server at a time (the second replica
+    would be refused)."""
     out = list(argv)
     for i, arg in enumerate(out):
-        if arg == "--kv-disk-dir" and i + 1 < len(out):
-            out[i + 1] = os.path.join(out[i + 1], f"replica-{index}")
-        elif arg.startswith("--kv-disk-dir="):
-            out[i] = "--kv-disk-dir=" + os.path.join(arg.split("=", 1)[1], f"replica-{index}")
+        for option in ("--kv-disk-dir", "--batches-dir"):
+            if arg == option and i + 1 < len(out):
+                out[i + 1] = os.path.join(out[i + 1], f"replica-{index}")
+            elif arg.startswith(option + "="):
+                out[i] = option + "=" + os.path.join(arg.split("=", 1)[1], f"replica-{index}")
     return out
 
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierlm.serving import anthropic, batches, openai, openai_responses
+from tierlm.serving.batches import BatchStore
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.auth import Authenticator
 from tierlm.serving.errors import (
@@ -64,6 +65,7 @@ def build_app(
     tenancy: Tenancy | None = None,
     safety: SafetyPolicies | None = None,
     sla: SlaGuard | None = None,
+    batch_store: BatchStore | None = None,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -79,6 +81,8 @@ def build_app(
     tenants, their priorities and limits (default: each key a tenant of its own, unlimited).
     `safety`: phrase policies prompts and answers are checked against (default: none). `sla`:
     the SLA guard's breaker settings and fallback models (default: breakers on, no fallbacks).
+    `batch_store`: the Message Batches API's batches (default: in memory; with a BatchJournal
+    they are written to a directory, and a restart goes on with them).
     """
     sla = sla if sla is not None else SlaGuard()
     for big, small in sla.fallbacks.items():
@@ -90,7 +94,8 @@ def build_app(
                         request_read_timeout=request_read_timeout, stream_send_timeout=stream_send_timeout,
                         responses=response_store if response_store is not None else ResponseStore(),
                         tenancy=tenancy if tenancy is not None else Tenancy(),
-                        safety=safety if safety is not None else SafetyPolicies(), sla=sla)
+                        safety=safety if safety is not None else SafetyPolicies(), sla=sla,
+                        batches=batch_store if batch_store is not None else BatchStore())
     telemetry = telemetry or Telemetry()
     state.tenancy.on_refused = telemetry.metrics.count_refusal
     if state.tenancy.store is not None:
@@ -103,6 +108,7 @@ def build_app(
         if manage_engines:
             await state.models.start()
         state.models.started = True
+        state.batches.restore(app, state.batch_context_of)
         try:
             yield
         finally:

@@ -17,23 +17,31 @@ request's params are checked when it runs, not when the batch is created; the ba
 (its list of custom_id + params) is checked at once. Up to BATCH_CONCURRENCY requests of one
 batch are in the engine at a time.
 
-Kept in this process's memory, per API key as stored responses are (a restart loses them; a
-batch in progress then is gone). Cancelling stops what has not started and aborts what is
-running (its engine request freed at once); what finished is kept. A batch expires 24 hours
-after it was created: requests not started by then are `expired`.
+Kept per API key as stored responses are (another key's batch is not found). In memory only,
+unless the server has a batches directory (`--batches-dir`, BatchJournal): then each batch, each
+finished request's result and each change of state is written there as it happens, and a
+restarted server finds its batches again and goes on with the requests that had not finished.
+Cancelling stops what has not started and aborts what is running (its engine request freed at
+once); what finished is kept. A batch expires 24 hours after it was created: requests not
+started by then are `expired`.
 """
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -109,11 +117,117 @@ class MessageBatch:
                 "results_url": f"/v1/messages/batches/{self.id}/results" if self.ended_at is not None else None}
 
 
-class BatchStore:
-    """This server's batches, oldest first; each owner sees only its own."""
+class BatchJournal:
+    """A batches directory: one subdirectory per batch holding `batch.json` (who sent it, when,
+    its requests), `results.jsonl` (a line per finished request, appended as it finishes) and
+    `state.json` (when cancelled, when ended). One server at a time: it holds `DIR/.lock`."""
 
-    def __init__(self, max_batches: int = DEFAULT_MAX_BATCHES) -> None:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.root / ".lock", "a")
+        except OSError as e:
+            raise ValueError(f"--batches-dir {self.root}: cannot use it ({e.strerror or e}); give a writable "
+                             "directory") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(f"--batches-dir {self.root} is in use by another tierlm server; give each server "
+                             "its own directory") from None
+
+    def close(self) -> None:
+        self._lock.close()  # (releases the lock)
+
+    def _dir(self, batch_id: str) -> Path:
+        return self.root / batch_id
+
+    @staticmethod
+    def _write(path: Path, data: Any) -> None:
+        """`path` replaced whole (a crash leaves the old file or the new one, never half)."""
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def created(self, batch: MessageBatch) -> None:
+        d = self._dir(batch.id)
+        d.mkdir()
+        self._write(d / "batch.json", {"id": batch.id, "api_key_id": batch.context.api_key_id,
+                                       "created_at": batch.created_at,
+                                       "requests": [{"custom_id": i.custom_id, "params": i.params}
+                                                    for i in batch.items]})
+
+    def finished(self, batch: MessageBatch, item: BatchItem) -> None:
+        line = json.dumps({"custom_id": item.custom_id, "result": item.result}, separators=(",", ":")) + "\n"
+        try:
+            with open(self._dir(batch.id) / "results.jsonl", "a") as f:
+                f.write(line)
+        except OSError as e:  # the batch goes on in memory; after a restart this request runs again
+            self._failed(batch, e)
+
+    def state(self, batch: MessageBatch) -> None:
+        try:
+            self._write(self._dir(batch.id) / "state.json", {"cancel_initiated_at": batch.cancel_initiated_at,
+                                                             "ended_at": batch.ended_at})
+        except OSError as e:
+            self._failed(batch, e)
+
+    def _failed(self, batch: MessageBatch, error: OSError) -> None:
+        logger.warning("batches directory %s: cannot write batch %s (%s); it goes on in memory, and a restart "
+                       "would run its unwritten requests again", self.root, batch.id, error.strerror or error)
+
+    def deleted(self, batch: MessageBatch) -> None:
+        shutil.rmtree(self._dir(batch.id), ignore_errors=True)
+
+    def load(self) -> list[dict[str, Any]]:
+        """Every batch written here, oldest first: its batch.json with `results` (custom_id →
+        result) and `state`. A batch whose batch.json cannot be read is skipped, with a warning;
+        a results line cut short by a crash is left out (that request runs again)."""
+        found = []
+        for d in sorted((p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("msgbatch_")),
+                        key=lambda p: p.stat().st_mtime):
+            try:
+                record = json.loads((d / "batch.json").read_text())
+                record["requests"] = [(r["custom_id"], r["params"]) for r in record["requests"]]
+                float(record["created_at"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                logger.warning("batches directory %s: skipping %s, whose batch.json cannot be read (%s)", self.root,
+                               d.name, e)
+                continue
+            results: dict[str, Any] = {}
+            try:
+                with open(d / "results.jsonl", "rb+") as f:
+                    data = f.read()
+                    whole = data.rfind(b"\n") + 1
+                    if whole < len(data):  # a line cut short by a crash: cut off, or the next one would join it
+                        f.truncate(whole)
+                for line in data[:whole].splitlines():
+                    try:
+                        row = json.loads(line)
+                        results[row["custom_id"]] = row["result"]
+                    except (ValueError, KeyError, TypeError):
+                        continue
+            except FileNotFoundError:
+                pass
+            try:
+                state = json.loads((d / "state.json").read_text())
+            except (OSError, ValueError):
+                state = {}
+            found.append({**record, "results": results, "state": state if isinstance(state, dict) else {}})
+        return found
+
+
+class BatchStore:
+    """This server's batches, oldest first; each owner sees only its own. With a `journal`
+    (a batches directory) they outlive the process."""
+
+    def __init__(self, max_batches: int = DEFAULT_MAX_BATCHES, journal: BatchJournal | None = None) -> None:
         self.max_batches = max_batches
+        self.journal = journal
         self._batches: OrderedDict[str, MessageBatch] = OrderedDict()
 
     def add(self, batch: MessageBatch) -> None:
@@ -122,7 +236,38 @@ class BatchStore:
             oldest = next((b for b in self._batches.values() if b.ended_at is not None), None)
             if oldest is None:
                 break  # every batch is running: none is dropped
-            del self._batches[oldest.id]
+            self.delete(oldest)
+
+    def restore(self, app: Any, context_of: Callable[[str | None], RequestContext | None]) -> int:
+        """The journal's batches back in the store, those not ended running again from the
+        requests that had not finished; how many. `context_of(api_key_id)`: what its requests run
+        as now (None: the key is gone, and what had not run errs)."""
+        if self.journal is None:
+            return 0
+        for record in self.journal.load():
+            context = context_of(record.get("api_key_id"))
+            runs_as = (replace(context, priority=context.priority + BATCH_PRIORITY, ttft_target_s=None)
+                       if context is not None else RequestContext(request_id="", api_key_id=record.get("api_key_id")))
+            items = [BatchItem(cid, params, record["results"].get(cid)) for cid, params in record["requests"]]
+            state = record["state"]
+            batch = MessageBatch(record["id"], owner_of_key(record.get("api_key_id")), runs_as, items,
+                                 created_at=float(record["created_at"]),
+                                 cancel_initiated_at=state.get("cancel_initiated_at"), ended_at=state.get("ended_at"))
+            self._batches[batch.id] = batch
+            if batch.ended_at is not None:
+                continue
+            if context is None:
+                for item in items:
+                    if item.result is None:
+                        item.result = _errored("authentication_error", "the API key that created this batch is no "
+                                                                       "longer in the server's keys file")
+                        self.journal.finished(batch, item)
+            if batch.cancel_initiated_at is not None:
+                batch.cancelled.set()
+            batch.task = asyncio.get_running_loop().create_task(run_batch(app, batch))
+            logger.info("message batch %s: going on after a restart (%d of %d requests had finished)", batch.id,
+                        sum(i.result is not None for i in items), len(items))
+        return len(self._batches)
 
     def get(self, owner: str, batch_id: str) -> MessageBatch:
         batch = self._batches.get(batch_id)
@@ -137,16 +282,21 @@ class BatchStore:
 
     def delete(self, batch: MessageBatch) -> None:
         self._batches.pop(batch.id, None)
+        if self.journal is not None:
+            self.journal.deleted(batch)
 
     def running(self) -> list[MessageBatch]:
         return [b for b in self._batches.values() if b.ended_at is None]
 
     async def close(self) -> None:
-        """Stop every batch still running (at shutdown: they are not kept)."""
+        """Stop every batch still running (at shutdown: with a journal, the next start goes on
+        with them; without one they are lost)."""
         tasks = [b.task for b in self._batches.values() if b.task is not None and not b.task.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.journal is not None:
+            self.journal.close()
 
 
 # ---- running a batch ------------------------------------------------------------------------
@@ -220,8 +370,13 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
     if metrics is not None:
         metrics.batches_in_progress.inc()
 
+    journal = getattr(getattr(app.state, "tierlm", None), "batches", None)
+    journal = journal.journal if journal is not None else None
+
     async def worker() -> None:
         for item in pending:
+            if item.result is not None:  # (finished before a restart)
+                continue
             if batch.cancelled.is_set():
                 item.result = {"type": "canceled"}
             elif time.time() >= batch.expires_at:
@@ -235,14 +390,19 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
                     logger.exception("batch %s, request %s failed", batch.id, item.custom_id)
                     item.result = _errored("api_error", "internal error running this request; the cause is in "
                                                         "the server's log")
+            if journal is not None:
+                journal.finished(batch, item)
 
     try:
         await asyncio.gather(*(worker() for _ in range(min(BATCH_CONCURRENCY, len(batch.items)))))
-    finally:
-        for item in batch.items:
-            if item.result is None:  # (the server stopped under it)
-                item.result = {"type": "canceled"}
+    except asyncio.CancelledError:  # the server is stopping: with a journal, the next start goes on
+        if metrics is not None:
+            metrics.batches_in_progress.dec()
+        raise
+    else:
         batch.ended_at = time.time()
+        if journal is not None:
+            journal.state(batch)
         counts = batch.describe()["request_counts"]
         if metrics is not None:
             metrics.batches_in_progress.dec()
@@ -260,8 +420,12 @@ def _state(request: Request) -> Any:
 
 
 def _owner(context: RequestContext) -> str:
+    return owner_of_key(context.api_key_id)
+
+
+def owner_of_key(api_key_id: str | None) -> str:
     from tierlm.serving.openai_responses import owner_of  # (one rule for what a key may read back)
-    return owner_of(context)
+    return owner_of(RequestContext(request_id="", api_key_id=api_key_id))
 
 
 def parse_batch(data: dict[str, Any]) -> list[BatchItem]:
@@ -309,6 +473,8 @@ async def create_batch(request: Request) -> Response:
     items = parse_batch(data)
     runs_as = replace(context, priority=context.priority + BATCH_PRIORITY, ttft_target_s=None)
     batch = MessageBatch("msgbatch_" + uuid.uuid4().hex[:24], _owner(context), runs_as, items)
+    if state.batches.journal is not None:
+        await asyncio.to_thread(state.batches.journal.created, batch)
     state.batches.add(batch)
     batch.task = asyncio.get_running_loop().create_task(run_batch(request.app, batch))
     logger.info("message batch %s: %d requests (tenant %s)", batch.id, len(items), context.tenant_id)
@@ -341,10 +507,12 @@ async def get_batch(request: Request, batch_id: str) -> Response:
 
 @router.post("/v1/messages/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> Response:
-    _, batch = _batch(request, batch_id)
+    state, batch = _batch(request, batch_id)
     if batch.ended_at is None and batch.cancel_initiated_at is None:
         batch.cancel_initiated_at = time.time()
         batch.cancelled.set()
+        if state.batches.journal is not None:
+            state.batches.journal.state(batch)
         logger.info("message batch %s: cancel asked", batch.id)
     return JSONResponse(batch.describe())
 

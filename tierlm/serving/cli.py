@@ -69,6 +69,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "tenant's requests_per_minute, tokens_per_minute and max_concurrent then hold across all "
                         "of them, not per server (needs --tenants; while it does not answer, each server limits "
                         "on its own)")
+    p.add_argument("--batches-dir", metavar="DIR", default=None,
+                   help="where message batches (/v1/messages/batches) and their results are written as they run, "
+                        "so that a restarted server has them and goes on with what had not finished (default: "
+                        "in memory only); one server per directory")
     p.add_argument("--safety-policies", metavar="FILE", default=None,
                    help="TOML file of phrase policies checked on prompts and answers as they stream: block "
                         "(refusal / content_filter) or redact, per tier or tenant; see README 'Safety policies'")
@@ -214,6 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.serving.server import listen_socket, make_server, raise_fd_limit
     from tierlm.serving.sla import SlaGuard
     from tierlm.serving.telemetry import Telemetry, configure_request_log
+    from tierlm.serving.batches import BatchJournal, BatchStore
     from tierlm.serving.limit_store import limit_store_from_args
     from tierlm.serving.tenancy import Tenancy
 
@@ -246,6 +251,8 @@ def run_serve(args: argparse.Namespace) -> int:
         tenancy.store = limit_store_from_args(getattr(args, "limits_store", None), "server",
                                               tenancy.config is not None)
         safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)
+        batch_store = BatchStore(journal=BatchJournal(args.batches_dir)) if getattr(args, "batches_dir", None) \
+            else BatchStore()
         fallback_specs = getattr(args, "fallback_models", [])
         if "" not in specs:  # every name known: a bad fallback fails before the models load
             parse_fallbacks(fallback_specs, list(specs))
@@ -288,7 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", "auto"),
                     reasoning_parser=getattr(args, "reasoning_parser", "auto"),
                     response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)),
-                    tenancy=tenancy, safety=safety, sla=sla)
+                    tenancy=tenancy, safety=safety, sla=sla, batch_store=batch_store)
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

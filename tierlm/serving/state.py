@@ -75,13 +75,24 @@ class ServerState:
         if self.draining:
             raise Overloaded("the server is shutting down; retry on another replica or after restart")
         api_key_id = self.auth.authenticate(request.headers)
-        tenant = self.tenancy.tenant_of(api_key_id)
+        context, tenant = self.context_of_key(api_key_id, request_id_of(request))
         observer = request.scope.setdefault("state", {}).get("telemetry")
         if observer is not None and tenant.id is not None:
             observer.tenant = tenant.id  # a refusal or a 400 counts under its tenant too
+        return context, tenant
+
+    def batch_context_of(self, api_key_id: str | None) -> RequestContext | None:
+        """What a restored batch's requests run as: its key's context now (None: the key is gone)."""
+        if api_key_id is not None and api_key_id not in set(getattr(self.auth, "key_ids", None) or ()):
+            return None
+        return self.context_of_key(api_key_id, "")[0]
+
+    def context_of_key(self, api_key_id: str | None, request_id: str) -> tuple[RequestContext, Tenant]:
+        """What a request of this key runs as: its tenant's priority, share, salt, policies."""
+        tenant = self.tenancy.tenant_of(api_key_id)
         # The cache salt is the tenant's: a key reads in its usage whether a prompt was cached, so
         # no other tenant's prompts may be (one could tell what another had recently sent).
-        return RequestContext(request_id=request_id_of(request), api_key_id=api_key_id, tenant_id=tenant.id,
+        return RequestContext(request_id=request_id, api_key_id=api_key_id, tenant_id=tenant.id,
                               priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight,
                               kv_share=tenant.kv_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s,
                               breaker=tenant.breaker,
