@@ -188,7 +188,8 @@ def test_batch_work_waits_behind_interactive_requests_and_skips_rate_limits(serv
 # ---- a batches directory: batches outlive the server -------------------------------------------
 
 
-def test_batches_outlive_a_restart_and_the_unfinished_requests_run_again(scripted_models, tmp_path, monkeypatch):
+def test_batches_outlive_a_restart_and_the_unfinished_requests_run_again(scripted_models, tmp_path, monkeypatch,
+                                                                        caplog):
     """With --batches-dir: a finished batch is found again after a restart, with its results; one
     stopped halfway goes on from the requests that had not finished, keeping those that had; a
     deleted one stays deleted; a second server cannot use the same directory."""
@@ -223,7 +224,12 @@ def test_batches_outlive_a_restart_and_the_unfinished_requests_run_again(scripte
         one.stop()
     with open(lines, "a") as f:
         f.write('{"custom_id": "h19", "res')  # a crash's torn last line: ignored, h19 runs again
+    (tmp_path / "batches" / "msgbatch_broken").mkdir()
+    (tmp_path / "batches" / "msgbatch_broken" / "batch.json").write_text("{not json")
+    import logging
+    caplog.set_level(logging.WARNING, logger="tierlm.serving")
     two, _ = start()
+    assert any("skipping msgbatch_broken, whose batch.json cannot be read" in r.getMessage() for r in caplog.records)
     try:
         c = client(two, "b")
         again = c.messages.batches.retrieve(done.id)

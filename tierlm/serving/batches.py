@@ -188,8 +188,7 @@ class BatchJournal:
         result) and `state`. A batch whose batch.json cannot be read is skipped, with a warning;
         a results line cut short by a crash is left out (that request runs again)."""
         found = []
-        for d in sorted((p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("msgbatch_")),
-                        key=lambda p: p.stat().st_mtime):
+        for d in (p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("msgbatch_")):
             try:
                 record = json.loads((d / "batch.json").read_text())
                 record["requests"] = [(r["custom_id"], r["params"]) for r in record["requests"]]
@@ -217,8 +216,10 @@ class BatchJournal:
                 state = json.loads((d / "state.json").read_text())
             except (OSError, ValueError):
                 state = {}
-            found.append({**record, "results": results, "state": state if isinstance(state, dict) else {}})
-        return found
+            state = state if isinstance(state, dict) else {}
+            state = {k: v for k, v in state.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            found.append({**record, "results": results, "state": state})
+        return sorted(found, key=lambda r: float(r["created_at"]))  # (a directory's mtime moves as it is written)
 
 
 class BatchStore:
@@ -272,8 +273,9 @@ class BatchStore:
     def get(self, owner: str, batch_id: str) -> MessageBatch:
         batch = self._batches.get(batch_id)
         if batch is None or batch.owner != owner:
-            raise NotFound(f"message batch '{batch_id}' not found. Batches are kept in this server's memory, per "
-                           "API key, until it restarts or needs the room", param="message_batch_id")
+            raise NotFound(f"message batch '{batch_id}' not found. Batches are kept per API key, by the server that "
+                           "took them (in memory, or in its --batches-dir), until deleted or the server needs the "
+                           "room", param="message_batch_id")
         return batch
 
     def owned(self, owner: str) -> list[MessageBatch]:
@@ -284,9 +286,6 @@ class BatchStore:
         self._batches.pop(batch.id, None)
         if self.journal is not None:
             self.journal.deleted(batch)
-
-    def running(self) -> list[MessageBatch]:
-        return [b for b in self._batches.values() if b.ended_at is None]
 
     async def close(self) -> None:
         """Stop every batch still running (at shutdown: with a journal, the next start goes on
