@@ -214,14 +214,28 @@ def test_batches_outlive_a_restart_and_the_unfinished_requests_run_again(scripte
         before = {r.custom_id: r.result.message.content for r in c.messages.batches.results(done.id)}
         with pytest.raises(ValueError, match="is in use by another tierlm server"):
             BatchJournal(tmp_path / "batches")
-        slow_steps(engine, monkeypatch, 0.01)
+        slow_steps(engine, monkeypatch, 0.03)  # the long ones outlast the server's 5 s to stop: aborted
         halfway = c.messages.batches.create(requests=[  # 16 at a time: the first 16 finish, the rest wait
             {"custom_id": f"h{i}", "params": {"model": LOOP_MODEL, "max_tokens": 2 if i < 16 else 400,
                                               "messages": HI}} for i in range(20)])
         lines = tmp_path / "batches" / halfway.id / "results.jsonl"
         assert wait_until(lambda: lines.exists() and len(lines.read_text().splitlines()) >= 16, timeout=30)
+
+        def interactive() -> None:  # a client streaming as the server stops: it drains for 5 s, then aborts
+            with httpx.stream("POST", one.url + "/v1/messages", headers={"x-api-key": KEYS["b"]}, timeout=60,
+                              json={"model": LOOP_MODEL, "max_tokens": 400, "messages": HI, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    pass
+
+        import threading
+        streaming = threading.Thread(target=interactive)
+        streaming.start()
+        assert wait_until(lambda: engine.stats().num_running >= 5, timeout=10)
     finally:
         one.stop()
+    streaming.join(30)
+    # the 4 long ones were aborted by the shutdown: not finished, not written (they run again)
+    assert sorted(line.split('"')[3] for line in lines.read_text().splitlines()) == sorted(f"h{i}" for i in range(16))
     with open(lines, "a") as f:
         f.write('{"custom_id": "h19", "res')  # a crash's torn last line: ignored, h19 runs again
     (tmp_path / "batches" / "msgbatch_broken").mkdir()

@@ -335,7 +335,14 @@ async def _call(app: Any, body: bytes, context: RequestContext, cancelled: async
     return status, b"".join(chunks)
 
 
-async def _run_item(app: Any, batch: MessageBatch, item: BatchItem) -> dict[str, Any]:
+def _stopping(app: Any) -> bool:
+    state = getattr(app.state, "tierlm", None)
+    return bool(getattr(state, "draining", False))
+
+
+async def _run_item(app: Any, batch: MessageBatch, item: BatchItem) -> dict[str, Any] | None:
+    """The item's result; None if the server began stopping under it (it did not finish: with
+    a batches directory, the next start runs it again)."""
     if item.params.get("stream") is True:
         return _errored("invalid_request_error", "params.stream: a batch's requests cannot stream; leave stream out")
     try:
@@ -345,6 +352,8 @@ async def _run_item(app: Any, batch: MessageBatch, item: BatchItem) -> dict[str,
     status, answer = await _call(app, body, batch.context, batch.cancelled)
     if status is None:
         return {"type": "canceled"}
+    if status != 200 and _stopping(app):  # refused or aborted by the shutdown, not by its params
+        return None
     try:
         data = json.loads(answer)
     except ValueError:
@@ -376,6 +385,8 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
         for item in pending:
             if item.result is not None:  # (finished before a restart)
                 continue
+            if _stopping(app):
+                return  # what has not started waits for the next start
             if batch.cancelled.is_set():
                 item.result = {"type": "canceled"}
             elif time.time() >= batch.expires_at:
@@ -389,6 +400,8 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
                     logger.exception("batch %s, request %s failed", batch.id, item.custom_id)
                     item.result = _errored("api_error", "internal error running this request; the cause is in "
                                                         "the server's log")
+                if item.result is None:
+                    return
             if journal is not None:
                 journal.finished(batch, item)
 
@@ -398,6 +411,11 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
         if metrics is not None:
             metrics.batches_in_progress.dec()
         raise
+    if any(item.result is None for item in batch.items):  # stopped by the shutdown, likewise
+        logger.info("message batch %s: stopped with the server, %d of %d requests finished", batch.id,
+                    sum(i.result is not None for i in batch.items), len(batch.items))
+        if metrics is not None:
+            metrics.batches_in_progress.dec()
     else:
         batch.ended_at = time.time()
         if journal is not None:
