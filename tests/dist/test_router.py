@@ -268,6 +268,44 @@ def test_message_batches_are_found_on_the_replica_that_runs_them(replicas, engin
             c.messages.batches.retrieve(batch.id)  # every replica said 404: the last one's answer
 
 
+def test_openai_files_and_batches_are_found_on_the_replica_that_holds_them(replicas, engines):
+    """A file lives on the replica it was uploaded to: a batch made from it runs there, and the
+    batch, its output file and the file itself are reached through the router (remembered from
+    the answers, or searched for by a fresh router)."""
+    import time
+
+    import openai
+
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+    rows = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": model, "max_tokens": 2, "messages": [
+                                   {"role": "user", "content": f"batch {i}"}]}}) + "\n" for i in range(3))
+    with RouterThread(urls, policy="round_robin") as router:
+        _, o = router.clients()
+        uploads = [o.files.create(file=("r.jsonl", rows.encode()), purpose="batch") for _ in range(2)]
+        batches = [o.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+                   for f in uploads]  # round robin would send one of them to the wrong replica
+        for batch in batches:
+            deadline = time.monotonic() + 60
+            while o.batches.retrieve(batch.id).status != "completed":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    with RouterThread(list(reversed(urls)), policy="round_robin") as fresh:  # knows no owners
+        _, o = fresh.clients()
+        for batch, upload in zip(batches, uploads):
+            done = o.batches.retrieve(batch.id)
+            assert done.request_counts.completed == 3
+            out = [json.loads(line) for line in o.files.content(done.output_file_id).text.splitlines()]
+            assert sorted(r["custom_id"] for r in out) == ["r0", "r1", "r2"]
+            again = o.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")  # found where the file is
+            assert again.request_counts.total == 3
+            assert o.files.delete(upload.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            o.files.retrieve(uploads[0].id)  # every replica said 404: the last one's answer
+
+
 def test_bad_requests_get_the_replicas_own_errors_and_the_router_its_limits(replicas, engines):
     with RouterThread([s.url for s in replicas], max_body_bytes=1000) as router:
         r = httpx.post(router.url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY})

@@ -165,8 +165,8 @@ def test_engine_streams_report_to_the_scope_observer(checkpoints, monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses/x/y", "/v1/chat/completion", "/v1/chat",
-                                  "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/files",
-                                  "/v1/batches/b1", "/v1/completions/x", "/v1/conversations", "/v1/vector_stores",
+                                  "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/files/f1/x",
+                                  "/v1/batches/b1/x", "/v1/completions/x", "/v1/conversations", "/v1/vector_stores",
                                   "/v1/fine_tuning/jobs", "/v1/assistants", "/v1/uploads", "/v1/containers",
                                   "/v1/evals", "/v1/videos", "/v1/threads/t1/runs", "/v1/realtime/sessions",
                                   "/v1/organization/costs"])
@@ -185,6 +185,7 @@ def test_unknown_routes_otherwise_answer_in_anthropic_shape(scripted_server):
         assert api_style_for(path, {}) == "anthropic"
     r = httpx.post(scripted_server.url + "/v1/files", json={}, headers={"anthropic-version": "2023-06-01"})
     assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    assert "Anthropic's Files API is not served" in r.json()["error"]["message"]  # (OpenAI's is, at /v1/files)
 
 
 @pytest.mark.parametrize("method, path, allowed, style", [

@@ -10,7 +10,9 @@ interactive tier's priority. The server runs at most `--max-num-seqs` requests a
 background work alone fills that, so requests queue: the case a batch's priority is for (with
 room to spare, every request joins the running batch at once either way). Reported per mode:
 the interactive requests' time to first token and how long the background work took in all;
-then the ratios.
+then the ratios. `--api openai` sends the background work through OpenAI's routes instead: the
+peer as /v1/chat/completions requests, tierlm's way as a JSONL file uploaded to /v1/files and
+run as one /v1/batches batch (the interactive requests stay /v1/messages, streamed).
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ async def _workload(url: str, mode: str, args: argparse.Namespace, tag: str) -> 
         started = time.monotonic()
 
         async def background() -> float:
+            if mode == "batch" and args.api == "openai":
+                return await _openai_batch(client, url, params, started, args.background)
             if mode == "batch":
                 batch = (await client.post(url + "/v1/messages/batches", json={"requests": [
                     {"custom_id": f"job-{i}", "params": p} for i, p in enumerate(params)]})).json()
@@ -68,10 +72,11 @@ async def _workload(url: str, mode: str, args: argparse.Namespace, tag: str) -> 
                             raise RuntimeError(f"the batch ended with {counts}")
                         return time.monotonic() - started
             queue = list(params)
+            route = "/v1/chat/completions" if args.api == "openai" else "/v1/messages"
 
             async def worker() -> None:
                 while queue:
-                    r = await client.post(url + "/v1/messages", json=queue.pop())
+                    r = await client.post(url + route, json=queue.pop())
                     if r.status_code != 200:
                         raise RuntimeError(f"a background request got {r.status_code}: {r.text[:300]}")
 
@@ -89,6 +94,26 @@ async def _workload(url: str, mode: str, args: argparse.Namespace, tag: str) -> 
 
         makespan, ttfts = await asyncio.gather(background(), interactive())
     return {"background_s": makespan, "ttft_s": ttfts}
+
+
+async def _openai_batch(client: Any, url: str, params: list[dict[str, Any]], started: float, n: int) -> float:
+    """Upload the requests as a JSONL file, run them as one OpenAI batch: seconds until it completed."""
+    import json
+
+    rows = "".join(json.dumps({"custom_id": f"job-{i}", "method": "POST", "url": "/v1/chat/completions",
+                               "body": p}) + "\n" for i, p in enumerate(params))
+    upload = (await client.post(url + "/v1/files", data={"purpose": "batch"},
+                                files={"file": ("jobs.jsonl", rows.encode())})).json()
+    batch = (await client.post(url + "/v1/batches", json={"input_file_id": upload["id"], "completion_window": "24h",
+                                                          "endpoint": "/v1/chat/completions"})).json()
+    while True:
+        await asyncio.sleep(0.1)
+        state = (await client.get(f"{url}/v1/batches/{batch['id']}")).json()
+        if state["status"] in ("completed", "failed", "cancelled", "expired"):
+            if state["status"] != "completed" or state["request_counts"]["completed"] != n:
+                raise RuntimeError(f"the batch ended {state['status']} with {state['request_counts']} "
+                                   f"{state.get('errors')}")
+            return time.monotonic() - started
 
 
 def run_mode(args: argparse.Namespace, mode: str, workdir: Path, run_no: int) -> dict[str, Any]:
@@ -134,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vs_peer = {"ttft_mean_speedup": peer["ttft_mean_ms"] / batch["ttft_mean_ms"],
                "ttft_p90_speedup": peer["ttft_p90_ms"] / batch["ttft_p90_ms"],
                "background_time_ratio": batch["background_s"] / peer["background_s"]}
-    settings = {k: getattr(args, k) for k in ("max_num_seqs", "background", "background_tokens", "concurrency",
+    settings = {k: getattr(args, k) for k in ("api", "max_num_seqs", "background", "background_tokens", "concurrency",
                                               "interactive", "interactive_tokens", "rate", "repeats")}
     doc = {"model": args.model or "demo", **settings, "peer": "plain", "elapsed_s": time.monotonic() - started,
            "summary": summary, "vs_peer": vs_peer, "runs": runs}
@@ -149,9 +174,16 @@ def report(doc: dict[str, Any]) -> str:
     for m in MODES:
         lines.append(f"{m:<7} {s[m]['ttft_mean_ms']:>8.0f}ms {s[m]['ttft_p50_ms']:>6.0f}ms {s[m]['ttft_p90_ms']:>6.0f}ms "
                      f"{s[m]['background_s']:>10.1f}s")
-    lines.append(f"as a batch: interactive TTFT {v['ttft_mean_speedup']:.2f}x faster (p90 {v['ttft_p90_speedup']:.2f}x); "
+    lines.append(f"as {_labels(doc)[1]}: interactive TTFT {v['ttft_mean_speedup']:.2f}x faster (p90 {v['ttft_p90_speedup']:.2f}x); "
                  f"the background work took {v['background_time_ratio']:.2f}x as long")
     return "\n".join(lines)
+
+
+def _labels(doc: dict[str, Any]) -> tuple[str, str]:
+    """What the two modes sent, in words."""
+    if doc.get("api", "anthropic") == "openai":
+        return "/v1/chat/completions requests (peer)", "an OpenAI batch"
+    return "ordinary requests (peer)", "a message batch"
 
 
 def _plot(path: str, doc: dict[str, Any]) -> None:
@@ -172,7 +204,7 @@ def _plot(path: str, doc: dict[str, Any]) -> None:
     axes[1].set_title(f"{doc['background']} background requests, all done", fontsize=9)
     axes[1].set_ylabel("s")
     for ax in axes:
-        ax.set_xticks(range(2), ["ordinary requests (peer)", "a message batch"])
+        ax.set_xticks(range(2), [label.replace(" requests", "\nrequests") for label in _labels(doc)])
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("background work beside interactive requests: sent as ordinary requests vs as a batch")
     _save(fig, path)
@@ -181,6 +213,9 @@ def _plot(path: str, doc: dict[str, Any]) -> None:
 def add_cli(sub: Any) -> None:
     p = sub.add_parser("batches", help="interactive TTFT beside background work sent as ordinary requests vs as a "
                        "message batch")
+    p.add_argument("--api", choices=("anthropic", "openai"), default="anthropic",
+                   help="the background work as /v1/messages requests vs a message batch (anthropic), or as "
+                        "/v1/chat/completions requests vs an uploaded file run as a /v1/batches batch (openai)")
     p.add_argument("--background", type=at_least(1, int), default=48, help="background requests")
     p.add_argument("--background-tokens", type=at_least(1, int), default=48, help="max_tokens of each")
     p.add_argument("--concurrency", type=at_least(1, int), default=16,

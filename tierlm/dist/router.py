@@ -77,10 +77,13 @@ _PROBE_TIMEOUTS_DOWN = 3
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-authenticate", "proxy-authorization", "host", "content-length"}
 _OWN_RESPONSE_HEADERS = {"server", "date"}  # the router's server sets its own
-# Objects a replica keeps, found again by their ids: stored responses and message batches.
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp|msgbatch)_[A-Za-z0-9_\-]+)"')
-_ID_ROUTE = re.compile(r"^/v1/(?:responses|messages/batches)/((?:resp|msgbatch)_[A-Za-z0-9_\-]+)(/.*)?$")
-_CREATES_OBJECT = ("/v1/responses", "/v1/messages/batches")  # POSTed: the answer's id is remembered
+# Objects a replica keeps, found again by their ids: stored responses, message batches, and
+# OpenAI's files and batches.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|msgbatch_|batch_|file-)[A-Za-z0-9_\-]+)"')
+_ID_ROUTE = re.compile(r"^/v1/(?:responses|messages/batches|batches|files)/((?:resp_|msgbatch_|batch_|file-)"
+                       r"[A-Za-z0-9_\-]+)(/.*)?$")
+# POSTed: the answer's id is remembered
+_CREATES_OBJECT = ("/v1/responses", "/v1/messages/batches", "/v1/batches", "/v1/files")
 
 
 @dataclass
@@ -330,6 +333,9 @@ class Router:
         except (ValueError, UnicodeDecodeError):
             parsed = None
         prev = parsed.get("previous_response_id") if isinstance(parsed, dict) and path == "/v1/responses" else None
+        if isinstance(parsed, dict) and path == "/v1/batches" and isinstance(parsed.get("input_file_id"), str):
+            # where its input file was uploaded (another replica answers 404)
+            return _Plan(self, owner=self._owners.get(parsed["input_file_id"]), search="not_found")
         if isinstance(prev, str):
             return _Plan(self, owner=self._owners.get(prev), search="previous_not_found")
         data = prompt_prefix(path, parsed)

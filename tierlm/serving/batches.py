@@ -41,7 +41,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, ClassVar, cast
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, NotFound
+from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES, FileStore
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.telemetry import DEFAULT_TENANT
 from tierlm.serving.validation import parse_json_object, read_body
@@ -75,12 +76,16 @@ def _rfc3339(epoch: float | None) -> str | None:
 @dataclass
 class BatchItem:
     custom_id: str
-    params: dict[str, Any]
-    result: dict[str, Any] | None = None  # {"type": "succeeded" | "errored" | "canceled" | "expired", ...}
+    params: dict[str, Any]  # the request body
+    result: dict[str, Any] | None = None  # in the batch kind's own shape; None until it finished
 
 
 @dataclass
-class MessageBatch:
+class Batch:
+    """A batch of requests run in process through one of this server's routes. The machinery
+    (store, journal, runner) is shared; each API's batch (MessageBatch here, OpenAIBatch in
+    openai_batches.py) says which route, how a result is written and how the batch is described."""
+
     id: str
     owner: str
     context: RequestContext  # its creator's, at batch priority
@@ -91,9 +96,53 @@ class MessageBatch:
     task: asyncio.Task | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
+    kind = "batch"  # in batch.json: which class restores it
+    path = "/v1/messages"  # the route each request runs through
+    headers: ClassVar[tuple[tuple[bytes, bytes], ...]] = ()  # sent with each request beside its body
+    body_name = "params"  # what the batch's API calls a request's body, in error messages
+
     @property
     def expires_at(self) -> float:
         return self.created_at + EXPIRES_AFTER_S
+
+    def result_of(self, status: int, data: Any, request_id: str | None) -> dict[str, Any]:
+        """A request's result from its route's answer (status and parsed JSON body, or None)."""
+        raise NotImplementedError
+
+    def errored(self, kind: str, message: str) -> dict[str, Any]:
+        """A request's result when it errs without reaching the route (`kind`: an error type)."""
+        raise NotImplementedError
+
+    def unrun(self, why: str) -> dict[str, Any]:
+        """A request's result when it never ran: `why` is "canceled" or "expired"."""
+        raise NotImplementedError
+
+    def result_counts(self) -> dict[str, int]:
+        """Finished requests by outcome (the tierlm:batch_requests metric's `result`)."""
+        raise NotImplementedError
+
+    def record(self) -> dict[str, Any]:
+        """What batch.json keeps beyond the requests (restored by `restored`)."""
+        return {}
+
+    def restored(self, record: dict[str, Any]) -> None:
+        """Back from a journal `record` (its batch.json and state.json)."""
+
+    def state(self) -> dict[str, Any]:
+        """What state.json keeps: when it was cancelled and when it ended (numbers and strings only)."""
+        return {"cancel_initiated_at": self.cancel_initiated_at, "ended_at": self.ended_at}
+
+    async def on_end(self, store: "BatchStore") -> None:
+        """Called once every request has a result, before the batch is marked ended."""
+
+
+@dataclass
+class MessageBatch(Batch):
+    """Anthropic's message batch: requests to /v1/messages."""
+
+    kind = "message_batch"
+    path = "/v1/messages"
+    headers = ((b"anthropic-version", b"2023-06-01"),)
 
     @property
     def status(self) -> str:
@@ -101,20 +150,40 @@ class MessageBatch:
             return "ended"
         return "canceling" if self.cancel_initiated_at is not None else "in_progress"
 
+    def result_of(self, status: int, data: Any, request_id: str | None) -> dict[str, Any]:
+        if status == 200 and isinstance(data, dict):
+            return {"type": "succeeded", "message": data}
+        if isinstance(data, dict) and data.get("type") == "error":
+            return {"type": "errored", "error": data}
+        return self.errored("api_error", f"the request ended with HTTP {status} and no error body")
+
+    def errored(self, kind: str, message: str) -> dict[str, Any]:
+        return {"type": "errored", "error": {"type": "error", "error": {"type": kind, "message": message}}}
+
+    def unrun(self, why: str) -> dict[str, Any]:
+        return {"type": why}
+
+    def result_counts(self) -> dict[str, int]:
+        counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+        for item in self.items:
+            counts[item.result["type"] if item.result else "canceled"] += 1
+        return counts
+
     def describe(self) -> dict[str, Any]:
         """The MessageBatch object. As in Anthropic's API, requests count as `processing` until
         the whole batch has ended."""
-        counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
         if self.ended_at is None:
-            counts["processing"] = len(self.items)
+            counts = {"processing": len(self.items), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
         else:
-            for item in self.items:
-                counts[item.result["type"] if item.result else "canceled"] += 1
+            counts = self.result_counts()
         return {"id": self.id, "type": "message_batch", "processing_status": self.status,
                 "request_counts": counts, "created_at": _rfc3339(self.created_at),
                 "expires_at": _rfc3339(self.expires_at), "ended_at": _rfc3339(self.ended_at),
                 "cancel_initiated_at": _rfc3339(self.cancel_initiated_at), "archived_at": None,
                 "results_url": f"/v1/messages/batches/{self.id}/results" if self.ended_at is not None else None}
+
+
+BATCH_KINDS: dict[str, type[Batch]] = {"message_batch": MessageBatch}  # kind -> class (openai_batches adds its own)
 
 
 class BatchJournal:
@@ -153,15 +222,15 @@ class BatchJournal:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def created(self, batch: MessageBatch) -> None:
+    def created(self, batch: Batch) -> None:
         d = self._dir(batch.id)
         d.mkdir()
-        self._write(d / "batch.json", {"id": batch.id, "api_key_id": batch.context.api_key_id,
-                                       "created_at": batch.created_at,
+        self._write(d / "batch.json", {**batch.record(), "id": batch.id, "kind": batch.kind,
+                                       "api_key_id": batch.context.api_key_id, "created_at": batch.created_at,
                                        "requests": [{"custom_id": i.custom_id, "params": i.params}
                                                     for i in batch.items]})
 
-    def finished(self, batch: MessageBatch, item: BatchItem) -> None:
+    def finished(self, batch: Batch, item: BatchItem) -> None:
         line = json.dumps({"custom_id": item.custom_id, "result": item.result}, separators=(",", ":")) + "\n"
         try:
             with open(self._dir(batch.id) / "results.jsonl", "a") as f:
@@ -169,18 +238,17 @@ class BatchJournal:
         except OSError as e:  # the batch goes on in memory; after a restart this request runs again
             self._failed(batch, e)
 
-    def state(self, batch: MessageBatch) -> None:
+    def state(self, batch: Batch) -> None:
         try:
-            self._write(self._dir(batch.id) / "state.json", {"cancel_initiated_at": batch.cancel_initiated_at,
-                                                             "ended_at": batch.ended_at})
+            self._write(self._dir(batch.id) / "state.json", batch.state())
         except OSError as e:
             self._failed(batch, e)
 
-    def _failed(self, batch: MessageBatch, error: OSError) -> None:
+    def _failed(self, batch: Batch, error: OSError) -> None:
         logger.warning("batches directory %s: cannot write batch %s (%s); it goes on in memory, and a restart "
                        "would run its unwritten requests again", self.root, batch.id, error.strerror or error)
 
-    def deleted(self, batch: MessageBatch) -> None:
+    def deleted(self, batch: Batch) -> None:
         shutil.rmtree(self._dir(batch.id), ignore_errors=True)
 
     def load(self) -> list[dict[str, Any]]:
@@ -188,7 +256,7 @@ class BatchJournal:
         result) and `state`. A batch whose batch.json cannot be read is skipped, with a warning;
         a results line cut short by a crash is left out (that request runs again)."""
         found = []
-        for d in (p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("msgbatch_")):
+        for d in (p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(("msgbatch_", "batch_"))):
             try:
                 record = json.loads((d / "batch.json").read_text())
                 record["requests"] = [(r["custom_id"], r["params"]) for r in record["requests"]]
@@ -217,7 +285,7 @@ class BatchJournal:
             except (OSError, ValueError):
                 state = {}
             state = state if isinstance(state, dict) else {}
-            state = {k: v for k, v in state.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            state = {k: v for k, v in state.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
             found.append({**record, "results": results, "state": state})
         return sorted(found, key=lambda r: float(r["created_at"]))  # (a directory's mtime moves as it is written)
 
@@ -226,12 +294,15 @@ class BatchStore:
     """This server's batches, oldest first; each owner sees only its own. With a `journal`
     (a batches directory) they outlive the process."""
 
-    def __init__(self, max_batches: int = DEFAULT_MAX_BATCHES, journal: BatchJournal | None = None) -> None:
+    def __init__(self, max_batches: int = DEFAULT_MAX_BATCHES, journal: BatchJournal | None = None,
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
         self.max_batches = max_batches
         self.journal = journal
-        self._batches: OrderedDict[str, MessageBatch] = OrderedDict()
+        #: OpenAI's files (files.py): batches' input, output and error files; beside the journal
+        self.files = FileStore(journal.root / "files" if journal is not None else None, max_file_bytes)
+        self._batches: OrderedDict[str, Batch] = OrderedDict()
 
-    def add(self, batch: MessageBatch) -> None:
+    def add(self, batch: Batch) -> None:
         self._batches[batch.id] = batch
         while len(self._batches) > self.max_batches:
             oldest = next((b for b in self._batches.values() if b.ended_at is not None), None)
@@ -247,42 +318,57 @@ class BatchStore:
             return 0
         for record in self.journal.load():
             context = context_of(record.get("api_key_id"))
-            runs_as = (replace(context, priority=context.priority + BATCH_PRIORITY, ttft_target_s=None)
-                       if context is not None else RequestContext(request_id="", api_key_id=record.get("api_key_id")))
+            runs_as = (batch_context(context) if context is not None else RequestContext(request_id="", api_key_id=record.get("api_key_id")))
             items = [BatchItem(cid, params, record["results"].get(cid)) for cid, params in record["requests"]]
             state = record["state"]
-            batch = MessageBatch(record["id"], owner_of_key(record.get("api_key_id")), runs_as, items,
-                                 created_at=float(record["created_at"]),
-                                 cancel_initiated_at=state.get("cancel_initiated_at"), ended_at=state.get("ended_at"))
+            kind = BATCH_KINDS.get(record.get("kind", "message_batch"))
+            if kind is None:
+                logger.warning("batches directory: skipping %s, a batch of unknown kind %r", record["id"],
+                               record.get("kind"))
+                continue
+            batch = kind(record["id"], owner_of_key(record.get("api_key_id")), runs_as, items,
+                         created_at=float(record["created_at"]), cancel_initiated_at=state.get("cancel_initiated_at"),
+                         ended_at=state.get("ended_at"))
+            batch.restored(record)
             self._batches[batch.id] = batch
             if batch.ended_at is not None:
                 continue
             if context is None:
                 for item in items:
                     if item.result is None:
-                        item.result = _errored("authentication_error", "the API key that created this batch is no "
-                                                                       "longer in the server's keys file")
+                        item.result = batch.errored("authentication_error", "the API key that created this batch "
+                                                                            "is no longer in the server's keys file")
                         self.journal.finished(batch, item)
             if batch.cancel_initiated_at is not None:
                 batch.cancelled.set()
             batch.task = asyncio.get_running_loop().create_task(run_batch(app, batch))
-            logger.info("message batch %s: going on after a restart (%d of %d requests had finished)", batch.id,
+            logger.info("batch %s: going on after a restart (%d of %d requests had finished)", batch.id,
                         sum(i.result is not None for i in items), len(items))
         return len(self._batches)
 
-    def get(self, owner: str, batch_id: str) -> MessageBatch:
+    def get(self, owner: str, batch_id: str, kind: type[Batch] = MessageBatch, param: str = "message_batch_id") -> Batch:
         batch = self._batches.get(batch_id)
-        if batch is None or batch.owner != owner:
-            raise NotFound(f"message batch '{batch_id}' not found. Batches are kept per API key, by the server that "
+        if batch is None or batch.owner != owner or not isinstance(batch, kind):
+            what = "message batch" if kind is MessageBatch else "batch"
+            raise NotFound(f"{what} '{batch_id}' not found. Batches are kept per API key, by the server that "
                            "took them (in memory, or in its --batches-dir), until deleted or the server needs the "
-                           "room", param="message_batch_id")
+                           "room", param=param)
         return batch
 
-    def owned(self, owner: str) -> list[MessageBatch]:
-        """The owner's batches, newest first."""
-        return [b for b in reversed(self._batches.values()) if b.owner == owner]
+    def owned(self, owner: str, kind: type[Batch] = MessageBatch) -> list[Batch]:
+        """The owner's batches of `kind`, newest first."""
+        return [b for b in reversed(self._batches.values()) if b.owner == owner and isinstance(b, kind)]
 
-    def delete(self, batch: MessageBatch) -> None:
+    def cancel(self, batch: Batch) -> None:
+        """Stop what has not started and abort what runs (nothing if it ended or is cancelling)."""
+        if batch.ended_at is None and batch.cancel_initiated_at is None:
+            batch.cancel_initiated_at = time.time()
+            batch.cancelled.set()
+            if self.journal is not None:
+                self.journal.state(batch)
+            logger.info("batch %s: cancel asked", batch.id)
+
+    def delete(self, batch: Batch) -> None:
         self._batches.pop(batch.id, None)
         if self.journal is not None:
             self.journal.deleted(batch)
@@ -301,17 +387,20 @@ class BatchStore:
 # ---- running a batch ------------------------------------------------------------------------
 
 
-async def _call(app: Any, body: bytes, context: RequestContext, cancelled: asyncio.Event) -> tuple[int | None, bytes]:
-    """POST /v1/messages to `app` in process, admitted as `context`: (status, body); status None
-    if the batch was cancelled first (the request is then aborted like one whose client left)."""
+async def _call(app: Any, batch: Batch, body: bytes) -> tuple[int | None, bytes, str | None]:
+    """POST `body` to the batch's route in `app`, in process, admitted as the batch's creator:
+    (status, body, request id); status None if the batch was cancelled first (the request is
+    then aborted like one whose client left)."""
+    path = batch.path.encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/messages", "raw_path": b"/v1/messages",
+             "method": "POST", "scheme": "http", "path": batch.path, "raw_path": path,
              "query_string": b"", "root_path": "", "client": ("batch", 0), "server": ("tierlm", 0),
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"anthropic-version", b"2023-06-01")],
-             "state": {BATCH_CONTEXT: context}}
+                         *batch.headers],
+             "state": {BATCH_CONTEXT: batch.context}}
     sent = False
     status: int | None = None
+    request_id: str | None = None
     chunks: list[bytes] = []
 
     async def receive() -> dict:
@@ -319,20 +408,21 @@ async def _call(app: Any, body: bytes, context: RequestContext, cancelled: async
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await cancelled.wait()
+        await batch.cancelled.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
-        nonlocal status
+        nonlocal status, request_id
         if message["type"] == "http.response.start":
             status = message["status"]
+            request_id = next((v.decode() for k, v in message.get("headers", ()) if k.lower() == b"request-id"), None)
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
     await app(scope, receive, send)
-    if cancelled.is_set() and status != 200:
-        return None, b""
-    return status, b"".join(chunks)
+    if batch.cancelled.is_set() and status != 200:
+        return None, b"", request_id
+    return status, b"".join(chunks), request_id
 
 
 def _stopping(app: Any) -> bool:
@@ -340,36 +430,29 @@ def _stopping(app: Any) -> bool:
     return bool(getattr(state, "draining", False))
 
 
-async def _run_item(app: Any, batch: MessageBatch, item: BatchItem) -> dict[str, Any] | None:
+async def _run_item(app: Any, batch: Batch, item: BatchItem) -> dict[str, Any] | None:
     """The item's result; None if the server began stopping under it (it did not finish: with
     a batches directory, the next start runs it again)."""
     if item.params.get("stream") is True:
-        return _errored("invalid_request_error", "params.stream: a batch's requests cannot stream; leave stream out")
+        return batch.errored("invalid_request_error",
+                             f"{batch.body_name}.stream: a batch's requests cannot stream; leave stream out")
     try:
         body = json.dumps(item.params).encode()
     except (TypeError, ValueError) as e:  # (parsed from JSON: cannot happen, but never crash a batch)
-        return _errored("invalid_request_error", f"params: {e}")
-    status, answer = await _call(app, body, batch.context, batch.cancelled)
+        return batch.errored("invalid_request_error", f"{batch.body_name}: {e}")
+    status, answer, request_id = await _call(app, batch, body)
     if status is None:
-        return {"type": "canceled"}
+        return batch.unrun("canceled")
     if status != 200 and _stopping(app):  # refused or aborted by the shutdown, not by its params
         return None
     try:
         data = json.loads(answer)
     except ValueError:
         data = None
-    if status == 200 and isinstance(data, dict):
-        return {"type": "succeeded", "message": data}
-    if isinstance(data, dict) and data.get("type") == "error":
-        return {"type": "errored", "error": data}
-    return _errored("api_error", f"the request ended with HTTP {status} and no error body")
+    return batch.result_of(status, data, request_id)
 
 
-def _errored(kind: str, message: str) -> dict[str, Any]:
-    return {"type": "errored", "error": {"type": "error", "error": {"type": kind, "message": message}}}
-
-
-async def run_batch(app: Any, batch: MessageBatch) -> None:
+async def run_batch(app: Any, batch: Batch) -> None:
     """Run every request of `batch`, BATCH_CONCURRENCY at a time, then mark it ended (counted in
     the app's metrics where it has them)."""
     pending = iter(batch.items)
@@ -378,8 +461,8 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
     if metrics is not None:
         metrics.batches_in_progress.inc()
 
-    journal = getattr(getattr(app.state, "tierlm", None), "batches", None)
-    journal = journal.journal if journal is not None else None
+    store = getattr(getattr(app.state, "tierlm", None), "batches", None)
+    journal = store.journal if store is not None else None
 
     async def worker() -> None:
         for item in pending:
@@ -388,9 +471,9 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
             if _stopping(app):
                 return  # what has not started waits for the next start
             if batch.cancelled.is_set():
-                item.result = {"type": "canceled"}
+                item.result = batch.unrun("canceled")
             elif time.time() >= batch.expires_at:
-                item.result = {"type": "expired"}
+                item.result = batch.unrun("expired")
             else:
                 try:
                     item.result = await _run_item(app, batch, item)
@@ -398,8 +481,8 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
                     raise
                 except Exception:  # a fault of ours: this request errs, the batch goes on
                     logger.exception("batch %s, request %s failed", batch.id, item.custom_id)
-                    item.result = _errored("api_error", "internal error running this request; the cause is in "
-                                                        "the server's log")
+                    item.result = batch.errored("api_error", "internal error running this request; the cause is "
+                                                             "in the server's log")
                 if item.result is None:
                     return
             if journal is not None:
@@ -412,21 +495,23 @@ async def run_batch(app: Any, batch: MessageBatch) -> None:
             metrics.batches_in_progress.dec()
         raise
     if any(item.result is None for item in batch.items):  # stopped by the shutdown, likewise
-        logger.info("message batch %s: stopped with the server, %d of %d requests finished", batch.id,
+        logger.info("batch %s: stopped with the server, %d of %d requests finished", batch.id,
                     sum(i.result is not None for i in batch.items), len(batch.items))
         if metrics is not None:
             metrics.batches_in_progress.dec()
-    else:
-        batch.ended_at = time.time()
-        if journal is not None:
-            journal.state(batch)
-        counts = batch.describe()["request_counts"]
-        if metrics is not None:
-            metrics.batches_in_progress.dec()
-            for result, n in counts.items():
-                if n:
-                    metrics.batch_requests.labels(batch.context.tenant_id or DEFAULT_TENANT, result).inc(n)
-        logger.info("message batch %s ended: %s", batch.id, ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+        return
+    if store is not None:
+        await batch.on_end(store)
+    batch.ended_at = time.time()
+    if journal is not None:
+        journal.state(batch)
+    counts = batch.result_counts()
+    if metrics is not None:
+        metrics.batches_in_progress.dec()
+        for result, n in counts.items():
+            if n:
+                metrics.batch_requests.labels(batch.context.tenant_id or DEFAULT_TENANT, result).inc(n)
+    logger.info("batch %s ended: %s", batch.id, ", ".join(f"{v} {k}" for k, v in counts.items() if v))
 
 
 # ---- routes ---------------------------------------------------------------------------------
@@ -438,6 +523,12 @@ def _state(request: Request) -> Any:
 
 def _owner(context: RequestContext) -> str:
     return owner_of_key(context.api_key_id)
+
+
+def batch_context(context: RequestContext) -> RequestContext:
+    """What a batch's requests run as: its creator, after every interactive request, with no
+    time-to-first-token target."""
+    return replace(context, priority=context.priority + BATCH_PRIORITY, ttft_target_s=None)
 
 
 def owner_of_key(api_key_id: str | None) -> str:
@@ -488,8 +579,7 @@ async def create_batch(request: Request) -> Response:
     raw = await read_body(request, state.max_body_bytes, state.request_read_timeout)
     data = await asyncio.to_thread(parse_json_object, raw) if len(raw) > 1 << 20 else parse_json_object(raw)
     items = parse_batch(data)
-    runs_as = replace(context, priority=context.priority + BATCH_PRIORITY, ttft_target_s=None)
-    batch = MessageBatch("msgbatch_" + uuid.uuid4().hex[:24], _owner(context), runs_as, items)
+    batch = MessageBatch("msgbatch_" + uuid.uuid4().hex[:24], _owner(context), batch_context(context), items)
     if state.batches.journal is not None:
         await asyncio.to_thread(state.batches.journal.created, batch)
     state.batches.add(batch)
@@ -502,7 +592,7 @@ async def create_batch(request: Request) -> Response:
 async def list_batches(request: Request) -> Response:
     """The key's batches, newest first: `limit` (1-1000, 20) after `after_id` or before `before_id`."""
     state = _state(request)
-    batches = state.batches.owned(_owner(state.identify(request)))
+    batches = cast(list[MessageBatch], state.batches.owned(_owner(state.identify(request))))
     query = request.query_params
     start, end, has_more = page([b.id for b in batches], limit_param(query.get("limit"), 20), query.get("after_id"),
                                 query.get("before_id"), lambda param, bid: f"{param}: no batch '{bid}' of this key")
@@ -514,7 +604,9 @@ async def list_batches(request: Request) -> Response:
 def _batch(request: Request, batch_id: str) -> tuple[Any, MessageBatch]:
     """(the server's state, the caller's batch `batch_id`): a 404 for another key's."""
     state = _state(request)
-    return state, state.batches.get(_owner(state.identify(request)), batch_id)
+    batch = state.batches.get(_owner(state.identify(request)), batch_id)
+    assert isinstance(batch, MessageBatch)
+    return state, batch
 
 
 @router.get("/v1/messages/batches/{batch_id}")
@@ -525,12 +617,7 @@ async def get_batch(request: Request, batch_id: str) -> Response:
 @router.post("/v1/messages/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> Response:
     state, batch = _batch(request, batch_id)
-    if batch.ended_at is None and batch.cancel_initiated_at is None:
-        batch.cancel_initiated_at = time.time()
-        batch.cancelled.set()
-        if state.batches.journal is not None:
-            state.batches.journal.state(batch)
-        logger.info("message batch %s: cancel asked", batch.id)
+    state.batches.cancel(batch)
     return JSONResponse(batch.describe())
 
 

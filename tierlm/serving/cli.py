@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from tierlm.cli import _add_engine_args, at_least, engine_kwargs
+from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES
 from tierlm.serving.response_store import DEFAULT_MAX_BYTES, ResponseStore
 from tierlm.serving.reasoning import PARSERS as REASONING_PARSERS
 from tierlm.serving.sse import DEFAULT_STREAM_SEND_TIMEOUT
@@ -70,9 +71,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "of them, not per server (needs --tenants; while it does not answer, each server limits "
                         "on its own)")
     p.add_argument("--batches-dir", metavar="DIR", default=None,
-                   help="where message batches (/v1/messages/batches) and their results are written as they run, "
-                        "so that a restarted server has them and goes on with what had not finished (default: "
-                        "in memory only); one server per directory")
+                   help="where batches (Anthropic's /v1/messages/batches, OpenAI's /v1/batches), their results "
+                        "and OpenAI's files (/v1/files, in DIR/files) are written as they run, so that a restarted "
+                        "server has them and goes on with what had not finished (default: in memory only); one "
+                        "server per directory")
+    p.add_argument("--files-max-bytes", type=at_least(1, int), default=DEFAULT_MAX_FILE_BYTES, metavar="N",
+                   help="the most bytes OpenAI's files (/v1/files: batches' input, output and error files) may hold "
+                        "on this server in all; an upload past it is refused until files are deleted (default: "
+                        "%(default)s, 1 GiB)")
     p.add_argument("--safety-policies", metavar="FILE", default=None,
                    help="TOML file of phrase policies checked on prompts and answers as they stream: block "
                         "(refusal / content_filter) or redact, per tier or tenant; see README 'Safety policies'")
@@ -251,8 +257,8 @@ def run_serve(args: argparse.Namespace) -> int:
         tenancy.store = limit_store_from_args(getattr(args, "limits_store", None), "server",
                                               tenancy.config is not None)
         safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)
-        batch_store = BatchStore(journal=BatchJournal(args.batches_dir)) if getattr(args, "batches_dir", None) \
-            else BatchStore()
+        batch_store = BatchStore(journal=BatchJournal(args.batches_dir) if getattr(args, "batches_dir", None) else None,
+                                 max_file_bytes=getattr(args, "files_max_bytes", DEFAULT_MAX_FILE_BYTES))
         fallback_specs = getattr(args, "fallback_models", [])
         if "" not in specs:  # every name known: a bad fallback fails before the models load
             parse_fallbacks(fallback_specs, list(specs))

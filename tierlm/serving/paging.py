@@ -1,5 +1,6 @@
 """Pages of a list by id cursors, as Anthropic's list routes take them (`limit`, `after_id`,
-`before_id`; `has_more` in the direction asked): the model list and the message batches."""
+`before_id`; `has_more` in the direction asked): the model list, the message batches, and
+OpenAI's files and batches (`after` only)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -7,16 +8,16 @@ from typing import Callable
 from tierlm.serving.errors import InvalidRequest
 
 
-def limit_param(value: str | None, default: int | None) -> int | None:
-    """`limit`: an integer from 1 to 1000, or `default` when absent."""
+def limit_param(value: str | None, default: int | None, most: int = 1000) -> int | None:
+    """`limit`: an integer from 1 to `most`, or `default` when absent."""
     if value is None:
         return default
     try:
         limit = int(value)
     except ValueError:
         limit = 0
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest(f"limit: must be an integer from 1 to 1000 (got {value!r})", param="limit")
+    if not 1 <= limit <= most:
+        raise InvalidRequest(f"limit: must be an integer from 1 to {most:,} (got {value!r})", param="limit")
     return limit
 
 

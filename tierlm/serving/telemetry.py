@@ -123,10 +123,11 @@ class Metrics:
             "tierlm:limits_store_failures", "Calls to the shared limits store (--limits-store) that failed or "
             "timed out; the server then limits its tenants on its own for a few seconds.", registry=registry)
 
-        self.batch_requests = Counter("tierlm:batch_requests", "Requests of message batches (/v1/messages/batches) "
-                                      "by how they ended: succeeded, errored, canceled or expired.",
+        self.batch_requests = Counter("tierlm:batch_requests", "Requests of batches (Anthropic's "
+                                      "/v1/messages/batches, OpenAI's /v1/batches) by how they ended: succeeded, "
+                                      "errored (for OpenAI's: any answer but 2xx), canceled or expired.",
                                       ["tenant", "result"], registry=registry)
-        self.batches_in_progress = Gauge("tierlm:batches_in_progress", "Message batches not yet ended.",
+        self.batches_in_progress = Gauge("tierlm:batches_in_progress", "Batches (both APIs') not yet ended.",
                                          registry=registry)
 
         self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "

@@ -1,0 +1,342 @@
+"""OpenAI's Files and Batch APIs (tierlm/serving/files.py, openai_batches.py) through the official
+`openai` SDK against a real server on scripted models: an uploaded JSONL file of requests runs
+to output and error files whose answers equal the routes' own, files and batches per key, the
+input file checked whole when the batch is created, cancelling, the three endpoints, and both
+outliving a restart with --batches-dir."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.harness import ServerThread, slow_steps, wait_until
+from tests.serving.scripted_model import LOOP_MODEL, REPLY, TEXT_MODEL
+from tests.serving.test_telemetry import value
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+from tierlm.serving.tenancy import Tenancy
+
+KEYS = {"a": "sk-obatch-a", "b": "sk-obatch-b"}
+TENANTS = """
+[tenants.acme]
+tier = "gold"
+keys = ["a"]
+requests_per_minute = 2       # interactive requests only: a batch's are not charged
+"""
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def engines(scripted_models) -> dict:
+    return {TEXT_MODEL: scripted_models[TEXT_MODEL].engine(TEXT_MODEL),
+            LOOP_MODEL: scripted_models[LOOP_MODEL].engine(LOOP_MODEL)}
+
+
+@pytest.fixture(scope="module")
+def server(engines, tmp_path_factory):
+    path = tmp_path_factory.mktemp("obatches") / "tenants.toml"
+    path.write_text(TENANTS)
+    srv = ServerThread(build_app(engines, ApiKeyAuth.from_keys(KEYS), tenancy=Tenancy.from_file(path, KEYS))).start()
+    yield srv
+    srv.stop()
+
+
+def client(server: ServerThread, key: str = "a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=60)
+
+
+def jsonl(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def chat(cid: str, **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": TEXT_MODEL, "messages": HI, **body}}
+
+
+def finished(c: openai.OpenAI, batch_id: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = c.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+
+
+def lines(c: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
+    """A results file's lines by custom_id."""
+    assert file_id is not None
+    return {row["custom_id"]: row for row in map(json.loads, c.files.content(file_id).text.splitlines())}
+
+
+def test_a_batch_answers_as_the_route_would_with_failures_in_the_error_file(server):
+    c = client(server, "b")
+    interactive = c.chat.completions.create(model=TEXT_MODEL, messages=HI, max_tokens=50)
+    upload = c.files.create(file=("requests.jsonl", jsonl([
+        chat("text", max_tokens=50),
+        chat("loop-5", model=LOOP_MODEL, max_tokens=5),
+        chat("unknown-model", model="no-such-model", max_tokens=5),
+        chat("streamed", max_tokens=5, stream=True),
+        chat("bad-temperature", max_tokens=5, temperature=-1),
+    ])), purpose="batch")
+    assert upload.id.startswith("file-") and upload.purpose == "batch" and upload.filename == "requests.jsonl"
+    assert upload.expires_at == upload.created_at + 30 * 24 * 3600  # OpenAI's default for batch files
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             metadata={"job": "nightly"})
+    assert batch.id.startswith("batch_") and batch.object == "batch" and batch.status == "in_progress"
+    assert batch.expires_at - batch.created_at == 24 * 3600 and batch.metadata == {"job": "nightly"}
+    assert batch.request_counts.total == 5 and batch.model == TEXT_MODEL
+    done = finished(c, batch.id)
+    assert done.status == "completed" and done.completed_at >= done.finalizing_at >= done.created_at
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 2, 3)
+    out, err = lines(c, done.output_file_id), lines(c, done.error_file_id)
+    assert set(out) == {"text", "loop-5"} and set(err) == {"unknown-model", "streamed", "bad-temperature"}
+    text = out["text"]
+    assert text["id"].startswith("batch_req_") and text["error"] is None
+    assert text["response"]["status_code"] == 200 and text["response"]["request_id"]
+    answer = text["response"]["body"]
+    assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"] == REPLY
+    assert answer["choices"][0]["message"]["content"] == interactive.choices[0].message.content
+    assert answer["usage"]["completion_tokens"] == interactive.usage.completion_tokens
+    loop = out["loop-5"]["response"]["body"]
+    assert loop["choices"][0]["finish_reason"] == "length" and loop["usage"]["completion_tokens"] == 5
+    assert done.usage.output_tokens == answer["usage"]["completion_tokens"] + 5
+    assert done.usage.input_tokens == answer["usage"]["prompt_tokens"] + loop["usage"]["prompt_tokens"]
+    for cid, status, says in (("unknown-model", 404, "no-such-model"), ("streamed", 400, "cannot stream"),
+                              ("bad-temperature", 400, "temperature")):
+        response = err[cid]["response"]
+        assert response["status_code"] == status, cid
+        assert response["body"]["error"]["type"] == "invalid_request_error" and says in \
+            response["body"]["error"]["message"], (cid, response)
+    outputs = {f.id: f for f in c.files.list(purpose="batch_output")}
+    assert outputs[done.output_file_id].filename == f"{batch.id}_output.jsonl"
+    assert outputs[done.error_file_id].bytes == len(c.files.content(done.error_file_id).content)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert value(metrics, "tierlm:batch_requests_total", tenant="b", result="succeeded") >= 2
+    assert value(metrics, "tierlm:batch_requests_total", tenant="b", result="errored") >= 3
+
+
+def test_completions_and_responses_endpoints_and_no_rate_limit_charge(server):
+    """Tenant acme may send 2 requests a minute; its batches of 3 run whole, on both routes."""
+    c = client(server, "a")
+    prompt_file = c.files.create(file=("p.jsonl", jsonl([
+        {"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": LOOP_MODEL, "prompt": "Hello", "max_tokens": 3}} for i in range(3)])), purpose="batch")
+    responses_file = c.files.create(file=("r.jsonl", jsonl([
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+         "body": {"model": TEXT_MODEL, "input": "Hi", "max_output_tokens": 50}} for i in range(3)])), purpose="batch")
+    completions = c.batches.create(input_file_id=prompt_file.id, endpoint="/v1/completions", completion_window="24h")
+    responses = c.batches.create(input_file_id=responses_file.id, endpoint="/v1/responses", completion_window="24h")
+    for batch, kind, prefix in ((completions, "text_completion", "p"), (responses, "response", "r")):
+        done = finished(c, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 3 and done.error_file_id is None
+        rows = lines(c, done.output_file_id)
+        assert sorted(rows) == [f"{prefix}{i}" for i in range(3)]
+        assert all(r["response"]["body"]["object"] == kind for r in rows.values())
+    interactive = c.completions.create(model=LOOP_MODEL, prompt="Hello", max_tokens=3)
+    assert {(r["response"]["body"]["choices"][0]["text"], r["response"]["body"]["usage"]["completion_tokens"])
+            for r in lines(c, c.batches.retrieve(completions.id).output_file_id).values()} == \
+        {(interactive.choices[0].text, interactive.usage.completion_tokens)}
+    assert {r["response"]["body"]["output_text"] if "output_text" in r["response"]["body"] else
+            r["response"]["body"]["output"][-1]["content"][0]["text"]
+            for r in lines(c, c.batches.retrieve(responses.id).output_file_id).values()} == {REPLY}
+
+
+def test_files_are_a_keys_own_listed_and_deleted(server):
+    a, b = client(server, "a"), client(server, "b")
+    first = a.files.create(file=("one.txt", b"one"), purpose="user_data")
+    second = a.files.create(file=("two.jsonl", b"{}\n"), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600})
+    assert first.expires_at is None and second.expires_at == second.created_at + 3600 and first.bytes == 3
+    mine = [f.id for f in a.files.list()]
+    assert mine.index(second.id) < mine.index(first.id)  # newest first
+    assert [f.id for f in a.files.list(order="asc")][-2:] == [first.id, second.id]
+    assert [f.id for f in a.files.list(purpose="user_data")] == [first.id]
+    page = a.files.list(limit=1)
+    assert [f.id for f in page.data] == [second.id] and page.has_more
+    assert [f.id for f in a.files.list(limit=1, after=second.id).data] == [first.id]
+    assert a.files.retrieve(first.id).filename == "one.txt" and a.files.content(first.id).content == b"one"
+    assert first.id not in [f.id for f in b.files.list()]
+    for call in (lambda: b.files.retrieve(first.id), lambda: b.files.content(first.id),
+                 lambda: b.files.delete(first.id),
+                 lambda: b.batches.create(input_file_id=second.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert "not found" in missing.value.body["message"]
+    big = bytes(range(256)) * (12 << 10)  # 3 MiB of every byte value: spooled to disk by the form parser
+    large = a.files.create(file=("big.bin", big), purpose="user_data")
+    assert large.bytes == len(big) and a.files.content(large.id).content == big
+    a.files.delete(large.id)
+    deleted = a.files.delete(first.id)
+    assert deleted.id == first.id and deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        a.files.retrieve(first.id)
+
+
+@pytest.mark.parametrize("upload, says", [
+    ({"files": {"file": ("x.jsonl", b"{}")}, "data": {"purpose": "nonsense"}}, "purpose: must be one of"),
+    ({"data": {"purpose": "batch"}}, "upload a file as multipart/form-data"),
+    ({"files": {"other": ("x.jsonl", b"{}")}, "data": {"purpose": "batch"}}, "file: the form has no file"),
+    ({"files": {"file": ("x.jsonl", b"{}")}, "data": {"purpose": "batch", "expires_after[anchor]": "created_at",
+                                                      "expires_after[seconds]": "60"}}, "expires_after.seconds"),
+    ({"json": {"purpose": "batch"}}, "upload a file as multipart/form-data"),
+])
+def test_a_bad_upload_is_refused_in_openais_shape(server, upload, says):
+    headers = {"authorization": f"Bearer {KEYS['b']}"}
+    before = len(client(server, "b").files.list().data)
+    r = httpx.post(server.url + "/v1/files", headers=headers, **upload)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert says in r.json()["error"]["message"], r.json()
+    assert len(client(server, "b").files.list().data) == before
+    assert httpx.post(server.url + "/v1/files", **upload).status_code == 401
+
+
+def test_a_bad_input_file_fails_the_batch_naming_each_line(server):
+    c = client(server, "b")
+    rows = [chat("ok"), chat("ok"), {**chat("x"), "url": "/v1/completions"}, {**chat("y"), "method": "GET"},
+            {**chat("z"), "body": "text"}, {"custom_id": "no spaces"}]
+    bad = c.files.create(file=("bad.jsonl", jsonl(rows) + b"{not json\n\n[1]\n"), purpose="batch")
+    batch = c.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at is not None and batch.request_counts.total == 0
+    got = [(e.code, e.line) for e in batch.errors.data]
+    assert got == [("duplicate_custom_id", 2), ("mismatched_endpoint", 3), ("invalid_method", 4),
+                   ("invalid_body", 5), ("invalid_custom_id", 6), ("invalid_json_line", 7),
+                   ("invalid_json_line", 9)]
+    assert "'/v1/completions' is not the batch's endpoint" in batch.errors.data[1].message
+    assert c.batches.retrieve(batch.id).status == "failed"  # nothing ran
+    empty = c.files.create(file=("e.jsonl", b"\n"), purpose="batch")
+    assert [e.code for e in c.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").errors.data] == ["empty_file"]
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"endpoint": "/v1/embeddings", "completion_window": "24h"}, 400, "endpoint: this server runs batches of"),
+    ({"endpoint": "/v1/chat/completions", "completion_window": "1h"}, 400, "completion_window: must be '24h'"),
+    ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {"k": 1}}, 400, "metadata"),
+    ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "input_file_id": "file-nope"}, 404, "not found"),
+    ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "model": "x"}, 400, "model: Extra inputs"),
+    ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "input_file_id": "USER_DATA"}, 400,
+     "was uploaded for 'user_data'"),
+])
+def test_a_bad_batch_request_is_refused_and_creates_nothing(server, body, status, says):
+    c = client(server, "b")
+    user_data = c.files.create(file=("u.jsonl", jsonl([chat("a")])), purpose="user_data")
+    batch_file = c.files.create(file=("b.jsonl", jsonl([chat("a")])), purpose="batch")
+    given = {"input_file_id": batch_file.id, **body}
+    if given["input_file_id"] == "USER_DATA":
+        given["input_file_id"] = user_data.id
+    before = [x.id for x in c.batches.list()]
+    r = httpx.post(server.url + "/v1/batches", json=given, headers={"authorization": f"Bearer {KEYS['b']}"})
+    assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error"
+    assert says in r.json()["error"]["message"], r.json()
+    assert [x.id for x in c.batches.list()] == before
+
+
+def test_cancelling_aborts_what_runs_and_lists_the_rest_as_cancelled(server, engines, monkeypatch):
+    c = client(server, "b")
+    engine = engines[LOOP_MODEL]
+    slow_steps(engine, monkeypatch, 0.02)
+    f = c.files.create(file=("long.jsonl", jsonl([chat(f"r{i}", model=LOOP_MODEL, max_tokens=300)
+                                                  for i in range(30)])), purpose="batch")
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_until(lambda: engine.stats().num_running > 0, timeout=30)
+    cancelling = c.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    done = finished(c, batch.id, timeout=30)
+    assert done.status == "cancelled" and done.cancelled_at is not None and done.output_file_id is None
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 30)
+    err = lines(c, done.error_file_id)
+    assert len(err) == 30 and all(r["response"] is None and r["error"]["code"] == "batch_cancelled"
+                                  for r in err.values())
+    assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
+    assert c.batches.cancel(batch.id).status == "cancelled"  # cancelling an ended batch changes nothing
+
+
+def test_batches_are_a_keys_own_and_listed_newest_first(server):
+    a, b = client(server, "a"), client(server, "b")
+    f = a.files.create(file=("r.jsonl", jsonl([chat("one", max_tokens=2)])), purpose="batch")
+    first = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    second = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert [x.id for x in a.batches.list(limit=2).data] == [second.id, first.id]
+    page = a.batches.list(limit=1)
+    assert [x.id for x in page.data] == [second.id] and page.has_more
+    assert [x.id for x in a.batches.list(limit=1, after=second.id).data] == [first.id]
+    assert second.id not in [x.id for x in b.batches.list()]
+    with pytest.raises(openai.NotFoundError):
+        b.batches.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        b.batches.cancel(first.id)
+    with pytest.raises(openai.BadRequestError, match="limit: must be an integer from 1 to 100"):
+        a.batches.list(limit=101)
+    assert finished(a, first.id).status == finished(a, second.id).status == "completed"
+
+
+def test_files_and_batches_outlive_a_restart(scripted_models, tmp_path, monkeypatch):
+    """With --batches-dir: the files and a finished batch are found again; a batch stopped
+    halfway goes on and ends with every request answered once."""
+    from tierlm.serving.batches import BatchJournal, BatchStore
+
+    def start() -> tuple[ServerThread, Any]:
+        engine = scripted_models[LOOP_MODEL].engine(LOOP_MODEL)
+        app = build_app({LOOP_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                        batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))
+        return ServerThread(app, graceful_timeout=1).start(), engine
+
+    one, engine = start()
+    try:
+        c = client(one, "b")
+        short = c.files.create(file=("s.jsonl", jsonl([chat(f"d{i}", model=LOOP_MODEL, max_tokens=3)
+                                                       for i in range(3)])), purpose="batch")
+        done = finished(c, c.batches.create(input_file_id=short.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h").id)
+        before = c.files.content(done.output_file_id).content
+        slow_steps(engine, monkeypatch, 0.03)
+        mixed = c.files.create(file=("m.jsonl", jsonl([chat(f"h{i}", model=LOOP_MODEL,
+                                                           max_tokens=2 if i < 16 else 300)
+                                                      for i in range(20)])), purpose="batch")
+        halfway = c.batches.create(input_file_id=mixed.id, endpoint="/v1/chat/completions", completion_window="24h")
+        results = tmp_path / "batches" / halfway.id / "results.jsonl"
+        assert wait_until(lambda: results.exists() and len(results.read_text().splitlines()) >= 16, timeout=30)
+    finally:
+        one.stop()
+    assert len(results.read_text().splitlines()) == 16  # the 4 long ones were aborted: they run again
+    two, _ = start()
+    try:
+        c = client(two, "b")
+        assert c.files.content(done.output_file_id).content == before
+        assert c.batches.retrieve(done.id).status == "completed"
+        assert {f.id for f in c.files.list()} >= {short.id, mixed.id, done.output_file_id}
+        with pytest.raises(openai.NotFoundError):
+            client(two, "a").files.retrieve(short.id)  # still the key's own
+        after = finished(c, halfway.id)
+        assert after.status == "completed" and after.request_counts.completed == 20
+        rows = lines(c, after.output_file_id)
+        assert all(rows[f"h{i}"]["response"]["body"]["usage"]["completion_tokens"] == (2 if i < 16 else 300)
+                   for i in range(20))
+        assert [x.id for x in c.batches.list()] == [halfway.id, done.id]
+    finally:
+        two.stop()
+
+
+def test_the_files_store_holds_at_most_its_bytes(tmp_path):
+    from tierlm.serving.errors import RequestTooLarge
+    from tierlm.serving.files import FileStore
+
+    for root in (None, tmp_path / "files"):
+        store = FileStore(root, max_bytes=10)
+        kept = store.add("k", "a", "batch", b"123456")
+        with pytest.raises(RequestTooLarge, match="hold 6 of 10 bytes, and this one is 5"):
+            store.add("k", "b", "batch", b"12345")
+        assert [f.id for f in store.owned("k")] == [kept.id] and store.used == 6
+        store.delete(kept)
+        assert store.add("k", "b", "batch", b"12345").bytes == 5 and store.used == 5
+    again = FileStore(tmp_path / "files", max_bytes=10)  # written through: found again, counted
+    assert again.used == 5 and store.content(store.owned("k")[0]) == b"12345"
+    (tmp_path / "files" / again.owned("k")[0].id).write_bytes(b"1")  # cut short: not served
+    assert FileStore(tmp_path / "files").owned("k") == []
