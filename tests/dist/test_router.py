@@ -306,6 +306,35 @@ def test_openai_files_and_batches_are_found_on_the_replica_that_holds_them(repli
             o.files.retrieve(uploads[0].id)  # every replica said 404: the last one's answer
 
 
+def test_a_message_naming_an_uploaded_file_goes_where_the_file_is(replicas, engines):
+    """Anthropic's files live on the replica they were uploaded to: a message (or count_tokens)
+    whose document names one is sent there, by a router that saw the upload or, fresh, by asking
+    each replica; a file no replica has is the replica's own 400."""
+    import anthropic
+
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+
+    def ask(file_id: str) -> dict:
+        return {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "file", "file_id": file_id}},
+            {"type": "text", "text": "Summarise"}]}]}
+
+    with RouterThread(urls, policy="round_robin") as router:
+        c, _ = router.clients()
+        files = [c.beta.files.upload(file=(f"n{i}.txt", f"notes number {i}".encode(), "text/plain"))
+                 for i in range(2)]  # one on each replica
+        for f in files * 2:  # round robin alone would send half of these to the other replica
+            assert c.messages.create(**ask(f.id)).usage.output_tokens >= 1
+    with RouterThread(list(reversed(urls)), policy="round_robin") as fresh:  # knows no owners
+        c, _ = fresh.clients()
+        for f in files:
+            assert c.messages.count_tokens(**{k: v for k, v in ask(f.id).items() if k != "max_tokens"}).input_tokens
+            assert c.messages.create(**ask(f.id)).usage.output_tokens >= 1
+        with pytest.raises(anthropic.BadRequestError, match="file 'file_nowhere' not found"):
+            c.messages.create(**ask("file_nowhere"))
+
+
 def test_bad_requests_get_the_replicas_own_errors_and_the_router_its_limits(replicas, engines):
     with RouterThread([s.url for s in replicas], max_body_bytes=1000) as router:
         r = httpx.post(router.url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY})

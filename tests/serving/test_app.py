@@ -183,9 +183,12 @@ def test_unknown_routes_otherwise_answer_in_anthropic_shape(scripted_server):
     assert api_style_for("/v1/files", {"anthropic-version": "2023-06-01"}) == "anthropic"
     for path in ("/v1/messagez", "/v1/complete", "/v1/completionsx", "/v2/chat/completions"):
         assert api_style_for(path, {}) == "anthropic"
-    r = httpx.post(scripted_server.url + "/v1/files", json={}, headers={"anthropic-version": "2023-06-01"})
+    r = httpx.post(scripted_server.url + "/v1/skills", json={}, headers={"anthropic-version": "2023-06-01"})
     assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
-    assert "Anthropic's Files API is not served" in r.json()["error"]["message"]  # (OpenAI's is, at /v1/files)
+    r = httpx.post(scripted_server.url + "/v1/files", json={}, headers={"anthropic-version": "2023-06-01",
+                                                                        "x-api-key": API_KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error"  # both APIs' Files APIs are served there
+    assert "multipart/form-data with the field 'file'" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("method, path, allowed, style", [

@@ -333,10 +333,54 @@ def test_the_files_store_holds_at_most_its_bytes(tmp_path):
         kept = store.add("k", "a", "batch", b"123456")
         with pytest.raises(RequestTooLarge, match="hold 6 of 10 bytes, and this one is 5"):
             store.add("k", "b", "batch", b"12345")
-        assert [f.id for f in store.owned("k")] == [kept.id] and store.used == 6
+        assert [f.id for f in store.owned("k", "openai")] == [kept.id] and store.used == 6
         store.delete(kept)
         assert store.add("k", "b", "batch", b"12345").bytes == 5 and store.used == 5
     again = FileStore(tmp_path / "files", max_bytes=10)  # written through: found again, counted
-    assert again.used == 5 and store.content(store.owned("k")[0]) == b"12345"
-    (tmp_path / "files" / again.owned("k")[0].id).write_bytes(b"1")  # cut short: not served
-    assert FileStore(tmp_path / "files").owned("k") == []
+    assert again.used == 5 and store.content(store.owned("k", "openai")[0]) == b"12345"
+    (tmp_path / "files" / again.owned("k", "openai")[0].id).write_bytes(b"1")  # cut short: not served
+    assert FileStore(tmp_path / "files").owned("k", "openai") == []
+
+
+def test_a_tenants_unfinished_batch_requests_are_capped_across_both_apis(scripted_models, tmp_path, monkeypatch):
+    """max_batch_requests 5 (silver's): a tenant with 3 batch requests unfinished may add 2, not
+    3, through either API (a 429 in each SDK's shape, creating nothing); another tenant's own cap
+    is its own; once a batch ends its requests no longer count."""
+    import anthropic
+
+    (tmp_path / "t.toml").write_text('[tiers.silver]\nmax_batch_requests = 5\n'
+                                     '[tenants.acme]\ntier = "silver"\nkeys = ["a"]\n'
+                                     '[tenants.big]\ntier = "silver"\nkeys = ["b"]\nmax_batch_requests = 100\n')
+    engine = scripted_models[LOOP_MODEL].engine(LOOP_MODEL)
+    slow_steps(engine, monkeypatch, 0.02)
+    srv = ServerThread(build_app({LOOP_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                                 tenancy=Tenancy.from_file(tmp_path / "t.toml", KEYS))).start()
+    try:
+        o = client(srv, "a")
+        a = anthropic.Anthropic(base_url=srv.url, api_key=KEYS["a"], max_retries=0, timeout=60)
+        long = {"model": LOOP_MODEL, "max_tokens": 300, "messages": HI}
+        first = a.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": long} for i in range(3)])
+        three = o.files.create(file=("3.jsonl", jsonl([chat(f"c{i}", **long) for i in range(3)])), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as refused:
+            o.batches.create(input_file_id=three.id, endpoint="/v1/chat/completions", completion_window="24h")
+        says = refused.value.body["message"]
+        assert "tenant 'acme' has 3 requests of batches not yet finished and this batch would add 3" in says
+        assert "allows 5 at once (max_batch_requests)" in says and refused.value.response.headers["retry-after"]
+        with pytest.raises(anthropic.RateLimitError, match="would add 3"):
+            a.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": long} for i in range(3)])
+        assert len(o.batches.list().data) == 0 and len(a.messages.batches.list().data) == 1
+        two = o.files.create(file=("2.jsonl", jsonl([chat(f"c{i}", **long) for i in range(2)])), purpose="batch")
+        second = o.batches.create(input_file_id=two.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = client(srv, "b")  # another tenant: its own cap
+        theirs = b.files.create(file=("6.jsonl", jsonl([chat(f"c{i}", **long) for i in range(6)])), purpose="batch")
+        b.batches.cancel(b.batches.create(input_file_id=theirs.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h").id)
+        a.messages.batches.cancel(first.id)
+        assert wait_until(lambda: a.messages.batches.retrieve(first.id).processing_status == "ended", timeout=30)
+        third = o.batches.create(input_file_id=three.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert third.request_counts.total == 3  # 2 + 3: room again
+        for batch in (second, third):
+            o.batches.cancel(batch.id)
+            assert finished(o, batch.id, timeout=30).status == "cancelled"
+    finally:
+        srv.stop()

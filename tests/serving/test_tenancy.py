@@ -103,6 +103,11 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     assert tiers.tenant_of("rpm").breaker == BreakerSettings(min_outcomes=4, cooldown_s=0.5, horizon_s=10.0)
     assert tiers.tiers["silver"].breaker is False and tiers.tiers["bronze"].breaker is None
     assert tiers.tenant_of("lone").breaker is None  # a lone key: the default tier's (bronze)
+    # batch caps likewise
+    caps = parse('[tiers.gold]\nmax_batch_requests = 50\n[tenants.t]\ntier = "gold"\nkeys = ["rpm"]\n'
+                 '[tenants.u]\ntier = "gold"\nkeys = ["tpm"]\nmax_batch_requests = 7\n')
+    assert (caps.tenant_of("rpm").max_batch_requests, caps.tenant_of("tpm").max_batch_requests,
+            caps.tenant_of("lone").max_batch_requests) == (50, 7, None)
     # KV quotas likewise: a tenant's own, else its tier's, else none
     assert (config.tenant_of("vip").kv_share, config.tenant_of("globex").kv_share, acme_a.kv_share,
             parse(TENANTS).tenant_of("lone").kv_share) == (0.5, 0.75, None, None)
@@ -119,7 +124,10 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     ('[tenants.a]\nkeys = ["nobody"]', "t.toml: tenants.a.keys: key id 'nobody' is not in the keys file; add its line"),
     ('[tenants.a]\nkeys = []', "tenants.a.keys: list the ids of the keys this tenant owns"),
     ('[tenants.a]\ntier = "tin"\nkeys = ["rpm"]', "tenants.a.tier: no tier named 'tin'; use one of bronze, gold, silver"),
-    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_share, max_concurrent, requests_per_minute, tier, tokens_per_minute, weight"),
+    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_share, max_batch_requests, max_concurrent, requests_per_minute, tier, tokens_per_minute, weight"),
+    ('[tenants.a]\nkeys = ["rpm"]\nmax_batch_requests = 0', "tenants.a.max_batch_requests: must be a whole number of "
+                                                          "at least 1 (got 0)"),
+    ('[tiers.gold]\nmax_batch_requests = 2.5', "tiers.gold.max_batch_requests: must be a whole number of at least 1"),
     ('[tenants.a]\nkeys = ["rpm"]\nmax_concurrent = 0', "tenants.a.max_concurrent: must be a whole number of at least 1"),
     ('[tenants.a]\nkeys = ["rpm"]\nweight = 0', "tenants.a.weight: must be a number from 0.01 to 100 (got 0)"),
     ('[tenants.a]\nkeys = ["rpm"]\nweight = "2"', "tenants.a.weight: must be a number from 0.01 to 100"),

@@ -79,9 +79,12 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te
 _OWN_RESPONSE_HEADERS = {"server", "date"}  # the router's server sets its own
 # Objects a replica keeps, found again by their ids: stored responses, message batches, and
 # OpenAI's files and batches.
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|msgbatch_|batch_|file-)[A-Za-z0-9_\-]+)"')
-_ID_ROUTE = re.compile(r"^/v1/(?:responses|messages/batches|batches|files)/((?:resp_|msgbatch_|batch_|file-)"
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|msgbatch_|batch_|file-|file_)[A-Za-z0-9_\-]+)"')
+_ID_ROUTE = re.compile(r"^/v1/(?:responses|messages/batches|batches|files)/((?:resp_|msgbatch_|batch_|file-|file_)"
                        r"[A-Za-z0-9_\-]+)(/.*)?$")
+# An Anthropic request naming an uploaded file (a document block's source): sent where the file is
+_FILE_REF = re.compile(rb'"file_id"\s*:\s*"(file_[A-Za-z0-9]+)"')
+_NAMES_FILES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/batches")
 # POSTed: the answer's id is remembered
 _CREATES_OBJECT = ("/v1/responses", "/v1/messages/batches", "/v1/batches", "/v1/files")
 
@@ -332,6 +335,9 @@ class Router:
             parsed = json.loads(body) if body and method == "POST" else None
         except (ValueError, UnicodeDecodeError):
             parsed = None
+        ref = _FILE_REF.search(body) if method == "POST" and path in _NAMES_FILES else None
+        if ref is not None:  # (the file's replica also holds the prefixes of earlier requests naming it)
+            return _Plan(self, owner=self._owners.get(ref.group(1).decode()), search="file_not_found")
         prev = parsed.get("previous_response_id") if isinstance(parsed, dict) and path == "/v1/responses" else None
         if isinstance(parsed, dict) and path == "/v1/batches" and isinstance(parsed.get("input_file_id"), str):
             # where its input file was uploaded (another replica answers 404)
@@ -580,6 +586,9 @@ class _Plan:
             return "not_here"
         if self.search == "previous_not_found" and resp.status_code == 400:
             if b"previous_response_not_found" in await _raw(resp):
+                return "not_here"
+        if self.search == "file_not_found" and resp.status_code == 400:
+            if b"upload it through the Files API" in await _raw(resp):
                 return "not_here"
         return None
 

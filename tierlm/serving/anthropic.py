@@ -54,6 +54,7 @@ from tierlm.serving.protocol_anthropic import (
     ImageBlock,
     MessageResponse,
     MessagesRequest,
+    PlainTextSource,
     RedactedThinkingBlock,
     SearchResultBlock,
     TextBlock,
@@ -87,6 +88,7 @@ async def create_message(request: Request) -> Response:
     context = await state.admit(request)
     body = await state.parse(request, MessagesRequest)
     state.models.get(body.model)  # an unknown model is named first (404), as Anthropic does
+    await read_file_documents(state, context, body)
     # With interleaved thinking (a beta Claude Code sends) the budget covers the whole turn and
     # may exceed max_tokens, as Anthropic's docs allow.
     interleaved = "interleaved-thinking" in ",".join(request.headers.getlist("anthropic-beta"))
@@ -166,9 +168,10 @@ async def _answer(request: Request, context: RequestContext, started: _Started) 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     state = server_state(request)
-    state.identify(request)
+    context = state.identify(request)
     body = await state.parse(request, CountTokensRequest, counting=True)
     engine = state.models.get(body.model)
+    await read_file_documents(state, context, body)
     await checked_format(engine, body)  # (refused here as by /v1/messages; it adds nothing to the prompt)
     # Counted whatever the length: the count is the answer, even past the model's context.
     prompt = await build_prompt(engine, body, check_length=False, tool_calls=state.models.tool_calls(body.model))
@@ -176,6 +179,30 @@ async def count_tokens(request: Request) -> Response:
 
 
 # ---- request → prompt ------------------------------------------------------------------
+
+
+async def read_file_documents(state: Any, context: RequestContext, body: ConversationBody) -> None:
+    """Document blocks whose source is a file uploaded through the Files API (`{"type": "file",
+    "file_id": ...}`, also inside tool results) read as that file's text, in place; a file the
+    model cannot read (not text) is left for check_blocks to refuse, naming the block."""
+    from tierlm.serving.batches import owner_of_key
+    from tierlm.serving.files import file_text
+
+    owner = owner_of_key(context.api_key_id)
+    for i, message in enumerate(body.messages):
+        for j, block in enumerate(message.blocks()):
+            nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else [block]
+            for k, part in enumerate(nested):
+                source = part.source if isinstance(part, DocumentBlock) else None
+                if not (isinstance(source, dict) and source.get("type") == "file"):
+                    continue
+                where = f"messages.{i}.content.{j}" + (f".content.{k}" if part is not block else "") + ".source.file_id"
+                file_id = source.get("file_id")
+                if not isinstance(file_id, str):
+                    raise InvalidRequest(f"{where}: give the id of a file uploaded through the Files API", param=where)
+                text = await file_text(state.batches.files, owner, file_id, where)
+                if text is not None:
+                    part.source = PlainTextSource(type="text", media_type="text/plain", data=text)
 
 
 async def checked_format(engine: "AsyncEngine", body: ConversationBody) -> StructuredOutputsParams | None:

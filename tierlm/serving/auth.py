@@ -47,6 +47,7 @@ class RequestContext:
     tier: str | None = None
     ttft_target_s: float | None = None  # the tier's time-to-first-token target (sla.py)
     breaker: "BreakerSettings | bool | None" = None  # the tier's own breaker, False: none, None: the server's
+    max_batch_requests: int | None = None  # the tenant's batches' unfinished requests, at most (batches.py)
     cache_salt: str | None = None
     safety: "RequestSafety | None" = None  # the policies its prompt and answer are checked against (safety.py)
     sla: "SlaGuard | None" = None  # the server's breakers and fallbacks (sla.py)

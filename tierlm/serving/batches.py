@@ -39,7 +39,6 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, ClassVar, cast
 
@@ -48,8 +47,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tierlm.serving.auth import RequestContext
-from tierlm.serving.errors import InvalidRequest, NotFound
-from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES, FileStore
+from tierlm.serving.errors import InvalidRequest, NotFound, RateLimited
+from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES, FileStore, rfc3339
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.telemetry import DEFAULT_TENANT
 from tierlm.serving.validation import parse_json_object, read_body
@@ -65,12 +64,6 @@ MAX_BATCH_REQUESTS = 100_000  # Anthropic's limit
 EXPIRES_AFTER_S = 24 * 3600
 DEFAULT_MAX_BATCHES = 10_000  # kept per server; past it the oldest ended batch goes first
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-
-
-def _rfc3339(epoch: float | None) -> str | None:
-    if epoch is None:
-        return None
-    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -177,9 +170,9 @@ class MessageBatch(Batch):
         else:
             counts = self.result_counts()
         return {"id": self.id, "type": "message_batch", "processing_status": self.status,
-                "request_counts": counts, "created_at": _rfc3339(self.created_at),
-                "expires_at": _rfc3339(self.expires_at), "ended_at": _rfc3339(self.ended_at),
-                "cancel_initiated_at": _rfc3339(self.cancel_initiated_at), "archived_at": None,
+                "request_counts": counts, "created_at": rfc3339(self.created_at),
+                "expires_at": rfc3339(self.expires_at), "ended_at": rfc3339(self.ended_at),
+                "cancel_initiated_at": rfc3339(self.cancel_initiated_at), "archived_at": None,
                 "results_url": f"/v1/messages/batches/{self.id}/results" if self.ended_at is not None else None}
 
 
@@ -358,6 +351,20 @@ class BatchStore:
     def owned(self, owner: str, kind: type[Batch] = MessageBatch) -> list[Batch]:
         """The owner's batches of `kind`, newest first."""
         return [b for b in reversed(self._batches.values()) if b.owner == owner and isinstance(b, kind)]
+
+    def check_room(self, context: RequestContext, n: int) -> None:
+        """A 429 if `n` more batch requests would put the tenant past its max_batch_requests
+        (its batches' requests not yet finished, on this server)."""
+        cap = context.max_batch_requests
+        if cap is None or context.tenant_id is None:
+            return
+        queued = sum(1 for b in self._batches.values() if b.ended_at is None and b.context.tenant_id == context.tenant_id
+                     for item in b.items if item.result is None)
+        if queued + n > cap:
+            raise RateLimited(f"tenant '{context.tenant_id}' has {queued:,} requests of batches not yet finished and "
+                              f"this batch would add {n:,}; its tenants file allows {cap:,} at once "
+                              "(max_batch_requests). Wait for its batches to finish, send a smaller batch, or cancel "
+                              "one", retry_after=60)
 
     def cancel(self, batch: Batch) -> None:
         """Stop what has not started and abort what runs (nothing if it ended or is cancelling)."""
@@ -579,6 +586,7 @@ async def create_batch(request: Request) -> Response:
     raw = await read_body(request, state.max_body_bytes, state.request_read_timeout)
     data = await asyncio.to_thread(parse_json_object, raw) if len(raw) > 1 << 20 else parse_json_object(raw)
     items = parse_batch(data)
+    state.batches.check_room(context, len(items))
     batch = MessageBatch("msgbatch_" + uuid.uuid4().hex[:24], _owner(context), batch_context(context), items)
     if state.batches.journal is not None:
         await asyncio.to_thread(state.batches.journal.created, batch)

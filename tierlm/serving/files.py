@@ -1,27 +1,33 @@
-"""OpenAI's Files API: /v1/files (upload, list, retrieve, delete, content), as the official SDK's
-`client.files` calls it.
+"""The Files APIs at /v1/files (upload, list, retrieve, delete, content): OpenAI's, as the `openai`
+SDK's `client.files` calls it, and Anthropic's, as the `anthropic` SDK's `client.beta.files`
+does (told apart by the anthropic-version header Anthropic's SDK always sends).
 
 Why: OpenAI's Batch API (openai_batches.py) takes its requests as an uploaded JSONL file and
 answers with output and error files; a client written for OpenAI uploads, creates the batch and
-downloads the results through these routes, unchanged.
+downloads the results through these routes, unchanged. Anthropic's lets a message name an
+uploaded document instead of sending it again (anthropic.read_file_documents): a text file reads
+as the same prompt as the text inline, so its cached prefix is shared.
 
-Kept per API key, as stored responses and batches are (another key's file is not found). In
-memory, unless the server has a batches directory (`--batches-dir DIR`): then each file is
-written to DIR/files as it is uploaded or made, and a restarted server has them all. The files
-of one server hold at most `max_bytes` (`--files-max-bytes`, default 1 GiB) in all; an upload past
-that is refused until files are deleted. A file expires when its `expires_after` says (files for
-`batch` by default after 30 days, as OpenAI's), and is then gone.
+Kept per API key, as stored responses and batches are (another key's file is not found), and per
+API (ids file-... and file_...: each API sees its own). In memory, unless the server has a
+batches directory (`--batches-dir DIR`): then each file is written to DIR/files as it is
+uploaded or made, and a restarted server has them all. The files of one server hold at most
+`max_bytes` (`--files-max-bytes`, default 1 GiB) in all; an upload past that is refused until
+files are deleted. A file expires when its `expires_after` / `expires_in_seconds` says (OpenAI's
+files for `batch` by default after 30 days, as OpenAI's), and is then gone.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import mimetypes
 import os
 import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -41,6 +47,9 @@ router = APIRouter()
 
 DEFAULT_MAX_FILE_BYTES = 1 << 30
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
+ANTHROPIC_PREFIX = "file_"  # Anthropic's file ids; OpenAI's are file-...
+ANTHROPIC_PURPOSE = "anthropic"  # (kept on Anthropic's uploads; its API has no purpose)
+TEXT_MIME_TYPES = ("application/json", "application/x-ndjson", "application/xml", "application/x-yaml")
 BATCH_FILE_TTL_S = 30 * 24 * 3600  # OpenAI's default for purpose=batch
 
 
@@ -53,12 +62,31 @@ class StoredFile:
     bytes: int
     created_at: int
     expires_at: int | None = None
+    mime_type: str = "application/octet-stream"
+
+    @property
+    def api(self) -> str:
+        """Whose Files API made it: "anthropic" (ids file_...) or "openai" (file-...)."""
+        return "anthropic" if self.id.startswith(ANTHROPIC_PREFIX) else "openai"
 
     def describe(self) -> dict[str, Any]:
-        """The File object."""
+        """OpenAI's File object."""
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
                 "filename": self.filename, "purpose": self.purpose, "status": "processed",
                 "expires_at": self.expires_at, "status_details": None}
+
+    def metadata(self) -> dict[str, Any]:
+        """Anthropic's FileMetadata. Uploaded files are not downloadable, as in Anthropic's API."""
+        return {"id": self.id, "type": "file", "filename": self.filename, "mime_type": self.mime_type,
+                "size_bytes": self.bytes, "created_at": rfc3339(self.created_at), "downloadable": False,
+                "expires_at": rfc3339(self.expires_at)}
+
+
+def rfc3339(epoch: float | None) -> str | None:
+    """A time as Anthropic's APIs write it (None stays None)."""
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class FileStore:
@@ -96,17 +124,19 @@ class FileStore:
             self._files[f.id] = f
             self.used += f.bytes
 
-    def add(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None = None) -> StoredFile:
-        """A new file (written through to disk where there is a root). A 413 if the store would
-        pass its `max_bytes`."""
+    def add(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None = None,
+            mime_type: str = "application/octet-stream") -> StoredFile:
+        """A new file (written through to disk where there is a root): Anthropic's if `purpose` is
+        ANTHROPIC_PURPOSE, else OpenAI's. A 413 if the store would pass its `max_bytes`."""
         self._expire()
         if self.used + len(data) > self.max_bytes:
             raise RequestTooLarge(f"this server's files hold {self.used:,} of {self.max_bytes:,} bytes, and this "
                                   f"one is {len(data):,}; delete files you no longer need (DELETE /v1/files/ID), "
                                   "or start the server with a larger --files-max-bytes")
         now = int(time.time())
-        f = StoredFile("file-" + uuid.uuid4().hex[:24], owner, filename, purpose, len(data), now,
-                       now + ttl_s if ttl_s is not None else None)
+        prefix = ANTHROPIC_PREFIX if purpose == ANTHROPIC_PURPOSE else "file-"
+        f = StoredFile(prefix + uuid.uuid4().hex[:24], owner, filename, purpose, len(data), now,
+                       now + ttl_s if ttl_s is not None else None, mime_type)
         if self.root is None:
             self._data[f.id] = data
         else:
@@ -125,10 +155,11 @@ class FileStore:
             os.fsync(out.fileno())
         os.replace(tmp, path)
 
-    def get(self, owner: str, file_id: str, param: str = "file_id") -> StoredFile:
+    def get(self, owner: str, file_id: str, param: str = "file_id", api: str | None = None) -> StoredFile:
+        """The owner's file `file_id` (of `api`'s Files API, if given: the other's ids are not found)."""
         self._expire()
         f = self._files.get(file_id)
-        if f is None or f.owner != owner:
+        if f is None or f.owner != owner or (api is not None and f.api != api):
             raise NotFound(f"file '{file_id}' not found. Files are kept per API key, by the server they were "
                            "uploaded to, until deleted or expired", param=param)
         return f
@@ -139,10 +170,11 @@ class FileStore:
             return self._data[f.id]
         return (self.root / f.id).read_bytes()
 
-    def owned(self, owner: str, purpose: str | None = None) -> list[StoredFile]:
-        """The owner's files (of `purpose`), oldest first."""
+    def owned(self, owner: str, api: str, purpose: str | None = None) -> list[StoredFile]:
+        """The owner's files of one API (and `purpose`), oldest first."""
         self._expire()
-        return [f for f in self._files.values() if f.owner == owner and (purpose is None or f.purpose == purpose)]
+        return [f for f in self._files.values()
+                if f.owner == owner and f.api == api and (purpose is None or f.purpose == purpose)]
 
     def delete(self, f: StoredFile) -> None:
         if self._files.pop(f.id, None) is None:
@@ -162,24 +194,22 @@ class FileStore:
             self.delete(f)
 
 
-# ---- routes ---------------------------------------------------------------------------------
+# ---- routes (each answers in the API its client speaks: Anthropic's SDK sends anthropic-version) --
 
 
-def _files(request: Request) -> tuple[FileStore, str]:
-    """(the server's files, the caller's owner key)."""
+def _files(request: Request) -> tuple[FileStore, str, str]:
+    """(the server's files, the caller's owner key, "anthropic" or "openai")."""
     from tierlm.serving.batches import owner_of_key
-    if "anthropic-version" in request.headers:  # (Anthropic's SDK: its Files API has another shape)
-        raise NotFound(f"no such route: {request.method} {request.url.path} (this server's /v1/files is OpenAI's "
-                       "Files API; Anthropic's Files API is not served)")
     state = request.app.state.tierlm
-    return state.batches.files, owner_of_key(state.identify(request).api_key_id)
+    api = "anthropic" if "anthropic-version" in request.headers else "openai"
+    return state.batches.files, owner_of_key(state.identify(request).api_key_id), api
 
 
-async def _form(request: Request, body: bytes) -> dict[str, Any]:
+async def _form(request: Request, body: bytes, fields: str) -> dict[str, Any]:
     """The multipart form of an upload: its fields, the file as an UploadFile."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidRequest("upload a file as multipart/form-data with the fields 'file' and 'purpose' (got "
-                             f"content-type {request.headers.get('content-type')!r})", param="file")
+        raise InvalidRequest(f"upload a file as multipart/form-data with {fields} (got content-type "
+                             f"{request.headers.get('content-type')!r})", param="file")
 
     async def stream() -> AsyncIterator[bytes]:
         yield body
@@ -188,8 +218,8 @@ async def _form(request: Request, body: bytes) -> dict[str, Any]:
         form = await MultiPartParser(request.headers, stream(), max_files=1, max_fields=16,
                                      max_part_size=1 << 20).parse()
     except MultiPartException as e:
-        raise InvalidRequest(f"the upload is not a readable multipart form ({e.message}); send the fields 'file' "
-                             "and 'purpose'", param="file") from None
+        raise InvalidRequest(f"the upload is not a readable multipart form ({e.message}); send {fields}",
+                             param="file") from None
     return dict(form.multi_items())
 
 
@@ -202,47 +232,78 @@ def _ttl(fields: dict[str, Any], purpose: str) -> int | None:
     if anchor != "created_at":
         raise InvalidRequest(f"expires_after.anchor: must be 'created_at' (got {anchor!r})",
                              param="expires_after.anchor")
+    return _seconds(seconds, "expires_after.seconds", 30 * 24 * 3600, "30 days")
+
+
+def _seconds(value: Any, param: str, most: int, says: str) -> int:
     try:
-        ttl = int(seconds)  # type: ignore[arg-type]
+        ttl = int(value)
     except (TypeError, ValueError):
         ttl = 0
-    if not 3600 <= ttl <= 30 * 24 * 3600:
-        raise InvalidRequest(f"expires_after.seconds: must be an integer from 3600 (1 hour) to 2592000 (30 days) "
-                             f"(got {seconds!r})", param="expires_after.seconds")
+    if not 3600 <= ttl <= most:
+        raise InvalidRequest(f"{param}: must be an integer from 3600 (1 hour) to {most} ({says}) (got {value!r})",
+                             param=param)
     return ttl
+
+
+def _mime_type(upload: UploadFile) -> str:
+    """The part's own content type, else one guessed from its name."""
+    given = (upload.content_type or "").split(";")[0].strip().lower()
+    if given and given != "application/octet-stream":
+        return given
+    guessed, _ = mimetypes.guess_type(upload.filename or "")
+    return guessed or "application/octet-stream"
 
 
 @router.post("/v1/files")
 async def upload_file(request: Request) -> Response:
-    files, owner = _files(request)
+    files, owner, api = _files(request)
     state = request.app.state.tierlm
     body = await read_body(request, state.max_body_bytes, state.request_read_timeout)
-    fields = await _form(request, body)
-    upload, purpose = fields.get("file"), fields.get("purpose")
+    fields = await _form(request, body, "the field 'file'" if api == "anthropic" else "the fields 'file' and 'purpose'")
+    upload = fields.get("file")
     if not isinstance(upload, UploadFile):
         raise InvalidRequest("file: the form has no file; send it as the 'file' field", param="file")
-    if purpose not in UPLOAD_PURPOSES:
-        raise InvalidRequest(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
-                             param="purpose")
-    ttl = _ttl(fields, purpose)
+    if api == "anthropic":
+        purpose = ANTHROPIC_PURPOSE
+        given = fields.get("expires_in_seconds")
+        ttl = _seconds(given, "expires_in_seconds", 7_776_000, "90 days") if given is not None else None
+    else:
+        purpose = fields.get("purpose")
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
+                                 param="purpose")
+        ttl = _ttl(fields, purpose)
     data = await upload.read()
     await upload.close()
-    f = await asyncio.to_thread(files.add, owner, upload.filename or "upload", purpose, data, ttl) \
-        if files.root is not None else files.add(owner, upload.filename or "upload", purpose, data, ttl)
+    name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1] or "upload"
+    args = (owner, name, purpose, data, ttl, _mime_type(upload))
+    f = await asyncio.to_thread(files.add, *args) if files.root is not None else files.add(*args)
     logger.info("file %s: %d bytes for %s (%s)", f.id, f.bytes, purpose, f.filename)
-    return JSONResponse(f.describe())
+    return JSONResponse(f.metadata() if api == "anthropic" else f.describe())
 
 
 @router.get("/v1/files")
 async def list_files(request: Request) -> Response:
-    """The key's files: `purpose`, `order` (desc: newest first, the default; asc), `limit`
-    (1-10,000, all by default) after the file `after`."""
-    files, owner = _files(request)
+    """The key's files, newest first. OpenAI: `purpose`, `order` (asc for oldest first), `limit`
+    (1-10,000, all by default) after the file `after`. Anthropic: `limit` (1-1000, 20) and the
+    cursor `page` (the `next_page` of the page before), or `after_id` / `before_id`."""
+    files, owner, api = _files(request)
     query = request.query_params
+    if api == "anthropic":
+        found = list(reversed(files.owned(owner, api)))
+        after = query.get("page") or query.get("after_id")
+        start, end, has_more = page([f.id for f in found], limit_param(query.get("limit"), 20), after,
+                                    query.get("before_id"), lambda param, fid: f"{param}: no file '{fid}' of this key")
+        data = [f.metadata() for f in found[start:end]]
+        return JSONResponse({"data": data, "has_more": has_more, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None,
+                             "next_page": data[-1]["id"] if data and has_more and query.get("before_id") is None
+                             else None})
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"order: must be 'asc' or 'desc' (got {order!r})", param="order")
-    found = files.owned(owner, query.get("purpose"))
+    found = files.owned(owner, api, query.get("purpose"))
     if order == "desc":
         found.reverse()
     limit = limit_param(query.get("limit"), 10_000, 10_000)
@@ -255,24 +316,51 @@ async def list_files(request: Request) -> Response:
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> Response:
-    files, owner = _files(request)
-    return JSONResponse(files.get(owner, file_id).describe())
+    files, owner, api = _files(request)
+    f = files.get(owner, file_id, api=api)
+    return JSONResponse(f.metadata() if api == "anthropic" else f.describe())
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> Response:
-    files, owner = _files(request)
-    f = files.get(owner, file_id)
+    files, owner, api = _files(request)
+    f = files.get(owner, file_id, api=api)
     files.delete(f)
-    return JSONResponse({"id": f.id, "object": "file", "deleted": True})
+    return JSONResponse({"id": f.id, "type": "file_deleted"} if api == "anthropic" else
+                        {"id": f.id, "object": "file", "deleted": True})
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    files, owner = _files(request)
-    f = files.get(owner, file_id)
+    files, owner, api = _files(request)
+    f = files.get(owner, file_id, api=api)
+    if api == "anthropic":
+        raise InvalidRequest(f"file '{file_id}' cannot be downloaded: files you upload are not downloadable (its "
+                             "downloadable is false, as in Anthropic's API); use it in a message as a document "
+                             "block's source", param="file_id")
+    return Response(await read(files, f), media_type="application/octet-stream")
+
+
+async def read(files: FileStore, f: StoredFile) -> bytes:
+    """A file's bytes (a 404 if it was deleted meanwhile)."""
     try:
-        data = await asyncio.to_thread(files.content, f) if files.root is not None else files.content(f)
-    except (OSError, KeyError):  # deleted meanwhile
-        raise NotFound(f"file '{file_id}' not found: it was deleted", param="file_id") from None
-    return Response(data, media_type="application/octet-stream")
+        return await asyncio.to_thread(files.content, f) if files.root is not None else files.content(f)
+    except (OSError, KeyError):
+        raise NotFound(f"file '{f.id}' not found: it was deleted", param="file_id") from None
+
+
+async def file_text(files: FileStore, owner: str, file_id: str, where: str) -> str | None:
+    """An uploaded file's text, for a message's document block whose source is this file: a 400
+    naming `where` if the key has no such file; None if it is not text (not a text/* or JSON-like
+    type, or not UTF-8): the model cannot read it."""
+    try:
+        f = files.get(owner, file_id)
+    except NotFound:
+        raise InvalidRequest(f"{where}: file '{file_id}' not found; upload it through the Files API (POST /v1/files) "
+                             "with this API key first", param=where) from None
+    if not (f.mime_type.startswith("text/") or f.mime_type in TEXT_MIME_TYPES):
+        return None
+    try:
+        return (await read(files, f)).decode("utf-8")
+    except UnicodeDecodeError:
+        return None

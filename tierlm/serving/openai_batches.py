@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from tierlm.serving.batches import (BATCH_KINDS, MAX_BATCH_REQUESTS, Batch, BatchItem, BatchStore, _CUSTOM_ID,
                                     batch_context, owner_of_key, run_batch)
 from tierlm.serving.errors import InvalidRequest
+from tierlm.serving.files import read
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.validation import parse_json_object, read_body
 
@@ -296,12 +297,14 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest("input_file_id: give the id of a file uploaded with purpose 'batch'",
                              param="input_file_id")
     files = state.batches.files
-    f = files.get(owner, file_id, param="input_file_id")
+    f = files.get(owner, file_id, param="input_file_id", api="openai")
     if f.purpose != "batch":
         raise InvalidRequest(f"input_file_id: file '{file_id}' was uploaded for '{f.purpose}'; upload the requests "
                              "with purpose 'batch'", param="input_file_id")
-    content = await asyncio.to_thread(files.content, f) if files.root is not None else files.content(f)
+    content = await read(files, f)
     items, errors = await asyncio.to_thread(parse_input, content, endpoint)
+    if not errors:
+        state.batches.check_room(context, len(items))
     batch = OpenAIBatch("batch_" + uuid.uuid4().hex[:24], owner, batch_context(context), items if not errors else [],
                         endpoint=endpoint, input_file_id=file_id, metadata=metadata, errors=errors)
     if errors:

@@ -17,6 +17,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     max_concurrent = 8
     weight = 2                         # twice the share of a weight-1 tenant of its tier (default 1)
     kv_share = 0.5                     # its running requests hold at most half the KV cache
+    max_batch_requests = 100000        # its batches' requests not yet finished, at most (a tier may set it too)
 
 A request is admitted for its key's tenant: the engine runs it at the tier's priority (a lower
 number runs first, and is preempted last), in fair shares with the other tenants of its tier
@@ -30,6 +31,9 @@ tenant's keys share cached prefixes, tenants never do), and the tenant's limits 
   then refused until the bucket has refilled past that debt.
 - max_concurrent counts requests in flight, from admission until the response has ended (a
   stream's last event, a client gone, an error).
+- max_batch_requests counts the requests of the tenant's batches (Anthropic's message batches and
+  OpenAI's batches, batches.py) that have not finished; a batch that would pass it is refused
+  whole (429) when it is created. Batches' requests are not charged to the other limits.
 
 A refused request is a 429 in its API's shape with `retry-after` (and `retry-after-ms`): the
 seconds until the limit would admit it. Limited tenants' responses carry the rate-limit headers
@@ -94,6 +98,7 @@ class Tier:
     # Its requests' circuit breaker (serving/breaker.py): own settings, False for none, None for
     # the server's (--sla-breaker).
     breaker: BreakerSettings | bool | None = None
+    max_batch_requests: int | None = None  # each tenant's, unless it sets its own
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class Tenant:
     kv_share: float | None = None  # the most of each engine's device KV pool it may hold (engine/quotas.py)
     ttft_target_s: float | None = None  # its tier's time-to-first-token target (serving/sla.py)
     breaker: BreakerSettings | bool | None = None  # its tier's breaker settings (Tier.breaker)
+    #: The most requests of its batches (both batch APIs) not yet finished, across all of them
+    max_batch_requests: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,8 @@ class TenantsConfig:
                 raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", "breaker", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", "breaker", "max_batch_requests",
+                          *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
@@ -159,7 +167,7 @@ class TenantsConfig:
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
             tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0),
                                _kv_share(table, where, fail, None), _ttft_target(table, where, fail),
-                               _breaker(table, where, fail))
+                               _breaker(table, where, fail), _max_batch_requests(table, where, fail, None))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -173,7 +181,7 @@ class TenantsConfig:
                                               "give this tenant another name")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"tier", "keys", "weight", "kv_share", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"tier", "keys", "weight", "kv_share", "max_batch_requests", *LIMIT_FIELDS}, where, fail)
             tier_name = _tier_name(table.get("tier", default_tier), f"{where}.tier", tiers, fail,
                                    " or define it under [tiers]")
             keys = table.get("keys")
@@ -195,7 +203,8 @@ class TenantsConfig:
             tenants[name] = Tenant(name, tier_name, tier.priority, f"tenant\x1f{name}",
                                    _limits(table, where, fail).over(tier.limits),
                                    _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share),
-                                   tier.ttft_target_s, tier.breaker)
+                                   tier.ttft_target_s, tier.breaker,
+                                   _max_batch_requests(table, where, fail, tier.max_batch_requests))
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
@@ -209,7 +218,7 @@ class TenantsConfig:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
         return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share,
-                      tier.ttft_target_s, tier.breaker)
+                      tier.ttft_target_s, tier.breaker, tier.max_batch_requests)
 
 
 def _key_salt(key_id: str) -> str:
@@ -267,6 +276,15 @@ def _weight(table: Mapping[str, Any], where: str, fail: Callable[[str, str], Val
         raise fail(f"{where}.weight", f"must be a number from 0.01 to 100 (got {value!r}); a tenant of weight 2 "
                                       "gets twice the share of one of weight 1 among the tenants of its priority")
     return float(value)
+
+
+def _max_batch_requests(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError],
+                        default: int | None) -> int | None:
+    value = table.get("max_batch_requests", default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise fail(f"{where}.max_batch_requests", f"must be a whole number of at least 1 (got {value!r}): the most "
+                                                  "requests of the tenant's batches not yet finished at once")
+    return value
 
 
 def _kv_share(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError],
