@@ -87,7 +87,8 @@ def test_a_batch_answers_as_the_route_would_with_failures_in_the_error_file(serv
     assert upload.id.startswith("file-") and upload.purpose == "batch" and upload.filename == "requests.jsonl"
     assert upload.expires_at == upload.created_at + 30 * 24 * 3600  # OpenAI's default for batch files
     batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
-                             metadata={"job": "nightly"})
+                             metadata={"job": "nightly"},
+                             output_expires_after={"anchor": "created_at", "seconds": 7200})
     assert batch.id.startswith("batch_") and batch.object == "batch" and batch.status == "in_progress"
     assert batch.expires_at - batch.created_at == 24 * 3600 and batch.metadata == {"job": "nightly"}
     assert batch.request_counts.total == 5 and batch.model == TEXT_MODEL
@@ -115,6 +116,7 @@ def test_a_batch_answers_as_the_route_would_with_failures_in_the_error_file(serv
             response["body"]["error"]["message"], (cid, response)
     outputs = {f.id: f for f in c.files.list(purpose="batch_output")}
     assert outputs[done.output_file_id].filename == f"{batch.id}_output.jsonl"
+    assert all(outputs[f].expires_at == outputs[f].created_at + 7200 for f in (done.output_file_id, done.error_file_id))
     assert outputs[done.error_file_id].bytes == len(c.files.content(done.error_file_id).content)
     metrics = httpx.get(server.url + "/metrics").text
     assert value(metrics, "tierlm:batch_requests_total", tenant="b", result="succeeded") >= 2
@@ -221,6 +223,8 @@ def test_a_bad_input_file_fails_the_batch_naming_each_line(server):
     ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {"k": 1}}, 400, "metadata"),
     ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "input_file_id": "file-nope"}, 404, "not found"),
     ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "model": "x"}, 400, "model: Extra inputs"),
+    ({"endpoint": "/v1/chat/completions", "completion_window": "24h",
+      "output_expires_after": {"anchor": "created_at", "seconds": 60}}, 400, "output_expires_after.seconds"),
     ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "input_file_id": "USER_DATA"}, 400,
      "was uploaded for 'user_data'"),
 ])
@@ -340,6 +344,42 @@ def test_the_files_store_holds_at_most_its_bytes(tmp_path):
     assert again.used == 5 and store.content(store.owned("k", "openai")[0]) == b"12345"
     (tmp_path / "files" / again.owned("k", "openai")[0].id).write_bytes(b"1")  # cut short: not served
     assert FileStore(tmp_path / "files").owned("k", "openai") == []
+    made = again.add("k", "out", "batch_output", b"1234567890", made_here=True)  # a batch's results: kept past
+    assert again.used == 15 and again.content(made) == b"1234567890"  # the cap, counted
+    with pytest.raises(RequestTooLarge):
+        again.add("k", "c", "batch", b"1")
+    import shutil
+    from tierlm.serving.errors import APIError
+    shutil.rmtree(tmp_path / "files")  # the disk refuses: results stay in memory, an upload is a clear error
+    kept = again.add("k", "out2", "batch_output", b"abc", made_here=True)
+    assert again.content(kept) == b"abc"
+    again.max_bytes = 100
+    with pytest.raises(APIError, match="cannot store the file: writing it to .* failed"):
+        again.add("k", "c", "batch", b"1")
+
+
+def test_a_batchs_results_are_kept_past_the_files_cap(scripted_models):
+    """Room for the input file but not the results: the batch still completes with its output
+    file, and the next upload is refused (413) until files are deleted."""
+    from tierlm.serving.batches import BatchStore
+
+    engine = scripted_models[TEXT_MODEL].engine(TEXT_MODEL)
+    srv = ServerThread(build_app({TEXT_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                                 batch_store=BatchStore(max_file_bytes=400))).start()
+    try:
+        c = client(srv, "a")
+        f = c.files.create(file=("r.jsonl", jsonl([chat("one", max_tokens=50)])), purpose="batch")
+        done = finished(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h").id)
+        assert done.status == "completed" and c.files.retrieve(done.output_file_id).bytes > 400
+        assert lines(c, done.output_file_id)["one"]["response"]["body"]["choices"][0]["message"]["content"] == REPLY
+        with pytest.raises(openai.APIStatusError) as full:
+            c.files.create(file=("more.jsonl", b"{}"), purpose="batch")
+        assert full.value.status_code == 413 and "delete files you no longer need" in full.value.body["message"]
+        c.files.delete(done.output_file_id)
+        assert c.files.create(file=("more.jsonl", b"{}"), purpose="batch").bytes == 2
+    finally:
+        srv.stop()
 
 
 def test_a_tenants_unfinished_batch_requests_are_capped_across_both_apis(scripted_models, tmp_path, monkeypatch):

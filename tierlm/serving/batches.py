@@ -508,7 +508,10 @@ async def run_batch(app: Any, batch: Batch) -> None:
             metrics.batches_in_progress.dec()
         return
     if store is not None:
-        await batch.on_end(store)
+        try:
+            await batch.on_end(store)
+        except Exception:  # a fault of ours: the batch still ends (it must not stay unfinished for ever)
+            logger.exception("batch %s: finishing it failed; it ends without what that step makes", batch.id)
     batch.ended_at = time.time()
     if journal is not None:
         journal.state(batch)

@@ -37,7 +37,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tierlm.serving.errors import InvalidRequest, NotFound, RequestTooLarge
+from tierlm.serving.errors import APIError, InvalidRequest, NotFound, RequestTooLarge
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.validation import read_body
 
@@ -125,11 +125,14 @@ class FileStore:
             self.used += f.bytes
 
     def add(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None = None,
-            mime_type: str = "application/octet-stream") -> StoredFile:
+            mime_type: str = "application/octet-stream", made_here: bool = False) -> StoredFile:
         """A new file (written through to disk where there is a root): Anthropic's if `purpose` is
-        ANTHROPIC_PURPOSE, else OpenAI's. A 413 if the store would pass its `max_bytes`."""
+        ANTHROPIC_PURPOSE, else OpenAI's. An upload past `max_bytes` is a 413. A file the server
+        made (`made_here`: a batch's results) is kept even past it, since losing finished answers
+        would be worse (it counts, so uploads are refused until files are deleted), and in memory
+        if the disk refuses it."""
         self._expire()
-        if self.used + len(data) > self.max_bytes:
+        if self.used + len(data) > self.max_bytes and not made_here:
             raise RequestTooLarge(f"this server's files hold {self.used:,} of {self.max_bytes:,} bytes, and this "
                                   f"one is {len(data):,}; delete files you no longer need (DELETE /v1/files/ID), "
                                   "or start the server with a larger --files-max-bytes")
@@ -140,8 +143,16 @@ class FileStore:
         if self.root is None:
             self._data[f.id] = data
         else:
-            self._write(self.root / f.id, data)
-            self._write(self.root / f"{f.id}.json", json.dumps(asdict(f)).encode())
+            try:
+                self._write(self.root / f.id, data)
+                self._write(self.root / f"{f.id}.json", json.dumps(asdict(f)).encode())
+            except OSError as e:
+                if not made_here:
+                    raise APIError(f"cannot store the file: writing it to {self.root} failed ({e.strerror or e}); "
+                                   "the server's --batches-dir needs room and write access") from None
+                logger.warning("files directory %s: cannot write %s (%s); it is kept in memory and lost at restart",
+                               self.root, f.id, e.strerror or e)
+                self._data[f.id] = data
         self._files[f.id] = f
         self.used += f.bytes
         return f
@@ -149,11 +160,15 @@ class FileStore:
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def get(self, owner: str, file_id: str, param: str = "file_id", api: str | None = None) -> StoredFile:
         """The owner's file `file_id` (of `api`'s Files API, if given: the other's ids are not found)."""
@@ -166,7 +181,7 @@ class FileStore:
 
     def content(self, f: StoredFile) -> bytes:
         """The file's bytes (read from disk where it lives there: call off the event loop)."""
-        if self.root is None:
+        if self.root is None or f.id in self._data:
             return self._data[f.id]
         return (self.root / f.id).read_bytes()
 

@@ -55,6 +55,7 @@ class OpenAIBatch(Batch):
     input_file_id: str = ""
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    output_ttl_s: int | None = None  # output_expires_after: its files' lifetime (None: kept until deleted)
     errors: list[dict[str, Any]] = field(default_factory=list)  # the input file's faults: the batch failed
     finalizing_at: float | None = None
     output_file_id: str | None = None
@@ -96,13 +97,15 @@ class OpenAIBatch(Batch):
     # -- the journal -----------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "input_file_id": self.input_file_id, "metadata": self.metadata,
-                "completion_window": self.completion_window, "errors": self.errors}
+                "completion_window": self.completion_window, "errors": self.errors, "output_ttl_s": self.output_ttl_s}
 
     def restored(self, record: dict[str, Any]) -> None:
         self.endpoint = record.get("endpoint") if record.get("endpoint") in ENDPOINTS else ENDPOINTS[0]
         self.input_file_id = str(record.get("input_file_id", ""))
         self.metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else None
         self.errors = record.get("errors") if isinstance(record.get("errors"), list) else []
+        ttl = record.get("output_ttl_s")
+        self.output_ttl_s = ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None
         state = record["state"]
         self.finalizing_at = state.get("finalizing_at")
         self.output_file_id = state.get("output_file_id")
@@ -125,9 +128,12 @@ class OpenAIBatch(Batch):
         for lines, name, attr in ((out, "output", "output_file_id"), (err, "error", "error_file_id")):
             if lines:
                 data = b"".join(lines)
-                add = store.files.add
-                args = (self.owner, f"{self.id}_{name}.jsonl", "batch_output", data)
-                f = await asyncio.to_thread(add, *args) if store.files.root is not None else add(*args)
+
+                def add(data: bytes = data, name: str = name) -> Any:
+                    return store.files.add(self.owner, f"{self.id}_{name}.jsonl", "batch_output", data,
+                                           self.output_ttl_s, mime_type="application/jsonl", made_here=True)
+
+                f = await asyncio.to_thread(add) if store.files.root is not None else add()
                 setattr(self, attr, f.id)
 
     # -- the Batch object ------------------------------------------------------------------
@@ -271,6 +277,21 @@ def _metadata(value: Any) -> dict[str, str] | None:
     return value
 
 
+def _output_ttl(value: Any) -> int | None:
+    """output_expires_after ({"anchor": "created_at", "seconds": 3600 to 2592000}): how long the
+    output and error files are kept from when they are made."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("anchor") != "created_at" or set(value) - {"anchor", "seconds"}:
+        raise InvalidRequest("output_expires_after: give {\"anchor\": \"created_at\", \"seconds\": N}",
+                             param="output_expires_after")
+    seconds = value.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 3600 <= seconds <= 2_592_000:
+        raise InvalidRequest(f"output_expires_after.seconds: must be an integer from 3600 (1 hour) to 2592000 "
+                             f"(30 days) (got {seconds!r})", param="output_expires_after.seconds")
+    return seconds
+
+
 # ---- routes ---------------------------------------------------------------------------------
 
 
@@ -292,6 +313,7 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest(f"completion_window: must be '24h' (got {data.get('completion_window')!r})",
                              param="completion_window")
     metadata = _metadata(data.get("metadata"))
+    output_ttl = _output_ttl(data.get("output_expires_after"))
     file_id = data.get("input_file_id")
     if not isinstance(file_id, str):
         raise InvalidRequest("input_file_id: give the id of a file uploaded with purpose 'batch'",
@@ -306,7 +328,8 @@ async def create_batch(request: Request) -> Response:
     if not errors:
         state.batches.check_room(context, len(items))
     batch = OpenAIBatch("batch_" + uuid.uuid4().hex[:24], owner, batch_context(context), items if not errors else [],
-                        endpoint=endpoint, input_file_id=file_id, metadata=metadata, errors=errors)
+                        endpoint=endpoint, input_file_id=file_id, metadata=metadata, output_ttl_s=output_ttl,
+                        errors=errors)
     if errors:
         batch.ended_at = batch.created_at
     if state.batches.journal is not None:
