@@ -424,3 +424,50 @@ def test_a_tenants_unfinished_batch_requests_are_capped_across_both_apis(scripte
             assert finished(o, batch.id, timeout=30).status == "cancelled"
     finally:
         srv.stop()
+
+
+def test_a_text_file_in_a_chat_message_reads_as_the_same_text_inline(server):
+    """A file part (`{"type": "file", "file": {...}}`) uploaded (file_id) or inline (file_data:
+    base64 or a data: URL) reads as exactly the prompt its text inline gives; a file that is not
+    text, data that is not base64 or a file that is not there is a 400 naming the part."""
+    import base64
+
+    c = client(server, "b")
+    notes = "Q3 numbers: revenue up, costs flat.\nAsk about margins.\n"
+    b64 = base64.b64encode(notes.encode()).decode()
+    uploaded = c.files.create(file=("notes.md", notes.encode()), purpose="user_data")
+    theirs = client(server, "a").files.create(file=("notes.md", notes.encode()), purpose="user_data")
+
+    def ask(part: dict) -> Any:
+        return c.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=[
+            {"role": "user", "content": [part, {"type": "text", "text": "What should I ask about?"}]}])
+
+    inline = ask({"type": "text", "text": notes})
+    for part in ({"type": "file", "file": {"file_id": uploaded.id}},
+                 {"type": "file", "file": {"file_data": b64, "filename": "notes.txt"}},
+                 {"type": "file", "file": {"file_data": f"data:text/plain;base64,{b64}"}}):
+        answer = ask(part)
+        assert answer.choices[0].message.content == REPLY == inline.choices[0].message.content
+        assert answer.usage.prompt_tokens == inline.usage.prompt_tokens, part  # the very same prompt
+        assert answer.usage.prompt_tokens_details.cached_tokens >= inline.usage.prompt_tokens - 16
+    pdf = base64.b64encode(b"%PDF-1.4 ...").decode()
+    for part, says in (({"type": "file", "file": {"file_data": f"data:application/pdf;base64,{pdf}"}},
+                        "messages.0.content.0: model 'scripted' is text-only and cannot read this file"),
+                       ({"type": "file", "file": {"file_data": "not base64!"}},
+                        "messages.0.content.0.file.file_data: not base64"),
+                       ({"type": "file", "file": {"file_id": "file-nope"}},
+                        "messages.0.content.0.file.file_id: file 'file-nope' not found"),
+                       ({"type": "file", "file": {"filename": "x.txt"}}, "give file_id"),
+                       ({"type": "file", "file": {"file_id": theirs.id}}, "not found")):  # another key's
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(model=TEXT_MODEL, max_tokens=5,
+                                        messages=[{"role": "user", "content": [part]}])
+        assert says in refused.value.body["message"], refused.value.body
+    rows = jsonl([{"custom_id": "doc", "method": "POST", "url": "/v1/chat/completions",
+                   "body": {"model": TEXT_MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": [
+                       {"type": "file", "file": {"file_id": uploaded.id}},
+                       {"type": "text", "text": "What should I ask about?"}]}]}}])
+    done = finished(c, c.batches.create(input_file_id=c.files.create(file=("b.jsonl", rows), purpose="batch").id,
+                                        endpoint="/v1/chat/completions", completion_window="24h").id)
+    body = lines(c, done.output_file_id)["doc"]["response"]["body"]
+    assert body["usage"]["prompt_tokens"] == inline.usage.prompt_tokens  # run as its creator: its files

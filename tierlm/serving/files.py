@@ -19,6 +19,8 @@ files for `batch` by default after 30 days, as OpenAI's), and is then gone.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import mimetypes
@@ -364,18 +366,42 @@ async def read(files: FileStore, f: StoredFile) -> bytes:
         raise NotFound(f"file '{f.id}' not found: it was deleted", param="file_id") from None
 
 
-async def file_text(files: FileStore, owner: str, file_id: str, where: str) -> str | None:
-    """An uploaded file's text, for a message's document block whose source is this file: a 400
-    naming `where` if the key has no such file; None if it is not text (not a text/* or JSON-like
-    type, or not UTF-8): the model cannot read it."""
+async def file_text(files: FileStore, owner: str, file_id: str, where: str, api: str | None = None) -> str | None:
+    """An uploaded file's text, for a message part naming it: a 400 naming `where` if the key
+    has no such file (of `api`'s Files API, if given); None if it is not text: the model cannot
+    read it."""
     try:
-        f = files.get(owner, file_id)
+        f = files.get(owner, file_id, api=api)
     except NotFound:
         raise InvalidRequest(f"{where}: file '{file_id}' not found; upload it through the Files API (POST /v1/files) "
                              "with this API key first", param=where) from None
-    if not (f.mime_type.startswith("text/") or f.mime_type in TEXT_MIME_TYPES):
+    return as_text(await read(files, f), f.mime_type)
+
+
+def inline_text(data: str, filename: str | None, where: str) -> str | None:
+    """A file sent inline (base64, or a data: URL naming its type) as text; None if it is not text;
+    a 400 naming `where` if it is not base64."""
+    mime = "application/octet-stream"
+    if data.startswith("data:"):
+        head, _, data = data.partition(",")
+        mime = head[5:].split(";")[0] or mime
+    elif filename:
+        mime = mimetypes.guess_type(filename)[0] or mime
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{where}: not base64; send the file's bytes base64-encoded (or as a data: URL)",
+                             param=where) from None
+    return as_text(raw, mime)
+
+
+def as_text(data: bytes, mime_type: str) -> str | None:
+    """`data` as text if it is a text file: a text type (text/*, JSON, XML, YAML) or an unknown
+    one (application/octet-stream), and UTF-8. None for anything else (a PDF, an image)."""
+    textual = mime_type.startswith("text/") or mime_type in TEXT_MIME_TYPES or mime_type == "application/octet-stream"
+    if not textual:
         return None
     try:
-        return (await read(files, f)).decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         return None

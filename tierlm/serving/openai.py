@@ -53,6 +53,7 @@ from tierlm.serving.protocol_openai import (
     CompletionChoice,
     CompletionRequest,
     FunctionCall,
+    FilePart,
     ImagePart,
     NamedToolChoice,
     ResponseMessage,
@@ -142,6 +143,7 @@ async def start_chat(state: Any, context: RequestContext, request: Request, body
     per choice): the chat path, shared with the Responses API (`limit_field` names its output
     limit in 400s, `schema_field` a tool's parameters: see chat_prompt). On its model, or on
     that model's fallback where the SLA guard refuses it there."""
+    await read_file_parts(state, context, body)
     asked = body.model
     _, run = await with_fallback(
         state.sla, request_telemetry(request), asked,
@@ -183,6 +185,29 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
     return ChatRun(engine, prompt, prompt_ids, top_n, streams, body.model, body.model)
+
+
+async def read_file_parts(state: Any, context: RequestContext, body: ChatCompletionRequest) -> None:
+    """Each file part's text where it is a text file: one uploaded through /v1/files (`file_id`,
+    this key's) or sent inline (`file_data`); a 400 naming the part for a file that is not there
+    or data that is not base64. Other files keep no text and are refused when rendered."""
+    from tierlm.serving.batches import owner_of_key
+    from tierlm.serving.files import file_text, inline_text
+
+    owner = owner_of_key(context.api_key_id)
+    for i, message in enumerate(body.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if not isinstance(part, FilePart):
+                continue
+            where = f"messages.{i}.content.{j}.file"
+            if part.file.file_id is not None:
+                part._text = await file_text(state.batches.files, owner, part.file.file_id, f"{where}.file_id",
+                                             api="openai")
+            elif part.file.file_data is not None:
+                part._text = inline_text(part.file.file_data, part.file.filename, f"{where}.file_data")
+            else:
+                raise InvalidRequest(f"{where}: give file_id (a file uploaded through /v1/files) or file_data "
+                                     "(the file, base64)", param=where)
 
 
 @router.post("/v1/completions")
@@ -395,6 +420,12 @@ def _template_message(message: ChatMessage, index: int, model: str) -> dict[str,
                 raise InvalidRequest(
                     f"messages.{index}.content.{j}: model '{model}' is text-only and cannot read images; "
                     "send text parts only",
+                    param=f"messages.{index}.content.{j}",
+                )
+            if isinstance(part, FilePart) and part._text is None:
+                raise InvalidRequest(
+                    f"messages.{index}.content.{j}: model '{model}' is text-only and cannot read this file (not "
+                    "UTF-8 text: a PDF, an image, ...); send text files (text/*, JSON, XML, YAML) or text parts",
                     param=f"messages.{index}.content.{j}",
                 )
     role = "system" if message.role == "developer" else message.role

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, StructuredOutputsParams,
                                     allowed_token_ids_problem, bad_words_problem, stop_strings_problem,
@@ -49,7 +49,22 @@ class RefusalPart(_Body):
     refusal: str
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, RefusalPart], Field(discriminator="type")]
+class FileRef(_Body):
+    file_id: str | None = None  # a file uploaded through /v1/files
+    file_data: str | None = None  # the file inline: base64, or a data: URL
+    filename: str | None = None
+
+
+class FilePart(_Body):
+    """A file part: read as text where it is a text file (openai.read_file_parts sets its text
+    before the prompt is rendered); any other file is refused, naming the part."""
+
+    type: Literal["file"]
+    file: FileRef
+    _text: str | None = PrivateAttr(default=None)
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, RefusalPart, FilePart], Field(discriminator="type")]
 
 
 # OpenAI's rule for function names. Chat templates write names into the prompt unescaped, so a
@@ -169,14 +184,14 @@ class ChatMessage(_Body):
 
     def text(self) -> str:
         """Text and refusal parts (and an assistant's `refusal`, unless a part already says it)
-        joined with newlines: what the message said. Image parts are refused before this is
-        called; a `refusal` on another role's message is not OpenAI's and is ignored."""
+        joined with newlines: what the message said, a text file's part as its text. Image parts
+        and unreadable files are refused before this is called; a `refusal` on another role's message is not OpenAI's and is ignored."""
         refusal = self.refusal if self.role == "assistant" else None
         if isinstance(self.content, str):
             texts = [self.content] if self.content or refusal is None else []
         else:
-            texts = [p.refusal if isinstance(p, RefusalPart) else p.text for p in self.content or ()
-                     if not isinstance(p, ImagePart)]
+            texts = [p.refusal if isinstance(p, RefusalPart) else p._text or "" if isinstance(p, FilePart) else p.text
+                     for p in self.content or () if not isinstance(p, ImagePart)]
         if refusal is not None and refusal not in texts:
             texts.append(refusal)
         return "\n".join(texts)
