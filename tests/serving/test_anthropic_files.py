@@ -132,3 +132,7 @@ def test_a_file_the_model_cannot_read_or_that_is_not_there_is_a_400_naming_the_b
     other = client(server, "b")
     with pytest.raises(anthropic.BadRequestError, match="not found"):  # another key's file
         other.messages.create(**ask({"type": "file", "file_id": pdf.id}))
+    openai_file = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["a"], max_retries=0).files.create(
+        file=("n.txt", NOTES.encode()), purpose="user_data")
+    with pytest.raises(anthropic.BadRequestError, match="not found"):  # OpenAI's Files API's: not Anthropic's
+        a.messages.create(**ask({"type": "file", "file_id": openai_file.id}))

@@ -300,6 +300,9 @@ def test_files_and_batches_outlive_a_restart(scripted_models, tmp_path, monkeypa
         done = finished(c, c.batches.create(input_file_id=short.id, endpoint="/v1/chat/completions",
                                             completion_window="24h").id)
         before = c.files.content(done.output_file_id).content
+        import anthropic
+        kept = anthropic.Anthropic(base_url=one.url, api_key=KEYS["b"], max_retries=0).beta.files.upload(
+            file=("n.txt", b"notes", "text/plain"))  # Anthropic's files are kept the same way
         slow_steps(engine, monkeypatch, 0.03)
         mixed = c.files.create(file=("m.jsonl", jsonl([chat(f"h{i}", model=LOOP_MODEL,
                                                            max_tokens=2 if i < 16 else 300)
@@ -314,6 +317,8 @@ def test_files_and_batches_outlive_a_restart(scripted_models, tmp_path, monkeypa
     try:
         c = client(two, "b")
         assert c.files.content(done.output_file_id).content == before
+        assert anthropic.Anthropic(base_url=two.url, api_key=KEYS["b"], max_retries=0).beta.files.retrieve_metadata(
+            kept.id).size_bytes == 5
         assert c.batches.retrieve(done.id).status == "completed"
         assert {f.id for f in c.files.list()} >= {short.id, mixed.id, done.output_file_id}
         with pytest.raises(openai.NotFoundError):
@@ -329,33 +334,38 @@ def test_files_and_batches_outlive_a_restart(scripted_models, tmp_path, monkeypa
 
 
 def test_the_files_store_holds_at_most_its_bytes(tmp_path):
+    import asyncio
+
     from tierlm.serving.errors import RequestTooLarge
     from tierlm.serving.files import FileStore
 
+    def add(store: FileStore, *args: Any, **kwargs: Any) -> Any:
+        return asyncio.run(store.add(*args, **kwargs))
+
     for root in (None, tmp_path / "files"):
         store = FileStore(root, max_bytes=10)
-        kept = store.add("k", "a", "batch", b"123456")
+        kept = add(store, "k", "a", "batch", b"123456")
         with pytest.raises(RequestTooLarge, match="hold 6 of 10 bytes, and this one is 5"):
-            store.add("k", "b", "batch", b"12345")
+            add(store, "k", "b", "batch", b"12345")
         assert [f.id for f in store.owned("k", "openai")] == [kept.id] and store.used == 6
         store.delete(kept)
-        assert store.add("k", "b", "batch", b"12345").bytes == 5 and store.used == 5
+        assert add(store, "k", "b", "batch", b"12345").bytes == 5 and store.used == 5
     again = FileStore(tmp_path / "files", max_bytes=10)  # written through: found again, counted
     assert again.used == 5 and store.content(store.owned("k", "openai")[0]) == b"12345"
     (tmp_path / "files" / again.owned("k", "openai")[0].id).write_bytes(b"1")  # cut short: not served
     assert FileStore(tmp_path / "files").owned("k", "openai") == []
-    made = again.add("k", "out", "batch_output", b"1234567890", made_here=True)  # a batch's results: kept past
+    made = add(again, "k", "out", "batch_output", b"1234567890", made_here=True)  # a batch's results: kept past
     assert again.used == 15 and again.content(made) == b"1234567890"  # the cap, counted
     with pytest.raises(RequestTooLarge):
-        again.add("k", "c", "batch", b"1")
+        add(again, "k", "c", "batch", b"1")
     import shutil
     from tierlm.serving.errors import APIError
     shutil.rmtree(tmp_path / "files")  # the disk refuses: results stay in memory, an upload is a clear error
-    kept = again.add("k", "out2", "batch_output", b"abc", made_here=True)
+    kept = add(again, "k", "out2", "batch_output", b"abc", made_here=True)
     assert again.content(kept) == b"abc"
     again.max_bytes = 100
     with pytest.raises(APIError, match="cannot store the file: writing it to .* failed"):
-        again.add("k", "c", "batch", b"1")
+        add(again, "k", "c", "batch", b"1")
 
 
 def test_a_batchs_results_are_kept_past_the_files_cap(scripted_models):
@@ -376,6 +386,9 @@ def test_a_batchs_results_are_kept_past_the_files_cap(scripted_models):
         with pytest.raises(openai.APIStatusError) as full:
             c.files.create(file=("more.jsonl", b"{}"), purpose="batch")
         assert full.value.status_code == 413 and "delete files you no longer need" in full.value.body["message"]
+        metrics = httpx.get(srv.url + "/metrics").text
+        held = sum(x.bytes for x in c.files.list())
+        assert value(metrics, "tierlm:files_bytes") == held > 400 and value(metrics, "tierlm:files_capacity_bytes") == 400
         c.files.delete(done.output_file_id)
         assert c.files.create(file=("more.jsonl", b"{}"), purpose="batch").bytes == 2
     finally:

@@ -200,7 +200,7 @@ async def read_file_documents(state: Any, context: RequestContext, body: Convers
                 file_id = source.get("file_id")
                 if not isinstance(file_id, str):
                     raise InvalidRequest(f"{where}: give the id of a file uploaded through the Files API", param=where)
-                text = await file_text(state.batches.files, owner, file_id, where)
+                text = await file_text(state.batches.files, owner, file_id, where, api="anthropic")
                 if text is not None:
                     part.source = PlainTextSource(type="text", media_type="text/plain", data=text)
 

@@ -101,6 +101,8 @@ def build_app(
     if state.tenancy.store is not None:
         state.tenancy.store.on_failure = telemetry.metrics.limits_store_failures.inc
     state.sla.on_trip = state.sla.on_trip or telemetry.metrics.count_trip
+    telemetry.metrics.files_bytes.set_function(lambda: state.batches.files.used)
+    telemetry.metrics.files_capacity_bytes.set_function(lambda: state.batches.files.max_bytes)
     telemetry.watch(state.models.items)
 
     @asynccontextmanager

@@ -113,7 +113,7 @@ class FileStore:
     def _load(self) -> None:
         assert self.root is not None
         found = []
-        for meta in self.root.glob("file-*.json"):
+        for meta in [*self.root.glob("file-*.json"), *self.root.glob(f"{ANTHROPIC_PREFIX}*.json")]:
             try:
                 f = StoredFile(**json.loads(meta.read_text()))
                 if (self.root / f.id).stat().st_size != f.bytes:
@@ -126,13 +126,29 @@ class FileStore:
             self._files[f.id] = f
             self.used += f.bytes
 
-    def add(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None = None,
-            mime_type: str = "application/octet-stream", made_here: bool = False) -> StoredFile:
-        """A new file (written through to disk where there is a root): Anthropic's if `purpose` is
-        ANTHROPIC_PURPOSE, else OpenAI's. An upload past `max_bytes` is a 413. A file the server
-        made (`made_here`: a batch's results) is kept even past it, since losing finished answers
-        would be worse (it counts, so uploads are refused until files are deleted), and in memory
-        if the disk refuses it."""
+    async def add(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None = None,
+                  mime_type: str = "application/octet-stream", made_here: bool = False) -> StoredFile:
+        """A new file (written through to disk where there is a root, on a worker thread):
+        Anthropic's if `purpose` is ANTHROPIC_PURPOSE, else OpenAI's. An upload past `max_bytes` is
+        a 413. A file the server made (`made_here`: a batch's results) is kept even past it, since
+        losing finished answers would be worse (it counts, so uploads are refused until files are
+        deleted), and in memory if the disk refuses it. The store's records change only on the
+        event loop; the bytes are reserved first, so racing uploads cannot pass the cap."""
+        f = self._reserve(owner, filename, purpose, data, ttl_s, mime_type, made_here)
+        try:
+            if self.root is not None:
+                await asyncio.to_thread(self._persist, f, data, made_here)
+            else:
+                self._persist(f, data, made_here)
+        except BaseException:
+            self.used -= f.bytes
+            raise
+        self._files[f.id] = f
+        return f
+
+    def _reserve(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None, mime_type: str,
+                 made_here: bool) -> StoredFile:
+        """The new file's record, its bytes counted (a 413 past the cap, unless `made_here`)."""
         self._expire()
         if self.used + len(data) > self.max_bytes and not made_here:
             raise RequestTooLarge(f"this server's files hold {self.used:,} of {self.max_bytes:,} bytes, and this "
@@ -140,24 +156,24 @@ class FileStore:
                                   "or start the server with a larger --files-max-bytes")
         now = int(time.time())
         prefix = ANTHROPIC_PREFIX if purpose == ANTHROPIC_PURPOSE else "file-"
-        f = StoredFile(prefix + uuid.uuid4().hex[:24], owner, filename, purpose, len(data), now,
-                       now + ttl_s if ttl_s is not None else None, mime_type)
+        self.used += len(data)
+        return StoredFile(prefix + uuid.uuid4().hex[:24], owner, filename, purpose, len(data), now,
+                          now + ttl_s if ttl_s is not None else None, mime_type)
+
+    def _persist(self, f: StoredFile, data: bytes, made_here: bool) -> None:
         if self.root is None:
             self._data[f.id] = data
-        else:
-            try:
-                self._write(self.root / f.id, data)
-                self._write(self.root / f"{f.id}.json", json.dumps(asdict(f)).encode())
-            except OSError as e:
-                if not made_here:
-                    raise APIError(f"cannot store the file: writing it to {self.root} failed ({e.strerror or e}); "
-                                   "the server's --batches-dir needs room and write access") from None
-                logger.warning("files directory %s: cannot write %s (%s); it is kept in memory and lost at restart",
-                               self.root, f.id, e.strerror or e)
-                self._data[f.id] = data
-        self._files[f.id] = f
-        self.used += f.bytes
-        return f
+            return
+        try:
+            self._write(self.root / f.id, data)
+            self._write(self.root / f"{f.id}.json", json.dumps(asdict(f)).encode())
+        except OSError as e:
+            if not made_here:
+                raise APIError(f"cannot store the file: writing it to {self.root} failed ({e.strerror or e}); "
+                               "the server's --batches-dir needs room and write access") from None
+            logger.warning("files directory %s: cannot write %s (%s); it is kept in memory and lost at restart",
+                           self.root, f.id, e.strerror or e)
+            self._data[f.id] = data
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
@@ -294,8 +310,7 @@ async def upload_file(request: Request) -> Response:
     data = await upload.read()
     await upload.close()
     name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1] or "upload"
-    args = (owner, name, purpose, data, ttl, _mime_type(upload))
-    f = await asyncio.to_thread(files.add, *args) if files.root is not None else files.add(*args)
+    f = await files.add(owner, name, purpose, data, ttl, _mime_type(upload))
     logger.info("file %s: %d bytes for %s (%s)", f.id, f.bytes, purpose, f.filename)
     return JSONResponse(f.metadata() if api == "anthropic" else f.describe())
 

@@ -127,13 +127,8 @@ class OpenAIBatch(Batch):
             (out if _outcome(r) == "succeeded" else err).append(line)
         for lines, name, attr in ((out, "output", "output_file_id"), (err, "error", "error_file_id")):
             if lines:
-                data = b"".join(lines)
-
-                def add(data: bytes = data, name: str = name) -> Any:
-                    return store.files.add(self.owner, f"{self.id}_{name}.jsonl", "batch_output", data,
-                                           self.output_ttl_s, mime_type="application/jsonl", made_here=True)
-
-                f = await asyncio.to_thread(add) if store.files.root is not None else add()
+                f = await store.files.add(self.owner, f"{self.id}_{name}.jsonl", "batch_output", b"".join(lines),
+                                                self.output_ttl_s, mime_type="application/jsonl", made_here=True)
                 setattr(self, attr, f.id)
 
     # -- the Batch object ------------------------------------------------------------------

@@ -129,6 +129,10 @@ class Metrics:
                                       ["tenant", "result"], registry=registry)
         self.batches_in_progress = Gauge("tierlm:batches_in_progress", "Batches (both APIs') not yet ended.",
                                          registry=registry)
+        self.files_bytes = Gauge("tierlm:files_bytes", "Bytes of the files the Files APIs hold (uploads and batches' "
+                                 "results; uploads are refused past tierlm:files_capacity_bytes).", registry=registry)
+        self.files_capacity_bytes = Gauge("tierlm:files_capacity_bytes", "The most bytes uploads may bring the "
+                                          "files to (--files-max-bytes).", registry=registry)
 
         self.sla_shed = Counter("tierlm:sla_shed_requests", "Requests refused (529/503) before reaching the engine "
                                 "because of their tier's time-to-first-token target: 'estimate' (the engine's "
