@@ -335,6 +335,55 @@ def test_a_message_naming_an_uploaded_file_goes_where_the_file_is(replicas, engi
             c.messages.create(**ask("file_nowhere"))
 
 
+def test_lists_of_files_and_batches_merge_every_replicas(replicas, engines):
+    """Files and batches live on their replicas; a list through the router has them all, newest
+    first, paged by the client's own limit and cursor in each API's shape."""
+    import anthropic
+    import openai
+
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+    bob = KEYS["bob"]
+    rows = json.dumps({"custom_id": "r", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}})
+    with RouterThread(urls, policy="round_robin") as router:
+        o = openai.OpenAI(base_url=router.url + "/v1", api_key=bob, max_retries=0, timeout=60)
+        c = anthropic.Anthropic(base_url=router.url, api_key=bob, max_retries=0, timeout=60)
+        files = [o.files.create(file=(f"f{i}.jsonl", rows.encode()), purpose="batch") for i in range(4)]
+        docs = [c.beta.files.upload(file=(f"d{i}.txt", b"notes", "text/plain")) for i in range(3)]
+        batches = [o.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+                   for f in files[:3]]
+        messages = [c.messages.batches.create(requests=[{"custom_id": "r", "params": {
+            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}}]) for _ in range(3)]
+        held = [len(httpx.get(u + "/v1/files", params={"purpose": "batch"},
+                              headers={"authorization": f"Bearer {bob}"}).json()["data"]) for u in urls]
+        assert held == [2, 2]  # round robin: each replica holds half; alone, a list showed half
+        for listed, made in (([f.id for f in o.files.list(purpose="batch")], files),
+                             ([f.id for f in c.beta.files.list()], docs),
+                             ([b.id for b in o.batches.list()], batches),
+                             ([b.id for b in c.messages.batches.list()], messages)):
+            assert sorted(listed) == sorted(x.id for x in made)
+        whole = o.files.list(purpose="batch").data
+        assert [f.created_at for f in whole] == sorted((f.created_at for f in whole), reverse=True)
+        assert [f.id for f in o.files.list(purpose="batch", order="asc")] == [f.id for f in reversed(whole)]
+        # paged one at a time by the SDKs' own cursors: the same lists
+        assert [f.id for f in o.files.list(purpose="batch", limit=1)] == [f.id for f in whole]
+        assert [f.id for f in c.beta.files.list(limit=1)] == [f.id for f in c.beta.files.list()]
+        assert [b.id for b in o.batches.list(limit=1)] == [b.id for b in o.batches.list()]
+        assert [b.id for b in c.messages.batches.list(limit=1)] == [b.id for b in c.messages.batches.list()]
+        first = c.messages.batches.list(limit=1)
+        assert first.has_more and first.last_id == first.data[0].id
+        with pytest.raises(openai.BadRequestError, match="after: no object 'batch_nope'"):
+            o.batches.list(after="batch_nope")
+        mine = {f.id for f in router.clients()[1].files.list()}  # another key: none of bob's
+        assert mine.isdisjoint(f.id for f in files)
+        with pytest.raises(openai.AuthenticationError):  # a replica's refusal answers for all
+            openai.OpenAI(base_url=router.url + "/v1", api_key="sk-wrong", max_retries=0).files.list()
+    with RouterThread([urls[0], _free_url()]) as half:  # a replica that is down: the list leaves it out
+        o = openai.OpenAI(base_url=half.url + "/v1", api_key=bob, max_retries=0, timeout=60)
+        assert len(o.files.list(purpose="batch").data) == held[0]
+
+
 def test_bad_requests_get_the_replicas_own_errors_and_the_router_its_limits(replicas, engines):
     with RouterThread([s.url for s in replicas], max_body_bytes=1000) as router:
         r = httpx.post(router.url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY})

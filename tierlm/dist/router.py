@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
+from urllib.parse import parse_qsl
 
 import anyio
 import httpx
@@ -57,6 +58,7 @@ from tierlm.serving.errors import (
     api_style_for,
     error_body,
 )
+from tierlm.dist.listing import ListKind, list_kind, merged_list
 from tierlm.serving.auth import Authenticator
 from tierlm.serving.telemetry import GENERATION_ROUTES
 from tierlm.serving.tenancy import Tenancy, Ticket
@@ -131,7 +133,8 @@ class _Metrics:
         r = self.registry
         self.requests = Counter("tierlm:router_requests", "Requests sent to each replica, by why it was chosen "
                                 "(affinity; balance: a replica with a longer prefix was busier; least_load; "
-                                "round_robin; owner and search: stored responses; any: no prompt).",
+                                "round_robin; owner and search: stored responses; any: no prompt; merged: each replica asked for a list of "
+                                "files or batches).",
                                 ["replica", "decision"], registry=r)
         self.retries = Counter("tierlm:router_retries", "Requests moved on to another replica, by why (unreachable; "
                                "broken: the connection failed before an answer; overloaded; not_here).",
@@ -246,6 +249,10 @@ class Router:
             return
         except _Disconnected:
             return
+        kind = list_kind(scope["method"], path, hmap)
+        if kind is not None:  # files and batches live on their replicas: the lists are merged here
+            await self._merged_list(send, kind, path, headers, scope.get("query_string", b""), style)
+            return
         started = False
 
         async def tracked(message: dict) -> None:
@@ -263,6 +270,30 @@ class Router:
         finally:
             if ticket is not None:
                 await ticket.release(0)  # tokens are charged by the replica that ran the request
+
+    async def _merged_list(self, send: Callable, kind: ListKind, path: str, headers: list[tuple[str, str]],
+                           query_string: bytes, style: str) -> None:
+        assert self._client is not None
+        up = [r for r in self.replicas if r.up]
+        if not up:
+            self.metrics.unrouted.labels("no_replica").inc()
+            await self._error(send, Overloaded("no replica of this server is up to list from; retry after a few "
+                                               "seconds", headers={"retry-after": "2"}), style)
+            return
+
+        def down(url: str, e: Exception) -> None:
+            logger.warning("replica %s did not answer a list of %s (%s); the list leaves its objects out", url, path, e)
+
+        forwarded = {k: v for k, v in headers if k not in _HOP}
+        query = dict(parse_qsl(query_string.decode("latin-1")))
+        try:
+            status, content = await merged_list(self._client, [r.url for r in up], kind, path, forwarded, query, down)
+        except APIError as e:
+            await self._error(send, e, style)
+            return
+        for r in up:
+            self.metrics.requests.labels(r.name, "merged").inc()
+        await _respond(send, status, content, "application/json")
 
     async def _admit(self, method: str, path: str, headers: dict[str, str],
                      style: str) -> tuple[str | None, Ticket | None]:
