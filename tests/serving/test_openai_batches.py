@@ -484,3 +484,42 @@ def test_a_text_file_in_a_chat_message_reads_as_the_same_text_inline(server):
                                         endpoint="/v1/chat/completions", completion_window="24h").id)
     body = lines(c, done.output_file_id)["doc"]["response"]["body"]
     assert body["usage"]["prompt_tokens"] == inline.usage.prompt_tokens  # run as its creator: its files
+
+
+def test_an_input_file_in_the_responses_api_reads_as_its_text(server):
+    """Responses `input_file` parts (uploaded or inline) read as the same prompt as the text in an
+    input_text part, are kept in the conversation as sent, and are read again when it goes on
+    (a file deleted since is a 400 naming previous_response_id)."""
+    import base64
+
+    c = client(server, "b")
+    notes = "Meeting notes: ship on Friday.\nOwner: Dana.\n"
+    uploaded = c.files.create(file=("notes.txt", notes.encode()), purpose="user_data")
+
+    def ask(part: dict, **extra: Any) -> Any:
+        return c.responses.create(model=TEXT_MODEL, max_output_tokens=50, input=[
+            {"role": "user", "content": [part, {"type": "input_text", "text": "Who owns it?"}]}], **extra)
+
+    inline = ask({"type": "input_text", "text": notes})
+    by_id = ask({"type": "input_file", "file_id": uploaded.id})
+    by_data = ask({"type": "input_file", "filename": "notes.txt",
+                   "file_data": base64.b64encode(notes.encode()).decode()})
+    for answer in (by_id, by_data):
+        assert answer.output_text == REPLY and answer.usage.input_tokens == inline.usage.input_tokens
+    kept = c.responses.input_items.list(by_id.id).data
+    assert [p.type for p in kept[-1].content] == ["input_file", "input_text"]  # as sent
+    assert kept[-1].content[0].file_id == uploaded.id
+    follow = c.responses.create(model=TEXT_MODEL, max_output_tokens=50, previous_response_id=by_id.id,
+                                input="And when?")
+    assert follow.usage.input_tokens > inline.usage.input_tokens  # the file read again, with the new turn
+    pdf = base64.b64encode(b"%PDF-1.4 ...").decode()
+    for part, says in (({"type": "input_file", "file_data": f"data:application/pdf;base64,{pdf}"},
+                        "input.0.content.0: tierlm's models read text only"),
+                       ({"type": "input_file", "file_id": "file-nope"}, "input.0.content.0.file_id: file 'file-nope'"),
+                       ({"type": "input_file", "file_url": "https://example.com/x.pdf"}, "file_url is not fetched")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(part)
+        assert says in refused.value.body["message"], refused.value.body
+    c.files.delete(uploaded.id)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id.file_id: file .* not found"):
+        c.responses.create(model=TEXT_MODEL, max_output_tokens=5, previous_response_id=by_id.id, input="Again?")

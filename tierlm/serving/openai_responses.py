@@ -75,9 +75,12 @@ async def create_response(request: Request) -> Response:
                                  "send the conversation's items in 'input' instead",
                                  param="previous_response_id", code="previous_response_not_found")
         history = previous.conversation
+    new_items = [_listed(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
+    files = await read_input_files(state, owner, history, new_items)
+
     def prepare() -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
-        items = history + [_listed(item.model_dump(exclude_none=True, by_alias=True)) for item in body.items()]
-        return items, _chat_request(body, items, len(history))
+        items = history + new_items
+        return items, _chat_request(body, _with_file_texts(items, files), len(history))
 
     # The items as a chat, validated again: off the event loop for a long conversation, as the
     # chat route's validation is (100,000 items held every other client up for 2.8 s).
@@ -146,6 +149,57 @@ def _listed(item: dict[str, Any]) -> dict[str, Any]:
                 else {"type": "input_text", "text": item["content"]})
         item["content"] = [part]
     return item
+
+
+async def read_input_files(state: Any, owner: str, history: list[dict[str, Any]],
+                           new_items: list[dict[str, Any]]) -> dict[int, str]:
+    """The text of every input_file part of the conversation (by the part's id()), read as the
+    chat route reads a file part; a 400 naming the part (or previous_response_id, for one of an
+    earlier turn) for a file that is not there, not base64 or not text."""
+    from tierlm.serving.files import file_text, inline_text
+
+    texts: dict[int, str] = {}
+    for i, item in enumerate(history + new_items):
+        parts = item.get("content") if item["type"] == "message" else item.get("output")
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            if part.get("type") != "input_file":
+                continue
+            key = "content" if item["type"] == "message" else "output"
+            where = _where(i, len(history), key, j)
+            if part.get("file_id") is not None:
+                text = await file_text(state.batches.files, owner, part["file_id"], f"{where}.file_id", api="openai")
+            elif part.get("file_data") is not None:
+                text = inline_text(part["file_data"], part.get("filename"), f"{where}.file_data")
+            else:
+                raise InvalidRequest(f"{where}: give file_id (a file uploaded through /v1/files) or file_data (the "
+                                     "file, base64); file_url is not fetched", param=where)
+            if text is None:
+                raise InvalidRequest(f"{where}: tierlm's models read text only and this file is not UTF-8 text (a "
+                                     "PDF, an image, ...); send text files (text/*, JSON, XML, YAML) or input_text "
+                                     "parts", param=where)
+            texts[id(part)] = text
+    return texts
+
+
+def _where(i: int, earlier: int, key: str, j: int) -> str:
+    """A part's name in a 400: input.N.content.M, or previous_response_id for an earlier turn's."""
+    return f"input.{i - earlier}.{key}.{j}" if i >= earlier else "previous_response_id"
+
+
+def _with_file_texts(items: list[dict[str, Any]], texts: dict[int, str]) -> list[dict[str, Any]]:
+    """`items` with each input_file part as the input_text of its file (copies; the conversation
+    keeps the parts as sent)."""
+    if not texts:
+        return items
+
+    def swap(parts: Any) -> Any:
+        if not isinstance(parts, list):
+            return parts
+        return [{"type": "input_text", "text": texts[id(p)]} if id(p) in texts else p for p in parts]
+
+    return [{**item, "content": swap(item["content"])} if item["type"] == "message" else
+            {**item, "output": swap(item["output"])} if item["type"] == "function_call_output" else item
+            for item in items]
 
 
 def _part_text(parts: Any) -> str:

@@ -62,14 +62,26 @@ class RefusalText(_Body):
     refusal: str
 
 
-MessagePart = Annotated[Union[InputText, RefusalText], Field(discriminator="type")]
+class InputFile(_Body):
+    """A file: one uploaded through /v1/files (file_id) or inline (file_data: base64 or a data:
+    URL). Kept in the conversation as sent; a text file is read as its text each time the
+    conversation is rendered (openai_responses.read_input_files), any other is refused."""
+
+    type: Literal["input_file"]
+    file_id: str | None = None
+    file_data: str | None = None
+    filename: str | None = None
+    file_url: str | None = None
+
+
+MessagePart = Annotated[Union[InputText, RefusalText, InputFile], Field(discriminator="type")]
 
 
 def _refuse_unreadable_parts(value: Any) -> Any:
     if isinstance(value, list):
         for j, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_image", "input_file", "input_audio", "image_url", "computer_screenshot"):
+            if kind in ("input_image", "input_audio", "image_url", "computer_screenshot"):
                 raise ValueError(f"content.{j}: parts of type '{kind}' cannot be read: {_TEXT_ONLY}")
     return value
 
