@@ -88,15 +88,40 @@ class Batch:
     ended_at: float | None = None
     task: asyncio.Task | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # Finished requests by outcome, kept as they finish: a retrieve of a large batch counts nothing.
+    _done: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     kind = "batch"  # in batch.json: which class restores it
+    OUTCOMES: ClassVar[tuple[str, ...]] = ("succeeded", "errored", "canceled", "expired")
     path = "/v1/messages"  # the route each request runs through
     headers: ClassVar[tuple[tuple[bytes, bytes], ...]] = ()  # sent with each request beside its body
     body_name = "params"  # what the batch's API calls a request's body, in error messages
 
+    def __post_init__(self) -> None:
+        for item in self.items:  # (restored with the results that had been written)
+            if item.result is not None:
+                self._count(item.result)
+
     @property
     def expires_at(self) -> float:
         return self.created_at + EXPIRES_AFTER_S
+
+    def settle(self, item: BatchItem, result: dict[str, Any]) -> None:
+        """`item` finished with `result`."""
+        item.result = result
+        self._count(result)
+
+    def _count(self, result: dict[str, Any]) -> None:
+        kind = self.outcome(result)
+        self._done[kind] = self._done.get(kind, 0) + 1
+
+    def outcome(self, result: dict[str, Any]) -> str:
+        """Which of OUTCOMES a finished request's result is."""
+        raise NotImplementedError
+
+    def result_counts(self) -> dict[str, int]:
+        """Finished requests by outcome (the tierlm:batch_requests metric's `result`)."""
+        return {**dict.fromkeys(self.OUTCOMES, 0), **self._done}
 
     def result_of(self, status: int, data: Any, request_id: str | None) -> dict[str, Any]:
         """A request's result from its route's answer (status and parsed JSON body, or None)."""
@@ -108,10 +133,6 @@ class Batch:
 
     def unrun(self, why: str) -> dict[str, Any]:
         """A request's result when it never ran: `why` is "canceled" or "expired"."""
-        raise NotImplementedError
-
-    def result_counts(self) -> dict[str, int]:
-        """Finished requests by outcome (the tierlm:batch_requests metric's `result`)."""
         raise NotImplementedError
 
     def record(self) -> dict[str, Any]:
@@ -156,10 +177,14 @@ class MessageBatch(Batch):
     def unrun(self, why: str) -> dict[str, Any]:
         return {"type": why}
 
+    OUTCOMES = ("processing", "succeeded", "errored", "canceled", "expired")
+
+    def outcome(self, result: dict[str, Any]) -> str:
+        return str(result["type"])
+
     def result_counts(self) -> dict[str, int]:
-        counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
-        for item in self.items:
-            counts[item.result["type"] if item.result else "canceled"] += 1
+        counts = super().result_counts()
+        counts["canceled"] += len(self.items) - sum(self._done.values())  # (an ended batch's lost results)
         return counts
 
     def describe(self) -> dict[str, Any]:
@@ -329,8 +354,9 @@ class BatchStore:
             if context is None:
                 for item in items:
                     if item.result is None:
-                        item.result = batch.errored("authentication_error", "the API key that created this batch "
-                                                                            "is no longer in the server's keys file")
+                        batch.settle(item, batch.errored("authentication_error", "the API key that created this "
+                                                                                 "batch is no longer in the server's "
+                                                                                 "keys file"))
                         self.journal.finished(batch, item)
             if batch.cancel_initiated_at is not None:
                 batch.cancelled.set()
@@ -478,20 +504,21 @@ async def run_batch(app: Any, batch: Batch) -> None:
             if _stopping(app):
                 return  # what has not started waits for the next start
             if batch.cancelled.is_set():
-                item.result = batch.unrun("canceled")
+                batch.settle(item, batch.unrun("canceled"))
             elif time.time() >= batch.expires_at:
-                item.result = batch.unrun("expired")
+                batch.settle(item, batch.unrun("expired"))
             else:
                 try:
-                    item.result = await _run_item(app, batch, item)
+                    result = await _run_item(app, batch, item)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # a fault of ours: this request errs, the batch goes on
                     logger.exception("batch %s, request %s failed", batch.id, item.custom_id)
-                    item.result = batch.errored("api_error", "internal error running this request; the cause is "
-                                                             "in the server's log")
-                if item.result is None:
+                    result = batch.errored("api_error", "internal error running this request; the cause is in "
+                                                        "the server's log")
+                if result is None:
                     return
+                batch.settle(item, result)
             if journal is not None:
                 journal.finished(batch, item)
 

@@ -87,12 +87,8 @@ class OpenAIBatch(Batch):
         return {"id": _request_id(), "response": None,
                 "error": {"code": "batch_cancelled" if why == "canceled" else "batch_expired", "message": message}}
 
-    def result_counts(self) -> dict[str, int]:
-        counts = {"succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
-        for item in self.items:
-            if item.result is not None:
-                counts[_outcome(item.result)] += 1
-        return counts
+    def outcome(self, result: dict[str, Any]) -> str:
+        return _outcome(result)
 
     # -- the journal -----------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
@@ -142,7 +138,7 @@ class OpenAIBatch(Batch):
             return "cancelling" if self.cancel_initiated_at is not None else "in_progress"
         if self.cancel_initiated_at is not None:
             return "cancelled"
-        return "expired" if any(i.result and _outcome(i.result) == "expired" for i in self.items) else "completed"
+        return "expired" if self._done.get("expired") else "completed"
 
     @property
     def usage(self) -> dict[str, Any] | None:
