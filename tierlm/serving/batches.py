@@ -92,6 +92,7 @@ class Batch:
     _done: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     kind = "batch"  # in batch.json: which class restores it
+    noun = "batch"  # in errors
     OUTCOMES: ClassVar[tuple[str, ...]] = ("succeeded", "errored", "canceled", "expired")
     path = "/v1/messages"  # the route each request runs through
     headers: ClassVar[tuple[tuple[bytes, bytes], ...]] = ()  # sent with each request beside its body
@@ -155,6 +156,7 @@ class MessageBatch(Batch):
     """Anthropic's message batch: requests to /v1/messages."""
 
     kind = "message_batch"
+    noun = "message batch"
     path = "/v1/messages"
     headers = ((b"anthropic-version", b"2023-06-01"),)
 
@@ -368,8 +370,7 @@ class BatchStore:
     def get(self, owner: str, batch_id: str, kind: type[Batch] = MessageBatch, param: str = "message_batch_id") -> Batch:
         batch = self._batches.get(batch_id)
         if batch is None or batch.owner != owner or not isinstance(batch, kind):
-            what = "message batch" if kind is MessageBatch else "batch"
-            raise NotFound(f"{what} '{batch_id}' not found. Batches are kept per API key, by the server that "
+            raise NotFound(f"{kind.noun} '{batch_id}' not found. Batches are kept per API key, by the server that "
                            "took them (in memory, or in its --batches-dir), until deleted or the server needs the "
                            "room", param=param)
         return batch

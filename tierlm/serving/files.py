@@ -265,14 +265,19 @@ def _ttl(fields: dict[str, Any], purpose: str) -> int | None:
     if anchor != "created_at":
         raise InvalidRequest(f"expires_after.anchor: must be 'created_at' (got {anchor!r})",
                              param="expires_after.anchor")
-    return _seconds(seconds, "expires_after.seconds", 30 * 24 * 3600, "30 days")
+    return expiry_seconds(seconds, "expires_after.seconds", 30 * 24 * 3600, "30 days", form=True)
 
 
-def _seconds(value: Any, param: str, most: int, says: str) -> int:
-    try:
-        ttl = int(value)
-    except (TypeError, ValueError):
-        ttl = 0
+def expiry_seconds(value: Any, param: str, most: int, says: str, form: bool = False) -> int:
+    """A lifetime in seconds, from 1 hour to `most`: a 400 naming `param` otherwise. `form`: the
+    value is a form field's text; else it is JSON and must be an integer."""
+    if form:
+        try:
+            ttl = int(value)
+        except (TypeError, ValueError):
+            ttl = 0
+    else:
+        ttl = value if isinstance(value, int) and not isinstance(value, bool) else 0
     if not 3600 <= ttl <= most:
         raise InvalidRequest(f"{param}: must be an integer from 3600 (1 hour) to {most} ({says}) (got {value!r})",
                              param=param)
@@ -300,7 +305,7 @@ async def upload_file(request: Request) -> Response:
     if api == "anthropic":
         purpose = ANTHROPIC_PURPOSE
         given = fields.get("expires_in_seconds")
-        ttl = _seconds(given, "expires_in_seconds", 7_776_000, "90 days") if given is not None else None
+        ttl = expiry_seconds(given, "expires_in_seconds", 7_776_000, "90 days", form=True) if given is not None else None
     else:
         purpose = fields.get("purpose")
         if purpose not in UPLOAD_PURPOSES:
@@ -391,6 +396,19 @@ async def file_text(files: FileStore, owner: str, file_id: str, where: str, api:
         raise InvalidRequest(f"{where}: file '{file_id}' not found; upload it through the Files API (POST /v1/files) "
                              "with this API key first", param=where) from None
     return as_text(await read(files, f), f.mime_type)
+
+
+async def part_text(files: FileStore, owner: str, file_id: str | None, file_data: str | None, filename: str | None,
+                    where: str) -> str | None:
+    """An OpenAI file part's text (chat's `file`, the Responses API's `input_file`): this key's
+    upload `file_id`, or `file_data` inline; None if it is not text; a 400 naming `where` for a
+    part that gives neither, a file that is not there or data that is not base64."""
+    if file_id is not None:
+        return await file_text(files, owner, file_id, f"{where}.file_id", api="openai")
+    if file_data is not None:
+        return inline_text(file_data, filename, f"{where}.file_data")
+    raise InvalidRequest(f"{where}: give file_id (a file uploaded through /v1/files) or file_data (the file, "
+                         "base64); file_url is not fetched", param=where)
 
 
 def inline_text(data: str, filename: str | None, where: str) -> str | None:

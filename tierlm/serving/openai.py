@@ -192,22 +192,14 @@ async def read_file_parts(state: Any, context: RequestContext, body: ChatComplet
     this key's) or sent inline (`file_data`); a 400 naming the part for a file that is not there
     or data that is not base64. Other files keep no text and are refused when rendered."""
     from tierlm.serving.batches import owner_of_key
-    from tierlm.serving.files import file_text, inline_text
+    from tierlm.serving.files import part_text
 
     owner = owner_of_key(context.api_key_id)
     for i, message in enumerate(body.messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-            if not isinstance(part, FilePart):
-                continue
-            where = f"messages.{i}.content.{j}.file"
-            if part.file.file_id is not None:
-                part._text = await file_text(state.batches.files, owner, part.file.file_id, f"{where}.file_id",
-                                             api="openai")
-            elif part.file.file_data is not None:
-                part._text = inline_text(part.file.file_data, part.file.filename, f"{where}.file_data")
-            else:
-                raise InvalidRequest(f"{where}: give file_id (a file uploaded through /v1/files) or file_data "
-                                     "(the file, base64)", param=where)
+            if isinstance(part, FilePart):
+                part._text = await part_text(state.batches.files, owner, part.file.file_id, part.file.file_data,
+                                             part.file.filename, f"messages.{i}.content.{j}.file")
 
 
 @router.post("/v1/completions")

@@ -34,7 +34,8 @@ from starlette.responses import JSONResponse, Response
 from tierlm.serving.batches import (BATCH_KINDS, MAX_BATCH_REQUESTS, Batch, BatchItem, BatchStore, _CUSTOM_ID,
                                     batch_context, owner_of_key, run_batch)
 from tierlm.serving.errors import InvalidRequest
-from tierlm.serving.files import read
+from tierlm.serving.files import expiry_seconds, read
+from tierlm.serving.protocol_responses import metadata_problem
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.validation import parse_json_object, read_body
 
@@ -260,11 +261,10 @@ def parse_input(data: bytes, endpoint: str) -> tuple[list[BatchItem], list[dict[
 def _metadata(value: Any) -> dict[str, str] | None:
     if value is None:
         return None
-    if (not isinstance(value, dict) or len(value) > 16
-            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                       for k, v in value.items())):
-        raise InvalidRequest("metadata: up to 16 pairs of string keys (64 characters at most) and string values "
-                             "(512 at most)", param="metadata")
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidRequest("metadata: must be an object of string keys and string values", param="metadata")
+    if (problem := metadata_problem(value)) is not None:
+        raise InvalidRequest(f"metadata: {problem}", param="metadata")
     return value
 
 
@@ -276,11 +276,7 @@ def _output_ttl(value: Any) -> int | None:
     if not isinstance(value, dict) or value.get("anchor") != "created_at" or set(value) - {"anchor", "seconds"}:
         raise InvalidRequest("output_expires_after: give {\"anchor\": \"created_at\", \"seconds\": N}",
                              param="output_expires_after")
-    seconds = value.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 3600 <= seconds <= 2_592_000:
-        raise InvalidRequest(f"output_expires_after.seconds: must be an integer from 3600 (1 hour) to 2592000 "
-                             f"(30 days) (got {seconds!r})", param="output_expires_after.seconds")
-    return seconds
+    return expiry_seconds(value.get("seconds"), "output_expires_after.seconds", 2_592_000, "30 days")
 
 
 # ---- routes ---------------------------------------------------------------------------------

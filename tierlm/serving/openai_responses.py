@@ -156,7 +156,7 @@ async def read_input_files(state: Any, owner: str, history: list[dict[str, Any]]
     """The text of every input_file part of the conversation (by the part's id()), read as the
     chat route reads a file part; a 400 naming the part (or previous_response_id, for one of an
     earlier turn) for a file that is not there, not base64 or not text."""
-    from tierlm.serving.files import file_text, inline_text
+    from tierlm.serving.files import part_text
 
     texts: dict[int, str] = {}
     for i, item in enumerate(history + new_items):
@@ -166,13 +166,8 @@ async def read_input_files(state: Any, owner: str, history: list[dict[str, Any]]
                 continue
             key = "content" if item["type"] == "message" else "output"
             where = _where(i, len(history), key, j)
-            if part.get("file_id") is not None:
-                text = await file_text(state.batches.files, owner, part["file_id"], f"{where}.file_id", api="openai")
-            elif part.get("file_data") is not None:
-                text = inline_text(part["file_data"], part.get("filename"), f"{where}.file_data")
-            else:
-                raise InvalidRequest(f"{where}: give file_id (a file uploaded through /v1/files) or file_data (the "
-                                     "file, base64); file_url is not fetched", param=where)
+            text = await part_text(state.batches.files, owner, part.get("file_id"), part.get("file_data"),
+                                   part.get("filename"), where)
             if text is None:
                 raise InvalidRequest(f"{where}: tierlm's models read text only and this file is not UTF-8 text (a "
                                      "PDF, an image, ...); send text files (text/*, JSON, XML, YAML) or input_text "

@@ -49,6 +49,17 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
 
+def metadata_problem(value: dict[str, str]) -> str | None:
+    """What breaks OpenAI's bounds on a metadata map of strings (the Responses and Batch APIs'), or None."""
+    if len(value) > MAX_METADATA_PAIRS:
+        return f"may hold at most {MAX_METADATA_PAIRS} pairs (got {len(value)})"
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY or len(text) > MAX_METADATA_VALUE:
+            return (f"keys may be at most {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE} "
+                    f"(key {key[:80]!r})")
+    return None
+
+
 class InputText(_Body):
     """A text part: the user's `input_text`, an assistant's `output_text` sent back (its
     annotations and logprobs are not the model's to read), or plain `text`."""
@@ -291,14 +302,8 @@ class ResponsesRequest(_Body):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > MAX_METADATA_PAIRS:
-            raise ValueError(f"may hold at most {MAX_METADATA_PAIRS} pairs (got {len(value)})")
-        for key, text in value.items():
-            if len(key) > MAX_METADATA_KEY or len(text) > MAX_METADATA_VALUE:
-                raise ValueError(f"keys may be at most {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE} "
-                                 f"(key {key[:80]!r})")
+        if value is not None and (problem := metadata_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
     _top_k = field_validator("top_k")(lambda value: vllm_top_k(value))
