@@ -336,7 +336,7 @@ def test_files_and_batches_outlive_a_restart(scripted_models, tmp_path, monkeypa
 def test_the_files_store_holds_at_most_its_bytes(tmp_path):
     import asyncio
 
-    from tierlm.serving.errors import RequestTooLarge
+    from tierlm.serving.errors import NotFound, RequestTooLarge
     from tierlm.serving.files import FileStore
 
     def add(store: FileStore, *args: Any, **kwargs: Any) -> Any:
@@ -350,6 +350,11 @@ def test_the_files_store_holds_at_most_its_bytes(tmp_path):
         assert [f.id for f in store.owned("k", "openai")] == [kept.id] and store.used == 6
         store.delete(kept)
         assert add(store, "k", "b", "batch", b"12345").bytes == 5 and store.used == 5
+    gone = FileStore(None, max_bytes=10)  # a file whose time is up is gone at the next lookup, its bytes freed
+    lapsed = add(gone, "k", "old", "batch", b"123", -1)
+    assert gone.owned("k", "openai") == [] and gone.used == 0
+    with pytest.raises(NotFound):
+        gone.get("k", lapsed.id)
     again = FileStore(tmp_path / "files", max_bytes=10)  # written through: found again, counted
     assert again.used == 5 and store.content(store.owned("k", "openai")[0]) == b"12345"
     (tmp_path / "files" / again.owned("k", "openai")[0].id).write_bytes(b"1")  # cut short: not served

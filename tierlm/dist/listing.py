@@ -1,7 +1,7 @@
 """Lists of what the replicas keep (files, OpenAI batches, message batches), merged by the router.
 
 Why: each such object lives on the replica that made it, so a list forwarded to one replica
-showed that replica's alone. The router asks every replica that is up for the whole list (page
+showed that replica's alone. The router asks every replica that is up, at once, for the whole list (page
 by page, in the replica's own cursor), merges them newest first by `created_at`, and pages the
 result with the client's own `limit` and cursor, in the API's own list shape. A replica that
 refuses the list (a bad key: every replica says the same) answers for all; one that cannot be
@@ -9,6 +9,7 @@ reached is left out, with a warning.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -97,13 +98,17 @@ async def merged_list(client: httpx.AsyncClient, urls: list[str], kind: ListKind
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"order: must be 'asc' or 'desc' (got {order!r})", param="order")
     found: list[dict[str, Any]] = []
-    for url in urls:
-        try:
-            found.extend(await _all_of(client, url, kind, path, headers, filters))
-        except ReplicaRefused as refused:
-            return refused.response.status_code, refused.response.content
-        except (httpx.HTTPError, ValueError) as e:
-            on_down(url, e)
+    answers = await asyncio.gather(*(_all_of(client, url, kind, path, headers, filters) for url in urls),
+                                   return_exceptions=True)  # every replica at once
+    for url, answer in zip(urls, answers):
+        if isinstance(answer, ReplicaRefused):
+            return answer.response.status_code, answer.response.content
+        if isinstance(answer, (httpx.HTTPError, ValueError)):
+            on_down(url, answer)
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            found.extend(answer)
     found.sort(key=lambda item: (_created(item), str(item.get("id"))), reverse=order == "desc")
     ids = [str(item.get("id")) for item in found]
     after = query.get("page") or query.get("after_id") if kind.anthropic else query.get("after")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import heapq
 import json
 import logging
 import mimetypes
@@ -100,6 +101,7 @@ class FileStore:
         self.root = Path(root) if root is not None else None
         self.max_bytes = max_bytes
         self._files: dict[str, StoredFile] = {}
+        self._expiry: list[tuple[int, str]] = []  # (expires_at, id), a heap: what goes next is on top
         self._data: dict[str, bytes] = {}  # in memory (no root)
         self.used = 0
         if self.root is not None:
@@ -123,7 +125,7 @@ class FileStore:
                 continue
             found.append(f)
         for f in sorted(found, key=lambda f: (f.created_at, f.id)):
-            self._files[f.id] = f
+            self._keep(f)
             self.used += f.bytes
 
     async def add(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None = None,
@@ -143,8 +145,13 @@ class FileStore:
         except BaseException:
             self.used -= f.bytes
             raise
-        self._files[f.id] = f
+        self._keep(f)
         return f
+
+    def _keep(self, f: StoredFile) -> None:
+        self._files[f.id] = f
+        if f.expires_at is not None:
+            heapq.heappush(self._expiry, (f.expires_at, f.id))
 
     def _reserve(self, owner: str, filename: str, purpose: str, data: bytes, ttl_s: int | None, mime_type: str,
                  made_here: bool) -> StoredFile:
@@ -222,9 +229,13 @@ class FileStore:
                     pass
 
     def _expire(self) -> None:
+        """Delete the files whose time is up: only those (every lookup calls this)."""
         now = time.time()
-        for f in [f for f in self._files.values() if f.expires_at is not None and f.expires_at <= now]:
-            self.delete(f)
+        while self._expiry and self._expiry[0][0] <= now:
+            _, file_id = heapq.heappop(self._expiry)
+            f = self._files.get(file_id)
+            if f is not None:  # (not deleted already)
+                self.delete(f)
 
 
 # ---- routes (each answers in the API its client speaks: Anthropic's SDK sends anthropic-version) --
