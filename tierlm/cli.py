@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from tierlm.bench import throughput
     throughput.add_cli(bsub)
-    for mod in ("cache", "prefix", "serve", "sweep", "fairness", "sla", "safety", "router", "limits", "batches"):
+    for mod in ("cache", "prefix", "score", "serve", "sweep", "fairness", "sla", "safety", "router", "limits",
+                "batches"):
         try:
             m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
         except ImportError:

@@ -36,7 +36,6 @@ MAX_ALLOWED_TOKEN_IDS = 262_144
 UNSUPPORTED_VLLM_FIELDS = {
     "guided_grammar": "(a grammar to follow) is not supported by tierlm: use structured outputs' json, regex or choice",
     "guided_decoding": "(vLLM's older guided decoding) is not supported by tierlm: use structured_outputs",
-    "prompt_logprobs": "is not supported by tierlm (the engine returns logprobs of generated tokens only)",
     "use_beam_search": "(beam search) is not supported by tierlm",
     "spaces_between_special_tokens": "other than true (vLLM's default) is not supported by tierlm",
     "best_of": "is not supported by tierlm (every sample is returned: set n)",
@@ -344,7 +343,10 @@ class SamplingParams:
     `n` samples per prompt are `LLM.generate`'s (sample i seeded with `seed + i`, as vLLM's);
     `AsyncEngine.generate` takes n = 1. `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
     `stop` strings are excluded from the returned text; `stop_token_ids` end the request
-    like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token.
+    like EOS does. `logprobs=N` returns the top-N log-probabilities of every sampled token;
+    `prompt_logprobs=N` those of every prompt token after the first (the model's distribution
+    there, raw, with the prompt token's own logprob and rank: scoring a text). A request asking
+    for them computes its whole prompt: a cached prefix would skip the positions they come from.
     `min_tokens`: until this many tokens are out, EOS and `stop_token_ids` cannot be sampled,
     and stop strings are looked for only in text that later tokens make (vLLM's meaning).
     `truncate_prompt_tokens=N` keeps only the prompt's last N tokens (-1: as many as fit beside
@@ -374,6 +376,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -431,7 +434,8 @@ class SamplingParams:
                 bad(name, f"must be a number (got {value!r})")
             if type(value) not in (int, float):
                 setattr(self, name, float(value))
-        for name in ("n", "max_tokens", "min_tokens", "logprobs", "top_k", "seed", "truncate_prompt_tokens"):
+        for name in ("n", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "top_k", "seed",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer (got {value!r})")
@@ -470,6 +474,10 @@ class SamplingParams:
             bad("keep_special_token_ids", "entries must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be between 0 and {MAX_LOGPROBS} (got {self.logprobs})")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            # (vLLM's -1, the whole vocabulary per prompt token, is refused: one 2,000-token
+            # prompt on a 150k vocabulary would be 300 million entries)
+            bad("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS} (got {self.prompt_logprobs})")
         if self.truncate_prompt_tokens is not None and \
                 (problem := truncate_prompt_tokens_problem(self.truncate_prompt_tokens)) is not None:
             bad("truncate_prompt_tokens", problem)

@@ -147,10 +147,10 @@ def test_rows_that_sample_come_first_whatever_the_step_order(llama_dir):
     assert [(r, n) for r, n in sched.scheduled] == [(a, 60), (b, 4)]  # b's last token waits for the next step
     sched.scheduled.reverse()
     runner, graphs = eng.runner, eng.runner.graphs
-    samplers, logits = runner.execute(sched)
-    assert graphs.steps == 1 and samplers == [a]
+    samplers, logits, scored = runner.execute(sched)
+    assert graphs.steps == 1 and samplers == [a] and scored == []
     runner.graphs = None
-    eager_samplers, eager_logits = runner.execute(sched)
+    eager_samplers, eager_logits, _ = runner.execute(sched)
     runner.graphs = graphs
     assert eager_samplers == [a]
     torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)

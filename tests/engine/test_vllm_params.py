@@ -245,7 +245,7 @@ def test_a_bad_truncate_prompt_tokens_is_refused_by_name(llm, keep, says):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("prompt_logprobs", 1), ("prompt_logprobs", 0), ("spaces_between_special_tokens", False),
+    ("spaces_between_special_tokens", False),
     ("guided_decoding", {"json": {}}),
     ("output_kind", 2), ("best_of", 2), ("logits_processors", [print]),
     ("detokenize", False)])

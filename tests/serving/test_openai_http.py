@@ -221,7 +221,10 @@ def test_out_of_vocab_token_prompt_is_400(client):
     ("/v1/chat/completions", chat(max_tokens=10**6), 400, "messages"),  # context_length_exceeded, as OpenAI
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "messages.0.content.0"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0: echo only
+    ("/v1/completions", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt"),
+    ("/v1/chat/completions", chat(prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/chat/completions", chat(seed=10**20), 400, "seed"),  # beyond 64 bits: was a 500
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),

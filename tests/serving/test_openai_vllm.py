@@ -123,8 +123,6 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(client, scr
 @pytest.mark.parametrize("field, value", [
     ("guided_grammar", "root ::= 'a'"),
     ("use_beam_search", True),
-    ("prompt_logprobs", 1),
-    ("prompt_logprobs", 0),
     ("spaces_between_special_tokens", False),
 ])
 def test_vllm_fields_that_change_the_answer_are_refused(client, scripted_engines, field, value):

@@ -143,17 +143,29 @@ def test_openai_stream_options_need_stream():
     assert "stream_options" in err.message
 
 
-@pytest.mark.parametrize("prompt, expected", [("hello", "hello"), ([1, 2, 3], [1, 2, 3]), (["hello"], "hello"),
-                                              ([[4, 5]], [4, 5])])
+@pytest.mark.parametrize("prompt, expected", [("hello", ["hello"]), ([1, 2, 3], [[1, 2, 3]]), (["hello"], ["hello"]),
+                                              ([[4, 5]], [[4, 5]]), (["a", "b"], ["a", "b"]),
+                                              ([[4, 5], [6]], [[4, 5], [6]])])
 def test_completion_prompt_forms(prompt, expected):
-    assert validate_body(CompletionRequest, {"model": "m", "prompt": prompt}).prompt == expected
+    assert validate_body(CompletionRequest, {"model": "m", "prompt": prompt}).prompts() == expected
 
 
-@pytest.mark.parametrize("prompt, words", [("", "empty"), ([], "empty"), (["a", "b"], "batched prompts"),
-                                           ([1, "a"], "string or a list of token ids"), (5, "string or a list")])
+@pytest.mark.parametrize("prompt, words", [("", "empty"), ([], "empty"), (["a", ""], "prompt.1 must not be empty"),
+                                           ([[1], []], "prompt.1 must not be empty"),
+                                           ([1, "a"], "string or a list of token ids"), (5, "string or a list"),
+                                           (["a"] * 2049, "at most 2048")])
 def test_completion_prompt_rejections(prompt, words):
     err = rejected(CompletionRequest, {"model": "m", "prompt": prompt})
     assert err.param == "prompt" and words in err.message
+
+
+@pytest.mark.parametrize("body, param", [({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                                         ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs")])
+def test_completion_scoring_rejections(body, param):
+    """max_tokens 0 only with echo (nothing else to return); vLLM's whole-vocabulary -1 and
+    streamed prompt_logprobs are refused."""
+    assert rejected(CompletionRequest, {"model": "m", "prompt": "x", **body}).param == param
+    assert validate_body(CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}).max_tokens == 0
 
 
 @pytest.mark.parametrize("raw, words", [

@@ -27,7 +27,7 @@ from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
 from tierlm.engine.grammar import GrammarCompiler
-from tierlm.engine.sampler import Sampler, seeded_generator
+from tierlm.engine.sampler import Sampler, prompt_logprobs, seeded_generator
 from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, TtftCalibration, estimate_ttft
 from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.tokenizer import load_tokenizer
@@ -532,7 +532,12 @@ class LLMEngine:
             self.step_time.observe(sched.num_tokens, time.perf_counter() - t0)
 
     def _run_step(self, sched) -> list[StreamDelta]:
-        samplers, logits = self.runner.execute(sched)
+        samplers, logits, scored = self.runner.execute(sched)
+        for rows in scored:  # (before the step's tokens: a prompt's last chunk gives its first token too)
+            req = rows.req
+            targets = req.prompt_token_ids[rows.start + 1: rows.start + 1 + rows.hidden.shape[0]]
+            req.prompt_logprobs.extend(prompt_logprobs(self.runner.model.compute_logits, rows.hidden, targets,
+                                                       req.params.prompt_logprobs))
         for req, n in sched.scheduled:
             # The prompt's share of the chunk: a recompute after preemption runs past the prompt.
             self.prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
@@ -611,9 +616,12 @@ class LLMEngine:
             lp.text_start = len(detok.text)
 
     def _delta(self, req: Request, text: str, toks: list[int], lp, finished: bool) -> StreamDelta:
+        # The prompt's logprobs come with its first token (the prompt is scored whole by then).
+        first = req.prompt_logprobs is not None and req.num_output_tokens == 1 and bool(toks)
         return StreamDelta(
             request_id=req.request_id, text=text, token_ids=toks, finished=finished,
-            logprobs=[lp] if lp is not None else None, num_prompt_tokens=req.num_prompt_tokens,
+            logprobs=[lp] if lp is not None else None,
+            prompt_logprobs=[None, *req.prompt_logprobs] if first else None, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens,
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time)

@@ -90,6 +90,7 @@ class LLM:
     def _run(self, slot, outputs, results, bar) -> None:
         tokens: dict[str, list[int]] = {rid: [] for rid in slot}
         logprobs: dict[str, list] = {rid: [] for rid in slot}
+        prompt_lps: dict[str, list | None] = {}
         while self.engine.has_unfinished():
             for d in self.engine.step():
                 if d.request_id not in slot:
@@ -97,6 +98,8 @@ class LLM:
                 tokens[d.request_id].extend(d.token_ids)
                 if d.logprobs:
                     logprobs[d.request_id].extend(d.logprobs)
+                if d.prompt_logprobs is not None:
+                    prompt_lps[d.request_id] = d.prompt_logprobs
                 if not d.finished:
                     continue
                 i, j, rid, r = slot[d.request_id]
@@ -105,7 +108,8 @@ class LLM:
                                                  lps, cumulative_logprob=None if lps is None else sum(lp.logprob for lp in lps))
                 if j == 0:  # the prompt's id and its cache figures are sample 0's
                     results[i] = RequestOutput(rid, r.prompt, r.prompt_token_ids, outputs[i],
-                                               num_cached_tokens=d.num_cached_tokens)
+                                               num_cached_tokens=d.num_cached_tokens,
+                                               prompt_logprobs=prompt_lps.get(d.request_id))
                 if all(o is not None for o in outputs[i]):
                     bar.update(1)
 

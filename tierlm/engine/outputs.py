@@ -33,6 +33,9 @@ class StreamDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (stop_reason: why)
     stop_reason: str | int | None = None  # matched stop string, or stop token id; None for EOS
     logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs, on the delta that brings the first token: one entry per prompt
+    # token, None for the first (nothing precedes it), as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -66,4 +69,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None  # vLLM's field; tierlm returns logprobs of generated tokens only
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (vLLM's field;
+    # each entry a TokenLogprob where vLLM has a dict of token id to Logprob).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -9,6 +9,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from tierlm.engine.outputs import TokenLogprob
 from tierlm.kv.block_pool import KVBlock
 from tierlm.kv.prefix_cache import BlockHash
 from tierlm.sampling_params import BadWords, SamplingParams, ThinkingTracker
@@ -69,9 +70,15 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     final_text: str = ""
+    # params.prompt_logprobs' entries as they are computed: entry i is prompt token i + 1's (the
+    # first token has none). Its length is how far the prompt has been scored, which also caps
+    # the prefix a cache may serve it (kv/manager.py): a cached block's positions give no logits.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

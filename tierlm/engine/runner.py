@@ -6,6 +6,7 @@ and the only code that knows how a step's tokens are laid out for attention.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +19,26 @@ from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from tierlm.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRows:
+    """Final hidden states of prompt positions whose request asked for prompt logprobs: row i
+    predicts prompt token `start + i + 1`. Hidden states, not logits: the vocabulary projection
+    of a long chunk at once ([2,048, 150k] floats is 1.2 GB) is the sampler's to do in pieces."""
+
+    req: Request
+    start: int
+    hidden: torch.Tensor
+
+
+def _prompt_span(req: Request, start: int, end: int) -> tuple[int, int]:
+    """(first position, how many): the positions in [start, end) whose logits `req` still needs
+    for its prompt logprobs (those scored before a preemption are not scored again)."""
+    if req.prompt_logprobs is None:
+        return start, 0
+    lo = max(start, len(req.prompt_logprobs))
+    return lo, max(0, min(end, req.num_prompt_tokens - 1) - lo)
 
 
 def kv_bytes_per_block(args, kv_dtype: torch.dtype, block_size: int) -> int:
@@ -174,18 +195,23 @@ class ModelRunner:
         return groups
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
-        """Run one step; returns the requests that produce a token now and their logits rows."""
-        if self.graphs is not None and sched.scheduled:
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None, list[PromptRows]]:
+        """Run one step; returns the requests that produce a token now, their logits rows, and
+        the hidden states of the prompt positions to score (prompt logprobs)."""
+        scoring = any(_prompt_span(req, req.num_computed_tokens, req.num_computed_tokens + n)[1]
+                      for req, n in sched.scheduled)
+        if self.graphs is not None and sched.scheduled and not scoring:  # (a graph keeps only sampling rows)
             done = self.graphs.execute(sched.scheduled, self._block_ids)
             if done is not None:
-                return done
+                return (*done, [])
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         logits_idx: list[int] = []
         samplers: list[Request] = []
+        score_idx: list[int] = []
+        spans: list[tuple[Request, int, int]] = []  # (request, first position scored, how many)
         prefills: list[PrefillSeq] = []
         dec_tables: list[np.ndarray] = []
         dec_lens: list[int] = []
@@ -209,9 +235,13 @@ class ModelRunner:
             if end == req.num_tokens:
                 logits_idx.append(offset + n - 1)
                 samplers.append(req)
+            lo, count = _prompt_span(req, start, end)
+            if count:
+                spans.append((req, lo, count))
+                score_idx.extend(range(offset + lo - start, offset + lo - start + count))
             offset += n
         if not ids:
-            return [], None
+            return [], None, []
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
@@ -219,8 +249,14 @@ class ModelRunner:
             cpu_kernels=self.cpu_kernels)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        if not samplers:
-            self.model(input_ids, pos_t, self.kv_caches, meta, logits_indices=torch.empty(0, dtype=torch.long, device=dev))
-            return [], None
-        idx = torch.tensor(logits_idx, dtype=torch.long, device=dev)
-        return samplers, self.model(input_ids, pos_t, self.kv_caches, meta, logits_indices=idx)
+        idx = torch.tensor(logits_idx + score_idx, dtype=torch.long, device=dev)
+        if not score_idx:
+            logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_indices=idx)
+            return (samplers, logits, []) if samplers else ([], None, [])
+        hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta, logits_indices=idx)
+        logits = self.model.compute_logits(hidden[:len(samplers)]) if samplers else None
+        rows, at = [], len(samplers)
+        for req, lo, count in spans:
+            rows.append(PromptRows(req, lo, hidden[at:at + count]))
+            at += count
+        return samplers, logits, rows

@@ -220,6 +220,47 @@ def seeded_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
+def _top_k(vocab: int, any_top: bool) -> int:
+    """One top-k at the most any row may ask (20), not at the most this batch asks: which of
+    several tied tokens a top-k returns depends on k, so a row's top list would depend on its
+    neighbours' N (and a prompt position's on its request's)."""
+    return min(MAX_LOGPROBS, vocab) if any_top else 0
+
+
+def _chosen_and_top(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, "torch.return_types.topk | None"]:
+    """Per row of `logprobs` [rows, vocab]: the logprob of `tokens`' token, its rank (1 = most
+    likely; vLLM's: 1 + how many tokens are strictly likelier) and the top `k` (None for 0)."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    return chosen.flatten(), ranks, (torch.topk(logprobs, k, dim=-1) if k > 0 else None)
+
+
+# Prompt positions scored per vocabulary projection: [256, 150k] float32 logits are 150 MB.
+PROMPT_PIECE = 256
+
+
+@torch.inference_mode()
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: Sequence[int], n: int,
+                    piece: int = PROMPT_PIECE) -> list[TokenLogprob]:
+    """Prompt logprobs: row i of `hidden` (final hidden states) projected by `compute_logits` is
+    the model's raw distribution for prompt token `targets[i]`; each entry holds that token's
+    logprob and rank and the top `n`, as a sampled token's do (the same top-k, so a position's
+    list is what sampling there would report). Projected `piece` rows at a time."""
+    out: list[TokenLogprob] = []
+    for at in range(0, len(targets), piece):
+        logits = compute_logits(hidden[at:at + piece]).float()
+        raw = torch.log_softmax(logits, dim=-1)
+        wanted = torch.tensor(targets[at:at + piece], dtype=torch.long).to(raw.device, non_blocking=True)
+        chosen, ranks, top = _chosen_and_top(raw, wanted, _top_k(raw.shape[1], n > 0))
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        ids_l = top.indices[:, :n].tolist() if top is not None else [[] for _ in chosen_l]
+        vals_l = top.values[:, :n].tolist() if top is not None else [[] for _ in chosen_l]
+        out.extend(TokenLogprob(token_id=t, logprob=v, top=list(zip(ids, vals)), rank=r)
+                   for t, v, r, ids, vals in zip(targets[at:at + piece], chosen_l, ranks_l, ids_l, vals_l))
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.default_generator = seeded_generator(seed)  # all 64 bits of the engine's seed count
@@ -277,16 +318,10 @@ class Sampler:
         asks = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         dev = logits.device
         rows = torch.tensor(asks, dtype=torch.long).to(dev, non_blocking=True)
-        sel = raw_logprobs.index_select(0, rows)
-        chosen = sel.gather(1, picked.index_select(0, rows).unsqueeze(1))
-        ranks = (sel > chosen).sum(dim=1) + 1
-        # One top-k at the most any row may ask (20), not at the most this batch asks: which of
-        # several tied tokens a top-k returns depends on k, so a row's top list would depend on
-        # its neighbours' N.
-        k = min(MAX_LOGPROBS, logits.shape[1]) if any(reqs[i].params.logprobs for i in asks) else 0
-        top = torch.topk(sel, k, dim=-1) if k > 0 else None
+        k = _top_k(logits.shape[1], any(reqs[i].params.logprobs for i in asks))
+        chosen, ranks, top = _chosen_and_top(raw_logprobs.index_select(0, rows), picked.index_select(0, rows), k)
         longs = torch.cat([picked, ranks] + ([top.indices.flatten()] if top is not None else []))
-        floats = torch.cat([chosen.flatten()] + ([top.values.flatten()] if top is not None else []))
+        floats = torch.cat([chosen] + ([top.values.flatten()] if top is not None else []))
         longs_l, floats_l = longs.tolist(), floats.tolist()  # the step's device-to-host reads
         n_rows = len(reqs)
         tokens = longs_l[:n_rows]

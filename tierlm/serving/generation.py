@@ -492,6 +492,7 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (the first delta brings them)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -501,6 +502,8 @@ class Generation:
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.finished else self.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens

@@ -63,6 +63,7 @@ from tierlm.serving.protocol_openai import (
 from tierlm.serving.reasoning import ReasoningFormat, both_names
 from tierlm.serving.responses import json_answer
 from tierlm.serving.safety import FINISH_REASON
+from tierlm.serving.scoring import echoed_legacy_logprobs, legacy_top, token_text, vllm_prompt_logprobs
 from tierlm.serving.sla import fallback_marked, with_fallback
 from tierlm.serving.sse import EventStreamResponse, sse_data
 from tierlm.serving.state import server_state
@@ -130,11 +131,13 @@ async def chat_completions(request: Request) -> Response:
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
         chunks = chat_chunks(streams, engine, prompt, run.model, completion_id, top_n,
-                             *_stream_usage(body, run.prompt_ids))
+                             *_stream_usage(body, [len(run.prompt_ids)] * len(streams)))
         return run.mark(EventStreamResponse(chunks, on_close=lambda: _close_all(streams)))
     results = await _collect_all(streams, request)
-    return run.mark(await json_answer(lambda: chat_response(results, engine, prompt, run.model, completion_id, top_n),
-                                      _entries(results, top_n)))
+    scored = body.prompt_logprobs
+    entries = _entries(results, top_n) + (0 if scored is None else len(run.prompt_ids) * (2 + scored))
+    return run.mark(await json_answer(lambda: chat_response(results, engine, prompt, run.model, completion_id, top_n,
+                                                            scored), entries))
 
 
 async def start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
@@ -178,6 +181,7 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
+                             prompt_logprobs=body.prompt_logprobs,
                              keep_special_token_ids=prompt.keep_special_token_ids,
                              thinking_budget=prompt.thinking_budget(body.thinking_token_budget),
                              structured_outputs=prompt.structured_outputs(structured))
@@ -208,47 +212,95 @@ async def completions(request: Request) -> Response:
     context = await state.admit(request)
     body = await state.parse(request, CompletionRequest)
     state.models.get(body.model)  # an unknown model is named first (404)
-    if body.echo and body.logprobs is not None:
-        raise InvalidRequest("echo cannot be combined with logprobs (prompt logprobs are not supported)", param="echo")
     asked = body.model
-    served, (body, engine, prompt_ids, streams) = await with_fallback(
+    served, run = await with_fallback(
         state.sla, request_telemetry(request), asked,
         lambda name: _start_completion(state, context, request,
                                        body if name == asked else body.model_copy(update={"model": name})))
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
-    echo = _prompt_text(engine, body) if body.echo else ""
-    if body.stream:
-        chunks = completion_chunks(streams, engine, body.model, completion_id, echo, body.logprobs,
-                                   *_stream_usage(body, prompt_ids))
-        return fallback_marked(EventStreamResponse(chunks, on_close=lambda: _close_all(streams)), asked, served)
-    results = await _collect_all(streams, request)
-    return fallback_marked(await json_answer(lambda: completion_response(results, engine, body, completion_id, echo),
-                                             _entries(results, body.logprobs)), asked, served)
+    if run.body.stream:
+        chunks = completion_chunks(run, completion_id, *_stream_usage(run.body, run.choice_prompt_tokens()))
+        return fallback_marked(EventStreamResponse(chunks, on_close=lambda: _close_all(run.streams)), asked, served)
+    results = await _collect_all(run.streams, request)
+    entries = _entries(results, run.body.logprobs) + run.prompt_entries()
+    return fallback_marked(await json_answer(lambda: completion_response(run, results, completion_id), entries),
+                           asked, served)
+
+
+@dataclass
+class CompletionRun:
+    """A completions request handed to its engine: each prompt's ids and echoed text, and every
+    choice's engine stream (open), prompt i's n choices at i × n to i × n + n − 1."""
+
+    body: CompletionRequest
+    engine: "AsyncEngine"
+    prompt_ids: list[list[int]]
+    echoes: list[str]  # each prompt's text as echoed ("" without echo)
+    streams: list[EngineStream]
+
+    @property
+    def n(self) -> int:
+        return self.body.n or 1
+
+    @property
+    def generates(self) -> bool:
+        """False for max_tokens 0 (with echo): the prompt alone comes back, scored."""
+        return self.body.max_tokens > 0
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        return self.body.echo and self.body.logprobs is not None
+
+    def choice_prompt_tokens(self) -> list[int]:
+        return [len(self.prompt_ids[c // self.n]) for c in range(len(self.streams))]
+
+    def prompt_entries(self) -> int:
+        """The prompt logprob entries the answer holds (see _entries)."""
+        top = _prompt_top(self.body)
+        return 0 if top is None else sum(self.choice_prompt_tokens()) * (2 + top)
+
+
+def _prompt_top(body: CompletionRequest) -> int | None:
+    """How many top logprobs the engine reports per prompt token (None: the prompt is not
+    scored): `logprobs` when echoed beside the answer's, vLLM's `prompt_logprobs`, the larger."""
+    asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
 
 
 async def _start_completion(state: Any, context: RequestContext, request: Request, body: CompletionRequest
-                            ) -> tuple[CompletionRequest, "AsyncEngine", list[int], list[EngineStream]]:
-    """`body`'s prompt on its model, its engine requests open (one per choice)."""
+                            ) -> CompletionRun:
+    """`body`'s prompts on its model, their engine requests open (one per choice)."""
     engine = state.models.get(body.model)
     structured = await _checked_structured(engine, body)
-    prompt_ids = _truncated(engine, await completion_prompt_ids(engine, body), body.truncate_prompt_tokens,
-                            body.max_tokens)
-    if body.logprobs is not None:  # built once, off the event loop (it reads the whole vocabulary)
+    prompts = body.prompts()
+    prompt_ids = []
+    for i, prompt in enumerate(prompts):
+        field_name = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        ids = await completion_prompt_ids(engine, body, prompt, field_name)
+        prompt_ids.append(_truncated(engine, ids, body.truncate_prompt_tokens, body.max_tokens or 1))
+    if body.logprobs is not None or body.prompt_logprobs is not None:  # built once, off the event loop
         await asyncio.to_thread(vocabulary, engine.tokenizer)
-    max_tokens = output_budget(engine, body.model, len(prompt_ids), body.max_tokens, prompt_field="prompt")
-    params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs), structured_outputs=structured)
+    streams: list[EngineStream] = []
+    for i, ids in enumerate(prompt_ids):
+        field_name = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        # max_tokens 0 (echo only) runs one token, which is not returned (vLLM's way too).
+        max_tokens = output_budget(engine, body.model, len(ids), body.max_tokens or 1, prompt_field=field_name)
+        params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs),
+                                 prompt_logprobs=_prompt_top(body), structured_outputs=structured)
+        streams += _engine_streams(state, engine, body, ids, params, context.salted(body.cache_salt),
+                                   first=i * (body.n or 1), total=len(prompt_ids) * (body.n or 1))
     await _tokenize_bad_words(engine, body.bad_words)
-    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
     await _open_all(streams, request)
-    return body, engine, prompt_ids, streams
+    echoes = [_prompt_text(engine, p) if body.echo else "" for p in prompts]
+    return CompletionRun(body, engine, prompt_ids, echoes, streams)
 
 
-def _stream_usage(body: Any, prompt_ids: list[int]) -> tuple[bool, int | None]:
-    """(stream_options.include_usage, the prompt's tokens if every chunk is to carry the usage so
-    far: vLLM's continuous_usage_stats, which, as there, takes effect with include_usage only)."""
+def _stream_usage(body: Any, prompt_tokens: list[int]) -> tuple[bool, list[int] | None]:
+    """(stream_options.include_usage, each choice's prompt tokens if every chunk is to carry the
+    usage so far: vLLM's continuous_usage_stats, which, as there, takes effect with include_usage only)."""
     options = body.stream_options
     include = bool(options and options.include_usage)
-    return include, (len(prompt_ids) if include and options.continuous_usage_stats else None)
+    return include, (prompt_tokens if include and options.continuous_usage_stats else None)
 
 
 def _entries(results: list[Generation], top_n: int | None) -> int:
@@ -256,22 +308,32 @@ def _entries(results: list[Generation], top_n: int | None) -> int:
     return sum(r.num_output_tokens for r in results) * (1 if top_n is None else 2 + top_n)
 
 
-def completion_response(results: list[Generation], engine: "AsyncEngine", body: CompletionRequest,
-                        completion_id: str, echo: str) -> Completion:
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=echo + result.text,
-            finish_reason=_finish_reason(result, has_tool_calls=False),
-            logprobs=(legacy_logprobs(engine, returned_logprobs(result), body.logprobs, 0)
-                      if body.logprobs is not None else None),
-        )
-        for i, result in enumerate(results)
-    ]
-    return Completion(
-        id=completion_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(results),
-        system_fingerprint=SYSTEM_FINGERPRINT,
-    )
+def completion_response(run: CompletionRun, results: list[Generation], completion_id: str) -> Completion:
+    body, engine = run.body, run.engine
+    choices = []
+    for c, result in enumerate(results):
+        prompt = c // run.n
+        extra = ({"prompt_logprobs": vllm_prompt_logprobs(engine, result.prompt_logprobs or [], body.prompt_logprobs)}
+                 if body.prompt_logprobs is not None else {})
+        choices.append(CompletionChoice(
+            index=c,
+            text=run.echoes[prompt] + (result.text if run.generates else ""),
+            finish_reason=_finish_reason(result, False) if run.generates else "length",
+            logprobs=_completion_logprobs(run, prompt, result) if body.logprobs is not None else None,
+            **extra,
+        ))
+    return Completion(id=completion_id, created=int(time.time()), model=body.model, choices=choices,
+                      usage=usage_of(results, run.n, count_output=run.generates), system_fingerprint=SYSTEM_FINGERPRINT)
+
+
+def _completion_logprobs(run: CompletionRun, prompt: int, result: Generation) -> dict[str, Any]:
+    """A choice's legacy logprobs: the echoed prompt's first (with echo), then the answer's."""
+    engine, top_n, echo = run.engine, run.body.logprobs, run.echoes[prompt]
+    answer = legacy_logprobs(engine, returned_logprobs(result) if run.generates else [], top_n, len(echo))
+    if not run.echoes_logprobs:
+        return answer
+    echoed = echoed_legacy_logprobs(engine, run.prompt_ids[prompt], result.prompt_logprobs or [], top_n, echo)
+    return {key: echoed[key] + answer[key] for key in answer}
 
 
 async def _tokenize_bad_words(engine: "AsyncEngine", words: list[str] | None) -> None:
@@ -288,13 +350,15 @@ async def _tokenize_bad_words(engine: "AsyncEngine", words: list[str] | None) ->
 
 
 def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
-                    context: RequestContext) -> list[EngineStream]:
-    """One engine request per choice, each with its own id (`<request id>-<index>`) and seed."""
+                    context: RequestContext, first: int = 0, total: int | None = None) -> list[EngineStream]:
+    """One engine request per choice of this prompt, each with its own seed and, where the
+    request has several choices (`total`, all prompts' together), its own id
+    `<request id>-<index>`; this prompt's choices are numbered from `first`."""
     n = body.n or 1
-    if n == 1:
+    if (total or n) == 1:
         return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
     return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
-                         dataclasses.replace(context, request_id=f"{context.request_id}-{i}"), state.inflight)
+                         dataclasses.replace(context, request_id=f"{context.request_id}-{first + i}"), state.inflight)
             for i in range(n)]
 
 
@@ -460,29 +524,32 @@ def _arguments(text: str, index: int, k: int) -> Any:
     return value
 
 
-async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest) -> list[int]:
-    if isinstance(body.prompt, str):
+async def completion_prompt_ids(engine: "AsyncEngine", body: CompletionRequest, prompt: str | list[int],
+                                field_name: str = "prompt") -> list[int]:
+    """One of the body's prompts as token ids (`field_name` names it in errors)."""
+    if isinstance(prompt, str):
         # Off the event loop: tokenizing a long prompt takes seconds.
-        return await asyncio.to_thread(_encode_prompt, engine, body.model, body.prompt,
-                                       body.truncate_prompt_tokens is not None)
+        return await asyncio.to_thread(_encode_prompt, engine, body.model, prompt,
+                                       body.truncate_prompt_tokens is not None, field_name)
     vocab = len(engine.tokenizer)
-    bad = [t for t in body.prompt if not 0 <= t < vocab]
+    bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise InvalidRequest(
-            f"prompt: token ids must be in [0, {vocab}) for model '{body.model}'; got {bad[:5]}",
-            param="prompt",
+            f"{field_name}: token ids must be in [0, {vocab}) for model '{body.model}'; got {bad[:5]}",
+            param=field_name,
         )
-    return list(body.prompt)
+    return list(prompt)
 
 
-def _encode_prompt(engine: "AsyncEngine", model: str, text: str, truncated: bool = False) -> list[int]:
+def _encode_prompt(engine: "AsyncEngine", model: str, text: str, truncated: bool = False,
+                   field_name: str = "prompt") -> list[int]:
     """A text prompt's token ids; refused unencoded when certainly too long for the context
     (unless it is to be truncated)."""
     if truncated:  # tokenized whole, then cut: bounded as count_tokens is (memory)
-        refuse_too_long_to_count(engine, model, text, "prompt", "tokenizes prompts to truncate")
+        refuse_too_long_to_count(engine, model, text, field_name, "tokenizes prompts to truncate")
     else:
-        refuse_certainly_too_long(engine, model, text, "prompt")
-    return encode_prompt_text(engine, model, text, "prompt")
+        refuse_certainly_too_long(engine, model, text, field_name)
+    return encode_prompt_text(engine, model, text, field_name)
 
 
 def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
@@ -496,22 +563,25 @@ def _truncated(engine: "AsyncEngine", ids: list[int], keep: int | None, max_toke
         raise InvalidRequest(str(e), param=e.param) from None
 
 
-def _prompt_text(engine: "AsyncEngine", body: CompletionRequest) -> str:
-    return body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(body.prompt)
+def _prompt_text(engine: "AsyncEngine", prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
 
 
 # ---- generation → response ---------------------------------------------------------------
 
 
-def usage_of(results: list[Generation]) -> Usage:
-    """The choices' usage: the prompt counted once (as OpenAI and vLLM), completions summed."""
-    first = results[0]
-    completion = sum(r.num_output_tokens for r in results)
+def usage_of(results: list[Generation], per_prompt: int | None = None, count_output: bool = True) -> Usage:
+    """The choices' usage: each prompt counted once (as OpenAI and vLLM; `per_prompt` choices
+    share one, all of them by default), completions summed (none when nothing is returned:
+    max_tokens 0)."""
+    firsts = results[::per_prompt or len(results)]
+    prompt = sum(r.num_prompt_tokens for r in firsts)
+    completion = sum(r.num_output_tokens for r in results) if count_output else 0
     return Usage(
-        prompt_tokens=first.num_prompt_tokens,
+        prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=first.num_prompt_tokens + completion,
-        prompt_tokens_details={"cached_tokens": first.num_cached_tokens},
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": sum(r.num_cached_tokens for r in firsts)},
     )
 
 
@@ -520,10 +590,6 @@ def _finish_reason(result: Generation, has_tool_calls: bool) -> str:
     if result.finish_reason in ("length", FINISH_REASON):  # (the safety layer's: content_filter, as OpenAI's)
         return result.finish_reason
     return "tool_calls" if has_tool_calls else "stop"
-
-
-def _token_text(engine: "AsyncEngine", token_id: int) -> str:
-    return engine.tokenizer.decode([token_id])
 
 
 class ReturnedTokens:
@@ -561,7 +627,7 @@ def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: in
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         # `token` is the decoded text (U+FFFD for part of a character, as OpenAI shows it);
         # `bytes` are the token's own raw bytes, so a client can join them into the text.
-        return {"token": _token_text(engine, token_id), "logprob": logprob,
+        return {"token": token_text(engine, token_id), "logprob": logprob,
                 "bytes": list(vocab.token_bytes(token_id))}
 
     return {
@@ -580,17 +646,10 @@ def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: 
     wherever a character spans tokens. Each `top_logprobs` entry holds the top `top_n` and the
     sampled token (up to top_n + 1 entries; just the sampled one for logprobs=0), as OpenAI's
     spec and vLLM do."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for lp in logprobs:
-        token = _token_text(engine, lp.token_id)
-        tokens.append(token)
-        token_logprobs.append(lp.logprob)
-        top = {token: lp.logprob}
-        for t, v in lp.top[:top_n]:
-            top.setdefault(_token_text(engine, t), v)
-        tops.append(top)
-        offsets.append(offset + lp.text_start)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": [token_text(engine, lp.token_id) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [legacy_top(engine, lp, top_n) for lp in logprobs],
+            "text_offset": [offset + lp.text_start for lp in logprobs]}
 
 
 def reasoning_fields(reasoning: str, prompt: ChatPrompt) -> dict[str, str]:
@@ -605,7 +664,7 @@ def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolC
 
 
 def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
-                  completion_id: str, top_n: int | None) -> ChatCompletion:
+                  completion_id: str, top_n: int | None, prompt_top_n: int | None = None) -> ChatCompletion:
     choices = []
     for i, result in enumerate(results):
         answer = prompt.split(result, id_prefix="call_")
@@ -619,8 +678,11 @@ def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: Chat
             finish_reason=_finish_reason(result, bool(calls)),
             logprobs=chat_logprobs(engine, returned_logprobs(result), top_n) if top_n is not None else None,
         ))
+    # vLLM's prompt_logprobs, once for the choices' shared prompt (only when asked: not in OpenAI's shape)
+    extra = ({"prompt_logprobs": vllm_prompt_logprobs(engine, results[0].prompt_logprobs or [], prompt_top_n)}
+             if prompt_top_n is not None else {})
     return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=choices,
-                          usage=usage_of(results), system_fingerprint=SYSTEM_FINGERPRINT)
+                          usage=usage_of(results), system_fingerprint=SYSTEM_FINGERPRINT, **extra)
 
 
 @dataclass
@@ -631,7 +693,10 @@ class _StreamFrames:
     object: str
     model: str
     include_usage: bool
-    continuous_prompt_tokens: int | None = None  # set: every chunk carries its usage (continuous_usage_stats)
+    # Each choice's prompt tokens, set when every chunk carries its usage (continuous_usage_stats)
+    continuous_prompt_tokens: list[int] | None = None
+    per_prompt: int | None = None  # choices per prompt (a batch of prompts), for the closing usage
+    count_output: bool = True  # False for completions' max_tokens 0: the token run is not returned
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -645,14 +710,14 @@ class _StreamFrames:
         (chat) or `text` (completions). With continuous usage, its usage is that choice's so far,
         as vLLM's."""
         usage: dict[str, Any] = {"usage": None} if self.include_usage else {}
-        if (prompt := self.continuous_prompt_tokens) is not None:
-            done = of.num_output_tokens
+        if self.continuous_prompt_tokens is not None:
+            prompt, done = self.continuous_prompt_tokens[index], of.num_output_tokens if self.count_output else 0
             usage["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return self._frame([{"index": index, **fields, "finish_reason": finish, "logprobs": logprobs}], **usage)
 
     def usage(self, results: list[Generation]) -> bytes:
         """The closing chunk of `stream_options.include_usage`: no choices, the usage."""
-        return self._frame([], usage=usage_of(results).model_dump())
+        return self._frame([], usage=usage_of(results, self.per_prompt, self.count_output).model_dump())
 
 
 async def _interleaved(choices: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
@@ -702,7 +767,7 @@ async def _interleaved(choices: list[AsyncIterator[bytes]]) -> AsyncIterator[byt
 
 async def chat_chunks(streams: list[EngineStream], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
                       completion_id: str, top_n: int | None, include_usage: bool,
-                      continuous_prompt_tokens: int | None = None) -> AsyncIterator[bytes]:
+                      continuous_prompt_tokens: list[int] | None = None) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage, continuous_prompt_tokens)
     answers = [StreamedAnswer(stream, prompt, id_prefix="call_") for stream in streams]
     try:
@@ -740,33 +805,41 @@ async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine"
     yield frames.choice(index, result, delta=last, finish=_finish_reason(result, bool(answer.calls)))
 
 
-async def completion_chunks(streams: list[EngineStream], engine: "AsyncEngine", model: str, completion_id: str,
-                            echo: str, top_n: int | None, include_usage: bool,
-                            continuous_prompt_tokens: int | None = None) -> AsyncIterator[bytes]:
-    frames = _StreamFrames(completion_id, "text_completion", model, include_usage, continuous_prompt_tokens)
-    results = [Generation() for _ in streams]
+async def completion_chunks(run: CompletionRun, completion_id: str, include_usage: bool,
+                            continuous_prompt_tokens: list[int] | None = None) -> AsyncIterator[bytes]:
+    frames = _StreamFrames(completion_id, "text_completion", run.body.model, include_usage, continuous_prompt_tokens,
+                           per_prompt=run.n, count_output=run.generates)
+    results = [Generation() for _ in run.streams]
     try:
-        async for chunk in _interleaved([_completion_choice(i, stream, results[i], engine, frames, echo, top_n)
-                                         for i, stream in enumerate(streams)]):
+        async for chunk in _interleaved([_completion_choice(run, c, results[c], frames) for c in range(len(results))]):
             yield chunk
         if include_usage:
             yield frames.usage(results)
     except Exception as exc:
-        yield sse_data(openai_error_body(stream_error(exc, _request_id(streams))))
+        yield sse_data(openai_error_body(stream_error(exc, _request_id(run.streams))))
     yield sse_data("[DONE]")
 
 
-async def _completion_choice(index: int, stream: EngineStream, result: Generation, engine: "AsyncEngine",
-                             frames: _StreamFrames, echo: str, top_n: int | None) -> AsyncIterator[bytes]:
-    """One choice's chunks (accumulated into `result`), from the echoed prompt to its finish_reason."""
+async def _completion_choice(run: CompletionRun, index: int, result: Generation, frames: _StreamFrames
+                             ) -> AsyncIterator[bytes]:
+    """One choice's chunks (accumulated into `result`), from the echoed prompt to its finish_reason.
+    The echo comes first; with logprobs it waits for the prompt's, which come with the first token."""
+    engine, top_n, prompt = run.engine, run.body.logprobs, index // run.n
+    echo = run.echoes[prompt]
     returned = ReturnedTokens() if top_n is not None else None
-    if echo:
+    if echo and not run.echoes_logprobs:
         yield frames.choice(index, result, text=echo)
-    async for delta in stream.deltas():
+    async for delta in run.streams[index].deltas():
         result.add(delta)
+        if delta.prompt_logprobs is not None and run.echoes_logprobs:
+            yield frames.choice(index, result, text=echo, logprobs=echoed_legacy_logprobs(
+                engine, run.prompt_ids[prompt], delta.prompt_logprobs, top_n, echo))
+        if not run.generates:
+            continue
         logprobs = None
         if returned is not None and top_n is not None:
             logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, len(echo))
         if delta.text or (logprobs and logprobs["tokens"]):
             yield frames.choice(index, result, text=delta.text, logprobs=logprobs)
-    yield frames.choice(index, result, text="", finish=_finish_reason(result, False))
+    finish = _finish_reason(result, False) if run.generates else "length"
+    yield frames.choice(index, result, text="", finish=finish)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, StructuredOutputsParams,
+from tierlm.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, StructuredOutputsParams,
                                     allowed_token_ids_problem, bad_words_problem, stop_strings_problem,
                                     truncate_prompt_tokens_problem, unsupported_vllm_field)
 from tierlm.serving.errors import InvalidRequest
@@ -277,10 +277,12 @@ class StructuredOutputsBody(_Body):
 
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 128  # choices per request (`n`), OpenAI's bound
+# Choices of a batched completions request (prompts × n): OpenAI takes batches of up to 2,048 prompts.
+MAX_BATCH_CHOICES = 2048
 
 # vLLM's body fields tierlm cannot honour: refused by name unless neutral (null, or vLLM's
 # default), with the Python API's words (sampling_params.UNSUPPORTED_VLLM_FIELDS).
-_REFUSED_VLLM_FIELDS = ("guided_grammar", "prompt_logprobs", "use_beam_search", "spaces_between_special_tokens")
+_REFUSED_VLLM_FIELDS = ("guided_grammar", "use_beam_search", "spaces_between_special_tokens")
 
 
 # OpenAI's chat fields tierlm cannot honour, which would change the answer's meaning if ignored
@@ -342,8 +344,10 @@ class _SamplingFields(_Body):
     structured_outputs: StructuredOutputsBody | None = None
     # vLLM's fields that would change the answer's meaning if ignored: refused unless null.
     guided_grammar: Any = None
-    prompt_logprobs: Any = None
     spaces_between_special_tokens: bool = True
+    # vLLM's: the top N logprobs of every prompt token after the first, beside its own (scoring a
+    # text); not streamed, as in vLLM
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
     truncate_prompt_tokens: int | None = None
     # vLLM's: sample only these tokens (ids outside the model's vocabulary are refused by the engine)
@@ -422,6 +426,14 @@ class _SamplingFields(_Body):
     def token_bias(self) -> dict[int, float] | None:
         """`logit_bias` with its keys as token ids, as SamplingParams takes it."""
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):  # (vLLM's rule)
+            raise ValueError("prompt_logprobs are not available when stream is true; send the request unstreamed "
+                             "(or, on /v1/completions, stream with echo and logprobs)")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -564,9 +576,22 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _one_prompt(value: Any, where: str) -> str | list[int]:
+    """One prompt: a non-empty string or list of token ids."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if value == "" or value == []:
+        raise ValueError(f"{where} must not be empty")
+    raise ValueError(f"{where} must be a string or a list of token ids")
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
-    max_tokens: int = Field(default=16, ge=1)
+    # One prompt, or a batch of them (strings or token-id lists): each batched prompt gets its
+    # n choices, prompt i's numbered i × n to i × n + n − 1, as OpenAI and vLLM number them.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=0)  # 0 with echo only: the prompt scored, nothing generated (vLLM's)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -574,24 +599,30 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        """One prompt: a string or token ids (a one-element batch is unwrapped)."""
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-        if isinstance(value, str):
-            if value == "":
-                raise ValueError("prompt must not be empty")
-            return value
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                return value
-            if all(isinstance(p, (str, list)) for p in value):
-                raise ValueError(
-                    f"batched prompts ({len(value)} prompts) are not supported; send one request per prompt"
-                )
-        raise ValueError("prompt must be a string or a list of token ids")
+    def _prompts(cls, value: Any, info: ValidationInfo) -> Any:
+        """A string, token ids, or a batch of either (a one-element batch is one prompt)."""
+        batch = isinstance(value, list) and bool(value) and all(isinstance(p, (str, list)) for p in value)
+        if not batch:
+            return _one_prompt(value, "prompt")
+        if len(value) == 1:
+            return _one_prompt(value[0], "prompt")
+        choices = len(value) * (info.data.get("n") or 1)
+        if choices > MAX_BATCH_CHOICES:  # each choice is an engine request, as with n
+            raise ValueError(f"a batch of {len(value)} prompts with n={info.data.get('n') or 1} is {choices} choices; "
+                             f"at most {MAX_BATCH_CHOICES} per request: split the batch")
+        return [_one_prompt(p, f"prompt.{i}") for i, p in enumerate(value)]
+
+    def prompts(self) -> list[str | list[int]]:
+        """The body's prompts, one or a batch."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+        return list(self.prompt) if batch else [self.prompt]  # type: ignore[list-item]
+
+    @model_validator(mode="after")
+    def _nothing_generated_only_with_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1, or 0 with echo (the prompt alone, scored with "
+                                 "logprobs)", param="max_tokens")
+        return self
 
     @field_validator("suffix")
     @classmethod
@@ -647,6 +678,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's prompt_logprobs, only when asked for
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -657,6 +690,8 @@ class ChatCompletion(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's prompt_logprobs, only when asked for
+
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length", "content_filter"] | None
