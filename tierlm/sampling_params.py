@@ -545,6 +545,22 @@ class SamplingParams:
         )
 
 
+@dataclass
+class PoolingParams:
+    """A request for the prompt's embedding instead of an answer (vLLM's PoolingParams, as
+    `LLM.embed` and `/v1/embeddings` take it): the final hidden state (after the model's last
+    norm) at the prompt's last token, as decoder embedding models (Qwen3-Embedding, e5-mistral)
+    pool, L2-normalised unless `normalize` is false. Last-token pooling needs only the last
+    position computed, so a cached prefix serves the rest."""
+
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"pooling parameter 'normalize' must be true or false (got {self.normalize!r})",
+                                      param="normalize")
+
+
 def _refusing_vllm_keywords(init):
     """SamplingParams' __init__, refusing vLLM's keywords tierlm lacks by name (they were a bare
     TypeError) and taking them at their neutral values; a keyword that is no field of vLLM's

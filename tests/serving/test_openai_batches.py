@@ -149,6 +149,25 @@ def test_completions_and_responses_endpoints_and_no_rate_limit_charge(server):
             for r in lines(c, c.batches.retrieve(responses.id).output_file_id).values()} == {REPLY}
 
 
+def test_an_embeddings_batch_gives_the_routes_vectors(server):
+    """OpenAI's Batch API runs /v1/embeddings too: each line's vectors are the route's own."""
+    c = client(server, "b")
+    texts = ["Hi", "Hello there"]
+    upload = c.files.create(file=("e.jsonl", jsonl([
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": TEXT_MODEL, "input": t, "encoding_format": "float"}} for i, t in enumerate(texts)])),
+        purpose="batch")
+    done = finished(c, c.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                        completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.completed == 2
+    rows = lines(c, done.output_file_id)
+    for i, text in enumerate(texts):
+        body = rows[f"e{i}"]["response"]["body"]
+        direct = c.embeddings.create(model=TEXT_MODEL, input=text, encoding_format="float")
+        assert body["object"] == "list" and body["data"][0]["embedding"] == pytest.approx(direct.data[0].embedding)
+        assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens > 0
+
+
 def test_files_are_a_keys_own_listed_and_deleted(server):
     a, b = client(server, "a"), client(server, "b")
     first = a.files.create(file=("one.txt", b"one"), purpose="user_data")
@@ -218,7 +237,7 @@ def test_a_bad_input_file_fails_the_batch_naming_each_line(server):
 
 
 @pytest.mark.parametrize("body, status, says", [
-    ({"endpoint": "/v1/embeddings", "completion_window": "24h"}, 400, "endpoint: this server runs batches of"),
+    ({"endpoint": "/v1/moderations", "completion_window": "24h"}, 400, "endpoint: this server runs batches of"),
     ({"endpoint": "/v1/chat/completions", "completion_window": "1h"}, 400, "completion_window: must be '24h'"),
     ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {"k": 1}}, 400, "metadata"),
     ({"endpoint": "/v1/chat/completions", "completion_window": "24h", "input_file_id": "file-nope"}, 404, "not found"),

@@ -46,6 +46,7 @@ _PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": ("tools", "messages"),
     "/v1/completions": ("prompt",),
     "/v1/responses": ("instructions", "tools", "input"),
+    "/v1/embeddings": ("input",),
 }
 
 

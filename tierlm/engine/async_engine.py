@@ -22,7 +22,7 @@ from tierlm.engine.engine import READ_POLL_S, EngineStats, LLMEngine
 from tierlm.engine.heap import IdleTrimmer
 from tierlm.engine.outputs import StreamDelta
 from tierlm.errors import EngineDeadError, EngineStepError
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import PoolingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -204,14 +204,18 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                        cache_salt: str | None = None, tenant_weight: float = 1.0,
-                       kv_share: float | None = None) -> AsyncIterator[StreamDelta]:
+                       kv_share: float | None = None, pooling: PoolingParams | None = None
+                       ) -> AsyncIterator[StreamDelta]:
+        """The request's deltas as the engine makes them; with `pooling`, one delta holding the
+        prompt's embedding (see PoolingParams)."""
         await self.start()  # (a free lock is taken without waiting)
-        if params is not None and params.structured_outputs is not None:
+        if pooling is None and params is not None and params.structured_outputs is not None:
             # compiled (or found compiled) on a worker thread: a large schema, and the first
             # grammar's tokenizer conversion, take long enough to hold up every other stream
             await asyncio.to_thread(self.engine.grammars.grammar, params.structured_outputs)
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
-                                       cache_salt=cache_salt, tenant_weight=tenant_weight, kv_share=kv_share)
+                                       cache_salt=cache_salt, tenant_weight=tenant_weight, kv_share=kv_share,
+                                       pooling=pooling)
         rid = req.request_id
         while (old := self._streams.get(rid)) is not None:
             if not isinstance(old, _Closing):

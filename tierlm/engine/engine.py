@@ -27,6 +27,7 @@ from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
 from tierlm.engine.grammar import GrammarCompiler
+from tierlm.engine.pooling import pooled_embedding
 from tierlm.engine.sampler import Sampler, prompt_logprobs, seeded_generator
 from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, TtftCalibration, estimate_ttft
 from tierlm.engine.scheduler import Scheduler
@@ -43,7 +44,7 @@ from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weig
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
 from tierlm.models.registry import resolve_architecture
-from tierlm.sampling_params import BadWords, SamplingParams, ThinkingTracker, bad_words_token_ids, truncate_prompt
+from tierlm.sampling_params import BadWords, PoolingParams, SamplingParams, ThinkingTracker, bad_words_token_ids, truncate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -340,11 +341,19 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                      cache_salt: str | None = None, tenant_weight: float = 1.0,
-                     kv_share: float | None = None) -> Request:
-        """Validate and build a request without touching engine state (safe from any thread)."""
+                     kv_share: float | None = None, pooling: PoolingParams | None = None) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread).
+        With `pooling`, it asks for the prompt's embedding (`StreamDelta.embedding`), not tokens:
+        of `params` only truncate_prompt_tokens then counts."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})",
                                       param="params")
+        if pooling is not None and not isinstance(pooling, PoolingParams):
+            raise InvalidRequestError(f"pooling must be a PoolingParams (got {type(pooling).__name__})",
+                                      param="pooling")
+        if pooling is not None:  # its own: an embedding has no tokens to sample, and one step's room is enough
+            params = SamplingParams(max_tokens=1, truncate_prompt_tokens=params.truncate_prompt_tokens
+                                    if params is not None else None)
         params = params.checked_copy() if params is not None else SamplingParams()
         if params.n != 1:  # (LLM.generate makes one request per sample)
             raise InvalidRequestError(
@@ -448,7 +457,8 @@ class LLMEngine:
                        kv_share=None if kv_share is None else float(kv_share), cache_salt=cache_salt,
                        arrival_seq=next(self._seq), generator=gen,
                        allowed_token_ids=allowed, bad_words=bad_words,
-                       thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar)
+                       thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar,
+                       pooling=pooling)
 
     def _check_something_allowed(self, allowed: torch.Tensor, bad_words: BadWords | None,
                                  params: SamplingParams) -> None:
@@ -533,8 +543,12 @@ class LLMEngine:
 
     def _run_step(self, sched) -> list[StreamDelta]:
         samplers, logits, scored = self.runner.execute(sched)
+        pooled: list[tuple[Request, list[float]]] = []
         for rows in scored:  # (before the step's tokens: a prompt's last chunk gives its first token too)
             req = rows.req
+            if req.pooling is not None:
+                pooled.append((req, pooled_embedding(rows.hidden[-1], req.pooling)))
+                continue
             targets = req.prompt_token_ids[rows.start + 1: rows.start + 1 + rows.hidden.shape[0]]
             req.prompt_logprobs.extend(prompt_logprobs(self.runner.model.compute_logits, rows.hidden, targets,
                                                        req.params.prompt_logprobs))
@@ -543,11 +557,14 @@ class LLMEngine:
             self.prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
             req.num_computed_tokens += n
             self.kv.register_computed(req)
-        if not samplers:
-            return []
-        tokens, lps = self.sampler(logits, samplers)
         now = time.monotonic()
         deltas = []
+        for req, embedding in pooled:  # done once the prompt is in (its blocks now cached for others)
+            req.first_token_time = now
+            deltas.append(self._finish(req, "stop", None, embedding=embedding))
+        if not samplers:
+            return deltas
+        tokens, lps = self.sampler(logits, samplers)
         for req, tok, lp in zip(samplers, tokens, lps):
             deltas.append(self._on_token(req, tok, lp, now))
         return deltas
@@ -581,7 +598,7 @@ class LLMEngine:
         return self._delta(req, detok.delta(False), [tok], lp, finished=False)
 
     def _finish(self, req: Request, reason: str, stop_reason, new_token: int | None = None,
-                lp: TokenLogprob | None = None) -> StreamDelta:
+                lp: TokenLogprob | None = None, embedding: list[float] | None = None) -> StreamDelta:
         detok = self.detoks.pop(req.request_id)
         held_back = detok.matched_stop is None
         # A character still held for its next bytes is output too (nothing after a stop string).
@@ -593,13 +610,14 @@ class LLMEngine:
             reason, stop_reason = "stop", detok.matched_stop
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
-        if reason in ("stop", "length"):
+        if reason in ("stop", "length") and req.pooling is None:  # (a pooling request's 0 is no answer length)
             self.output_lengths.add(req.num_output_tokens)
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.logprobs.pop(req.request_id, None)
         delta = self._delta(req, detok.delta(True), [] if new_token is None else [new_token], lp, finished=True)
         delta.finish_reason, delta.stop_reason = reason, stop_reason
+        delta.embedding = embedding
         req.final_text = detok.text
         return delta
 

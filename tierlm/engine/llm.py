@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 
 from tierlm.config import EngineConfig
 from tierlm.engine.engine import LLMEngine
-from tierlm.engine.outputs import CompletionOutput, RequestOutput
-from tierlm.sampling_params import SamplingParams, choice_seed
+from tierlm.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from tierlm.sampling_params import PoolingParams, SamplingParams, choice_seed
 
 
 def is_token_ids(prompts: object) -> bool:
@@ -112,6 +112,39 @@ class LLM:
                                                prompt_logprobs=prompt_lps.get(d.request_id))
                 if all(o is not None for o in outputs[i]):
                     bar.update(1)
+
+    def embed(self, prompts: str | dict | Sequence[str | dict | list[int]],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (see PoolingParams: the last token's final hidden state,
+        normalised by default), as vLLM's `LLM.embed`; one output per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams()
+        reqs = []
+        for p in prompts:  # every prompt checked before any is queued: a bad one changes nothing
+            self._counter += 1
+            reqs.append(self.engine.make_request(p, None, f"llm-{self._counter}", pooling=pooling))
+        for r in reqs:
+            self.engine.add(r)
+        found: dict[str, EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(reqs), desc="embedding", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for d in self.engine.step():
+                    if d.finished and d.embedding is not None:
+                        found[d.request_id] = EmbeddingRequestOutput(d.request_id, [], EmbeddingOutput(d.embedding),
+                                                                     num_cached_tokens=d.num_cached_tokens)
+                        bar.update(1)
+        except BaseException:
+            for r in reqs:
+                if not r.is_finished:
+                    self.engine.abort(r.request_id)
+            raise
+        finally:
+            bar.close()
+        for r in reqs:
+            found[r.request_id].prompt_token_ids = r.prompt_token_ids
+        return [found[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:

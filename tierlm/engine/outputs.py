@@ -36,6 +36,8 @@ class StreamDelta:
     # With params.prompt_logprobs, on the delta that brings the first token: one entry per prompt
     # token, None for the first (nothing precedes it), as vLLM's RequestOutput.prompt_logprobs.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's embedding (on its only delta, which finishes it): see PoolingParams.
+    embedding: list[float] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -72,3 +74,19 @@ class RequestOutput:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (vLLM's field;
     # each entry a TokenLogprob where vLLM has a dict of token id to Logprob).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A prompt's embedding as `LLM.embed` returns it (vLLM's field names)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

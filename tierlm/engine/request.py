@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from tierlm.engine.outputs import TokenLogprob
 from tierlm.kv.block_pool import KVBlock
 from tierlm.kv.prefix_cache import BlockHash
-from tierlm.sampling_params import BadWords, SamplingParams, ThinkingTracker
+from tierlm.sampling_params import BadWords, PoolingParams, SamplingParams, ThinkingTracker
 
 
 if TYPE_CHECKING:
@@ -74,6 +74,8 @@ class Request:
     # first token has none). Its length is how far the prompt has been scored, which also caps
     # the prefix a cache may serve it (kv/manager.py): a cached block's positions give no logits.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Set: the request wants the prompt's embedding, not tokens (it ends when its prompt is in).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PromptRows:
-    """Final hidden states of prompt positions whose request asked for prompt logprobs: row i
-    predicts prompt token `start + i + 1`. Hidden states, not logits: the vocabulary projection
-    of a long chunk at once ([2,048, 150k] floats is 1.2 GB) is the sampler's to do in pieces."""
+    """Final hidden states of prompt positions a request needs itself: for prompt logprobs, row
+    i predicts prompt token `start + i + 1`; for a pooling request, the one row is the last
+    prompt token's, its embedding. Hidden states, not logits: the vocabulary projection of a
+    long chunk at once ([2,048, 150k] floats is 1.2 GB) is the sampler's to do in pieces."""
 
     req: Request
     start: int
@@ -33,8 +34,12 @@ class PromptRows:
 
 
 def _prompt_span(req: Request, start: int, end: int) -> tuple[int, int]:
-    """(first position, how many): the positions in [start, end) whose logits `req` still needs
-    for its prompt logprobs (those scored before a preemption are not scored again)."""
+    """(first position, how many): the positions in [start, end) whose hidden states `req`
+    still needs: its last prompt token's when it pools, else those its prompt logprobs need
+    (those scored before a preemption are not scored again)."""
+    if req.pooling is not None:
+        last = req.num_prompt_tokens - 1
+        return last, int(start <= last < end)
     if req.prompt_logprobs is None:
         return start, 0
     lo = max(start, len(req.prompt_logprobs))
@@ -232,7 +237,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSeq(offset, offset + n, end,
                                            torch.from_numpy(table[:used]).to(self.device)))
-            if end == req.num_tokens:
+            if end == req.num_tokens and req.pooling is None:
                 logits_idx.append(offset + n - 1)
                 samplers.append(req)
             lo, count = _prompt_span(req, start, end)

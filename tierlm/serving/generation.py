@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
-from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
+from tierlm.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
 from tierlm.serving import tool_grammar
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.auth import RequestContext
@@ -493,6 +493,7 @@ class Generation:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (the first delta brings them)
+    embedding: list[float] | None = None  # a pooling request's
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -504,6 +505,8 @@ class Generation:
             self.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.finished else self.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -589,11 +592,15 @@ class EngineStream:
         params: SamplingParams,
         context: RequestContext,
         inflight: InflightRequests,
+        pooling: PoolingParams | None = None,
+        prompt_index: int = 0,
     ) -> None:
         self.engine = engine
         self.model = model
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.pooling = pooling  # set: the request asks for the prompt's embedding (one delta)
+        self.prompt_index = prompt_index  # which of its HTTP request's prompts (a batch) it runs
         self.context = context
         self._inflight = inflight
         self._iterator: AsyncIterator[StreamDelta] | None = None
@@ -625,7 +632,8 @@ class EngineStream:
         admission = (ctx.sla or _ESTIMATE_ONLY).admit(self.engine, self.model, ctx, len(self.prompt_token_ids))
         if self._observer is not None:
             self._observer.on_engine_request(self.model, self.params, tenant=ctx.tenant_id,
-                                             prompt_tokens=len(self.prompt_token_ids))
+                                             prompt_tokens=len(self.prompt_token_ids), request_id=ctx.request_id,
+                                             prompt_index=self.prompt_index)
         self._iterator = aiter(
             self.engine.generate(
                 self.prompt_token_ids,
@@ -636,6 +644,7 @@ class EngineStream:
                 cache_salt=ctx.cache_salt,
                 tenant_weight=ctx.tenant_weight,
                 kv_share=ctx.kv_share,
+                pooling=self.pooling,
             )
         )
         self._inflight.add(self)

@@ -288,7 +288,7 @@ async def _start_completion(state: Any, context: RequestContext, request: Reques
         params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs),
                                  prompt_logprobs=_prompt_top(body), structured_outputs=structured)
         streams += _engine_streams(state, engine, body, ids, params, context.salted(body.cache_salt),
-                                   first=i * (body.n or 1), total=len(prompt_ids) * (body.n or 1))
+                                   prompt=i, total=len(prompt_ids) * (body.n or 1))
     await _tokenize_bad_words(engine, body.bad_words)
     await _open_all(streams, request)
     echoes = [_prompt_text(engine, p) if body.echo else "" for p in prompts]
@@ -350,15 +350,16 @@ async def _tokenize_bad_words(engine: "AsyncEngine", words: list[str] | None) ->
 
 
 def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
-                    context: RequestContext, first: int = 0, total: int | None = None) -> list[EngineStream]:
-    """One engine request per choice of this prompt, each with its own seed and, where the
-    request has several choices (`total`, all prompts' together), its own id
-    `<request id>-<index>`; this prompt's choices are numbered from `first`."""
+                    context: RequestContext, prompt: int = 0, total: int | None = None) -> list[EngineStream]:
+    """One engine request per choice of prompt `prompt` (of a batch), each with its own seed
+    and, where the request has several choices (`total`, all prompts' together), its own id
+    `<request id>-<index>`, this prompt's choices numbered from prompt × n."""
     n = body.n or 1
     if (total or n) == 1:
         return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
     return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
-                         dataclasses.replace(context, request_id=f"{context.request_id}-{first + i}"), state.inflight)
+                         dataclasses.replace(context, request_id=f"{context.request_id}-{prompt * n + i}"),
+                         state.inflight, prompt_index=prompt)
             for i in range(n)]
 
 

@@ -6,7 +6,7 @@ Why: the same as Anthropic's message batches (batches.py), for OpenAI clients: w
 wait runs behind every interactive request, at its tenant's priority lowered by BATCH_PRIORITY,
 outside the tenant's request-rate and concurrency limits, and no SLA guard sheds it. It shares
 their machinery: each request runs in process through this server's own route
-(/v1/chat/completions, /v1/completions or /v1/responses), as its creator; batches are kept per
+(/v1/chat/completions, /v1/completions, /v1/responses or /v1/embeddings), as its creator; batches are kept per
 API key, and with `--batches-dir` written as they run and taken up again after a restart.
 
 As in OpenAI's API, the input file is checked when the batch is created: a line that is not a
@@ -43,7 +43,8 @@ logger = logging.getLogger("tierlm.serving")
 
 router = APIRouter()
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what this server can run in a batch
+# What this server can run in a batch
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 MAX_REPORTED_ERRORS = 100
 _STATUS_OF_ERROR = {"invalid_request_error": 400, "authentication_error": 401, "api_error": 500}
 

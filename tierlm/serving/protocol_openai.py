@@ -303,6 +303,12 @@ def vllm_top_k(value: int | None) -> int | None:
     return value
 
 
+def _checked_truncation(value: int | None) -> int | None:
+    if value is not None and (problem := truncate_prompt_tokens_problem(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
 def _check_stop(value: Any) -> Any:
     stops = [value] if isinstance(value, str) else value
     if isinstance(stops, list) and (problem := stop_strings_problem(stops)) is not None:
@@ -387,12 +393,7 @@ class _SamplingFields(_Body):
 
     _top_k = field_validator("top_k")(lambda value: vllm_top_k(value))
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, value: int | None) -> int | None:
-        if value is not None and (problem := truncate_prompt_tokens_problem(value)) is not None:
-            raise ValueError(problem)
-        return value
+    _truncation = field_validator("truncate_prompt_tokens")(lambda value: _checked_truncation(value))
 
     @field_validator("logit_bias")
     @classmethod
@@ -587,6 +588,25 @@ def _one_prompt(value: Any, where: str) -> str | list[int]:
     raise ValueError(f"{where} must be a string or a list of token ids")
 
 
+def _prompt_batch(value: Any, field_name: str, most: int, too_many: Callable[[int], str]) -> Any:
+    """A string, token ids, or a batch of at most `most` of either, each checked (a
+    one-element batch is one prompt); `too_many(count)` says why a larger batch is refused."""
+    batch = isinstance(value, list) and bool(value) and all(isinstance(p, (str, list)) for p in value)
+    if not batch:
+        return _one_prompt(value, field_name)
+    if len(value) == 1:
+        return _one_prompt(value[0], field_name)
+    if len(value) > most:
+        raise ValueError(too_many(len(value)))
+    return [_one_prompt(p, f"{field_name}.{i}") for i, p in enumerate(value)]
+
+
+def _batch_items(value: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A validated prompt field's prompts: one, or each of a batch."""
+    batch = isinstance(value, list) and isinstance(value[0], (str, list))
+    return list(value) if batch else [value]  # type: ignore[list-item]
+
+
 class CompletionRequest(_SamplingFields):
     # One prompt, or a batch of them (strings or token-id lists): each batched prompt gets its
     # n choices, prompt i's numbered i × n to i × n + n − 1, as OpenAI and vLLM number them.
@@ -600,22 +620,14 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, value: Any, info: ValidationInfo) -> Any:
-        """A string, token ids, or a batch of either (a one-element batch is one prompt)."""
-        batch = isinstance(value, list) and bool(value) and all(isinstance(p, (str, list)) for p in value)
-        if not batch:
-            return _one_prompt(value, "prompt")
-        if len(value) == 1:
-            return _one_prompt(value[0], "prompt")
-        choices = len(value) * (info.data.get("n") or 1)
-        if choices > MAX_BATCH_CHOICES:  # each choice is an engine request, as with n
-            raise ValueError(f"a batch of {len(value)} prompts with n={info.data.get('n') or 1} is {choices} choices; "
-                             f"at most {MAX_BATCH_CHOICES} per request: split the batch")
-        return [_one_prompt(p, f"prompt.{i}") for i, p in enumerate(value)]
+        n = info.data.get("n") or 1  # each choice is an engine request, as with n
+        return _prompt_batch(value, "prompt", MAX_BATCH_CHOICES // n,
+                             lambda k: f"a batch of {k} prompts with n={n} is {k * n} choices; at most "
+                                       f"{MAX_BATCH_CHOICES} per request: split the batch")
 
     def prompts(self) -> list[str | list[int]]:
         """The body's prompts, one or a batch."""
-        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
-        return list(self.prompt) if batch else [self.prompt]  # type: ignore[list-item]
+        return _batch_items(self.prompt)
 
     @model_validator(mode="after")
     def _nothing_generated_only_with_echo(self) -> "CompletionRequest":
@@ -640,6 +652,54 @@ class CompletionRequest(_SamplingFields):
         if value is not None and value != n:  # best_of == n picks nothing: the n choices themselves
             raise ValueError(f"only best_of equal to n is supported (got best_of={value}, n={n})")
         return value
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings body, with vLLM's `truncate_prompt_tokens`, `normalize` and `cache_salt`."""
+
+    model: str = Field(min_length=1)
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool = True
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+
+    _nulls = field_validator("encoding_format", "normalize", mode="before")(  # null: the default (the SDKs' None)
+        lambda value, info: EmbeddingRequest.model_fields[info.field_name].default if value is None else value)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, value: Any) -> Any:
+        return _prompt_batch(value, "input", MAX_EMBEDDING_INPUTS,
+                             lambda k: f"holds {k} inputs; at most {MAX_EMBEDDING_INPUTS} per request: split it")
+
+    _truncation = field_validator("truncate_prompt_tokens")(lambda value: _checked_truncation(value))
+
+    def inputs(self) -> list[str | list[int]]:
+        return _batch_items(self.input)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string of little-endian float32s with encoding_format base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 # ---- responses -------------------------------------------------------------------------

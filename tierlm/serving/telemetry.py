@@ -47,12 +47,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tierlm.serving")
 request_log = logging.getLogger("tierlm.requests")
 
-# The routes that generate text, and the GenAI operation each performs.
+# The routes that run the model (text, or embeddings), and the GenAI operation each performs.
 GENERATION_ROUTES: dict[str, str] = {
     "/v1/messages": "chat",
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
     "/v1/responses": "chat",
+    "/v1/embeddings": "embeddings",
 }
 DEFAULT_TENANT = "default"
 UNKNOWN_MODEL = "unknown"  # the request failed before its model was resolved (bad body, no such model)
@@ -316,10 +317,15 @@ class RequestTelemetry:
     top_p: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int = 0  # every prompt's once (a batch of prompts; `n` choices share one)
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # all choices' (OpenAI `n`: one engine request per choice)
-    submitted_prompt_tokens: int = 0  # the prompt handed to the engine (known before any output)
+    # Prompt index (a batch of prompts: completions, embeddings) -> the tokens handed to the
+    # engine (known before any output), and -> (prompt, cached) tokens as the engine reported them.
+    _submitted: dict[int, int] = field(default_factory=dict)
+    _prompts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _prompt_of: dict[str, int] = field(default_factory=dict)  # engine request id -> its prompt's index
+    _counted: set[int] = field(default_factory=set)  # prompts already in the token counters
     # Engine request id -> its output tokens so far: the choices of one HTTP request each report
     # their own running count (the last to report stood for all of them).
     _outputs: dict[str, int] = field(default_factory=dict)
@@ -335,16 +341,24 @@ class RequestTelemetry:
     finished: bool = False
     # A cache warm (Anthropic's max_tokens 0): the prompt length the client is told; None otherwise
     warm_prompt_tokens: int | None = None
-    _prompt_counted: bool = False
+
+    @property
+    def submitted_prompt_tokens(self) -> int:
+        """Every prompt handed to the engine, once each: what the request costs even if it ends
+        before any output."""
+        return sum(self._submitted.values())
 
     # -- fed by the engine stream ------------------------------------------------------------
     def on_engine_request(self, model: str, params: "SamplingParams | None" = None, *,
-                          tenant: str | None = None, prompt_tokens: int = 0) -> None:
-        """The request was resolved to a model and handed to its engine (with a prompt of
-        `prompt_tokens`: what it costs even if it ends before its first token)."""
+                          tenant: str | None = None, prompt_tokens: int = 0, request_id: str | None = None,
+                          prompt_index: int = 0) -> None:
+        """Engine request `request_id` was resolved to a model and handed to its engine with
+        prompt `prompt_index` of the HTTP request (its n choices share one), of `prompt_tokens`."""
         self.model = model
         self.tenant = tenant or DEFAULT_TENANT
-        self.submitted_prompt_tokens = max(self.submitted_prompt_tokens, prompt_tokens)
+        self._submitted[prompt_index] = max(self._submitted.get(prompt_index, 0), prompt_tokens)
+        if request_id is not None:
+            self._prompt_of[request_id] = prompt_index
         if params is not None:
             self.max_tokens, self.temperature, self.top_p = params.max_tokens, params.temperature, params.top_p
         if self.warm_prompt_tokens is not None:
@@ -382,11 +396,13 @@ class RequestTelemetry:
         warm = self.warm_prompt_tokens is not None
         n = 0 if warm else len(delta.token_ids)
         num_prompt = self.warm_prompt_tokens if warm else delta.num_prompt_tokens
-        if metrics is not None and not self._prompt_counted and (n or warm):
+        prompt = self._prompt_of.get(delta.request_id, 0)
+        pooled = delta.embedding is not None
+        if metrics is not None and prompt not in self._counted and (n or warm or pooled):
             lbl = (self.model, self.tenant)
             metrics.prompt_tokens.labels(*lbl).inc(num_prompt)
             metrics.prefix_cache_hit_tokens.labels(*lbl).inc(delta.num_cached_tokens)
-            self._prompt_counted = True
+            self._counted.add(prompt)
         if n and metrics is not None:
             lbl = (self.model, self.tenant)
             if self.first_token_at is None:
@@ -401,10 +417,11 @@ class RequestTelemetry:
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = self._last_token[delta.request_id] = now
-        elif warm and delta.finished:
-            self.last_token_at = now  # the warm's end: its e2e latency
-        self.num_prompt_tokens = num_prompt
-        self.num_cached_tokens = delta.num_cached_tokens
+        elif (warm or pooled) and delta.finished:
+            self.last_token_at = now  # the warm's or embedding's end: its e2e latency
+        self._prompts[prompt] = (num_prompt, delta.num_cached_tokens)
+        self.num_prompt_tokens = sum(p for p, _ in self._prompts.values())
+        self.num_cached_tokens = sum(c for _, c in self._prompts.values())
         self._outputs[delta.request_id] = 0 if warm else delta.num_output_tokens
         self.num_output_tokens = sum(self._outputs.values())
         # Engine-side timestamps (optional: engines that do not report them leave these None).

@@ -1,0 +1,74 @@
+"""OpenAI's /v1/embeddings: each input's embedding from the served model, as vLLM serves a
+decoder model converted to embeddings: the last token's final hidden state, L2-normalised
+(`PoolingParams`; vLLM's `normalize: false` leaves it raw). Inputs run as engine requests
+beside generation, behind the same tenancy and SLA admission; a cached prefix serves all but
+the last token. There is no fallback model: another model's vectors lie in another space.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import struct
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tierlm.sampling_params import PoolingParams, SamplingParams
+from tierlm.serving.errors import InvalidRequest
+from tierlm.serving.generation import EngineStream, Generation, output_budget
+from tierlm.serving.openai import _collect_all, _open_all, _truncated, completion_prompt_ids
+from tierlm.serving.protocol_openai import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from tierlm.serving.responses import json_answer
+from tierlm.serving.state import server_state
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    state = server_state(request)
+    context = await state.admit(request)
+    body = await state.parse(request, EmbeddingRequest)
+    engine = state.models.get(body.model)
+    size = engine.engine.args.hidden_size
+    if body.dimensions is not None and body.dimensions != size:
+        raise InvalidRequest(f"dimensions: model '{body.model}' gives embeddings of {size} dimensions and cannot "
+                             f"shorten them (it was not trained to); leave dimensions out, or give {size}",
+                             param="dimensions")
+    inputs = body.inputs()
+    ids_list = []
+    for i, item in enumerate(inputs):
+        field_name = "input" if len(inputs) == 1 else f"input.{i}"
+        ids = _truncated(engine, await completion_prompt_ids(engine, body, item, field_name), body.truncate_prompt_tokens, 1)
+        output_budget(engine, body.model, len(ids), 1, prompt_field=field_name)  # the context holds it (a 400 naming it)
+        ids_list.append(ids)
+    ctx = context.salted(body.cache_salt)
+    pooling, params = PoolingParams(normalize=body.normalize), SamplingParams(max_tokens=1)
+    streams = [EngineStream(engine, body.model, ids, params,
+                            ctx if len(ids_list) == 1 else dataclasses.replace(ctx, request_id=f"{ctx.request_id}-{i}"),
+                            state.inflight, pooling=pooling, prompt_index=i)
+               for i, ids in enumerate(ids_list)]
+    await _open_all(streams, request)
+    results = await _collect_all(streams, request)
+    for i, result in enumerate(results):
+        if result.embedding is None:  # refused by an input safety policy (its name is in the log and metrics)
+            where = "input" if len(results) == 1 else f"input.{i}"
+            raise InvalidRequest(f"{where} was refused by the server's safety policy '{result.stop_reason}'",
+                                 param=where)
+    return await json_answer(lambda: _response(body, results), sum(len(r.embedding or ()) for r in results) // 16)
+
+
+def _response(body: EmbeddingRequest, results: list[Generation]) -> EmbeddingResponse:
+    tokens = sum(r.num_prompt_tokens for r in results)
+    return EmbeddingResponse(
+        data=[Embedding(index=i, embedding=_encoded(r.embedding or [], body.encoding_format))
+              for i, r in enumerate(results)],
+        model=body.model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """The vector as JSON numbers, or (base64, what the `openai` SDK asks for by default) its
+    little-endian float32 bytes in base64, which the SDK decodes with numpy."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
