@@ -5,8 +5,9 @@
 from tierlm.config import EngineConfig
 from tierlm.engine.async_engine import AsyncEngine
 from tierlm.engine.llm import LLM
-from tierlm.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from tierlm.sampling_params import SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
+from tierlm.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, StreamDelta
+from tierlm.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "ThinkBlock", "ThinkingBudget", "AsyncEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams", "ThinkBlock", "ThinkingBudget",
+           "AsyncEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "StreamDelta"]
 __version__ = "0.1.0"

@@ -122,7 +122,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def on_engine_request(self, model, params=None, *, tenant=None, prompt_tokens=0) -> None:
+    def on_engine_request(self, model, params=None, *, tenant=None, prompt_tokens=0, request_id=None,
+                          prompt_index=0) -> None:
         self.events.append(("request", model, params.max_tokens, tenant))
 
     def on_delta(self, delta) -> None:
@@ -164,7 +165,7 @@ def test_engine_streams_report_to_the_scope_observer(checkpoints, monkeypatch):
     assert failed.events == [("request", "observed", 20, None), ("delta", False), ("error", 500)]
 
 
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses/x/y", "/v1/chat/completion", "/v1/chat",
+@pytest.mark.parametrize("path", ["/v1/embeddings/x", "/v1/responses/x/y", "/v1/chat/completion", "/v1/chat",
                                   "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/files/f1/x",
                                   "/v1/batches/b1/x", "/v1/completions/x", "/v1/conversations", "/v1/vector_stores",
                                   "/v1/fine_tuning/jobs", "/v1/assistants", "/v1/uploads", "/v1/containers",

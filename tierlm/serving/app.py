@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tierlm.serving import anthropic, batches, files, openai, openai_batches, openai_embeddings, openai_responses
+from tierlm.serving import (anthropic, batches, files, openai, openai_batches, openai_embeddings, openai_responses,
+                            tokenize)
 from tierlm.serving.batches import BatchStore
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.auth import Authenticator
@@ -134,6 +135,7 @@ def build_app(
     app.include_router(files.router)
     app.include_router(openai_batches.router)
     app.include_router(openai_embeddings.router)
+    app.include_router(tokenize.router)
     # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
     reads = ["GET", "HEAD"]
     app.add_api_route("/v1/models", list_models, methods=reads)

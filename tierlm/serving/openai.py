@@ -416,7 +416,9 @@ async def _checked_structured(engine: "AsyncEngine", body: Any) -> StructuredOut
 async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
                             tool_calls: toolcalls.ToolCallFormat | None = None,
                             reasoning: ReasoningFormat | None = None, structured: bool = False,
-                            schema_field: str = "tools.{}.function.parameters") -> ChatPrompt:
+                            schema_field: str = "tools.{}.function.parameters", check_length: bool = True) -> ChatPrompt:
+    """The conversation rendered by the model's template and tokenized; `check_length` false
+    counts one longer than the context too (/tokenize), as count_tokens does."""
     _check_tool_turns(body.messages)
     messages = _one_leading_system([_template_message(m, i, body.model) for i, m in enumerate(body.messages)])
     choice = body.tool_choice or "auto"
@@ -441,6 +443,7 @@ async def build_chat_prompt(engine: "AsyncEngine", body: ChatCompletionRequest,
         reasoning=reasoning,
         structured=structured,
         schema_field=schema_field,
+        check_length=check_length,
     )
 
 

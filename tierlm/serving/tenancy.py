@@ -43,7 +43,8 @@ The limits are each process's own, unless `--limits-store redis://...` names a R
 server (or router) serving the tenants shares: then each limit holds across all of them
 (limit_store.py), and falls back to each process's own while that Redis does not answer.
 
-Only generation requests (`GENERATION_ROUTES`) are limited; every request is attributed.
+Only requests that run the model (`GENERATION_ROUTES`: generation and embeddings) are limited;
+every request is attributed.
 Without a tenants file each key is a tenant of its own at priority 0, with no limits.
 """
 from __future__ import annotations
