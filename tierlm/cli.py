@@ -67,6 +67,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="record decode steps and short prefill chunks as CUDA graphs and replay them "
                         "(not yet measured on a GPU, so off by default)")
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (PEFT checkpoints) on the base model, chosen per request")
+    lora.add_argument("--max-loras", type=at_least(1, int), default=4,
+                      help="distinct adapters in one batch; requests of others wait for a slot (default: 4)")
+    lora.add_argument("--max-lora-rank", type=at_least(1, int), default=64,
+                      help="the largest rank an adapter may have (default: 64)")
     kv = p.add_argument_group("KV cache tiers")
     kv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     help="turn off automatic prefix caching")
@@ -110,7 +117,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_host_policy=args.kv_host_policy, kv_disk_policy=args.kv_disk_policy,
                 kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through,
                 kv_read_timeout=args.kv_read_timeout, kv_policy_history=args.kv_policy_history,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, enable_lora=args.enable_lora, max_loras=int(args.max_loras),
+                max_lora_rank=int(args.max_lora_rank))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -184,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tierlm.bench import throughput
     throughput.add_cli(bsub)
     for mod in ("cache", "prefix", "score", "serve", "sweep", "fairness", "sla", "safety", "router", "limits",
-                "batches"):
+                "batches", "lora"):
         try:
             m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
         except ImportError:

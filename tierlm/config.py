@@ -80,6 +80,14 @@ class EngineConfig:
     # rest of it (recomputed); a Redis round trip slower than this counts as an outage.
     kv_read_timeout: float = 5.0
     served_model_name: str | None = None
+    # LoRA adapters (PEFT checkpoints) on this base model, chosen per request by name: adapters
+    # to load at start (name -> directory; implies enable_lora), and with enable_lora, more may
+    # be added while it runs (LLMEngine.add_lora). max_loras: distinct adapters in one step
+    # (others wait for a slot); max_lora_rank: the largest rank an adapter may have.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
     load_progress: bool = True
     # One full-budget forward pass at start-up, so the first real steps do not pay for kernel
     # selection and first-touch allocation (vLLM's profiling run plays the same role).
@@ -125,6 +133,16 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)} (got "
                              f"{self.scheduling_policy!r})")
+        for knob in ("max_loras", "max_lora_rank"):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob} must be a whole number >= 1 (got {value!r})")
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
+                raise ValueError("lora_modules must map adapter names to PEFT adapter directories "
+                                 f"(got {self.lora_modules!r})")
+            self.enable_lora = True
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

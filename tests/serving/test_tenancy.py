@@ -124,7 +124,10 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     ('[tenants.a]\nkeys = ["nobody"]', "t.toml: tenants.a.keys: key id 'nobody' is not in the keys file; add its line"),
     ('[tenants.a]\nkeys = []', "tenants.a.keys: list the ids of the keys this tenant owns"),
     ('[tenants.a]\ntier = "tin"\nkeys = ["rpm"]', "tenants.a.tier: no tier named 'tin'; use one of bronze, gold, silver"),
-    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_share, max_batch_requests, max_concurrent, requests_per_minute, tier, tokens_per_minute, weight"),
+    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_share, max_batch_requests, max_concurrent, models, requests_per_minute, tier, tokens_per_minute, weight"),
+    ('[tenants.a]\nkeys = ["rpm"]\nmodels = []', "tenants.a.models: list the names of the models (and LoRA adapters)"),
+    ('[tiers.gold]\nmodels = "base"', "tiers.gold.models: list the names of the models"),
+    ('[tenants.a]\nkeys = ["rpm"]\nmodels = ["base", 3]', "tenants.a.models: list the names"),
     ('[tenants.a]\nkeys = ["rpm"]\nmax_batch_requests = 0', "tenants.a.max_batch_requests: must be a whole number of "
                                                           "at least 1 (got 0)"),
     ('[tiers.gold]\nmax_batch_requests = 2.5', "tiers.gold.max_batch_requests: must be a whole number of at least 1"),
@@ -519,3 +522,13 @@ def test_a_429_names_the_limit_that_holds_it_longest_with_the_headers_wait():
     with pytest.raises(TenantRateLimited) as refused:
         fresh.admit_here(tenant, "openai")
     assert "retry after 1 s" in refused.value.message and refused.value.headers["retry-after"] == "1"
+
+
+def test_a_tenant_s_models_come_from_its_own_entry_else_its_tier_else_every_model():
+    config = parse('default_tier = "silver"\n[tiers.silver]\nmodels = ["base"]\n'
+                   '[tenants.a]\ntier = "silver"\nkeys = ["rpm"]\nmodels = ["base", "a-lora"]\n'
+                   '[tenants.b]\ntier = "silver"\nkeys = ["tpm"]\n[tenants.c]\ntier = "gold"\nkeys = ["conc"]')
+    assert config.tenant_of("rpm").models == {"base", "a-lora"}
+    assert config.tenant_of("tpm").models == {"base"}
+    assert config.tenant_of("lone").models == {"base"}  # a lone key: the default tier's
+    assert config.tenant_of("conc").models is None  # gold sets none: every model

@@ -120,6 +120,19 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter as `name` (read on a worker thread: the loop goes on)."""
+        await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
+
+    def lora_path(self, name: str) -> str:
+        return self.engine.lora_path(name)
+
     # -- lifecycle -------------------------------------------------------------------------
     def _lifecycle(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -204,8 +217,8 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                        cache_salt: str | None = None, tenant_weight: float = 1.0,
-                       kv_share: float | None = None, pooling: PoolingParams | None = None
-                       ) -> AsyncIterator[StreamDelta]:
+                       kv_share: float | None = None, pooling: PoolingParams | None = None,
+                       lora: str | None = None) -> AsyncIterator[StreamDelta]:
         """The request's deltas as the engine makes them; with `pooling`, one delta holding the
         prompt's embedding (see PoolingParams)."""
         await self.start()  # (a free lock is taken without waiting)
@@ -215,7 +228,7 @@ class AsyncEngine:
             await asyncio.to_thread(self.engine.grammars.grammar, params.structured_outputs)
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
                                        cache_salt=cache_salt, tenant_weight=tenant_weight, kv_share=kv_share,
-                                       pooling=pooling)
+                                       pooling=pooling, lora=lora)
         rid = req.request_id
         while (old := self._streams.get(rid)) is not None:
             if not isinstance(old, _Closing):

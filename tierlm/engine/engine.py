@@ -27,6 +27,7 @@ from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.runner import ModelRunner, kv_bytes_per_block
 from tierlm.engine.grammar import GrammarCompiler
+from tierlm.engine.loras import LoRARegistry
 from tierlm.engine.pooling import pooled_embedding
 from tierlm.engine.sampler import Sampler, prompt_logprobs, seeded_generator
 from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, TtftCalibration, estimate_ttft
@@ -43,6 +44,7 @@ from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, Red
 from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
+from tierlm.models.lora import LoRAAdapter, LoRARequest
 from tierlm.models.registry import resolve_architecture
 from tierlm.sampling_params import BadWords, PoolingParams, SamplingParams, ThinkingTracker, bad_words_token_ids, truncate_prompt
 
@@ -82,6 +84,9 @@ class EngineStats:
     kv_write_backlog_bytes: int = 0
     kv_staged_bytes: int = 0
     kv_held_bytes: int = 0
+    # With LoRA: per adapter (loaded, or still used by requests after its removal), its requests
+    # {"running": n, "waiting": n}; None when the engine serves no adapters.
+    lora_requests: dict | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -263,6 +268,16 @@ class LLMEngine:
                                   make_policy(config.eviction_policy, history=config.kv_policy_history))
             self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
                                       graphs=self._graphs_config(config, loaded.args, bs))
+            self.loras: LoRARegistry | None = None
+            if config.enable_lora:
+                self.loras = LoRARegistry(loaded.model, loaded.args, self.device, loaded.dtype,
+                                          config.max_lora_rank, reserved={self.model_name})
+                self.runner.lora_state = self.loras.state
+                for name, path in (config.lora_modules or {}).items():
+                    try:
+                        self.loras.add(name, path)
+                    except InvalidRequestError as e:  # a bad name: the caller's configuration
+                        raise ModelLoadError(f"lora_modules: {e}") from None
             if config.warmup:
                 t0 = time.monotonic()
                 warm_tokens = min(self.max_num_batched_tokens, self.max_model_len)
@@ -298,7 +313,7 @@ class LLMEngine:
                                  prefetch=(self.device.type == "cuda" or bool(config.kv_remote))
                                  if config.kv_prefetch is None else config.kv_prefetch)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, max_loras=config.max_loras)
         # How long a step with nothing to run but a prefix read waits for it: None, until it is
         # done or overdue (a caller stepping in a loop); an AsyncEngine polls (READ_POLL_S).
         self.read_wait_s: float | None = None
@@ -341,10 +356,12 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                      cache_salt: str | None = None, tenant_weight: float = 1.0,
-                     kv_share: float | None = None, pooling: PoolingParams | None = None) -> Request:
+                     kv_share: float | None = None, pooling: PoolingParams | None = None,
+                     lora: "str | LoRARequest | None" = None) -> Request:
         """Validate and build a request without touching engine state (safe from any thread).
         With `pooling`, it asks for the prompt's embedding (`StreamDelta.embedding`), not tokens:
-        of `params` only truncate_prompt_tokens then counts."""
+        of `params` only truncate_prompt_tokens then counts. `lora`: the LoRA adapter to run with,
+        a loaded adapter's name or vLLM's LoRARequest (loaded on first use)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})",
                                       param="params")
@@ -450,6 +467,8 @@ class LLMEngine:
         if allowed is not None:
             self._check_something_allowed(allowed, bad_words, params)
         grammar = self.grammars.follower(params.structured_outputs, block) if params.structured_outputs else None
+        # Last: a LoRARequest not yet loaded is loaded here, and only for a request that is otherwise valid.
+        adapter = self.lora(lora) if lora is not None else None
         rid = request_id or uuid.uuid4().hex
         gen = seeded_generator(params.seed) if params.seed is not None else None
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
@@ -458,7 +477,37 @@ class LLMEngine:
                        arrival_seq=next(self._seq), generator=gen,
                        allowed_token_ids=allowed, bad_words=bad_words,
                        thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar,
-                       pooling=pooling)
+                       pooling=pooling, lora=adapter)
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise InvalidRequestError(f"model '{self.model_name}' serves no LoRA adapters; start the engine with "
+                                      "enable_lora=True (tierlm serve --enable-lora) to use them",
+                                      param="lora_request")
+        return self.loras
+
+    def lora(self, lora: "str | LoRARequest | LoRAAdapter") -> "LoRAAdapter":
+        """The loaded adapter a request names (vLLM's LoRARequest loads it on first use)."""
+        return self._lora_registry().resolve(lora)
+
+    def add_lora(self, name: str | LoRARequest, path: str | None = None) -> "LoRAAdapter":
+        """Load a PEFT LoRA adapter as `name` (safe from any thread while the engine steps)."""
+        if isinstance(name, LoRARequest):
+            name, path = name.lora_name, name.lora_path
+        if path is None:
+            raise InvalidRequestError("add_lora needs the adapter's directory", param="lora_path")
+        return self._lora_registry().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name`: new requests cannot use it; those using it finish with it."""
+        self._lora_registry().remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.loras.names if self.loras is not None else []
+
+    def lora_path(self, name: str) -> str:
+        return self._lora_registry().require(name).path
 
     def _check_something_allowed(self, allowed: torch.Tensor, bad_words: BadWords | None,
                                  params: SamplingParams) -> None:
@@ -683,7 +732,19 @@ class LLMEngine:
             kv_tier_usage=self.store.usage() if self.store is not None else None,
             kv_write_backlog_bytes=self.store.backlog if self.store is not None else 0,
             kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0,
-            kv_held_bytes=self.kv.held_bytes)
+            kv_held_bytes=self.kv.held_bytes, lora_requests=self._lora_requests())
+
+    def _lora_requests(self) -> dict | None:
+        """Per loaded adapter, its requests running and waiting (None: no LoRA on this engine).
+        Read from any thread: the queues are copied first (one step of staleness at most)."""
+        if self.loras is None:
+            return None
+        counts = {name: {"running": 0, "waiting": 0} for name in self.loras.names}
+        for state, queue in (("running", list(self.scheduler.running)), ("waiting", list(self.scheduler.waiting))):
+            for req in queue:
+                if req.lora is not None:
+                    counts.setdefault(req.lora.name, {"running": 0, "waiting": 0})[state] += 1
+        return counts
 
     def persist_kv(self) -> int:
         """With a disk tier: move every cached block from the device and host memory down to it

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tierlm.config import EngineConfig
 from tierlm.engine.engine import LLMEngine
 from tierlm.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from tierlm.models.lora import LoRARequest
 from tierlm.sampling_params import PoolingParams, SamplingParams, choice_seed
 
 
@@ -42,10 +43,21 @@ class LLM:
 
     def generate(self, prompts: str | dict | Sequence[str | dict | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None
+                 ) -> list[RequestOutput]:
+        """vLLM's `LLM.generate`. `lora_request`: the LoRA adapter to run every prompt with, or one
+        per prompt (None: the base model); a LoRARequest is loaded on first use (the engine needs
+        enable_lora=True), a string names a loaded adapter."""
         if isinstance(prompts, (str, dict)) or is_token_ids(prompts):  # one prompt (a flat list of ids, as in vLLM)
             prompts = [prompts]
         prompts = list(prompts)
+        if lora_request is None or isinstance(lora_request, (str, LoRARequest)):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests; pass one or one per prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -68,7 +80,8 @@ class LLM:
             for j in range(n):
                 child = sp if n == 1 else dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, j))
                 reqs.append((i, j, rid, self.engine.make_request(p, child, rid if n == 1 else f"{rid}-{j}",
-                                                                 priority=priority[i] if priority else 0)))
+                                                                 priority=priority[i] if priority else 0,
+                                                                 lora=loras[i])))
         for *_, r in reqs:
             self.engine.add(r)
         slot = {r.request_id: (i, j, rid, r) for i, j, rid, r in reqs}
@@ -114,7 +127,8 @@ class LLM:
                     bar.update(1)
 
     def embed(self, prompts: str | dict | Sequence[str | dict | list[int]],
-              pooling_params: PoolingParams | None = None, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              lora_request: LoRARequest | str | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (see PoolingParams: the last token's final hidden state,
         normalised by default), as vLLM's `LLM.embed`; one output per prompt, in order."""
         if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
@@ -123,7 +137,7 @@ class LLM:
         reqs = []
         for p in prompts:  # every prompt checked before any is queued: a bad one changes nothing
             self._counter += 1
-            reqs.append(self.engine.make_request(p, None, f"llm-{self._counter}", pooling=pooling))
+            reqs.append(self.engine.make_request(p, None, f"llm-{self._counter}", pooling=pooling, lora=lora_request))
         for r in reqs:
             self.engine.add(r)
         found: dict[str, EmbeddingRequestOutput] = {}
@@ -147,7 +161,8 @@ class LLM:
         return [found[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             tools: list[dict] | None = None, use_tqdm: bool = False,
+             lora_request: LoRARequest | str | None = None) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, tools)} for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

@@ -17,6 +17,7 @@ from tierlm.sampling_params import BadWords, PoolingParams, SamplingParams, Thin
 
 if TYPE_CHECKING:
     from tierlm.engine.grammar import GrammarFollower
+    from tierlm.models.lora import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +77,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob] | None = None
     # Set: the request wants the prompt's embedding, not tokens (it ends when its prompt is in).
     pooling: PoolingParams | None = None
+    # Set: the LoRA adapter the request runs with (its own object: removing the adapter from the
+    # engine meanwhile does not take it from under the request).
+    lora: "LoRAAdapter | None" = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

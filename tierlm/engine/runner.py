@@ -17,6 +17,7 @@ from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.models import cpu_kernels as cpu_kernel_lib
 from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from tierlm.models.loader import LoadedModel
+from tierlm.models.lora import LoRAAdapter, LoRAState
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,17 @@ def _prompt_span(req: Request, start: int, end: int) -> tuple[int, int]:
         return start, 0
     lo = max(start, len(req.prompt_logprobs))
     return lo, max(0, min(end, req.num_prompt_tokens - 1) - lo)
+
+
+def row_ranges(rows: list[int]) -> list[tuple[int, int]]:
+    """Ascending rows as [start, end) runs: an adapter's rows, for slices rather than gathers."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
 
 
 def kv_bytes_per_block(args, kv_dtype: torch.dtype, block_size: int) -> int:
@@ -74,6 +86,7 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
         self._pin = True  # K/V copies to host land in page-locked memory while it can be had
+        self.lora_state: LoRAState | None = None  # set by the engine when it serves LoRA adapters
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, num_decodes: int) -> None:
@@ -184,11 +197,13 @@ class ModelRunner:
         return np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
 
     def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
-        """Split length-sorted decodes where padding to the group's longest would exceed ~50%."""
+        """Split length-sorted decodes where padding to the group's longest would exceed ~50%
+        (and where the order starts again from short ones: the next LoRA adapter's decodes)."""
         groups = []
         start = 0
         for i in range(1, len(tables) + 1):
-            if i < len(tables) and 2 * len(tables[i]) <= 3 * len(tables[start]) + 2:
+            if (i < len(tables) and len(tables[i - 1]) <= len(tables[i])
+                    and 2 * len(tables[i]) <= 3 * len(tables[start]) + 2):
                 continue  # still within ~1.5x of the group's shortest
             width = len(tables[i - 1])
             padded = np.zeros((i - start, width), dtype=np.int64)
@@ -205,7 +220,9 @@ class ModelRunner:
         the hidden states of the prompt positions to score (prompt logprobs)."""
         scoring = any(_prompt_span(req, req.num_computed_tokens, req.num_computed_tokens + n)[1]
                       for req, n in sched.scheduled)
-        if self.graphs is not None and sched.scheduled and not scoring:  # (a graph keeps only sampling rows)
+        adapted = any(req.lora is not None for req, _ in sched.scheduled)
+        # (a graph keeps only sampling rows, and records no adapter)
+        if self.graphs is not None and sched.scheduled and not scoring and not adapted:
             done = self.graphs.execute(sched.scheduled, self._block_ids)
             if done is not None:
                 return (*done, [])
@@ -218,11 +235,16 @@ class ModelRunner:
         score_idx: list[int] = []
         spans: list[tuple[Request, int, int]] = []  # (request, first position scored, how many)
         prefills: list[PrefillSeq] = []
+        lora_rows: dict[LoRAAdapter, list[int]] = {}
         dec_tables: list[np.ndarray] = []
         dec_lens: list[int] = []
         offset = 0
-        # Decodes first, shortest context first, so similar lengths share a padded attention batch.
-        entries = sorted(sched.scheduled, key=lambda e: (e[1] > 1, e[0].num_computed_tokens if e[1] == 1 else 0))
+        # Decodes first, shortest context first, so similar lengths share a padded attention batch;
+        # with LoRA adapters, each adapter's rows together first, so its delta is one slice each
+        # for its decodes and its prefills (see LoRALinear).
+        order = {a: i for i, a in enumerate(dict.fromkeys(r.lora for r, _ in sched.scheduled))} if adapted else None
+        entries = sorted(sched.scheduled, key=lambda e: (e[1] > 1, order[e[0].lora] if adapted else 0,
+                                                         e[0].num_computed_tokens if e[1] == 1 else 0))
         for req, n in entries:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             ids.extend(req.all_token_ids[start:end])
@@ -240,6 +262,8 @@ class ModelRunner:
             if end == req.num_tokens and req.pooling is None:
                 logits_idx.append(offset + n - 1)
                 samplers.append(req)
+            if req.lora is not None:
+                lora_rows.setdefault(req.lora, []).extend(range(offset, offset + n))
             lo, count = _prompt_span(req, start, end)
             if count:
                 spans.append((req, lo, count))
@@ -255,7 +279,18 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         idx = torch.tensor(logits_idx + score_idx, dtype=torch.long, device=dev)
-        if not score_idx:
+        if lora_rows:
+            self.lora_state.batch = [(adapter, row_ranges(rows)) for adapter, rows in lora_rows.items()]
+        try:
+            return self._forward(input_ids, pos_t, meta, idx, samplers, spans, bool(score_idx))
+        finally:
+            if lora_rows:
+                self.lora_state.batch = None
+
+    def _forward(self, input_ids: torch.Tensor, pos_t: torch.Tensor, meta: AttentionMetadata, idx: torch.Tensor,
+                 samplers: list[Request], spans: list[tuple[Request, int, int]], scoring: bool
+                 ) -> tuple[list[Request], torch.Tensor | None, list[PromptRows]]:
+        if not scoring:
             logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_indices=idx)
             return (samplers, logits, []) if samplers else ([], None, [])
         hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta, logits_indices=idx)

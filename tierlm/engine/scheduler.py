@@ -37,12 +37,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: str = "fair") -> None:
+                 policy: str = "fair", max_loras: int | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}")
         self.kv = kv
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
+        self.max_loras = max_loras  # distinct LoRA adapters among running requests (None: no limit)
         self.policy = policy
         self.fair = FairShare()
         self.quotas = KVQuotas(kv.block_size, kv.pool.num_blocks)
@@ -120,6 +121,7 @@ class Scheduler:
         for req, n in chosen.items():
             self._add_cost(pending, req, n)
         reading = None
+        adapters = {r.lora for r in self.running if r.lora is not None}
         for req in self._order(list(self.waiting), pending):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
@@ -129,6 +131,9 @@ class Scheduler:
                 break  # do not re-admit what this step just evicted
             if not self.quotas.admits(req, self.running):
                 continue  # its tenant's quota is full: others go ahead
+            if (req.lora is not None and req.lora not in adapters and self.max_loras is not None
+                    and len(adapters) >= self.max_loras):
+                continue  # every adapter slot is taken: requests of running adapters (or none) go ahead
             if not self.kv.prefix_ready(req) and not self.kv.read_overdue(req):
                 if reading is None:
                     reading = req
@@ -139,6 +144,8 @@ class Scheduler:
                 continue
             if not self._admit(req, budget, chosen):
                 break
+            if req.lora is not None:
+                adapters.add(req.lora)
             budget -= chosen[req]
             self._add_cost(pending, req, chosen[req])
         if not chosen and reading is not None:

@@ -22,10 +22,12 @@ def block_hash(parent: BlockHash | None, tokens: Sequence[int], extra: bytes = b
     return h.digest()
 
 
-def extra_key(model_id: str, cache_salt: str | None) -> bytes:
-    """Bytes mixed into every block hash: different salts never share a block."""
+def extra_key(model_id: str, cache_salt: str | None, adapter: str | None = None) -> bytes:
+    """Bytes mixed into every block hash: different salts never share a block, nor do different
+    LoRA adapters (`adapter`: its fingerprint; None for the base model, whose keys are unchanged)."""
     salt = cache_salt or ""
-    return f"{model_id}\x1f{len(salt)}:{salt}".encode()
+    key = f"{model_id}\x1f{len(salt)}:{salt}"
+    return (key + f"\x1flora:{adapter}" if adapter else key).encode()
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, extra: bytes,

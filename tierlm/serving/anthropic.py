@@ -87,7 +87,7 @@ async def create_message(request: Request) -> Response:
     state = server_state(request)
     context = await state.admit(request)
     body = await state.parse(request, MessagesRequest)
-    state.models.get(body.model)  # an unknown model is named first (404), as Anthropic does
+    state.models.get(body.model, context.models)  # an unknown model is named first (404), as Anthropic does
     await read_file_documents(state, context, body)
     # With interleaved thinking (a beta Claude Code sends) the budget covers the whole turn and
     # may exceed max_tokens, as Anthropic's docs allow.
@@ -113,7 +113,7 @@ class _Started:
 async def _start_message(request: Request, state: Any, context: RequestContext, body: MessagesRequest) -> _Started:
     """Render `body` for its model and open its engine request (the SLA guard's refusal, SlaShed,
     surfaces here, before the engine sees anything)."""
-    engine = state.models.get(body.model)
+    engine = state.models.get(body.model, context.models)
     structured = await checked_format(engine, body)
     if structured is not None and body.tools and body.tool_choice is not None and body.tool_choice.type in ("any", "tool"):
         raise InvalidRequest("tool_choice: a required tool call cannot follow output_config.format as well; use "
@@ -170,7 +170,7 @@ async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     context = state.identify(request)
     body = await state.parse(request, CountTokensRequest, counting=True)
-    engine = state.models.get(body.model)
+    engine = state.models.get(body.model, context.models)
     await read_file_documents(state, context, body)
     await checked_format(engine, body)  # (refused here as by /v1/messages; it adds nothing to the prompt)
     # Counted whatever the length: the count is the answer, even past the model's context.

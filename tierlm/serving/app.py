@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tierlm.serving import (anthropic, batches, files, openai, openai_batches, openai_embeddings, openai_responses,
-                            tokenize)
+from tierlm.serving import (anthropic, batches, files, lora_admin, openai, openai_batches, openai_embeddings,
+                            openai_responses, tokenize)
 from tierlm.serving.batches import BatchStore
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.auth import Authenticator
@@ -67,6 +67,7 @@ def build_app(
     safety: SafetyPolicies | None = None,
     sla: SlaGuard | None = None,
     batch_store: BatchStore | None = None,
+    lora_updates: lora_admin.LoRAUpdates | None = None,
 ) -> FastAPI:
     """An app serving `engines` (name → engine) behind `auth`.
 
@@ -83,7 +84,8 @@ def build_app(
     `safety`: phrase policies prompts and answers are checked against (default: none). `sla`:
     the SLA guard's breaker settings and fallback models (default: breakers on, no fallbacks).
     `batch_store`: the Message Batches API's batches (default: in memory; with a BatchJournal
-    they are written to a directory, and a restart goes on with them).
+    they are written to a directory, and a restart goes on with them). `lora_updates`: who may
+    load and unload LoRA adapters at run time (default: nobody; adapters loaded at start stay).
     """
     sla = sla if sla is not None else SlaGuard()
     for big, small in sla.fallbacks.items():
@@ -96,7 +98,8 @@ def build_app(
                         responses=response_store if response_store is not None else ResponseStore(),
                         tenancy=tenancy if tenancy is not None else Tenancy(),
                         safety=safety if safety is not None else SafetyPolicies(), sla=sla,
-                        batches=batch_store if batch_store is not None else BatchStore())
+                        batches=batch_store if batch_store is not None else BatchStore(),
+                        lora_updates=lora_updates)
     telemetry = telemetry or Telemetry()
     state.tenancy.on_refused = telemetry.metrics.count_refusal
     if state.tenancy.store is not None:
@@ -136,6 +139,7 @@ def build_app(
     app.include_router(openai_batches.router)
     app.include_router(openai_embeddings.router)
     app.include_router(tokenize.router)
+    app.include_router(lora_admin.router)
     # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
     reads = ["GET", "HEAD"]
     app.add_api_route("/v1/models", list_models, methods=reads)
@@ -159,13 +163,13 @@ async def list_models(request: Request) -> Response:
     """All models, or one page of them: Anthropic's `limit` (1-1000; default all, as OpenAI
     lists all) after `after_id` or before `before_id`, with `has_more` for that direction."""
     state = server_state(request)
-    state.identify(request)
-    names = state.models.names
+    allowed = state.identify(request).models
+    names = state.models.names_for(allowed)
     query = request.query_params
     start, end, has_more = page(names, limit_param(query.get("limit"), None), query.get("after_id"),
                                 query.get("before_id"),
                                 lambda param, name: f"{param}: model '{name}' is not served here; use an id from the list")
-    data = [state.models.describe(name) for name in names[start:end]]
+    data = [state.models.describe(name, allowed) for name in names[start:end]]
     return JSONResponse({
         "object": "list",
         "data": data,
@@ -177,8 +181,7 @@ async def list_models(request: Request) -> Response:
 
 async def get_model(request: Request, model_id: str) -> Response:
     state = server_state(request)
-    state.identify(request)
-    return JSONResponse(state.models.describe(model_id))
+    return JSONResponse(state.models.describe(model_id, state.identify(request).models))
 
 
 async def health() -> Response:

@@ -51,6 +51,7 @@ class RequestContext:
     cache_salt: str | None = None
     safety: "RequestSafety | None" = None  # the policies its prompt and answer are checked against (safety.py)
     sla: "SlaGuard | None" = None  # the server's breakers and fallbacks (sla.py)
+    models: frozenset[str] | None = None  # the models its tenant may use (None: every one); tenancy.py
 
     def salted(self, extra: str | None) -> "RequestContext":
         """This context with a client's own `cache_salt` (a request field, as in vLLM) mixed under

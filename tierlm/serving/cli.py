@@ -12,10 +12,16 @@ from __future__ import annotations
 import argparse
 import gc
 import ipaddress
+import json
 import time
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving.auth import Authenticator
+    from tierlm.serving.lora_admin import LoRAUpdates
 
 from tierlm.cli import _add_engine_args, at_least, engine_kwargs
 from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES
@@ -54,6 +60,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=DIR",
                    help="serve DIR under the name NAME (repeat for several models, each with its own engine)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=DIR",
+                   help="LoRA adapters (PEFT directories) to serve, each a model of its own name on the base "
+                        "model (implies --enable-lora); with several models served, give each as JSON naming its "
+                        "base, vLLM's form: '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (implies "
+                        "--enable-lora); with --api-keys, only the --lora-admin-key ids may call them")
+    p.add_argument("--lora-admin-key", dest="lora_admin_keys", action="append", default=[], metavar="KEY_ID",
+                   help="a key id (from --api-keys) that may load and unload adapters at run time; repeat for more")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (the log says which)")
     auth = p.add_mutually_exclusive_group()
@@ -148,6 +163,69 @@ def parse_model_specs(model_dir: str | None, specs: list[str]) -> dict[str, str 
     return models
 
 
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str, str | None]]:
+    """--lora-modules entries as (adapter name, directory, base model or None: the only one):
+    NAME=DIR, or vLLM's JSON object {"name", "path", "base_model_name"}."""
+    out: list[tuple[str, str, str | None]] = []
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                obj = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: {spec!r} is not valid JSON ({e})") from None
+            name, path, base = (obj.get(k) if isinstance(obj, dict) else None
+                                for k in ("name", "path", "base_model_name"))
+            if not (isinstance(name, str) and name and isinstance(path, str) and path) or not (
+                    base is None or isinstance(base, str)):
+                raise ValueError(f"--lora-modules: {spec!r} needs \"name\" and \"path\" strings (and optionally "
+                                 "\"base_model_name\")")
+        else:
+            name, sep, path = spec.partition("=")
+            base = None
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules expects NAME=DIR or a JSON object, got '{spec}'")
+        if any(name == n for n, _, _ in out):
+            raise ValueError(f"--lora-modules: adapter name '{name}' is given twice; names must be unique")
+        out.append((name, path, base))
+    return out
+
+
+def load_lora_modules(engines: dict[str, "AsyncEngine"], modules: list[tuple[str, str, str | None]]) -> None:
+    """Load each --lora-modules adapter onto its base model's engine, before serving starts."""
+    for name, path, base in modules:
+        if base is None:
+            if len(engines) != 1:
+                raise ValueError(f"--lora-modules: adapter '{name}': {len(engines)} models are served; name its base "
+                                 f"as JSON, {{\"name\": \"{name}\", \"path\": \"{path}\", \"base_model_name\": "
+                                 f"...}} (one of {', '.join(engines)})")
+            base = next(iter(engines))
+        if base not in engines:
+            raise ValueError(f"--lora-modules: adapter '{name}': base model '{base}' is not served here (served: "
+                             f"{', '.join(engines)})")
+        if name in engines:
+            raise ValueError(f"--lora-modules: adapter '{name}' has the name of a served model; choose another")
+        engines[base].engine.add_lora(name, path)
+
+
+def lora_updates_from_args(args: argparse.Namespace, auth: "Authenticator") -> "LoRAUpdates":
+    """Who may call /v1/load_lora_adapter: with API keys, the --lora-admin-key ids (required);
+    without keys (loopback or --no-auth), whoever can reach the server."""
+    from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.lora_admin import LoRAUpdates
+    admins = list(getattr(args, "lora_admin_keys", []))
+    if not isinstance(auth, ApiKeyAuth):
+        if admins:
+            raise ValueError("--lora-admin-key names key ids of --api-keys, which this server does not take")
+        return LoRAUpdates(None)
+    if not admins:
+        raise ValueError("--allow-runtime-lora-updating with --api-keys needs --lora-admin-key KEY_ID: loading an "
+                         "adapter reads the server's files, and replaces what every tenant's requests for it run")
+    unknown = [k for k in admins if k not in set(auth.key_ids)]
+    if unknown:
+        raise ValueError(f"--lora-admin-key {unknown[0]}: no such key id in {args.api_keys}")
+    return LoRAUpdates(frozenset(admins))
+
+
 def freeze_startup_objects() -> int:
     """Move what start-up allocated (torch, transformers, the models' modules: some 340,000
     objects) out of the garbage collector's sight; returns how many. None of it is garbage, yet
@@ -235,6 +313,10 @@ def run_serve(args: argparse.Namespace) -> int:
         telemetry = Telemetry(otlp_endpoint=getattr(args, "otlp_endpoint", None),
                               log_requests=getattr(args, "request_log", True))
         specs = parse_model_specs(args.model_dir, args.models)
+        lora_modules = parse_lora_modules(getattr(args, "lora_modules", []))
+        runtime_lora = getattr(args, "allow_runtime_lora_updating", False)
+        if lora_modules or runtime_lora:
+            args.enable_lora = True
         auth: Authenticator
         if args.api_keys is not None and not args.api_keys.strip():  # as "$UNSET_VARIABLE" gives
             raise ValueError("--api-keys is empty (an unset variable?); give the keys file, or leave it out "
@@ -257,6 +339,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tenancy.store = limit_store_from_args(getattr(args, "limits_store", None), "server",
                                               tenancy.config is not None)
         safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)
+        lora_updates = lora_updates_from_args(args, auth) if runtime_lora else None
         batch_store = BatchStore(journal=BatchJournal(args.batches_dir) if getattr(args, "batches_dir", None) else None,
                                  max_file_bytes=getattr(args, "files_max_bytes", DEFAULT_MAX_FILE_BYTES))
         fallback_specs = getattr(args, "fallback_models", [])
@@ -278,6 +361,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if path is None:
                 from tierlm.models.demo import RANDOM_WEIGHTS_NOTICE
                 logger.warning(RANDOM_WEIGHTS_NOTICE)
+        load_lora_modules(engines, lora_modules)
         sla = SlaGuard(parse_fallbacks(fallback_specs, list(engines)),
                        breaker=BreakerSettings() if getattr(args, "sla_breaker", True) else None)
     except (TierlmError, ValueError, OSError) as exc:
@@ -301,7 +385,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", "auto"),
                     reasoning_parser=getattr(args, "reasoning_parser", "auto"),
                     response_store=ResponseStore(max_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20)),
-                    tenancy=tenancy, safety=safety, sla=sla, batch_store=batch_store)
+                    tenancy=tenancy, safety=safety, sla=sla, batch_store=batch_store, lora_updates=lora_updates)
     freeze_startup_objects()
     server = make_server(app, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                          log_level=str(getattr(args, "log_level", "info")).lower())

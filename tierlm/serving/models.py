@@ -1,7 +1,9 @@
 """The served models: name → engine, and their start/stop as one unit.
 
 A request's `model` field picks the engine. Names come from `--model NAME=DIR`, or the
-engine's own `model_name` when a single model is served.
+engine's own `model_name` when a single model is served. A LoRA adapter loaded on an engine
+is a model of its own name too (as in vLLM): the routes get an `AdapterEngine`, the base
+engine with that adapter applied to everything it runs.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tierlm.serving import tools as toolcalls
-from tierlm.serving.errors import NotFound
+from tierlm.serving.errors import InvalidRequest, NotFound
 from tierlm.serving.reasoning import ReasoningFormat, reasoning_format
 from tierlm.serving.reasoning import check_parser as check_reasoning_parser
 
@@ -19,6 +21,23 @@ if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("tierlm.serving")
+
+
+class AdapterEngine:
+    """A base model's engine seen through one of its LoRA adapters. Everything is the base
+    engine's (tokenizer, chat template, context length, stats) except `generate`, which runs
+    with the adapter: so every route that takes an engine serves an adapter unchanged."""
+
+    def __init__(self, engine: "AsyncEngine", adapter: str, base: str) -> None:
+        self._engine = engine
+        self.adapter = adapter
+        self.base = base
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, *args: Any, **kwargs: Any):
+        return self._engine.generate(*args, lora=self.adapter, **kwargs)
 
 
 class ModelRegistry:
@@ -40,20 +59,47 @@ class ModelRegistry:
 
     @property
     def names(self) -> list[str]:
-        return list(self._engines)
+        """Every model a request may name: the base models, then each one's LoRA adapters."""
+        return list(self._engines) + [a for _, a in self.adapters()]
+
+    def adapters(self) -> list[tuple[str, str]]:
+        """(base model, adapter) for every LoRA adapter loaded now."""
+        return [(base, a) for base, engine in self._engines.items() for a in _loras(engine)]
 
     def items(self) -> list[tuple[str, "AsyncEngine"]]:
+        """The base models' engines (each once, whatever adapters it serves)."""
         return list(self._engines.items())
 
-    def get(self, name: str) -> "AsyncEngine":
-        engine = self._engines.get(name)
-        if engine is None:
-            raise NotFound(
-                f"model '{name}' is not served here; available: {', '.join(self._engines)}",
-                param="model",
-                code="model_not_found",
-            )
-        return engine
+    def names_for(self, allowed: frozenset[str] | None) -> list[str]:
+        """The models a tenant allowed `allowed` (None: all) may use and see."""
+        return [n for n in self.names if allowed is None or n in allowed]
+
+    def get(self, name: str, allowed: frozenset[str] | None = None) -> "AsyncEngine":
+        """The engine serving `name`. `allowed`: the models the asking tenant may use (None:
+        every one); any other is a 404 exactly like a model not served, so a tenant learns
+        nothing of the others' models (nor of their LoRA adapters)."""
+        engine = self._engines.get(name) if allowed is None or name in allowed else None
+        if engine is not None:
+            return engine
+        for base, adapter in self.adapters():
+            if adapter == name and (allowed is None or name in allowed):
+                return AdapterEngine(self._engines[base], adapter, base)  # type: ignore[return-value]
+        raise NotFound(
+            f"model '{name}' is not served here; available: {', '.join(self.names_for(allowed)) or 'none'}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def base(self, name: str) -> str:
+        """The base model a request for `name` runs on (`name` itself unless an adapter)."""
+        engine = self.get(name)
+        return engine.base if isinstance(engine, AdapterEngine) else name
+
+    def check_adapter_name(self, name: str) -> None:
+        """An adapter may not take a name a request already means something else by."""
+        if name in self.names:
+            raise InvalidRequest(f"model '{name}' is already served here; choose another adapter name",
+                                 param="lora_name")
 
     def tool_calls(self, name: str) -> toolcalls.ToolCallFormat:
         """How model `name` writes tool calls (`--tool-call-parser`), worked out once."""
@@ -91,11 +137,15 @@ class ModelRegistry:
             if isinstance(result, BaseException):
                 logger.error("engine for model %s failed to shut down cleanly: %r", name, result)
 
-    def describe(self, name: str) -> dict[str, Any]:
-        """One model as both SDKs read it (OpenAI's and Anthropic's fields side by side)."""
-        engine = self.get(name)
+    def describe(self, name: str, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+        """One model as both SDKs read it (OpenAI's and Anthropic's fields side by side); an
+        adapter also names its base model (`parent`) and directory (`root`), as vLLM lists them."""
+        engine = self.get(name, allowed)
         context = int(getattr(engine, "max_model_len", 0) or 0)
-        return {
+        lineage = {}
+        if isinstance(engine, AdapterEngine):
+            lineage = {"parent": engine.base, "root": engine.lora_path(engine.adapter)}
+        return lineage | {
             # OpenAI
             "id": name,
             "object": "model",
@@ -109,3 +159,9 @@ class ModelRegistry:
             "max_input_tokens": context or None,
             "max_tokens": context or None,
         }
+
+
+def _loras(engine: Any) -> list[str]:
+    """An engine's adapters (engines that serve none, or stand-ins in tests, have none)."""
+    listing = getattr(engine, "list_loras", None)
+    return listing() if callable(listing) else []

@@ -158,7 +158,7 @@ async def start_chat(state: Any, context: RequestContext, request: Request, body
 
 async def _start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
                       limit_field: str | None, schema_field: str) -> ChatRun:
-    engine = state.models.get(body.model)
+    engine = state.models.get(body.model, context.models)
     structured = await _checked_structured(engine, body)
     forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
     if structured is not None and forced and body.tools:
@@ -211,7 +211,7 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     context = await state.admit(request)
     body = await state.parse(request, CompletionRequest)
-    state.models.get(body.model)  # an unknown model is named first (404)
+    state.models.get(body.model, context.models)  # an unknown model is named first (404)
     asked = body.model
     served, run = await with_fallback(
         state.sla, request_telemetry(request), asked,
@@ -270,7 +270,7 @@ def _prompt_top(body: CompletionRequest) -> int | None:
 async def _start_completion(state: Any, context: RequestContext, request: Request, body: CompletionRequest
                             ) -> CompletionRun:
     """`body`'s prompts on its model, their engine requests open (one per choice)."""
-    engine = state.models.get(body.model)
+    engine = state.models.get(body.model, context.models)
     structured = await _checked_structured(engine, body)
     prompts = body.prompts()
     prompt_ids = []

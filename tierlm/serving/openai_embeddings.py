@@ -29,7 +29,7 @@ async def embeddings(request: Request) -> Response:
     state = server_state(request)
     context = await state.admit(request)
     body = await state.parse(request, EmbeddingRequest)
-    engine = state.models.get(body.model)
+    engine = state.models.get(body.model, context.models)
     size = engine.engine.args.hidden_size
     if body.dimensions is not None and body.dimensions != size:
         raise InvalidRequest(f"dimensions: model '{body.model}' gives embeddings of {size} dimensions and cannot "

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 
@@ -22,6 +22,9 @@ from tierlm.serving.telemetry import GENERATION_ROUTES
 from tierlm.serving.tenancy import TICKET, Tenancy, Tenant
 from tierlm.serving.validation import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, first_part_past,
                                        parse_request)
+
+if TYPE_CHECKING:
+    from tierlm.serving.lora_admin import LoRAUpdates
 
 M = TypeVar("M")
 
@@ -44,6 +47,8 @@ class ServerState:
     safety: SafetyPolicies = field(default_factory=SafetyPolicies)  # phrase policies on prompts and answers
     sla: SlaGuard = field(default_factory=SlaGuard)  # breakers per model and tier, fallback models
     batches: BatchStore = field(default_factory=BatchStore)  # the Message Batches API's batches
+    # Who may load and unload LoRA adapters at run time (lora_admin.py); None: nobody.
+    lora_updates: "LoRAUpdates | None" = None
     draining: bool = False
 
     async def admit(self, request: Request) -> RequestContext:
@@ -97,7 +102,7 @@ class ServerState:
                               kv_share=tenant.kv_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s,
                               breaker=tenant.breaker, max_batch_requests=tenant.max_batch_requests,
                               safety=self.safety.for_request(tenant.tier, tenant.id) if self.safety else None,
-                              sla=self.sla), tenant
+                              sla=self.sla, models=tenant.models), tenant
 
     async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON

@@ -229,6 +229,8 @@ class EngineCollector(Collector):
                                  labels=["model", "tier"])
         room = GaugeMetricFamily("tierlm:kv_tier_capacity_blocks", "Capacity of a lower KV tier, in blocks.",
                                  labels=["model", "tier"])
+        lora = GaugeMetricFamily("tierlm:lora_requests", "Requests of each LoRA adapter now, running or waiting "
+                                 "(every loaded adapter, 0 when idle).", labels=["model", "adapter", "state"])
         for model, engine in self._engines():
             try:
                 stats = engine.stats()
@@ -253,11 +255,15 @@ class EngineCollector(Collector):
             for tier, use in (getattr(stats, "kv_tier_usage", None) or {}).items():
                 held.add_metric([model, tier], float(use["blocks"]))
                 room.add_metric([model, tier], float(use["capacity"]))
+            for adapter, counts in (getattr(stats, "lora_requests", None) or {}).items():
+                for state, n in counts.items():
+                    lora.add_metric([model, adapter, state], float(n))
         yield from families.values()
         yield usage
         yield from tiers.values()
         yield held
         yield room
+        yield lora
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # names are fixed, but describing would make registration call collect()

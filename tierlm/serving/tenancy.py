@@ -18,6 +18,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     weight = 2                         # twice the share of a weight-1 tenant of its tier (default 1)
     kv_share = 0.5                     # its running requests hold at most half the KV cache
     max_batch_requests = 100000        # its batches' requests not yet finished, at most (a tier may set it too)
+    models = ["base", "acme-support"]  # the models (LoRA adapters too) it may use; others are a 404 to it
 
 A request is admitted for its key's tenant: the engine runs it at the tier's priority (a lower
 number runs first, and is preempted last), in fair shares with the other tenants of its tier
@@ -100,6 +101,7 @@ class Tier:
     # the server's (--sla-breaker).
     breaker: BreakerSettings | bool | None = None
     max_batch_requests: int | None = None  # each tenant's, unless it sets its own
+    models: frozenset[str] | None = None  # each tenant's, unless it sets its own (None: every model)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class Tenant:
     breaker: BreakerSettings | bool | None = None  # its tier's breaker settings (Tier.breaker)
     #: The most requests of its batches (both batch APIs) not yet finished, across all of them
     max_batch_requests: int | None = None
+    #: The models it may use (names of base models and LoRA adapters); None: every one served
+    models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,7 @@ class TenantsConfig:
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
             _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", "breaker", "max_batch_requests",
-                          *LIMIT_FIELDS}, where, fail)
+                          "models", *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
@@ -168,7 +172,8 @@ class TenantsConfig:
                 raise fail(f"{where}.priority", f"must be an integer (got {priority!r}); lower runs first")
             tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0),
                                _kv_share(table, where, fail, None), _ttft_target(table, where, fail),
-                               _breaker(table, where, fail), _max_batch_requests(table, where, fail, None))
+                               _breaker(table, where, fail), _max_batch_requests(table, where, fail, None),
+                               _models(table, where, fail, None))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -182,7 +187,8 @@ class TenantsConfig:
                                               "give this tenant another name")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"tier", "keys", "weight", "kv_share", "max_batch_requests", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"tier", "keys", "weight", "kv_share", "max_batch_requests", "models", *LIMIT_FIELDS}, where,
+                  fail)
             tier_name = _tier_name(table.get("tier", default_tier), f"{where}.tier", tiers, fail,
                                    " or define it under [tiers]")
             keys = table.get("keys")
@@ -205,7 +211,8 @@ class TenantsConfig:
                                    _limits(table, where, fail).over(tier.limits),
                                    _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share),
                                    tier.ttft_target_s, tier.breaker,
-                                   _max_batch_requests(table, where, fail, tier.max_batch_requests))
+                                   _max_batch_requests(table, where, fail, tier.max_batch_requests),
+                                   _models(table, where, fail, tier.models))
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
@@ -219,7 +226,7 @@ class TenantsConfig:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
         return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share,
-                      tier.ttft_target_s, tier.breaker, tier.max_batch_requests)
+                      tier.ttft_target_s, tier.breaker, tier.max_batch_requests, tier.models)
 
 
 def _key_salt(key_id: str) -> str:
@@ -286,6 +293,19 @@ def _max_batch_requests(table: Mapping[str, Any], where: str, fail: Callable[[st
         raise fail(f"{where}.max_batch_requests", f"must be a whole number of at least 1 (got {value!r}): the most "
                                                   "requests of the tenant's batches not yet finished at once")
     return value
+
+
+def _models(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError],
+            default: frozenset[str] | None) -> frozenset[str] | None:
+    """The model names a tenant may use. Not checked against what is served: adapters may be
+    loaded later (/v1/load_lora_adapter), and a name served by nobody just finds nothing."""
+    if "models" not in table:
+        return default
+    value = table["models"]
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) and m for m in value):
+        raise fail(f"{where}.models", f"list the names of the models (and LoRA adapters) it may use, e.g. models = "
+                                      f"[\"base\", \"acme-support\"] (got {value!r}); leave it out for every model")
+    return frozenset(value)
 
 
 def _kv_share(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError],

@@ -54,15 +54,16 @@ class DetokenizeRequest(_Body):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-def _engine(state: Any, name: str | None) -> tuple[str, "AsyncEngine"]:
-    """The model named, or the only one served (vLLM's `model` is optional)."""
+def _engine(state: Any, name: str | None, allowed: frozenset[str] | None) -> tuple[str, "AsyncEngine"]:
+    """The model named, or the only base model served (vLLM's `model` is optional; a LoRA
+    adapter tokenizes as its base model does)."""
     if name is None:
-        names = state.models.names
+        names = [n for n, _ in state.models.items() if allowed is None or n in allowed]
         if len(names) != 1:
             raise InvalidRequest(f"model: this server serves {len(names)} models; name one of {', '.join(names)}",
                                  param="model")
         name = names[0]
-    return name, state.models.get(name)
+    return name, state.models.get(name, allowed)
 
 
 @router.post("/tokenize")
@@ -70,7 +71,7 @@ async def tokenize(request: Request) -> Response:
     state = server_state(request)
     context = state.identify(request)
     body = await state.parse(request, TokenizeRequest, counting=True)
-    name, engine = _engine(state, body.model)
+    name, engine = _engine(state, body.model, context.models)
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         refuse_too_long_to_count(engine, name, body.prompt, "prompt", "tokenizes")
@@ -94,9 +95,9 @@ async def tokenize(request: Request) -> Response:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
     state = server_state(request)
-    state.identify(request)
+    context = state.identify(request)
     body = await state.parse(request, DetokenizeRequest, counting=True)
-    name, engine = _engine(state, body.model)
+    name, engine = _engine(state, body.model, context.models)
     vocab = len(engine.tokenizer)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
