@@ -563,3 +563,47 @@ def test_a_replica_process_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with status 2 before it was ready; the end of its log:\n"
                                            r"error: --model expects NAME=DIR, got 'not-a-spec'"):
         server.start(ready_timeout=60)
+
+
+def test_lora_adapters_loaded_through_the_router_reach_every_replica(llama_dir, tmp_path):
+    """vLLM's runtime LoRA routes go to every replica that is up (not where affinity points),
+    so an adapter loaded through the router is a model on each; a refusal is the replicas'
+    own; a replica down at the time is left out and named in the log."""
+    from tests.lora_adapters import standard_adapters
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving.lora_admin import LoRAUpdates
+    ads = standard_adapters(llama_dir, "llama", tmp_path)
+    engines = [AsyncEngine.from_model(str(llama_dir), dtype="float32", load_progress=False, enable_lora=True,
+                                      served_model_name="base") for _ in range(2)]
+    servers = [ServerThread(build_app({"base": e}, ApiKeyAuth.from_keys(KEYS),
+                                      lora_updates=LoRAUpdates(frozenset({"alice"})))).start() for e in engines]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        with RouterThread([s.url for s in servers] + [_free_url()], policy="round_robin") as router:
+            assert wait_until(lambda: not httpx.get(router.url + "/ready").json()["replicas"][2]["up"])
+            ok = httpx.post(router.url + "/v1/load_lora_adapter", headers=auth,
+                            json={"lora_name": "a1", "lora_path": str(ads["a1"])})
+            assert ok.status_code == 200 and ok.headers["x-tierlm-replicas"] == "0,1" and "a1" in ok.text
+            for s in servers:
+                models = httpx.get(s.url + "/v1/models", headers=auth).json()["data"]
+                assert [m["id"] for m in models] == ["base", "a1"]
+            _, oai = router.clients()
+            answers = {oai.completions.with_raw_response.create(model="a1", prompt=[5, 6, 7], max_tokens=3,
+                                                                temperature=0).headers["x-tierlm-replica"]
+                       for _ in range(2)}
+            assert answers == {"0", "1"}  # each replica serves it
+            bad = httpx.post(router.url + "/v1/load_lora_adapter", headers=auth,
+                             json={"lora_name": "a3", "lora_path": str(tmp_path / "nowhere")})
+            assert bad.status_code == 400 and bad.headers["x-tierlm-replicas"] == ""
+            assert "not a directory" in bad.json()["error"]["message"]
+            denied = httpx.post(router.url + "/v1/unload_lora_adapter", json={"lora_name": "a1"},
+                                headers={"Authorization": "Bearer sk-bob-key"})
+            assert denied.status_code == 403
+            gone = httpx.post(router.url + "/v1/unload_lora_adapter", headers=auth, json={"lora_name": "a1"})
+            assert gone.status_code == 200 and gone.headers["x-tierlm-replicas"] == "0,1"
+            assert all(e.list_loras() == [] for e in engines)
+            metrics = httpx.get(router.url + "/metrics").text
+            assert 'tierlm:router_requests_total{decision="broadcast",replica="1"} 4.0' in metrics
+    finally:
+        for s in servers:
+            s.stop()

@@ -73,6 +73,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 #: Chunks remembered per replica: 256-byte chunks, ~64 tokens each, so ~6M tokens of prompts:
 #: about what a GPU replica's device and host tiers hold.
 DEFAULT_AFFINITY_CHUNKS = 100_000
+# vLLM's runtime LoRA routes: every replica takes them (Router._broadcast)
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _OWNERS_KEPT = 100_000  # Responses-API ids -> the replica that stored them
 _PROBE_TIMEOUTS_DOWN = 3
 # Hop-by-hop headers (RFC 9110 7.6.1) are the router's own, per connection, and not forwarded.
@@ -134,7 +136,7 @@ class _Metrics:
         self.requests = Counter("tierlm:router_requests", "Requests sent to each replica, by why it was chosen "
                                 "(affinity; balance: a replica with a longer prefix was busier; least_load; "
                                 "round_robin; owner and search: stored responses; any: no prompt; merged: each replica asked for a list of "
-                                "files or batches).",
+                                "files or batches; broadcast: each replica told to load or unload a LoRA adapter).",
                                 ["replica", "decision"], registry=r)
         self.retries = Counter("tierlm:router_retries", "Requests moved on to another replica, by why (unreachable; "
                                "broken: the connection failed before an answer; overloaded; not_here).",
@@ -249,6 +251,9 @@ class Router:
             return
         except _Disconnected:
             return
+        if scope["method"] == "POST" and path in LORA_ADMIN_PATHS:
+            await self._broadcast(send, path, headers, body, style)
+            return
         kind = list_kind(scope["method"], path, hmap)
         if kind is not None:  # files and batches live on their replicas: the lists are merged here
             await self._merged_list(send, kind, path, headers, scope.get("query_string", b""), style)
@@ -274,11 +279,8 @@ class Router:
     async def _merged_list(self, send: Callable, kind: ListKind, path: str, headers: list[tuple[str, str]],
                            query_string: bytes, style: str) -> None:
         assert self._client is not None
-        up = [r for r in self.replicas if r.up]
+        up = await self._every_replica_up(send, style, "list from")
         if not up:
-            self.metrics.unrouted.labels("no_replica").inc()
-            await self._error(send, Overloaded("no replica of this server is up to list from; retry after a few "
-                                               "seconds", headers={"retry-after": "2"}), style)
             return
 
         def down(url: str, e: Exception) -> None:
@@ -294,6 +296,57 @@ class Router:
         for r in up:
             self.metrics.requests.labels(r.name, "merged").inc()
         await _respond(send, status, content, "application/json")
+
+    async def _every_replica_up(self, send: Callable, style: str, to: str) -> list[Replica]:
+        """The replicas up now; none: the client has its overload error (and the list is empty)."""
+        up = [r for r in self.replicas if r.up]
+        if not up:
+            self.metrics.unrouted.labels("no_replica").inc()
+            await self._error(send, Overloaded(f"no replica of this server is up to {to}; retry after a few seconds",
+                                               headers={"retry-after": "2"}), style)
+        return up
+
+    async def _broadcast(self, send: Callable, path: str, headers: list[tuple[str, str]], body: bytes,
+                         style: str) -> None:
+        """vLLM's runtime LoRA routes change what a model name means, so every replica must hear
+        them, not the one a prompt's affinity picks: sent to every replica up, at once. All took
+        it: the first one's answer, with `x-tierlm-replicas` naming them. One refused it (a bad
+        path, a taken name, a key that may not: they share files and keys files, so they refuse
+        alike): its answer, `x-tierlm-replicas` naming those that took it anyway. A replica down
+        now misses it (logged): a replica loads at start only what its command line names."""
+        assert self._client is not None
+        up = await self._every_replica_up(send, style, "change adapters on")
+        if not up:
+            return
+        forwarded = {k: v for k, v in headers if k not in _HOP}
+
+        async def one(r: Replica) -> httpx.Response | Exception:
+            try:
+                return await self._client.post(r.url + path, content=body, headers=forwarded)  # type: ignore[union-attr]
+            except httpx.HTTPError as e:
+                return e
+
+        answers = await asyncio.gather(*(one(r) for r in up))
+        took = [r.name for r, a in zip(up, answers) if isinstance(a, httpx.Response) and a.status_code < 400]
+        for r in up:
+            self.metrics.requests.labels(r.name, "broadcast").inc()
+        missed = [r.name for r in self.replicas if not r.up]
+        if missed:
+            logger.warning("%s went to %s only: %s down, and will not have the change", path, ", ".join(took) or "none",
+                           ", ".join(missed))
+        told = [("x-tierlm-replicas", ",".join(took))]
+        for r, a in zip(up, answers):
+            if isinstance(a, Exception):
+                err = APIError(f"replica {r.name} did not answer {path} ({type(a).__name__}); it may or may not have "
+                               f"the change: replicas that took it: {', '.join(took) or 'none'}")
+                await self._error(send, err, style)
+                return
+            if a.status_code >= 400:
+                await _respond(send, a.status_code, a.content, a.headers.get("content-type"), told)
+                return
+        first = answers[0]
+        assert isinstance(first, httpx.Response)
+        await _respond(send, first.status_code, first.content, first.headers.get("content-type"), told)
 
     async def _admit(self, method: str, path: str, headers: dict[str, str],
                      style: str) -> tuple[str | None, Ticket | None]:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierlm.serving import (anthropic, batches, files, lora_admin, openai, openai_batches, openai_embeddings,
-                            openai_responses, tokenize)
+                            openai_responses, rerank, tokenize)
 from tierlm.serving.batches import BatchStore
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.auth import Authenticator
@@ -140,6 +140,7 @@ def build_app(
     app.include_router(openai_embeddings.router)
     app.include_router(tokenize.router)
     app.include_router(lora_admin.router)
+    app.include_router(rerank.router)
     # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
     reads = ["GET", "HEAD"]
     app.add_api_route("/v1/models", list_models, methods=reads)

@@ -28,7 +28,8 @@ ApiStyle = Literal["anthropic", "openai"]
 # /v1/models routes, which follow the client (see `api_style_for`).
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
                 "/tokenize", "/detokenize",  # (these and the next two vLLM's, answering in OpenAI's shape as there)
-                "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+                "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 # Where only OpenAI clients go (their 404s too: /v1/images, a mistyped /v1/chat/completion):
 # every top-level resource of OpenAI's API (the `openai` SDK's resources, 3.57), so an OpenAI SDK
 # gets its NotFoundError with an OpenAI body; each entry covers the path and everything under it.

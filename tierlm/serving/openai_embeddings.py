@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import struct
+from typing import TYPE_CHECKING, Any
+
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,6 +22,10 @@ from tierlm.serving.openai import _collect_all, _open_all, _truncated, completio
 from tierlm.serving.protocol_openai import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from tierlm.serving.responses import json_answer
 from tierlm.serving.state import server_state
+
+if TYPE_CHECKING:
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving.auth import RequestContext
 
 router = APIRouter()
 
@@ -36,26 +42,35 @@ async def embeddings(request: Request) -> Response:
                              f"shorten them (it was not trained to); leave dimensions out, or give {size}",
                              param="dimensions")
     inputs = body.inputs()
+    fields = ["input"] if len(inputs) == 1 else [f"input.{i}" for i in range(len(inputs))]
+    results = await embed_inputs(state, request, context, engine, body, list(zip(inputs, fields)), body.normalize)
+    return await json_answer(lambda: _response(body, results), sum(len(r.embedding or ()) for r in results) // 16)
+
+
+async def embed_inputs(state: Any, request: Request, context: RequestContext, engine: "AsyncEngine", body: Any,
+                       inputs: list[tuple[str | list[int], str]], normalize: bool = True) -> list[Generation]:
+    """Each (text or token ids, its field's name) embedded, as engine requests run side by side:
+    all checked first (a bad one, named, refuses the request before any runs), then run, and
+    their results in order. `body` gives the model's name, `truncate_prompt_tokens` and
+    `cache_salt`. Shared by /v1/embeddings and the score and rerank routes."""
     ids_list = []
-    for i, item in enumerate(inputs):
-        field_name = "input" if len(inputs) == 1 else f"input.{i}"
+    for item, field_name in inputs:
         ids = _truncated(engine, await completion_prompt_ids(engine, body, item, field_name), body.truncate_prompt_tokens, 1)
         output_budget(engine, body.model, len(ids), 1, prompt_field=field_name)  # the context holds it (a 400 naming it)
         ids_list.append(ids)
     ctx = context.salted(body.cache_salt)
-    pooling, params = PoolingParams(normalize=body.normalize), SamplingParams(max_tokens=1)
+    pooling, params = PoolingParams(normalize=normalize), SamplingParams(max_tokens=1)
     streams = [EngineStream(engine, body.model, ids, params,
                             ctx if len(ids_list) == 1 else dataclasses.replace(ctx, request_id=f"{ctx.request_id}-{i}"),
                             state.inflight, pooling=pooling, prompt_index=i)
                for i, ids in enumerate(ids_list)]
     await _open_all(streams, request)
     results = await _collect_all(streams, request)
-    for i, result in enumerate(results):
+    for (_, where), result in zip(inputs, results):
         if result.embedding is None:  # refused by an input safety policy (its name is in the log and metrics)
-            where = "input" if len(results) == 1 else f"input.{i}"
             raise InvalidRequest(f"{where} was refused by the server's safety policy '{result.stop_reason}'",
                                  param=where)
-    return await json_answer(lambda: _response(body, results), sum(len(r.embedding or ()) for r in results) // 16)
+    return results
 
 
 def _response(body: EmbeddingRequest, results: list[Generation]) -> EmbeddingResponse:

@@ -54,6 +54,9 @@ GENERATION_ROUTES: dict[str, str] = {
     "/v1/completions": "text_completion",
     "/v1/responses": "chat",
     "/v1/embeddings": "embeddings",
+    # vLLM's score and rerank (serving/rerank.py): embeddings compared
+    "/score": "embeddings", "/v1/score": "embeddings",
+    "/rerank": "embeddings", "/v1/rerank": "embeddings", "/v2/rerank": "embeddings",
 }
 DEFAULT_TENANT = "default"
 UNKNOWN_MODEL = "unknown"  # the request failed before its model was resolved (bad body, no such model)
