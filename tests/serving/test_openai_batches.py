@@ -168,6 +168,24 @@ def test_an_embeddings_batch_gives_the_routes_vectors(server):
         assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens > 0
 
 
+def test_score_and_rerank_batches_give_the_routes_answers(server):
+    """vLLM's /v1/score and /v1/rerank run as batches too: each line's answer is the route's own."""
+    import httpx
+    c = client(server, "b")
+    for url, body in (("/v1/rerank", {"model": TEXT_MODEL, "query": "Hi", "documents": ["Hello there", "Bye"]}),
+                      ("/v1/score", {"model": TEXT_MODEL, "text_1": "Hi", "text_2": ["Hello there", "Bye"]})):
+        upload = c.files.create(file=("s.jsonl", jsonl([{"custom_id": "s0", "method": "POST", "url": url,
+                                                        "body": body}])), purpose="batch")
+        done = finished(c, c.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h").id)
+        assert done.status == "completed" and done.request_counts.completed == 1
+        got = lines(c, done.output_file_id)["s0"]["response"]["body"]
+        direct = httpx.post(str(c.base_url).rstrip("/").removesuffix("/v1") + url, json=body,
+                            headers={"Authorization": f"Bearer {c.api_key}"}).json()
+        key, score = ("results", "relevance_score") if url == "/v1/rerank" else ("data", "score")
+        assert [r["index"] for r in got[key]] == [r["index"] for r in direct[key]]
+        assert [r[score] for r in got[key]] == pytest.approx([r[score] for r in direct[key]], abs=1e-6)
+
+
 def test_files_are_a_keys_own_listed_and_deleted(server):
     a, b = client(server, "a"), client(server, "b")
     first = a.files.create(file=("one.txt", b"one"), purpose="user_data")

@@ -253,11 +253,14 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: Sequence[int]
         raw = torch.log_softmax(logits, dim=-1)
         wanted = torch.tensor(targets[at:at + piece], dtype=torch.long).to(raw.device, non_blocking=True)
         chosen, ranks, top = _chosen_and_top(raw, wanted, _top_k(raw.shape[1], n > 0))
-        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-        ids_l = top.indices[:, :n].tolist() if top is not None else [[] for _ in chosen_l]
-        vals_l = top.values[:, :n].tolist() if top is not None else [[] for _ in chosen_l]
-        out.extend(TokenLogprob(token_id=t, logprob=v, top=list(zip(ids, vals)), rank=r)
-                   for t, v, r, ids, vals in zip(targets[at:at + piece], chosen_l, ranks_l, ids_l, vals_l))
+        # One copy to the host per piece (on a GPU each .tolist() is a sync): float64 holds the
+        # float32 values and the ids and ranks (< 2^53) exactly.
+        parts = [chosen[:, None], ranks[:, None]] + ([top.indices[:, :n], top.values[:, :n]] if top is not None else [])
+        rows = torch.cat([p.double() for p in parts], dim=1).tolist()
+        k = n if top is not None else 0
+        out.extend(TokenLogprob(token_id=t, logprob=row[0], top=[(int(i), v) for i, v in zip(row[2:2 + k], row[2 + k:])],
+                                rank=int(row[1]))
+                   for t, row in zip(targets[at:at + piece], rows))
     return out
 
 

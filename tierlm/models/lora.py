@@ -9,10 +9,10 @@ to that adapter's rows only: `(x[rows] @ A^T) @ B^T`, with PEFT's scaling (alpha
 alpha / sqrt(r) under rsLoRA) folded into B at load time.
 
 tierlm fuses q/k/v and gate/up into one projection each; an adapter's q_proj, k_proj and
-v_proj (any subset) become one stacked A ([r_q + r_k + r_v, in]) and one block-structured B
-([out, r_q + r_k + r_v]) whose rows outside a target's slice are zero, so one adapted module
-costs two small matmuls per adapter whatever it targets. Mapping names onto the fused layers
-is the loader's own (`loader._target`): an adapter lands exactly where the base weights did.
+v_proj (any subset) share one stacked A ([r_q + r_k + r_v, in]: one matmul for all three), and
+each target's B adds into its own columns of the fused output (`BSlice`), so an adapter takes
+exactly the memory of its checkpoint. Mapping names onto the fused layers is the loader's own
+(`loader._target`): an adapter lands exactly where the base weights did.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -62,10 +63,21 @@ class LoRARequest:
     lora_path: str
 
 
+class BSlice(NamedTuple):
+    """One target's B in a fused projection: output rows [out_start, out_end) take
+    h[:, col_start:col_end] @ b^T, where h = x @ A^T over the stacked A."""
+
+    out_start: int
+    out_end: int
+    col_start: int
+    col_end: int
+    b: torch.Tensor  # [out_end - out_start, col_end - col_start], scaling folded in
+
+
 @dataclass(eq=False)
 class LoRAAdapter:
     """A loaded adapter: per adapted module (tierlm's name, e.g. "layers.3.self_attn.qkv_proj"),
-    the stacked A [R, in] and scaled, block-structured B [out, R] on the model's device."""
+    the stacked A [R, in] of its targets in that projection, and each target's scaled B."""
 
     name: str
     path: str
@@ -73,11 +85,11 @@ class LoRAAdapter:
     # SHA-256 of the adapter's config and weights as loaded: mixed into every KV block key of its
     # requests (equal adapters under two names share cached blocks; different ones never do).
     fingerprint: str
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    weights: dict[str, tuple[torch.Tensor, tuple[BSlice, ...]]] = field(default_factory=dict)
 
     @property
     def num_parameters(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.weights.values())
+        return sum(a.numel() + sum(s.b.numel() for s in slices) for a, slices in self.weights.values())
 
 
 class LoRAState:
@@ -114,9 +126,12 @@ class LoRALinear(nn.Module):
             w = adapter.weights.get(self.key)
             if w is None:
                 continue
-            a, b = w
+            a, slices = w
             for start, end in runs:
-                flat_y[start:end].addmm_(flat_x[start:end] @ a.t(), b.t())
+                h = flat_x[start:end] @ a.t()
+                rows = flat_y[start:end]
+                for s in slices:
+                    rows[:, s.out_start:s.out_end].addmm_(h[:, s.col_start:s.col_end], s.b.t())
         return y
 
 
@@ -246,17 +261,15 @@ def load_lora_adapter(name: str, path: str | Path, args: ModelArgs, layers: dict
                                  f"{max_rank}; start the engine with a larger max_lora_rank")
         a_alpha = _pattern_value(cfg.get("alpha_pattern"), short, alpha)
         scaling = a_alpha / math.sqrt(r) if rslora else a_alpha / r
-        parts.setdefault(key, []).append((start, size, a, b * scaling))
+        parts.setdefault(key, []).append((start, size, a.float(), b.float() * scaling))
         rank = max(rank, r)
     weights = {}
     for key, pieces in parts.items():
-        out = layers[key].out_features
-        total = sum(a.shape[0] for _, _, a, _ in pieces)
-        big_b = torch.zeros(out, total, dtype=torch.float32)
-        col = 0
-        for start, size, a, b in pieces:
-            big_b[start:start + size, col:col + a.shape[0]] = b.float()
+        slices, col = [], 0
+        for start, size, a, b in sorted(pieces, key=lambda p: p[0]):
+            slices.append(BSlice(start, start + size, col, col + a.shape[0],
+                                 b.to(device=device, dtype=dtype).contiguous()))
             col += a.shape[0]
-        big_a = torch.cat([a.float() for _, _, a, _ in pieces])
-        weights[key] = (big_a.to(device=device, dtype=dtype).contiguous(), big_b.to(device=device, dtype=dtype).contiguous())
+        big_a = torch.cat([a for _, _, a, _ in sorted(pieces, key=lambda p: p[0])])
+        weights[key] = (big_a.to(device=device, dtype=dtype).contiguous(), tuple(slices))
     return LoRAAdapter(name=name, path=str(path), rank=rank, fingerprint=digest.hexdigest(), weights=weights)

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from tierlm.errors import TierlmError
 from tierlm.serving import tools as toolcalls
 from tierlm.serving.errors import InvalidRequest, NotFound
 from tierlm.serving.reasoning import ReasoningFormat, reasoning_format
@@ -144,7 +145,11 @@ class ModelRegistry:
         context = int(getattr(engine, "max_model_len", 0) or 0)
         lineage = {}
         if isinstance(engine, AdapterEngine):
-            lineage = {"parent": engine.base, "root": engine.lora_path(engine.adapter)}
+            try:
+                root = engine.lora_path(engine.adapter)
+            except TierlmError:  # unloaded since `get` found it
+                root = None
+            lineage = {"parent": engine.base, "root": root}
         return lineage | {
             # OpenAI
             "id": name,

@@ -44,7 +44,8 @@ logger = logging.getLogger("tierlm.serving")
 router = APIRouter()
 
 # What this server can run in a batch
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+             "/v1/score", "/v1/rerank")  # (the last two vLLM's, which its batch runner takes too)
 MAX_REPORTED_ERRORS = 100
 _STATUS_OF_ERROR = {"invalid_request_error": 400, "authentication_error": 401, "api_error": 500}
 
