@@ -195,3 +195,31 @@ def test_adapters_tierlm_cannot_serve_exactly_are_refused_by_cause(adapters, che
     with pytest.raises(ModelLoadError, match="not a directory"):
         _llm(base, lora_modules={"gone": str(tmp_path / "nowhere")})
     assert llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request="a1")[0].outputs[0].token_ids
+
+
+def test_an_adapter_s_prefix_leaves_the_device_and_comes_back_only_for_that_adapter(adapters, tmp_path):
+    """Host and disk tiers key blocks as the device does: a1's prefix, demoted, is a1's hit
+    (under any name: the key is the adapter's content, so a second engine on the same disk
+    directory finds it) and a miss for the base model and for a2; the answers are a1's."""
+    base, ads = adapters("llama")
+    shared, ask = _prompt(70, 30), _prompt(9, 31)
+    a1 = LoRARequest("a1", 1, str(ads["a1"]))
+    want = _llm(base, enable_prefix_caching=False).generate({"prompt_token_ids": shared + ask}, GREEDY,
+                                                            lora_request=a1)[0].outputs[0].token_ids
+    disk = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="256 blocks")
+    llm = _llm(base, kv_host_capacity="64 blocks", **disk)
+    llm.generate({"prompt_token_ids": shared + _prompt(3, 32)}, GREEDY, lora_request=a1)
+    assert llm.engine.offload_prefix_cache() > 0 and llm.engine.pool.cached == {}
+    for lora in (None, LoRARequest("a2", 2, str(ads["a2"]))):  # not theirs
+        assert llm.generate({"prompt_token_ids": shared + ask}, GREEDY, lora_request=lora)[0].num_cached_tokens == 0
+    llm.engine.offload_prefix_cache()
+    again = llm.generate({"prompt_token_ids": shared + ask}, GREEDY, lora_request="a1")[0]
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == want
+    assert llm.engine.stats().kv_tiers["host"]["hits"] >= 8
+    llm.close()  # (its disk directory is another engine's once released)
+    other = _llm(base, **disk)  # another engine, the same directory; a1 under another name
+    renamed = other.generate({"prompt_token_ids": shared + ask}, GREEDY,
+                             lora_request=LoRARequest("renamed", 7, str(ads["a1"])))[0]
+    # 72: the 9 full blocks of this very prompt, which the last request wrote (for a1) before the close
+    assert renamed.num_cached_tokens == 72 and renamed.outputs[0].token_ids == want
+    assert other.engine.stats().kv_tiers["disk"]["hits"] == 9
