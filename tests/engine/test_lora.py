@@ -223,3 +223,31 @@ def test_an_adapter_s_prefix_leaves_the_device_and_comes_back_only_for_that_adap
     # 72: the 9 full blocks of this very prompt, which the last request wrote (for a1) before the close
     assert renamed.num_cached_tokens == 72 and renamed.outputs[0].token_ids == want
     assert other.engine.stats().kv_tiers["disk"]["hits"] == 9
+
+
+def test_a_request_waiting_for_an_adapter_slot_is_not_passed_for_ever(adapters):
+    """max_loras=1, a1 busy and more a1 requests arriving every few steps, one a2 request
+    waiting: once a1's running requests end, a2 takes the slot; the a1 requests that arrived
+    after it wait their turn (they would otherwise keep a1's slot busy for ever). A base-model
+    request, which needs no slot, is not held up."""
+    base, ads = adapters("llama")
+    eng = _llm(base, max_loras=1, lora_modules={"a1": str(ads["a1"]), "a2": str(ads["a2"])}).engine
+    long = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = eng.add_request({"prompt_token_ids": _prompt(10, 40)}, long, "first", lora="a1")
+    eng.step()
+    waiting = eng.add_request({"prompt_token_ids": _prompt(10, 41)}, long, "a2", lora="a2")
+    later, plain, order = [], None, []
+    for i in range(200):
+        if i % 3 == 0 and len(later) < 8:
+            later.append(eng.add_request({"prompt_token_ids": _prompt(10, 50 + i)}, long, f"a1-{i}", lora="a1"))
+        if i == 1:
+            plain = eng.add_request({"prompt_token_ids": _prompt(10, 42)}, long, "plain")
+        eng.step()
+        for r in eng.scheduler.running:
+            if r.request_id not in order:
+                order.append(r.request_id)
+        if not eng.has_unfinished():
+            break
+    assert first.is_finished and waiting.is_finished and all(r.is_finished for r in later) and plain.is_finished
+    assert order.index("a2") < min(order.index(r.request_id) for r in later)
+    assert order.index("plain") < order.index("a2")  # (no slot needed: it ran beside a1 at once)

@@ -122,6 +122,11 @@ class Scheduler:
             self._add_cost(pending, req, n)
         reading = None
         adapters = {r.lora for r in self.running if r.lora is not None}
+        # Once a request waits for an adapter slot, those after it in order that use an adapter
+        # wait too, even one already running: they would keep its slot busy, and a request of a
+        # fifth adapter behind a stream of four busy ones would wait for ever. Base-model
+        # requests, which take no slot, go on.
+        slot_wanted = False
         for req in self._order(list(self.waiting), pending):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
@@ -131,9 +136,10 @@ class Scheduler:
                 break  # do not re-admit what this step just evicted
             if not self.quotas.admits(req, self.running):
                 continue  # its tenant's quota is full: others go ahead
-            if (req.lora is not None and req.lora not in adapters and self.max_loras is not None
-                    and len(adapters) >= self.max_loras):
-                continue  # every adapter slot is taken: requests of running adapters (or none) go ahead
+            if req.lora is not None and self.max_loras is not None and (
+                    slot_wanted or (req.lora not in adapters and len(adapters) >= self.max_loras)):
+                slot_wanted = True
+                continue  # every adapter slot is taken
             if not self.kv.prefix_ready(req) and not self.kv.read_overdue(req):
                 if reading is None:
                     reading = req
