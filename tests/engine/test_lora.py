@@ -251,3 +251,17 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_passed_for_ever(adapters):
     assert first.is_finished and waiting.is_finished and all(r.is_finished for r in later) and plain.is_finished
     assert order.index("a2") < min(order.index(r.request_id) for r in later)
     assert order.index("plain") < order.index("a2")  # (no slot needed: it ran beside a1 at once)
+
+
+def test_rank_and_alpha_patterns_are_read_as_peft_reads_them(checkpoints, tmp_path):
+    """PEFT's per-module ranks (rank_pattern: read from the tensors) and alphas (alpha_pattern:
+    a module's own scaling) give peft's answer; a bad alpha is refused by name."""
+    base = checkpoints["llama"]
+    ad = build_adapter(base, "llama", tmp_path / "patterns", ["q_proj", "v_proj", "down_proj"], r=8, alpha=16,
+                       rank_pattern={"q_proj": 4}, alpha_pattern={"v_proj": 64, "down_proj": 2})
+    ids = _prompt(15, 60)
+    got = _llm(base).generate({"prompt_token_ids": ids}, GREEDY, lora_request=LoRARequest("p", 1, str(ad)))[0]
+    assert got.outputs[0].token_ids == greedy(peft_model(base, "llama", ad), ids, 8)
+    bad = _edit_config(ad, tmp_path / "bad-alpha", alpha_pattern={"v_proj": "high"})
+    with pytest.raises(ModelLoadError, match="lora_alpha and alpha_pattern take positive numbers"):
+        _llm(base).engine.add_lora("x", str(bad))

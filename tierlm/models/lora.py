@@ -121,7 +121,8 @@ class LoRALinear(nn.Module):
         if not batch:
             return y
         flat_x = x.reshape(-1, x.shape[-1])
-        flat_y = y.view(-1, y.shape[-1])
+        y = y if y.is_contiguous() else y.contiguous()
+        flat_y = y.view(-1, y.shape[-1])  # (a view: the deltas land in y)
         for adapter, runs in batch:
             w = adapter.weights.get(self.key)
             if w is None:
@@ -173,12 +174,21 @@ def _slice(where: tuple, out: int, args: ModelArgs) -> tuple[int, int]:
     raise ValueError(kind)
 
 
-def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name's dotted suffix."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _pattern_value(patterns: dict, module: str, default: float, path: Path) -> float:
+    """PEFT's alpha_pattern lookup: a key (a regular expression) matches a module name's dotted
+    suffix. The value must be a positive number, as lora_alpha must."""
+    value = default
+    try:
+        for key, candidate in (patterns or {}).items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                value = candidate
+                break
+    except (re.error, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"LoRA adapter {path}: alpha_pattern cannot be read ({e})") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(f"LoRA adapter {path}: the alpha for module '{module}' is {value!r}; lora_alpha and "
+                             "alpha_pattern take positive numbers")
+    return value
 
 
 def read_adapter_config(path: Path) -> dict:
@@ -248,18 +258,19 @@ def load_lora_adapter(name: str, path: str | Path, args: ModelArgs, layers: dict
                                  "modules: attention and MLP projections of the decoder layers, not embeddings, the "
                                  "LM head or routed MoE experts)")
         a, b = ab["A"], ab["B"]
-        r = a.shape[0]
+        r = a.shape[0] if a.ndim == 2 else 0
         layer = layers[key]
         in_features = getattr(layer.base, "in_features", None)
         start, size = _slice(t[1], layer.out_features, args)
-        if a.ndim != 2 or b.ndim != 2 or b.shape != (size, r) or (in_features is not None and a.shape[1] != in_features):
+        if (r < 1 or b.ndim != 2 or b.shape != (size, r) or (in_features is not None and a.shape[1] != in_features)
+                or any(start < s + n and s < start + size for s, n, _, _ in parts.get(key, []))):
             raise ModelLoadError(f"LoRA adapter {path}: module '{short}' has lora_A {tuple(a.shape)} and lora_B "
                                  f"{tuple(b.shape)}, which do not fit the base model's layer ({in_features} in, "
                                  f"{size} out); was the adapter trained on another base model?")
         if r > max_rank:
             raise ModelLoadError(f"LoRA adapter {path}: module '{short}' has rank {r}, above max_lora_rank "
                                  f"{max_rank}; start the engine with a larger max_lora_rank")
-        a_alpha = _pattern_value(cfg.get("alpha_pattern"), short, alpha)
+        a_alpha = _pattern_value(cfg.get("alpha_pattern"), short, alpha, path)
         scaling = a_alpha / math.sqrt(r) if rslora else a_alpha / r
         parts.setdefault(key, []).append((start, size, a.float(), b.float() * scaling))
         rank = max(rank, r)
