@@ -110,6 +110,9 @@ def test_admin_keys_load_and_unload_adapters_at_run_time(setup):
     assert {m.id for m in oai.models.list().data} == {"base", "a1"}  # none of that changed anything
     ok = httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=hdr)
     assert ok.status_code == 200 and "a2" in ok.text
+    same = httpx.post(server.url + "/v1/load_lora_adapter", json={**body, "lora_path": str(ads["a2"]) + "/"},
+                      headers=hdr)
+    assert same.status_code == 200 and "already loaded" in same.text  # the same directory: nothing to do
     assert {m.id for m in oai.models.list().data} == {"base", "a1", "a2"}
     ids = _ids(12, 2)
     got = oai.completions.create(model="a2", prompt=ids, max_tokens=6, temperature=0).choices[0].text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -74,7 +75,11 @@ async def load_lora_adapter(request: Request) -> Response:
                              f"{', '.join(bases)}", param="base_model_name")
     engine = state.models.get(base)
     if body.lora_name in engine.list_loras():
-        if engine.lora_path(body.lora_name) == body.lora_path:
+        try:
+            same = Path(engine.lora_path(body.lora_name)).resolve() == Path(body.lora_path).resolve()
+        except (InvalidRequestError, OSError):  # unloaded meanwhile, or a path that cannot be resolved
+            same = False
+        if same:
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' is already loaded.")
     state.models.check_adapter_name(body.lora_name)
     try:
