@@ -551,14 +551,21 @@ class PoolingParams:
     `LLM.embed` and `/v1/embeddings` take it): the final hidden state (after the model's last
     norm) at the prompt's last token, as decoder embedding models (Qwen3-Embedding, e5-mistral)
     pool, L2-normalised unless `normalize` is false. Last-token pooling needs only the last
-    position computed, so a cached prefix serves the rest."""
+    position computed, so a cached prefix serves the rest. `dimensions` keeps the first N
+    entries (then normalises), for models trained to allow it (Matryoshka representation
+    learning: the engine checks the model says so)."""
 
     normalize: bool = True
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):
             raise InvalidRequestError(f"pooling parameter 'normalize' must be true or false (got {self.normalize!r})",
                                       param="normalize")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError(f"pooling parameter 'dimensions' must be a whole number >= 1 (got "
+                                      f"{self.dimensions!r})", param="dimensions")
 
 
 def _refusing_vllm_keywords(init):

@@ -71,3 +71,29 @@ def test_pooling_requests_are_validated_before_anything_runs(llama_dir):
     with pytest.raises(InvalidRequestError, match="max_model_len"):  # a batch with one prompt too long runs none
         llm.embed([{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 64}])
     assert not llm.engine.has_unfinished()
+
+
+def test_matryoshka_dimensions_only_where_the_model_says_it_was_trained_for_them(llama_dir, hf_models, tmp_path):
+    """vLLM's rule: a shorter embedding (the first N entries, then normalised) only from a model
+    whose config.json has matryoshka_dimensions (and only those lengths) or is_matryoshka."""
+    import json
+    import shutil
+    ids = _prompt(23, seed=8)
+    want = _last_hidden(hf_models["llama"], ids)
+    plain = LLM(str(llama_dir), dtype="float32", load_progress=False)
+    with pytest.raises(InvalidRequestError, match="cannot shorten them"):
+        plain.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=16))
+    assert len(plain.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=64))[0].outputs.embedding) == 64
+    for fields, ok, bad in (({"matryoshka_dimensions": [16, 32, 64]}, 16, 20), ({"is_matryoshka": True}, 20, 65)):
+        d = tmp_path / next(iter(fields))
+        shutil.copytree(llama_dir, d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **fields}))
+        llm = LLM(str(d), dtype="float32", load_progress=False)
+        got = llm.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=ok))[0].outputs.embedding
+        torch.testing.assert_close(torch.tensor(got), torch.nn.functional.normalize(want[:ok], dim=0),
+                                   rtol=1e-4, atol=1e-5)
+        with pytest.raises(InvalidRequestError, match="dimensions"):
+            llm.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=bad))
+    with pytest.raises(InvalidRequestError, match="whole number"):
+        PoolingParams(dimensions=0)

@@ -97,3 +97,33 @@ def test_bad_embedding_requests_are_refused_in_openais_shape_and_run_nothing(oai
     with pytest.raises(openai.NotFoundError):
         oai.embeddings.create(model="no-such-model", input="x")
     assert admitted == []
+
+
+def test_dimensions_shorten_a_matryoshka_models_embeddings(llama_dir, tmp_path):
+    """`dimensions` through the SDK, for a model whose config.json lists matryoshka_dimensions:
+    the full vector's first N entries, normalised again; a length it does not list is a 400."""
+    import json
+    import shutil
+
+    from tests.serving.harness import ServerThread
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import NoAuth
+
+    d = tmp_path / "mrl"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [8, 64]}))
+    engine = AsyncEngine.from_model(str(d), dtype="float32", load_progress=False)
+    server = ServerThread(build_app({"mrl": engine}, NoAuth())).start()
+    try:
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        full = oai.embeddings.create(model="mrl", input=[5, 6, 7, 8]).data[0].embedding
+        short = oai.embeddings.create(model="mrl", input=[5, 6, 7, 8], dimensions=8).data[0].embedding
+        assert len(full) == 64 and len(short) == 8
+        want = torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0)
+        torch.testing.assert_close(torch.tensor(short), want, rtol=1e-4, atol=1e-5)
+        with pytest.raises(openai.BadRequestError, match="matryoshka_dimensions"):
+            oai.embeddings.create(model="mrl", input="x", dimensions=16)
+    finally:
+        server.stop()

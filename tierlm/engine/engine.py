@@ -229,6 +229,14 @@ class LLMEngine:
         self.model_name = config.served_model_name or (
             "tierlm-demo" if config.model is None else model_dir.name)
         self.tokenizer = load_tokenizer(model_dir)
+        # Embedding lengths the model was trained to give besides its full one (vLLM reads the
+        # same two config.json fields).
+        raw_config = load_config_dict(model_dir)
+        listed = raw_config.get("matryoshka_dimensions")
+        self.matryoshka_dimensions: list[int] | None = (
+            [int(d) for d in listed] if isinstance(listed, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                                                         for d in listed) else None)
+        self.is_matryoshka = bool(raw_config.get("is_matryoshka")) or self.matryoshka_dimensions is not None
         torch.manual_seed(config.seed)
         # Cached K/V that outlives this process (disk) or leaves it (Redis) is keyed by a hash of
         # the weights, computed alongside the load; blocks that stay in memory need no such key.
@@ -368,6 +376,8 @@ class LLMEngine:
         if pooling is not None and not isinstance(pooling, PoolingParams):
             raise InvalidRequestError(f"pooling must be a PoolingParams (got {type(pooling).__name__})",
                                       param="pooling")
+        if pooling is not None and pooling.dimensions is not None:
+            self.check_embedding_dimensions(pooling.dimensions)
         if pooling is not None:  # its own: an embedding has no tokens to sample, and one step's room is enough
             params = SamplingParams(max_tokens=1, truncate_prompt_tokens=params.truncate_prompt_tokens
                                     if params is not None else None)
@@ -478,6 +488,26 @@ class LLMEngine:
                        allowed_token_ids=allowed, bad_words=bad_words,
                        thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar,
                        pooling=pooling, lora=adapter)
+
+    def check_embedding_dimensions(self, dimensions: int) -> None:
+        """vLLM's rule for a shorter embedding: only from a model trained for it (config.json's
+        `is_matryoshka` or `matryoshka_dimensions`), and only a length it lists, if it lists any."""
+        size = self.args.hidden_size
+        if dimensions == size:
+            return
+        listed = self.matryoshka_dimensions
+        if listed is None and not self.is_matryoshka:
+            raise InvalidRequestError(f"dimensions: model '{self.model_name}' gives embeddings of {size} dimensions and "
+                                      "cannot shorten them (its config.json does not say it was trained to: "
+                                      f"is_matryoshka / matryoshka_dimensions); leave dimensions out, or give {size}",
+                                      param="dimensions")
+        if listed is not None and dimensions not in listed:
+            raise InvalidRequestError(f"dimensions: model '{self.model_name}' gives embeddings of "
+                                      f"{', '.join(map(str, listed))} dimensions (its matryoshka_dimensions); got "
+                                      f"{dimensions}", param="dimensions")
+        if dimensions > size:
+            raise InvalidRequestError(f"dimensions: model '{self.model_name}' gives embeddings of at most {size} "
+                                      f"dimensions; got {dimensions}", param="dimensions")
 
     # -- LoRA adapters -----------------------------------------------------------------------
     def _lora_registry(self) -> LoRARegistry:

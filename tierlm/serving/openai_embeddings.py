@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tierlm.sampling_params import PoolingParams, SamplingParams
-from tierlm.serving.errors import InvalidRequest
+from tierlm.errors import TierlmError
+from tierlm.serving.errors import InvalidRequest, from_engine_error
 from tierlm.serving.generation import EngineStream, Generation, output_budget
 from tierlm.serving.openai import _collect_all, _open_all, _truncated, completion_prompt_ids
 from tierlm.serving.protocol_openai import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
@@ -36,19 +37,21 @@ async def embeddings(request: Request) -> Response:
     context = await state.admit(request)
     body = await state.parse(request, EmbeddingRequest)
     engine = state.models.get(body.model, context.models)
-    size = engine.engine.args.hidden_size
-    if body.dimensions is not None and body.dimensions != size:
-        raise InvalidRequest(f"dimensions: model '{body.model}' gives embeddings of {size} dimensions and cannot "
-                             f"shorten them (it was not trained to); leave dimensions out, or give {size}",
-                             param="dimensions")
+    if body.dimensions is not None:
+        try:
+            engine.engine.check_embedding_dimensions(body.dimensions)
+        except TierlmError as e:
+            raise from_engine_error(e, body.model) from None
     inputs = body.inputs()
     fields = ["input"] if len(inputs) == 1 else [f"input.{i}" for i in range(len(inputs))]
-    results = await embed_inputs(state, request, context, engine, body, list(zip(inputs, fields)), body.normalize)
+    results = await embed_inputs(state, request, context, engine, body, list(zip(inputs, fields)), body.normalize,
+                                 dimensions=body.dimensions)
     return await json_answer(lambda: _response(body, results), sum(len(r.embedding or ()) for r in results) // 16)
 
 
 async def embed_inputs(state: Any, request: Request, context: RequestContext, engine: "AsyncEngine", body: Any,
-                       inputs: list[tuple[str | list[int], str]], normalize: bool = True) -> list[Generation]:
+                       inputs: list[tuple[str | list[int], str]], normalize: bool = True,
+                       dimensions: int | None = None) -> list[Generation]:
     """Each (text or token ids, its field's name) embedded, as engine requests run side by side:
     all checked first (a bad one, named, refuses the request before any runs), then run, and
     their results in order. `body` gives the model's name, `truncate_prompt_tokens` and
@@ -59,7 +62,7 @@ async def embed_inputs(state: Any, request: Request, context: RequestContext, en
         output_budget(engine, body.model, len(ids), 1, prompt_field=field_name)  # the context holds it (a 400 naming it)
         ids_list.append(ids)
     ctx = context.salted(body.cache_salt)
-    pooling, params = PoolingParams(normalize=normalize), SamplingParams(max_tokens=1)
+    pooling, params = PoolingParams(normalize=normalize, dimensions=dimensions), SamplingParams(max_tokens=1)
     streams = [EngineStream(engine, body.model, ids, params,
                             ctx if len(ids_list) == 1 else dataclasses.replace(ctx, request_id=f"{ctx.request_id}-{i}"),
                             state.inflight, pooling=pooling, prompt_index=i)
