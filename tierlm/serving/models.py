@@ -72,7 +72,7 @@ class ModelRegistry:
         return list(self._engines.items())
 
     def names_for(self, allowed: frozenset[str] | None) -> list[str]:
-        """The models a tenant allowed `allowed` (None: all) may use and see."""
+        """The models a tenant may use and see, given its `models` list (`allowed`; None: every one)."""
         return [n for n in self.names if allowed is None or n in allowed]
 
     def get(self, name: str, allowed: frozenset[str] | None = None) -> "AsyncEngine":
@@ -90,11 +90,6 @@ class ModelRegistry:
             param="model",
             code="model_not_found",
         )
-
-    def base(self, name: str) -> str:
-        """The base model a request for `name` runs on (`name` itself unless an adapter)."""
-        engine = self.get(name)
-        return engine.base if isinstance(engine, AdapterEngine) else name
 
     def check_adapter_name(self, name: str) -> None:
         """An adapter may not take a name a request already means something else by."""
