@@ -29,10 +29,6 @@ from tierlm.serving.state import server_state
 router = APIRouter()
 M = TypeVar("M")
 
-SCORE_PATHS = ("/score", "/v1/score")
-RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
-
-
 def _texts(value: Any, field: str) -> Any:
     texts = value if isinstance(value, list) else [value]
     if not texts:
