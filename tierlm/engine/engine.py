@@ -167,10 +167,10 @@ def tier_capacities(config: EngineConfig, block_bytes: int, device: torch.device
     return host, disk, remote
 
 
-def check_sizes_before_loading(config: EngineConfig, model_dir: Path, device: torch.device) -> None:
-    """Sizes that depend on the KV block's size, which config.json alone gives: a tier capacity
-    or a kv_cache_memory under one block is refused before the weights load, not minutes after."""
-    cfg = load_config_dict(model_dir)
+def check_sizes_before_loading(config: EngineConfig, cfg: dict, device: torch.device) -> None:
+    """Sizes that depend on the KV block's size, which config.json (`cfg`) alone gives: a tier
+    capacity or a kv_cache_memory under one block is refused before the weights load, not
+    minutes after."""
     args = parse_config(cfg, resolve_architecture(cfg))
     per_block = kv_bytes_per_block(args, resolve_dtype(config.dtype, args, device), config.block_size)
     tier_capacities(config, per_block, device)
@@ -240,7 +240,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # Cached K/V that outlives this process (disk) or leaves it (Redis) is keyed by a hash of
         # the weights, computed alongside the load; blocks that stay in memory need no such key.
-        check_sizes_before_loading(config, model_dir, self.device)
+        check_sizes_before_loading(config, raw_config, self.device)
         persistent = bool(config.kv_disk_dir or config.kv_remote)
         stamps = weight_stamps(model_dir) if persistent else None
         fingerprint = BackgroundFingerprint(model_dir) if persistent else None

@@ -47,9 +47,6 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return list(self._adapters)
 
-    def get(self, name: str) -> LoRAAdapter | None:
-        return self._adapters.get(name)
-
     def require(self, name: str) -> LoRAAdapter:
         adapter = self._adapters.get(name)
         if adapter is None:
@@ -65,22 +62,25 @@ class LoRARegistry:
         if name in self.reserved:
             raise InvalidRequestError(f"LoRA adapter name '{name}' is the base model's own name; choose another",
                                       param="lora_name")
-        existing = self._adapters.get(name)
+        existing = self._loaded_from(name, path)
         if existing is not None:
-            if Path(existing.path).resolve() == Path(path).resolve():
-                return existing
-            raise InvalidRequestError(f"LoRA adapter '{name}' is already loaded from {existing.path}; remove it "
-                                      "first, or choose another name", param="lora_name")
+            return existing
         adapter = load_lora_adapter(name, path, self.args, self.layers, self.device, self.dtype, self.max_rank)
-        with self._lock:
-            existing = self._adapters.get(name)
-            if existing is not None and Path(existing.path).resolve() != Path(path).resolve():
-                raise InvalidRequestError(f"LoRA adapter '{name}' was loaded from {existing.path} meanwhile; "
-                                          "remove it first, or choose another name", param="lora_name")
-            self._adapters.setdefault(name, adapter)
+        with self._lock:  # (another add of this name may have finished while this one loaded)
+            if self._loaded_from(name, path) is None:
+                self._adapters[name] = adapter
         log.info("LoRA adapter %s loaded from %s: rank %d, %d modules, %.1f MiB", name, path, adapter.rank,
                  len(adapter.weights), adapter.num_parameters * torch.empty((), dtype=self.dtype).element_size() / 2**20)
         return self._adapters[name]
+
+    def _loaded_from(self, name: str, path: str | Path) -> LoRAAdapter | None:
+        """`name`'s adapter if it is loaded from `path` already; None if `name` is free. Another
+        directory under that name is refused."""
+        existing = self._adapters.get(name)
+        if existing is not None and Path(existing.path).resolve() != Path(path).resolve():
+            raise InvalidRequestError(f"LoRA adapter '{name}' is already loaded from {existing.path}; remove it "
+                                      "first, or choose another name", param="lora_name")
+        return existing
 
     def remove(self, name: str) -> None:
         with self._lock:

@@ -106,8 +106,7 @@ class KVCacheManager:
 
     def _hashes(self, req) -> list[bytes]:
         if len(req.block_hashes) < req.num_tokens // self.block_size:
-            lora = getattr(req, "lora", None)
-            extra = extra_key(self.model_id, req.cache_salt, lora.fingerprint if lora is not None else None)
+            extra = extra_key(self.model_id, req.cache_salt, req.lora.fingerprint if req.lora is not None else None)
             req.block_hashes = chain_hashes(req.all_token_ids, self.block_size, extra, req.block_hashes)
         return req.block_hashes
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -74,18 +73,17 @@ async def load_lora_adapter(request: Request) -> Response:
         raise InvalidRequest(f"base_model_name: model '{base}' is not served here; serve it, or name one of "
                              f"{', '.join(bases)}", param="base_model_name")
     engine = state.models.get(base)
-    if body.lora_name in engine.list_loras():
-        try:
-            same = Path(engine.lora_path(body.lora_name)).resolve() == Path(body.lora_path).resolve()
-        except (InvalidRequestError, OSError):  # unloaded meanwhile, or a path that cannot be resolved
-            same = False
-        if same:
-            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' is already loaded.")
-    state.models.check_adapter_name(body.lora_name)
+    # The engine's own rule decides a name it holds: the same directory again is a no-op, another
+    # one a 400. A name it does not hold must not be any other model's.
+    already = body.lora_name in engine.list_loras()
+    if not already:
+        state.models.check_adapter_name(body.lora_name)
     try:
         await engine.add_lora(body.lora_name, body.lora_path)
     except (ModelLoadError, InvalidRequestError) as e:
         raise InvalidRequest(str(e), param="lora_path" if isinstance(e, ModelLoadError) else "lora_name") from None
+    if already:
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' is already loaded.")
     logger.info("LoRA adapter %s loaded on %s from %s (key %s)", body.lora_name, base, body.lora_path,
                 context.api_key_id)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
