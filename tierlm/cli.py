@@ -67,6 +67,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="record decode steps and short prefill chunks as CUDA graphs and replay them "
                         "(not yet measured on a GPU, so off by default)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding by n-gram lookup, vLLM\'s shape: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                        "(default: off)")
     lora = p.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters (PEFT checkpoints) on the base model, chosen per request")
@@ -118,7 +122,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_prefetch=args.kv_prefetch, kv_disk_write_through=args.kv_disk_write_through,
                 kv_read_timeout=args.kv_read_timeout, kv_policy_history=args.kv_policy_history,
                 cuda_graphs=args.cuda_graphs, enable_lora=args.enable_lora, max_loras=int(args.max_loras),
-                max_lora_rank=int(args.max_lora_rank))
+                max_lora_rank=int(args.max_lora_rank), speculative_config=args.speculative_config)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -192,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tierlm.bench import throughput
     throughput.add_cli(bsub)
     for mod in ("cache", "prefix", "score", "serve", "sweep", "fairness", "sla", "safety", "router", "limits",
-                "batches", "lora"):
+                "batches", "lora", "spec"):
         try:
             m = __import__(f"tierlm.bench.{mod}", fromlist=["add_cli"])
         except ImportError:

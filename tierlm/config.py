@@ -88,6 +88,9 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (engine/speculative.py); None: off.
+    speculative_config: dict | str | None = None
     load_progress: bool = True
     # One full-budget forward pass at start-up, so the first real steps do not pay for kernel
     # selection and first-touch allocation (vLLM's profiling run plays the same role).
@@ -143,6 +146,8 @@ class EngineConfig:
                 raise ValueError("lora_modules must map adapter names to PEFT adapter directories "
                                  f"(got {self.lora_modules!r})")
             self.enable_lora = True
+        from tierlm.engine.speculative import SpeculativeConfig
+        SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, before anything loads
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -29,7 +29,8 @@
 # 4. `bench prefix` with the longest prefix the model takes (3,968 tokens), and a profile of a
 #    decode step and of cold and prefix-hit prefill steps (tools/device_profile.py); then
 #    `bench score` and `bench embed` (prompt logprobs and embeddings against transformers) and
-#    `bench lora` (mixed LoRA adapters against transformers + peft); their tests run in step 1;
+#    `bench lora` (mixed LoRA adapters against transformers + peft) and `bench spec` (n-gram
+#    speculative decoding against transformers' prompt lookup); their tests run in step 1;
 # 5. the rest of the test suite, with the engine on CUDA wherever a test leaves the device to it.
 #
 # Needs python3 with a CUDA torch and transformers (no network, no install); tierlm runs from
@@ -85,7 +86,7 @@ step bench-throughput-graphs 170 python3 -m tierlm.cli bench throughput --device
 step profile-graphs 60 python3 tools/device_profile.py "$BENCH_MODEL" --cuda-graphs
 step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
   tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py tests/engine/test_prompt_logprobs.py \
-  tests/engine/test_embeddings.py tests/engine/test_lora.py -k "not packed and not graphs"
+  tests/engine/test_embeddings.py tests/engine/test_lora.py tests/engine/test_speculative.py -k "not packed and not graphs"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
   --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
 step bench-throughput-sampled 90 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
@@ -101,8 +102,11 @@ step bench-embed 80 python3 -m tierlm.cli bench embed --device cuda --bench-mode
   --json "$OUT/embed.json" --plot "$OUT/embed.png"
 step bench-lora 90 python3 -m tierlm.cli bench lora --device cuda --bench-model-dir "$BENCH_MODEL" \
   --adapter-dir "${TMPDIR:-/tmp}/tierlm-lora-adapters" --json "$OUT/lora.json" --plot "$OUT/lora.png"
+step bench-spec 90 python3 -m tierlm.cli bench spec --device cuda --bench-model-dir "$BENCH_MODEL" \
+  --json "$OUT/spec.json" --plot "$OUT/spec.png"
 left=$((LIMIT_S - SECONDS)); ((left < 1)) && left=1
 step rest-of-suite "$left" python3 -m pytest -q -p no:cacheprovider -rfE tests --ignore=tests/models/test_parity.py \
   --ignore=tests/engine/test_engine_behaviour.py --ignore=tests/kv/test_prefix_and_tiers.py \
-  --ignore=tests/engine/test_prompt_logprobs.py --ignore=tests/engine/test_embeddings.py --ignore=tests/engine/test_lora.py
+  --ignore=tests/engine/test_prompt_logprobs.py --ignore=tests/engine/test_embeddings.py --ignore=tests/engine/test_lora.py \
+  --ignore=tests/engine/test_speculative.py
 grep "^=== .*: rc" "$LOG"

@@ -75,6 +75,13 @@ SETTINGS = {
     # Fixed-shape steps (what a CUDA graph records), with prefill chunks small enough to use them too.
     # 16 rows cover the 9 prompts; fewer recorded decode shapes on a GPU.
     "graphs": dict(block_size=16, max_num_batched_tokens=40, max_num_seqs=16, cuda_graphs=True),
+    # Speculative decoding: guesses from one-token matches (made at nearly every step), checked
+    # as short chunks; accepted ones register their blocks for the prefix cache.
+    "speculative": dict(block_size=4, max_num_batched_tokens=48,
+                        speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+    # ... and with preemptions, in a pool too small for all of them at once.
+    "spec_preempt": dict(block_size=8, max_num_batched_tokens=64, small_pool=True,
+                         speculative_config={"num_speculative_tokens": 5, "prompt_lookup_min": 1}),
 }
 
 
@@ -104,6 +111,9 @@ def test_greedy_batch_token_identical(arch, setting, checkpoints, hf_models, hf_
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     if small:
         assert llm.engine.scheduler.num_preemptions > 0
+    if kw.get("speculative_config"):  # guesses were checked, and some kept
+        stats = llm.engine.stats()
+        assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     if kw.get("cuda_graphs"):
         _assert_fixed_shape_steps_ran(llm, arch)
     assert llm.engine.pool.num_used == 0

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR, _sync, ensure_bench_model, resolve_device
+from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR, _sync, bench_model, resolve_device, timing
 from tierlm.cli import in_range
-from tierlm.errors import ModelLoadError
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -78,7 +77,7 @@ def run_tierlm(model_dir: str, prompts: list[list[int]], adapters: list[Path | N
     dt = time.perf_counter() - t0
     del llm
     tokens = [o.outputs[0].token_ids for o in outs]
-    return _timing(sum(map(len, tokens)), dt), tokens
+    return timing(sum(map(len, tokens)), dt), tokens
 
 
 def run_peft(model_dir: str, prompts: list[list[int]], adapters: list[Path], max_tokens: int,
@@ -121,21 +120,14 @@ def run_peft(model_dir: str, prompts: list[list[int]], adapters: list[Path], max
         _sync(device)
         dt = time.perf_counter() - t0
     del peft_model, model
-    return _timing(sum(map(len, tokens)), dt), tokens
-
-
-def _timing(tokens: int, seconds: float) -> dict:
-    return {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds}
+    return timing(sum(map(len, tokens)), dt), tokens
 
 
 def run(args: argparse.Namespace) -> dict:
     from tierlm.bench.outputs import check_outputs, write_json
     outs = check_outputs({"--json": args.json, "--plot": args.plot})  # fails now, not after the run
     device = resolve_device(args.device)
-    model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
-    if not Path(model_dir, "config.json").is_file():
-        raise ModelLoadError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json); "
-                             "give --model a local checkpoint, or leave it out for the built-in bench model")
+    model_dir = bench_model(args)
     if args.min_prompt > args.max_prompt:
         raise ValueError(f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}")
     config = json.loads(Path(model_dir, "config.json").read_text())

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
 Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
-__all__ = ["Series", "Styles", "check_plot_path", "savefig_name", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot"]
+__all__ = ["Series", "Styles", "check_plot_path", "savefig_name", "line_plot", "panels_plot", "stacked_plot", "cdf_plot", "bar_plot", "grouped_bars"]
 
 
 def savefig_name(path: str) -> str:
@@ -147,6 +147,23 @@ def bar_plot(path: str, values: Mapping[str, float], title: str, ylabel: str, lo
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def grouped_bars(path: str, groups: Mapping[str, Mapping[str, float]], title: str, ylabel: str) -> str:
+    """Bars side by side per group (e.g. each engine's throughput per workload); a series missing
+    from a group leaves its place empty."""
+    series = list(dict.fromkeys(k for g in groups.values() for k in g))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(groups) + 2), 4.5))
+    width = 0.8 / max(1, len(series))
+    for i, name in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, g in enumerate(groups.values()) if name in g]
+        ax.bar(xs, [g[name] for g in groups.values() if name in g], width, label=name)
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
     ax.set_title(title)
     return _save(fig, path)
 

@@ -16,13 +16,11 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR, _sync, ensure_bench_model, resolve_device
+from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR, _sync, bench_model, resolve_device
 from tierlm.cli import in_range
-from tierlm.errors import ModelLoadError
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 TASKS = ("score", "embed")
@@ -127,10 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     outs = check_outputs({"--json": args.json, "--plot": args.plot})  # fails now, not after the run
     task, unit = args.task, "scored" if args.task == "score" else "embedded"
     device = resolve_device(args.device)
-    model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
-    if not Path(model_dir, "config.json").is_file():
-        raise ModelLoadError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json); "
-                             "give --model a local checkpoint, or leave it out for the built-in bench model")
+    model_dir = bench_model(args)
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     if args.threads:

@@ -54,6 +54,21 @@ def make_workload(name: str, vocab: int, seed: int = 0) -> Workload:
     raise ValueError(f"unknown workload '{name}'; use uniform, mixed or tiny")
 
 
+def bench_model(args) -> str:
+    """`--model`, or the bench model (built on first use) from `--bench-model-dir`; refused by name
+    before transformers reads a path without config.json as a hub repo id."""
+    model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
+    if not Path(model_dir, "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json); "
+                             "give --model a local checkpoint, or leave it out for the built-in bench model")
+    return model_dir
+
+
+def timing(tokens: int, seconds: float) -> dict:
+    """A timed run's figures as the bench JSONs hold them."""
+    return {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds}
+
+
 def ensure_bench_model(path: Path) -> Path:
     """The 0.5B-shaped random-weight Llama (bf16) used by the speed benchmarks."""
     if (path / "config.json").is_file():
@@ -210,10 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     sampling = Sampling(args.temperature, args.top_p)
     sampling.validate()
     device = resolve_device(args.device)  # before minutes of building the bench model
-    model_dir = args.model or str(ensure_bench_model(Path(args.bench_model_dir)))
-    if not Path(model_dir, "config.json").is_file():  # before transformers reads it as a hub repo id
-        raise ModelLoadError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json); "
-                             "give --model a local checkpoint, or leave it out for the built-in bench model")
+    model_dir = bench_model(args)
     dtype = args.dtype
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
     from transformers import AutoConfig

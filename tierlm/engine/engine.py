@@ -32,6 +32,7 @@ from tierlm.engine.pooling import pooled_embedding
 from tierlm.engine.sampler import Sampler, prompt_logprobs, seeded_generator
 from tierlm.engine.load import ArrivalRates, OutputLengths, StepTimeModel, TtftCalibration, estimate_ttft
 from tierlm.engine.scheduler import Scheduler
+from tierlm.engine.speculative import NgramProposer, SpeculativeConfig
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
 from tierlm.kv.admin import model_dir_names, write_about
@@ -87,6 +88,11 @@ class EngineStats:
     # With LoRA: per adapter (loaded, or still used by requests after its removal), its requests
     # {"running": n, "waiting": n}; None when the engine serves no adapters.
     lora_requests: dict | None = None
+    # Speculative decoding (vLLM's spec_decode counters): a request's steps that checked guesses,
+    # the guesses checked, and those accepted (each a token that cost no step of its own).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -320,8 +326,10 @@ class LLMEngine:
                                  io=BlockIO(self.runner.read_blocks, self.runner.write_blocks),
                                  prefetch=(self.device.type == "cuda" or bool(config.kv_remote))
                                  if config.kv_prefetch is None else config.kv_prefetch)
+        spec = SpeculativeConfig.parse(config.speculative_config)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy, max_loras=config.max_loras)
+                                   config.scheduling_policy, max_loras=config.max_loras,
+                                   proposer=None if spec is None else NgramProposer(spec, self.max_model_len))
         # How long a step with nothing to run but a prefix read waits for it: None, until it is
         # done or overdue (a caller stepping in a loop); an AsyncEngine polls (READ_POLL_S).
         self.read_wait_s: float | None = None
@@ -339,6 +347,10 @@ class LLMEngine:
         self._bad_words_cache = functools.lru_cache(maxsize=64)(self._tokenize_bad_words)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # Speculative decoding: steps of a request that checked guesses, guesses checked, accepted.
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self.steps = 0
         self.last_step = (0, 0)
         self.step_time = StepTimeModel()  # what a step of n tokens takes here (load.py)
@@ -634,7 +646,8 @@ class LLMEngine:
         for req, n in sched.scheduled:
             # The prompt's share of the chunk: a recompute after preemption runs past the prompt.
             self.prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-            req.num_computed_tokens += n
+            # (a decode's speculative guesses count once they are accepted, below)
+            req.num_computed_tokens += min(n, req.num_tokens - req.num_computed_tokens)
             self.kv.register_computed(req)
         now = time.monotonic()
         deltas = []
@@ -643,10 +656,49 @@ class LLMEngine:
             deltas.append(self._finish(req, "stop", None, embedding=embedding))
         if not samplers:
             return deltas
-        tokens, lps = self.sampler(logits, samplers)
-        for req, tok, lp in zip(samplers, tokens, lps):
-            deltas.append(self._on_token(req, tok, lp, now))
+        guessing = any(req.spec_token_ids for req in samplers)
+        if not guessing:
+            tokens, lps = self.sampler(logits, samplers)
+            for req, tok, lp in zip(samplers, tokens, lps):
+                deltas.append(self._on_token(req, tok, lp, now))
+            return deltas
+        tokens, lps = self.sampler(logits, samplers, self._row_drafts(samplers))
+        at = 0
+        while at < len(samplers):
+            req = samplers[at]
+            guesses, req.spec_token_ids = req.spec_token_ids, []
+            # Row j's token follows the real tokens and the first j guesses: it stands only while
+            # every guess before it was the token drawn there. The first token that differs
+            # from its row's guess (or the row after the last guess) is the step's last.
+            accepted = 0
+            for j in range(len(guesses) + 1):
+                delta = self._on_token(req, tokens[at + j], lps[at + j], now)
+                deltas.append(delta)
+                if delta.finished or j == len(guesses) or tokens[at + j] != guesses[j]:
+                    break
+                accepted += 1
+            at += len(guesses) + 1
+            if guesses:
+                self.spec_drafts += 1
+                self.spec_draft_tokens += len(guesses)
+                self.spec_accepted_tokens += accepted
+                if not req.is_finished:  # accepted guesses' K/V, written this step, now count
+                    req.num_computed_tokens += accepted
+                    self.kv.register_computed(req)
         return deltas
+
+    @staticmethod
+    def _row_drafts(samplers: list[Request]) -> list[int]:
+        """Per logits row, the guess it checks (-1: none): a request with guesses has one row per
+        guess and one more after the last, consecutive (runner.py)."""
+        drafts: list[int] = []
+        at = 0
+        while at < len(samplers):
+            guesses = samplers[at].spec_token_ids
+            drafts.extend(guesses)
+            drafts.append(-1)
+            at += len(guesses) + 1
+        return drafts
 
     def _on_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> StreamDelta:
         req.append_token(tok)
@@ -762,7 +814,9 @@ class LLMEngine:
             kv_tier_usage=self.store.usage() if self.store is not None else None,
             kv_write_backlog_bytes=self.store.backlog if self.store is not None else 0,
             kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0,
-            kv_held_bytes=self.kv.held_bytes, lora_requests=self._lora_requests())
+            kv_held_bytes=self.kv.held_bytes, lora_requests=self._lora_requests(),
+            spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens)
 
     def _lora_requests(self) -> dict | None:
         """Per loaded adapter, its requests running and waiting (None: no LoRA on this engine).

@@ -16,6 +16,8 @@ from tierlm.sampling_params import BadWords, PoolingParams, SamplingParams, Thin
 
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tierlm.engine.grammar import GrammarFollower
     from tierlm.models.lora import LoRAAdapter
 
@@ -80,6 +82,12 @@ class Request:
     # Set: the LoRA adapter the request runs with (its own object: removing the adapter from the
     # engine meanwhile does not take it from under the request).
     lora: "LoRAAdapter | None" = None
+    # Speculative decoding (speculative.py): the guesses the scheduler gave this step (checked
+    # by the model after the last real token, then cleared), and the tokens as an array for the
+    # n-gram lookup, extended as tokens come.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_buffer: "np.ndarray | None" = None
+    spec_buffer_len: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

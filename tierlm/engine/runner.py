@@ -216,13 +216,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None, list[PromptRows]]:
-        """Run one step; returns the requests that produce a token now, their logits rows, and
-        the hidden states of the prompt positions to score (prompt logprobs)."""
+        """Run one step; returns the requests that produce a token now, their logits rows (a
+        request with speculative guesses has 1 + guesses consecutive rows), and the hidden
+        states of the prompt positions to score (prompt logprobs)."""
         scoring = any(_prompt_span(req, req.num_computed_tokens, req.num_computed_tokens + n)[1]
                       for req, n in sched.scheduled)
         adapted = any(req.lora is not None for req, _ in sched.scheduled)
-        # (a graph keeps only sampling rows, and records no adapter)
-        if self.graphs is not None and sched.scheduled and not scoring and not adapted:
+        guessing = any(req.spec_token_ids for req, _ in sched.scheduled)
+        # (a graph keeps one sampling row per request, and records no adapter)
+        if self.graphs is not None and sched.scheduled and not scoring and not adapted and not guessing:
             done = self.graphs.execute(sched.scheduled, self._block_ids)
             if done is not None:
                 return (*done, [])
@@ -248,6 +250,8 @@ class ModelRunner:
         for req, n in entries:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             ids.extend(req.all_token_ids[start:end])
+            if end > req.num_tokens:  # a decode with speculative guesses after its last real token
+                ids.extend(req.spec_token_ids[:end - req.num_tokens])
             table = self._block_ids(req)
             pos = np.arange(start, end, dtype=np.int64)
             positions.append(pos)
@@ -259,9 +263,12 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSeq(offset, offset + n, end,
                                            torch.from_numpy(table[:used]).to(self.device)))
-            if end == req.num_tokens and req.pooling is None:
-                logits_idx.append(offset + n - 1)
-                samplers.append(req)
+            if end >= req.num_tokens and req.pooling is None:
+                # The last real token's row, and one per guess after it: row j is the model's
+                # next token after j guesses (one row, without guesses).
+                for row in range(offset + req.num_tokens - 1 - start, offset + n):
+                    logits_idx.append(row)
+                    samplers.append(req)
             if req.lora is not None:
                 lora_rows.setdefault(req.lora, []).extend(range(offset, offset + n))
             lo, count = _prompt_span(req, start, end)

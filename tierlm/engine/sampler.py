@@ -269,7 +269,12 @@ class Sampler:
         self.default_generator = seeded_generator(seed)  # all 64 bits of the engine's seed count
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[int] | None = None
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row of `logits`. `drafts`: per row, a speculative guess at the token
+        (-1: none) that a sampled row keeps with the probability its distribution gives it, else
+        it draws from the rest (see `_draw`); a greedy row needs no help (its argmax is the
+        check). A row's token has the distribution of the row's own, guess or not."""
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -306,13 +311,15 @@ class Sampler:
             _refill_empty_rows(logits, g_rows, on_grammar)
         logits = apply_forced_tokens(logits, reqs)
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        guesses = None if drafts is None or all(d < 0 for d in drafts) else drafts
         if len(drawn) == len(reqs):
-            picked = self._draw(logits, reqs)
+            picked = self._draw(logits, reqs, guesses)
         else:
             picked = logits.argmax(dim=-1)
             if drawn:
                 rows = torch.tensor(drawn, dtype=torch.long).to(logits.device, non_blocking=True)
-                picked.index_copy_(0, rows, self._draw(logits.index_select(0, rows), [reqs[i] for i in drawn]))
+                picked.index_copy_(0, rows, self._draw(logits.index_select(0, rows), [reqs[i] for i in drawn],
+                                                       None if guesses is None else [guesses[i] for i in drawn]))
         lps: list[TokenLogprob | None] = [None] * len(reqs)
         if raw_logprobs is None:
             return picked.tolist(), lps  # the step's one device-to-host sync
@@ -337,15 +344,34 @@ class Sampler:
                                   rank=longs_l[n_rows + j])
         return tokens, lps
 
-    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[int] | None = None
+              ) -> torch.Tensor:
         """One token per row of `logits` [n, vocab], drawn from softmax(row / temperature) after the
         row's filters: the first token whose cumulative probability exceeds u * total, u uniform in
         [0, 1). A token of probability 0 (filtered out) has no width in the cumulative sum, so it
-        is never drawn."""
+        is never drawn.
+
+        A row with a guess (`drafts`, -1 for none) first keeps it with its probability p (one
+        more uniform, drawn before the usual one); rejected, the guess's probability is zeroed
+        and the draw is from the rest. P(guess) = p, P(x) = (1 - p) p(x) / (1 - p) = p(x): the
+        row's own distribution (speculative sampling with a one-token proposal)."""
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         rows = _filter_rows(logits / temps.to(dev, non_blocking=True).unsqueeze(1), [r.params for r in reqs])
-        cum = torch.softmax(rows, dim=-1).double().cumsum(dim=-1)  # float64: 100k-entry sums stay exact to ~1e-12
+        probs = torch.softmax(rows, dim=-1).double()  # float64: 100k-entry sums stay exact to ~1e-12
+        kept = None
+        if drafts is not None and any(d >= 0 for d in drafts):
+            guessed = [i for i, d in enumerate(drafts) if d >= 0]
+            g_rows = torch.tensor(guessed, dtype=torch.long).to(dev, non_blocking=True)
+            g_toks = torch.tensor([drafts[i] for i in guessed], dtype=torch.long).to(dev, non_blocking=True)
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=reqs[i].generator or self.default_generator)
+                           for i in guessed]).to(dev, non_blocking=True)
+            p_guess = probs[g_rows, g_toks] / probs[g_rows].sum(dim=-1)
+            accept = u < p_guess
+            kept = torch.full((len(reqs),), -1, dtype=torch.long, device=dev)
+            kept[g_rows] = torch.where(accept, g_toks, -1)
+            probs[g_rows, g_toks] = torch.where(accept, probs[g_rows, g_toks], 0.0)  # rejected: from the rest
+        cum = probs.cumsum(dim=-1)
         u = torch.cat([torch.rand(1, dtype=torch.float64, generator=r.generator or self.default_generator)
                        for r in reqs])
         total = cum[:, -1]
@@ -353,4 +379,5 @@ class Sampler:
         # found always has width: probability above 0.
         target = torch.minimum(u.to(dev, non_blocking=True) * total, torch.nextafter(total, torch.zeros_like(total)))
         picked = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
-        return picked.clamp_(max=rows.shape[1] - 1)  # a row of NaN (a broken model) finds no place: stay in range
+        picked = picked.clamp_(max=rows.shape[1] - 1)  # a row of NaN (a broken model) finds no place: stay in range
+        return picked if kept is None else torch.where(kept >= 0, kept, picked)

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tierlm.engine.fairness import SCHEDULING_POLICIES, FairShare, fcfs_order, tenant_of
 from tierlm.engine.quotas import KVQuotas
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.kv.manager import KVCacheManager
 
+if TYPE_CHECKING:
+    from tierlm.engine.speculative import NgramProposer
+
 
 @dataclass
 class SchedulerOutput:
-    # Ordered: single-token entries (decodes) first, then multi-token prefill chunks.
+    # Ordered: single-token entries (decodes) first, then multi-token ones: prefill chunks and
+    # decodes with speculative guesses (past `num_tokens`: the guesses are `spec_token_ids`).
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Nothing could run: this request's prefix is still being read (wait for it, briefly).
@@ -37,13 +42,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: str = "fair", max_loras: int | None = None) -> None:
+                 policy: str = "fair", max_loras: int | None = None,
+                 proposer: "NgramProposer | None" = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}")
         self.kv = kv
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self.max_loras = max_loras  # distinct LoRA adapters among running requests (None: no limit)
+        self.proposer = proposer  # speculative decoding's guesses for decodes (None: one token a step)
         self.policy = policy
         self.fair = FairShare()
         self.quotas = KVQuotas(kv.block_size, kv.pool.num_blocks)
@@ -80,6 +87,7 @@ class Scheduler:
         self.kv.prefetch(victim)  # what of its prefix moves down meanwhile is read back off the loop
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(victim)
@@ -102,6 +110,10 @@ class Scheduler:
             if req not in self.running or budget <= 0:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._speculate(req, budget):
+                chosen[req] = 1 + len(req.spec_token_ids)
+                budget -= chosen[req]
+                continue
             while not self.kv.allocate(req, n):
                 victim = self._preempt(out)
                 budget += chosen.pop(victim, 0)
@@ -160,6 +172,21 @@ class Scheduler:
         if self.policy == "fair":
             self.fair.charge(pending)
         return out
+
+    def _speculate(self, req: Request, budget: int) -> bool:
+        """A decode with guesses at its next tokens (speculative.py): set them and their slots, if
+        it may speculate, a guess is found and the budget and the pool have room for them (else it
+        decodes one token, and a pool short of room preempts as for any decode)."""
+        req.spec_token_ids = []
+        if self.proposer is None or budget < 2 or req.num_tokens - req.num_computed_tokens != 1:
+            return False
+        if not self.proposer.guesses_at(len(self.running)):
+            return False
+        drafts = self.proposer.propose(req, min(self.proposer.room(req), budget - 1))
+        if not drafts or not self.kv.allocate(req, 1 + len(drafts)):
+            return False
+        req.spec_token_ids = drafts
+        return True
 
     def _add_cost(self, pending: dict[str, float], req: Request, n: int) -> None:
         tenant = tenant_of(req)

@@ -188,6 +188,12 @@ ENGINE_FIGURES = (
     _EngineFigures("tierlm:engine_generation_tokens", "Tokens sampled by the engine (all clients).",
                    "generation_tokens", "counter"),
     _EngineFigures("tierlm:engine_steps", "Engine steps run.", "steps", "counter"),
+    _EngineFigures("tierlm:spec_decode_num_drafts", "Steps of a request that checked speculative guesses "
+                   "(n-gram lookup).", "spec_drafts", "counter"),
+    _EngineFigures("tierlm:spec_decode_num_draft_tokens", "Speculative guesses checked by the model.",
+                   "spec_draft_tokens", "counter"),
+    _EngineFigures("tierlm:spec_decode_num_accepted_tokens", "Speculative guesses accepted (tokens that took no "
+                   "step of their own).", "spec_accepted_tokens", "counter"),
     _EngineFigures("tierlm:kv_evictions", "Cached device KV blocks evicted to make room.", "kv_evictions",
                    "counter"),
     _EngineFigures("tierlm:kv_promoted_blocks", "KV blocks copied up from a lower tier to the device.",
