@@ -139,9 +139,7 @@ def _token_array(req: Request) -> np.ndarray:
         if buf is not None:
             grown[:have] = buf[:have]
         buf = req.spec_buffer = grown
-    if have > n:  # (cannot shrink today; a prompt is never cut after it starts)
-        have = 0
-    if have < n:
+    if have < n:  # (tokens are only ever appended)
         buf[have:n] = req.all_token_ids[have:n]
         req.spec_buffer_len = n
     return buf[:n]
