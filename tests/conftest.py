@@ -95,6 +95,30 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:
     return out
 
 
+def rounded_kv_attention(dtype: torch.dtype) -> str:
+    """Register with transformers, and name, an SDPA attention whose keys and values are first
+    rounded to `dtype` (after RoPE, where tierlm stores them; saturated to its range), with
+    SDPA's own masks (sliding windows included): the reference for a KV cache stored in
+    `dtype`. transformers keeps its cache unrounded and rounds again at each step, which gives
+    the same values (rounding is idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    top = torch.finfo(dtype).max
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.clamp(-top, top).to(dtype).to(t.dtype)
+
+    def attention(module, query, key, value, attention_mask, **kw):
+        return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kw)
+
+    name = f"kv_rounded_{str(dtype).replace('torch.', '')}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")

@@ -30,7 +30,8 @@
 #    decode step and of cold and prefix-hit prefill steps (tools/device_profile.py); then
 #    `bench score` and `bench embed` (prompt logprobs and embeddings against transformers) and
 #    `bench lora` (mixed LoRA adapters against transformers + peft) and `bench spec` (n-gram
-#    speculative decoding against transformers' prompt lookup); their tests run in step 1;
+#    speculative decoding against transformers' prompt lookup) and `bench kv-dtype` (an fp8 KV
+#    cache against bf16 in the same memory, and transformers); their tests run in step 1;
 # 5. the rest of the test suite, with the engine on CUDA wherever a test leaves the device to it.
 #
 # Needs python3 with a CUDA torch and transformers (no network, no install); tierlm runs from
@@ -86,7 +87,8 @@ step bench-throughput-graphs 170 python3 -m tierlm.cli bench throughput --device
 step profile-graphs 60 python3 tools/device_profile.py "$BENCH_MODEL" --cuda-graphs
 step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
   tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py tests/engine/test_prompt_logprobs.py \
-  tests/engine/test_embeddings.py tests/engine/test_lora.py tests/engine/test_speculative.py -k "not packed and not graphs"
+  tests/engine/test_embeddings.py tests/engine/test_lora.py tests/engine/test_speculative.py \
+  tests/models/test_kv_dtype.py -k "not packed and not graphs"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
   --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
 step bench-throughput-sampled 90 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
@@ -104,9 +106,11 @@ step bench-lora 90 python3 -m tierlm.cli bench lora --device cuda --bench-model-
   --adapter-dir "${TMPDIR:-/tmp}/tierlm-lora-adapters" --json "$OUT/lora.json" --plot "$OUT/lora.png"
 step bench-spec 90 python3 -m tierlm.cli bench spec --device cuda --bench-model-dir "$BENCH_MODEL" \
   --json "$OUT/spec.json" --plot "$OUT/spec.png"
+step bench-kv-dtype 90 python3 -m tierlm.cli bench kv-dtype --device cuda --bench-model-dir "$BENCH_MODEL" \
+  --json "$OUT/kv_dtype.json" --plot "$OUT/kv_dtype.png"
 left=$((LIMIT_S - SECONDS)); ((left < 1)) && left=1
 step rest-of-suite "$left" python3 -m pytest -q -p no:cacheprovider -rfE tests --ignore=tests/models/test_parity.py \
   --ignore=tests/engine/test_engine_behaviour.py --ignore=tests/kv/test_prefix_and_tiers.py \
   --ignore=tests/engine/test_prompt_logprobs.py --ignore=tests/engine/test_embeddings.py --ignore=tests/engine/test_lora.py \
-  --ignore=tests/engine/test_speculative.py
+  --ignore=tests/engine/test_speculative.py --ignore=tests/models/test_kv_dtype.py
 grep "^=== .*: rc" "$LOG"

@@ -1,5 +1,5 @@
 """tierlm's CPU kernels against PyTorch references: the bf16-weight GEMM, the paged decode
-attention (float32 and bf16 caches, GQA, sliding windows, odd block sizes; shapes off its vector
+attention (float32, bf16 and fp8 caches, GQA, sliding windows, odd block sizes; shapes off its vector
 path declined), the engine with and without them, and a build that fails."""
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def test_only_bf16_exact_float32_weights_are_wrapped():
 
 
 def _reference_decode(q, cache, tables, lens, scale, window):
+    cache = cache.float()  # fp8 has no indexing kernels
     hkv, d = cache.shape[3], cache.shape[4]
     g = q.shape[1] // hkv
     out = torch.empty_like(q)
@@ -77,7 +78,7 @@ def _reference_decode(q, cache, tables, lens, scale, window):
 
 
 @needs_avx512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [(14, 2, 64, 16, None), (8, 8, 128, 16, 37), (6, 2, 16, 5, None),
                                               (32, 2, 256, 7, 10), (4, 4, 32, 16, 1)])
 def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
@@ -90,6 +91,38 @@ def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
     out = cpu_kernels.decode_attention(q, cache, tables, lens, d ** -0.5, window)
     ref = _reference_decode(q, cache, tables, lens, d ** -0.5, window)
     assert (out - ref).abs().max().item() < 2e-5
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_attention_reads_every_fp8_code_exactly(dtype):
+    """With one key, attention returns that key's value row: every finite fp8 code (subnormals,
+    both signs, the largest) comes back as torch's own conversion gives it, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(dtype).float())]  # e4m3: 254 codes; e5m2: 248
+    d = 256
+    cache = torch.zeros(2, 4, 16, 1, d, dtype=torch.uint8)
+    cache[1, 2, 0, 0, : len(codes)] = codes
+    cache = cache.view(dtype)
+    q = torch.randn(3, 2, d)
+    out = cpu_kernels.decode_attention(q, cache, torch.tensor([[2], [2], [2]]), torch.tensor([1, 1, 1]), 0.1, None)
+    expect = cache[1, 2, 0, 0].float()
+    assert out is not None and torch.equal(out, expect.expand(3, 2, d))
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4099])
+@pytest.mark.parametrize("to", [torch.float32, torch.bfloat16])
+def test_fp8_widen_is_exact_for_every_code_and_length(dtype, n, to):
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(dtype).float())]
+    x = codes[torch.randint(len(codes), (2, n), generator=torch.Generator().manual_seed(n))].view(dtype)
+    out = cpu_kernels.fp8_widen(x[:, 1:], to)  # a strided view: read as its values, not its storage
+    assert out is not None and out.dtype == to and out.shape == (2, n - 1)
+    assert torch.equal(out.float(), x[:, 1:].float())
+    assert cpu_kernels.fp8_widen(torch.zeros(3), to) is None  # not fp8: the caller converts
+    assert cpu_kernels.fp8_widen(x, torch.float16) is None
 
 
 @needs_avx512

@@ -44,6 +44,7 @@ from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, Red
                              parse_capacity)
 from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
 from tierlm.models.config import load_config_dict, parse_config
+from tierlm.models.kv_dtype import resolve_kv_cache_dtype
 from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
 from tierlm.models.lora import LoRAAdapter, LoRARequest
 from tierlm.models.registry import resolve_architecture
@@ -93,6 +94,10 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # What K/V are stored as (kv_cache_dtype resolved: "bfloat16", "float8_e4m3fn", ...) and
+    # tokens per block: with kv_blocks_total, the pool's shape (vLLM's cache_config_info).
+    kv_cache_dtype: str = ""
+    block_size: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -178,7 +183,8 @@ def check_sizes_before_loading(config: EngineConfig, cfg: dict, device: torch.de
     capacity or a kv_cache_memory under one block is refused before the weights load, not
     minutes after."""
     args = parse_config(cfg, resolve_architecture(cfg))
-    per_block = kv_bytes_per_block(args, resolve_dtype(config.dtype, args, device), config.block_size)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, args, device))
+    per_block = kv_bytes_per_block(args, kv_dtype, config.block_size)
     tier_capacities(config, per_block, device)
     if config.kv_cache_memory is not None:
         check_kv_pool_memory(kv_pool_bytes(config.kv_cache_memory, per_block), device, available=False)
@@ -256,6 +262,7 @@ class LLMEngine:
                                 cpu_linear=config.cpu_linear, cpu_kernels=config.cpu_kernels)
             self.args = loaded.args
             self.dtype = loaded.dtype
+            loaded.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.kv_dtype)
             self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
             if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
                 log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
@@ -816,7 +823,8 @@ class LLMEngine:
             kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0,
             kv_held_bytes=self.kv.held_bytes, lora_requests=self._lora_requests(),
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens)
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            kv_cache_dtype=str(self.runner.kv_caches[0].dtype).replace("torch.", ""), block_size=self.config.block_size)
 
     def _lora_requests(self) -> dict | None:
         """Per loaded adapter, its requests running and waiting (None: no LoRA on this engine).

@@ -16,6 +16,7 @@ from tierlm.engine.request import Request
 from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.models import cpu_kernels as cpu_kernel_lib
 from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from tierlm.models.kv_dtype import as_bytes
 from tierlm.models.loader import LoadedModel
 from tierlm.models.lora import LoRAAdapter, LoRAState
 
@@ -191,7 +192,7 @@ class ModelRunner:
             staged[i].copy_(data, non_blocking=True)  # async from pinned memory, converting dtype if need be
         idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
         for layer, c in enumerate(caches):
-            c.index_copy_(1, idx, staged[:, layer].transpose(0, 1))
+            as_bytes(c).index_copy_(1, idx, as_bytes(staged[:, layer].transpose(0, 1)))
 
     def _block_ids(self, req: Request) -> np.ndarray:
         return np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))

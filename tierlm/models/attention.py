@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.models import cpu_kernels
+from tierlm.models.kv_dtype import as_bytes, is_fp8, to_storage
 
 
 @dataclass
@@ -118,19 +119,27 @@ class AttentionMetadata:
     padded: PaddedBatch | None = None  # set: the whole step is this fixed-shape batch
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Scatter new keys/values into their slots. cache: [2, num_blocks, block_size, Hkv, D]."""
+def from_storage(kv: torch.Tensor, dtype: torch.dtype, kernels: bool = True) -> torch.Tensor:
+    """Cached K/V (gathered) in the compute dtype: fp8 on CPU through tierlm's kernel unless
+    `kernels` is off (torch's conversion is scalar there: ~30 ms of a 2,000-token prefix hit's
+    0.2 s on the bench model)."""
+    if kernels and is_fp8(kv.dtype):
+        out = cpu_kernels.fp8_widen(kv, dtype)
+        if out is not None:
+            return out
+    return kv.to(dtype)
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter new keys/values into their slots. cache: [2, num_blocks, block_size, Hkv, D].
+    Returns them as stored (in the cache's dtype; see kv_dtype.to_storage)."""
     kc = cache[0].view(-1, *k.shape[1:])
     vc = cache[1].view(-1, *v.shape[1:])
-    k, v = k.to(kc.dtype), v.to(vc.dtype)
-    if kc.dtype == torch.float16:
-        # float16 overflows at 65504 where bfloat16 and float32 do not. An inf or NaN kept in the
-        # pool would reach *other* sequences: attention gathers keys it then masks out (padding
-        # table entries, the stale tail of a reused block), and a masked inf still gives NaN
-        # (inf - inf in the scores, 0 * inf in the values). Finite values are written unchanged.
-        k, v = torch.nan_to_num(k), torch.nan_to_num(v)
-    kc.index_copy_(0, slots, k)
-    vc.index_copy_(0, slots, v)
+    k, v = to_storage(k, kc.dtype), to_storage(v, vc.dtype)
+    as_bytes(kc).index_copy_(0, slots, as_bytes(k))
+    as_bytes(vc).index_copy_(0, slots, as_bytes(v))
+    return k, v
 
 
 def paged_attention(
@@ -143,7 +152,12 @@ def paged_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Returns [T, Hq, D]."""
-    write_kv(cache, k, v, meta.slot_mapping)
+    k_stored, v_stored = write_kv(cache, k, v, meta.slot_mapping)
+    if cache.dtype != q.dtype:
+        # A chunk attends to its own keys as later steps will read them back (rounded to the
+        # cache's dtype), as vLLM's kernels do, reading everything from the cache: cold and
+        # cached prefixes, and every chunking of a prompt, then see the same values.
+        k, v = from_storage(k_stored, q.dtype, meta.cpu_kernels), from_storage(v_stored, q.dtype, meta.cpu_kernels)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
@@ -164,7 +178,7 @@ def paged_attention(
                 continue
         nd, bt = g.end - g.start, g.block_tables.view(-1)
         L = g.block_tables.shape[1] * meta.block_size
-        kvd = kv_rows.index_select(1, bt).view(2, nd, L, Hkv, D).to(q.dtype).transpose(2, 3)
+        kvd = from_storage(kv_rows.index_select(1, bt), q.dtype, meta.cpu_kernels).view(2, nd, L, Hkv, D).transpose(2, 3)
         kd, vd = kvd[0], kvd[1]
         qd = q[g.start:g.end].view(nd, Hkv, group, D)  # a KV head's query heads, as a query "length"
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(L, window), scale=scale)
@@ -176,7 +190,7 @@ def paged_attention(
             # Nothing cached before this chunk: attend to the new keys directly.
             ks, vs = k[p.q_start:p.q_end], v[p.q_start:p.q_end]
         else:
-            kvs = kv_rows.index_select(1, p.block_table).view(2, -1, Hkv, D)[:, : p.ctx_len].to(q.dtype)
+            kvs = from_storage(kv_rows.index_select(1, p.block_table), q.dtype, meta.cpu_kernels).view(2, -1, Hkv, D)[:, : p.ctx_len]
             ks, vs = kvs[0], kvs[1]
         pieces.append((p.q_start, p.q_end, _causal_attention(qs, ks, vs, scale, window, p)))
     if len(pieces) == 1 and pieces[0][1] - pieces[0][0] == T:
@@ -196,7 +210,9 @@ def _padded_attention(q: torch.Tensor, kv_rows: torch.Tensor, p: PaddedBatch, bl
     L = p.block_tables.shape[1] * block_size
     Hkv = kv_rows.shape[2] // (block_size * D)
     group = Hq // Hkv
-    kv = kv_rows.index_select(1, p.block_tables.view(-1)).view(2, B, L, Hkv, D).to(q.dtype).transpose(2, 3)
+    # torch ops only: what a CUDA graph records and replays.
+    kv = from_storage(kv_rows.index_select(1, p.block_tables.view(-1)), q.dtype, kernels=False).view(
+        2, B, L, Hkv, D).transpose(2, 3)
     qg = q.view(B, W, Hkv, group, D).transpose(1, 2).reshape(B, Hkv, W * group, D)
     o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=p.mask(L, window, group), scale=scale)
     return o.view(B, Hkv, W, group, D).transpose(1, 2).reshape(T, Hq, D)

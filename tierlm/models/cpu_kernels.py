@@ -1,10 +1,11 @@
 """tierlm's own CPU kernels (csrc/cpu_kernels.c), built for this CPU on first use and called via ctypes.
 
 Why: on CPU a decode step is bound by streaming the weights and by attention's gather-and-convert
-passes, which PyTorch cannot fuse. The kernels read bf16 weights and a bf16 paged KV cache in
-place and compute in float32 (see the C file). They are compiled with the system C compiler
+passes, which PyTorch cannot fuse. The kernels read bf16 weights and a bf16 or fp8 paged KV cache
+in place and compute in float32 (see the C file); a third widens gathered fp8 K/V to float32
+or bf16, several times faster than torch's own (scalar) conversion. They are compiled with the system C compiler
 (`-O3 -march=native -fopenmp`, about a second) into ~/.cache/tierlm/kernels, keyed by the source
-and this CPU's flags. Both kernels need AVX-512. Without it, without a compiler, or with
+and this CPU's flags. They need AVX-512. Without it, without a compiler, or with
 TIERLM_CPU_KERNELS=0 (EngineConfig.cpu_kernels=False), everything runs on the PyTorch paths
 instead: same results, just slower, and one log line says why.
 """
@@ -112,6 +113,8 @@ def _load() -> ctypes.CDLL | None:
     lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, ptr,
                                             i64, ctypes.c_float, ptr, cint]
     lib.tierlm_decode_attention.restype = ctypes.c_int
+    lib.tierlm_fp8_widen.argtypes = [ptr, ptr, i64, cint, cint, cint]
+    lib.tierlm_fp8_widen.restype = ctypes.c_int
     _avx512 = bool(lib.tierlm_has_avx512())
     if not _avx512:
         log.info("this CPU has no AVX-512: tierlm's CPU kernels are off, the PyTorch paths run")
@@ -157,18 +160,23 @@ def gemm_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
 
 # ---------------------------------------------------------------- paged decode attention
 
+# The cache dtypes the kernel reads in place, by the code it knows them by (KV_* in the C file).
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
+
 def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """CPU, float32 queries, a contiguous float32/bf16 cache, and a shape on the kernel's vector
-    path: head_dim a multiple of 16 up to 256, at most 16 query heads per KV head."""
+    """CPU, float32 queries, a contiguous float32/bf16/fp8 cache, and a shape on the kernel's
+    vector path: head_dim a multiple of 16 up to 256, at most 16 query heads per KV head."""
     hq, d, hkv = q.shape[1], q.shape[2], cache.shape[3]
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype in (torch.float32, torch.bfloat16)
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype in _KV_KINDS
             and cache.is_contiguous() and d % 16 == 0 and d <= 256 and hq % hkv == 0 and hq // hkv <= 16
             and has_avx512())
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
                      scale: float, window: int | None, longest: int | None = None) -> torch.Tensor | None:
-    """q [B, Hq, D] float32, one token per sequence; cache [2, blocks, block_size, Hkv, D].
+    """q [B, Hq, D] float32, one token per sequence; cache [2, blocks, block_size, Hkv, D] of a
+    dtype decode_attention_supported accepts (fp8 is read as stored: no scale).
     `longest`: max(lens) when the caller knows it (read once per step, not per layer).
     None where the kernel declined (see decode_attention_supported; or out of scratch memory)."""
     lib = library()
@@ -187,7 +195,22 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     out = torch.empty_like(q)
     kc, vc = cache[0], cache[1]
     rc = lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
-                                     int(cache.dtype == torch.bfloat16), cache.shape[2], tables.data_ptr(),
+                                     _KV_KINDS[cache.dtype], cache.shape[2], tables.data_ptr(),
                                      tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr(),
                                      torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+# ---------------------------------------------------------------- fp8 -> float32 / bf16
+
+def fp8_widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A CPU fp8 tensor as float32 or bf16 (exact either way); None where the kernels are off or
+    the dtypes are others."""
+    if (not has_avx512() or x.device.type != "cpu" or x.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
+            or dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    rc = library().tierlm_fp8_widen(x.data_ptr(), out.data_ptr(), x.numel(), _KV_KINDS[x.dtype],
+                                    int(dtype == torch.bfloat16), torch.get_num_threads())
     return out if rc == 0 else None

@@ -34,7 +34,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: list[int]
     generation_defaults: dict
-    kv_dtype: torch.dtype | None = None  # KV cache storage (the requested dtype)
+    kv_dtype: torch.dtype | None = None  # KV cache storage (the requested dtype; the engine applies kv_cache_dtype)
 
     def __post_init__(self) -> None:
         if self.kv_dtype is None:

@@ -238,6 +238,9 @@ class EngineCollector(Collector):
                                  labels=["model", "tier"])
         room = GaugeMetricFamily("tierlm:kv_tier_capacity_blocks", "Capacity of a lower KV tier, in blocks.",
                                  labels=["model", "tier"])
+        cache_info = GaugeMetricFamily("tierlm:cache_config_info", "The device KV pool's shape (always 1): what "
+                                       "K/V are stored as, tokens per block and blocks (vLLM's cache_config_info).",
+                                       labels=["model", "cache_dtype", "block_size", "num_blocks"])
         lora = GaugeMetricFamily("tierlm:lora_requests", "Requests of each LoRA adapter now, running or waiting "
                                  "(every loaded adapter, 0 when idle).", labels=["model", "adapter", "state"])
         for model, engine in self._engines():
@@ -253,6 +256,8 @@ class EngineCollector(Collector):
             used, total = getattr(stats, "kv_blocks_used", None), getattr(stats, "kv_blocks_total", None)
             if used is not None and total:
                 usage.add_metric([model], used / total)
+            if getattr(stats, "kv_cache_dtype", None):
+                cache_info.add_metric([model, stats.kv_cache_dtype, str(stats.block_size), str(total)], 1.0)
             for tier, counts in (getattr(stats, "kv_tiers", None) or {}).items():
                 for key, value in counts.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -269,6 +274,7 @@ class EngineCollector(Collector):
                     lora.add_metric([model, adapter, state], float(n))
         yield from families.values()
         yield usage
+        yield cache_info
         yield from tiers.values()
         yield held
         yield room

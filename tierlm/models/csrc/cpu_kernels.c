@@ -4,10 +4,13 @@
  *    in bfloat16 and all arithmetic in float32. Decode steps stream every weight once per step; with
  *    bf16 weights that is half the bytes of a float32 GEMM, and the result is what a float32 GEMM on
  *    the same (bf16-representable) weights gives, up to summation order.
- * 2. decode_attention: one query token per sequence against its paged K/V (float32 or bf16 cache),
- *    read in place through the block table: no gathered copy, no dtype conversion pass, no
+ * 2. decode_attention: one query token per sequence against its paged K/V (float32, bf16 or fp8
+ *    cache), read in place through the block table: no gathered copy, no dtype conversion pass, no
  *    padding mask.
- * Both need AVX-512 (a build without it reports so, and the callers keep their PyTorch paths).
+ * 3. fp8_widen: an fp8 cache's gathered blocks widened to float32 or bf16 for the PyTorch
+ *    attention paths (prefill chunks over a cached context; decodes the kernel above does not
+ *    take, such as bf16 compute), where torch's own conversion is scalar.
+ * All need AVX-512 (a build without it reports so, and the callers keep their PyTorch paths).
  *
  * Threads come from the OpenMP runtime PyTorch already loaded (libgomp.so.1), so the kernels share
  * its pool instead of competing with it; callers pass torch.get_num_threads() as `nthreads`.
@@ -161,10 +164,25 @@ static inline __m512 exp512_nonpos(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load16(const void *base, int is_bf16, int64_t idx) {
-    if (is_bf16) {
+/* Storage kinds of the K/V cache, as cpu_kernels.py passes them. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+
+/* 16 cached values from element `idx` on, as float32. fp8 goes through float16, which both fp8
+ * formats embed exactly: e5m2 is a float16's top byte; e4m3 (bias 7) placed in a float16's
+ * sign, exponent and top mantissa bits (bias 15) reads 2^-8 of its value, subnormals included
+ * (VCVTPH2PS converts float16 subnormals exactly), so one multiply by 256 restores it. The cache
+ * never holds NaN (writes go through nan_to_num), so e4m3's NaN code needs no case. */
+static inline __m512 load16(const void *base, int kind, int64_t idx) {
+    if (kind == KV_BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (kind == KV_E4M3 || kind == KV_E5M2) {
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + idx)));
+        if (kind == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+        __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+        __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
     }
     return _mm512_loadu_ps((const float *)base + idx);
 }
@@ -221,7 +239,7 @@ static inline void key_rows(struct cursor *cur, int64_t n, const int64_t *table,
  * Horizontal reductions happen once per head, not once per key block: about 25% faster here than
  * an online softmax with one dot product (and one horizontal sum) per key and head. */
 static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, const void *kc, const void *vc,
-                          int is_bf16, int64_t block_size, const int64_t *table, int64_t hkv, int64_t h,
+                          int kind, int64_t block_size, const int64_t *table, int64_t hkv, int64_t h,
                           int64_t start, int64_t len, float scale, float *sc) {
     int64_t nv = d / 16, ng = (g + HG - 1) / HG, nk = len - start, ldsc = (nk + 15) / 16 * 16;
     float kt[256 * ACHUNK] __attribute__((aligned(64)));    /* [d][16 keys] */
@@ -244,7 +262,7 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
         key_rows(&cur, n, table, block_size, hkv, h, d, rows);
         for (int64_t c = 0; c < nv; c++) {
             __m512 r[16];
-            for (int64_t t = 0; t < ACHUNK; t++) r[t] = t < n ? load16(kc, is_bf16, rows[t] + c * 16) : _mm512_setzero_ps();
+            for (int64_t t = 0; t < ACHUNK; t++) r[t] = t < n ? load16(kc, kind, rows[t] + c * 16) : _mm512_setzero_ps();
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (c * 16 + i) * ACHUNK, r[i]);
         }
@@ -282,7 +300,7 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
                 __m512 a[HG];
                 for (int jj = 0; jj < HG; jj++) a[jj] = _mm512_load_ps(acc + (jb + jj) * d + c * 16);
                 for (int64_t t = 0; t < n; t++) {
-                    __m512 v = load16(vc, is_bf16, rows[t] + c * 16);
+                    __m512 v = load16(vc, kind, rows[t] + c * 16);
                     for (int jj = 0; jj < HG; jj++) a[jj] = _mm512_fmadd_ps(_mm512_set1_ps(pr[jb + jj][t]), v, a[jj]);
                 }
                 for (int jj = 0; jj < HG; jj++) _mm512_store_ps(acc + (jb + jj) * d + c * 16, a[jj]);
@@ -297,14 +315,50 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
 }
 #endif
 
-/* q: [nd, hq, d] float32; k/v cache: [num_blocks, block_size, hkv, d] (float32 or bf16);
+/* n fp8 values (KV_E4M3 or KV_E5M2) -> float32, or bf16 with `to_bf16` (the float32's top half:
+ * exact, as bf16 holds every fp8 value). Returns 0, or -1 without AVX-512 (dst not written). */
+static inline void store16(void *dst, int to_bf16, int64_t at, __m512 v, int64_t n) {
+    if (to_bf16) { /* AVX-512F only: a masked 16-bit store would need AVX-512BW */
+        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+        if (n == 16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + at), h);
+        } else {
+            uint16_t tmp[16];
+            _mm256_storeu_si256((__m256i *)tmp, h);
+            memcpy((uint16_t *)dst + at, tmp, (size_t)n * sizeof(uint16_t));
+        }
+    } else {
+        _mm512_mask_storeu_ps((float *)dst + at, lane_mask(n), v);
+    }
+}
+
+int tierlm_fp8_widen(const uint8_t *src, void *dst, int64_t n, int kind, int to_bf16, int nthreads) {
+#ifdef __AVX512F__
+    if (kind != KV_E4M3 && kind != KV_E5M2) return -1;
+    int64_t nv = n / 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < nv; i++) store16(dst, to_bf16, i * 16, load16(src, kind, i * 16), 16);
+    if (n > nv * 16) {
+        uint8_t tail[16] = {0};
+        memcpy(tail, src + nv * 16, (size_t)(n - nv * 16));
+        store16(dst, to_bf16, nv * 16, load16(tail, kind, 0), n - nv * 16);
+    }
+    return 0;
+#else
+    (void)src; (void)dst; (void)n; (void)kind; (void)to_bf16; (void)nthreads;
+    return -1;
+#endif
+}
+
+/* q: [nd, hq, d] float32; k/v cache: [num_blocks, block_size, hkv, d] of `kind` (KV_F32, KV_BF16,
+ * KV_E4M3 or KV_E5M2);
  * tables: [nd, max_blocks] int64; lens: [nd] keys per sequence incl. the new one;
  * window > 0 keeps only the last `window` keys. out: [nd, hq, d] float32.
  * Returns 0, or -1 (out is then not valid) where this build has no AVX-512, the shape is off the
  * vector path (head_dim % 16 != 0 or > 256, more than 16 query heads per KV head) or scratch
  * memory ran out: the caller then uses its PyTorch path. */
 int tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv, int64_t d, const void *kc,
-                            const void *vc, int is_bf16, int64_t block_size, const int64_t *tables,
+                            const void *vc, int kind, int64_t block_size, const int64_t *tables,
                             int64_t max_blocks, const int64_t *lens, int64_t window, float scale, float *out,
                             int nthreads) {
 #ifdef __AVX512F__
@@ -322,13 +376,13 @@ int tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv,
             failed = 1;
             continue;
         }
-        attend_avx512(q + (s * hq + h * g) * d, out + (s * hq + h * g) * d, g, d, kc, vc, is_bf16, block_size,
+        attend_avx512(q + (s * hq + h * g) * d, out + (s * hq + h * g) * d, g, d, kc, vc, kind, block_size,
                       tables + s * max_blocks, hkv, h, start, len, scale, sc);
         free(sc);
     }
     return failed ? -1 : 0;
 #else
-    (void)q; (void)nd; (void)hq; (void)hkv; (void)d; (void)kc; (void)vc; (void)is_bf16; (void)block_size;
+    (void)q; (void)nd; (void)hq; (void)hkv; (void)d; (void)kc; (void)vc; (void)kind; (void)block_size;
     (void)tables; (void)max_blocks; (void)lens; (void)window; (void)scale; (void)out; (void)nthreads;
     return -1;
 #endif

@@ -1,0 +1,205 @@
+"""KV cache storage dtypes (`kv_cache_dtype`): fp8 against transformers whose attention reads K/V
+rounded to the same format, on every architecture; pool sizes; prefix-cache hits and KV tiers
+holding fp8 blocks; engines of different KV dtypes never sharing blocks; bad names refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import ARCHS, rounded_kv_attention
+from tests.models.test_parity import _hf_greedy, _prompts
+from tierlm import LLM, SamplingParams
+from tierlm.config import EngineConfig
+from tierlm.models.kv_dtype import KV_CACHE_DTYPES, to_storage
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def rounded_attention() -> dict[str, str]:
+    """kv_cache_dtype -> the transformers attention that reads K/V rounded to it."""
+    return {name: rounded_kv_attention(dtype) for name, dtype in FP8.items()}
+
+
+def _fp8_refs(hf, attention: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    before = hf.config._attn_implementation
+    hf.set_attn_implementation(attention)
+    try:
+        return [_hf_greedy(hf, p, n) for p in prompts]
+    finally:
+        hf.set_attn_implementation(before)  # the model is shared by the whole session
+
+
+CASES = [(arch, "fp8_e4m3") for arch in ARCHS] + [(arch, "fp8_e5m2") for arch in ("llama", "gemma3", "qwen2_moe")]
+
+
+@pytest.mark.parametrize("arch,kv_cache_dtype", CASES)
+def test_fp8_kv_cache_greedy_tokens_match_transformers_reading_the_same_rounded_kv(
+        arch, kv_cache_dtype, checkpoints, hf_models, rounded_attention):
+    """Nine prompts of 1-64 tokens in one batch, prefilled in chunks of 24 (later chunks and
+    every decode read earlier keys back from the fp8 pool; on this CPU decodes read them in
+    place with tierlm's kernel): token-identical to the reference for 12 tokens each."""
+    hf = hf_models[arch]
+    prompts = _prompts(9, hf.config.get_text_config().vocab_size)
+    refs = _fp8_refs(hf, rounded_attention[kv_cache_dtype], prompts, 12)
+    llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=24,
+              kv_cache_dtype=kv_cache_dtype, load_progress=False)
+    assert all(c.dtype == FP8[kv_cache_dtype] for c in llm.engine.runner.kv_caches)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.engine.pool.num_used == 0
+
+
+def test_fp8_rounding_is_in_effect_and_both_attention_paths_agree(llama_dir, hf_models, rounded_attention):
+    """The fp8 answers are not the float32 cache's (so the comparison above tests the rounding),
+    and tierlm's CPU kernel reading fp8 in place gives the PyTorch path's tokens and logits."""
+    hf = hf_models["llama"]
+    prompts = _prompts(9, hf.config.get_text_config().vocab_size)
+    plain = [_hf_greedy(hf, p, 12) for p in prompts]
+    rows = {}
+    for kernels in (True, False):
+        llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=8 << 20, kv_cache_dtype="fp8",
+                  cpu_kernels=kernels, load_progress=False, device="cpu")
+        sampler, captured = llm.engine.sampler, []
+        llm.engine.sampler = lambda logits, reqs, s=sampler, c=captured: c.append(logits.clone()) or s(logits, reqs)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+        assert got != plain
+        rows[kernels] = (got, torch.cat(captured))
+    assert rows[True][0] == rows[False][0]
+    assert (rows[True][1] - rows[False][1]).abs().max().item() < 1e-4
+
+
+def _tokens_and_logits(llm: LLM, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
+    sampler, captured = llm.engine.sampler, []
+    llm.engine.sampler = lambda logits, reqs: captured.append(logits.clone()) or sampler(logits, reqs)
+    try:
+        out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    finally:
+        llm.engine.sampler = sampler
+    return out.outputs[0].token_ids, torch.cat(captured), out.num_cached_tokens
+
+
+@pytest.mark.parametrize("chunk", [16, 40])
+def test_fp8_answers_do_not_depend_on_how_the_prompt_was_chunked_or_cached(llama_dir, chunk):
+    """A chunk attends to its own keys as stored (rounded), not as computed, so one prefill,
+    several chunks and a prefix-cache hit all see the same values: the same tokens, and logits
+    equal up to float32 summation order (fp8 rounding moves them by ~1e-2)."""
+    prompt = _prompts(7, 600)[6] + _prompts(3, 600, seed=5)[2]  # 64 + 31 tokens
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, kv_cache_dtype="fp8", load_progress=False)
+    ref, ref_logits, _ = _tokens_and_logits(LLM(str(llama_dir), max_num_batched_tokens=128, **kw), prompt)
+    llm = LLM(str(llama_dir), max_num_batched_tokens=chunk, block_size=8, **kw)
+    for cached in (0, 88):  # cold in chunks, then the same prompt from the prefix cache
+        tokens, logits, hit = _tokens_and_logits(llm, prompt)
+        assert hit == cached and tokens == ref
+        assert (logits - ref_logits).abs().max().item() < 1e-4
+
+
+def test_pool_holds_four_times_the_float32_blocks_in_the_same_memory(llama_dir):
+    sizes = {}
+    for name in ("auto", "bfloat16", "fp8", "fp8_e5m2"):
+        llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, kv_cache_dtype=name, load_progress=False)
+        sizes[name] = llm.engine.pool.num_blocks
+        assert llm.engine.runner.kv_caches[0].dtype == (KV_CACHE_DTYPES[name] or torch.float32)
+        assert sum(c.nbytes for c in llm.engine.runner.kv_caches) <= 2 << 20
+    assert sizes["bfloat16"] == 2 * sizes["auto"] and sizes["fp8"] == sizes["fp8_e5m2"] == 4 * sizes["auto"]
+
+
+def test_fp8_blocks_round_trip_between_the_device_and_host_bitwise(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=4 << 20, block_size=8, kv_cache_dtype="fp8",
+              load_progress=False)
+    llm.generate({"prompt_token_ids": _prompts(7, 600)[6]}, GREEDY)
+    runner = llm.engine.runner
+    assert runner.block_layout[0] == torch.float8_e4m3fn
+    ids = [b.block_id for b in llm.engine.pool.cached.values()]
+    before = [b.view(torch.uint8).clone() for b in runner.read_blocks(ids)]
+    assert len(ids) >= 8 and any(b.any() for b in before)
+    free = [i for i in range(runner.num_blocks) if i not in ids][:len(ids)]
+    runner.write_blocks(free, runner.read_blocks(ids))  # into other blocks, then read back from there
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, runner.read_blocks(free)))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_fp8_prefix_demoted_to_a_lower_tier_and_promoted_back_gives_the_cold_tokens(tier, llama_dir, tmp_path):
+    shared = _prompts(7, 600)[6]
+    tail = _prompts(2, 600, seed=9)[1]
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64,
+              kv_cache_dtype="fp8", load_progress=False)
+    cold = LLM(str(llama_dir), enable_prefix_caching=False, **kw).generate(
+        {"prompt_token_ids": shared + tail}, GREEDY)[0].outputs[0].token_ids
+    lower = (dict(kv_host_capacity="16 blocks") if tier == "host"
+             else dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="16 blocks"))
+    llm = LLM(str(llama_dir), **lower, **kw)
+    llm.generate({"prompt_token_ids": shared}, GREEDY)
+    assert llm.engine.offload_prefix_cache() > 0 and llm.engine.pool.cached == {}
+    out = llm.generate({"prompt_token_ids": shared + tail}, GREEDY)[0]
+    assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 64
+    assert llm.engine.stats().kv_tiers[tier]["hits"] == 8
+    llm.close()
+
+
+def test_engines_with_other_kv_dtypes_never_share_blocks(llama_dir, redis_server):
+    """Block keys name the KV dtype: an fp8 engine's blocks in Redis are hits for another fp8
+    engine only (the same bytes read as float32 would be other numbers)."""
+    prompt = _prompts(7, 600)[6] + [5, 6, 7]
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, load_progress=False, kv_remote=redis_server.url)
+    first = LLM(str(llama_dir), kv_cache_dtype="fp8", **kw)
+    ref = first.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    first.engine.store.flush()
+    for name, hits in (("auto", 0), ("fp8_e5m2", 0), ("fp8", 64)):
+        out = LLM(str(llama_dir), kv_cache_dtype=name, **kw).generate({"prompt_token_ids": prompt}, GREEDY)[0]
+        assert out.num_cached_tokens == hits, name
+    assert out.outputs[0].token_ids == ref
+
+
+def test_storage_saturates_and_never_keeps_nan_or_inf():
+    x = torch.tensor([1e6, -1e6, float("inf"), float("-inf"), float("nan"), 3.3, 1e-3])
+    for dtype in FP8.values():
+        top = torch.finfo(dtype).max
+        got = to_storage(x, dtype).float()
+        assert got[:4].tolist() == [top, -top, top, -top]
+        assert torch.isfinite(got).all()
+        assert got[5:].tolist() == x[5:].to(dtype).float().tolist()
+
+
+@pytest.mark.parametrize("bad", ["fp4", "int8", "FP8", "", None])
+def test_unknown_kv_cache_dtypes_are_refused_before_loading(bad):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8"):
+        EngineConfig(model="/nonexistent", kv_cache_dtype=bad).validate()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2_moe"])
+@pytest.mark.parametrize("setting", [
+    # Every step through the fixed-shape path a CUDA graph records (on CPU run eagerly): it reads
+    # all keys, the step's own too, back from the pool.
+    dict(cuda_graphs=True, max_num_seqs=16, max_num_batched_tokens=40),
+    # Guesses checked as short chunks over fp8 keys; only accepted tokens' blocks are kept.
+    dict(block_size=4, max_num_batched_tokens=48, speculative_config={"num_speculative_tokens": 3,
+                                                                      "prompt_lookup_min": 1}),
+], ids=["graphs", "speculative"])
+def test_fp8_kv_cache_with_fixed_shape_steps_or_speculation_matches_transformers_too(
+        arch, setting, checkpoints, hf_models, rounded_attention):
+    hf = hf_models[arch]
+    prompts = _prompts(9, hf.config.get_text_config().vocab_size)
+    llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=8 << 20, kv_cache_dtype="fp8",
+              load_progress=False, **setting)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == _fp8_refs(hf, rounded_attention["fp8_e4m3"], prompts, 12)
+    stats = llm.engine.stats()
+    if "speculative_config" in setting:
+        assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    else:
+        assert llm.engine.runner.graphs.steps > 0
+
+
+def test_metrics_name_the_kv_cache_dtype(llama_dir):
+    from tests.serving.test_telemetry import value
+    from tierlm.serving.telemetry import Telemetry
+
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 20, block_size=8, kv_cache_dtype="fp8_e5m2",
+              load_progress=False)
+    stats = llm.engine.stats()
+    assert (stats.kv_cache_dtype, stats.block_size) == ("float8_e5m2", 8)
+    text = Telemetry({"m": llm.engine}, log_requests=False).render().decode()
+    assert value(text, "tierlm:cache_config_info", model="m", cache_dtype="float8_e5m2", block_size="8",
+                 num_blocks=str(stats.kv_blocks_total)) == 1
