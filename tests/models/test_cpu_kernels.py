@@ -94,6 +94,48 @@ def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
 
 
 @needs_avx512
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_attention_takes_bf16_queries_and_answers_in_bf16(cache_dtype):
+    """A CPU computing in bf16: queries widened, attention in float32, the answer rounded once."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 40, 16, 2, 64, generator=g).to(cache_dtype)
+    lens = torch.tensor([1, 17, 300, 64])
+    tables = torch.stack([torch.randperm(40, generator=g)[:20] for _ in lens])
+    q = torch.randn(len(lens), 14, 64, generator=g).to(torch.bfloat16)
+    assert cpu_kernels.decode_attention_supported(q, cache)
+    out = cpu_kernels.decode_attention(q, cache, tables, lens, 0.125, None)
+    ref = _reference_decode(q.float(), cache, tables, lens, 0.125, None)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-5).all()  # float32 math, one bf16 rounding
+
+
+@needs_avx512
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_bf16_compute_engine_with_kernels_equals_pytorch_path(kv_cache_dtype, checkpoints):
+    """bf16 arithmetic throughout (compute_dtype bfloat16): the first decode of a concurrent
+    batch through the kernel gives PyTorch's gather-and-SDPA logits within bf16 rounding (later
+    tokens may part ways at near-ties: each path rounds its own way), and prefill logits equal."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(200) for _ in range(L)] for L in (3, 17, 31, 1, 48, 9, 64, 25)]
+    kw = dict(dtype="bfloat16", compute_dtype="bfloat16", kv_cache_memory=4 << 20, load_progress=False,
+              device="cpu", kv_cache_dtype=kv_cache_dtype)
+    rows, real = {}, cpu_kernels.decode_attention
+    for kernels in (True, False):
+        llm = LLM(str(checkpoints["llama"]), cpu_kernels=kernels, **kw)
+        calls, captured, sampler = [], [], llm.engine.sampler
+        llm.engine.sampler = lambda logits, reqs, s=sampler, c=captured: c.append(logits.clone()) or s(logits, reqs)
+        try:
+            cpu_kernels.decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+            _greedy(llm, prompts, 2)  # the prefill step, then one decode step of all 8
+        finally:
+            cpu_kernels.decode_attention = real
+        assert bool(calls) == kernels and len(captured) == 2
+        rows[kernels] = captured
+    assert torch.equal(rows[True][0], rows[False][0])
+    assert (rows[True][1] - rows[False][1]).abs().max().item() < 0.1  # ~2.5 bf16 ulps measured
+
+
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_decode_attention_reads_every_fp8_code_exactly(dtype):
     """With one key, attention returns that key's value row: every finite fp8 code (subnormals,
