@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(1)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     seq_len = args.prompt_len + args.max_tokens
-    pool = int(args.kv_cache_memory) if args.kv_cache_memory else default_pool(model_dir, args.fit_seqs, seq_len)
+    pool = args.kv_cache_memory or default_pool(model_dir, args.fit_seqs, seq_len)
     tries: dict[str, list[tuple[dict, list]]] = {name: [] for name in dtypes}
     for i in range(args.repeat):  # alternating, so a slow spell on a shared machine hits every dtype alike
         for name in dtypes:
@@ -277,7 +277,8 @@ def add_cli(sub) -> None:
     p.add_argument("--max-tokens", type=in_range(int, 1), default=256)
     p.add_argument("--fit-seqs", type=in_range(int, 1), default=4,
                    help="the pool, in whole sequences of the model's own KV dtype (default: 4)")
-    p.add_argument("--kv-cache-memory", default=None, help="the pool in bytes, instead of --fit-seqs")
+    p.add_argument("--kv-cache-memory", type=in_range(int, 1), default=None,
+                   help="the pool in bytes, instead of --fit-seqs")
     p.add_argument("--accuracy-prompts", type=in_range(int, 0), default=4,
                    help="sequences scored teacher-forced under each KV dtype (default: 4; 0 skips)")
     p.add_argument("--tier-prefix-len", type=in_range(int, 0), default=2000,

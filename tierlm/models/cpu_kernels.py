@@ -2,9 +2,9 @@
 
 Why: on CPU a decode step is bound by streaming the weights and by attention's gather-and-convert
 passes, which PyTorch cannot fuse. The kernels read bf16 weights and a bf16 or fp8 paged KV cache
-in place and compute in float32 (see the C file); a third widens gathered fp8 K/V to float32
-or bf16, several times faster than torch's own (scalar) conversion. They are compiled with the system C compiler
-(`-O3 -march=native -fopenmp`, about a second) into ~/.cache/tierlm/kernels, keyed by the source
+in place and compute in float32 (see the C file); a third widens gathered fp8 K/V to float32 or
+bf16, several times faster than torch's own (scalar) conversion. They are compiled with the
+system C compiler (`-O3 -march=native -fopenmp`, about a second) into ~/.cache/tierlm/kernels, keyed by the source
 and this CPU's flags. They need AVX-512. Without it, without a compiler, or with
 TIERLM_CPU_KERNELS=0 (EngineConfig.cpu_kernels=False), everything runs on the PyTorch paths
 instead: same results, just slower, and one log line says why.
@@ -177,8 +177,9 @@ def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
                      scale: float, window: int | None, longest: int | None = None) -> torch.Tensor | None:
-    """q [B, Hq, D] float32 or bf16 (the output's dtype), one token per sequence; cache [2, blocks, block_size, Hkv, D] of a
-    dtype decode_attention_supported accepts (fp8 is read as stored: no scale).
+    """q [B, Hq, D] float32 or bf16 (the output's dtype), one token per sequence; cache [2,
+    blocks, block_size, Hkv, D] of a dtype decode_attention_supported accepts (fp8 is read as
+    stored: no scale).
     `longest`: max(lens) when the caller knows it (read once per step, not per layer).
     None where the kernel declined (see decode_attention_supported; or out of scratch memory)."""
     lib = library()
