@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from tierlm.models.demo import cache_root
+from tierlm.models.kv_dtype import is_fp8
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
 def fp8_widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """A CPU fp8 tensor as float32 or bf16 (exact either way); None where the kernels are off or
     the dtypes are others."""
-    if (not has_avx512() or x.device.type != "cpu" or x.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if (not has_avx512() or x.device.type != "cpu" or not is_fp8(x.dtype)
             or dtype not in (torch.float32, torch.bfloat16)):
         return None
     x = x.contiguous()
