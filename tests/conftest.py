@@ -95,25 +95,32 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:
     return out
 
 
-def rounded_kv_attention(dtype: torch.dtype) -> str:
+def rounded_kv_attention(dtype: torch.dtype, scales: list[tuple[float, float]] | None = None) -> str:
     """Register with transformers, and name, an SDPA attention whose keys and values are first
     rounded to `dtype` (after RoPE, where tierlm stores them; saturated to its range), with
     SDPA's own masks (sliding windows included): the reference for a KV cache stored in
-    `dtype`. transformers keeps its cache unrounded and rounds again at each step, which gives
-    the same values (rounding is idempotent)."""
+    `dtype`. `scales`: per layer (k_scale, v_scale), the values rounded as x / scale and read
+    back times scale (an fp8 cache's scales, models/kv_scales.py). transformers keeps its cache
+    unrounded and rounds again at each step, which gives the same values (rounding is
+    idempotent, and so is dividing and multiplying by a power of two)."""
+    import hashlib
+
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
     top = torch.finfo(dtype).max
 
-    def rounded(t: torch.Tensor) -> torch.Tensor:
-        return t.clamp(-top, top).to(dtype).to(t.dtype)
+    def rounded(t: torch.Tensor, scale: float) -> torch.Tensor:
+        return (t / scale).clamp(-top, top).to(dtype).to(t.dtype) * scale
 
     def attention(module, query, key, value, attention_mask, **kw):
-        return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kw)
+        ks, vs = scales[module.layer_idx] if scales is not None else (1.0, 1.0)
+        return sdpa_attention_forward(module, query, rounded(key, ks), rounded(value, vs), attention_mask, **kw)
 
     name = f"kv_rounded_{str(dtype).replace('torch.', '')}"
+    if scales is not None:
+        name += "_" + hashlib.sha256(repr(scales).encode()).hexdigest()[:12]
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

@@ -48,6 +48,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from tierlm.engine.fairness import SCHEDULING_POLICIES
     from tierlm.kv.policies import DEFAULT_POLICY, POLICIES
     from tierlm.models.kv_dtype import KV_CACHE_DTYPES
+    from tierlm.models.kv_scales import KV_CACHE_SCALES
 
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: built-in demo model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -67,6 +68,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="what K/V are stored as: auto (the model's dtype) | float32 | bfloat16 | float16 | fp8 "
                         "(= fp8_e4m3, 1 byte per value: twice a bf16 pool's tokens) | fp8_e5m2 (default: auto)")
+    p.add_argument("--kv-cache-scales", default="auto", choices=list(KV_CACHE_SCALES),
+                   help="fp8 caches: per-layer k/v scales from the checkpoint, else calibrated at load (auto) | "
+                        "the checkpoint's, else 1.0 as vLLM does (checkpoint) | always calibrated (calibrate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="record decode steps and short prefill chunks as CUDA graphs and replay them "
@@ -117,7 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, compute_dtype=args.compute_dtype, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 scheduling_policy=args.scheduling_policy, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales, seed=args.seed,
                 enable_prefix_caching=args.prefix_caching, eviction_policy=args.eviction_policy,
                 kv_host_capacity=args.kv_host_capacity, kv_disk_dir=args.kv_disk_dir,
                 kv_disk_capacity=args.kv_disk_capacity, kv_remote=args.kv_remote,

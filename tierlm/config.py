@@ -12,6 +12,7 @@ from tierlm.engine.fairness import SCHEDULING_POLICIES
 from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
 from tierlm.kv.tiers import block_count, lower_scheme, parse_capacity, redact_url, url_cut_short
 from tierlm.models.kv_dtype import check_kv_cache_dtype
+from tierlm.models.kv_scales import check_kv_cache_scales
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -51,6 +52,10 @@ class EngineConfig:
     # What K/V are stored as (vLLM's kv_cache_dtype): auto (the model's dtype) | float32 | bfloat16
     # | float16 | fp8 (= fp8_e4m3) | fp8_e5m2. fp8 fits 2x a bf16 pool's tokens (models/kv_dtype.py).
     kv_cache_dtype: str = "auto"
+    # fp8 caches only: per-layer k/v scales (vLLM's k_scale / v_scale; models/kv_scales.py):
+    # auto (the checkpoint's, else calibrated at load) | checkpoint (the checkpoint's, else 1.0:
+    # vLLM's default) | calibrate.
+    kv_cache_scales: str = "auto"
     seed: int | None = 0  # None: a random one
     enable_prefix_caching: bool = True
     eviction_policy: str = DEFAULT_POLICY  # device pool; measured by `tierlm bench cache`
@@ -153,6 +158,7 @@ class EngineConfig:
         from tierlm.engine.speculative import SpeculativeConfig
         SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, before anything loads
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_cache_scales(self.kv_cache_scales)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

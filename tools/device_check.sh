@@ -88,7 +88,7 @@ step profile-graphs 60 python3 tools/device_profile.py "$BENCH_MODEL" --cuda-gra
 step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
   tests/engine/test_engine_behaviour.py tests/kv/test_prefix_and_tiers.py tests/engine/test_prompt_logprobs.py \
   tests/engine/test_embeddings.py tests/engine/test_lora.py tests/engine/test_speculative.py \
-  tests/models/test_kv_dtype.py -k "not packed and not graphs"
+  tests/models/test_kv_dtype.py tests/models/test_kv_scales.py -k "not packed and not graphs"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
   --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
 step bench-throughput-sampled 90 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
@@ -107,10 +107,11 @@ step bench-lora 90 python3 -m tierlm.cli bench lora --device cuda --bench-model-
 step bench-spec 90 python3 -m tierlm.cli bench spec --device cuda --bench-model-dir "$BENCH_MODEL" \
   --json "$OUT/spec.json" --plot "$OUT/spec.png"
 step bench-kv-dtype 90 python3 -m tierlm.cli bench kv-dtype --device cuda --bench-model-dir "$BENCH_MODEL" \
-  --json "$OUT/kv_dtype.json" --plot "$OUT/kv_dtype.png"
+  --kv-dtypes auto,fp8,fp8:checkpoint --json "$OUT/kv_dtype.json" --plot "$OUT/kv_dtype.png"
 left=$((LIMIT_S - SECONDS)); ((left < 1)) && left=1
 step rest-of-suite "$left" python3 -m pytest -q -p no:cacheprovider -rfE tests --ignore=tests/models/test_parity.py \
   --ignore=tests/engine/test_engine_behaviour.py --ignore=tests/kv/test_prefix_and_tiers.py \
   --ignore=tests/engine/test_prompt_logprobs.py --ignore=tests/engine/test_embeddings.py --ignore=tests/engine/test_lora.py \
-  --ignore=tests/engine/test_speculative.py --ignore=tests/models/test_kv_dtype.py
+  --ignore=tests/engine/test_speculative.py --ignore=tests/models/test_kv_dtype.py \
+  --ignore=tests/models/test_kv_scales.py
 grep "^=== .*: rc" "$LOG"

@@ -26,11 +26,14 @@ def test_bench_kv_dtype_tiny(bf16_llama_dir, tmp_path):
     out, plot = tmp_path / "kv.json", tmp_path / "kv.png"
     rc = main(["bench", "kv-dtype", "--model", str(bf16_llama_dir), "--prompts", "6", "--prompt-len", "40",
                "--max-tokens", "8", "--fit-seqs", "2", "--accuracy-prompts", "2", "--tier-prefix-len", "40",
-               "--tier-repeats", "1", "--repeat", "2", "--device", "cpu",
+               "--tier-repeats", "1", "--repeat", "2", "--device", "cpu", "--kv-dtypes", "auto,fp8,fp8:checkpoint",
                "--json", str(out), "--plot", str(plot)])
     assert rc == 0
     res = json.loads(out.read_text())
-    auto, fp8 = res["results"]
+    auto, fp8, unscaled = res["results"]
+    assert unscaled["kv_cache_dtype"] == "fp8:checkpoint" and unscaled["kv_scales"] is None
+    assert auto["kv_scales"] is None and len(fp8["kv_scales"]) == 2  # calibrated, per layer
+    assert unscaled["pool_tokens"] == fp8["pool_tokens"] and unscaled["top1_agreement_vs_auto"] <= 1
     assert (auto["kv_cache_dtype"], auto["kv_dtype"], fp8["kv_dtype"]) == ("auto", "bfloat16", "float8_e4m3fn")
     assert fp8["pool_tokens"] == 2 * auto["pool_tokens"] and fp8["capacity_vs_auto"] == 2
     assert auto["pool_bytes"] == fp8["pool_bytes"] <= res["kv_cache_memory"]
@@ -53,7 +56,8 @@ def test_bench_kv_dtype_tiny(bf16_llama_dir, tmp_path):
     assert plot.stat().st_size > 1000
 
 
-def test_bench_kv_dtype_refuses_a_list_without_auto_first(llama_dir, tmp_path, capsys):
-    rc = main(["bench", "kv-dtype", "--model", str(llama_dir), "--kv-dtypes", "fp8,auto", "--json",
+@pytest.mark.parametrize("bad", ["fp8,auto", "auto,fp8:none", "auto,int8"])
+def test_bench_kv_dtype_refuses_a_list_without_auto_first_or_with_unknown_names(llama_dir, tmp_path, capsys, bad):
+    rc = main(["bench", "kv-dtype", "--model", str(llama_dir), "--kv-dtypes", bad, "--json",
                str(tmp_path / "x.json")])
     assert rc == 2 and "--kv-dtypes must start with auto" in capsys.readouterr().err

@@ -3,6 +3,8 @@ rounded to the same format, on every architecture; pool sizes; prefix-cache hits
 holding fp8 blocks; engines of different KV dtypes never sharing blocks; bad names refused."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,42 +18,47 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def rounded_attention() -> dict[str, str]:
-    """kv_cache_dtype -> the transformers attention that reads K/V rounded to it."""
-    return {name: rounded_kv_attention(dtype) for name, dtype in FP8.items()}
-
-
-def _fp8_refs(hf, attention: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+def _fp8_refs(hf, llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens reading K/V rounded as `llm` stores them: its fp8 format and
+    its per-layer scales."""
     before = hf.config._attn_implementation
-    hf.set_attn_implementation(attention)
+    hf.set_attn_implementation(rounded_kv_attention(llm.engine.runner.kv_caches[0].dtype, llm.engine.kv_scales))
     try:
         return [_hf_greedy(hf, p, n) for p in prompts]
     finally:
         hf.set_attn_implementation(before)  # the model is shared by the whole session
 
 
-CASES = [(arch, "fp8_e4m3") for arch in ARCHS] + [(arch, "fp8_e5m2") for arch in ("llama", "gemma3", "qwen2_moe")]
+# Every architecture with the default scales (calibrated at load); unscaled (the checkpoints
+# have no scales: kv_cache_scales=checkpoint stores K/V as they are, vLLM's default) and e5m2 on three.
+CASES = ([(arch, "fp8_e4m3", "auto") for arch in ARCHS] + [(arch, "fp8_e4m3", "checkpoint") for arch in
+                                                           ("llama", "gemma3", "qwen2_moe")]
+         + [(arch, "fp8_e5m2", "auto") for arch in ("llama", "gemma3", "qwen2_moe")])
 
 
-@pytest.mark.parametrize("arch,kv_cache_dtype", CASES)
+@pytest.mark.parametrize("arch,kv_cache_dtype,scales", CASES)
 def test_fp8_kv_cache_greedy_tokens_match_transformers_reading_the_same_rounded_kv(
-        arch, kv_cache_dtype, checkpoints, hf_models, rounded_attention):
+        arch, kv_cache_dtype, scales, checkpoints, hf_models):
     """Nine prompts of 1-64 tokens in one batch, prefilled in chunks of 24 (later chunks and
     every decode read earlier keys back from the fp8 pool; on this CPU decodes read them in
     place with tierlm's kernel): token-identical to the reference for 12 tokens each."""
     hf = hf_models[arch]
     prompts = _prompts(9, hf.config.get_text_config().vocab_size)
-    refs = _fp8_refs(hf, rounded_attention[kv_cache_dtype], prompts, 12)
     llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=24,
-              kv_cache_dtype=kv_cache_dtype, load_progress=False)
+              kv_cache_dtype=kv_cache_dtype, kv_cache_scales=scales, load_progress=False)
     assert all(c.dtype == FP8[kv_cache_dtype] for c in llm.engine.runner.kv_caches)
+    got = llm.engine.kv_scales
+    if scales == "checkpoint":
+        assert got is None
+    else:  # one power of two per layer and side
+        assert len(got) == hf.config.get_text_config().num_hidden_layers
+        assert all(math.log2(s).is_integer() for pair in got for s in pair)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert [o.outputs[0].token_ids for o in outs] == _fp8_refs(hf, llm, prompts, 12)
     assert llm.engine.pool.num_used == 0
 
 
-def test_fp8_rounding_is_in_effect_and_both_attention_paths_agree(llama_dir, hf_models, rounded_attention):
+def test_fp8_rounding_is_in_effect_and_both_attention_paths_agree(llama_dir, hf_models):
     """The fp8 answers are not the float32 cache's (so the comparison above tests the rounding),
     and tierlm's CPU kernel reading fp8 in place gives the PyTorch path's tokens and logits."""
     hf = hf_models["llama"]
@@ -139,16 +146,19 @@ def test_fp8_prefix_demoted_to_a_lower_tier_and_promoted_back_gives_the_cold_tok
 
 
 def test_engines_with_other_kv_dtypes_never_share_blocks(llama_dir, redis_server):
-    """Block keys name the KV dtype: an fp8 engine's blocks in Redis are hits for another fp8
-    engine only (the same bytes read as float32 would be other numbers)."""
+    """Block keys name the KV dtype and an fp8 cache's scales: an fp8 engine's blocks in Redis
+    are hits for another fp8 engine with the same scales only (the same bytes read as float32,
+    or times other scales, would be other numbers)."""
     prompt = _prompts(7, 600)[6] + [5, 6, 7]
     kw = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, load_progress=False, kv_remote=redis_server.url)
     first = LLM(str(llama_dir), kv_cache_dtype="fp8", **kw)
     ref = first.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
     first.engine.store.flush()
-    for name, hits in (("auto", 0), ("fp8_e5m2", 0), ("fp8", 64)):
-        out = LLM(str(llama_dir), kv_cache_dtype=name, **kw).generate({"prompt_token_ids": prompt}, GREEDY)[0]
-        assert out.num_cached_tokens == hits, name
+    for name, scales, hits in (("auto", "auto", 0), ("fp8_e5m2", "auto", 0), ("fp8", "checkpoint", 0),
+                               ("fp8", "calibrate", 64)):
+        out = LLM(str(llama_dir), kv_cache_dtype=name, kv_cache_scales=scales, **kw).generate(
+            {"prompt_token_ids": prompt}, GREEDY)[0]
+        assert out.num_cached_tokens == hits, (name, scales)
     assert out.outputs[0].token_ids == ref
 
 
@@ -178,13 +188,13 @@ def test_unknown_kv_cache_dtypes_are_refused_before_loading(bad):
                                                                       "prompt_lookup_min": 1}),
 ], ids=["graphs", "speculative"])
 def test_fp8_kv_cache_with_fixed_shape_steps_or_speculation_matches_transformers_too(
-        arch, setting, checkpoints, hf_models, rounded_attention):
+        arch, setting, checkpoints, hf_models):
     hf = hf_models[arch]
     prompts = _prompts(9, hf.config.get_text_config().vocab_size)
     llm = LLM(str(checkpoints[arch]), dtype="float32", kv_cache_memory=8 << 20, kv_cache_dtype="fp8",
               load_progress=False, **setting)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == _fp8_refs(hf, rounded_attention["fp8_e4m3"], prompts, 12)
+    assert [o.outputs[0].token_ids for o in outs] == _fp8_refs(hf, llm, prompts, 12)
     stats = llm.engine.stats()
     if "speculative_config" in setting:
         assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens

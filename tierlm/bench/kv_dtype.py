@@ -18,7 +18,9 @@ and the model-dtype run's own continuation) are scored with prompt logprobs unde
 how often the model-dtype run's next token is still the most likely one, and the mean absolute
 difference of its log-probability. The bench model has random weights, so these figures are
 this model's (a trained model's activations, and so its rounding errors, differ); the capacity
-and speed figures carry over to any model of the same shape.
+and speed figures carry over to any model of the same shape. An entry `DTYPE:SCALES` sets
+`kv_cache_scales` too: `fp8:checkpoint` stores fp8 unscaled (vLLM's default without scales),
+beside `fp8`'s per-layer scales calibrated at load.
 """
 from __future__ import annotations
 
@@ -33,11 +35,19 @@ import torch
 from tierlm.bench.throughput import DEFAULT_BENCH_MODEL_DIR, _sync, bench_model, resolve_device, timing
 from tierlm.cli import in_range
 from tierlm.models.kv_dtype import KV_CACHE_DTYPES
+from tierlm.models.kv_scales import KV_CACHE_SCALES
 
 
-def _engine(model_dir: str, device: torch.device, kv_cache_dtype: str, kv_cache_memory: int, max_num_seqs: int):
+def kv_settings(name: str) -> dict:
+    """A `--kv-dtypes` entry, `DTYPE` or `DTYPE:SCALES` (e.g. fp8:checkpoint, unscaled fp8), as
+    engine settings."""
+    dtype, _, scales = name.partition(":")
+    return {"kv_cache_dtype": dtype, "kv_cache_scales": scales or "auto"}
+
+
+def _engine(model_dir: str, device: torch.device, kv: str, kv_cache_memory: int, max_num_seqs: int):
     from tierlm import LLM
-    return LLM(model_dir, device=str(device), load_progress=False, kv_cache_dtype=kv_cache_dtype,
+    return LLM(model_dir, device=str(device), load_progress=False, **kv_settings(kv),
                kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
 
 
@@ -66,7 +76,8 @@ def run_tierlm(model_dir: str, prompts: list[list[int]], max_tokens: int, device
     tokens = [o.outputs[0].token_ids for o in outs]
     caches = eng.runner.kv_caches
     figures = timing(sum(map(len, tokens)), dt)
-    figures.update(kv_dtype=str(caches[0].dtype).replace("torch.", ""), pool_blocks=eng.pool.num_blocks,
+    figures.update(kv_dtype=str(caches[0].dtype).replace("torch.", ""), kv_scales=eng.kv_scales,
+                   pool_blocks=eng.pool.num_blocks,
                    pool_tokens=eng.pool.num_blocks * eng.config.block_size,
                    pool_bytes=sum(c.nbytes for c in caches),
                    bytes_per_token=sum(c.nbytes for c in caches) / (caches[0].shape[1] * caches[0].shape[2]),
@@ -100,7 +111,7 @@ def run_tiers(model_dir: str, device: torch.device, kv_cache_dtype: str, prefix_
     rows: dict[str, list[float]] = {"cold": [], "host": [], "disk": []}
     cached: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="tierlm-kv-dtype-bench-") as tmp, \
-            LLM(model_dir, device=str(device), load_progress=False, kv_cache_dtype=kv_cache_dtype,
+            LLM(model_dir, device=str(device), load_progress=False, **kv_settings(kv_cache_dtype),
                 kv_host_capacity="2GiB", kv_disk_dir=tmp, kv_disk_capacity="4GiB") as llm:
         toks = _warm_token_source(llm, random.Random(0))
         promoted = llm.engine.stats().kv_promoted_bytes
@@ -163,9 +174,12 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     model_dir = bench_model(args)
     dtypes = [d.strip() for d in str(args.kv_dtypes).split(",") if d.strip()]
-    if not dtypes or dtypes[0] != "auto" or any(d not in KV_CACHE_DTYPES for d in dtypes):
+    if not dtypes or dtypes[0] != "auto" or any(
+            kv_settings(d)["kv_cache_dtype"] not in KV_CACHE_DTYPES or kv_settings(d)["kv_cache_scales"]
+            not in KV_CACHE_SCALES for d in dtypes):
         raise ValueError(f"--kv-dtypes must start with auto (the reference) and list kv_cache_dtype names "
-                         f"({', '.join(KV_CACHE_DTYPES)}), e.g. auto,fp8 (got {args.kv_dtypes!r})")
+                         f"({', '.join(KV_CACHE_DTYPES)}), each optionally with :kv_cache_scales "
+                         f"({', '.join(KV_CACHE_SCALES)}), e.g. auto,fp8,fp8:checkpoint (got {args.kv_dtypes!r})")
     if args.threads:
         torch.set_num_threads(args.threads)
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
@@ -218,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
             row["tiers"] = t
             row["tier_ttft_vs_auto"] = {k: t["ttft_s"][k] / tiers["auto"]["ttft_s"][k] for k in ("host", "disk")}
         results.append(row)
-        print(f"  {name:9s} {row['pool_tokens']:6d} tokens in the pool, {row['peak_running']:2d} running at most, "
+        print(f"  {name:14s} {row['pool_tokens']:6d} tokens in the pool, {row['peak_running']:2d} running at most, "
               f"{row['preemptions']} preemptions: {row['tok_per_s']:6.1f} tok/s ({row['ratio_vs_auto']:.2f}x auto"
               + (f", {row['ratio_vs_hf']:.2f}x transformers" if hf else "") + ")"
               + (f"; top-1 agreement {row['top1_agreement_vs_auto']:.1%}" if scores else "")
@@ -271,7 +285,9 @@ def add_cli(sub) -> None:
     p = sub.add_parser("kv-dtype", help="fp8 KV cache vs the model's KV dtype in the same memory, and transformers")
     p.add_argument("--model", default=None, help="a checkpoint dir (default: the 0.5B-shaped bench model)")
     p.add_argument("--bench-model-dir", default=str(DEFAULT_BENCH_MODEL_DIR))
-    p.add_argument("--kv-dtypes", default="auto,fp8", help="kv_cache_dtype values, auto first (default: auto,fp8)")
+    p.add_argument("--kv-dtypes", default="auto,fp8",
+                   help="kv_cache_dtype values, auto first, each optionally :kv_cache_scales (fp8:checkpoint: "
+                        "unscaled, as vLLM stores fp8 without scales) (default: auto,fp8)")
     p.add_argument("--prompts", type=in_range(int, 1), default=16)
     p.add_argument("--prompt-len", type=in_range(int, 2), default=128)
     p.add_argument("--max-tokens", type=in_range(int, 1), default=256)

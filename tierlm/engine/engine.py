@@ -45,7 +45,8 @@ from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, Red
 from tierlm.models.fingerprint import BackgroundFingerprint, weight_stamps, weights_fingerprint
 from tierlm.models.config import load_config_dict, parse_config
 from tierlm.models.kv_dtype import resolve_kv_cache_dtype
-from tierlm.models.loader import check_model_dir, load_model, resolve_dtype
+from tierlm.models.kv_scales import resolve_kv_scales, scales_tag
+from tierlm.models.loader import check_model_dir, load_model, resolve_dtype, weight_files
 from tierlm.models.lora import LoRAAdapter, LoRARequest
 from tierlm.models.registry import resolve_architecture
 from tierlm.sampling_params import BadWords, PoolingParams, SamplingParams, ThinkingTracker, bad_words_token_ids, truncate_prompt
@@ -105,8 +106,10 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype, fingerprint: str | None = None) -> str:
-    """Mixed into every block hash: engines share cached K/V only for the same weights and dtypes.
+def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype | str,
+                   fingerprint: str | None = None) -> str:
+    """Mixed into every block hash: engines share cached K/V only for the same weights and dtypes
+    (`kv_dtype`: the storage dtype, with an fp8 cache's scales tag where it has scales).
 
     The weights part is `weights_fingerprint` (a SHA-256 of config.json and every weight file the
     loader reads, cached per file), passed in when it was computed already; never the directory's
@@ -263,6 +266,10 @@ class LLMEngine:
             self.args = loaded.args
             self.dtype = loaded.dtype
             loaded.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.kv_dtype)
+            # Before anything writes K/V: the warm-up, recorded graphs and every block read them.
+            self.kv_scales = resolve_kv_scales(config.kv_cache_scales, loaded, weight_files(model_dir),
+                                               self.tokenizer)
+            kv_tag = f"{loaded.kv_dtype}{scales_tag(self.kv_scales)}"
             self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
             if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
                 log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
@@ -312,10 +319,10 @@ class LLMEngine:
                          "first seen)", n, time.monotonic() - t0)
             about = None
             if fingerprint is None:
-                model_id = f"process-{uuid.uuid4().hex}:{self.dtype}:{loaded.kv_dtype}"
+                model_id = f"process-{uuid.uuid4().hex}:{self.dtype}:{kv_tag}"
             else:
                 digest = fingerprint.result()
-                model_id = model_identity(model_dir, self.dtype, loaded.kv_dtype, digest)
+                model_id = model_identity(model_dir, self.dtype, kv_tag, digest)
                 about = {"model_dir": os.path.abspath(model_dir), "fingerprint": digest}
                 if weight_stamps(model_dir) != stamps:  # hashed and loaded bytes may differ
                     raise ModelLoadError(

@@ -130,13 +130,14 @@ def from_storage(kv: torch.Tensor, dtype: torch.dtype, kernels: bool = True) -> 
     return kv.to(dtype)
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter new keys/values into their slots. cache: [2, num_blocks, block_size, Hkv, D].
-    Returns them as stored (in the cache's dtype; see kv_dtype.to_storage)."""
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter new keys/values, divided by their scales, into their slots. cache: [2,
+    num_blocks, block_size, Hkv, D]. Returns them as stored (in the cache's dtype; see
+    kv_dtype.to_storage)."""
     kc = cache[0].view(-1, *k.shape[1:])
     vc = cache[1].view(-1, *v.shape[1:])
-    k, v = to_storage(k, kc.dtype), to_storage(v, vc.dtype)
+    k, v = to_storage(k, kc.dtype, k_scale), to_storage(v, vc.dtype, v_scale)
     as_bytes(kc).index_copy_(0, slots, as_bytes(k))
     as_bytes(vc).index_copy_(0, slots, as_bytes(v))
     return k, v
@@ -150,14 +151,27 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Returns [T, Hq, D]."""
-    k_stored, v_stored = write_kv(cache, k, v, meta.slot_mapping)
-    if cache.dtype != q.dtype:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Returns [T, Hq, D].
+
+    `k_scale` / `v_scale` (fp8 caches; models/kv_scales.py): the cache holds k / k_scale and
+    v / v_scale. Attention reads the stored values as they are: k_scale folds into the softmax
+    scale and v_scale multiplies the output, so no path widens and multiplies the cache."""
+    k_stored, v_stored = write_kv(cache, k, v, meta.slot_mapping, k_scale, v_scale)
+    if cache.dtype != q.dtype or k_scale != 1.0 or v_scale != 1.0:
         # A chunk attends to its own keys as later steps will read them back (rounded to the
         # cache's dtype), as vLLM's kernels do, reading everything from the cache: cold and
         # cached prefixes, and every chunking of a prompt, then see the same values.
         k, v = from_storage(k_stored, q.dtype, meta.cpu_kernels), from_storage(v_stored, q.dtype, meta.cpu_kernels)
+    o = _attend(q, k, v, cache, meta, scale * k_scale, window)
+    return o if v_scale == 1.0 else o.mul_(v_scale)  # o is this call's own tensor
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float, window: int | None) -> torch.Tensor:
+    """paged_attention over K/V as stored (the new tokens' already written)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv

@@ -41,11 +41,15 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
-def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` as the cache stores it. float16 and fp8 have a narrower range than the compute dtype:
-    an inf or NaN kept in the pool would reach *other* sequences (attention gathers keys it then
-    masks out, and a masked inf still gives NaN), so non-finite values become finite first;
-    fp8 values past the format's largest saturate to it (a plain cast gives NaN or inf)."""
+def to_storage(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """`x` / `scale` as the cache stores it. float16 and fp8 have a narrower range than the
+    compute dtype: an inf or NaN kept in the pool would reach *other* sequences (attention
+    gathers keys it then masks out, and a masked inf still gives NaN), so non-finite values
+    become finite first; fp8 values past the format's largest saturate to it (a plain cast gives
+    NaN or inf). The division runs in float32: a scale that is no power of two (a
+    checkpoint's) then rounds once, into the storage format."""
+    if scale != 1.0:
+        x = x.float() / scale
     if dtype == torch.float16:
         return torch.nan_to_num(x.to(dtype))
     if is_fp8(dtype):

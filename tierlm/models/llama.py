@@ -32,6 +32,8 @@ class Attention(nn.Module):
         # Gemma 3's sliding layers rotate with their own base; every other model has one RoPE.
         self.local_rope = self.window is not None and args.local_rope_theta is not None
         self.use_rope = args.rope_layers[layer] if args.rope_layers else True
+        # fp8 caches store k / k_scale and v / v_scale (models/kv_scales.py sets them after loading).
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, x: torch.Tensor, ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -48,7 +50,7 @@ class Attention(nn.Module):
             qk = RotaryEmbedding.rotate(rope, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, cache, meta, self.scale, self.window)
+        o = paged_attention(q, k, v, cache, meta, self.scale, self.window, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:

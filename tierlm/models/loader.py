@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from tierlm.errors import ModelLoadError
 from tierlm.models.config import ModelArgs, load_config_dict, parse_config
+from tierlm.models.kv_scales import KV_SCALE_NAME
 from tierlm.models.llama import CausalLM
 from tierlm.models.registry import ARCHITECTURES, resolve_architecture
 
@@ -147,8 +148,8 @@ def _target(name: str) -> tuple[str, object] | None:
             break
     if name.startswith("model."):
         name = name[len("model."):]
-    if "rotary_emb" in name:
-        return None
+    if "rotary_emb" in name or KV_SCALE_NAME.match(name):
+        return None  # computed; fp8 KV scales are read by models/kv_scales.py
     if m := _EXPERT.match(name):
         layer, e, w = m.group(1), int(m.group(2)), m.group(3)
         if w in ("w2", "down_proj"):
