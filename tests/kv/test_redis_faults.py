@@ -398,7 +398,14 @@ class _IndexingBehindAHungWrite(DiskTier):
 
     def __init__(self, *args, writing, gate, **kw):
         self.writing, self.gate, self.indexing = writing, gate, threading.Event()
+        self.listed = threading.Event()
         super().__init__(*args, **kw)
+
+    def list_earlier(self):
+        # The listing takes the lock too: the write must hang only after it (else the indexer
+        # waits there, before the headers, and the order the test sets up never happens).
+        super().list_earlier()
+        self.listed.set()
 
     def _read_headers(self):
         assert self.writing.wait(10)
@@ -419,6 +426,7 @@ def test_close_does_not_wait_for_an_indexer_stuck_behind_a_hung_write(tmp_path, 
     writing, gate = threading.Event(), threading.Event()
     disk = _IndexingBehindAHungWrite(tmp_path / "kv", 64, writing=writing, gate=gate)
     store = TieredStore([disk], close_timeout_s=0.3)
+    assert disk.listed.wait(10)
     store.demote(b"\x77" * 32, None, torch.ones(2, 2, 4))
     assert writing.wait(10) and disk.indexing.wait(10)
     time.sleep(0.2)  # the indexer waits for the lock
