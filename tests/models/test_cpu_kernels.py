@@ -11,8 +11,9 @@ import torch
 
 from tierlm import LLM, SamplingParams
 from tierlm.models import cpu_kernels
-from tierlm.models.attention import AttentionMetadata, DecodeGroup, paged_attention
+from tierlm.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, paged_attention
 from tierlm.models.cpu_linear import Bf16DecodeLinear, add_bf16_decode_path
+from tierlm.models.kv_dtype import to_storage
 
 needs_avx512 = pytest.mark.skipif(not cpu_kernels.has_avx512(), reason="the kernels need AVX-512")
 
@@ -234,6 +235,43 @@ def test_engine_with_one_slot_blocks_warms_up_and_matches_larger_blocks(llama_di
 
 
 @needs_avx512
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n,ctx,window", [(1, 57, None), (5, 300, None), (5, 300, 37), (16, 130, 7), (17, 130, None),
+                                          (9, 9, None)])
+def test_short_chunks_over_a_cached_context_run_as_decode_rows(dtype, n, ctx, window):
+    """Up to 16 queries over a cached context (speculative guesses, a prompt's tail after a
+    prefix hit) go through the decode kernel, query i over the first ctx - n + 1 + i keys; longer
+    chunks and fresh prompts (nothing cached before them) keep the gather and SDPA. Either way
+    the float64 reference's answer, and the PyTorch path's."""
+    g = torch.Generator().manual_seed(n * 1000 + ctx)
+    hq, hkv, d, bs = 14, 2, 64, 16
+    blocks = -(-ctx // bs)
+    cache = torch.randn(2, blocks + 3, bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks]
+    pos = torch.arange(ctx - n, ctx)
+    slots = table[pos // bs] * bs + pos % bs
+    q, k, v = torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    outs, calls, real = {}, [], cpu_kernels.decode_attention
+    for kernels in (True, False):
+        c = cache.clone()
+        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, ctx, table)], block_size=bs,
+                                 cpu_kernels=kernels)
+        try:
+            cpu_kernels.decode_attention = lambda *a, **kw: calls.append(kernels) or real(*a, **kw)
+            outs[kernels] = paged_attention(q, k, v, c, meta, 0.125, window)
+        finally:
+            cpu_kernels.decode_attention = real
+    assert calls == ([True] if n <= 16 and n < ctx else [])
+    written = cache.clone()
+    written[0].view(-1, hkv, d)[slots] = to_storage(k, dtype)
+    written[1].view(-1, hkv, d)[slots] = to_storage(v, dtype)
+    ref = _reference_decode(q, written, table.expand(n, -1), torch.arange(ctx - n + 1, ctx + 1), 0.125, window)
+    for out in outs.values():
+        assert (out - ref).abs().max().item() < 2e-5
+    assert (outs[True] - outs[False]).abs().max().item() < 2e-5
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(4, 1, 24), (34, 2, 32), (4, 2, 272)])
 def test_attention_shapes_off_the_vector_path_use_pytorch(hq, hkv, d):
     """Head sizes that are not a multiple of 16 (or past 256) and more than 16 query heads per KV
