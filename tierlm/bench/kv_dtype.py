@@ -174,9 +174,10 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     model_dir = bench_model(args)
     dtypes = [d.strip() for d in str(args.kv_dtypes).split(",") if d.strip()]
+    settings = [kv_settings(d) for d in dtypes]
     if not dtypes or dtypes[0] != "auto" or any(
-            kv_settings(d)["kv_cache_dtype"] not in KV_CACHE_DTYPES or kv_settings(d)["kv_cache_scales"]
-            not in KV_CACHE_SCALES for d in dtypes):
+            kv["kv_cache_dtype"] not in KV_CACHE_DTYPES or kv["kv_cache_scales"] not in KV_CACHE_SCALES
+            for kv in settings):
         raise ValueError(f"--kv-dtypes must start with auto (the reference) and list kv_cache_dtype names "
                          f"({', '.join(KV_CACHE_DTYPES)}), each optionally with :kv_cache_scales "
                          f"({', '.join(KV_CACHE_SCALES)}), e.g. auto,fp8,fp8:checkpoint (got {args.kv_dtypes!r})")
