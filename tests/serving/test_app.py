@@ -65,7 +65,10 @@ def test_the_model_field_picks_the_engine(two_models):
     assert after_big[1] > after_small[1] and after_big[0] == after_small[0]
     missing = ask(server.url, "medium")
     assert missing.status_code == 404 and "small, big" in missing.json()["error"]["message"]
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["small", "big"]
+    cards = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in cards] == ["small", "big"]
+    # the context length under each API's name: vLLM's max_model_len, Anthropic's max_input_tokens
+    assert [(m["max_model_len"], m["max_input_tokens"]) for m in cards] == [(e.max_model_len,) * 2 for e in (small, big)]
 
 
 def test_no_auth_accepts_requests_without_keys(two_models):

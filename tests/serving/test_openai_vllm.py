@@ -68,6 +68,19 @@ def both_routes(client, engine, **fields):
     return out
 
 
+def stop_reasons(client, engine, **fields) -> list:
+    """vLLM's `stop_reason` from chat and completions, each non-streamed and streamed (on the
+    chunk with the finish_reason; the chunks before it carry none)."""
+    out = []
+    for path, body in (("/v1/chat/completions", chat(**fields)), ("/v1/completions", completion(engine, **fields))):
+        out.append(client.post(path, json=body).json()["choices"][0]["stop_reason"])
+        frames = [d for _, d in parse_sse(client.post(path, json={**body, "stream": True}).text)]
+        choices = [c["choices"][0] for c in frames[:-1] if c["choices"]]
+        assert all("stop_reason" not in c for c in choices[:-1])
+        out.append(choices[-1]["stop_reason"])
+    return out
+
+
 # ---- vLLM's extensions, honoured -----------------------------------------------------------
 
 
@@ -75,6 +88,9 @@ def test_include_stop_str_in_output(client, scripted_engines):
     engine = scripted_engines[TEXT_MODEL]
     assert both_routes(client, engine, stop=["STOP"], include_stop_str_in_output=True) == [("alpha beta STOP", "stop")] * 4
     assert both_routes(client, engine, stop=["STOP"]) == [("alpha beta ", "stop")] * 4
+    assert stop_reasons(client, engine, stop=["nope", "STOP"]) == ["STOP"] * 4  # (the string that matched)
+    assert stop_reasons(client, engine) == [None] * 4  # EOS
+    assert stop_reasons(client, engine, max_tokens=2) == [None] * 4  # a limit
 
 
 def test_stop_token_ids(client, scripted_engines, scripted_models, asked):
@@ -83,6 +99,7 @@ def test_stop_token_ids(client, scripted_engines, scripted_models, asked):
     before = engine.tokenizer.decode(ids[:3])
     assert REPLY.startswith(before) and ids[3] not in ids[:3]
     assert both_routes(client, engine, stop_token_ids=[ids[3]]) == [(before, "stop")] * 4
+    assert stop_reasons(client, engine, stop_token_ids=[ids[3]]) == [ids[3]] * 4
     assert asked[-1].params.stop_token_ids == [ids[3]]
 
 
@@ -174,6 +191,73 @@ def test_completion_top_logprobs_hold_the_sampled_token(demo_server):
     assert all(lp["tokens"][i] in top and top[lp["tokens"][i]] == lp["token_logprobs"][i] and len(top) <= 2
                for i, top in enumerate(lp["top_logprobs"]))
     assert any(len(top) == 2 for top in lp["top_logprobs"])  # a token sampled outside the top 1
+
+
+# ---- return_token_ids, return_tokens_as_token_ids (vLLM's) ---------------------------------
+
+
+def _ids_of(client, path, body) -> tuple[dict, list[dict], list]:
+    """(the non-streamed choice and its top level, the streamed choices' chunks, streamed ids)."""
+    whole = client.post(path, json=body).json()
+    frames = [d for _, d in parse_sse(client.post(path, json={**body, "stream": True}).text)][:-1]
+    return whole, [f for f in frames if f["choices"]], [t for f in frames if f["choices"]
+                                                       for t in f["choices"][0].get("token_ids", [])]
+
+
+@pytest.mark.parametrize("stop", [None, ["STOP"]])
+def test_return_token_ids_on_both_routes(client, scripted_engines, scripted_models, asked, stop):
+    """The prompt's ids as run and every generated id (the EOS too, as usage counts it; those past
+    a stop string's start too), non-streamed and streamed (each chunk the ids since the last,
+    the prompt's on the first chunk only); without the field, neither."""
+    engine = scripted_engines[TEXT_MODEL]
+    reply = scripted_models[TEXT_MODEL].reply_tokens(REPLY)
+    for path, body in (("/v1/chat/completions", chat(return_token_ids=True, stop=stop)),
+                       ("/v1/completions", completion(engine, return_token_ids=True, stop=stop))):
+        whole, chunks, streamed_ids = _ids_of(client, path, body)
+        choice, prompt_ids = whole["choices"][0], asked[-1].prompt_token_ids
+        assert (whole if "message" in choice else choice)["prompt_token_ids"] == prompt_ids
+        got = choice["token_ids"]
+        assert len(got) == whole["usage"]["completion_tokens"]
+        if stop is None:
+            assert got == [*reply, engine.tokenizer.eos_token_id]
+        else:  # the stop string's tokens are generated, not shown
+            assert got == reply[:len(got)] and engine.tokenizer.decode(got).startswith("alpha beta STOP")
+        assert streamed_ids == got
+        # incremental: most chunks carry the ids that came with them, not all on the last one
+        carrying = [ch["choices"][0].get("token_ids") for ch in chunks]
+        assert sum(1 for ids in carrying if ids) > len(got) // 2
+        carrier = (lambda c: c) if "message" in choice else (lambda c: c["choices"][0])
+        assert [i for i, c in enumerate(chunks) if "prompt_token_ids" in carrier(c)] == [0]
+        assert carrier(chunks[0])["prompt_token_ids"] == prompt_ids
+        plain = client.post(path, json={**body, "return_token_ids": None}).json()
+        assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(demo_server):
+    """The demo model's byte-level tokens: every logprobs entry (chat's token and top entries,
+    the Completions API's tokens and top keys, the echoed prompt's) is "token_id:N", N the token
+    generated (return_token_ids says which), on both routes, streamed or not."""
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        fields = {"model": model, "max_tokens": 12, "temperature": 1.0, "seed": 5, "return_token_ids": True,
+                  "return_tokens_as_token_ids": True}
+        chat_body = {**fields, "messages": HI, "logprobs": True, "top_logprobs": 2}
+        whole, chunks, streamed_ids = _ids_of(c, "/v1/chat/completions", chat_body)
+        choice = whole["choices"][0]
+        named = [e["token"] for e in choice["logprobs"]["content"]]
+        assert named == [f"token_id:{t}" for t in choice["token_ids"]] and streamed_ids == choice["token_ids"]
+        streamed = [e["token"] for ch in chunks for e in (ch["choices"][0]["logprobs"] or {}).get("content", [])]
+        assert streamed == named
+        tops = [t["token"] for e in choice["logprobs"]["content"] for t in e["top_logprobs"]]
+        assert len(tops) == 2 * len(named) and all(t.startswith("token_id:") and t[9:].isdigit() for t in tops)
+        body = {**fields, "prompt": "Random words", "logprobs": 2, "echo": True}
+        lp = legacy_logprobs_of(c, body)
+        done = c.post("/v1/completions", json=body).json()["choices"][0]
+        ids = done["prompt_token_ids"] + done["token_ids"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+        assert all(all(k.startswith("token_id:") for k in top) for top in lp["top_logprobs"][1:])
+        plain = c.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        assert not any(t.startswith("token_id:") for t in plain["choices"][0]["logprobs"]["tokens"])
 
 
 # ---- logit_bias (OpenAI's) -----------------------------------------------------------------
@@ -325,14 +409,17 @@ def test_a_forced_call_the_model_would_not_write_is_written_on_the_schema(client
     body = {"model": CALL_MODEL, "messages": HI, "tools": [tool],
             "tool_choice": {"type": "function", "function": {"name": FORCED_TOOL}}}
     choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    # a named tool_choice's call ends with `stop` (OpenAI's and vLLM's rule; `required` and `auto`: tool_calls)
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == FORCED_TOOL
     assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Paris")
     frames = [d for _, d in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)]
     deltas = [c["choices"][0] for c in frames[:-1] if c["choices"]]
     calls = [c for d in deltas for c in d["delta"].get("tool_calls") or ()]
-    assert [c["function"]["name"] for c in calls] == [FORCED_TOOL] and deltas[-1]["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in calls] == [FORCED_TOOL] and deltas[-1]["finish_reason"] == "stop"
+    required = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"}).json()["choices"][0]
+    assert required["finish_reason"] == "tool_calls" and required["message"]["tool_calls"]
     assert json.loads(calls[0]["function"]["arguments"]) in ({"city": "Oslo"}, {"city": "Paris"})
     assert not "".join(d["delta"].get("content") or "" for d in deltas)
 

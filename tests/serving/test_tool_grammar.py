@@ -140,8 +140,8 @@ def test_openai_required_call_follows_the_schema(served, model, named):
     created = [oai.chat.completions.create(**kwargs, seed=i).choices[0] for i in range(3)]
     with oai.chat.completions.stream(**kwargs) as stream:
         streamed = stream.get_final_completion().choices[0]
-    for got in (*created, streamed):
-        assert got.finish_reason == "tool_calls" and not got.message.content
+    for got in (*created, streamed):  # (a named choice's call ends with `stop`, as OpenAI's)
+        assert got.finish_reason == ("stop" if named else "tool_calls") and not got.message.content
         (call,) = got.message.tool_calls
         assert call.function.name == "get_time" if named else call.function.name in SCHEMAS
         assert follows(call.function.name, json.loads(call.function.arguments)), call.function.arguments
@@ -192,7 +192,6 @@ def test_a_cut_call_is_still_text_with_length(served):
 @pytest.mark.parametrize("schema, says", [
     ({"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}, "cannot follow this schema"),
     ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}}, "look-around"),
-    ({"type": "string"}, "a required call's arguments are a JSON object"),
 ])
 def test_a_schema_a_required_call_cannot_follow_is_a_400_naming_the_tool(served, schema, says):
     name, claude, oai = served[DEMO]
@@ -280,6 +279,30 @@ def test_two_tools_of_one_name_cannot_take_a_required_call(served):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=name, messages=USER, tools=tools, tool_choice="required")
     assert info.value.body["param"] == "tools.2" and "two tools are named 'get_time'" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("kind", ["string", ["array", "null"]])
+def test_a_schema_of_another_type_than_object_is_refused_whatever_tool_choice_says(served, kind):
+    """A call's arguments are a JSON object: both APIs refuse a tool whose schema says otherwise,
+    under every tool_choice and in count_tokens (as Anthropic's and OpenAI's APIs do); a
+    schema without a type is taken as an object's."""
+    name, claude, oai = served[DEMO]
+    schemas = {"get_time": TIME, "broken": {"type": kind}}
+    for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.chat.completions.create(model=name, messages=USER, tools=openai_tools(schemas), max_tokens=2,
+                                        **({"tool_choice": choice} if choice else {}))
+        assert info.value.body["param"] == "tools.1.function.parameters"
+        assert "the schema's type must be 'object'" in info.value.body["message"]
+    for choice in (None, {"type": "auto"}, {"type": "none"}, {"type": "any"}):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model=name, max_tokens=2, messages=USER, tools=claude_tools(schemas),
+                                   **({"tool_choice": choice} if choice else {}))
+        assert refused.value.body["error"]["message"].startswith("tools.1.input_schema: a tool's arguments")
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.count_tokens(model=name, messages=USER, tools=claude_tools(schemas))
+    untyped = {"get_time": TIME, "loose": {"properties": {"a": {"type": "string"}}}}
+    assert claude.messages.count_tokens(model=name, messages=USER, tools=claude_tools(untyped)).input_tokens > 0
 
 
 def test_the_responses_api_takes_a_required_call_on_the_schema_and_names_its_fields(served):

@@ -33,6 +33,13 @@ def rejected(model, body) -> APIError:
      "messages.0.content.0.text", "must be non-empty"),
     (anthropic(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": 3}]}]),
      "messages.0.content.0.cache_control", "dictionary"),
+    # Anthropic's breakpoint shape: type ephemeral, ttl 5m or 1h (the SDK's CacheControlEphemeralParam)
+    (anthropic(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {
+        "type": "forever"}}]}]), "messages.0.content.0.cache_control.type", "'ephemeral'"),
+    (anthropic(system=[{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]),
+     "system.0.cache_control.ttl", "'5m' or '1h'"),
+    (anthropic(tools=[{"name": "f", "input_schema": {"type": "string"}}]), "tools.0.input_schema",
+     "the schema's type must be 'object'"),
     (anthropic(messages=[{"role": "user", "content": [{"type": "video"}]}]), "messages.0.content.0",
      "content blocks of type 'video' are not supported by tierlm"),
     (anthropic(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]),
@@ -86,6 +93,23 @@ def test_anthropic_accepts_the_documented_shapes():
         stop_sequences=["\n\nHuman:"], unknown_future_field={"ignored": True}, output_config={"effort": "low"},
     ))
     assert body.temperature == 0.0 and body.tools[0].name == "w"
+
+
+@pytest.mark.parametrize("model", [MessagesRequest, CountTokensRequest])
+def test_at_most_four_cache_breakpoints(model):
+    """Anthropic's bound, in its words, counted over tools, system blocks, message blocks and the
+    blocks inside tool results; four (1h and 5m mixed) are taken."""
+    mark = {"type": "ephemeral"}
+    fields = dict(tools=[{"name": "f", "input_schema": {}, "cache_control": mark}],
+                  system=[{"type": "text", "text": "s", "cache_control": {**mark, "ttl": "1h"}}],
+                  messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": mark}]},
+                            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                                {"type": "text", "text": "r", "cache_control": {**mark, "ttl": "5m"}}]}]}])
+    assert validate_body(model, anthropic(**fields)).model == "m"
+    fields["messages"][2]["content"][0]["cache_control"] = mark  # the tool result's own: the fifth
+    err = rejected(model, anthropic(**fields))
+    assert err.message == "A maximum of 4 blocks with cache_control may be provided. Found 5."
 
 
 def test_count_tokens_needs_no_max_tokens():

@@ -80,6 +80,9 @@ class ChatPrompt:
     forced_prefix: str = ""  # assistant text tierlm put in front of the answer (a required call's start)
     call_grammar: StructuredOutputsParams | None = None  # what the rest of that call follows (tool_grammar.py)
     parse_tools: bool = False
+    named_call: bool = False  # OpenAI's named tool_choice: its call ends with finish_reason "stop", as OpenAI's
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the prompt's and answer's token ids beside the text
     tool_names: frozenset[str] = frozenset()  # the tools offered: a call to another one is text
     tool_calls: toolcalls.ToolCallFormat = toolcalls.ToolCallFormat(toolcalls.HERMES)
     reasoning: ReasoningFormat | None = None  # the model's think markers (None: no reasoning parsed)

@@ -151,6 +151,7 @@ class ModelRegistry:
             "object": "model",
             "created": self.created,
             "owned_by": "tierlm",
+            "max_model_len": context or None,  # (vLLM's name; clients size prompts by it)
             # Anthropic
             "type": "model",
             "display_name": name,

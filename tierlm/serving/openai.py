@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import anyio
 from fastapi import APIRouter
@@ -130,14 +130,14 @@ async def chat_completions(request: Request) -> Response:
     engine, prompt, streams, top_n = run.engine, run.prompt, run.streams, run.top_n
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     if body.stream:
-        chunks = chat_chunks(streams, engine, prompt, run.model, completion_id, top_n,
+        chunks = chat_chunks(streams, engine, prompt, run.model, completion_id, top_n, run.prompt_ids,
                              *_stream_usage(body, [len(run.prompt_ids)] * len(streams)))
         return run.mark(EventStreamResponse(chunks, on_close=lambda: _close_all(streams)))
     results = await _collect_all(streams, request)
     scored = body.prompt_logprobs
     entries = _entries(results, top_n) + (0 if scored is None else len(run.prompt_ids) * (2 + scored))
     return run.mark(await json_answer(lambda: chat_response(results, engine, prompt, run.model, completion_id, top_n,
-                                                            scored), entries))
+                                                            scored, run.prompt_ids), entries))
 
 
 async def start_chat(state: Any, context: RequestContext, request: Request, body: ChatCompletionRequest,
@@ -173,6 +173,8 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
             param="thinking_token_budget")
     prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning,
                                      structured=structured is not None, schema_field=schema_field)
+    prompt.named_call = bool(body.tools) and isinstance(body.tool_choice, NamedToolChoice)
+    prompt.tokens_as_ids, prompt.return_token_ids = body.return_tokens_as_token_ids, body.return_token_ids
     if prompt.reasoning is not None:
         prompt.reasoning = prompt.reasoning.decoded(body.skip_special_tokens)
         prompt.show_reasoning = body.include_reasoning
@@ -315,10 +317,14 @@ def completion_response(run: CompletionRun, results: list[Generation], completio
         prompt = c // run.n
         extra = ({"prompt_logprobs": vllm_prompt_logprobs(engine, result.prompt_logprobs or [], body.prompt_logprobs)}
                  if body.prompt_logprobs is not None else {})
+        if body.return_token_ids:  # (vLLM's; the answer's tokens as usage counts them: none for max_tokens 0)
+            extra |= {"prompt_token_ids": run.prompt_ids[prompt],
+                      "token_ids": list(result.token_ids) if run.generates else []}
         choices.append(CompletionChoice(
             index=c,
             text=run.echoes[prompt] + (result.text if run.generates else ""),
             finish_reason=_finish_reason(result, False) if run.generates else "length",
+            stop_reason=_stop_reason(result) if run.generates else None,
             logprobs=_completion_logprobs(run, prompt, result) if body.logprobs is not None else None,
             **extra,
         ))
@@ -328,11 +334,11 @@ def completion_response(run: CompletionRun, results: list[Generation], completio
 
 def _completion_logprobs(run: CompletionRun, prompt: int, result: Generation) -> dict[str, Any]:
     """A choice's legacy logprobs: the echoed prompt's first (with echo), then the answer's."""
-    engine, top_n, echo = run.engine, run.body.logprobs, run.echoes[prompt]
-    answer = legacy_logprobs(engine, returned_logprobs(result) if run.generates else [], top_n, len(echo))
+    engine, top_n, echo, as_id = run.engine, run.body.logprobs, run.echoes[prompt], run.body.return_tokens_as_token_ids
+    answer = legacy_logprobs(engine, returned_logprobs(result) if run.generates else [], top_n, len(echo), as_id)
     if not run.echoes_logprobs:
         return answer
-    echoed = echoed_legacy_logprobs(engine, run.prompt_ids[prompt], result.prompt_logprobs or [], top_n, echo)
+    echoed = echoed_legacy_logprobs(engine, run.prompt_ids[prompt], result.prompt_logprobs or [], top_n, echo, as_id)
     return {key: echoed[key] + answer[key] for key in answer}
 
 
@@ -590,10 +596,40 @@ def usage_of(results: list[Generation], per_prompt: int | None = None, count_out
 
 
 def _finish_reason(result: Generation, has_tool_calls: bool) -> str:
-    """A cut-off answer is `length` even after complete calls (as in Anthropic's stop_details)."""
+    """A cut-off answer is `length` even after complete calls (as in Anthropic's stop_details).
+    Callers pass no calls for a named tool_choice: OpenAI ends those with `stop` (vLLM too)."""
     if result.finish_reason in ("length", FINISH_REASON):  # (the safety layer's: content_filter, as OpenAI's)
         return result.finish_reason
     return "tool_calls" if has_tool_calls else "stop"
+
+
+def _stop_reason(result: Generation) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the answer; None for
+    EOS, a limit, or the safety layer (whose policy name is the engine's stop_reason there)."""
+    return result.stop_reason if result.finish_reason == "stop" else None
+
+
+class StreamedIds:
+    """vLLM's return_token_ids in a stream: each chunk of a choice carries the token ids that
+    came since its last chunk (text held back, a stop string's start, comes with a later one);
+    the first also the prompt's. Off, it adds nothing."""
+
+    def __init__(self, on: bool, prompt_ids: list[int]) -> None:
+        self.on, self._prompt = on, prompt_ids
+        self._pending: list[int] = []
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if self.on:
+            self._pending.extend(token_ids)
+
+    def prompt(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self._prompt} if self.on else {}
+
+    def take(self) -> dict[str, Any]:
+        if not self.on:
+            return {}
+        taken, self._pending = self._pending, []
+        return {"token_ids": taken}
 
 
 class ReturnedTokens:
@@ -624,14 +660,16 @@ def returned_logprobs(result: Generation) -> list[TokenLogprob]:
     return ReturnedTokens().add(result.logprobs, result.text)
 
 
-def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int) -> dict[str, Any]:
+def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int,
+                  as_id: bool = False) -> dict[str, Any]:
     # Built in a worker thread when the prompt was rendered (render_chat's length check).
     vocab = vocabulary(engine.tokenizer)
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        # `token` is the decoded text (U+FFFD for part of a character, as OpenAI shows it);
-        # `bytes` are the token's own raw bytes, so a client can join them into the text.
-        return {"token": token_text(engine, token_id), "logprob": logprob,
+        # `token` is the decoded text (U+FFFD for part of a character, as OpenAI shows it), or
+        # "token_id:N" (as_id); `bytes` are the token's own raw bytes, so a client can join them
+        # into the text.
+        return {"token": token_text(engine, token_id, as_id), "logprob": logprob,
                 "bytes": list(vocab.token_bytes(token_id))}
 
     return {
@@ -643,16 +681,17 @@ def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: in
     }
 
 
-def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int, offset: int) -> dict[str, Any]:
+def legacy_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: int, offset: int,
+                    as_id: bool = False) -> dict[str, Any]:
     """The Completions API's column-wise logprobs; `offset` is where the output text starts in
     the choice's text. `text_offset` indexes that text (a token that finishes a character begun
     by earlier ones starts where they do), not the sum of the tokens' own texts, which differ
     wherever a character spans tokens. Each `top_logprobs` entry holds the top `top_n` and the
     sampled token (up to top_n + 1 entries; just the sampled one for logprobs=0), as OpenAI's
     spec and vLLM do."""
-    return {"tokens": [token_text(engine, lp.token_id) for lp in logprobs],
+    return {"tokens": [token_text(engine, lp.token_id, as_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [legacy_top(engine, lp, top_n) for lp in logprobs],
+            "top_logprobs": [legacy_top(engine, lp, top_n, as_id) for lp in logprobs],
             "text_offset": [offset + lp.text_start for lp in logprobs]}
 
 
@@ -668,7 +707,10 @@ def _tool_calls_out(calls: list[toolcalls.ParsedToolCall]) -> list[ResponseToolC
 
 
 def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
-                  completion_id: str, top_n: int | None, prompt_top_n: int | None = None) -> ChatCompletion:
+                  completion_id: str, top_n: int | None, prompt_top_n: int | None = None,
+                  prompt_ids: list[int] | None = None) -> ChatCompletion:
+    """The chat completion of `results`; `prompt_ids` are the prompt's tokens as run (after any
+    truncation), for return_token_ids."""
     choices = []
     for i, result in enumerate(results):
         answer = prompt.split(result, id_prefix="call_")
@@ -679,12 +721,17 @@ def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: Chat
         choices.append(ChatChoice(
             index=i,
             message=message,
-            finish_reason=_finish_reason(result, bool(calls)),
-            logprobs=chat_logprobs(engine, returned_logprobs(result), top_n) if top_n is not None else None,
+            finish_reason=_finish_reason(result, bool(calls) and not prompt.named_call),
+            stop_reason=_stop_reason(result),
+            logprobs=(chat_logprobs(engine, returned_logprobs(result), top_n, prompt.tokens_as_ids)
+                      if top_n is not None else None),
+            **({"token_ids": list(result.token_ids)} if prompt.return_token_ids else {}),
         ))
     # vLLM's prompt_logprobs, once for the choices' shared prompt (only when asked: not in OpenAI's shape)
     extra = ({"prompt_logprobs": vllm_prompt_logprobs(engine, results[0].prompt_logprobs or [], prompt_top_n)}
              if prompt_top_n is not None else {})
+    if prompt.return_token_ids:
+        extra["prompt_token_ids"] = prompt_ids
     return ChatCompletion(id=completion_id, created=int(time.time()), model=model, choices=choices,
                           usage=usage_of(results), system_fingerprint=SYSTEM_FINGERPRINT, **extra)
 
@@ -709,15 +756,18 @@ class _StreamFrames:
                          **extra})
 
     def choice(self, index: int, of: Generation, finish: str | None = None, logprobs: Any = None,
-               **fields: Any) -> bytes:
+               stop_reason: str | int | None = None, ids: dict[str, Any] | None = None,
+               top: dict[str, Any] | None = None, **fields: Any) -> bytes:
         """A chunk of choice `index`, whose tokens so far are `of`'s; `fields` are its `delta`
-        (chat) or `text` (completions). With continuous usage, its usage is that choice's so far,
-        as vLLM's."""
+        (chat) or `text` (completions), `ids` vLLM's token ids in the choice, `top` fields of
+        the chunk itself. With continuous usage, its usage is that choice's so far, as vLLM's."""
         usage: dict[str, Any] = {"usage": None} if self.include_usage else {}
         if self.continuous_prompt_tokens is not None:
             prompt, done = self.continuous_prompt_tokens[index], of.num_output_tokens if self.count_output else 0
             usage["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-        return self._frame([{"index": index, **fields, "finish_reason": finish, "logprobs": logprobs}], **usage)
+        closing = {"stop_reason": stop_reason} if finish is not None else {}  # (vLLM's, on the last chunk)
+        return self._frame([{"index": index, **fields, "finish_reason": finish, "logprobs": logprobs, **closing,
+                             **(ids or {})}], **usage, **(top or {}))
 
     def usage(self, results: list[Generation]) -> bytes:
         """The closing chunk of `stream_options.include_usage`: no choices, the usage."""
@@ -770,12 +820,12 @@ async def _interleaved(choices: list[AsyncIterator[bytes]]) -> AsyncIterator[byt
 
 
 async def chat_chunks(streams: list[EngineStream], engine: "AsyncEngine", prompt: ChatPrompt, model: str,
-                      completion_id: str, top_n: int | None, include_usage: bool,
+                      completion_id: str, top_n: int | None, prompt_ids: list[int], include_usage: bool,
                       continuous_prompt_tokens: list[int] | None = None) -> AsyncIterator[bytes]:
     frames = _StreamFrames(completion_id, "chat.completion.chunk", model, include_usage, continuous_prompt_tokens)
     answers = [StreamedAnswer(stream, prompt, id_prefix="call_") for stream in streams]
     try:
-        async for chunk in _interleaved([_chat_choice(i, a, engine, prompt, frames, top_n)
+        async for chunk in _interleaved([_chat_choice(i, a, engine, prompt, frames, top_n, prompt_ids)
                                          for i, a in enumerate(answers)]):
             yield chunk
         if include_usage:
@@ -786,27 +836,32 @@ async def chat_chunks(streams: list[EngineStream], engine: "AsyncEngine", prompt
 
 
 async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine", prompt: ChatPrompt,
-                       frames: _StreamFrames, top_n: int | None) -> AsyncIterator[bytes]:
+                       frames: _StreamFrames, top_n: int | None, prompt_ids: list[int]) -> AsyncIterator[bytes]:
     """One choice's chunks, from its role to its finish_reason."""
     returned = ReturnedTokens() if top_n is not None else None
+    ids = StreamedIds(prompt.return_token_ids, prompt_ids)
     shown = False
     result = answer.result  # the tokens so far, for continuous usage
     # As OpenAI: content "" opens a text answer, null one that may be tool calls alone (text
     # after a null still accumulates into the content, in the SDKs' stream helpers too).
-    yield frames.choice(index, result, delta={"role": "assistant", "content": None if prompt.parse_tools else ""})
+    yield frames.choice(index, result, delta={"role": "assistant", "content": None if prompt.parse_tools else ""},
+                        top=ids.prompt())
     async for thought, text, delta in answer.pieces():
         logprobs = None
+        if delta is not None:
+            ids.add(delta.token_ids)
         if returned is not None and top_n is not None and delta is not None:
-            logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n)
+            logprobs = chat_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, prompt.tokens_as_ids)
         said = {**reasoning_fields(thought, prompt), **({"content": text} if text else {})}
         if said or (logprobs and logprobs["content"]):
             shown = shown or bool(text)
-            yield frames.choice(index, result, delta=said, logprobs=logprobs)
+            yield frames.choice(index, result, delta=said, logprobs=logprobs, ids=ids.take())
     for i, call in enumerate(_tool_calls_out(answer.calls)):
-        yield frames.choice(index, result, delta={"tool_calls": [{"index": i, **call.model_dump()}]})
+        yield frames.choice(index, result, delta={"tool_calls": [{"index": i, **call.model_dump()}]}, ids=ids.take())
     # an empty answer without calls has content "" (as when not streamed), never null
     last = {"content": ""} if prompt.parse_tools and not shown and not answer.calls else {}
-    yield frames.choice(index, result, delta=last, finish=_finish_reason(result, bool(answer.calls)))
+    yield frames.choice(index, result, delta=last, finish=_finish_reason(result, bool(answer.calls) and not prompt.named_call),
+                        stop_reason=_stop_reason(result), ids=ids.take())
 
 
 async def completion_chunks(run: CompletionRun, completion_id: str, include_usage: bool,
@@ -829,21 +884,29 @@ async def _completion_choice(run: CompletionRun, index: int, result: Generation,
     """One choice's chunks (accumulated into `result`), from the echoed prompt to its finish_reason.
     The echo comes first; with logprobs it waits for the prompt's, which come with the first token."""
     engine, top_n, prompt = run.engine, run.body.logprobs, index // run.n
+    as_id = run.body.return_tokens_as_token_ids
     echo = run.echoes[prompt]
     returned = ReturnedTokens() if top_n is not None else None
+    ids = StreamedIds(run.body.return_token_ids, run.prompt_ids[prompt])
+    first = ids.prompt()  # (vLLM's: the prompt's ids on the choice's first chunk)
     if echo and not run.echoes_logprobs:
-        yield frames.choice(index, result, text=echo)
+        yield frames.choice(index, result, text=echo, ids=first)
+        first = {}
     async for delta in run.streams[index].deltas():
         result.add(delta)
         if delta.prompt_logprobs is not None and run.echoes_logprobs:
             yield frames.choice(index, result, text=echo, logprobs=echoed_legacy_logprobs(
-                engine, run.prompt_ids[prompt], delta.prompt_logprobs, top_n, echo))
+                engine, run.prompt_ids[prompt], delta.prompt_logprobs, top_n, echo, as_id), ids=first)
+            first = {}
         if not run.generates:
             continue
+        ids.add(delta.token_ids)
         logprobs = None
         if returned is not None and top_n is not None:
-            logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, len(echo))
+            logprobs = legacy_logprobs(engine, returned.add(delta.logprobs or [], delta.text), top_n, len(echo), as_id)
         if delta.text or (logprobs and logprobs["tokens"]):
-            yield frames.choice(index, result, text=delta.text, logprobs=logprobs)
+            yield frames.choice(index, result, text=delta.text, logprobs=logprobs, ids=first | ids.take())
+            first = {}
     finish = _finish_reason(result, False) if run.generates else "length"
-    yield frames.choice(index, result, text="", finish=finish)
+    yield frames.choice(index, result, text="", finish=finish, stop_reason=_stop_reason(result) if run.generates else None,
+                        ids=first | ids.take())

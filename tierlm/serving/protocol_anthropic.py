@@ -23,7 +23,12 @@ from pydantic import (
 
 from tierlm.sampling_params import StructuredOutputsParams, stop_strings_problem
 from tierlm.serving.errors import InvalidRequest
-from tierlm.serving.protocol_openai import refused_unless_null, template_kwargs_refused, template_variables
+from tierlm.serving.protocol_openai import (
+    checked_parameters,
+    refused_unless_null,
+    template_kwargs_refused,
+    template_variables,
+)
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _TOOL_ID = re.compile(r"[a-zA-Z0-9_-]+")
@@ -49,6 +54,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class CacheControl(_Body):
+    """A cache breakpoint, checked as Anthropic checks it (its type, its ttl, at most
+    MAX_CACHE_BREAKPOINTS per request) and otherwise changing nothing: tierlm caches every
+    prefix of full blocks automatically."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+MAX_CACHE_BREAKPOINTS = 4  # Anthropic's bound on blocks (tools, system, messages) with cache_control
+
+
 def _non_empty_text(value: str) -> str:
     """Anthropic's API refuses empty text blocks, in these words. A whitespace-only block is
     refused only where a user message or the system prompt holds nothing else
@@ -61,7 +78,7 @@ def _non_empty_text(value: str) -> str:
 class TextBlock(_Body):
     type: Literal["text"]
     text: str
-    cache_control: dict[str, Any] | None = None  # accepted; prefix caching is automatic here
+    cache_control: CacheControl | None = None  # checked; prefix caching is automatic here
     citations: Any = None
 
     @field_validator("text")
@@ -100,7 +117,7 @@ def _blocks_of(kinds: tuple[str, ...], *models: type) -> Any:
 class ImageBlock(_Body):
     type: Literal["image"]
     source: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 class PlainTextSource(_Body):
@@ -139,7 +156,7 @@ class DocumentBlock(_Body):
     title: str | None = None
     context: str | None = None
     citations: Any = None  # accepted; tierlm cites nothing
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str | None:
         """The document as prompt text (title, context, then its text); None where the model
@@ -164,7 +181,7 @@ class SearchResultBlock(_Body):
     title: str
     content: list[TextBlock]
     citations: Any = None  # accepted; tierlm cites nothing
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
         return "\n".join([self.title, self.source, *(b.text for b in self.content)])
@@ -175,7 +192,7 @@ class ToolUseBlock(_Body):
     id: str
     name: str
     input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     @field_validator("name")
     @classmethod
@@ -194,7 +211,7 @@ class ToolResultBlock(_Body):
     tool_use_id: str
     content: str | list[_ResultBlock] | None = None
     is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     _id = field_validator("tool_use_id")(_tool_id)
 
@@ -264,7 +281,10 @@ class Tool(_Body):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
+
+    _object_schema = field_validator("input_schema")(checked_parameters)  # (whatever tool_choice says, as Anthropic)
+
+    cache_control: CacheControl | None = None
     # Accepted, and changes nothing: agent frameworks set it on every tool, and refusing it broke
     # them. Under tool_choice any / tool the call's input follows input_schema whatever it says
     # (tool_grammar.py); under auto it is a parsed JSON object, never checked against it (README).
@@ -427,6 +447,20 @@ class ConversationBody(_Body):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"Tool names must be unique. '{dup}' is defined more than once")
         return value
+
+    @model_validator(mode="after")
+    def _breakpoints(self) -> "ConversationBody":
+        blocks = [*(self.tools or ()), *(self.system if isinstance(self.system, list) else ())]
+        for message in self.messages:
+            for block in message.content if isinstance(message.content, list) else ():
+                blocks.append(block)
+                blocks.extend(getattr(block, "content", None) if isinstance(block, ToolResultBlock)
+                              and isinstance(block.content, list) else ())
+        found = sum(1 for b in blocks if getattr(b, "cache_control", None) is not None)
+        if found > MAX_CACHE_BREAKPOINTS:  # (Anthropic's words)
+            raise InvalidRequest(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. "
+                                 f"Found {found}.")
+        return self
 
     @field_validator("messages")
     @classmethod

@@ -12,6 +12,7 @@ skip_special_tokens, and on chat continue_final_message / add_generation_prompt 
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
@@ -197,10 +198,30 @@ class ChatMessage(_Body):
         return "\n".join(texts)
 
 
+def object_schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why a tool's schema cannot describe its arguments, or None. A call's arguments are a JSON
+    object (both APIs refuse any other type, whatever tool_choice says); a schema with no
+    `type` is taken as one of type object (tool_grammar.arguments_schema), as tierlm documents."""
+    kind = schema.get("type")
+    if kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind):
+        return None
+    return f"a tool's arguments are a JSON object: the schema's type must be 'object' (got {json.dumps(kind)})"
+
+
+def checked_parameters(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's `parameters` (both OpenAI APIs), refused where object_schema_problem says."""
+    if value is not None and (problem := object_schema_problem(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
 class FunctionDef(_Body):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    _object_schema = field_validator("parameters")(checked_parameters)
+
     # Accepted, and changes nothing: agent frameworks set it on every tool. A required or named
     # call's arguments follow `parameters` whatever it says (tool_grammar.py); under tool_choice
     # auto they are parsed JSON, never checked against it (README).
@@ -354,6 +375,10 @@ class _SamplingFields(_Body):
     # vLLM's: the top N logprobs of every prompt token after the first, beside its own (scoring a
     # text); not streamed, as in vLLM
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: logprobs name their tokens "token_id:N" (a token that is part of a character decodes
+    # to U+FFFD, so two such tokens look alike); the answer's and prompt's token ids are returned
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)
     truncate_prompt_tokens: int | None = None
     # vLLM's: sample only these tokens (ids outside the model's vocabulary are refused by the engine)
@@ -371,7 +396,8 @@ class _SamplingFields(_Body):
 
     @field_validator("stream", "ignore_eos", "max_tokens", "echo", "include_stop_str_in_output",
                      "skip_special_tokens", "use_beam_search", "spaces_between_special_tokens", "add_generation_prompt",
-                     "continue_final_message", "include_reasoning", mode="before", check_fields=False)
+                     "continue_final_message", "include_reasoning", "return_tokens_as_token_ids", "return_token_ids",
+                     mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI documents these as "... or null", meaning the default, and the `openai` SDK sends
@@ -731,14 +757,17 @@ class ResponseMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's token_ids, only when asked for
+
     index: int = 0
     message: ResponseMessage
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None
     logprobs: dict[str, Any] | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id matched (None: EOS, a limit)
 
 
 class ChatCompletion(BaseModel):
-    model_config = ConfigDict(extra="allow")  # vLLM's prompt_logprobs, only when asked for
+    model_config = ConfigDict(extra="allow")  # vLLM's prompt_logprobs, prompt_token_ids, only when asked for
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -750,12 +779,13 @@ class ChatCompletion(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")  # vLLM's prompt_logprobs, only when asked for
+    model_config = ConfigDict(extra="allow")  # vLLM's prompt_logprobs, token_ids, prompt_token_ids when asked for
 
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length", "content_filter"] | None
     logprobs: dict[str, Any] | None = None
+    stop_reason: str | int | None = None  # (as ChatChoice's)
 
 
 class Completion(BaseModel):

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.serving.protocol_openai import _FUNCTION_NAME, _Body, refused_unless_null, vllm_top_k
+from tierlm.serving.protocol_openai import _FUNCTION_NAME, _Body, checked_parameters, refused_unless_null, vllm_top_k
 
 # Item and part types of OpenAI's that tierlm cannot take, with what to send instead.
 _BUILT_IN = ("it is a built-in tool of OpenAI's, which tierlm does not run; offer your own functions "
@@ -153,6 +153,8 @@ class FunctionTool(_Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # accepted, as on the chat side: arguments are parsed, not checked
+
+    _object_schema = field_validator("parameters")(checked_parameters)
 
 
 class FunctionChoice(_Body):

@@ -14,16 +14,18 @@ if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
 
 
-def token_text(engine: "AsyncEngine", token_id: int) -> str:
-    return engine.tokenizer.decode([token_id])
+def token_text(engine: "AsyncEngine", token_id: int, as_id: bool = False) -> str:
+    """How a logprobs entry names a token: its text, or (vLLM's return_tokens_as_token_ids)
+    "token_id:N", which tells apart tokens whose texts are alike (parts of one character)."""
+    return f"token_id:{token_id}" if as_id else engine.tokenizer.decode([token_id])
 
 
-def legacy_top(engine: "AsyncEngine", lp: TokenLogprob, top_n: int) -> dict[str, float]:
+def legacy_top(engine: "AsyncEngine", lp: TokenLogprob, top_n: int, as_id: bool = False) -> dict[str, float]:
     """One `top_logprobs` entry of the Completions API: the token itself first, then the top
     `top_n` (up to top_n + 1 entries; the token alone for logprobs=0), as OpenAI and vLLM."""
-    top = {token_text(engine, lp.token_id): lp.logprob}
+    top = {token_text(engine, lp.token_id, as_id): lp.logprob}
     for t, v in lp.top[:top_n]:
-        top.setdefault(token_text(engine, t), v)
+        top.setdefault(token_text(engine, t, as_id), v)
     return top
 
 
@@ -49,12 +51,12 @@ def prompt_offsets(engine: "AsyncEngine", ids: list[int], echo: str) -> list[int
 
 
 def echoed_legacy_logprobs(engine: "AsyncEngine", ids: list[int], lps: list[TokenLogprob | None], top_n: int,
-                           echo: str) -> dict[str, list[Any]]:
+                           echo: str, as_id: bool = False) -> dict[str, list[Any]]:
     """The prompt's columns of the Completions API's `logprobs` (with echo): its tokens, their
     logprobs and top entries (null for the first, which nothing predicts), their offsets in `echo`."""
-    return {"tokens": [token_text(engine, t) for t in ids],
+    return {"tokens": [token_text(engine, t, as_id) for t in ids],
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": [None if lp is None else legacy_top(engine, lp, top_n) for lp in lps],
+            "top_logprobs": [None if lp is None else legacy_top(engine, lp, top_n, as_id) for lp in lps],
             "text_offset": prompt_offsets(engine, ids, echo)}
 
 
