@@ -5,6 +5,7 @@ import hashlib
 import io
 import logging
 import random
+import re
 import time
 
 import pytest
@@ -1629,6 +1630,36 @@ def test_corrupt_disk_block_is_detected_and_recomputed(llama_dir, cold_reference
     assert disk.get(hashes[5]) is None and disk.stats.corrupt == 2
 
 
+def test_a_damaged_run_of_a_chain_is_stored_anew_when_its_blocks_come_down_again(tmp_path):
+    """Damage comes in runs. A lookup stops at the first bad block, so the chain below it was
+    never checked: those entries are suspect, and when the recomputed blocks come down again
+    they are written anew rather than taken as already there (each damaged file was found one
+    request at a time, and a clean stop kept them). Another branch below the bad block is
+    suspect too, but kept until then; one read whole and checked is cleared."""
+    chain = _chain(5)
+    (b_h, _, b_d) = (bytes([0x70]) * 32, None, torch.full((2, 2, 4), 7.0))
+    disk = DiskTier(tmp_path / "d", 16)
+    for h, p, d in chain:
+        disk.put(h, p, d)
+    disk.put(b_h, chain[1][0], b_d)  # a branch off block 1
+    for h, _, _ in chain:  # every entry of the chain damaged
+        path = disk.path(h)
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    assert disk.get(chain[0][0]) is None and disk.stats.corrupt == 1
+    assert disk._suspect == {h for h, _, _ in chain[1:]} | {b_h}
+    stores = disk.stats.stores
+    for h, p, d in chain:  # the request recomputed them; they come down again
+        disk.put(h, p, d)
+    assert disk.stats.stores == stores + 5  # each written anew, none "already there"
+    assert all(torch.equal(disk.get(h), d) for h, _, d in chain) and disk.stats.corrupt == 1
+    assert disk._suspect == {b_h} and torch.equal(disk.get(b_h), b_d)  # the branch was intact: kept
+    assert not disk._suspect
+    disk.put(chain[0][0], None, chain[0][2])  # no longer suspect: already there
+    assert disk.stats.stores == stores + 5
+
+
 def test_an_intact_entry_under_another_key_is_corrupt_not_served(tmp_path, redis_server):
     """The checksum covers the key: another block's whole entry, copied or linked where this one
     should be (or SET under its Redis key), is detected like a damaged one."""
@@ -1747,7 +1778,8 @@ def test_shutdown_writes_the_whole_cache_down_past_the_writers_backlog(host, lla
     for h, parent in order[:cached]:
         assert parent is None or parent in seen
         seen.add(h)
-    assert f"wrote {cached} cached blocks" in caplog.text and "not all" not in caplog.text
+    assert f"moved {cached} cached blocks" in caplog.text and f"{cached} newly written" in caplog.text
+    assert "not all" not in caplog.text
     with _llm(llama_dir, **kw) as again:
         tiers = again.engine.store.tiers
         assert next(t for t in tiers if isinstance(t, DiskTier)).wait_indexed(timeout=30)
@@ -2477,6 +2509,62 @@ def test_disk_tier_grows_back_when_space_frees_up(small_filesystem, caplog):
     assert all(torch.equal(disk.get(h), data) for h, data in blocks[-len(disk):])
     assert disk.stats.errors == 0  # ... and never more than the disk holds
     disk.close()
+
+
+def test_a_disk_tier_given_no_capacity_on_a_full_disk_takes_half_of_what_frees_up_once(small_filesystem, caplog):
+    """Without kv_disk_capacity the tier takes half the free space at start: none on a full disk,
+    for the whole run, said at INFO only. It says so as a warning, and once space frees up takes
+    half of it, as a start would have, and no more after that (growing again with each freeing
+    would creep towards the whole disk)."""
+    data = torch.zeros(64, 256)  # 64 KiB blocks
+    DiskTier(small_filesystem / "kv", None, block_bytes=data.numel() * 4).close()  # its directory exists
+    filler = small_filesystem / "other-files"
+    _fill(small_filesystem)
+    (small_filesystem / "filler").rename(filler)
+    with caplog.at_level("WARNING"):
+        disk = DiskTier(small_filesystem / "kv", None, block_bytes=data.numel() * 4, regrow_every_s=0)
+    assert disk.capacity == 0 and "no room for a block" in caplog.text and "kv_disk_capacity" in caplog.text
+    blocks = [(i.to_bytes(32, "big"), torch.full((64, 256), float(i))) for i in range(12)]
+    assert disk.put(*blocks[0][:1], None, blocks[0][1]) != [] and len(disk) == 0  # still full: passed on
+    filler.unlink()
+    with caplog.at_level("INFO"):
+        for h, d in blocks[1:]:
+            disk.put(h, None, d)
+    grown = disk.capacity
+    assert 3 <= grown <= 8 and "has space again" in caplog.text and "no capacity given" in caplog.text
+    assert len(disk) == grown and disk.stats.errors == 0  # half of ~1 MiB free, in 64 KiB blocks
+    for h, d in blocks[:6]:  # more blocks, with space still free: no second helping
+        disk.put(h + b"x", None, d)
+    assert disk.capacity == grown and caplog.text.count("has space again") == 1
+    assert all(torch.equal(disk.get(h + b"x"), d) for h, d in blocks[:6][-grown:])  # what it holds reads back
+    disk.close()
+
+
+def test_the_shutdown_log_counts_the_blocks_written_not_the_blocks_moved(llama_dir, cold_reference, small_filesystem,
+                                                                         tmp_path, caplog):
+    """persist_kv logged "wrote N cached blocks ... down to the disk tier" for every block it
+    moved: blocks already there, and all of them on a disk tier with no room, which wrote none."""
+    shared, _ = cold_reference
+    found = r"moved (\d+) cached blocks .* (\d+) newly written"
+    with caplog.at_level("INFO", logger="tierlm.engine.engine"):
+        llm = _llm(llama_dir, kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks")
+        _run(llm, shared + _prompt(2, 9))
+        llm.engine.persist_kv()
+        first = re.findall(found, caplog.text)
+        assert len(first) == 1 and first[0][0] == first[0][1] != "0"  # all new
+        _run(llm, shared + _prompt(2, 9))  # read back up from the disk: the same blocks
+        caplog.clear()
+        llm.engine.persist_kv()
+        assert re.findall(found, caplog.text) == [(first[0][0], "0")]  # all there already
+        llm.close()
+        _llm(llama_dir, kv_disk_dir=str(small_filesystem / "kv")).close()  # its directory, no entries
+        _fill(small_filesystem)
+        caplog.clear()
+        llm = _llm(llama_dir, kv_disk_dir=str(small_filesystem / "kv"))  # on a full disk: capacity 0
+        _run(llm, _prompt(5, 40))
+        llm.engine.persist_kv()
+        assert "the disk tier has no room (capacity 0 blocks" in caplog.text and "newly written" not in caplog.text
+        llm.close()
 
 
 def test_disk_tier_recovers_when_its_directory_is_deleted(tmp_path):

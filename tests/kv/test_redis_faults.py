@@ -130,9 +130,10 @@ def test_an_engine_never_serves_a_redis_value_of_another_layout_and_deletes_it(l
 
 
 class _NotRedis:
-    """A TCP server that answers +OK to everything: what sits at a port that is not Redis's."""
+    """A TCP server that answers `reply` (+OK) to everything: what sits at a port that is not Redis's."""
 
-    def __init__(self) -> None:
+    def __init__(self, reply: bytes = b"+OK\r\n") -> None:
+        self.reply = reply
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -145,11 +146,10 @@ class _NotRedis:
                 return
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
-    @staticmethod
-    def _answer(conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket) -> None:
         try:
             while conn.recv(65536):
-                conn.sendall(b"+OK\r\n")
+                conn.sendall(self.reply)
         except OSError:
             pass
 
@@ -191,6 +191,25 @@ def test_a_server_that_is_not_redis_is_refused_at_start_and_a_miss_later(redis_s
         tier.close()
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("reply", [b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+                                   b"SSH-2.0-OpenSSH_9.6\r\n"])
+def test_another_protocol_at_the_address_is_refused_at_start_not_taken_for_an_outage(reply):
+    """An HTTP or SSH server answers in its own protocol: that is the wrong address, which
+    retrying cannot fix (it was an outage, retried for the whole run)."""
+    fake = _NotRedis(reply)
+    try:
+        with pytest.raises(KVTierError, match="does not answer like a Redis server .*another service"):
+            RedisTier(f"redis://127.0.0.1:{fake.port}/0")
+    finally:
+        fake.close()
+
+
+def test_an_unknown_url_parameter_is_named_not_blamed_on_the_server(redis_server):
+    with pytest.raises(KVTierError, match="the URL parameter 'foo' is not a connection setting") as info:
+        RedisTier(redis_server.url + "?foo=bar")
+    assert "host and port" not in str(info.value)
 
 
 def test_credentials_changed_while_running_are_named_as_such(redis_server, caplog):

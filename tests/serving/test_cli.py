@@ -291,4 +291,5 @@ def test_ctrl_c_stops_serve_quietly_with_130_and_keeps_the_kv_cache(tmp_path):
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert "Application shutdown complete" in out
-    assert re.search(r"wrote [1-9]\d* cached blocks .* down to the disk tier", out), out
+    found = re.search(r"moved ([1-9]\d*) cached blocks .* (\d+) newly written to the disk tier", out)
+    assert found and int(found.group(2)) == int(found.group(1)), out  # a fresh directory: all of them written

@@ -856,6 +856,8 @@ class LLMEngine:
         if self.store is None or self.store.closed or not any(isinstance(t, DiskTier) for t in self.store.tiers):
             return 0
         t0, dropped = time.monotonic(), self.store.dropped()
+        disks = [t for t in self.store.tiers if isinstance(t, DiskTier)]
+        stored = sum(t.stats.stores for t in disks)
         hosts = [(level, t) for level, t in enumerate(self.store.tiers) if isinstance(t, HostTier)]
         in_host = sum(len(t) for _, t in hosts)
         if self.pool.cached or in_host:
@@ -867,10 +869,15 @@ class LLMEngine:
                 self.store.spill(level)
         landed, lost = self.store.flush(), self.store.dropped() - dropped
         moved = device + in_host  # (a device block passing through host memory counted once)
-        if moved and landed and not lost:
-            log.info("KV %s: wrote %d cached blocks (%d from the device, %d from host memory) down to the disk "
-                     "tier in %.1f s, for the next start", self.model_name, moved, device, in_host,
-                     time.monotonic() - t0)
+        written = sum(t.stats.stores for t in disks) - stored
+        if moved and not any(t.capacity > 0 for t in disks):
+            log.warning("KV %s: the disk tier has no room (capacity 0 blocks: its disk was full), so none of %d "
+                        "cached blocks were written there for the next start. Free space in kv_disk_dir",
+                        self.model_name, moved)
+        elif moved and landed and not lost:
+            log.info("KV %s: moved %d cached blocks (%d from the device, %d from host memory) down in %.1f s, for "
+                     "the next start: %d newly written to the disk tier, the others there already (or passed on "
+                     "below it)", self.model_name, moved, device, in_host, time.monotonic() - t0, written)
         elif moved:
             log.warning("KV %s: not all of %d cached blocks reached the disk tier within the shutdown's %g s "
                         "(%d dropped, %s; a slow disk or Redis): the rest is recomputed after the next start",

@@ -24,6 +24,7 @@ import shutil
 import ssl
 import stat
 import struct
+import sys
 import threading
 import time
 import urllib.parse
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 _MAGIC = b"TLKV3"  # 2: the checksum covers the block's key and parent too; 3: and its dtype and shape
 ENTRY_HEADER_BYTES = 320  # at most, per disk entry or Redis value: magic, length, JSON header (~250)
 WRITE_WARN_EVERY_S = 300  # a tier whose writes keep failing says so again at most this often
+_AUTO_CAPACITY = sys.maxsize  # the capacity "asked for" by a tier given none that started on a full disk
 ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.(kv|tmp[0-9a-f]+)")  # a disk entry, or one being written
 
 
@@ -314,6 +316,9 @@ class _CapacityTier:
         self._warned_at: dict[str, float] = {}  # "write" / "read": when failing ones were last warned about
         self._shrunk = False  # capacity was lowered to what the storage could hold
         self._wanted: int | None = None  # the capacity asked for, while lowered
+        # Entries below one found damaged: stored again, not kept, when their block comes down
+        # again (see _suspect_below)
+        self._suspect: set[bytes] = set()
 
     @property
     def where(self) -> str:
@@ -346,6 +351,8 @@ class _CapacityTier:
                 self._ticks += 1
             if h in self.parents and not self._still_there(h):
                 self._forget_deleted(h)  # its file was deleted behind the tier's back: store the block again
+            if h in self._suspect and h in self.parents:
+                self._drop(h)  # maybe damaged as its ancestor was: these fresh bytes replace it
             if h in self.parents:
                 if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
@@ -440,10 +447,12 @@ class _CapacityTier:
                     return self._unreadable(h, e)
                 if data is None and h in self.parents:  # there, but damaged: drop it, the caller recomputes
                     self.stats.count(corrupt=1)
+                    self._suspect_below(h)
                     self._drop(h)
             if data is None:
                 self.stats.count(misses=1)
                 return None
+            self._suspect.discard(h)  # (read whole and checked)
             if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
                 if self.auto_tick:
                     self._ticks += 1
@@ -452,6 +461,23 @@ class _CapacityTier:
                     self.policy.finished([h], hint)
             self.stats.count(hits=1, bytes_out=data.numel() * data.element_size())
             return data
+
+    def _suspect_below(self, h: bytes) -> None:
+        """`h` was found damaged: its descendants here become suspect (hold `lock`). Damage comes
+        in runs (a bad region of a disk, a copy cut short), and a lookup stops at the first bad
+        block, so the rest of the chain was never checked: when the request that recomputes them
+        moves them down again, a suspect is stored anew instead of being taken as already there
+        (which left damaged files to be found one block per request, and kept after a clean
+        stop). A suspect read whole, and so checked, is cleared; other branches below `h` stay
+        until then."""
+        children: dict[bytes | None, list[bytes]] = {}
+        for child, parent in self.parents.items():
+            children.setdefault(parent, []).append(child)
+        stack = list(children.get(h, ()))
+        while stack:
+            child = stack.pop()
+            self._suspect.add(child)
+            stack.extend(children.get(child, ()))
 
     def _forget_deleted(self, h: bytes) -> None:
         """Drop the index entry of `h`, whose bytes something else deleted. Hold `lock`."""
@@ -516,6 +542,7 @@ class _CapacityTier:
 
     def _drop(self, h: bytes) -> bytes | None:
         self.hints.pop(h, None)
+        self._suspect.discard(h)
         if h in self.policy:  # not yet, for a disk entry that failed its first read
             self.policy.remove(h)
         self._erase(h)
@@ -677,9 +704,16 @@ class DiskTier(_CapacityTier):
             self._lock_file = self._claim()
             if self._auto_capacity:  # half the free space, plus half of what the listing finds ours
                 self.capacity = shutil.disk_usage(self.root).free // 2 // self._on_disk(block_bytes)
-                log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space, and half of "
-                         "what an earlier run's entries use once they are listed; set kv_disk_capacity to choose)",
-                         self.root, self.capacity)
+                if self.capacity > 0:
+                    log.info("KV disk tier %s: no capacity given, using %d blocks (half the free space, and half "
+                             "of what an earlier run's entries use once they are listed; set kv_disk_capacity to "
+                             "choose)", self.root, self.capacity)
+                else:  # as a full disk mid-run does: take half of what frees up (once)
+                    self._wanted = _AUTO_CAPACITY
+                    log.warning("KV disk tier %s: no capacity given, and its disk has no room for a block: it "
+                                "holds nothing until space frees up, then takes half of the free space (checked "
+                                "every %g s while blocks come down). Free space there, or set kv_disk_capacity",
+                                self.root, self._regrow_every)
             earlier = any(self.root.glob("??"))
         except OSError as e:
             self.close()
@@ -910,9 +944,13 @@ class DiskTier(_CapacityTier):
             room = min(room, max(0, st.f_favail - granted) // 2)
         grown = min(self._wanted or 0, self.capacity + room)
         if grown > self.capacity:
-            log.info("KV disk tier %s has space again: capacity raised from %d to %d blocks (%d asked for)",
-                     self.root, self.capacity, grown, self._wanted)
+            asked = "half the free space, no capacity given" if self._wanted == _AUTO_CAPACITY else \
+                f"{self._wanted} asked for"
+            log.info("KV disk tier %s has space again: capacity raised from %d to %d blocks (%s)",
+                     self.root, self.capacity, grown, asked)
             self.capacity = grown
+            if self._wanted == _AUTO_CAPACITY:  # half of the free space, once, as at a start with room
+                self._wanted = None
         if self.capacity >= (self._wanted or 0):
             self._wanted = None
 
@@ -1386,6 +1424,7 @@ class RedisTier:
         self.stats = TierStats()
         self._errors = (redis.exceptions.RedisError, OSError)
         self._refused = redis.exceptions.ResponseError  # the server answered, and said no
+        self._garbled = redis.exceptions.InvalidResponse  # the server answered, not in Redis's protocol
         self._warned_refusal = False
         self._capacity_set = False  # maxmemory and volatile-lru set by us (kv_remote_capacity)
         self._capacity_bytes = capacity_bytes
@@ -1472,6 +1511,11 @@ class RedisTier:
                         "maxmemory-policy allkeys-lru on the server itself", self.url, e)
             return
         except self._errors as e:
+            if not self._started and isinstance(e, self._garbled):  # it answered, in another protocol
+                self.close()
+                raise KVTierError(f"Redis KV tier {self.url} does not answer like a Redis server ({e}: another "
+                                  "service, such as HTTP or SSH, listens there); check the host and port in "
+                                  "kv_remote") from None
             if isinstance(e.__context__, ssl.SSLCertVerificationError):  # configuration too: refuse now
                 self.close()
                 raise KVTierError(f"Redis KV tier {self.url}: its TLS certificate was not accepted "
@@ -1482,6 +1526,12 @@ class RedisTier:
         except KVTierError:  # a refusal of ours (data that is not tierlm's), already worded
             raise
         except Exception as e:  # the client could not make sense of the answers: not a Redis server
+            unknown = re.search(r"unexpected keyword argument '([^']+)'", str(e)) if isinstance(e, TypeError) else None
+            if unknown is not None:  # redis-py passes a URL's query parameters on as connection settings
+                self.close()
+                raise KVTierError(f"Redis KV tier {self.url}: the URL parameter '{unknown.group(1)}' is not a "
+                                  "connection setting redis-py knows; remove it from kv_remote (settings it "
+                                  "takes include ?ssl_ca_certs=, ?socket_timeout=, ?db=)") from None
             if self._started:
                 self._failed(e)
                 return
