@@ -69,8 +69,22 @@ def test_pooling_requests_are_validated_before_anything_runs(llama_dir):
     with pytest.raises(InvalidRequestError, match="pooling must be a PoolingParams"):
         llm.engine.make_request([1, 2, 3], None, pooling={"normalize": True})
     with pytest.raises(InvalidRequestError, match="max_model_len"):  # a batch with one prompt too long runs none
-        llm.embed([{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 64}])
+        llm.embed([{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 65}])
     assert not llm.engine.has_unfinished()
+    with pytest.raises(InvalidRequestError, match="max_model_len"):  # generation needs room for a token
+        llm.generate({"prompt_token_ids": [5] * 64}, SamplingParams(max_tokens=1))
+
+
+def test_a_whole_context_is_embedded(llama_dir, hf_models):
+    """An embedding generates nothing, so a prompt as long as the context is embedded (as vLLM
+    does; it was refused for leaving no room for output), through chunks, and frees its blocks."""
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8, max_model_len=64, max_num_batched_tokens=16,
+              load_progress=False)
+    ids = _prompt(64, seed=5)
+    got = llm.embed({"prompt_token_ids": ids}, PoolingParams(normalize=False))[0]
+    torch.testing.assert_close(torch.tensor(got.outputs.embedding), _last_hidden(hf_models["llama"], ids),
+                               rtol=1e-4, atol=1e-4)
+    assert llm.engine.pool.num_used == 0 and not llm.engine.has_unfinished()
 
 
 def test_matryoshka_dimensions_only_where_the_model_says_it_was_trained_for_them(llama_dir, hf_models, tmp_path):

@@ -97,6 +97,14 @@ def test_bad_embedding_requests_are_refused_in_openais_shape_and_run_nothing(oai
     with pytest.raises(openai.NotFoundError):
         oai.embeddings.create(model="no-such-model", input="x")
     assert admitted == []
+    # a whole context's worth of tokens is embedded (nothing is generated), one more is a 400
+    context = demo_engine.max_model_len
+    whole = oai.embeddings.create(model=model, input=[[7] * context])
+    assert whole.usage.prompt_tokens == context and len(admitted) == 1
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.embeddings.create(model=model, input=[[7] * (context + 1)])
+    assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "input"
+    assert f"your prompt resulted in {context + 1} tokens" in info.value.body["message"] and len(admitted) == 1
 
 
 def test_dimensions_shorten_a_matryoshka_models_embeddings(llama_dir, tmp_path):

@@ -485,11 +485,14 @@ class LLMEngine:
         n = len(ids)
         shorten = ("lower truncate_prompt_tokens (-1 keeps as many as fit)" if params.truncate_prompt_tokens
                    is not None else "shorten the prompt")
-        if n >= self.max_model_len:
+        if pooling is not None and n == self.max_model_len:  # an embedding needs its n positions, nothing sampled after
+            max_tokens = 0
+        elif n >= self.max_model_len:
             raise RequestTooLongError(
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}: it leaves no room for output; "
                 f"{shorten}", param="prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        else:
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise RequestTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "

@@ -17,8 +17,8 @@ from starlette.responses import Response
 
 from tierlm.sampling_params import PoolingParams, SamplingParams
 from tierlm.errors import TierlmError
-from tierlm.serving.errors import InvalidRequest, from_engine_error
-from tierlm.serving.generation import EngineStream, Generation, output_budget
+from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, from_engine_error
+from tierlm.serving.generation import EngineStream, Generation
 from tierlm.serving.openai import _collect_all, _open_all, _truncated, completion_prompt_ids
 from tierlm.serving.protocol_openai import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from tierlm.serving.responses import json_answer
@@ -58,8 +58,10 @@ async def embed_inputs(state: Any, request: Request, context: RequestContext, en
     `cache_salt`. Shared by /v1/embeddings and the score and rerank routes."""
     ids_list = []
     for item, field_name in inputs:
-        ids = _truncated(engine, await completion_prompt_ids(engine, body, item, field_name), body.truncate_prompt_tokens, 1)
-        output_budget(engine, body.model, len(ids), 1, prompt_field=field_name)  # the context holds it (a 400 naming it)
+        ids = _truncated(engine, await completion_prompt_ids(engine, body, item, field_name), body.truncate_prompt_tokens, 0)
+        if len(ids) > engine.max_model_len:  # a whole context's worth is embedded (as vLLM: nothing is generated)
+            raise ContextLengthExceeded(context=int(engine.max_model_len), prompt_tokens=len(ids), max_tokens=None,
+                                        prompt_field=field_name)
         ids_list.append(ids)
     ctx = context.salted(body.cache_salt)
     pooling, params = PoolingParams(normalize=normalize, dimensions=dimensions), SamplingParams(max_tokens=1)
