@@ -230,6 +230,51 @@ def test_chat_applies_template(llm):
     assert llm.tokenizer.decode(ids).startswith("<|im_start|>user\nhi<|im_end|>")
 
 
+def test_chat_takes_vllms_template_arguments(llm):
+    """vLLM's LLM.chat arguments: add_generation_prompt, continue_final_message (both at once is
+    a ValueError, as in vLLM), chat_template_kwargs; get_tokenizer() is the tokenizer."""
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    user = [{"role": "user", "content": "hi"}]
+    opened = llm.tokenizer.decode(llm.chat(user, p)[0].prompt_token_ids)
+    closed = llm.tokenizer.decode(llm.chat(user, p, add_generation_prompt=False)[0].prompt_token_ids)
+    assert opened.endswith("<|im_start|>assistant\n") and closed.endswith("<|im_end|>\n") and opened.startswith(closed)
+    prefill = [*user, {"role": "assistant", "content": "Hello, I am"}]
+    continued = llm.chat(prefill, p, add_generation_prompt=False, continue_final_message=True)[0]
+    assert llm.tokenizer.decode(continued.prompt_token_ids).endswith("<|im_start|>assistant\nHello, I am")
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(prefill, p, continue_final_message=True)
+    kwargs = llm.chat(user, p, chat_template_kwargs={"enable_thinking": False})[0]
+    assert llm.tokenizer.decode(kwargs.prompt_token_ids) == opened  # (this template does not use it)
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_max_model_len_past_the_trained_positions_is_refused_unless_allowed(llama_dir, monkeypatch, caplog):
+    """As vLLM: positions past max_position_embeddings (without rope scaling) were never
+    trained, so asking for them is refused before the weights load (it was a warning), unless
+    TIERLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    import tierlm.engine.engine as engine_module
+    trained = json.loads((llama_dir / "config.json").read_text())["max_position_embeddings"]
+    loads = []
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: loads.append(1) or 1 / 0)
+    with pytest.raises(ValueError, match=f"max_model_len {2 * trained} exceeds the model's max_position_embeddings "
+                                         f"{trained}.*TIERLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        LLM(str(llama_dir), dtype="float32", max_model_len=2 * trained, load_progress=False)
+    assert loads == []  # refused before the weights load
+    monkeypatch.undo()
+    monkeypatch.setenv("TIERLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with caplog.at_level("WARNING"):
+        allowed = LLM(str(llama_dir), dtype="float32", max_model_len=2 * trained, kv_cache_memory=1 << 20,
+                      load_progress=False)
+    assert allowed.engine.max_model_len > trained and "answers past that are unreliable" in caplog.text
+    allowed.close()
+
+
+def test_a_dict_for_sampling_params_is_named_as_such(llm):
+    with pytest.raises(TypeError, match="got a dict.*SamplingParams\\(\\*\\*your_dict\\)"):
+        llm.generate(["a", "b"], {"max_tokens": 3, "temperature": 0})  # (two keys, two prompts: it blamed a str)
+    assert llm.engine.stats().num_waiting == 0 and llm.generate("a", SamplingParams(max_tokens=1))[0].finished
+
+
 def test_seeded_sampling_is_reproducible(llm):
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     a = llm.generate(["once upon", "a time"], p)

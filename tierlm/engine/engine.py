@@ -181,11 +181,22 @@ def tier_capacities(config: EngineConfig, block_bytes: int, device: torch.device
     return host, disk, remote
 
 
+# Serve a max_model_len past the checkpoint's max_position_embeddings (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)
+ALLOW_LONG_MAX_MODEL_LEN = "TIERLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
 def check_sizes_before_loading(config: EngineConfig, cfg: dict, device: torch.device) -> None:
-    """Sizes that depend on the KV block's size, which config.json (`cfg`) alone gives: a tier
-    capacity or a kv_cache_memory under one block is refused before the weights load, not
-    minutes after."""
+    """Sizes that config.json (`cfg`) alone checks, refused before the weights load, not minutes
+    after: a tier capacity or a kv_cache_memory under one KV block, a max_model_len past the
+    positions the model was trained on (without rope scaling)."""
     args = parse_config(cfg, resolve_architecture(cfg))
+    trained = args.max_position_embeddings
+    if (config.max_model_len and config.max_model_len > trained and not args.rope_scaling
+            and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1"):  # (as vLLM refuses it)
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {trained} "
+                         "(config.json): it was never trained on positions past that, and its answers there are "
+                         f"unreliable; lower max_model_len to {trained} or less, or set {ALLOW_LONG_MAX_MODEL_LEN}=1 "
+                         "to serve them anyway")
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, args, device))
     per_block = kv_bytes_per_block(args, kv_dtype, config.block_size)
     tier_capacities(config, per_block, device)
@@ -272,8 +283,9 @@ class LLMEngine:
             kv_tag = f"{loaded.kv_dtype}{scales_tag(self.kv_scales)}"
             self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
             if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
-                log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; quality may suffer",
-                            self.max_model_len, loaded.args.max_position_embeddings)
+                log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (%s=1): its answers "
+                            "past that are unreliable", self.max_model_len, loaded.args.max_position_embeddings,
+                            ALLOW_LONG_MAX_MODEL_LEN)
             bs = config.block_size
             per_block = kv_bytes_per_block(loaded.args, loaded.kv_dtype, bs)
             # Default pool: a share of free memory, but no more than every sequence at full length needs.

@@ -58,6 +58,9 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests; pass one or one per prompt")
+        if isinstance(sampling_params, (dict, str, bytes)):  # (a dict's keys were taken for a list of params)
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, one per prompt (got a "
+                            f"{type(sampling_params).__name__}); write SamplingParams(**your_dict)")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -162,7 +165,20 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              tools: list[dict] | None = None, use_tqdm: bool = False,
-             lora_request: LoRARequest | str | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: each conversation rendered by the model's chat template, then
+        generated. `continue_final_message` continues the last (assistant) message instead of
+        opening a new turn (so add_generation_prompt must be False, as in vLLM);
+        `chat_template_kwargs` are more variables for the template (Qwen3's enable_thinking)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message continues the last message, add_generation_prompt opens a new "
+                             "turn: pass add_generation_prompt=False with it")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, tools)} for c in convs]
+        prompts = [{"prompt_token_ids": self.engine.encode_chat_text(self.engine.chat_text(
+            c, tools, add_generation_prompt, continue_final_message, chat_template_kwargs))} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name for the `tokenizer` property)."""
+        return self.tokenizer
