@@ -95,8 +95,10 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     assert alone == pytest.approx(0.01 + 0.020)  # one 20-token step
     # Gold: 10 requests of 30 tokens a second for the last 10 s (the decayed sums divided by the
     # span they cover since the first arrival: 10/s and 300 tokens/s). A full step (64 tokens)
-    # takes 74 ms: gold takes ~35% of the prefill tokens, and of the 4 slots, each held for its
-    # prefill (30/64 of a step) and its expected output (10 tokens), ~190%: more than all of them.
+    # takes 74 ms, a decode step of the 4 slots 14 ms: gold takes ~35% of the prefill tokens, and
+    # of the 4 slots, each held for its prefill (30/64 of a full step) and its expected output
+    # (10 tokens: 10 decode steps), ~44%: the wait stretches. With 30 tokens out, ~114%: more
+    # than all of them.
     for t in range(100):
         rates.add(0, 30, now=90.0 + t * 0.1)
     requests, tokens = rates.rates_before(2, now=100.0)
@@ -104,7 +106,10 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     assert requests == pytest.approx(decayed / (10 * (1 - math.exp(-1)))) and requests == pytest.approx(10, rel=0.01)
     assert tokens == pytest.approx(30 * requests)
     assert rates.rates_before(0, now=100.0) == (0.0, 0.0)  # nothing is better than gold
-    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=10, **kw) == float("inf")
+    held = 30 / 64 * 0.074 + 10 * 0.014
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=10, **kw) == pytest.approx(
+        alone / (1 - requests * held / 4))
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=30, **kw) == float("inf")
     # With one expected output token each and 64 slots they take ~2% of the slots, less than the
     # 35% of the tokens: the tokens' share stretches the wait.
     kw["max_seqs"] = 64
@@ -115,6 +120,26 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     for t in range(100):
         rates.add(1, 300, now=90.0 + t * 0.1)  # silver takes the rest of the tokens
     assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=1, **kw) == float("inf")
+
+
+def test_one_gold_answer_on_a_single_slot_does_not_take_the_whole_engine_after_it_ends():
+    """A tester's case: one slot, one long gold request (1,500 prompt tokens, ~100 out). Its
+    decode steps were costed as full prefill steps, so for ~20 s after it ended its tier seemed
+    to take more than the engine (an infinite estimate: bronze shed with retry-after 30 on an
+    idle engine). Costed as decode steps, it takes under half the slot: the wait stretches."""
+    from tierlm.engine.load import ArrivalRates
+    m = StepTimeModel()
+    for n in (1, 64):
+        m.observe(n, 0.01 + 0.001 * n)
+    rates = ArrivalRates(tau_s=10)
+    rates.add(0, 1500, now=0.0)
+    kw = dict(running=[], waiting=[], budget=64, max_seqs=1, now=5.0)
+    alone = estimate_ttft(m, prompt_tokens=20, priority=2, **kw)
+    stretched = estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=100, **kw)
+    requests, tokens = rates.rates_before(2, now=5.0)
+    held = 1500 / 64 * 0.074 + 100 * 0.011  # its prefill at full steps, its answer at one-row decode steps
+    assert requests * held < 1 and stretched == pytest.approx(alone / (1 - max(tokens * 0.074 / 64, requests * held)))
+    assert stretched < 2 * alone
 
 
 def test_the_calibration_settles_where_half_the_first_tokens_come_within_the_estimate():

@@ -48,11 +48,15 @@ MISTRAL_TEMPLATE = (
 MISTRAL_MODEL = "scripted-mistral"
 
 
-def serve_with_template(source, out, name: str, template: str, **engine_options):
-    """A copy of the scripted checkpoint at `source` with chat template `template`, served alone:
-    (its engine, an SDK client, the server)."""
+def serve_with_template(source, out, name: str, template: str, positions: int | None = None, **engine_options):
+    """A copy of the scripted checkpoint at `source` with chat template `template` (and
+    `positions` as its max_position_embeddings), served alone: (its engine, an SDK client, the
+    server)."""
     path = out / name
     shutil.copytree(source, path)
+    if positions is not None:
+        model_config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": positions}))
     for f in path.glob("chat_template.j*"):
         f.unlink()
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -339,7 +343,7 @@ def thinking_model(scripted_models, tmp_path_factory):
     """A scripted checkpoint whose template switches think mode, with a context that holds
     max_tokens above Anthropic's smallest thinking budget (1,024)."""
     engine, claude, server = serve_with_template(scripted_models[TEXT_MODEL].path, tmp_path_factory.mktemp("think"),
-                                                 THINK_MODEL, THINK_TEMPLATE, max_model_len=2048)
+                                                 THINK_MODEL, THINK_TEMPLATE, positions=2048, max_model_len=2048)
     yield engine, claude
     server.stop()
 

@@ -25,7 +25,7 @@ def test_keys_file_round_trip(tmp_path):
 @pytest.mark.parametrize("content, words", [
     ("alice sk-plaintext\n", "expected '<key-id> sha256:<hex digest>'"),
     ("alice sha256:abc\n", "not a SHA-256 hex digest"),
-    (f"a sha256:{hash_key('x')}\na sha256:{hash_key('y')}\n", "appears twice"),
+    (f"a sha256:{hash_key('x')}\n# a comment\na sha256:{hash_key('y')}\n", ":3: key id 'a' appears twice (lines 1 and 3)"),
     ("# nothing\n", "no API keys found"),
 ])
 def test_bad_keys_files_name_the_line(tmp_path, content, words):

@@ -212,6 +212,32 @@ def test_serve_compiles_every_tenants_and_lone_keys_policies_at_start(tmp_path):
     assert {p.name for p in policies.policies if p.applies_to("bronze", "zeta")} == {"stop_word", "prompt_words", "tock"}
 
 
+def test_a_policy_naming_a_key_of_a_grouped_tenant_is_refused_naming_the_tenant(tmp_path):
+    """Policies apply per tenant: a key id inside a tenant, listed under a policy's `tenants`, was
+    accepted and matched no request (the rule silently did nothing). A key in no tenant is a
+    tenant of its own, and may be listed."""
+    from tierlm.serving.cli import _safety_policies
+    from tierlm.serving.safety import PolicyFileError
+    keys = {"acme": "sk-acme", "acme-prod": "sk-prod", "zeta": "sk-zeta", "lone": "sk-lone"}
+    (tmp_path / "tenants.toml").write_text(TENANTS.replace('keys = ["acme"]', 'keys = ["acme", "acme-prod"]'))
+    tenancy = Tenancy.from_file(tmp_path / "tenants.toml", keys)
+    auth = ApiKeyAuth.from_keys(keys)
+    (tmp_path / "p.toml").write_text('[policies.z]\nphrases = ["zebra"]\ntenants = ["acme-prod"]\n')
+    with pytest.raises(PolicyFileError, match="policy 'z': lists key id\\(s\\) \\['acme-prod'\\] under 'tenants', "
+                                              "but 'acme-prod' is a key of tenant 'acme'.*list 'acme' instead"):
+        _safety_policies(str(tmp_path / "p.toml"), tenancy, auth)
+    (tmp_path / "p.toml").write_text('[policies.z]\nphrases = ["zebra"]\ntenants = ["nobody"]\n')
+    with pytest.raises(PolicyFileError, match="the tenants file has \\['acme', 'lone', 'zeta'\\]"):  # no grouped keys
+        _safety_policies(str(tmp_path / "p.toml"), tenancy, auth)
+    (tmp_path / "p.toml").write_text('[policies.z]\nphrases = ["zebra"]\ntenants = ["lone", "acme"]\n')
+    policies = _safety_policies(str(tmp_path / "p.toml"), tenancy, auth)
+    for key in ("acme-prod", "lone"):
+        tenant = tenancy.tenant_of(key)
+        assert policies.for_request(tenant.tier, tenant.id).check_prompt("a zebra")
+    assert policies.for_request("bronze", "zeta") is None or not policies.for_request("bronze", "zeta").check_prompt(
+        "a zebra")
+
+
 DETECTORS = """
 [policies.shapes]
 patterns = ['(?i)beta\\s+stop']        # "alpha beta STOP gamma; one, two"

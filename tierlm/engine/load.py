@@ -252,12 +252,17 @@ def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, ru
     seconds = steps * model.seconds(min(budget, decodes + min(room, prefill)))
     if rates is not None and seconds > 0:
         # The share better tiers' arrivals take, of prefill tokens or of sequence slots (each
-        # holds one for its prefill and expected decode steps), whichever they take more of.
+        # holds one for its prefill, at a full step's time per `room` tokens, and its expected
+        # decode steps, each a decode step's time with every slot busy), whichever they take
+        # more of. A decode step once counted as a full step: with one slot, a single long
+        # gold answer made its tier look like it took the whole engine for 20 s after it ended.
         full = max(model.seconds(min(budget, decodes + room)), 1e-9)
+        decode = max(model.seconds(min(budget, max_seqs)), 1e-9)  # (a decode step with every slot busy)
         requests, tokens = rates.rates_before(priority, now)
         mean_output = outputs.mean() if isinstance(outputs, OutputLengths) else outputs
-        per_request = (tokens / requests / room if requests else 0.0) + (mean_output or 1.0)  # steps a slot is held
-        taken = max(tokens * full / room, requests * per_request * full / max_seqs)
+        held = ((tokens / requests / room * full if requests else 0.0)
+                + (mean_output or 1.0) * decode)  # seconds a slot is held
+        taken = max(tokens * full / room, requests * held / max_seqs)
         if taken >= 1:
             return math.inf
         seconds /= 1 - taken

@@ -170,7 +170,9 @@ def load_keys_file(path: str | Path) -> dict[str, str]:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError(f"{path}:{lineno}: '{fields[1]}' is not a SHA-256 hex digest (64 hex digits)")
         if key_id in digests:
-            raise ValueError(f"{path}:{lineno}: key id '{key_id}' appears twice; ids must be unique")
+            first_line = next(n for k, n in seen.values() if k == key_id)
+            raise ValueError(f"{path}:{lineno}: key id '{key_id}' appears twice (lines {first_line} and {lineno}); "
+                             "ids must be unique: remove one line, or rename one of the ids")
         if digest in seen:
             first, first_line = seen[digest]
             raise ValueError(f"{path}:{lineno}: key id '{key_id}' has the same key as '{first}' (line {first_line}); "

@@ -260,8 +260,12 @@ def _safety_policies(path: str | None, tenancy: "Tenancy", auth: "Authenticator"
         raise ValueError("--safety-policies is empty (an unset variable?); give the policies file, or leave it out")
     config = tenancy.config
     key_ids = set(auth.key_ids) if isinstance(auth, ApiKeyAuth) else set()
+    # A policy lists tenants: the file's, and keys of their own (a key of a grouped tenant is
+    # its tenant's, and a policy naming it would match no request)
     policies = SafetyPolicies.from_file(path, tiers=set(config.tiers) if config else None,
-                                        tenants=set(config.tenants) | key_ids if config else None)
+                                        tenants=set(config.tenants) | (key_ids - set(config.key_owner))
+                                        if config else None,
+                                        key_owner=dict(config.key_owner) if config else None)
     selections = [(None, None)]
     if config is not None:
         selections += [(t.tier, t.id) for t in config.tenants.values()]

@@ -207,9 +207,10 @@ class SafetyPolicies:
 
     @classmethod
     def from_file(cls, path: str | Path, tiers: Iterable[str] | None = None,
-                  tenants: Iterable[str] | None = None) -> "SafetyPolicies":
+                  tenants: Iterable[str] | None = None, key_owner: dict[str, str] | None = None) -> "SafetyPolicies":
         """Read and check a policies file; `tiers` and `tenants` are the names a policy may list
-        (None: there are none, no tenants file)."""
+        (None: there are none, no tenants file); `key_owner` maps the key ids of grouped tenants
+        to their tenant, to name it where a policy lists such a key (it matched no request)."""
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -227,11 +228,13 @@ class SafetyPolicies:
                                   "--safety-policies out")
         known_tiers = set(tiers) if tiers is not None else None
         known_tenants = set(tenants) if tenants is not None else None
-        policies = tuple(_policy(path, name, spec, known_tiers, known_tenants) for name, spec in table.items())
+        policies = tuple(_policy(path, name, spec, known_tiers, known_tenants, key_owner or {})
+                         for name, spec in table.items())
         return cls(policies)
 
 
-def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: set[str] | None) -> Policy:
+def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: set[str] | None,
+            key_owner: dict[str, str]) -> Policy:
     where = f"safety policies file {path}: policy '{name}'"
     if not isinstance(spec, dict):
         raise PolicyFileError(f"{where}: must be a table of keys")
@@ -284,6 +287,11 @@ def _policy(path: Path, name: str, spec: Any, tiers: set[str] | None, tenants: s
             raise PolicyFileError(f"{where}: lists {kind}s, which come from a tenants file; pass --tenants, or "
                                   f"drop '{kind}s' to apply the policy to every request")
         if known is not None and (missing := names - known):
+            grouped = {k: key_owner[k] for k in sorted(missing) if k in key_owner}
+            if kind == "tenant" and grouped:
+                key, owner = next(iter(grouped.items()))
+                raise PolicyFileError(f"{where}: lists key id(s) {sorted(grouped)} under 'tenants', but '{key}' is a "
+                                      f"key of tenant '{owner}' and policies apply per tenant; list '{owner}' instead")
             raise PolicyFileError(f"{where}: unknown {kind}(s) {sorted(missing)}; the tenants file has "
                                   f"{sorted(known)}")
     return Policy(name, tuple(phrases), check, action, whole_word, replacement, listed_tiers, listed_tenants,
