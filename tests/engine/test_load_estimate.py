@@ -95,10 +95,10 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     assert alone == pytest.approx(0.01 + 0.020)  # one 20-token step
     # Gold: 10 requests of 30 tokens a second for the last 10 s (the decayed sums divided by the
     # span they cover since the first arrival: 10/s and 300 tokens/s). A full step (64 tokens)
-    # takes 74 ms, a decode step of the 4 slots 14 ms: gold takes ~35% of the prefill tokens, and
-    # of the 4 slots, each held for its prefill (30/64 of a full step) and its expected output
-    # (10 tokens: 10 decode steps), ~44%: the wait stretches. With 30 tokens out, ~114%: more
-    # than all of them.
+    # takes 74 ms, a step at the present load (nothing queued: this request's 20 tokens) 30 ms:
+    # gold takes ~35% of the prefill tokens, and of the 4 slots, each held for its prefill
+    # (30/64 of a full step) and its expected output (10 tokens: 10 steps), ~84%: the wait
+    # stretches. With 30 tokens out, ~234%: more than all of them.
     for t in range(100):
         rates.add(0, 30, now=90.0 + t * 0.1)
     requests, tokens = rates.rates_before(2, now=100.0)
@@ -106,7 +106,7 @@ def test_better_tiers_arrivals_stretch_the_wait_and_can_take_it_all():
     assert requests == pytest.approx(decayed / (10 * (1 - math.exp(-1)))) and requests == pytest.approx(10, rel=0.01)
     assert tokens == pytest.approx(30 * requests)
     assert rates.rates_before(0, now=100.0) == (0.0, 0.0)  # nothing is better than gold
-    held = 30 / 64 * 0.074 + 10 * 0.014
+    held = 30 / 64 * 0.074 + 10 * 0.030
     assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=10, **kw) == pytest.approx(
         alone / (1 - requests * held / 4))
     assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=30, **kw) == float("inf")
@@ -126,7 +126,8 @@ def test_one_gold_answer_on_a_single_slot_does_not_take_the_whole_engine_after_i
     """A tester's case: one slot, one long gold request (1,500 prompt tokens, ~100 out). Its
     decode steps were costed as full prefill steps, so for ~20 s after it ended its tier seemed
     to take more than the engine (an infinite estimate: bronze shed with retry-after 30 on an
-    idle engine). Costed as decode steps, it takes under half the slot: the wait stretches."""
+    idle engine). Costed as steps at the present load (idle: this request's 20 tokens), it takes
+    part of the slot: the wait stretches. Behind a queue each step is a full one, as before."""
     from tierlm.engine.load import ArrivalRates
     m = StepTimeModel()
     for n in (1, 64):
@@ -137,9 +138,15 @@ def test_one_gold_answer_on_a_single_slot_does_not_take_the_whole_engine_after_i
     alone = estimate_ttft(m, prompt_tokens=20, priority=2, **kw)
     stretched = estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=100, **kw)
     requests, tokens = rates.rates_before(2, now=5.0)
-    held = 1500 / 64 * 0.074 + 100 * 0.011  # its prefill at full steps, its answer at one-row decode steps
+    held = 1500 / 64 * 0.074 + 100 * 0.030  # its prefill at full steps, its answer at the present load's steps
     assert requests * held < 1 and stretched == pytest.approx(alone / (1 - max(tokens * 0.074 / 64, requests * held)))
-    assert stretched < 2 * alone
+    assert math.isfinite(stretched) and stretched < 5 * alone
+    # The same gold answer with 2,000 prefill tokens queued ahead: every step a full one, the
+    # slot held for more than the engine has: as good as taken.
+    queued = [_req(0, 2000, max_tokens=100)]
+    assert requests * (1500 / 64 * 0.074 + 100 * 0.074) >= 1
+    assert estimate_ttft(m, prompt_tokens=20, priority=2, rates=rates, outputs=100,
+                         **{**kw, "waiting": queued}) == float("inf")
 
 
 def test_the_calibration_settles_where_half_the_first_tokens_come_within_the_estimate():

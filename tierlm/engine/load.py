@@ -249,15 +249,17 @@ def estimate_ttft(model: StepTimeModel, *, prompt_tokens: int, priority: int, ru
                        + _decode_steps_left(r, outputs))
     slot_steps = free_at[0] + math.ceil(prompt_tokens / room) if free_at else token_steps
     steps = max(token_steps, slot_steps)
-    seconds = steps * model.seconds(min(budget, decodes + min(room, prefill)))
+    step = model.seconds(min(budget, decodes + min(room, prefill)))  # a step at the present load
+    seconds = steps * step
     if rates is not None and seconds > 0:
         # The share better tiers' arrivals take, of prefill tokens or of sequence slots (each
         # holds one for its prefill, at a full step's time per `room` tokens, and its expected
-        # decode steps, each a decode step's time with every slot busy), whichever they take
-        # more of. A decode step once counted as a full step: with one slot, a single long
-        # gold answer made its tier look like it took the whole engine for 20 s after it ended.
+        # decode steps, each a step at the present load: a full one while a queue waits, a
+        # short one on an idle engine), whichever they take more of. Decode steps once always
+        # counted as full steps: with one slot, a single long gold answer made its tier look
+        # like it took the whole engine for 20 s after it ended, on an idle engine.
         full = max(model.seconds(min(budget, decodes + room)), 1e-9)
-        decode = max(model.seconds(min(budget, max_seqs)), 1e-9)  # (a decode step with every slot busy)
+        decode = max(step, 1e-9)
         requests, tokens = rates.rates_before(priority, now)
         mean_output = outputs.mean() if isinstance(outputs, OutputLengths) else outputs
         held = ((tokens / requests / room * full if requests else 0.0)
