@@ -917,9 +917,11 @@ class LLMEngine:
         return n
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
         from tierlm.engine.tokenizer import render_chat
-        return render_chat(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message)
+        return render_chat(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message,
+                           template_kwargs)
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None,
                   add_generation_prompt: bool = True, continue_final_message: bool = False,

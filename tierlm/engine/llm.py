@@ -175,8 +175,8 @@ class LLM:
             raise ValueError("continue_final_message continues the last message, add_generation_prompt opens a new "
                              "turn: pass add_generation_prompt=False with it")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.encode_chat_text(self.engine.chat_text(
-            c, tools, add_generation_prompt, continue_final_message, chat_template_kwargs))} for c in convs]
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
+            c, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def get_tokenizer(self):

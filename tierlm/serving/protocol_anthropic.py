@@ -281,9 +281,6 @@ class Tool(_Body):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
-
-    _object_schema = field_validator("input_schema")(checked_parameters)  # (whatever tool_choice says, as Anthropic)
-
     cache_control: CacheControl | None = None
     # Accepted, and changes nothing: agent frameworks set it on every tool, and refusing it broke
     # them. Under tool_choice any / tool the call's input follows input_schema whatever it says
@@ -294,6 +291,8 @@ class Tool(_Body):
     @classmethod
     def _name(cls, value: str) -> str:
         return _tool_name(value)
+
+    _object_schema = field_validator("input_schema")(checked_parameters)  # (whatever tool_choice says, as Anthropic)
 
 
 class ToolChoice(_Body):
@@ -451,11 +450,10 @@ class ConversationBody(_Body):
     @model_validator(mode="after")
     def _breakpoints(self) -> "ConversationBody":
         blocks = [*(self.tools or ()), *(self.system if isinstance(self.system, list) else ())]
-        for message in self.messages:
-            for block in message.content if isinstance(message.content, list) else ():
-                blocks.append(block)
-                blocks.extend(getattr(block, "content", None) if isinstance(block, ToolResultBlock)
-                              and isinstance(block.content, list) else ())
+        for block in (b for message in self.messages for b in message.blocks()):
+            blocks.append(block)
+            if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                blocks.extend(block.content)
         found = sum(1 for b in blocks if getattr(b, "cache_control", None) is not None)
         if found > MAX_CACHE_BREAKPOINTS:  # (Anthropic's words)
             raise InvalidRequest(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. "

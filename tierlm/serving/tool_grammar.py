@@ -25,6 +25,7 @@ from tierlm.engine.grammar import COMPACT_JSON
 from tierlm.errors import TierlmError
 from tierlm.sampling_params import StructuredOutputsParams
 from tierlm.serving.errors import InvalidRequest
+from tierlm.serving.protocol_openai import object_schema_problem
 from tierlm.serving.tools import ToolCallFormat
 
 if TYPE_CHECKING:
@@ -41,13 +42,12 @@ def arguments_schema(schema: Any, field: str) -> dict[str, Any]:
     object is a 400 naming `field`."""
     if schema is None:
         schema = {}
-    kind = schema.get("type")
-    if kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind):
+    if object_schema_problem(schema) is None:
         schema = {**schema, "type": "object"}
     else:
         raise InvalidRequest(f"{field}: a required call's arguments are a JSON object, and this schema's type "
-                             f"is {json.dumps(kind)}; give a schema of type object, or use tool_choice 'auto'",
-                             param=field)
+                             f"is {json.dumps(schema.get('type'))}; give a schema of type object, or use "
+                             "tool_choice 'auto'", param=field)
     return {**schema, "x-guidance": {**COMPACT_JSON, "lenient": True}}
 
 
