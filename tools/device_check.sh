@@ -10,6 +10,7 @@
 #
 #   bash tools/device_check.sh        # results in $OUT (default ./device-out): log.txt, *.json, *.png
 #   LIMIT_S=450 SKIP="bench-throughput" bash tools/device_check.sh   # a shorter call, steps left out
+#   ONLY="environment graphs-smoke bench-prefix" bash tools/device_check.sh   # just these steps
 #
 # Packages the machine lacks (tierlm's server stack, the SDKs the tests drive) travel as cp312
 # wheels in .whl/, fetched beforehand by tools/device_wheels.sh; they are installed first.
@@ -46,10 +47,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
 BENCH_MODEL="${TMPDIR:-/tmp}/tierlm-bench-llama-0.5b"
 
 LIMIT_S=${LIMIT_S:-585}
+TP_REPEAT=${TP_REPEAT:-2}  # bench throughput's runs per workload (best of)
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
-  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "=== $name: skipped" | tee -a "$LOG"; return; fi
+  if [[ " ${SKIP:-} " == *" $name "* || ( -n "${ONLY:-}" && " $ONLY " != *" $name "* ) ]]; then echo "=== $name: skipped" | tee -a "$LOG"; return; fi
   echo "=== $name (limit ${limit} s)" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$limit" "$@" >>"$LOG" 2>&1
@@ -58,6 +60,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 
 : >"$LOG"
+[[ -n "${ONLY:-}" ]] && ONLY="install-wheels $ONLY"
 if compgen -G ".whl/*.whl" >/dev/null; then
   step install-wheels 40 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
@@ -79,10 +82,10 @@ assert llm.engine.device.type == 'cuda'"
 step graphs-smoke 60 python3 -m pytest -q -x -p no:cacheprovider -rfE tests/engine/test_step_graphs.py -k cuda
 step graphs 180 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
   tests/models/test_parity.py -k "graphs or step"
-step bench-prefix-graphs 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \
+step bench-prefix-graphs 120 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \
   --json "$OUT/prefix_graphs.json" --plot "$OUT/prefix_graphs.png"
 step bench-throughput-graphs 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
-  --cuda-graphs --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput_graphs.json" \
+  --cuda-graphs --repeat "$TP_REPEAT" --workload uniform --workload mixed --json "$OUT/throughput_graphs.json" \
   --plot "$OUT/throughput_graphs.png"
 step profile-graphs 60 python3 tools/device_profile.py "$BENCH_MODEL" --cuda-graphs
 step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
@@ -90,13 +93,15 @@ step parity-and-tiers 240 python3 -m pytest -q -p no:cacheprovider tests/models/
   tests/engine/test_embeddings.py tests/engine/test_lora.py tests/engine/test_speculative.py \
   tests/models/test_kv_dtype.py tests/models/test_kv_scales.py -k "not packed and not graphs"
 step bench-throughput 170 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
-  --repeat 2 --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
+  --repeat "$TP_REPEAT" --workload uniform --workload mixed --json "$OUT/throughput.json" --plot "$OUT/throughput.png"
 step bench-throughput-sampled 90 python3 -m tierlm.cli bench throughput --device cuda --bench-model-dir "$BENCH_MODEL" \
   --workload uniform --no-batch1 --temperature 0.8 --top-p 0.95 --json "$OUT/throughput_sampled.json"
-step bench-prefix 80 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
+step bench-prefix 90 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
   --json "$OUT/prefix.json" --plot "$OUT/prefix.png"
 step bench-prefix-long 60 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" \
   --prefix-len 3968 --json "$OUT/prefix_long.json"
+step bench-prefix-long-graphs 90 python3 -m tierlm.cli bench prefix --bench-model-dir "$BENCH_MODEL" --cuda-graphs \
+  --prefix-len 3968 --json "$OUT/prefix_long_graphs.json"
 step profile 60 python3 tools/device_profile.py "$BENCH_MODEL"
 step bench-score 90 python3 -m tierlm.cli bench score --device cuda --bench-model-dir "$BENCH_MODEL" \
   --json "$OUT/score.json" --plot "$OUT/score.png"

@@ -51,17 +51,18 @@ def _sdpa_backends(llm: LLM, tokens: int) -> None:
     """Which fused SDPA kernels accept a cold prefill's attention as the engine calls it
     (causal, GQA folded with enable_gqa, the model's compute dtype), and why not: on the H200
     the cold prefill ran SDPA's unfused math path (bmm + softmax), 29 of its 35 ms of kernels."""
+    a = llm.engine.runner.args
+    shape = (a.num_heads, a.num_kv_heads, a.head_dim)  # read on any device: the CPU test runs this far
     if not torch.cuda.is_available():
         return
     import warnings
     from torch.backends import cuda as bc
 
-    a = llm.engine.runner.args
     dtype = next(p.dtype for p in llm.engine.runner.model.parameters() if p.is_floating_point())
-    q = torch.empty(1, a.num_attention_heads, tokens, a.head_dim, dtype=dtype, device="cuda")
-    kv = torch.empty(1, a.num_key_value_heads, tokens, a.head_dim, dtype=dtype, device="cuda")
-    print(f"\n## SDPA backends for a cold {tokens}-token prefill ({dtype}, {a.num_attention_heads}/"
-          f"{a.num_key_value_heads} heads, head_dim {a.head_dim}, causal, enable_gqa)")
+    q = torch.empty(1, a.num_heads, tokens, a.head_dim, dtype=dtype, device="cuda")
+    kv = torch.empty(1, a.num_kv_heads, tokens, a.head_dim, dtype=dtype, device="cuda")
+    print(f"\n## SDPA backends for a cold {tokens}-token prefill ({dtype}, {a.num_heads}/"
+          f"{a.num_kv_heads} heads, head_dim {a.head_dim}, causal, enable_gqa)")
     for name in ("can_use_flash_attention", "can_use_efficient_attention", "can_use_cudnn_attention"):
         check = getattr(bc, name, None)
         if check is None:

@@ -55,6 +55,8 @@ def test_bench_prefix_tiny(llama_dir, tmp_path, monkeypatch, redis_server):
     res = json.loads(out.read_text())
     assert set(res["ttft_s"]) == {"cold", "device", "host", "disk"}
     assert all(v > 0 for v in res["ttft_s"].values())
+    # The warm-up round (first use of each step shape) ran and was dropped: one sample per place.
+    assert res["warmup_rounds"] == 1 and all(len(v) == 1 for v in res["samples_s"].values())
     assert res["cached_tokens"]["cold"] == [0]
     assert res["cached_tokens"]["device"] == res["cached_tokens"]["host"] == res["cached_tokens"]["disk"] == [192]
     stall = res["disk_arrival_during_decode"]
@@ -103,7 +105,8 @@ def test_bench_throughput_takes_cuda_graphs(llama_dir, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("flag, value", [("--prefix-len", "0"), ("--prefix-len", "-5"), ("--repeats", "0"),
-                                         ("--suffix-len", "0"), ("--decoders", "-1")])
+                                         ("--suffix-len", "0"), ("--decoders", "-1"),
+                                         ("--warmup", "-1")])
 def test_bench_prefix_refuses_nonsense_by_name(flag, value, capsys):
     with pytest.raises(SystemExit) as ended:
         main(["bench", "prefix", flag, value, "--json", "unused.json"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import ref_tol
 from tierlm.engine.llm import LLM
 from tierlm.errors import InvalidRequestError
 from tierlm.sampling_params import PoolingParams, SamplingParams
@@ -41,9 +42,9 @@ def test_embeddings_are_transformers_last_hidden_state(arch, checkpoints, hf_mod
         want = _last_hidden(hf_models[arch], ids)
         assert got.prompt_token_ids == ids and len(got.outputs.embedding) == want.numel()
         torch.testing.assert_close(torch.tensor(got.outputs.embedding), torch.nn.functional.normalize(want, dim=0),
-                                   rtol=1e-4, atol=1e-5)
+                                   rtol=ref_tol(1e-4, 2e-2), atol=ref_tol(1e-5, 5e-3))
     torch.testing.assert_close(torch.tensor(raw.outputs.embedding), _last_hidden(hf_models[arch], prompts[0]),
-                               rtol=1e-4, atol=1e-4)
+                               rtol=ref_tol(1e-4, 2e-2), atol=ref_tol(1e-4, 2e-2))
 
 
 def test_a_cached_prefix_serves_an_embedding_and_its_blocks_serve_generation(llama_dir):
@@ -83,7 +84,7 @@ def test_a_whole_context_is_embedded(llama_dir, hf_models):
     ids = _prompt(64, seed=5)
     got = llm.embed({"prompt_token_ids": ids}, PoolingParams(normalize=False))[0]
     torch.testing.assert_close(torch.tensor(got.outputs.embedding), _last_hidden(hf_models["llama"], ids),
-                               rtol=1e-4, atol=1e-4)
+                               rtol=ref_tol(1e-4, 2e-2), atol=ref_tol(1e-4, 2e-2))
     assert llm.engine.pool.num_used == 0 and not llm.engine.has_unfinished()
 
 
@@ -106,7 +107,7 @@ def test_matryoshka_dimensions_only_where_the_model_says_it_was_trained_for_them
         llm = LLM(str(d), dtype="float32", load_progress=False)
         got = llm.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=ok))[0].outputs.embedding
         torch.testing.assert_close(torch.tensor(got), torch.nn.functional.normalize(want[:ok], dim=0),
-                                   rtol=1e-4, atol=1e-5)
+                                   rtol=ref_tol(1e-4, 2e-2), atol=ref_tol(1e-5, 5e-3))
         with pytest.raises(InvalidRequestError, match="dimensions"):
             llm.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=bad))
     with pytest.raises(InvalidRequestError, match="whole number"):

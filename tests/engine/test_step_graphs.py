@@ -61,6 +61,25 @@ def test_buckets_round_up_and_refuse_what_padding_would_waste():
     assert g.bucket_for([(_Req(40, 41), 1)]) is None
 
 
+def test_only_a_device_side_assert_counts_as_a_lost_context():
+    """A failed capture falls back to eager steps; only an assert (the context is gone) is raised.
+    Both messages end with torch's hint about device-side assertions (an H100 run re-raised every
+    failed capture because of it)."""
+    from tierlm.engine.graphs import context_lost
+    hint = ("\nCUDA kernel errors might be asynchronously reported at some other API call\n"
+            "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+    capture = RuntimeError("CUDA error: operation failed due to a previous error during capture" + hint)
+    assert not context_lost(capture)
+    assert context_lost(RuntimeError("CUDA error: device-side assert triggered" + hint))
+    try:
+        try:
+            raise RuntimeError("CUDA error: device-side assert triggered" + hint)
+        except RuntimeError:
+            raise capture
+    except RuntimeError as chained:  # the assert as the context of what the capture's exit raised
+        assert context_lost(chained)
+
+
 def test_mixed_traffic_matches_eager_steps_and_padding_touches_no_real_block(llama_dir):
     """Requests of many lengths finish at different steps and new ones take their blocks, so a
     bucket is reused with fewer rows than it last held: its padding must carry nothing over."""
@@ -134,6 +153,29 @@ def test_recorded_graphs_replay_the_eager_tokens_on_cuda(llama_dir):
     g = llm.engine.runner.graphs
     assert g.enabled and g.recorded > 0 and g.steps > 0  # recorded (at start-up, and as seen), replayed
     assert runs[True] == runs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to record graphs")
+def test_a_dead_engine_collected_while_another_records_does_not_break_its_capture(llama_dir):
+    """A dead engine's graphs freed by the cycle collector in the middle of another engine's
+    capture invalidated it (an H100 run: 3 parity tests and a hypothesis example failed so)."""
+    import gc
+    first = _engine(llama_dir, device="cuda", cuda_graphs=True, max_num_seqs=8)
+    assert first.engine.runner.graphs.recorded > 0
+    cycle = [first]
+    cycle.append(cycle)  # only the cycle collector can free it now
+    del first, cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # collect at almost every allocation: inside the next capture, unless kept off
+    try:
+        second = _engine(llama_dir, device="cuda", cuda_graphs=True, max_num_seqs=8)
+    finally:
+        gc.set_threshold(*thresholds)
+    g = second.engine.runner.graphs
+    assert g.enabled and g.recorded > 0
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert second.generate({"prompt_token_ids": [5, 6, 7]}, greedy)[0].outputs[0].token_ids == \
+        _engine(llama_dir, device="cuda").generate({"prompt_token_ids": [5, 6, 7]}, greedy)[0].outputs[0].token_ids
 
 
 def test_rows_that_sample_come_first_whatever_the_step_order(llama_dir):

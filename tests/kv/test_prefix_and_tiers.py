@@ -190,7 +190,7 @@ def test_a_pool_larger_than_the_free_memory_is_refused_after_loading(llama_dir, 
     total = config.host_memory()[0]
     monkeypatch.setattr(config, "host_memory", lambda: (total, 3 << 20))
     with pytest.raises(ValueError, match=r"kv_cache_memory is 4.0 MiB but this machine has 3.0 MiB free now"):
-        _llm(llama_dir, kv_cache_memory=4 << 20)
+        _llm(llama_dir, kv_cache_memory=4 << 20, device="cpu")  # host memory: the pool's on the CPU
 
 
 def test_a_disk_capacity_of_zero_turns_the_tier_off_and_leaves_its_directory_alone(llama_dir, tmp_path):
@@ -322,7 +322,7 @@ def test_sizes_under_one_block_are_refused_before_the_weights_load(llama_dir, tm
     monkeypatch.setattr(engine_mod, "load_model", no_load)
     bad = {k: str(tmp_path / "kv") if v == "DIR" else v for k, v in bad.items()}
     with pytest.raises(ValueError, match=says):
-        _llm(llama_dir, **bad)
+        _llm(llama_dir, device="cpu", **bad)  # "this machine has": the device pool's on the CPU
 
 
 def test_device_pool_given_as_a_size_or_a_block_count(llama_dir):

@@ -81,27 +81,39 @@ def _warm_token_source(llm, rng: random.Random) -> Callable[[int], list[int]]:
 
 
 def _measure(llm, args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    """TTFT samples per place the prefix sits (cold, device, host, disk), and the stall runs."""
+    """TTFT samples per place the prefix sits (cold, device, host, disk), and the stall runs.
+    The first `args.warmup` rounds are run the same way and dropped: on a GPU they pay for the
+    first use of each step shape (kernel choice; with CUDA graphs, recording one per shape),
+    which a serving engine pays once, not per request."""
     toks = _warm_token_source(llm, random.Random(0))
     rows: dict[str, list[float]] = {"cold": [], "device": [], "host": [], "disk": []}
     cached: dict[str, list[int]] = {}
     stalls: dict[str, list[dict]] = {"prefetch": [], "no_prefetch": []}
-    for i in range(args.repeats):
+    for i in range(-args.warmup, args.repeats):
+        keep = i >= 0
+        got: dict[str, float] = {}
+        seen: dict[str, list[int]] = {}
         prefix = toks(args.prefix_len)
-        rows["cold"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "cold"))
-        rows["device"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "device"))
+        got["cold"] = _ttft(llm, prefix + toks(args.suffix_len), seen, "cold")
+        got["device"] = _ttft(llm, prefix + toks(args.suffix_len), seen, "device")
         llm.engine.offload_prefix_cache()  # now only the host tier has it
-        rows["host"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "host"))
+        got["host"] = _ttft(llm, prefix + toks(args.suffix_len), seen, "host")
         _to_disk(llm)
-        rows["disk"].append(_ttft(llm, prefix + toks(args.suffix_len), cached, "disk"))
+        got["disk"] = _ttft(llm, prefix + toks(args.suffix_len), seen, "disk")
         for prefetch in (True, False):
             _to_disk(llm)
             decoders = [toks(64) for _ in range(args.decoders)]
-            stalls["prefetch" if prefetch else "no_prefetch"].append(
-                _stall(llm, prefix + toks(args.suffix_len), decoders, prefetch))
+            stall = _stall(llm, prefix + toks(args.suffix_len), decoders, prefetch)
+            if keep:
+                stalls["prefetch" if prefetch else "no_prefetch"].append(stall)
         llm.engine.offload_prefix_cache()
-        print(f"  repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()),
-              flush=True)
+        label = f"repeat {i + 1}/{args.repeats}" if keep else f"warm-up {i + args.warmup + 1}/{args.warmup} (dropped)"
+        print(f"  {label}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in got.items()), flush=True)
+        if keep:
+            for k, v in got.items():
+                rows[k].append(v)
+            for k, v in seen.items():
+                cached.setdefault(k, []).extend(v)
     return rows, cached, stalls
 
 
@@ -185,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         rows, cached, stalls = _measure(llm, args)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {"model": model, "dtype": args.dtype, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
-              "cuda_graphs": args.cuda_graphs,
+              "cuda_graphs": args.cuda_graphs, "warmup_rounds": args.warmup,
               "ttft_s": med, "speedup_vs_cold": {k: med["cold"] / med[k] for k in ("device", "host", "disk")},
               "cached_tokens": cached, "samples_s": rows}
     stall = {k: {f: statistics.median(x[f] for x in v) for f in ("decode_step_s", "max_step_s", "ttft_s", "steps")}
@@ -240,6 +252,8 @@ def add_cli(sub) -> None:
     p.add_argument("--prefix-len", type=at_least(1, int), default=2000)
     p.add_argument("--suffix-len", type=at_least(1, int), default=32)
     p.add_argument("--repeats", type=at_least(1, int), default=3)
+    p.add_argument("--warmup", type=at_least(0, int), default=1,
+                   help="rounds run first and dropped (first use of each step shape; CUDA graph recording)")
     p.add_argument("--decoders", type=at_least(0, int), default=4,
                    help="requests decoding when the disk-prefixed one arrives (the stall measurement)")
     p.add_argument("--kv-cache-memory", default=1 << 30,

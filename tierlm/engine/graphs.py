@@ -22,6 +22,7 @@ against transformers, so on CUDA a replay differs from a tested path only in bei
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -43,6 +44,13 @@ MAX_WASTE = 8  # a bucket may hold up to this many times the step's real tokens 
 # torch allows one capture at a time per process, and starting one synchronises the device and
 # empties the allocator's caches: the engines of a server with several models take turns.
 _CAPTURE_LOCK = threading.Lock()
+
+
+def context_lost(e: BaseException) -> bool:
+    """Whether a failed recording left the CUDA context unusable (a device-side assert), so that
+    eager steps cannot run either. Every CUDA error's text ends "...to enable device-side
+    assertions", a failed capture's too: match the assert's own words, not that."""
+    return any("device-side assert triggered" in str(x) for x in (e, e.__context__) if x is not None)
 
 
 def _pow2(n: int) -> int:
@@ -229,7 +237,7 @@ class StepGraphs:
                 with _CAPTURE_LOCK, torch.cuda.device(self.device):
                     self._record(buf)
             except Exception as e:  # a model this path cannot record: eager steps, not a failed server
-                if any("device-side assert" in str(x) for x in (e, e.__context__) if x is not None):
+                if context_lost(e):
                     raise  # the CUDA context is unusable: no eager step can run either
                 # (Not every AcceleratorError: since torch 2.8 a broken capture raises one too.)
                 during = f" (while: {type(e.__context__).__name__}: {e.__context__})" if e.__context__ else ""
@@ -267,6 +275,13 @@ class StepGraphs:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         forward = functools.partial(self._forward, buf)
+        # A dead engine's graphs, freed by Python's cycle collector while this thread captures,
+        # destroy their executables inside the capture and invalidate it (seen on an H100: a test's
+        # engine collected while the next one recorded; torch.cuda.graph no longer collects on
+        # entry). Collect first, and keep the collector off until the capture has ended.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         # thread_local: the K/V prefetch thread may touch CUDA while this thread records.
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream,
@@ -275,6 +290,9 @@ class StepGraphs:
         except BaseException:
             self._undo_failed_capture(current)
             raise
+        finally:
+            if collecting:
+                gc.enable()
         buf.padded.reset()  # the masks made while recording: the graph rebuilds its own on each replay
         buf.graph, buf.hidden = graph, hidden
         self.recorded += 1

@@ -237,7 +237,9 @@ def _untie_if_different(model: CausalLM, params: dict[str, torch.nn.Parameter], 
     shared = params[pname]
     if tuple(shared.shape) != tuple(tensor.shape):
         return  # _copy names the mismatch
-    if torch.equal(shared, (tensor.to(round_to) if round_to is not None else tensor).to(shared.dtype)):
+    # `tensor` is as read (on the CPU), `shared` already on the engine's device.
+    stored = (tensor.to(round_to) if round_to is not None else tensor).to(device=shared.device, dtype=shared.dtype)
+    if torch.equal(shared, stored):
         return
     head = shared.detach().clone() if pname == "embed_tokens.weight" else torch.empty_like(shared)
     model.lm_head.weight = torch.nn.Parameter(head, requires_grad=shared.requires_grad)
