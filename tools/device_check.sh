@@ -77,7 +77,13 @@ d = build_demo_model(pathlib.Path(tempfile.mkdtemp()) / 'demo', kind='moe')
 llm = LLM(str(d), load_progress=False)
 out = llm.generate(['The cache'], SamplingParams(max_tokens=8, temperature=0))
 print('engine device', llm.engine.device, 'tokens', out[0].outputs[0].token_ids)
-assert llm.engine.device.type == 'cuda'"
+assert llm.engine.device.type == 'cuda'
+# float32 matmuls as TF32? (the H100 run's float32 logprobs were 2.3e-3 off the CPU reference)
+import os
+a = torch.randn(512, 512, dtype=torch.float64)
+err = ((a.float().cuda() @ a.float().cuda()).double().cpu() - a @ a).abs().max() / (a @ a).abs().max()
+print('allow_tf32', torch.backends.cuda.matmul.allow_tf32, 'TORCH_ALLOW_TF32_CUBLAS_OVERRIDE',
+      os.environ.get('TORCH_ALLOW_TF32_CUBLAS_OVERRIDE'), 'float32 matmul relative error', float(err))"
 # One recorded-vs-eager test alone first: if recording fails, its cause is the first thing in the log.
 step graphs-smoke 60 python3 -m pytest -q -x -p no:cacheprovider -rfE tests/engine/test_step_graphs.py -k cuda
 step graphs 180 python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_step_graphs.py \
