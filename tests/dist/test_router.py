@@ -392,6 +392,7 @@ def test_bad_requests_get_the_replicas_own_errors_and_the_router_its_limits(repl
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = httpx.post(router.url + "/v1/chat/completions", content=b"x" * 2000, headers={"x-api-key": API_KEY})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert r.headers["request-id"].startswith("req_")  # the router's own answer has an id too
         assert all(rep.in_flight == 0 and rep.pending == 0 for rep in router.router.replicas)
 
 
@@ -455,6 +456,14 @@ def _tenancy(toml: str):
     return Tenancy(TenantsConfig.parse(tomllib.loads(toml), list(KEYS), source="t.toml"))
 
 
+def _router_made_request_id(error) -> None:
+    """The router's own 401/429 carries a request id, as a replica's answers do (it had none:
+    no header, and `"request_id": null` in the Anthropic body)."""
+    rid = error.response.headers.get("request-id")
+    assert rid is not None and rid.startswith("req_") and error.response.headers["x-request-id"] == rid
+    assert error.body.get("request_id", rid) == rid and error.request_id == rid  # the SDK reads it from the header
+
+
 def test_tenant_limits_hold_across_replicas_at_the_router(replicas, engines):
     """The replicas have no limits of their own here (as if each allowed the tenant all it may
     have, alone); with the tenants file the router holds the tenant to 3 requests a minute
@@ -478,10 +487,12 @@ def test_tenant_limits_hold_across_replicas_at_the_router(replicas, engines):
         with pytest.raises(anthropic.RateLimitError) as e:
             a.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "t3"}])
         assert "tenant 'acme'" in e.value.body["error"]["message"] and int(e.value.response.headers["retry-after"]) > 0
+        _router_made_request_id(e.value)
         bob.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "other tenant"}])
-        with pytest.raises(anthropic.AuthenticationError):
+        with pytest.raises(anthropic.AuthenticationError) as e:
             anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0).messages.create(
                 model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        _router_made_request_id(e.value)
         assert all(rep.in_flight == 0 and rep.pending == 0 for rep in router.router.replicas)
         assert router.router.config.tenancy.in_flight("acme") == 0
 

@@ -81,19 +81,22 @@ def scripted_app(telemetry: Telemetry):
         rt = request_telemetry(request)
         if request.query_params.get("fail"):
             return JSONResponse({"error": "bad"}, status_code=400)
-        rt.on_engine_request("m1", SamplingParams(max_tokens=4, temperature=0.5, top_p=0.9))
+        choices = int(request.query_params.get("choices", 1))  # OpenAI `n`: one engine request each
+        reasons = request.query_params.get("reasons", ",".join(["length"] * choices)).split(",")
+        ids = [f"r-{c}" if choices > 1 else "r" for c in range(choices)]
+        for rid in ids:
+            rt.on_engine_request("m1", SamplingParams(max_tokens=4, temperature=0.5, top_p=0.9), request_id=rid)
         t0 = time.monotonic()
         times = dict(arrival_time=t0, first_scheduled_time=t0 + 0.005, first_token_time=t0 + 0.025)
-        choices = int(request.query_params.get("choices", 1))  # OpenAI `n`: one engine request each
         for i in range(4):
-            for c in range(choices):
+            for c in reversed(range(choices)):  # the last choice reports first: the span still lists them in order
                 time.sleep(0.01)
                 if i == 1 and request.query_params.get("midstream"):
                     from tierlm.serving.errors import Overloaded
                     rt.on_error(Overloaded("overloaded"))
                     return JSONResponse({"partial": True})  # the stream's 200 already went out
-                rt.on_delta(StreamDelta(f"r-{c}" if choices > 1 else "r", "x", [7], finished=i == 3,
-                                        finish_reason="length" if i == 3 else None, num_prompt_tokens=12,
+                rt.on_delta(StreamDelta(ids[c], "x", [7], finished=i == 3,
+                                        finish_reason=reasons[c] if i == 3 else None, num_prompt_tokens=12,
                                         num_cached_tokens=4, num_output_tokens=i + 1, **times))
         return JSONResponse({"ok": True})
 
@@ -201,6 +204,18 @@ async def test_span_tree_and_genai_attributes_continue_the_callers_trace():
     assert a["gen_ai.latency.time_in_queue"] == pytest.approx(0.005)
     from opentelemetry.trace import SpanKind, StatusCode
     assert root.kind == SpanKind.SERVER and root.status.status_code != StatusCode.ERROR
+    assert "gen_ai.request.choice.count" not in a  # n = 1: left out, as OpenTelemetry's GenAI conventions say
+
+
+async def test_span_lists_every_choices_finish_reason_in_choice_order():
+    """gen_ai.response.finish_reasons is one reason per generation (OpenTelemetry's GenAI
+    conventions); it held only the last choice's to finish."""
+    exporter = in_memory_exporter()
+    app = scripted_app(Telemetry(span_exporter=exporter, log_requests=False))
+    assert (await _post(app, "/v1/completions?choices=3&reasons=length,stop,stop")).status_code == 200
+    (root,) = [s for s in exporter.get_finished_spans() if s.name.startswith("text_completion")]
+    assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("length", "stop", "stop")
+    assert root.attributes["gen_ai.request.choice.count"] == 3
 
 
 async def test_failed_request_span_follows_http_conventions_and_no_tracing_means_no_spans():
@@ -520,4 +535,7 @@ def test_real_request_trace_tree(traced_server):
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
     assert a["gen_ai.request.max_tokens"] == 4
-    assert a["gen_ai.response.id"] == r.headers["request-id"]
+    # The id the client got, to join traces with client logs; the server's own id beside it.
+    chunk_ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+    assert len(chunk_ids) == 1 and a["gen_ai.response.id"] == chunk_ids.pop().strip()
+    assert a["gen_ai.response.id"].startswith("chatcmpl-") and a["tierlm.request_id"] == r.headers["request-id"]

@@ -31,6 +31,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -405,9 +406,12 @@ class Router:
                 return b"".join(chunks)
 
     async def _error(self, send: Callable, err: APIError, style: str) -> None:
-        body = json.dumps(error_body(err, style, None)).encode()  # type: ignore[arg-type]
+        """The router's own error (a 401 or 429 it decides, a replica that did not answer), with a
+        request id of its own in the body and headers, as every replica response carries one."""
+        request_id = "req_" + uuid.uuid4().hex[:24]
+        body = json.dumps(error_body(err, style, request_id)).encode()  # type: ignore[arg-type]
         await _respond(send, err.status_for(style), body, "application/json",  # type: ignore[arg-type]
-                       [(k, v) for k, v in err.headers.items()])
+                       [*err.headers.items(), ("request-id", request_id), ("x-request-id", request_id)])
 
     # -- routing ---------------------------------------------------------------------------
     def _plan(self, method: str, path: str, headers: dict[str, str], body: bytes, salt: str | None) -> "_Plan":

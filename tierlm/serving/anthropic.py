@@ -151,6 +151,7 @@ async def _start_message(request: Request, state: Any, context: RequestContext, 
 async def _answer(request: Request, context: RequestContext, started: _Started) -> Response:
     body, prompt, stream, first, warming = started.body, started.prompt, started.stream, started.first, started.warming
     message_id = "msg_" + uuid.uuid4().hex[:24]
+    request_telemetry(request).response_id = message_id
     if body.stream:
         num_prompt = len(prompt.token_ids) if warming else first.num_prompt_tokens or len(prompt.token_ids)
         events = (warming_events(stream, body.model, message_id, context.request_id, num_prompt,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, Literal
 
 from tierlm.errors import (
@@ -163,7 +164,8 @@ class RequestTimeout(APIError):
 
 
 class RateLimited(APIError):
-    """429; `retry_after` seconds is sent as the retry-after header both SDKs honour."""
+    """429; `retry_after` seconds is sent as the retry-after header both SDKs honour (whole
+    seconds) and as retry-after-ms (the SDKs read it first), as every 429 here does."""
 
     status = 429
     anthropic_type = "rate_limit_error"
@@ -173,6 +175,7 @@ class RateLimited(APIError):
     def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.headers.setdefault("retry-after", str(max(1, round(retry_after))))
+        self.headers.setdefault("retry-after-ms", str(max(1, math.ceil(retry_after * 1000))))
 
 
 class InternalError(APIError):

@@ -129,6 +129,7 @@ async def chat_completions(request: Request) -> Response:
     run = await start_chat(state, context, request, body)
     engine, prompt, streams, top_n = run.engine, run.prompt, run.streams, run.top_n
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+    request_telemetry(request).response_id = completion_id
     if body.stream:
         chunks = chat_chunks(streams, engine, prompt, run.model, completion_id, top_n, run.prompt_ids,
                              *_stream_usage(body, [len(run.prompt_ids)] * len(streams)))
@@ -220,6 +221,7 @@ async def completions(request: Request) -> Response:
         lambda name: _start_completion(state, context, request,
                                        body if name == asked else body.model_copy(update={"model": name})))
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
+    request_telemetry(request).response_id = completion_id
     if run.body.stream:
         chunks = completion_chunks(run, completion_id, *_stream_usage(run.body, run.choice_prompt_tokens()))
         return fallback_marked(EventStreamResponse(chunks, on_close=lambda: _close_all(run.streams)), asked, served)

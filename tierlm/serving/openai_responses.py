@@ -34,6 +34,7 @@ from tierlm.serving.response_store import stored_size
 from tierlm.serving.responses import off_loop
 from tierlm.serving.sse import EventStreamResponse, sse_event
 from tierlm.serving.state import server_state
+from tierlm.serving.telemetry import request_telemetry
 from tierlm.serving.validation import loads_strict
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ async def create_response(request: Request) -> Response:
     if run.model != body.model:  # a fallback model serves it (sla.py): the response names it
         body = body.model_copy(update={"model": run.model})
     shape = _Shape(body, _new_id("resp"), int(time.time()), run.engine, run.prompt, run.top_n, items)
+    request_telemetry(request).response_id = shape.response_id
     if body.stream:
         return run.mark(EventStreamResponse(shape.events(run.streams[0], state, owner),
                                             on_close=lambda: _close_all(run.streams)))

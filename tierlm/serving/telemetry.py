@@ -352,6 +352,10 @@ class RequestTelemetry:
     _outputs: dict[str, int] = field(default_factory=dict)
     _last_token: dict[str, float] = field(default_factory=dict)  # engine request id -> its last token's time
     finish_reason: str | None = None
+    _finish_of: dict[str, str] = field(default_factory=dict)  # engine request id -> its choice's finish reason
+    # The id the client gets (chatcmpl-..., cmpl-..., msg_..., resp_...), set by the route: the
+    # span's gen_ai.response.id, so traces join the client's logs (the server's is tierlm.request_id).
+    response_id: str | None = None
     engine_arrival: float | None = None
     engine_first_scheduled: float | None = None
     engine_first_token: float | None = None
@@ -451,6 +455,27 @@ class RequestTelemetry:
         self.engine_first_token = getattr(delta, "first_token_time", None) or self.engine_first_token
         if delta.finished:  # a warm ends at its length, as its client is told, whatever its dropped token was
             self.finish_reason = "length" if warm and delta.finish_reason != "abort" else delta.finish_reason
+            if self.finish_reason is not None:
+                self._finish_of[delta.request_id] = self.finish_reason
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Every choice's finish reason, in the order the choices were submitted (OpenTelemetry's
+        gen_ai.response.finish_reasons: one per generation); else the request's one reason."""
+        order = [r for r in self._prompt_of if r in self._finish_of]
+        order += [r for r in self._finish_of if r not in self._prompt_of]
+        reasons = [self._finish_of[r] for r in order]
+        if self.finish_reason is not None and self.finish_reason not in reasons:
+            reasons = [self.finish_reason]  # set outside the engine stream (a safety refusal)
+        return reasons
+
+    @property
+    def choice_count(self) -> int:
+        """Choices per prompt (OpenAI's `n`): engine requests handed in for one prompt."""
+        per_prompt: dict[int, int] = {}
+        for prompt in self._prompt_of.values():
+            per_prompt[prompt] = per_prompt.get(prompt, 0) + 1
+        return max(per_prompt.values(), default=1)
 
     def on_error(self, error: BaseException) -> None:
         """The request failed after it reached the engine (possibly mid-stream, after a 200)."""
@@ -540,15 +565,17 @@ class RequestTelemetry:
         assert span is not None and self.owner is not None and self.owner.tracer is not None
         attrs: dict[str, Any] = {
             "gen_ai.request.model": self.model, "gen_ai.response.model": self.model,
-            "gen_ai.response.id": self.request_id,
+            "gen_ai.response.id": self.response_id or self.request_id,
             "gen_ai.usage.input_tokens": self.num_prompt_tokens,
             "gen_ai.usage.output_tokens": self.num_output_tokens,
             "gen_ai.usage.cache_read.input_tokens": self.num_cached_tokens,
             "http.response.status_code": int(self.status or 0),
             "tierlm.tenant": self.tenant,
         }
-        if self.finish_reason:
-            attrs["gen_ai.response.finish_reasons"] = [self.finish_reason]
+        if self.finish_reasons:
+            attrs["gen_ai.response.finish_reasons"] = self.finish_reasons
+        if self.choice_count != 1:
+            attrs["gen_ai.request.choice.count"] = self.choice_count
         for key, value in (("max_tokens", self.max_tokens), ("temperature", self.temperature),
                            ("top_p", self.top_p)):
             if value is not None:
