@@ -40,6 +40,10 @@ class EngineConfig:
     # same fixed-shape steps run eagerly (what the tests check), which is not faster. MoE steps
     # with fewer tokens than experts / top-k stay eager (see engine/graphs.py).
     cuda_graphs: bool = False
+    # "auto": the sampling settings of the model's generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty) serve requests that leave them unset, as vLLM's
+    # --generation-config auto does; "vllm": tierlm's own defaults (temperature 1, no filters).
+    generation_config: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
@@ -142,6 +146,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1 (got {self.max_model_len}); leave it unset for the "
                              "model's own limit")
         self.resolve_device()  # an unknown or absent device fails here, before anything loads
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's generation_config.json sampling "
+                             f"settings as request defaults) or 'vllm' (tierlm's own) (got {self.generation_config!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)} (got "
                              f"{self.scheduling_policy!r})")

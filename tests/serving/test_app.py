@@ -95,7 +95,9 @@ def test_error_shapes(err, status, anthropic_type, openai_status):
 
 
 def test_rate_limit_carries_retry_after():
-    assert RateLimited("slow down", retry_after=2.4).headers == {"retry-after": "2"}
+    # Whole seconds (retry-after) and the exact wait (retry-after-ms, which the SDKs read first).
+    assert RateLimited("slow down", retry_after=2.4).headers == {"retry-after": "2", "retry-after-ms": "2400"}
+    assert RateLimited("now", retry_after=0.0001).headers == {"retry-after": "1", "retry-after-ms": "1"}
 
 
 def test_error_style_follows_route_and_client():

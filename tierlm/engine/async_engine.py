@@ -101,6 +101,12 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The model's recommended sampling settings (generation_config.json), for requests that
+        leave them unset; empty with --generation-config vllm."""
+        return self.engine.sampling_defaults
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -22,6 +22,7 @@ import torch
 
 from tierlm.config import EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory, kv_pool_bytes
 from tierlm.engine.detokenizer import IncrementalDetokenizer
+from tierlm.engine.generation_defaults import sampling_defaults
 from tierlm.engine.graphs import StepGraphsConfig
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.engine.request import Request, RequestStatus
@@ -276,6 +277,14 @@ class LLMEngine:
                                 cpu_linear=config.cpu_linear, cpu_kernels=config.cpu_kernels)
             self.args = loaded.args
             self.dtype = loaded.dtype
+            # Sampling settings the model's maker recommends: the server's defaults for requests
+            # that leave them unset (serving/generation.py), as vLLM's --generation-config auto.
+            self.sampling_defaults = (sampling_defaults(loaded.generation_defaults, f"{model_dir}/generation_config.json")
+                                      if config.generation_config == "auto" else {})
+            if self.sampling_defaults:
+                log.info("%s: generation_config.json recommends %s; requests that leave them unset get them "
+                         "(--generation-config vllm: tierlm's own defaults)", model_dir,
+                         ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
             loaded.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.kv_dtype)
             # Before anything writes K/V: the warm-up, recorded graphs and every block read them.
             self.kv_scales = resolve_kv_scales(config.kv_cache_scales, loaded, weight_files(model_dir),

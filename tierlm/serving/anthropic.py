@@ -131,6 +131,7 @@ async def _start_message(request: Request, state: Any, context: RequestContext, 
         # the last token of a prompt that fits).
         token_ids = token_ids[: int(engine.max_model_len) - 1]
     params = sampling_params(
+        engine.sampling_defaults,
         max_tokens=max_tokens or 1,
         temperature=body.temperature,
         top_p=top_p_value(body.top_p),

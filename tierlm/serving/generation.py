@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
 import anyio
 from starlette.requests import Request
 
+from tierlm.engine.generation_defaults import apply_defaults
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.errors import TierlmError
 from tierlm.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams, ThinkBlock, ThinkingBudget
@@ -433,10 +434,13 @@ def output_budget(
 
 
 def top_k_limit(engine: "AsyncEngine", top_k: int | None) -> int | None:
-    """A validated top_k as SamplingParams takes it: None (no limit) for -1, 0 and anything not
-    below the vocabulary size, so a huge value (2**70) never reaches the engine."""
-    if top_k is None or top_k <= 0 or top_k >= len(engine.tokenizer):
+    """A validated top_k as SamplingParams takes it: -1 (no limit) for -1, 0 and anything not
+    below the vocabulary size, so a huge value (2**70) never reaches the engine; None where the
+    request left it unset (the model's default then applies, see `sampling_params`)."""
+    if top_k is None:
         return None
+    if top_k <= 0 or top_k >= len(engine.tokenizer):
+        return -1
     return top_k
 
 
@@ -450,10 +454,13 @@ def top_p_value(top_p: float | None) -> float | None:
     return TOP_P_ZERO if top_p == 0 else top_p
 
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
-    """SamplingParams from already-validated fields; a rejection still names the field."""
+def sampling_params(defaults: dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:
+    """SamplingParams from already-validated fields; a rejection still names the field. Fields
+    left unset (None) take the model's recommended `defaults` (engine.sampling_defaults, from its
+    generation_config.json, as vLLM does), else SamplingParams' own."""
     try:
-        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+        fields = apply_defaults(kwargs, defaults or {})
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     except TierlmError as exc:
         raise from_engine_error(exc, "") from None
 

@@ -183,7 +183,7 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
     limit_field = limit_field or ("max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     max_tokens = output_budget(engine, body.model, len(prompt_ids), body.output_limit(), field_name=limit_field)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(**_common_sampling(engine, body, max_tokens, top_n),
+    params = sampling_params(engine.sampling_defaults, **_common_sampling(engine, body, max_tokens, top_n),
                              prompt_logprobs=body.prompt_logprobs,
                              keep_special_token_ids=prompt.keep_special_token_ids,
                              thinking_budget=prompt.thinking_budget(body.thinking_token_budget),
@@ -289,7 +289,7 @@ async def _start_completion(state: Any, context: RequestContext, request: Reques
         field_name = "prompt" if len(prompts) == 1 else f"prompt.{i}"
         # max_tokens 0 (echo only) runs one token, which is not returned (vLLM's way too).
         max_tokens = output_budget(engine, body.model, len(ids), body.max_tokens or 1, prompt_field=field_name)
-        params = sampling_params(**_common_sampling(engine, body, max_tokens, body.logprobs),
+        params = sampling_params(engine.sampling_defaults, **_common_sampling(engine, body, max_tokens, body.logprobs),
                                  prompt_logprobs=_prompt_top(body), structured_outputs=structured)
         streams += _engine_streams(state, engine, body, ids, params, context.salted(body.cache_salt),
                                    prompt=i, total=len(prompt_ids) * (body.n or 1))
