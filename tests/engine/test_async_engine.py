@@ -59,6 +59,26 @@ async def test_a_request_id_is_free_again_as_soon_as_abort_returns(engine):
     assert engine.stats().kv_blocks_used == 0 and not engine._streams
 
 
+def test_a_delivery_scheduled_on_a_loop_that_stops_reaches_the_next_loop(llama_dir):
+    """The engine thread hands deltas to its loop with call_soon_threadsafe; a loop that stops
+    before running the callback (asyncio.run ending) dropped them. One such loss, a closed
+    stream's end, kept its request id taken: a new stream under it waited for ever (CI, once)."""
+    from tierlm.engine.async_engine import _Closed, _Closing
+    eng = AsyncEngine.from_model(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=512,
+                                 load_progress=False)
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(eng.start())  # the engine serves `loop`, which now stands still
+    closing = _Closing()
+    eng._streams["R"] = closing  # a stream under "R" whose reader left: "R" is taken until its end
+    eng._send([("R", _Closed(closing))])  # its end, scheduled on `loop`, which never runs again
+    loop.close()
+    out = asyncio.run(asyncio.wait_for(_collect(eng, "hello", p, request_id="R"), 30))
+    assert out[-1].finish_reason == "length" and closing.gone.is_set()
+    asyncio.run(eng.shutdown())
+    assert not eng._streams and not eng._orphans
+
+
 def test_an_engine_left_running_by_one_event_loop_serves_the_next(llama_dir):
     """asyncio.run without a shutdown, then asyncio.run again: the engine thread went on sending
     deltas to the first, closed loop, and the second loop's streams waited for ever."""

@@ -165,6 +165,42 @@ def test_a_streaming_client_that_stops_reading_is_aborted_and_disconnected(scrip
         server.stop()
 
 
+def test_a_shutdown_answers_a_body_still_arriving_and_drops_a_stream_nobody_reads(scripted_models, monkeypatch,
+                                                                                   caplog):
+    """At --shutdown-timeout the drain aborted what ran, but a request still uploading its body
+    (not running yet) and a stream whose client stopped reading (its error frame cannot go out)
+    waited for uvicorn's later deadline: a plain-text 500 and a logged traceback. Now the first
+    gets the route's "shutting down" error in its own shape and the second its connection
+    closed, within a second of the timeout."""
+    engine = scripted_models[LOOP_MODEL].engine("drain-loop")
+    server = ServerThread(build_app({"drain-loop": engine}, NoAuth()), graceful_timeout=1.0, send_buffer=8192).start()
+    slow_steps(engine, monkeypatch, 0.02)
+    uploading = socket.create_connection(("127.0.0.1", server.port))
+    uploading.sendall(raw_request("/v1/chat/completions", b'{"model": "drain-', content_length=1000))
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", server.port))
+    body = json.dumps({"model": "drain-loop", "max_tokens": 400, "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "talk"}]}).encode()
+    stalled.sendall(raw_request("/v1/chat/completions", body))
+    assert wait_until(lambda: engine.stats().kv_blocks_used > 0, timeout=5)
+    time.sleep(1.0)  # the stream's writes now wait for a client that does not read
+    with uploading, stalled, caplog.at_level(logging.WARNING):
+        began = time.monotonic()
+        server.stop()
+        took = time.monotonic() - began
+        answer, closed = read_until_closed(uploading, 3)
+        assert closed and answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "overloaded" and "shutting down" in error["message"]
+        _, closed = read_until_closed(stalled, 3)
+        assert closed
+    assert took < 1.0 + 1.0 + 0.8, took  # the timeout, then at most a second to say so (uvicorn's own: 3 s more)
+    assert engine.stats().kv_blocks_used == 0
+    assert not any("Exception in ASGI application" in r.getMessage() or r.exc_info for r in caplog.records)
+    assert any("not reading its stream" in r.getMessage() for r in caplog.records)
+
+
 def test_accept_errors_at_the_open_file_limit_are_logged_once_per_interval():
     accept_filter = AcceptErrorFilter(interval=0.3)
 

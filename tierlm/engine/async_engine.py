@@ -308,17 +308,24 @@ class AsyncEngine:
                     del self._streams[rid]
 
     def _send(self, deltas: list) -> None:
+        """Hand `deltas` to the loop. They wait in `_orphans` until the loop takes them: a
+        callback scheduled on a loop that then stops (asyncio.run ending) never runs, and what
+        it carried (a closed stream's end, so its id stayed taken) was lost; left in the list,
+        the next loop's `_bind` delivers it, in order with everything sent later."""
         if not deltas:
             return
         with self._send_lock:
+            self._orphans.extend(deltas)
             loop = self._loop
             if loop is not None and not loop.is_closed():
                 try:
-                    loop.call_soon_threadsafe(self._deliver, deltas)
-                    return
-                except RuntimeError:  # it closed just now
+                    loop.call_soon_threadsafe(self._deliver_waiting)
+                except RuntimeError:  # it closed just now: they wait for the next loop
                     pass
-            self._orphans.extend(deltas)
+
+    def _deliver_waiting(self) -> None:
+        """On the loop: deliver what `_send` left (nothing, if an earlier callback took it)."""
+        self._deliver(self._take_orphans())
 
     def _drain_inbox(self) -> list:
         out = []

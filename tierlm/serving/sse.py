@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
+
+from tierlm.serving.client_waits import ClientWaits, client_wait
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -54,11 +55,12 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeout = _send_timeout(scope)
+        waits = _client_waits(scope)
         stalled = False
 
         async def send_in_time(message: Message) -> None:
             nonlocal stalled
-            with anyio.move_on_after(timeout or math.inf) as deadline:
+            with client_wait(waits, timeout) as deadline:  # cut short once a shutdown has aborted the rest
                 await send(message)
             if deadline.cancelled_caught:
                 stalled = True
@@ -80,7 +82,7 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 if stalled:  # said before the abort frees the request, so the line comes first
-                    _log_stall(scope, timeout)
+                    _log_stall(scope, timeout, at_shutdown=waits is not None and waits.cut_short)
                 await _aclose(self.body_iterator)
                 if self._on_close is not None:
                     try:
@@ -91,8 +93,12 @@ class EventStreamResponse(StreamingResponse):
                     await _drop_connection(scope)
 
 
-def _log_stall(scope: Scope, timeout: float | None) -> None:
+def _log_stall(scope: Scope, timeout: float | None, at_shutdown: bool = False) -> None:
     request_id = scope.get("state", {}).get("request_id", "req_unknown")
+    if at_shutdown:
+        logger.warning("request %s: its client is not reading its stream, which cannot end with an error at "
+                       "shutdown; closing the connection", request_id)
+        return
     logger.warning("request %s aborted: a write to its client waited %g s for it to read (--stream-send-timeout); "
                    "closing the connection", request_id, timeout)
 
@@ -114,6 +120,11 @@ def _send_timeout(scope: Scope) -> float | None:
     app = scope.get("app")
     state = getattr(getattr(app, "state", None), "tierlm", None)
     return getattr(state, "stream_send_timeout", None) or None
+
+
+def _client_waits(scope: Scope) -> ClientWaits | None:
+    state = getattr(getattr(scope.get("app"), "state", None), "tierlm", None)
+    return getattr(state, "client_waits", None)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.requests import Request
 
 from tierlm.serving.auth import Authenticator, RequestContext
+from tierlm.serving.client_waits import ClientWaits
 from tierlm.serving.batches import BATCH_CONTEXT, BatchStore
 from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, api_style_for
 from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightRequests
@@ -50,6 +51,7 @@ class ServerState:
     # Who may load and unload LoRA adapters at run time (lora_admin.py); None: nobody.
     lora_updates: "LoRAUpdates | None" = None
     draining: bool = False
+    client_waits: ClientWaits = field(default_factory=ClientWaits)  # body reads and stream writes (client_waits.py)
 
     async def admit(self, request: Request) -> RequestContext:
         """Authenticate, find the key's tenant and, for a generation request, take one request of
@@ -146,11 +148,15 @@ class ServerState:
         """
         self.draining = True
         deadline = time.monotonic() + timeout
-        while len(self.inflight) and time.monotonic() < deadline:
+        # (A request still uploading its body is not in flight yet: it waits on its client.)
+        while (len(self.inflight) or len(self.client_waits)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if len(self.inflight):
             logger.warning("aborting %d request(s) still running after %.1fs", len(self.inflight), timeout)
             await self.inflight.abort_all()
+        # Bodies still arriving and writes to clients that stopped reading end within a second:
+        # the first with the route's "shutting down" error, the second by closing the connection.
+        self.client_waits.cut()
 
 
 def server_state(request: Request) -> ServerState:

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from tierlm.serving.errors import ClientDisconnected, InvalidRequest, RequestTimeout, RequestTooLarge
+from tierlm.serving.client_waits import ClientWaits, client_wait
+from tierlm.serving.errors import ClientDisconnected, InvalidRequest, Overloaded, RequestTimeout, RequestTooLarge
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's own Messages API limit
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's head, and for each gap in its body
@@ -46,13 +46,18 @@ async def read_body(request: Request, limit: int, timeout: float | None = None) 
     chunks: list[bytes] = []
     received = 0
     parts = request.stream().__aiter__()
+    waits = _client_waits(request)
     try:
         while True:
-            with anyio.move_on_after(timeout or math.inf) as deadline:
+            with client_wait(waits, timeout) as deadline:
                 try:
                     chunk = await parts.__anext__()
                 except StopAsyncIteration:
                     break
+            if deadline.cancelled_caught and waits is not None and waits.cut_short:
+                raise Overloaded(f"the server is shutting down and the request body was still arriving ({received} "
+                                 "bytes received); send the request again (to another replica)",
+                                 headers={"connection": "close"})
             if deadline.cancelled_caught:
                 expected = f"{declared} declared" if declared is not None else "a chunked body"
                 raise RequestTimeout(
@@ -68,6 +73,12 @@ async def read_body(request: Request, limit: int, timeout: float | None = None) 
     except ClientDisconnect:
         raise ClientDisconnected("client disconnected while sending the request body") from None
     return b"".join(chunks)
+
+
+def _client_waits(request: Request) -> ClientWaits | None:
+    """The server's registry of waits on clients, which a shutdown cuts short (client_waits.py)."""
+    state = getattr(getattr(request.scope.get("app"), "state", None), "tierlm", None)
+    return getattr(state, "client_waits", None)
 
 
 def _too_large(size: int, limit: int) -> RequestTooLarge:
