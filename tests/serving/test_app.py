@@ -197,6 +197,17 @@ def test_unknown_routes_otherwise_answer_in_anthropic_shape(scripted_server):
     assert "multipart/form-data with the field 'file'" in r.json()["error"]["message"]
 
 
+def test_every_get_route_answers_head(scripted_server):
+    """The README: "all GET routes answer HEAD too"; the batch and file routes answered 405."""
+    routes = [r for r in scripted_server.app.state.api_routes if "GET" in r.methods]
+    assert {"/v1/batches", "/v1/files/{file_id}/content", "/v1/messages/batches/{batch_id}/results"} <= \
+        {r.path for r in routes}
+    assert all("HEAD" in r.methods for r in routes)
+    for path in ("/v1/batches", "/v1/files", "/v1/messages/batches"):
+        r = httpx.head(scripted_server.url + path, headers={"x-api-key": API_KEY})
+        assert r.status_code == 200 and r.content == b"", path
+
+
 @pytest.mark.parametrize("method, path, allowed, style", [
     ("GET", "/v1/messages", {"POST"}, "anthropic"),
     ("DELETE", "/v1/messages/count_tokens", {"POST"}, "anthropic"),
@@ -204,6 +215,12 @@ def test_unknown_routes_otherwise_answer_in_anthropic_shape(scripted_server):
     ("PUT", "/v1/completions", {"POST"}, "openai"),
     ("POST", "/health", {"GET", "HEAD"}, "anthropic"),
     ("POST", "/v1/models", {"GET", "HEAD"}, "openai"),
+    # Paths several routes serve: every method (Starlette named the first route's alone).
+    ("PATCH", "/v1/batches", {"GET", "HEAD", "POST"}, "openai"),
+    ("PUT", "/v1/files", {"GET", "HEAD", "POST"}, "openai"),
+    ("PATCH", "/v1/files/file-x", {"GET", "HEAD", "DELETE"}, "openai"),
+    ("PUT", "/v1/messages/batches", {"GET", "HEAD", "POST"}, "anthropic"),
+    ("PUT", "/v1/messages/batches/msgbatch_x", {"GET", "HEAD", "DELETE"}, "anthropic"),
 ])
 def test_405_names_the_allowed_methods(scripted_server, method, path, allowed, style):
     r = httpx.request(method, scripted_server.url + path, headers={"x-api-key": API_KEY})

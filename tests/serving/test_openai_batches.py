@@ -239,7 +239,7 @@ def test_a_bad_upload_is_refused_in_openais_shape(server, upload, says):
 def test_a_bad_input_file_fails_the_batch_naming_each_line(server):
     c = client(server, "b")
     rows = [chat("ok"), chat("ok"), {**chat("x"), "url": "/v1/completions"}, {**chat("y"), "method": "GET"},
-            {**chat("z"), "body": "text"}, {"custom_id": "no spaces"}]
+            {**chat("z"), "body": "text"}, {**chat("w"), "custom_id": ""}]
     bad = c.files.create(file=("bad.jsonl", jsonl(rows) + b"{not json\n\n[1]\n"), purpose="batch")
     batch = c.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert batch.status == "failed" and batch.failed_at is not None and batch.request_counts.total == 0
@@ -252,6 +252,27 @@ def test_a_bad_input_file_fails_the_batch_naming_each_line(server):
     empty = c.files.create(file=("e.jsonl", b"\n"), purpose="batch")
     assert [e.code for e in c.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions",
                                              completion_window="24h").errors.data] == ["empty_file"]
+
+
+def test_lines_end_at_newlines_only_and_custom_ids_are_any_string(server):
+    """JSON allows U+2028, U+2029 and U+0085 raw inside strings (json.dumps with ensure_ascii=False
+    writes them): str.splitlines broke such a line in two and failed the batch. OpenAI's
+    custom_id is any string unique in the batch (Anthropic's pattern was applied to it)."""
+    c = client(server, "b")
+    ids = ["task 1", "user:42/a", "req.1", "x" * 100]
+    rows = [chat(cid, messages=[{"role": "user", "content": f"line one{sep}line two"}])
+            for cid, sep in zip(ids, ["\u2028", "\u2029", "\u0085", "\r"])]
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode()  # CRLF lines too
+    f = c.files.create(file=("u.jsonl", data), purpose="batch")
+    batch = finished(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id)
+    assert batch.status == "completed", batch.errors
+    assert batch.request_counts.completed == 4
+    out = [json.loads(line) for line in c.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ids and all(o["response"]["status_code"] == 200 for o in out)
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.batches.list(after="batch_nope")
+    assert refused.value.body["param"] == "after"  # the query parameter's own name (was after_id)
 
 
 @pytest.mark.parametrize("body, status, says", [

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierlm.serving import (anthropic, batches, files, lora_admin, openai, openai_batches, openai_embeddings,
@@ -131,23 +133,23 @@ def build_app(
     app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tierlm = state
     app.state.telemetry = telemetry
-    app.include_router(anthropic.router)
-    app.include_router(batches.router)
-    app.include_router(openai.router)
-    app.include_router(openai_responses.router)
-    app.include_router(files.router)
-    app.include_router(openai_batches.router)
-    app.include_router(openai_embeddings.router)
-    app.include_router(tokenize.router)
-    app.include_router(lora_admin.router)
-    app.include_router(rerank.router)
-    # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
+    routers = [anthropic.router, batches.router, openai.router, openai_responses.router, files.router,
+               openai_batches.router, openai_embeddings.router, tokenize.router, lora_admin.router, rerank.router]
+    for router in routers:
+        for route in router.routes:
+            # HEAD beside GET (FastAPI, unlike Starlette, does not add it): probes and load balancers use it.
+            if isinstance(route, APIRoute) and "GET" in route.methods:
+                route.methods.add("HEAD")
+        app.include_router(router)
     reads = ["GET", "HEAD"]
     app.add_api_route("/v1/models", list_models, methods=reads)
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=reads)
     app.add_api_route("/health", health, methods=reads)
     app.add_api_route("/ready", ready, methods=reads)
     app.add_api_route("/metrics", telemetry.metrics_endpoint, methods=reads, include_in_schema=False)
+    # Every route with its methods, for a 405's Allow header (_methods_on).
+    app.state.api_routes = [r for routes in ([rt.routes for rt in routers] + [app.router.routes]) for r in routes
+                            if isinstance(r, APIRoute)]
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
@@ -226,7 +228,12 @@ async def _http_error_handler(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         err = NotFound(f"no such route: {method} {path}", headers=headers)
     elif exc.status_code == 405:
-        allowed = headers.get("Allow") or headers.get("allow")
+        # Starlette names the methods of the first route on the path; a path served by several
+        # (GET and POST /v1/batches, GET and DELETE /v1/files/ID) gets all of them, as RFC 9110 says.
+        headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+        allowed = _methods_on(request) or None
+        if allowed:
+            headers["Allow"] = allowed
         hint = f"; use {allowed}" if allowed else ""
         err = MethodNotAllowed(f"{method} is not allowed on {path}{hint}", headers=headers)
     elif exc.status_code < 500:
@@ -235,6 +242,15 @@ async def _http_error_handler(request: Request, exc: Exception) -> Response:
     else:
         err = InternalError("internal error", headers=headers)
     return error_response(request, err)
+
+
+def _methods_on(request: Request) -> str:
+    """Every method some route serves on the request's path, for a 405's Allow header."""
+    methods: set[str] = set()
+    for route in getattr(request.app.state, "api_routes", ()):
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
 
 
 async def _validation_error_handler(request: Request, exc: Exception) -> Response:

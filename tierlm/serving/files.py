@@ -356,7 +356,7 @@ async def list_files(request: Request) -> Response:
         found.reverse()
     limit = limit_param(query.get("limit"), 10_000, 10_000)
     start, end, has_more = page([f.id for f in found], limit, query.get("after"), None,
-                                lambda param, fid: f"after: no file '{fid}' of this key")
+                                lambda param, fid: f"after: no file '{fid}' of this key", after_param="after")
     data = [f.describe() for f in found[start:end]]
     return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None, "has_more": has_more})

@@ -31,7 +31,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tierlm.serving.batches import (BATCH_KINDS, MAX_BATCH_REQUESTS, Batch, BatchItem, BatchStore, _CUSTOM_ID,
+from tierlm.serving.batches import (BATCH_KINDS, MAX_BATCH_REQUESTS, Batch, BatchItem, BatchStore,
                                     batch_context, owner_of_key, run_batch)
 from tierlm.serving.errors import InvalidRequest
 from tierlm.serving.files import expiry_seconds, read
@@ -222,7 +222,9 @@ def parse_input(data: bytes, endpoint: str) -> tuple[list[BatchItem], list[dict[
     except UnicodeDecodeError as e:
         fault("invalid_file", f"the input file is not UTF-8 text (byte {e.start}); upload JSONL", None)
         return [], errors
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # Lines end at "\n" (and "\r\n") only: str.splitlines also breaks at U+2028, U+2029, U+0085 and
+    # others, which JSON allows raw inside strings (json.dumps(..., ensure_ascii=False) writes them).
+    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         fault("empty_file", "the input file has no requests; give one JSON object per line", None)
     if len(lines) > MAX_BATCH_REQUESTS:
@@ -241,9 +243,8 @@ def parse_input(data: bytes, endpoint: str) -> tuple[list[BatchItem], list[dict[
             fault("invalid_json_line", f"line {n} must be a JSON object with custom_id, method, url and body", n)
             continue
         cid, method, url, body = row.get("custom_id"), row.get("method"), row.get("url"), row.get("body")
-        if not isinstance(cid, str) or not _CUSTOM_ID.match(cid):
-            fault("invalid_custom_id", f"line {n}: custom_id must be 1-64 letters, digits, '-' or '_' (got {cid!r})",
-                  n, "custom_id")
+        if not isinstance(cid, str) or not cid:  # OpenAI's rule: any string, unique in the batch
+            fault("invalid_custom_id", f"line {n}: custom_id must be a non-empty string (got {cid!r})", n, "custom_id")
         elif cid in seen:
             fault("duplicate_custom_id", f"line {n}: custom_id '{cid}' is used twice; each request needs its own",
                   n, "custom_id")
@@ -343,7 +344,7 @@ async def list_batches(request: Request) -> Response:
                                                           OpenAIBatch))
     query = request.query_params
     start, end, has_more = page([b.id for b in batches], limit_param(query.get("limit"), 20, 100), query.get("after"),
-                                None, lambda param, bid: f"after: no batch '{bid}' of this key")
+                                None, lambda param, bid: f"after: no batch '{bid}' of this key", after_param="after")
     found = [b.describe() for b in batches[start:end]]
     return JSONResponse({"object": "list", "data": found, "first_id": found[0]["id"] if found else None,
                          "last_id": found[-1]["id"] if found else None, "has_more": has_more})

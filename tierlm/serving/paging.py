@@ -22,12 +22,13 @@ def limit_param(value: str | None, default: int | None, most: int = 1000) -> int
 
 
 def page(ids: list[str], limit: int | None, after: str | None, before: str | None,
-         unknown: Callable[[str, str], str]) -> tuple[int, int, bool]:
+         unknown: Callable[[str, str], str], after_param: str = "after_id") -> tuple[int, int, bool]:
     """(start, end, has_more) of the page of `ids` after `after` or before `before` (never both);
-    `unknown(param, id)` says why a cursor that is not in `ids` is refused."""
+    `unknown(param, id)` says why a cursor that is not in `ids` is refused; `after_param` is the
+    query parameter's name in errors (OpenAI's lists call it `after`)."""
     if after is not None and before is not None:
         raise InvalidRequest("after_id and before_id cannot be combined; send one of them", param="before_id")
-    for param, cursor in (("after_id", after), ("before_id", before)):
+    for param, cursor in ((after_param, after), ("before_id", before)):
         if cursor is not None and cursor not in ids:
             raise InvalidRequest(unknown(param, cursor), param=param)
     if before is not None:  # the page just before it
