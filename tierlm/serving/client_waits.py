@@ -50,6 +50,12 @@ class ClientWaits:
         return self.cut_at is not None
 
 
+def waits_of(scope: dict) -> ClientWaits | None:
+    """The server's registry for a request's ASGI scope (None for an app without tierlm's state)."""
+    state = getattr(getattr(scope.get("app"), "state", None), "tierlm", None)
+    return getattr(state, "client_waits", None)
+
+
 @contextlib.contextmanager
 def client_wait(waits: ClientWaits | None, timeout: float | None) -> Iterator[anyio.CancelScope]:
     """`waits.wait(timeout)`, or a plain timeout where no server state is at hand (an app

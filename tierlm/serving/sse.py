@@ -20,7 +20,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from tierlm.serving.client_waits import ClientWaits, client_wait
+from tierlm.serving.client_waits import client_wait, waits_of
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -55,7 +55,7 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeout = _send_timeout(scope)
-        waits = _client_waits(scope)
+        waits = waits_of(scope)
         stalled = False
 
         async def send_in_time(message: Message) -> None:
@@ -121,10 +121,6 @@ def _send_timeout(scope: Scope) -> float | None:
     state = getattr(getattr(app, "state", None), "tierlm", None)
     return getattr(state, "stream_send_timeout", None) or None
 
-
-def _client_waits(scope: Scope) -> ClientWaits | None:
-    state = getattr(getattr(scope.get("app"), "state", None), "tierlm", None)
-    return getattr(state, "client_waits", None)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.requests import Request
 
 from tierlm.serving.auth import Authenticator, RequestContext
-from tierlm.serving.client_waits import ClientWaits
 from tierlm.serving.batches import BATCH_CONTEXT, BatchStore
+from tierlm.serving.client_waits import ClientWaits
 from tierlm.serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, api_style_for
 from tierlm.serving.generation import COUNT_CHARS_PER_CONTEXT_TOKEN, InflightRequests
 from tierlm.serving.models import ModelRegistry

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from tierlm.serving.client_waits import ClientWaits, client_wait
+from tierlm.serving.client_waits import client_wait, waits_of
 from tierlm.serving.errors import ClientDisconnected, InvalidRequest, Overloaded, RequestTimeout, RequestTooLarge
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's own Messages API limit
@@ -46,7 +46,7 @@ async def read_body(request: Request, limit: int, timeout: float | None = None) 
     chunks: list[bytes] = []
     received = 0
     parts = request.stream().__aiter__()
-    waits = _client_waits(request)
+    waits = waits_of(request.scope)  # a shutdown cuts these waits short (client_waits.py)
     try:
         while True:
             with client_wait(waits, timeout) as deadline:
@@ -73,12 +73,6 @@ async def read_body(request: Request, limit: int, timeout: float | None = None) 
     except ClientDisconnect:
         raise ClientDisconnected("client disconnected while sending the request body") from None
     return b"".join(chunks)
-
-
-def _client_waits(request: Request) -> ClientWaits | None:
-    """The server's registry of waits on clients, which a shutdown cuts short (client_waits.py)."""
-    state = getattr(getattr(request.scope.get("app"), "state", None), "tierlm", None)
-    return getattr(state, "client_waits", None)
 
 
 def _too_large(size: int, limit: int) -> RequestTooLarge:
