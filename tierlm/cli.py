@@ -221,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # (imports torch: a second or so)
+    except KeyboardInterrupt:  # Ctrl-C at once: status 130, as later, without the import's traceback
+        return 130
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --replicas` starts each replica with it
     if extra:  # argparse takes a subcommand's positional list only before its options

@@ -203,6 +203,19 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collectors_sight():
         gc.unfreeze()  # the rest of the suite keeps collecting as before
 
 
+def test_ctrl_c_while_torch_still_imports_is_status_130_without_a_traceback():
+    """`import tierlm` loaded torch (a second or so) before the command's Ctrl-C handling began, so
+    an early Ctrl-C printed the import's traceback; the package now loads its names on first use."""
+    code = ("import os, signal, sys, threading\n"
+            "from tierlm import cli\n"
+            "assert 'torch' not in sys.modules, 'import tierlm.cli loaded torch'\n"
+            "threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+            "sys.exit(cli.main(['serve', '--device', 'cpu']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+
+
 @pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_sigterm_quits_at_once_as_a_second_sigint_does(first, second):
