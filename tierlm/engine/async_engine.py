@@ -170,7 +170,7 @@ class AsyncEngine:
                 raise RuntimeError("this AsyncEngine serves another event loop that is still running; "
                                    "use it from that loop, or shut it down there first")
             self._loop = loop
-        self._deliver(self._take_orphans())
+        self._deliver_waiting()
 
     def _take_orphans(self) -> list:
         with self._send_lock:

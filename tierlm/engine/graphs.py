@@ -278,8 +278,8 @@ class StepGraphs:
         # A dead engine's graphs, freed by Python's cycle collector while this thread captures,
         # destroy their executables inside the capture and invalidate it (seen on an H100: a test's
         # engine collected while the next one recorded; torch.cuda.graph no longer collects on
-        # entry). Collect first, and keep the collector off until the capture has ended.
-        gc.collect()
+        # entry). The collector stays off until the capture has ended; what it would have freed
+        # waits for its next run (no full collection here: shapes are also recorded mid-serving).
         collecting = gc.isenabled()
         gc.disable()
         # thread_local: the K/V prefetch thread may touch CUDA while this thread records.

@@ -598,11 +598,15 @@ def usage_of(results: list[Generation], per_prompt: int | None = None, count_out
 
 
 def _finish_reason(result: Generation, has_tool_calls: bool) -> str:
-    """A cut-off answer is `length` even after complete calls (as in Anthropic's stop_details).
-    Callers pass no calls for a named tool_choice: OpenAI ends those with `stop` (vLLM too)."""
+    """A cut-off answer is `length` even after complete calls (as in Anthropic's stop_details)."""
     if result.finish_reason in ("length", FINISH_REASON):  # (the safety layer's: content_filter, as OpenAI's)
         return result.finish_reason
     return "tool_calls" if has_tool_calls else "stop"
+
+
+def _chat_finish_reason(result: Generation, prompt: ChatPrompt, calls: list) -> str:
+    """A chat choice's finish_reason: a named tool_choice's call ends with `stop` (OpenAI, vLLM)."""
+    return _finish_reason(result, bool(calls) and not prompt.named_call)
 
 
 def _stop_reason(result: Generation) -> str | int | None:
@@ -723,7 +727,7 @@ def chat_response(results: list[Generation], engine: "AsyncEngine", prompt: Chat
         choices.append(ChatChoice(
             index=i,
             message=message,
-            finish_reason=_finish_reason(result, bool(calls) and not prompt.named_call),
+            finish_reason=_chat_finish_reason(result, prompt, calls),
             stop_reason=_stop_reason(result),
             logprobs=(chat_logprobs(engine, returned_logprobs(result), top_n, prompt.tokens_as_ids)
                       if top_n is not None else None),
@@ -862,7 +866,7 @@ async def _chat_choice(index: int, answer: StreamedAnswer, engine: "AsyncEngine"
         yield frames.choice(index, result, delta={"tool_calls": [{"index": i, **call.model_dump()}]}, ids=ids.take())
     # an empty answer without calls has content "" (as when not streamed), never null
     last = {"content": ""} if prompt.parse_tools and not shown and not answer.calls else {}
-    yield frames.choice(index, result, delta=last, finish=_finish_reason(result, bool(answer.calls) and not prompt.named_call),
+    yield frames.choice(index, result, delta=last, finish=_chat_finish_reason(result, prompt, answer.calls),
                         stop_reason=_stop_reason(result), ids=ids.take())
 
 
