@@ -61,6 +61,7 @@ def test_token_ids_may_come_as_numpy_or_torch(llm):
                 [np.int64(5), np.int32(6), 7]):
         out = llm.generate([ids], greedy)[0]
         assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == ref
+        assert {type(t) for t in out.prompt_token_ids} == {int}  # Python's, as JSON and hashing want
 
 
 def test_one_prompt_may_be_a_flat_list_of_token_ids_as_in_vllm(llm):

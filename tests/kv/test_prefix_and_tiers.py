@@ -58,6 +58,24 @@ def _hog(eng, n: int):
     return hog
 
 
+@given(st.lists(st.integers(0, 2**40), max_size=80), st.sampled_from([1, 2, 8, 16]), st.binary(max_size=12),
+       st.integers(0, 80))
+@settings(max_examples=60, deadline=None)
+def test_block_hashes_chain_sha256_of_parent_int64_tokens_and_extra(tokens, block_size, extra, known_len):
+    """The key format disk and Redis entries are stored under (so a tier an earlier version
+    wrote still hits): SHA-256 of the parent's hash (32 zero bytes for the first block), the
+    block's ids as little-endian int64 and the extra key; extending a known prefix's hashes
+    gives the hashes of the whole."""
+    want, parent = [], b"\x00" * 32
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        ids = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[start:start + block_size])
+        parent = hashlib.sha256(parent + ids + extra).digest()
+        want.append(parent)
+    assert chain_hashes(tokens, block_size, extra) == want
+    known = chain_hashes(tokens[:known_len], block_size, extra)
+    assert chain_hashes(tokens, block_size, extra, known) == want
+
+
 @pytest.fixture(scope="module")
 def cold_reference(llama_dir):
     llm = _llm(llama_dir, enable_prefix_caching=False)

@@ -480,15 +480,16 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         vocab = self.args.vocab_size
         # numpy integers are integers too (a tokenizer may hand them out); bools and floats are not.
-        # Plain ints, the usual case, are checked without the ABC test per token (~1 ms per 2,000).
-        if not all(type(t) is int for t in ids):
+        # Plain ints, the usual case, are checked by their set of types, in C: a loop over the ids
+        # in Python (a type test, then int() of each) cost ~0.5 ms per 2,000 on every request.
+        if set(map(type, ids)) != {int}:
             odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
             if odd:
                 raise InvalidRequestError(f"prompt token ids must be integers, got a {type(odd[0]).__name__} among "
                                           "them (one prompt is a flat list of ids)", param="prompt")
+            ids = [int(t) for t in ids]
         if not (0 <= min(ids) and max(ids) < vocab):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        ids = [int(t) for t in ids]
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last N tokens; -1: as many as fit
             ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         budget = params.thinking_budget

@@ -32,10 +32,21 @@ def extra_key(model_id: str, cache_salt: str | None, adapter: str | None = None)
 
 def chain_hashes(tokens: Sequence[int], block_size: int, extra: bytes,
                  known: list[BlockHash] | None = None) -> list[BlockHash]:
-    """Hashes of every full block of `tokens`, extending an already computed prefix `known`."""
+    """Hashes of every full block of `tokens`, extending an already computed prefix `known`.
+
+    Each is `block_hash` of its slice; the new tokens become int64 bytes in one conversion and
+    each block hashes one slice of them (a 2,000-token prompt's 125 array conversions and 375
+    `update` calls were a third of a prefix hit's bookkeeping)."""
     out = list(known or [])
-    parent = out[-1] if out else None
-    for start in range(len(out) * block_size, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size], extra)
+    first = len(out) * block_size
+    n = (len(tokens) - first) // block_size
+    if n <= 0:
+        return out
+    raw = memoryview(array("q", tokens[first:first + n * block_size]).tobytes())
+    width = 8 * block_size  # bytes: int64 tokens
+    sha256 = hashlib.sha256
+    parent = out[-1] if out else b"\x00" * 32
+    for i in range(n):
+        parent = sha256(b"".join((parent, raw[i * width:(i + 1) * width], extra))).digest()
         out.append(parent)
     return out
