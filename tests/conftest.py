@@ -17,12 +17,13 @@ def ref_tol(cpu: float, cuda: float) -> float:
     states by up to 9e-3, against 2e-4 / 1e-4 on the CPU."""
     return cuda if torch.cuda.is_available() else cpu
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "qwen2", "qwen3", "phi3", "granite",
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3", "phi3", "granite",
          "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _config(arch: str, vocab: int, **extra):
-    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig, Mistral3Config,
+    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config, MinistralConfig,
+                              Mistral3Config,
                               MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
     common = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -46,6 +47,13 @@ def _config(arch: str, vocab: int, **extra):
         return SmolLM3Config(**{**common, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1])
     if arch == "mistral3_mm":  # Mistral Small 3.1's layout: a Mistral language model beside a Pixtral encoder
         text = MistralConfig(**common, head_dim=32, sliding_window=None)
+        vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14, head_dim=16)
+        return Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab + 1, spatial_merge_size=2)
+    if arch == "ministral3_mm":  # Ministral 3's: queries scaled past original_max_position_embeddings, a window
+        text = Ministral3Config(**common, head_dim=16, sliding_window=24, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})
         vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14, head_dim=16)
         return Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab + 1, spatial_merge_size=2)
@@ -85,7 +93,7 @@ def _config(arch: str, vocab: int, **extra):
 def _auto(arch: str):
     """transformers' auto class for `arch`: Mistral 3 is an image-text-to-text model only."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    return AutoModelForImageTextToText if arch == "mistral3_mm" else AutoModelForCausalLM
+    return AutoModelForImageTextToText if arch in ("mistral3_mm", "ministral3_mm") else AutoModelForCausalLM
 
 
 def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:

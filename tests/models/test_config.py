@@ -168,6 +168,27 @@ def test_a_published_mistral_small_3_1_config_serves_its_language_model():
     assert args.rope_theta == 1e9 and args.sliding_windows == [None] * 40 and not args.tie_word_embeddings
 
 
+def test_a_ministral_3_config_scales_queries_and_a_beta_without_its_length_is_refused():
+    """Ministral 3's text config (transformers' defaults: YaRN over 16,384 positions, beta 0.1):
+    the beta and its length reach ModelArgs; a beta with no original length to divide by is
+    refused at load (transformers fails on it at the first forward)."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+    text = {"model_type": "ministral3", "vocab_size": 131072, "hidden_size": 3072, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 262144, "rope_parameters": rope}
+    cfg = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text}
+    args = parse_config(cfg, resolve_architecture(cfg))
+    assert (args.query_scale_beta, args.query_scale_original) == (0.1, 16384)
+    assert args.sliding_windows == [None] * 26
+    windowed = parse_config({**cfg, "text_config": {**text, "sliding_window": 4096}}, "Mistral3ForConditionalGeneration")
+    assert windowed.sliding_windows == [4096] * 26  # every layer, as transformers' mask does
+    plain = {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}
+    plain["rope_type"] = "default"
+    with pytest.raises(ModelLoadError, match="llama_4_scaling_beta 0.1 needs rope_parameters.original_max_pos"):
+        parse_config({**cfg, "text_config": {**text, "rope_parameters": plain}}, "Mistral3ForConditionalGeneration")
+
+
 def test_smollm3_nope_layers_and_ministral_layer_windows():
     smol = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048,
             "intermediate_size": 11008, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,

@@ -107,6 +107,30 @@ def test_bad_embedding_requests_are_refused_in_openais_shape_and_run_nothing(oai
     assert f"your prompt resulted in {context + 1} tokens" in info.value.body["message"] and len(admitted) == 1
 
 
+def test_more_inputs_than_the_context_holds_tokens_are_a_batch_not_one_long_prompt(oai, demo_engine):
+    """An embeddings batch's items are whole prompts: more of them than the context has tokens
+    is fine (the guard against chat bodies of a million content blocks counted them as parts of
+    one prompt: 1,025 one-token inputs were a 400 about "tools, messages and content blocks"),
+    and a flat list of ids longer than the context is one prompt that truncate_prompt_tokens
+    may cut, as on /v1/completions."""
+    model, context = demo_engine.model_name, demo_engine.max_model_len
+    many = oai.embeddings.create(model=model, input=[[7 + i % 50] for i in range(context + 1)])
+    assert len(many.data) == context + 1 and many.usage.prompt_tokens == context + 1
+    assert many.data[3].embedding == pytest.approx(many.data[53].embedding, abs=1e-5)  # same id, same vector
+    assert many.data[3].embedding != pytest.approx(many.data[4].embedding, abs=1e-3)
+    ids = [9 + i % 300 for i in range(context + 40)]
+    for keep in (context, -1, 10):
+        cut = oai.embeddings.create(model=model, input=ids, extra_body={"truncate_prompt_tokens": keep})
+        kept = context if keep == -1 else keep
+        assert cut.usage.prompt_tokens == kept
+        alone = oai.embeddings.create(model=model, input=[ids[-kept:]])  # the last tokens are kept
+        assert cut.data[0].embedding == pytest.approx(alone.data[0].embedding, abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as info:  # not cut: one prompt past the context
+        oai.embeddings.create(model=model, input=ids)
+    assert info.value.body["code"] == "context_length_exceeded"
+    assert f"your prompt resulted in {context + 40} tokens" in info.value.body["message"]
+
+
 def test_dimensions_shorten_a_matryoshka_models_embeddings(llama_dir, tmp_path):
     """`dimensions` through the SDK, for a model whose config.json lists matryoshka_dimensions:
     the full vector's first N entries, normalised again; a length it does not list is a 400."""

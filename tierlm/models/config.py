@@ -58,6 +58,10 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[bool] = field(default_factory=list)
+    # Ministral 3 (rope_parameters.llama_4_scaling_beta): after RoPE, queries are scaled by
+    # 1 + beta * log(1 + floor(position / original)); 0 everywhere else.
+    query_scale_beta: float = 0.0
+    query_scale_original: int = 0
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -209,7 +213,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             theta, scaling = _rope(_gemma_global_rope(cfg))
         elif model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
             windows = _qwen_windows(cfg, model_type, layers)
-        elif model_type in ("mistral", "mixtral", "phi3"):
+        elif model_type in ("mistral", "ministral3", "mixtral", "phi3"):  # one window on every layer, or none
             windows = [int(window) if window else None] * layers
         elif model_type == "ministral":  # per layer, from layer_types (all sliding when there is a window)
             types = cfg.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
@@ -307,7 +311,26 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
         if top is not None:
             args.rope_scaling["original_max_position_embeddings"] = top
         args.rope_scaling.setdefault("original_max_position_embeddings", args.max_position_embeddings)
+    if args.model_type == "ministral3":
+        _ministral3_query_scale(args, cfg)
     return args
+
+
+def _ministral3_query_scale(args: ModelArgs, cfg: dict[str, Any]) -> None:
+    """Ministral 3's long-context query scaling (transformers' get_llama_4_attn_scale), from the
+    same rope_parameters transformers reads it from; a beta without the length it divides by is
+    refused (transformers fails on it too)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta = float(params.get("llama_4_scaling_beta") or 0.0)
+    if not beta:
+        return
+    original = (args.rope_scaling or {}).get("original_max_position_embeddings",
+                                             params.get("original_max_position_embeddings"))
+    if not original or int(original) < 1:
+        raise ModelLoadError(f"rope_parameters.llama_4_scaling_beta {beta} needs "
+                             "rope_parameters.original_max_position_embeddings (the length it scales queries "
+                             "past); add it to config.json")
+    args.query_scale_beta, args.query_scale_original = beta, int(original)
 
 
 def load_config_dict(model_dir: Path) -> dict[str, Any]:

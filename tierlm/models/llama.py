@@ -35,10 +35,12 @@ class Attention(nn.Module):
         # fp8 caches store k / k_scale and v / v_scale (models/kv_scales.py sets them after loading).
         self.k_scale = self.v_scale = 1.0
 
-    def forward(self, x: torch.Tensor, ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    def forward(self, x: torch.Tensor,
+                ropes: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor | None],
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`ropes`: the step's (cos, sin) tables, global then local (the same tables twice for
-        models with one RoPE)."""
+        models with one RoPE), then Ministral 3's query scale per position ([T, 1, 1]; None
+        for every other model)."""
         T = x.shape[0]
         rope = ropes[1] if self.local_rope else ropes[0]
         qkv = self.qkv_proj(x)
@@ -49,6 +51,8 @@ class Attention(nn.Module):
         if self.use_rope:
             qk = RotaryEmbedding.rotate(rope, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if ropes[2] is not None:
+            q = q * ropes[2]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta, self.scale, self.window, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -130,12 +134,22 @@ class CausalLM(nn.Module):
             # Gemma rounds its scale to the weights' dtype first; Granite multiplies by the float.
             h = h * (torch.tensor(scale, dtype=h.dtype) if self.args.embedding_multiplier_in_dtype else scale)
         rope = self.rope.tables(positions, h.dtype)
-        ropes = (rope, self.rope_local.tables(positions, h.dtype) if self.rope_local is not None else rope)
+        ropes = (rope, self.rope_local.tables(positions, h.dtype) if self.rope_local is not None else rope,
+                 self._query_scale(positions, h.dtype))
         for layer, cache in zip(self.layers, kv_caches):
             h = layer(h, ropes, cache, meta)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.norm(h)
+
+    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Ministral 3's 1 + beta * log(1 + floor(position / original)), [T, 1, 1], computed in
+        float32 and rounded to `dtype` as transformers does; None for other models."""
+        beta = self.args.query_scale_beta
+        if not beta:
+            return None
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / self.args.query_scale_original))
+        return scale.to(dtype).view(-1, 1, 1)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden states."""

@@ -65,7 +65,7 @@ def owner_of(context: RequestContext) -> str:
 async def create_response(request: Request) -> Response:
     state = server_state(request)
     context = await state.admit(request)
-    body = await state.parse(request, ResponsesRequest)
+    body = await state.parse(request, ResponsesRequest, items="input")
     owner = owner_of(context)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:

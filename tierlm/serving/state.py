@@ -106,12 +106,12 @@ class ServerState:
                               safety=self.safety.for_request(tenant.tier, tenant.id) if self.safety else None,
                               sla=self.sla, models=tenant.models), tenant
 
-    async def parse(self, request: Request, cls: type[M], counting: bool = False) -> M:
+    async def parse(self, request: Request, cls: type[M], counting: bool = False, items: str = "messages") -> M:
         """The request body as `cls` (400 in the API's shape if it is not one). Once the JSON
         decodes, a "model" this server serves labels the request's telemetry, so a request
         refused for a bad field (max_tokens 0, temperature 9) counts under its model. Before it
-        is validated, more tools, messages and content blocks than the context holds (or, `counting`,
-        than count_tokens counts) are refused: see `first_part_past`."""
+        is validated, more tools, messages (the body's list named `items`) and content blocks than
+        the context holds (or, `counting`, than count_tokens counts) are refused: see `first_part_past`."""
         observer = request.scope.get("state", {}).get("telemetry")
 
         def before_validation(data: dict) -> None:
@@ -122,7 +122,7 @@ class ServerState:
             names = [name] if served else self.models.names  # an unknown model is a 404 once validated
             context = max(int(getattr(self.models.get(n), "max_model_len", 0) or 0) for n in names)
             limit = context * (COUNT_CHARS_PER_CONTEXT_TOKEN if counting else 1)
-            found = first_part_past(data, limit) if context else None
+            found = first_part_past(data, limit, items) if context else None
             if found is not None:
                 where, count = found
                 if where == "messages" and not counting:  # messages alone: _render_chat's rule and words

@@ -191,10 +191,12 @@ def _parse_body(model: type[M], body: bytes, on_json: Callable[[dict], None] | N
     return validate_body(model, data)
 
 
-def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
+def first_part_past(data: dict[str, Any], limit: int, items: str = "messages") -> tuple[str, int] | None:
     """Where the count of tools, messages and content blocks (system blocks, blocks, tool calls,
     blocks in a tool result or a document, at any depth) first passes `limit`, and the count
-    there; None if it never does. Read from the raw JSON before it is validated: each renders to
+    there; None if it never does. `items` names the body's list of messages: "input" for the
+    Responses API's items (elsewhere an `input` is something else: an embeddings batch, whose
+    items are whole prompts, not parts of one). Read from the raw JSON before it is validated: each renders to
     a token at least, and validating a million one-letter blocks held the GIL for 7-15 s,
     stalling every other client."""
     total = 0
@@ -208,27 +210,26 @@ def first_part_past(data: dict[str, Any], limit: int) -> tuple[str, int] | None:
         total += len(system)
         if total > limit:
             return "system", total
-    for key in ("messages", "input"):  # (the Responses API's items; both counted: a body may hold both)
-        messages = data.get(key)
-        if not isinstance(messages, list):
+    messages = data.get(items)
+    if not isinstance(messages, list):
+        return None
+    total += len(messages)
+    if total > limit:
+        return items, total
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
             continue
-        total += len(messages)
-        if total > limit:
-            return key, total
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
+        for field in ("content", "tool_calls", "output", "summary"):
+            parts = message.get(field)
+            if not isinstance(parts, list):
                 continue
-            for field in ("content", "tool_calls", "output", "summary"):
-                parts = message.get(field)
-                if not isinstance(parts, list):
-                    continue
-                total += len(parts)
+            total += len(parts)
+            if total > limit:
+                return f"{items}.{i}.{field}", total
+            for where, nested in _inner_lists(parts, f"{items}.{i}.{field}"):
+                total += len(nested)
                 if total > limit:
-                    return f"{key}.{i}.{field}", total
-                for where, nested in _inner_lists(parts, f"{key}.{i}.{field}"):
-                    total += len(nested)
-                    if total > limit:
-                        return where, total
+                    return where, total
     return None
 
 
