@@ -110,7 +110,7 @@ def test_an_answer_that_writes_a_blocked_phrase_stops_before_it_in_every_api(ser
     assert events[-1].response.incomplete_details.reason == "content_filter"
 
 
-def test_a_redacted_phrase_is_masked_and_the_answer_goes_on(server):
+def test_a_redacted_phrase_is_masked_and_the_answer_goes_on(server, engines):
     claude, oai = clients(server, "acme")  # gold: "STOP gamma" is not its tier's policy
     want = REPLY.replace("beta", "[x]")
     message = claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=HI)
@@ -126,6 +126,14 @@ def test_a_redacted_phrase_is_masked_and_the_answer_goes_on(server):
     chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI, logprobs=True)
     assert chat.choices[0].message.content == want and chat.choices[0].finish_reason == "stop"
     assert not any("beta" in t.token for t in chat.choices[0].logprobs.content)
+    # vLLM's return_token_ids: no ids that spell the phrase either, streamed or not (nor before a block)
+    tok = engines[TEXT_MODEL].tokenizer
+    chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI, extra_body={"return_token_ids": True})
+    assert chat.choices[0].message.content == want and "beta" not in tok.decode(chat.choices[0].token_ids)
+    chunks = list(oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=HI, stream=True,
+                                              extra_body={"return_token_ids": True}))
+    ids = [i for c in chunks if c.choices for i in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert ids and "beta" not in tok.decode(ids)
 
 
 def test_a_prompt_that_breaks_an_input_policy_never_reaches_the_engine(server, engines, monkeypatch):

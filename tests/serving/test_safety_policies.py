@@ -153,6 +153,7 @@ def test_redactions_across_deltas_keep_the_rest_and_drop_only_touched_logprobs(t
         out += shown
     assert "".join(d.text for d in out) == "About [x]: it works"
     assert [d.logprobs is None for d in out] == [False, True, True, True, False, False]
+    assert [d.token_ids for d in out] == [[0], [], [], [], [4], [5]]  # the ids would spell it too
     # later tokens' text_start follow the redacted text, as the APIs read them
     text = "".join(d.text for d in out)
     for d in out[4:]:

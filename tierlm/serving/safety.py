@@ -403,7 +403,9 @@ class OutputGuard:
             at = max(at, min(e, de))
         text.append(delta.text[at - ds:])
         self._spans = [span for span in self._spans if span[1] > de]
-        return replace(delta, text="".join(text), logprobs=None)
+        # Its token ids and logprobs would spell what was taken out (vLLM's return_token_ids,
+        # logprobs): the delta goes without both, as a blocked answer's last one does.
+        return replace(delta, text="".join(text), token_ids=[], logprobs=None)
 
 
 def _shifted(lp: TokenLogprob, shift: int) -> TokenLogprob:
