@@ -162,16 +162,20 @@ def test_against_a_reference_of_its_rules(events):
 # ---- the guard's use of it -------------------------------------------------------------
 
 
-class _IdleEngine:
-    """An engine whose estimate is fixed (the guard only asks it for one)."""
+class _FixedEstimate:
+    """An engine whose estimate is fixed, with requests in it unless `idle` (the guard only asks
+    it for those)."""
 
-    def __init__(self, estimate: float | None) -> None:
+    def __init__(self, estimate: float | None, idle: bool = False) -> None:
         self.engine = self
-        self.estimate = estimate
+        self.estimate, self.idle = estimate, idle
         self.distrusted: list[tuple[int, float]] = []
 
     def estimate_ttft(self, prompt_tokens: int, priority: int = 0) -> float | None:
         return self.estimate
+
+    def has_unfinished(self) -> bool:
+        return not self.idle
 
     def distrust_ttft_estimate(self, priority: int, by: float) -> None:
         self.distrusted.append((priority, by))
@@ -185,7 +189,7 @@ def test_a_miss_is_counted_when_the_target_passes_not_when_the_first_token_comes
     guard = SlaGuard(breaker=SMALL)
 
     async def run() -> tuple[tuple[int, int], tuple[int, int]]:
-        admission = guard.admit(_IdleEngine(None), "m", _ctx(0.05), 10)
+        admission = guard.admit(_FixedEstimate(None), "m", _ctx(0.05), 10)
         admission.start()
         await asyncio.sleep(0.1)  # past the target, no first token yet
         during = guard.breaker_for("m", "gold").misses(guard.clock())
@@ -200,10 +204,10 @@ def test_engine_failures_are_misses_and_a_client_leaving_is_not():
 
     async def run() -> None:
         for exc in (ClientDisconnected("gone"), InvalidRequest("bad schema"), InternalError("device fault")):
-            admission = guard.admit(_IdleEngine(None), "m", _ctx(10.0), 10)
+            admission = guard.admit(_FixedEstimate(None), "m", _ctx(10.0), 10)
             admission.start()
             admission.failed(exc)
-        ok = guard.admit(_IdleEngine(None), "m", _ctx(10.0), 10)
+        ok = guard.admit(_FixedEstimate(None), "m", _ctx(10.0), 10)
         ok.start()
         ok.first_token(0.01)
 
@@ -215,24 +219,35 @@ def test_an_open_breaker_refuses_before_the_estimate_and_the_estimate_frees_a_pr
     clock = [0.0]
     trips: list[tuple[str, str]] = []
     guard = SlaGuard(breaker=SMALL, clock=lambda: clock[0], on_trip=lambda m, t: trips.append((m, t)))
-    engine = _IdleEngine(None)
+    engine = _FixedEstimate(None)
     for _ in range(3):
         guard.admit(engine, "m", _ctx(), 10)._report(False)
     assert trips == [("m", "gold")]
     assert engine.distrusted == [(0, 2.0)]  # the estimate that let them in is told at once
     with pytest.raises(SlaShed) as shed:
-        guard.admit(_IdleEngine(0.0), "m", _ctx(), 10)  # the estimate would admit it
+        guard.admit(_FixedEstimate(0.0), "m", _ctx(), 10)  # the estimate would admit it
     assert shed.value.reason == "breaker" and shed.value.headers["retry-after"] == "1"
     assert "missed tier 'gold''s time-to-first-token target of 0.05 s for 3 of its last 3 requests" in shed.value.message
-    assert guard.admit(_IdleEngine(None), "other", _ctx(), 10) is not None  # per model
-    assert guard.admit(_IdleEngine(None), "m", _ctx(None), 10) is None  # a tier without a target: no breaker
+    assert guard.admit(_FixedEstimate(None), "other", _ctx(), 10) is not None  # per model
+    assert guard.admit(_FixedEstimate(None), "m", _ctx(None), 10) is None  # a tier without a target: no breaker
     clock[0] = 1.0
     for _ in range(3):  # half-open: the estimate refuses each probe, whose place goes to the next
         with pytest.raises(SlaShed) as shed:
-            guard.admit(_IdleEngine(9.0), "m", _ctx(), 10)
+            guard.admit(_FixedEstimate(9.0), "m", _ctx(), 10)
         assert shed.value.reason == "estimate"
-    probes = [guard.admit(_IdleEngine(None), "m", _ctx(), 10) for _ in range(2)]
+    probes = [guard.admit(_FixedEstimate(None), "m", _ctx(), 10) for _ in range(2)]
     assert all(p.outcome.probe for p in probes)
+
+
+def test_an_idle_engine_is_not_shed_on_its_estimate_and_learns_from_what_it_admits():
+    """Nothing running or waiting: shedding frees nothing, and the admitted request is how a
+    stale estimate (a slowdown's) learns again; with work in the engine the same estimate sheds."""
+    guard = SlaGuard(breaker=None)
+    admitted = guard.admit(_FixedEstimate(9.0, idle=True), "m", _ctx(), 10)
+    assert admitted is not None and admitted.estimate == 9.0  # the first token will tell it how far off it was
+    with pytest.raises(SlaShed) as shed:
+        guard.admit(_FixedEstimate(9.0), "m", _ctx(), 10)
+    assert shed.value.reason == "estimate"
 
 
 def test_fallbacks_are_one_step_down():
@@ -256,9 +271,9 @@ def test_a_tiers_own_breaker_settings_or_none_override_the_servers():
 
     def misses_until_refused(guard: SlaGuard, tier: str, breaker) -> int | None:
         for n in range(1, 30):
-            guard.admit(_IdleEngine(None), "m", ctx(tier, breaker), 10)._report(False)
+            guard.admit(_FixedEstimate(None), "m", ctx(tier, breaker), 10)._report(False)
             try:
-                guard.admit(_IdleEngine(None), "m", ctx(tier, breaker), 10)._report(None)
+                guard.admit(_FixedEstimate(None), "m", ctx(tier, breaker), 10)._report(None)
             except SlaShed as shed:
                 assert shed.reason == "breaker"
                 return n
@@ -269,12 +284,12 @@ def test_a_tiers_own_breaker_settings_or_none_override_the_servers():
     assert misses_until_refused(guard, "silver", own) == 2
     assert misses_until_refused(guard, "bronze", None) == 3
     with pytest.raises(SlaShed) as shed:
-        guard.admit(_IdleEngine(None), "m", ctx("silver", own), 10)
+        guard.admit(_FixedEstimate(None), "m", ctx("silver", own), 10)
     assert shed.value.headers["retry-after"] == "1"  # its own 0.5 s cool-down, in whole seconds
     clock[0] = 0.6  # silver's cool-down is over; bronze's (SMALL's 1 s) is not
-    guard.admit(_IdleEngine(None), "m", ctx("silver", own), 10)
+    guard.admit(_FixedEstimate(None), "m", ctx("silver", own), 10)
     with pytest.raises(SlaShed):
-        guard.admit(_IdleEngine(None), "m", ctx("bronze", None), 10)
+        guard.admit(_FixedEstimate(None), "m", ctx("bronze", None), 10)
     off = SlaGuard(breaker=None, clock=lambda: clock[0])
     assert misses_until_refused(off, "bronze", None) is None
     assert misses_until_refused(off, "silver", own) == 2

@@ -120,6 +120,26 @@ def test_an_idle_engine_sheds_nothing(server, engine):
     assert claude.messages.create(model=MODEL, max_tokens=2, messages=HI).content
 
 
+def test_an_idle_engine_admits_what_a_stale_estimate_would_shed_and_learns_from_it(server, engine):
+    """After a slowdown (5 s steps) the step-time fit says any request is late. A tier whose only
+    traffic that sheds was shed for good: the fit learns only from steps that run, and none ran.
+    An idle engine admits it, and the steps it runs bring the estimate down."""
+    from tierlm.engine.load import StepTimeModel
+    eng = engine.engine
+    try:
+        for _ in range(20):
+            eng.step_time.observe(8, 5.0)
+            eng.step_time.observe(64, 5.5)
+        assert not eng.has_unfinished() and eng.estimate_ttft(8) > 1.0
+        before, steps = eng.estimate_ttft(8), eng.steps
+        claude = anthropic.Anthropic(base_url=server.url, api_key=KEYS["strict"], max_retries=0, timeout=60)
+        for _ in range(3):
+            assert claude.messages.create(model=MODEL, max_tokens=4, messages=HI).content
+        assert eng.steps > steps and eng.estimate_ttft(8) < before
+    finally:
+        eng.step_time = StepTimeModel()
+
+
 def test_ttft_targets_in_the_tenants_file():
     import tomllib
     from tierlm.serving.tenancy import TenantsConfig

@@ -57,12 +57,17 @@ class SlaShed(Overloaded):
 
 def check_ttft_target(engine: Any, model: str, ctx: RequestContext, prompt_tokens: int) -> float | None:
     """Raise SlaShed if `engine` estimates `ctx`'s request would wait past its tier's target;
-    returns the estimate (None: no target, or nothing measured yet)."""
+    returns the estimate (None: no target, or nothing measured yet).
+
+    An idle engine (nothing running or waiting) sheds nothing on its estimate: there it frees
+    nothing for anyone, and what it lets in is how the estimate learns again. After a slowdown,
+    a tier whose only traffic was shed was shed for good: its step-time fit and factor learn
+    only from requests that run, and none did."""
     target = ctx.ttft_target_s
     if target is None:
         return None
     estimate = engine.engine.estimate_ttft(prompt_tokens, ctx.priority)
-    if estimate is None or estimate <= target:
+    if estimate is None or estimate <= target or not engine.engine.has_unfinished():
         return estimate
     if math.isinf(estimate):  # better tiers' arrivals take all of the engine
         wait, why = UNKNOWN_WAIT_S, "requests of better tiers are taking all of its capacity"
