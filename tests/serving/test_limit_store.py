@@ -186,6 +186,37 @@ def test_refusals_and_headers_equal_the_in_process_limits(redis_url):
     assert asyncio.run(run()) == ["ok", "tokens", "tokens", "tokens", "ok", "ok", "requests"]
 
 
+def test_a_shed_requests_unit_is_given_back_in_the_store_as_in_process(redis_url):
+    """A request the SLA guard shed gives its requests_per_minute unit back (a client retrying
+    each 529 would spend its minute on refusals), never past a full bucket: the same in the
+    shared store as in one process's own limits."""
+    toml = '[tenants.t]\nkeys = ["a"]\nrequests_per_minute = 2\n'
+    clock = Clock()
+    shared = tenancy(toml, clock=clock, store=LimitStore(redis_url, role=f"test-{uuid.uuid4().hex}", clock=clock))
+    local = tenancy(toml, clock=clock)
+    tenant = local.tenant_of("a")
+
+    async def run(t: Tenancy) -> None:
+        for _ in range(5):  # shed five times, each given back: both units are still there
+            await (await t.admit(tenant, "openai")).release(0, refund_request=True)
+        first = await t.admit(tenant, "openai")
+        clock.advance(30)  # half a minute refills the unit `first` took: the bucket is full again
+        await first.release(0, refund_request=True)  # not to 3 units
+        kept = [await t.admit(tenant, "openai") for _ in range(2)]
+        assert kept[-1].headers["x-ratelimit-remaining-requests"] == "0"
+        with pytest.raises(TenantRateLimited):
+            await t.admit(tenant, "openai")
+        for ticket in kept:
+            await ticket.release(0)  # served: their units stay spent
+        with pytest.raises(TenantRateLimited):
+            await t.admit(tenant, "openai")
+        clock.advance(60)
+        await t.close()
+
+    asyncio.run(run(shared))
+    asyncio.run(run(local))
+
+
 # ---- several processes, one store --------------------------------------------------------------
 
 

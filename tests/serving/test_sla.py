@@ -19,7 +19,7 @@ from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
 from tierlm.serving.tenancy import Tenancy
 
-KEYS = {name: f"sk-{name}" for name in ("strict", "relaxed", "plain", "busy", "lone")}
+KEYS = {name: f"sk-{name}" for name in ("strict", "relaxed", "plain", "busy", "lone", "metered")}
 TENANTS = """
 default_tier = "strict"        # "lone" is in no tenant: a tenant of its own, of this tier
 
@@ -38,6 +38,11 @@ keys = ["strict"]
 [tenants.relaxed]
 tier = "relaxed"
 keys = ["relaxed"]
+
+[tenants.metered]
+tier = "strict"
+keys = ["metered"]
+requests_per_minute = 2
 
 [tenants.plain]
 tier = "gold"                  # no target: never shed
@@ -110,6 +115,26 @@ def test_a_request_that_would_miss_its_tiers_target_is_shed_through_both_sdks(se
     assert seen[0].tenant_id == "busy" and sorted(r.tenant_id for r in seen[1:]) == ["plain", "relaxed"]
     metrics = httpx.get(server.url + "/metrics").text
     assert value(metrics, "tierlm:sla_shed_requests_total", model=MODEL, tier="strict") == 2
+
+
+def test_shed_requests_give_back_their_requests_per_minute(server, engine, monkeypatch):
+    """The server refused them for its own load: a client that retries each 529 (as both SDKs
+    do) kept none of its 2 requests a minute for when the overload ended, and got 429s then."""
+    slow_steps(engine, monkeypatch, 0.05)
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            busy = asyncio.ensure_future(_post(client, "busy", 480))
+            await until(lambda: engine.stats().num_running == 1 and engine.engine.estimate_ttft(8) is not None)
+            shed = [await _post(client, "metered", 3) for _ in range(4)]
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+            await until(lambda: not engine.engine.has_unfinished())
+            return shed, await _post(client, "metered", 3)
+
+    shed, served = asyncio.run(run())
+    assert [r.status_code for r in shed] == [529] * 4
+    assert served.status_code == 200 and served.headers["anthropic-ratelimit-requests-remaining"] == "1"
 
 
 def test_an_idle_engine_sheds_nothing(server, engine):

@@ -86,11 +86,13 @@ end
 return {1, '', '0', num(req), num(tok), held}
 """
 
-# KEYS: tokens bucket, holds. ARGV: now_ms, tokens_per_minute (0 = none), ticket, tokens.
+# KEYS: tokens bucket, holds, requests bucket. ARGV: now_ms, tokens_per_minute (0 = none),
+# ticket, tokens, requests_per_minute to give the request's unit back under (0 = keep it).
 _RELEASE = _LUA_PRELUDE + """
 redis.call('ZREM', KEYS[2], ARGV[3])
-local tpm, tokens = tonumber(ARGV[2]), tonumber(ARGV[4])
+local tpm, tokens, refund = tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if tpm > 0 and tokens > 0 then store(KEYS[1], tpm, level(KEYS[1], tpm) - tokens * 60000) end
+if refund > 0 then store(KEYS[3], refund, math.min(refund * 60000, level(KEYS[3], refund) + 60000)) end
 return 1
 """
 
@@ -182,10 +184,14 @@ class LimitStore:
             requests_level=float(reply[3]) / UNIT if requests_per_minute else None,
             tokens_level=float(reply[4]) / UNIT if tokens_per_minute else None, in_flight=int(reply[5]))
 
-    async def release(self, tenant_id: str, tokens_per_minute: int | None, ticket: str, tokens: int) -> None:
-        _, tokens_key, holds = self._keys(tenant_id)
+    async def release(self, tenant_id: str, tokens_per_minute: int | None, ticket: str, tokens: int,
+                      refund_rpm: int | None = None) -> None:
+        """End `ticket`'s hold and charge its `tokens`; `refund_rpm` (the tenant's
+        requests_per_minute): give its request's unit back too (the server shed it)."""
+        requests_key, tokens_key, holds = self._keys(tenant_id)
         self._held.pop(ticket, None)  # not renewed again, whatever Redis says now
-        await self._run("release", [tokens_key, holds], [self._now(), tokens_per_minute or 0, ticket, max(0, tokens)])
+        await self._run("release", [tokens_key, holds, requests_key],
+                        [self._now(), tokens_per_minute or 0, ticket, max(0, tokens), refund_rpm or 0])
 
     async def renew(self) -> None:
         """Renew the leases of every ticket this process holds (one script call)."""

@@ -364,6 +364,7 @@ class RequestTelemetry:
     status: int | None = None
     span: "Span | None" = None
     finished: bool = False
+    shed: bool = False  # the SLA guard refused it (on_shed)
     # A cache warm (Anthropic's max_tokens 0): the prompt length the client is told; None otherwise
     warm_prompt_tokens: int | None = None
 
@@ -390,8 +391,10 @@ class RequestTelemetry:
             self.max_tokens = 0
 
     def on_shed(self, model: str, tier: str, reason: str) -> None:
-        """The SLA guard refused the request before its engine saw it (sla.py)."""
+        """The SLA guard refused the request before its engine saw it (sla.py): its tenant's
+        requests_per_minute unit is given back when it ends (TenancyMiddleware)."""
         self.model = model
+        self.shed = True
         if self.owner:
             self.owner.metrics.sla_shed.labels(model, tier, reason).inc()
 

@@ -393,6 +393,10 @@ class TokenBucket:
     def take(self, amount: float, now: float) -> None:
         self._level = self.level(now) - amount
 
+    def give_back(self, amount: float, now: float) -> None:
+        """Undo a `take` of `amount` (never past a full bucket)."""
+        self._level = min(float(self.per_minute), self.level(now) + amount)
+
     def wait(self, now: float) -> float:
         """Seconds until the bucket holds a whole unit (0: it does now)."""
         return max(0.0, (1.0 - self.level(now)) * 60.0 / self.per_minute)
@@ -418,11 +422,14 @@ class Ticket:
     shared: str | None = None
     released: bool = False
 
-    async def release(self, tokens: int) -> None:
+    async def release(self, tokens: int, refund_request: bool = False) -> None:
+        """`refund_request`: the server refused it for its own load (the SLA guard shed it), so
+        its requests_per_minute unit is given back: a client that retries after each 529 / 503,
+        as both SDKs do, would otherwise spend its minute's requests on refusals."""
         if self.released:
             return
         self.released = True
-        await self.tenancy._release(self, tokens)
+        await self.tenancy._release(self, tokens, refund_request)
 
 
 class TenantRateLimited(RateLimited):
@@ -544,7 +551,7 @@ class Tenancy:
                 TokenBucket(limits.tokens_per_minute, now) if limits.tokens_per_minute else None)
         return usage
 
-    async def _release(self, ticket: Ticket, tokens: int) -> None:
+    async def _release(self, ticket: Ticket, tokens: int, refund_request: bool = False) -> None:
         tenant = ticket.tenant
         assert tenant.id is not None
         if ticket.shared is None:
@@ -552,20 +559,24 @@ class Tenancy:
             usage.in_flight -= 1
             if usage.tokens is not None and tokens > 0:
                 usage.tokens.take(tokens, self.clock())
+            if usage.requests is not None and refund_request:
+                usage.requests.give_back(1, self.clock())
             return
         self._shared_in_flight[tenant.id] -= 1
         assert self.store is not None
         # Shielded: a request cancelled as it ends (its client gone) still frees its slot in the
         # store, and pays for its tokens, rather than holding the slot until its lease lapses.
-        task = asyncio.ensure_future(self._release_shared(ticket, tokens))
+        task = asyncio.ensure_future(self._release_shared(ticket, tokens, refund_request))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
         await asyncio.shield(task)
 
-    async def _release_shared(self, ticket: Ticket, tokens: int) -> None:
+    async def _release_shared(self, ticket: Ticket, tokens: int, refund_request: bool = False) -> None:
         assert self.store is not None and ticket.shared is not None and ticket.tenant.id is not None
+        limits = ticket.tenant.limits
         try:
-            await self.store.release(ticket.tenant.id, ticket.tenant.limits.tokens_per_minute, ticket.shared, tokens)
+            await self.store.release(ticket.tenant.id, limits.tokens_per_minute, ticket.shared, tokens,
+                                     refund_rpm=limits.requests_per_minute if refund_request else None)
         except LimitStoreUnavailable:
             pass  # the slot's lease lapses in the store; these tokens go uncharged
 
@@ -642,7 +653,8 @@ class TenancyMiddleware:
                 # client gone) still pays for the prompt it handed the engine.
                 observed = state.get("telemetry")
                 prompt = max(observed.num_prompt_tokens, getattr(observed, "submitted_prompt_tokens", 0)) if observed else 0
-                await ticket.release((prompt + observed.num_output_tokens) if observed else 0)
+                await ticket.release((prompt + observed.num_output_tokens) if observed else 0,
+                                     refund_request=bool(observed and observed.shed))
 
         async def send_and_release(message: Message) -> None:
             ticket = state.get(TICKET)
