@@ -64,6 +64,7 @@ def test_an_adapter_is_a_model_of_its_own_name_on_both_apis(setup):
     listed = {m.id: m for m in oai.models.list().data}
     assert set(listed) == {"base", "a1"}
     assert listed["a1"].model_extra["parent"] == "base" and listed["a1"].model_extra["root"] == str(ads["a1"])
+    assert listed["base"].model_extra["parent"] is None and listed["base"].model_extra["root"] == str(base)  # as vLLM
     ids = _ids(17, 1)
     got = oai.completions.create(model="a1", prompt=ids, max_tokens=8, temperature=0)
     ref = peft_model(base, "llama", ads["a1"])

@@ -75,6 +75,8 @@ def test_rerank_orders_documents_by_score_in_every_route_shape(http, demo_engine
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, 400, "text_2"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": "c"}, 400, "text_2"),  # N:1, as vLLM refuses it
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]}, 400, "text_2"),
     ("/v1/score", {"text_1": [], "text_2": "x"}, 400, "text_1"),
     ("/v1/score", {"text_1": "fine", "text_2": ["ok", ""]}, 400, "text_2"),
     ("/v1/rerank", {"query": "q", "documents": []}, 400, "documents"),

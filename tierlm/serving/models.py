@@ -134,11 +134,13 @@ class ModelRegistry:
                 logger.error("engine for model %s failed to shut down cleanly: %r", name, result)
 
     def describe(self, name: str, allowed: frozenset[str] | None = None) -> dict[str, Any]:
-        """One model as both SDKs read it (OpenAI's and Anthropic's fields side by side); an
-        adapter also names its base model (`parent`) and directory (`root`), as vLLM lists them."""
+        """One model as both SDKs read it (OpenAI's and Anthropic's fields side by side), with
+        vLLM's lineage: `root`, the directory it was loaded from, and `parent`, for an adapter
+        its base model's name (null for a base model)."""
         engine = self.get(name, allowed)
         context = int(getattr(engine, "max_model_len", 0) or 0)
-        lineage = {}
+        model_dir = getattr(getattr(engine, "engine", None), "model_dir", None)
+        lineage = {"parent": None, "root": None if model_dir is None else str(model_dir)}
         if isinstance(engine, AdapterEngine):
             try:
                 root = engine.lora_path(engine.adapter)

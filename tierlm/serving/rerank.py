@@ -70,15 +70,15 @@ class RerankRequest(_Body):
 
 
 def score_pairs(left: list[str], right: list[str]) -> list[tuple[int, int]]:
-    """(left index, right index) per pair, by vLLM's rule: one text against each of the other
-    side's, or two lists of one length side by side."""
+    """(left index, right index) per pair, by vLLM's rule (1:1, 1:N or N:N): text_1's one text
+    against each of text_2's, or two lists of one length side by side (N:1 is refused, as vLLM
+    refuses it: text_1 is the query side)."""
     if len(left) == 1:
         return [(0, j) for j in range(len(right))]
-    if len(right) == 1:
-        return [(i, 0) for i in range(len(left))]
     if len(left) != len(right):
-        raise InvalidRequest(f"text_1 holds {len(left)} texts and text_2 {len(right)}: give one text on a side, or "
-                             "two lists of the same length (scored pair by pair)", param="text_2")
+        raise InvalidRequest(f"text_1 holds {len(left)} texts and text_2 {len(right)}: give text_1 one text (scored "
+                             "against each of text_2's), or two lists of the same length (scored pair by pair)",
+                             param="text_2")
     return [(i, i) for i in range(len(left))]
 
 
