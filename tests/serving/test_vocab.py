@@ -76,6 +76,42 @@ def test_token_bytes_join_into_the_text(styled):
     assert partial, "the text should need tokens that are part of a character"
 
 
+def test_token_texts_are_their_bytes_and_join_into_the_text(styled):
+    """A logprobs entry's `token` is the text its `bytes` spell: a SentencePiece "▁the" is
+    " the" (decode([id]) drops that space, so the tokens of a completion did not join into its
+    text, nor match its text_offset slices); part of a character is U+FFFD, as OpenAI shows it."""
+    style, tokenizer = styled
+    vocab = Vocabulary(tokenizer)
+    whole = 0
+    for text in [*TEXTS, "the fox jumps over the lazy dog", " hello there"]:
+        ids = encode(tokenizer, text)
+        if any(_not_utf8(vocab.token_bytes(i)) for i in ids):
+            continue  # characters split across byte tokens: each such token is U+FFFD
+        assert "".join(vocab.token_text(i) for i in ids).encode() == spelled(style, text), text
+        whole += 1
+    assert whole >= 5
+    for i in encode(tokenizer, TEXTS[0]):
+        raw = vocab.token_bytes(i)
+        assert vocab.token_text(i) == ("\ufffd" if _not_utf8(raw) else raw.decode()), i
+    if style != "byte-level":
+        [fox] = [i for i in encode(tokenizer, "the fox") if vocab.token_text(i).strip() == "fox"] or [None]
+        assert fox is None or vocab.token_text(fox) == " fox" != tokenizer.decode([fox])
+
+
+def test_wordpiece_token_texts_drop_the_continuation_prefix():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_ids = {"[UNK]": 0, "play": 1, "##ing": 2, "the": 3}
+    tok = Tokenizer(models.WordPiece(vocab_ids, unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    vocab = Vocabulary(fast)
+    ids = fast.encode("the playing", add_special_tokens=False)
+    assert [vocab.token_text(i) for i in ids] == [" the", " play", "ing"]
+    assert "".join(vocab.token_text(i) for i in ids).strip() == fast.decode(ids)
+
+
 def test_byte_level_token_bytes_match_every_decodable_token(demo_tokenizer):
     vocab = Vocabulary(demo_tokenizer)
     for token_id in range(len(demo_tokenizer)):

@@ -9,15 +9,17 @@ from typing import TYPE_CHECKING, Any
 
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.outputs import TokenLogprob
+from tierlm.serving.vocab import vocabulary
 
 if TYPE_CHECKING:
     from tierlm.engine.async_engine import AsyncEngine
 
 
 def token_text(engine: "AsyncEngine", token_id: int, as_id: bool = False) -> str:
-    """How a logprobs entry names a token: its text, or (vLLM's return_tokens_as_token_ids)
-    "token_id:N", which tells apart tokens whose texts are alike (parts of one character)."""
-    return f"token_id:{token_id}" if as_id else engine.tokenizer.decode([token_id])
+    """How a logprobs entry names a token: the text it stands for (vocab.Vocabulary.token_text:
+    the same as its `bytes`), or (vLLM's return_tokens_as_token_ids) "token_id:N", which tells
+    apart tokens whose texts are alike (parts of one character)."""
+    return f"token_id:{token_id}" if as_id else vocabulary(engine.tokenizer).token_text(token_id)
 
 
 def legacy_top(engine: "AsyncEngine", lp: TokenLogprob, top_n: int, as_id: bool = False) -> dict[str, float]:

@@ -96,7 +96,9 @@ class Vocabulary:
             self._added = dict(backend.get_added_tokens_decoder())
             decoder, pre = _state(backend.decoder), _state(backend.pre_tokenizer)
             normalizer = _state(backend.normalizer)
+        self._texts: dict[int, str] = {}
         self._byte_level = _has_type(decoder, "ByteLevel") or _has_type(pre, "ByteLevel")
+        self._wordpiece_prefix = _wordpiece_prefix(decoder)
         self._metaspace = _has_type(decoder, "Metaspace") or _has_type(pre, "Metaspace") or _replaces_metaspace(decoder)
         model = getattr(backend, "model", None)
         self._byte_fallback = bool(getattr(model, "byte_fallback", False)) or _has_type(decoder, "ByteFallback")
@@ -107,6 +109,20 @@ class Vocabulary:
         cached = self._cache.get(token_id)
         if cached is None:
             cached = self._cache[token_id] = self._compute_bytes(token_id)
+        return cached
+
+    def token_text(self, token_id: int) -> str:
+        """The text `token_id` stands for, as its bytes spell it, so a logprobs entry's `token`
+        and `bytes` agree and the tokens join into the text (a Metaspace piece's "▁" is the space
+        it stands for, which `decode([id])` drops; a WordPiece "##" is no text); U+FFFD where the
+        bytes are part of a character, as OpenAI shows such a token."""
+        cached = self._texts.get(token_id)
+        if cached is None:
+            try:
+                cached = self.token_bytes(token_id).decode("utf-8")
+            except UnicodeDecodeError:
+                cached = self._tokenizer.decode([token_id])
+            self._texts[token_id] = cached
         return cached
 
     def _compute_bytes(self, token_id: int) -> bytes:
@@ -123,6 +139,9 @@ class Vocabulary:
                 return bytes([int(m.group(1), 16)])
             if self._metaspace:
                 return piece.replace(_METASPACE, " ").encode()
+            if self._wordpiece_prefix is not None:  # a word's continuation, or a new word after a space
+                prefix = self._wordpiece_prefix
+                return (piece[len(prefix):] if piece.startswith(prefix) else " " + piece).encode()
         return self._tokenizer.decode([token_id]).encode()
 
     def min_tokens(self, text: str) -> int | None:
@@ -156,6 +175,15 @@ class Vocabulary:
         longest = max((len(p) if self._byte_level else len(p.encode()) for p in pieces), default=1)
         longest = max([longest, 4, *(len(str(t.content).encode()) for t in self._added.values())])  # 4: an unk char
         return longest * (NORMALIZER_SAFETY_FACTOR if normalizer is not None else 1)
+
+
+def _wordpiece_prefix(decoder: dict[str, Any] | None) -> str | None:
+    """A WordPiece decoder's continuation prefix ("##"); None for other decoders."""
+    if decoder is None:
+        return None
+    if decoder.get("type") == "WordPiece":
+        return str(decoder.get("prefix", "##"))
+    return next((p for child in _children(decoder) if (p := _wordpiece_prefix(child)) is not None), None)
 
 
 def _replaces_metaspace(decoder: dict[str, Any] | None) -> bool:
