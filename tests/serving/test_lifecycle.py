@@ -66,12 +66,12 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(scripted_server, sc
     engine = scripted_engines[LOOP_MODEL]
     slow_steps(engine, monkeypatch, 0.01)  # the whole answer would take ~4 s
     generated = engine.stats().generation_tokens
-    started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(scripted_server.url + "/v1/messages", headers=HEADERS, timeout=0.5,
                    json={**stream_body(), "stream": False})
-    assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=2)
-    assert time.monotonic() - started < 3
+    assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=10)
+    # Aborted when the client left, not run to its end (~4 s): fewer than half its tokens. (No
+    # wall-clock bound: on a loaded CI machine the post alone once took 6.5 s.)
     assert engine.stats().generation_tokens - generated < MAX_TOKENS // 2
 
 
