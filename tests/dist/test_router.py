@@ -90,6 +90,24 @@ def test_a_conversation_stays_where_its_prefix_is_cached(replicas, engines):
     assert sum(i for _, i, _ in turns[1:]) < sum(i for _, i, _ in rr[1:])
 
 
+def test_one_key_in_either_header_is_one_caller_for_affinity(replicas, engines):
+    """Without a keys file the router keys affinity by the caller's key: "x-api-key: K" and
+    "Authorization: Bearer K" are the same caller, whose prefix is cached on one replica (the
+    raw header values were hashed, so the second form went to the other, cold replica)."""
+    model = engines[0].model_name
+    with RouterThread([s.url for s in replicas], policy="cache_aware") as router:
+        seen = []
+        for tag, headers in (("a", {"x-api-key": API_KEY}), ("b", {"authorization": f"Bearer {API_KEY}"}),
+                             ("c", {"x-api-key": API_KEY}), ("d", {"authorization": f"bearer  {API_KEY}"})):
+            r = httpx.post(router.url + "/v1/messages", headers={**headers, "anthropic-version": "2023-06-01"},
+                           json={"model": model, "max_tokens": 2, "system": SYSTEM + " header forms",
+                                 "messages": [{"role": "user", "content": f"question {tag}"}]}, timeout=60)
+            assert r.status_code == 200, r.text
+            seen.append((r.headers["x-tierlm-replica"], r.json()["usage"]["cache_read_input_tokens"]))
+    assert len({replica for replica, _ in seen}) == 1
+    assert all(cached > 0 for _, cached in seen[1:])
+
+
 def test_answers_through_the_router_equal_the_replicas_own(replicas, engines):
     """Greedy answers, streamed and not, through both SDKs: byte for byte what a replica gives
     when asked directly (the router passes bodies and event streams through unchanged)."""

@@ -60,7 +60,7 @@ from tierlm.serving.errors import (
     error_body,
 )
 from tierlm.dist.listing import ListKind, list_kind, merged_list
-from tierlm.serving.auth import Authenticator
+from tierlm.serving.auth import Authenticator, presented_key
 from tierlm.serving.telemetry import GENERATION_ROUTES
 from tierlm.serving.tenancy import Tenancy, Ticket
 from tierlm.serving.validation import DEFAULT_MAX_BODY_BYTES
@@ -437,8 +437,10 @@ class Router:
             return _Plan(self, search="any")
         model = parsed.get("model") if isinstance(parsed, dict) else None
         # The tenant's cache salt where the router knows tenants, else the caller's key: what the
-        # replicas' caches are keyed by (a key is a tenant of its own without a tenants file).
-        who = salt if salt is not None else headers.get("x-api-key") or headers.get("authorization") or ""
+        # replicas' caches are keyed by (a key is a tenant of its own without a tenants file). The
+        # key itself, however it came: "x-api-key: K" and "Authorization: Bearer K" are one caller
+        # (the raw header values sent the same prefix to two replicas, one of them cold).
+        who = salt if salt is not None else presented_key(headers) or ""
         return _Plan(self, chain=prefix_chain(hashlib.sha256(f"{who}\0{model}".encode()).digest(), data))
 
     async def _forward(self, scope: dict, receive: Callable, send: Callable, path: str,
