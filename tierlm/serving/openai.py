@@ -675,8 +675,7 @@ def chat_logprobs(engine: "AsyncEngine", logprobs: list[TokenLogprob], top_n: in
         # `token` is the text the token stands for (U+FFFD for part of a character, as OpenAI
         # shows it), or "token_id:N" (as_id); `bytes` are the token's own raw bytes, so a client
         # can join them into the text.
-        return {"token": token_text(engine, token_id, as_id), "logprob": logprob,
-                "bytes": list(vocab.token_bytes(token_id))}
+        return {"token": vocab.name(token_id, as_id), "logprob": logprob, "bytes": list(vocab.token_bytes(token_id))}
 
     return {
         "content": [

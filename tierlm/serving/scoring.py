@@ -16,18 +16,17 @@ if TYPE_CHECKING:
 
 
 def token_text(engine: "AsyncEngine", token_id: int, as_id: bool = False) -> str:
-    """How a logprobs entry names a token: the text it stands for (vocab.Vocabulary.token_text:
-    the same as its `bytes`), or (vLLM's return_tokens_as_token_ids) "token_id:N", which tells
-    apart tokens whose texts are alike (parts of one character)."""
-    return f"token_id:{token_id}" if as_id else vocabulary(engine.tokenizer).token_text(token_id)
+    """How a logprobs entry names a token (vocab.Vocabulary.name: the text its `bytes` spell)."""
+    return vocabulary(engine.tokenizer).name(token_id, as_id)
 
 
 def legacy_top(engine: "AsyncEngine", lp: TokenLogprob, top_n: int, as_id: bool = False) -> dict[str, float]:
     """One `top_logprobs` entry of the Completions API: the token itself first, then the top
     `top_n` (up to top_n + 1 entries; the token alone for logprobs=0), as OpenAI and vLLM."""
-    top = {token_text(engine, lp.token_id, as_id): lp.logprob}
+    vocab = vocabulary(engine.tokenizer)
+    top = {vocab.name(lp.token_id, as_id): lp.logprob}
     for t, v in lp.top[:top_n]:
-        top.setdefault(token_text(engine, t, as_id), v)
+        top.setdefault(vocab.name(t, as_id), v)
     return top
 
 

@@ -15,6 +15,7 @@ import math
 import re
 import threading
 import weakref
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -61,10 +62,17 @@ def _children(node: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def _has_type(node: dict[str, Any] | None, name: str) -> bool:
+def _find(node: dict[str, Any] | None, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    """The first component in `node`'s tree (itself, then inside Sequences) that `match`es."""
     if node is None:
-        return False
-    return node.get("type") == name or any(_has_type(child, name) for child in _children(node))
+        return None
+    if match(node):
+        return node
+    return next((found for child in _children(node) if (found := _find(child, match)) is not None), None)
+
+
+def _has_type(node: dict[str, Any] | None, name: str) -> bool:
+    return _find(node, lambda n: n.get("type") == name) is not None
 
 
 def _keeps_text(node: dict[str, Any], allowed: set[str]) -> bool:
@@ -125,6 +133,11 @@ class Vocabulary:
             self._texts[token_id] = cached
         return cached
 
+    def name(self, token_id: int, as_id: bool = False) -> str:
+        """How a logprobs entry names a token: `token_text`, or (vLLM's return_tokens_as_token_ids)
+        "token_id:N", which tells apart tokens whose texts are alike (parts of one character)."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
     def _compute_bytes(self, token_id: int) -> bytes:
         added = self._added.get(token_id)
         if added is not None:  # matched against the raw text, never byte-mapped
@@ -179,20 +192,14 @@ class Vocabulary:
 
 def _wordpiece_prefix(decoder: dict[str, Any] | None) -> str | None:
     """A WordPiece decoder's continuation prefix ("##"); None for other decoders."""
-    if decoder is None:
-        return None
-    if decoder.get("type") == "WordPiece":
-        return str(decoder.get("prefix", "##"))
-    return next((p for child in _children(decoder) if (p := _wordpiece_prefix(child)) is not None), None)
+    found = _find(decoder, lambda n: n.get("type") == "WordPiece")
+    return None if found is None else str(found.get("prefix", "##"))
 
 
 def _replaces_metaspace(decoder: dict[str, Any] | None) -> bool:
     """Llama-2 style decoders: Replace("▁", " ") instead of a Metaspace decoder."""
-    if decoder is None:
-        return False
-    if decoder.get("type") == "Replace":
-        return decoder.get("pattern", {}).get("String") == _METASPACE
-    return any(_replaces_metaspace(child) for child in _children(decoder))
+    return _find(decoder, lambda n: n.get("type") == "Replace"
+                 and n.get("pattern", {}).get("String") == _METASPACE) is not None
 
 
 _vocabularies: "weakref.WeakKeyDictionary[Any, Vocabulary]" = weakref.WeakKeyDictionary()
