@@ -4,8 +4,10 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import random
 import re
+import struct
 import time
 
 import pytest
@@ -1303,6 +1305,47 @@ def test_every_request_held_for_room_keeps_and_drops_its_own_reads(llama_dir, tm
     eng.abort(hog.request_id)
     assert eng.pool.num_used == 0
     llm.close()
+
+
+def test_a_new_disk_entry_is_read_in_place_and_an_older_layout_still_reads(tmp_path):
+    """A new entry's payload starts at a multiple of 64 bytes and a disk read's block is the
+    read buffer itself (no copy); an entry without that padding (written before it) decodes the
+    same, and so do bytes (Redis), copied."""
+    from tierlm.kv.tiers import _header
+
+    data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
+    h, parent = b"\x02" * 32, b"\x01" * 32
+    raw = encode_block(data, parent, 7, key=h)
+    header, start = _header(raw)
+    assert start % 64 == 0 and header["output_tokens"] == 7
+    buf = bytearray(raw)
+    got, hint = decode_entry(buf, h)
+    assert hint == 7 and torch.equal(got, data)
+    assert got.data_ptr() == torch.frombuffer(buf, dtype=torch.uint8).data_ptr() + start  # in place
+    # An entry as written before the padding: the header without the spaces, payload right after.
+    compact = re.sub(r"\s+,", ",", raw[9:start].decode())
+    old = raw[:5] + struct.pack("<I", len(compact)) + compact.encode() + raw[start:]
+    assert _header(old)[1] % 64 != 0
+    for form in (bytearray(old), old, raw):
+        got, hint = decode_entry(form, h)
+        assert hint == 7 and torch.equal(got, data)
+    disk = DiskTier(tmp_path / "d", 4)
+    disk.put(h, parent, data)
+    disk.path(h).write_bytes(old)
+    assert torch.equal(disk.get(h), data) and disk.stats.corrupt == 0
+
+
+def test_read_regular_into_a_buffer_reads_the_whole_file(tmp_path):
+    from tierlm.files import read_regular
+
+    p = tmp_path / "f"
+    for size in (0, 1, 4096, 300_001):
+        body = os.urandom(size)
+        p.write_bytes(body)
+        got = read_regular(p, 1 << 20, mutable=True)
+        assert isinstance(got, bytearray) and got == body
+    assert read_regular(p, 1000, mutable=True) is None  # longer than the limit: not read
+    assert read_regular(p, 1000, whole=False, mutable=True) == body[:1000]
 
 
 def test_disk_reads_run_side_by_side_and_a_raced_read_is_not_called_corrupt(tmp_path):
