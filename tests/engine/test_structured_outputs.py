@@ -132,6 +132,27 @@ def test_a_grammar_the_engine_cannot_follow_is_refused_before_it_runs(llm, spec,
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing half-ran
 
 
+def test_integers_past_2_to_the_53_are_refused_not_rounded(llm):
+    """llguidance reads a schema's numbers as float64: a const of 2**53 + 1 was written as 2**53
+    with 'stop', and a maximum of 2**53 + 7 let 2**53 + 8 through. Such a schema is refused by
+    name; 2**53 itself, and a large integer in an annotation (`default`), still run."""
+    big = 2 ** 53 + 1
+    for schema, where in (({"const": big}, "const"),
+                          ({"type": "object", "properties": {"n": {"type": "integer", "maximum": 2 ** 53 + 7}}},
+                           "properties.n.maximum"),
+                          ({"enum": [1, -big]}, "enum.1")):
+        with pytest.raises(InvalidRequestError, match=re.escape(f"{where}: ")) as info:
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+                json=schema)))
+        assert "past +-2**53" in str(info.value) and info.value.param == "structured_outputs"
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    ok = {"type": "object", "properties": {"default": {"const": 2 ** 53, "default": big}}, "required": ["default"],
+          "additionalProperties": False}
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, structured_outputs=(
+        StructuredOutputsParams(json=ok))))[0].outputs[0]
+    assert out.finish_reason == "stop" and json.loads(out.text) == {"default": 2 ** 53}
+
+
 def test_a_lark_grammar_keeps_its_text_and_its_embedded_schema(llm):
     """tierlm's own `lark` (the server composes one for a required tool call): literal text
     around a `%json` schema, compact as its `x-guidance` asks (a grammar's schemas get no

@@ -85,6 +85,8 @@ def test_openai_json_object_and_vllms_fields(clients, model, demo_server):
      "response_format", "this json cannot be followed"),
     ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": "required"}, "tool_choice", "cannot follow a structured output as well"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": 2 ** 53 + 1}}}},
+     "response_format", "const: 9007199254740993 is past +-2**53"),  # (was written as 2**53)
 ])
 def test_openai_structured_outputs_that_cannot_run_are_400s_naming_the_field(demo_server, model, body, param, says):
     r = post(demo_server, "/v1/chat/completions", {"model": model, "messages": USER, "max_tokens": 4, **body})

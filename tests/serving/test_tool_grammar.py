@@ -192,6 +192,8 @@ def test_a_cut_call_is_still_text_with_length(served):
 @pytest.mark.parametrize("schema, says", [
     ({"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}, "cannot follow this schema"),
     ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}}, "look-around"),
+    ({"type": "object", "properties": {"x": {"const": 2 ** 53 + 1}}, "required": ["x"]},
+     "properties.x.const: 9007199254740993 is past +-2**53"),  # (was called with 2**53)
 ])
 def test_a_schema_a_required_call_cannot_follow_is_a_400_naming_the_tool(served, schema, says):
     name, claude, oai = served[DEMO]

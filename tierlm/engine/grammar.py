@@ -48,6 +48,31 @@ def _llguidance() -> Any:
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# llguidance reads a schema's numbers as float64, so integers past 2**53 round: a `const` of
+# 2**53 + 1 was written as 2**53, a `maximum` of 2**53 + 7 let 2**53 + 8 through.
+EXACT_INTEGERS = 2 ** 53
+_ANNOTATIONS = frozenset({"default", "examples", "description", "title", "$comment"})  # (no constraint)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def inexact_integer(schema: Any, where: str = "") -> str | None:
+    """Where `schema` holds an integer llguidance cannot keep exactly (past +-2**53), as a dotted
+    path with what to do, or None: refused, as the answer would silently break the schema."""
+    if isinstance(schema, bool):
+        return None
+    if isinstance(schema, int) and abs(schema) > EXACT_INTEGERS:
+        return (f"{where or 'the schema'}: {schema} is past +-2**53 (9007199254740992), which the grammar "
+                "cannot keep exactly (its numbers are float64); use an integer within it, or a string")
+    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    names = where.rsplit(".", 1)[-1] in _SCHEMA_MAPS  # (keys here are property names, not keywords)
+    for key, value in items:
+        if isinstance(schema, dict) and not names and key in _ANNOTATIONS:
+            continue
+        if problem := inexact_integer(value, f"{where}.{key}" if where else str(key)):
+            return problem
+    return None
+
+
 def grammar_of(spec: StructuredOutputsParams) -> str:
     """`spec` as an llguidance grammar (its JSON text)."""
     matcher = _llguidance().LLMatcher
@@ -58,6 +83,8 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+        if problem := inexact_integer(schema):
+            raise ValueError(problem)
         if isinstance(schema, dict) and "x-guidance" not in schema:
             schema = {**schema, "x-guidance": COMPACT_JSON}
         return matcher.grammar_from_json_schema(schema)

@@ -21,7 +21,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from tierlm.engine.grammar import COMPACT_JSON
+from tierlm.engine.grammar import COMPACT_JSON, inexact_integer
 from tierlm.errors import TierlmError
 from tierlm.sampling_params import StructuredOutputsParams
 from tierlm.serving.errors import InvalidRequest
@@ -39,7 +39,8 @@ def arguments_schema(schema: Any, field: str) -> dict[str, Any]:
     enforced rather than refused (a client's own `x-guidance` is dropped: it could allow spacing
     or separators the call's parser does not read). No schema (OpenAI's parameters left out) is
     any object; a schema with no `type` is one of type object; one whose type cannot be an
-    object is a 400 naming `field`."""
+    object, or holding an integer past +-2**53 (engine/grammar.py's inexact_integer), is a 400
+    naming `field`."""
     if schema is None:
         schema = {}
     if object_schema_problem(schema) is None:
@@ -48,6 +49,9 @@ def arguments_schema(schema: Any, field: str) -> dict[str, Any]:
         raise InvalidRequest(f"{field}: a required call's arguments are a JSON object, and this schema's type "
                              f"is {json.dumps(schema.get('type'))}; give a schema of type object, or use "
                              "tool_choice 'auto'", param=field)
+    if problem := inexact_integer(schema):  # (not lenient: the call would silently break it)
+        raise InvalidRequest(f"{field}: a required call cannot follow this schema ({problem}); fix the schema, or "
+                             "use tool_choice 'auto', whose calls are not constrained", param=field)
     return {**schema, "x-guidance": {**COMPACT_JSON, "lenient": True}}
 
 
