@@ -542,6 +542,41 @@ def test_two_routers_sharing_a_limits_store_hold_a_tenant_to_one_limit(replicas,
         assert "3 requests per minute" in refused.value.body["error"]["message"]
 
 
+def test_requests_every_replica_sheds_give_the_router_their_request_back(replicas, engines):
+    """A request every replica refuses before any work (503 / 529: draining, the SLA guard) ran
+    nowhere: the router gives its requests_per_minute unit back, as a replica does for one it
+    sheds. It kept it, so an SDK retrying the refusals spent the tenant's minute on them and
+    met 429s once the replicas took requests again."""
+    import openai
+
+    toml = '[tenants.acme]\nkeys = ["alice"]\nrequests_per_minute = 2\n'
+    model = engines[0].model_name
+    states = [s.app.state.tierlm for s in replicas]
+    tenancy = _tenancy(toml)
+    try:
+        with RouterThread([s.url for s in replicas], auth=ApiKeyAuth.from_keys(KEYS), tenancy=tenancy,
+                          health_interval=60) as router:
+            _, o = router.clients()
+            for st in states:
+                st.draining = True
+            for _ in range(3):
+                with pytest.raises(openai.APIStatusError) as e:
+                    o.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+                assert e.value.status_code == 503
+            for st in states:
+                st.draining = False
+            for i in range(2):
+                raw = o.chat.completions.with_raw_response.create(model=model, max_tokens=2,
+                                                                  messages=[{"role": "user", "content": f"y{i}"}])
+                assert raw.headers["x-ratelimit-remaining-requests"] == str(1 - i)
+            with pytest.raises(openai.RateLimitError):  # and the limit still holds
+                o.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "z"}])
+        assert tenancy.in_flight("acme") == 0
+    finally:
+        for st in states:
+            st.draining = False
+
+
 def test_a_tenants_concurrency_limit_holds_across_replicas(replicas, engines, monkeypatch):
     tenancy = _tenancy('[tenants.acme]\nkeys = ["alice"]\nmax_concurrent = 1\n')
     model = engines[0].model_name

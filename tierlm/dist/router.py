@@ -266,8 +266,9 @@ class Router:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        shed: list[bool] = []  # set by `_attempts`: the answer was an overload refusal, no replica ran it
         try:
-            await self._forward(scope, receive, tracked, path, headers, body, style, salt, ticket)
+            await self._forward(scope, receive, tracked, path, headers, body, style, salt, ticket, shed)
         except Exception:  # a bug of the router's: logged with its trace, the client gets a 500 in its API's shape
             logger.exception("router error on %s %s", scope["method"], path)
             if started:
@@ -275,7 +276,11 @@ class Router:
             await self._error(send, APIError("internal error in the router; the cause is in its log"), style)
         finally:
             if ticket is not None:
-                await ticket.release(0)  # tokens are charged by the replica that ran the request
+                # Tokens are charged by the replica that ran the request. One that every replica
+                # shed (529 / 503: SLA guard, draining) or that found none up ran nowhere: its
+                # request unit is given back, as a replica gives back the unit of one it sheds
+                # (both SDKs retry these, and would spend the tenant's minute on refusals).
+                await ticket.release(0, refund_request=bool(shed))
 
     async def _merged_list(self, send: Callable, kind: ListKind, path: str, headers: list[tuple[str, str]],
                            query_string: bytes, style: str) -> None:
@@ -445,14 +450,15 @@ class Router:
 
     async def _forward(self, scope: dict, receive: Callable, send: Callable, path: str,
                        headers: list[tuple[str, str]], body: bytes, style: str, salt: str | None,
-                       ticket: Ticket | None) -> None:
+                       ticket: Ticket | None, shed: list[bool]) -> None:
         """Send the request on, watching for the client leaving meanwhile: then the upstream
         request is cancelled wherever it is (waiting for a non-streamed answer, or streaming),
         which closes its connection, and the replica aborts it (its KV blocks freed)."""
 
         async def attempts(cancel: anyio.CancelScope) -> None:
             try:
-                await self._attempts(scope, send, path, headers, body, style, salt, ticket)
+                if await self._attempts(scope, send, path, headers, body, style, salt, ticket):
+                    shed.append(True)
             finally:
                 cancel.cancel()
 
@@ -466,7 +472,9 @@ class Router:
             tg.start_soon(watch, tg.cancel_scope)
 
     async def _attempts(self, scope: dict, send: Callable, path: str, headers: list[tuple[str, str]],
-                        body: bytes, style: str, salt: str | None, ticket: Ticket | None) -> None:
+                        body: bytes, style: str, salt: str | None, ticket: Ticket | None) -> bool:
+        """Try the request's replicas in turn; True when the client got an overload refusal (every
+        replica shed it, or none was up): no replica ran it."""
         method = scope["method"]
         hmap = dict(headers)
         plan = self._plan(method, path, hmap, body, salt)
@@ -539,21 +547,22 @@ class Router:
                                   extra_headers=limit_headers)
             finally:
                 release()
-            return
+            return False
         if last is not None:  # every replica refused: the last refusal, as the replica said it
             status, hdrs, content = last
             await _respond(send, status, content, None, hdrs)
-            return
+            return status in (503, 529)
         self.metrics.unrouted.labels("no_replica").inc()
         down = [f"{r.name} ({r.last_error or 'down'})" for r in self.replicas if not r.up]
         if plan.search in ("not_found", "previous_not_found") and not down:
             err: APIError = InvalidRequest("no replica holds this response; it may have expired or been deleted")
             await self._error(send, err, style)
-            return
+            return False
         err = Overloaded("no replica of this server can take the request now: "
                          + ("; ".join(down) if down else "every replica refused it")
                          + ". Retry after a few seconds.", headers={"retry-after": "2"})
         await self._error(send, err, style)
+        return True
 
     def _remember(self, rid: str, r: Replica) -> None:
         self._owners[rid] = r
