@@ -376,6 +376,61 @@ def test_an_outage_falls_back_to_each_processs_own_limits_and_recovers(tmp_path,
         srv.stop()
 
 
+def test_calls_a_frozen_redis_runs_late_leave_no_slot_or_unit_taken(tmp_path):
+    """A Redis that stops answering for a while (frozen: a stall, a fork, SIGSTOP) still runs
+    the admissions that timed out once it thaws. Those requests were admitted under the
+    process's own limits and have ended, so what Redis ran late must not count: their holds
+    kept the tenant at its max_concurrent with nothing in flight until their leases lapsed
+    (20 s), and their request units were spent twice."""
+    import signal
+
+    srv = RedisServer(tmp_path)
+    srv.start()
+    store = LimitStore(srv.url, role="test", timeout=0.3, retry_after=0.2)
+    t = tenancy('[tenants.t]\nkeys = ["a"]\nmax_concurrent = 1\nrequests_per_minute = 10\n', store=store)
+    tenant = t.tenant_of("a")
+
+    async def run() -> None:
+        await (await t.admit(tenant, "openai")).release(0)  # connected: the next call is sent whole
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            local = await t.admit(tenant, "openai")  # times out: admitted under this process's limits
+            assert local.shared is None
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        await local.release(0)
+        await asyncio.sleep(0.3)  # the store is tried again
+        back = await t.admit(tenant, "openai")  # refused before: the late admission's hold
+        assert back.shared is not None
+        assert back.headers["x-ratelimit-remaining-requests"] == "8"  # the first's unit and its own only
+        await back.release(0)
+        assert await store.in_flight("t") == 0
+        await t.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        srv.stop()
+
+
+def test_an_admission_that_reaches_redis_after_its_void_takes_nothing(redis_url):
+    """Voided first (its caller gave up and the store answered again), then run (it was still
+    on its way): the admission takes no slot and no request unit."""
+    store = LimitStore(redis_url, role=f"test-{uuid.uuid4().hex}")
+
+    async def run() -> None:
+        store._remember_void("late", "t", 10)
+        await store._void_all()
+        late = await store.admit("t", 10, None, 1, "late")
+        assert not late.admitted and late.reason == "void"
+        fresh = await store.admit("t", 10, None, 1, "fresh")
+        assert fresh.admitted and fresh.in_flight == 1 and fresh.requests_level == 9
+        await store.release("t", None, "fresh", 0)
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_a_redis_that_never_answers_costs_one_timeout_then_nothing():
     """A listener that accepts and never replies (a hung Redis): the first admission waits
     out the store's timeout and is admitted under local limits; the next ones do not wait."""

@@ -39,6 +39,8 @@ logger = logging.getLogger("tierlm.serving")
 # exact (Lua's numbers are doubles: exact integers below 2**53). The scripts' numbers go back as
 # strings: Redis would cut a Lua number to a 64-bit integer.
 UNIT = 60_000
+MAX_VOIDS = 10_000  # tickets kept to void (`LimitStore._void`) while the store does not answer
+VOID_BATCH = 500  # of them per script call
 _LUA_PRELUDE = """
 if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 5)
 local now
@@ -59,10 +61,12 @@ end
 local function num(x) return string.format('%.17g', x) end
 """
 
-# KEYS: requests bucket, tokens bucket, holds. ARGV: now_ms ('' = Redis TIME), requests_per_minute,
-# tokens_per_minute, max_concurrent (0 = none), ticket, lease_ms.
+# KEYS: requests bucket, tokens bucket, holds, the ticket's void mark. ARGV: now_ms ('' = Redis
+# TIME), requests_per_minute, tokens_per_minute, max_concurrent (0 = none), ticket, lease_ms.
 # Returns {admitted (1/0), reason, wait_ms, requests level, tokens level (units), in flight}.
+# A ticket voided already (its caller gave up waiting: `_VOID`) takes nothing when it arrives.
 _ADMIT = _LUA_PRELUDE + """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'void', '0', '0', '0', 0} end
 local rpm, tpm, maxc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local req = rpm > 0 and level(KEYS[1], rpm) or 0
 local tok = tpm > 0 and level(KEYS[2], tpm) or 0
@@ -93,6 +97,24 @@ redis.call('ZREM', KEYS[2], ARGV[3])
 local tpm, tokens, refund = tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if tpm > 0 and tokens > 0 then store(KEYS[1], tpm, level(KEYS[1], tpm) - tokens * 60000) end
 if refund > 0 then store(KEYS[3], refund, math.min(refund * 60000, level(KEYS[3], refund) + 60000)) end
+return 1
+"""
+
+# KEYS: per ticket: holds, requests bucket, its void mark. ARGV: now_ms, lease_ms, then per ticket:
+# the ticket, requests_per_minute to give its unit back under (0 = keep it).
+# Ends tickets whose calls timed out or failed, so whether Redis ran them is not known: each one's
+# hold goes (where it was there, its admission ran: its request unit comes back), and its mark
+# keeps an admission still on its way from taking anything when it arrives.
+_VOID = _LUA_PRELUDE + """
+local lease = tonumber(ARGV[2])
+for k = 0, #KEYS / 3 - 1 do
+  local ticket, refund = ARGV[3 + 2 * k], tonumber(ARGV[4 + 2 * k])
+  local holds, requests, mark = KEYS[1 + 3 * k], KEYS[2 + 3 * k], KEYS[3 + 3 * k]
+  redis.call('SET', mark, '1', 'PX', lease)
+  if redis.call('ZREM', holds, ticket) == 1 and refund > 0 then
+    store(requests, refund, math.min(refund * 60000, level(requests, refund) + 60000))
+  end
+end
 return 1
 """
 
@@ -150,6 +172,12 @@ class LimitStore:
         self._down_since: float | None = None
         # Tickets this process holds: ticket id → holds key (renewed until released).
         self._held: dict[str, str] = {}
+        # Tickets whose admission or release timed out or failed (Redis may yet run it, or may have
+        # run it without the answer arriving): ticket id → (tenant id, requests_per_minute to give
+        # back, 0 for a release), voided (`_VOID`) before the next admission the store answers. Else a frozen
+        # Redis ran each admission that timed out once it thawed, and their holds kept the tenant
+        # at its max_concurrent, with nothing in flight, until their leases lapsed.
+        self._void: dict[str, tuple[str, int]] = {}
         self._renewer: asyncio.Task | None = None
         self.failures = 0
         self.on_failure: Callable[[], None] | None = None  # build_app counts failures in /metrics
@@ -162,6 +190,9 @@ class LimitStore:
         base = f"tierlm:limits:{self.role}:{tag}"
         return f"{base}:requests", f"{base}:tokens", f"{base}:holds"
 
+    def _void_key(self, ticket: str) -> str:
+        return f"tierlm:limits:{self.role}:void:{ticket}"
+
     # ---- calls ----------------------------------------------------------------------------
 
     @property
@@ -172,9 +203,17 @@ class LimitStore:
     async def admit(self, tenant_id: str, requests_per_minute: int | None, tokens_per_minute: int | None,
                     max_concurrent: int | None, ticket: str) -> StoreAdmission:
         keys = self._keys(tenant_id)
-        reply = await self._run("admit", list(keys), [
-            self._now(), requests_per_minute or 0, tokens_per_minute or 0, max_concurrent or 0, ticket,
-            int(self.lease * 1000)])
+        if self._void and self.available:
+            await self._void_all()
+        sent = self.available
+        try:
+            reply = await self._run("admit", [*keys, self._void_key(ticket)], [
+                self._now(), requests_per_minute or 0, tokens_per_minute or 0, max_concurrent or 0, ticket,
+                int(self.lease * 1000)])
+        except LimitStoreUnavailable:
+            if sent:  # it may have reached Redis, or may yet
+                self._remember_void(ticket, tenant_id, requests_per_minute or 0)
+            raise
         admitted = int(reply[0]) == 1
         if admitted and max_concurrent:
             self._held[ticket] = keys[2]
@@ -190,8 +229,12 @@ class LimitStore:
         requests_per_minute): give its request's unit back too (the server shed it)."""
         requests_key, tokens_key, holds = self._keys(tenant_id)
         self._held.pop(ticket, None)  # not renewed again, whatever Redis says now
-        await self._run("release", [tokens_key, holds, requests_key],
-                        [self._now(), tokens_per_minute or 0, ticket, max(0, tokens), refund_rpm or 0])
+        try:
+            await self._run("release", [tokens_key, holds, requests_key],
+                            [self._now(), tokens_per_minute or 0, ticket, max(0, tokens), refund_rpm or 0])
+        except LimitStoreUnavailable:
+            self._remember_void(ticket, tenant_id, 0)  # its slot freed once the store answers
+            raise
 
     async def renew(self) -> None:
         """Renew the leases of every ticket this process holds (one script call)."""
@@ -214,6 +257,26 @@ class LimitStore:
             seconds, micros = await client.time()
             now = seconds * 1000 + micros // 1000
         return int(await asyncio.wait_for(client.zcount(holds, f"({now}", "+inf"), self.timeout))
+
+    def _remember_void(self, ticket: str, tenant_id: str, refund_rpm: int) -> None:
+        self._void[ticket] = (tenant_id, refund_rpm)
+        while len(self._void) > MAX_VOIDS:  # a store away for long: the oldest lapse on their own
+            del self._void[next(iter(self._void))]
+
+    async def _void_all(self) -> None:
+        """Void the tickets whose calls failed, before an admission reads the holds they may have
+        left (raises LimitStoreUnavailable: kept for the next try)."""
+        while self._void:
+            batch = list(self._void.items())[:VOID_BATCH]
+            keys: list[str] = []
+            args: list[Any] = [self._now(), int(self.lease * 1000)]
+            for ticket, (tenant_id, refund) in batch:
+                requests_key, _, holds = self._keys(tenant_id)
+                keys += [holds, requests_key, self._void_key(ticket)]
+                args += [ticket, refund]
+            await self._run("void", keys, args)
+            for ticket, _ in batch:
+                self._void.pop(ticket, None)
 
     async def close(self) -> None:
         if self._renewer is not None:
@@ -242,7 +305,7 @@ class LimitStore:
             self._client = aioredis.Redis.from_url(lower_scheme(self.url), socket_timeout=self.timeout,
                                                    socket_connect_timeout=self.timeout)
             self._scripts = {name: self._client.register_script(source) for name, source in
-                             (("admit", _ADMIT), ("release", _RELEASE), ("renew", _RENEW))}
+                             (("admit", _ADMIT), ("release", _RELEASE), ("renew", _RENEW), ("void", _VOID))}
             self._loop = loop
             self._renewer = None
         return self._client
