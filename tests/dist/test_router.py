@@ -577,6 +577,24 @@ def test_requests_every_replica_sheds_give_the_router_their_request_back(replica
             st.draining = False
 
 
+def test_the_routers_429_claims_nothing_of_the_tokens_the_replicas_count(replicas, engines):
+    """tokens_per_minute is counted where requests run (the replicas): the router's 429 names
+    its request limit and carries no token headers. It carried its own never-charged bucket's,
+    "600 remaining" of 600, whatever the replicas had counted."""
+    import anthropic
+
+    toml = '[tenants.acme]\nkeys = ["alice"]\nrequests_per_minute = 1\ntokens_per_minute = 600\n'
+    model = engines[0].model_name
+    with RouterThread([s.url for s in replicas], auth=ApiKeyAuth.from_keys(KEYS), tenancy=_tenancy(toml)) as router:
+        a, _ = router.clients()
+        a.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "one"}])
+        with pytest.raises(anthropic.RateLimitError) as e:
+            a.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "two"}])
+    headers = e.value.response.headers
+    assert headers["anthropic-ratelimit-requests-remaining"] == "0" and int(headers["retry-after"]) > 0
+    assert not [h for h in headers if h.startswith("anthropic-ratelimit-tokens")]
+
+
 def test_a_tenants_concurrency_limit_holds_across_replicas(replicas, engines, monkeypatch):
     tenancy = _tenancy('[tenants.acme]\nkeys = ["alice"]\nmax_concurrent = 1\n')
     model = engines[0].model_name

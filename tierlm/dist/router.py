@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 from urllib.parse import parse_qsl
 
@@ -364,7 +364,11 @@ class Router:
         tenant = self.config.tenancy.tenant_of(key_id)
         ticket = None
         if method == "POST" and path in GENERATION_ROUTES and self.config.admit_limits:
-            ticket = await self.config.tenancy.admit(tenant, style)  # type: ignore[arg-type]
+            # Without its tokens_per_minute: the replicas count tokens (they are known where a
+            # request ran); the router's own bucket of them, never charged, put "all remaining"
+            # token headers on its 429s.
+            routed = replace(tenant, limits=replace(tenant.limits, tokens_per_minute=None))
+            ticket = await self.config.tenancy.admit(routed, style)  # type: ignore[arg-type]
         return tenant.cache_salt, ticket
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:
