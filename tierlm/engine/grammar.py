@@ -57,19 +57,22 @@ _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitio
 
 def inexact_integer(schema: Any, where: str = "") -> str | None:
     """Where `schema` holds an integer llguidance cannot keep exactly (past +-2**53), as a dotted
-    path with what to do, or None: refused, as the answer would silently break the schema."""
-    if isinstance(schema, bool):
-        return None
-    if isinstance(schema, int) and abs(schema) > EXACT_INTEGERS:
-        return (f"{where or 'the schema'}: {schema} is past +-2**53 (9007199254740992), which the grammar "
-                "cannot keep exactly (its numbers are float64); use an integer within it, or a string")
-    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
-    names = where.rsplit(".", 1)[-1] in _SCHEMA_MAPS  # (keys here are property names, not keywords)
-    for key, value in items:
-        if isinstance(schema, dict) and not names and key in _ANNOTATIONS:
+    path with what to do, or None: refused, as the answer would silently break the schema.
+    Iterative: a schema is nested as deep as the request's JSON allows."""
+    stack: list[tuple[str, Any]] = [(where, schema)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, int) and not isinstance(node, bool) and abs(node) > EXACT_INTEGERS:
+            return (f"{path or 'the schema'}: {node} is past +-2**53 (9007199254740992), which the grammar "
+                    "cannot keep exactly (its numbers are float64); use an integer within it, or a string")
+        if isinstance(node, dict):
+            names = path.rsplit(".", 1)[-1] in _SCHEMA_MAPS  # (keys here are property names, not keywords)
+            items = [(k, v) for k, v in node.items() if names or k not in _ANNOTATIONS]
+        elif isinstance(node, list):
+            items = list(enumerate(node))
+        else:
             continue
-        if problem := inexact_integer(value, f"{where}.{key}" if where else str(key)):
-            return problem
+        stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(items))
     return None
 
 
