@@ -85,3 +85,26 @@ def test_a_bad_kv_share_is_refused_by_name_and_changes_nothing(llama_dir, share)
     with pytest.raises(InvalidRequestError, match="kv_share must be a fraction"):
         _add(eng, "t", 8, 2, share)
     assert not eng.has_unfinished() and eng.pool.num_used == 0
+
+
+def test_speculative_guesses_stay_within_the_tenants_kv_quota(llama_dir):
+    """A guess's slot is held like any token's: guesses past the quota overshot it for the step
+    they ran in (two requests that repeat themselves, quota 10 blocks of 8: one was 11)."""
+    eng = _engine(llama_dir, "fair", max_num_seqs=8, kv_cache_memory="40 blocks",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    loop = [7, 8, 9, 10, 11]
+    reqs = [eng.add_request({"prompt_token_ids": loop * k + [12 + k]},
+                            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                            tenant_id="q", kv_share=0.25) for k in (3, 4, 5)]
+    over = []
+
+    def each_step():
+        mine = [r for r in eng.scheduler.running if tenant_of(r) == "q"]
+        held = sum(len(r.blocks) for r in mine)
+        if len(mine) > 1 and held > 10:
+            over.append(held)
+
+    _run(eng, reqs, each_step)
+    assert not over
+    assert all(r.num_output_tokens == 40 for r in reqs)
+    assert eng.stats().spec_accepted_tokens > 0

@@ -46,6 +46,18 @@ class KVQuotas:
         held, count = self.held(tenant_of(req), running)
         return count == 0 or held + self.committed(req) <= quota
 
+    def draft_room(self, req: Request, running: list[Request]) -> int | None:
+        """Speculative guesses running `req` may take slots for without its tenant's running
+        requests holding more than its quota (None: no limit). Why: a guess's slot is held like
+        any token's, and guesses past the quota overshot it for a whole step."""
+        tenant = tenant_of(req)
+        mine = [r for r in running if tenant_of(r) == tenant]
+        quotas = [q for q in map(self.quota, mine) if q is not None]
+        if not quotas or len(mine) < 2:
+            return None  # no quota, or a lone request (which may outgrow it anyway)
+        left = max(0, min(quotas) - sum(self.committed(r) for r in mine))
+        return max(0, (self.committed(req) + left) * self.block_size - req.num_tokens)
+
     def over(self, running: list[Request]) -> list[str]:
         """Tenants with a quota whose running requests (two or more) hold more than it allows."""
         tenants: dict[str, int] = {}

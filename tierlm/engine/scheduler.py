@@ -175,14 +175,17 @@ class Scheduler:
 
     def _speculate(self, req: Request, budget: int) -> bool:
         """A decode with guesses at its next tokens (speculative.py): set them and their slots, if
-        it may speculate, a guess is found and the budget and the pool have room for them (else it
-        decodes one token, and a pool short of room preempts as for any decode)."""
+        it may speculate, a guess is found and the budget, its tenant's KV quota and the pool have
+        room for them (else it decodes one token, and a pool short of room preempts as for any
+        decode)."""
         req.spec_token_ids = []
         if self.proposer is None or budget < 2 or req.num_tokens - req.num_computed_tokens != 1:
             return False
         if not self.proposer.guesses_at(len(self.running)):
             return False
-        drafts = self.proposer.propose(req, min(self.proposer.room(req), budget - 1))
+        limit = min(self.proposer.room(req), budget - 1)
+        quota_room = self.quotas.draft_room(req, self.running)
+        drafts = self.proposer.propose(req, limit if quota_room is None else min(limit, quota_room))
         if not drafts or not self.kv.allocate(req, 1 + len(drafts)):
             return False
         req.spec_token_ids = drafts
