@@ -108,3 +108,18 @@ def test_speculative_guesses_stay_within_the_tenants_kv_quota(llama_dir):
     assert not over
     assert all(r.num_output_tokens == 40 for r in reqs)
     assert eng.stats().spec_accepted_tokens > 0
+
+
+def test_a_tenants_requests_with_different_shares_are_held_to_the_least_without_churn(llama_dir):
+    """A request admitted by its own larger share was preempted at the next step by the running
+    request's smaller one, then admitted again: 30 preemptions (and recomputes) for one request."""
+    eng = _engine(llama_dir, "fair", max_num_seqs=8, kv_cache_memory="40 blocks")
+    strict = _add(eng, "t", 30, 40, 0.1)  # quota 4 blocks: it runs alone past it
+    loose = _add(eng, "t", 30, 40, 1.0)
+
+    def each_step():
+        assert sum(1 for r in eng.scheduler.running if r.tenant_id == "t") <= 1
+
+    _run(eng, [strict, loose], each_step)
+    assert strict.num_preemptions == 0 and loose.num_preemptions == 0
+    assert strict.num_output_tokens == loose.num_output_tokens == 40

@@ -11,7 +11,8 @@ request, however large: a quota bounds how many run at once, never whether one c
 A running request counts the blocks it holds or will hold for the tokens it has (a prompt still
 being prefilled in chunks counts whole), so requests admitted in consecutive steps cannot
 together overshoot. Blocks shared between a tenant's requests (a common prefix) count once per
-request: the quota is on what the requests reference, a safe over-estimate.
+request: the quota is on what the requests reference, a safe over-estimate. Requests of one
+tenant that carry different shares hold it to the least of them.
 """
 from __future__ import annotations
 
@@ -38,13 +39,22 @@ class KVQuotas:
         mine = [r for r in running if tenant_of(r) == tenant]
         return sum(self.committed(r) for r in mine), len(mine)
 
+    def tenant_quota(self, reqs: list[Request]) -> int | None:
+        """The quota of a tenant whose requests are `reqs`: the least any of them carries (None:
+        none carries one). Why the least: admitting by a request's own, larger share while
+        `over` held the tenant to a running one's smaller share preempted it at the next step,
+        and admitted it again, step after step."""
+        quotas = [q for q in map(self.quota, reqs) if q is not None]
+        return min(quotas) if quotas else None
+
     def admits(self, req: Request, running: list[Request]) -> bool:
         """Whether `req` may start now: its tenant runs nothing, or its tokens fit in the rest."""
-        quota = self.quota(req)
-        if quota is None:
+        tenant = tenant_of(req)
+        mine = [r for r in running if tenant_of(r) == tenant]
+        quota = self.tenant_quota([req, *mine])
+        if quota is None or not mine:
             return True
-        held, count = self.held(tenant_of(req), running)
-        return count == 0 or held + self.committed(req) <= quota
+        return sum(self.committed(r) for r in mine) + self.committed(req) <= quota
 
     def draft_room(self, req: Request, running: list[Request]) -> int | None:
         """Speculative guesses running `req` may take slots for without its tenant's running
@@ -52,23 +62,20 @@ class KVQuotas:
         any token's, and guesses past the quota overshot it for a whole step."""
         tenant = tenant_of(req)
         mine = [r for r in running if tenant_of(r) == tenant]
-        quotas = [q for q in map(self.quota, mine) if q is not None]
-        if not quotas or len(mine) < 2:
+        quota = self.tenant_quota(mine)
+        if quota is None or len(mine) < 2:
             return None  # no quota, or a lone request (which may outgrow it anyway)
-        left = max(0, min(quotas) - sum(self.committed(r) for r in mine))
+        left = max(0, quota - sum(self.committed(r) for r in mine))
         return max(0, (self.committed(req) + left) * self.block_size - req.num_tokens)
 
     def over(self, running: list[Request]) -> list[str]:
         """Tenants with a quota whose running requests (two or more) hold more than it allows."""
-        tenants: dict[str, int] = {}
+        by_tenant: dict[str, list[Request]] = {}
         for r in running:
-            quota = self.quota(r)
-            if quota is not None:
-                t = tenant_of(r)
-                tenants[t] = min(quota, tenants.get(t, quota))
+            by_tenant.setdefault(tenant_of(r), []).append(r)
         out = []
-        for t, quota in tenants.items():
-            held, count = self.held(t, running)
-            if count > 1 and held > quota:
+        for t, mine in by_tenant.items():
+            quota = self.tenant_quota(mine)
+            if quota is not None and len(mine) > 1 and sum(self.committed(r) for r in mine) > quota:
                 out.append(t)
         return out
