@@ -56,13 +56,20 @@ class KVQuotas:
             return True
         return sum(self.committed(r) for r in mine) + self.committed(req) <= quota
 
-    def draft_room(self, req: Request, running: list[Request]) -> int | None:
+    def groups(self, running: list[Request]) -> dict[str, list[Request]]:
+        """Running requests by tenant, for the tenants some request of which carries a quota:
+        built once a step, so that `draft_room` for each decode is not a scan of all of them."""
+        by_tenant: dict[str, list[Request]] = {}
+        for r in running:
+            by_tenant.setdefault(tenant_of(r), []).append(r)
+        return {t: mine for t, mine in by_tenant.items() if any(r.kv_share is not None for r in mine)}
+
+    def draft_room(self, req: Request, mine: list[Request] | None) -> int | None:
         """Speculative guesses running `req` may take slots for without its tenant's running
-        requests holding more than its quota (None: no limit). Why: a guess's slot is held like
-        any token's, and guesses past the quota overshot it for a whole step."""
-        tenant = tenant_of(req)
-        mine = [r for r in running if tenant_of(r) == tenant]
-        quota = self.tenant_quota(mine)
+        requests (`mine`, from `groups`; None: none carries a quota) holding more than its quota
+        (None: no limit). Why: a guess's slot is held like any token's, and guesses past the
+        quota overshot it for a whole step."""
+        quota = None if mine is None else self.tenant_quota(mine)
         if quota is None or len(mine) < 2:
             return None  # no quota, or a lone request (which may outgrow it anyway)
         left = max(0, quota - sum(self.committed(r) for r in mine))

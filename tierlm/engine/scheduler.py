@@ -106,11 +106,12 @@ class Scheduler:
         # 1) running requests: decodes first, then unfinished prefills, in priority order.
         self.running.sort(key=Request.sort_key)
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        quota_groups = self.quotas.groups(self.running) if self.proposer is not None else {}
         for req in order:
             if req not in self.running or budget <= 0:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._speculate(req, budget):
+            if self._speculate(req, budget, quota_groups.get(tenant_of(req))):
                 chosen[req] = 1 + len(req.spec_token_ids)
                 budget -= chosen[req]
                 continue
@@ -173,10 +174,11 @@ class Scheduler:
             self.fair.charge(pending)
         return out
 
-    def _speculate(self, req: Request, budget: int) -> bool:
+    def _speculate(self, req: Request, budget: int, tenant_running: list[Request] | None) -> bool:
         """A decode with guesses at its next tokens (speculative.py): set them and their slots, if
-        it may speculate, a guess is found and the budget, its tenant's KV quota and the pool have
-        room for them (else it decodes one token, and a pool short of room preempts as for any
+        it may speculate, a guess is found and the budget, its tenant's KV quota (over
+        `tenant_running`, its running requests when one carries a quota) and the pool have room
+        for them (else it decodes one token, and a pool short of room preempts as for any
         decode)."""
         req.spec_token_ids = []
         if self.proposer is None or budget < 2 or req.num_tokens - req.num_computed_tokens != 1:
@@ -184,7 +186,7 @@ class Scheduler:
         if not self.proposer.guesses_at(len(self.running)):
             return False
         limit = min(self.proposer.room(req), budget - 1)
-        quota_room = self.quotas.draft_room(req, self.running)
+        quota_room = self.quotas.draft_room(req, tenant_running)
         drafts = self.proposer.propose(req, limit if quota_room is None else min(limit, quota_room))
         if not drafts or not self.kv.allocate(req, 1 + len(drafts)):
             return False
