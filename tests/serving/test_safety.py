@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.harness import ServerThread, record_requests
+from tests.serving.harness import ServerThread, record_requests, wait_until
 from tests.serving.scripted_model import LOOP_MODEL, REPLY, TEXT_MODEL
 from tests.serving.test_cli import free_port, serve
 from tests.serving.test_telemetry import value
@@ -156,6 +156,34 @@ def test_a_prompt_that_breaks_an_input_policy_never_reaches_the_engine(server, e
     message = claude.messages.create(model=TEXT_MODEL, max_tokens=50,
                                      messages=[{"role": "user", "content": "forbidden, a phrase"}])
     assert message.stop_reason == "refusal" and len(seen) == 1  # (bronze: its answer's "STOP gamma")
+
+
+def test_a_refused_prompts_log_line_reports_the_usage_its_client_got(server, caplog):
+    """The refused prompt never ran, but its client is told its input tokens: the request's log
+    line (and span, and prompt-length histogram) say the same, not 0; the token counters,
+    which count prompts the engine ran, leave it out."""
+    import json
+    import logging
+
+    metrics = lambda: httpx.get(server.url + "/metrics").text  # noqa: E731
+    before = metrics()
+    claude, oai = clients(server, "zeta")
+    with caplog.at_level(logging.INFO, logger="tierlm.requests"):
+        message = claude.messages.create(model=TEXT_MODEL, max_tokens=50, messages=BAD)
+        chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=50, messages=BAD)
+        told = [message.usage.input_tokens, chat.usage.prompt_tokens]
+        lines = lambda: [json.loads(r.getMessage()) for r in caplog.records if r.name == "tierlm.requests"]  # noqa: E731
+        assert wait_until(lambda: len(lines()) == 2)  # each is written just after its last byte is sent
+    assert told[0] > 0 and told[1] > 0
+    lines = lines()
+    assert [(ln["prompt_tokens"], ln["finish_reason"]) for ln in lines] == [(n, "content_filter") for n in told]
+    after = metrics()
+
+    def delta(name: str) -> float:
+        return value(after, name, model=TEXT_MODEL, tenant="zeta") - value(before, name, model=TEXT_MODEL, tenant="zeta")
+
+    assert delta("tierlm:request_prompt_tokens_sum") == sum(told)
+    assert delta("tierlm:prompt_tokens_total") == 0
 
 
 def test_a_stopped_endless_answer_frees_the_engine_at_once(server, engines):

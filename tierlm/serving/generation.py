@@ -635,6 +635,8 @@ class EngineStream:
             policy = await until_disconnect(request, asyncio.to_thread(self._prompt_breaks, ctx))
             if policy is not None:
                 self._on_policy(policy, "input")
+                if self._observer is not None:
+                    self._observer.on_refused_prompt(len(self.prompt_token_ids), self.prompt_index)
                 self.finished = True
                 self._first = refused_delta(ctx.request_id, len(self.prompt_token_ids), policy)
                 return self._first

@@ -367,6 +367,15 @@ class RequestTelemetry:
     shed: bool = False  # the SLA guard refused it (on_shed)
     # A cache warm (Anthropic's max_tokens 0): the prompt length the client is told; None otherwise
     warm_prompt_tokens: int | None = None
+    # Prompt index -> the length of a prompt an input policy refused (never run, never charged),
+    # which the client's usage still reports
+    _refused: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def usage_prompt_tokens(self) -> int:
+        """The prompt tokens the client's usage reports: a refused prompt's too, though the
+        engine never ran it (so the token counters, and the tenant's bill, leave it out)."""
+        return self.num_prompt_tokens + sum(self._refused.values())
 
     @property
     def submitted_prompt_tokens(self) -> int:
@@ -411,6 +420,11 @@ class RequestTelemetry:
             self.finish_reason = "content_filter"
         if self.owner:
             self.owner.metrics.safety.labels(model, self.tenant, policy, action).inc()
+
+    def on_refused_prompt(self, num_prompt_tokens: int, prompt_index: int = 0) -> None:
+        """An input policy refused prompt `prompt_index`, of `num_prompt_tokens` (after
+        `on_safety`): the client's usage still reports them, so the log line and span do too."""
+        self._refused[prompt_index] = num_prompt_tokens
 
     def warming(self, num_prompt_tokens: int) -> None:
         """The request only warms the cache (Anthropic's max_tokens 0): the one token the engine
@@ -535,7 +549,7 @@ class RequestTelemetry:
                                ("decode", m.decode)):
                 if lat[name] is not None:
                     hist.labels(*lbl).observe(lat[name])
-            m.request_prompt_tokens.labels(*lbl).observe(self.num_prompt_tokens)
+            m.request_prompt_tokens.labels(*lbl).observe(self.usage_prompt_tokens)
             m.request_generation_tokens.labels(*lbl).observe(self.num_output_tokens)
         trace_id = self._end_span(lat) if self.span is not None else None
         if owner.log_requests:
@@ -550,7 +564,7 @@ class RequestTelemetry:
         record: dict[str, Any] = {
             "event": "request", "request_id": self.request_id, "model": self.model, "tenant": self.tenant,
             "route": self.route, "status": self.status, "finish_reason": self.finish_reason,
-            "prompt_tokens": self.num_prompt_tokens, "cached_tokens": self.num_cached_tokens,
+            "prompt_tokens": self.usage_prompt_tokens, "cached_tokens": self.num_cached_tokens,
             "output_tokens": self.num_output_tokens, "ttft_ms": ms(lat["ttft"]),
             "duration_ms": ms(time.monotonic() - self.arrival), "queue_ms": ms(lat["queue"]),
         }
@@ -569,7 +583,7 @@ class RequestTelemetry:
         attrs: dict[str, Any] = {
             "gen_ai.request.model": self.model, "gen_ai.response.model": self.model,
             "gen_ai.response.id": self.response_id or self.request_id,
-            "gen_ai.usage.input_tokens": self.num_prompt_tokens,
+            "gen_ai.usage.input_tokens": self.usage_prompt_tokens,
             "gen_ai.usage.output_tokens": self.num_output_tokens,
             "gen_ai.usage.cache_read.input_tokens": self.num_cached_tokens,
             "http.response.status_code": int(self.status or 0),
