@@ -539,3 +539,20 @@ def test_real_request_trace_tree(traced_server):
     chunk_ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
     assert len(chunk_ids) == 1 and a["gen_ai.response.id"] == chunk_ids.pop().strip()
     assert a["gen_ai.response.id"].startswith("chatcmpl-") and a["tierlm.request_id"] == r.headers["request-id"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, body", [("/v1/score", {"text_1": "query", "text_2": ["doc one", "doc two"]}),
+                                        ("/v1/rerank", {"query": "query", "documents": ["doc one", "doc two"]})])
+def test_score_and_rerank_spans_carry_the_id_their_client_got(traced_server, path, body):
+    server, engine, exporter = traced_server
+    exporter.clear()
+    with _client(server) as c:
+        r = c.post(path, json={"model": engine.model_name, **body})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 5
+    while not any(s.parent is None for s in exporter.get_finished_spans()) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the request span ends just after the last byte is sent
+    (root,) = [s for s in exporter.get_finished_spans() if s.parent is None]
+    assert root.attributes["gen_ai.response.id"] == r.json()["id"]
+    assert root.attributes["tierlm.request_id"] == r.headers["request-id"]

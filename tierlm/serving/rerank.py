@@ -25,6 +25,7 @@ from tierlm.serving.errors import InvalidRequest
 from tierlm.serving.openai_embeddings import embed_inputs
 from tierlm.serving.protocol_openai import MAX_EMBEDDING_INPUTS, _Body, _checked_truncation
 from tierlm.serving.state import server_state
+from tierlm.serving.telemetry import request_telemetry
 
 router = APIRouter()
 M = TypeVar("M")
@@ -117,8 +118,9 @@ async def score(request: Request) -> Response:
     texts = ([(t, "text_1" if len(left) == 1 else f"text_1.{i}") for i, t in enumerate(left)]
              + [(t, "text_2" if len(right) == 1 else f"text_2.{j}") for j, t in enumerate(right)])
     scores, tokens = await _similarities(request, context, body, texts, [(a, len(left) + b) for a, b in pairs])
+    response_id = request_telemetry(request).response_id = f"score-{uuid.uuid4().hex}"  # the span's too
     return JSONResponse({
-        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
+        "id": response_id, "object": "list", "created": int(time.time()), "model": body.model,
         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}})
 
@@ -132,7 +134,8 @@ async def rerank(request: Request) -> Response:
     scores, tokens = await _similarities(request, context, body, texts,
                                          [(0, 1 + i) for i in range(len(body.documents))])
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n or None]
+    response_id = request_telemetry(request).response_id = f"rerank-{uuid.uuid4().hex}"  # the span's too
     return JSONResponse({
-        "id": f"rerank-{uuid.uuid4().hex}", "model": body.model, "usage": {"total_tokens": tokens},
+        "id": response_id, "model": body.model, "usage": {"total_tokens": tokens},
         "results": [{"index": i, **({"document": {"text": body.documents[i]}} if body.return_documents else {}),
                      "relevance_score": scores[i]} for i in order]})
