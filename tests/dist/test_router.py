@@ -353,6 +353,34 @@ def test_a_message_naming_an_uploaded_file_goes_where_the_file_is(replicas, engi
             c.messages.create(**ask("file_nowhere"))
 
 
+def test_openai_file_parts_go_where_the_file_is(replicas, engines):
+    """A Chat Completions file part or a Responses input_file naming an uploaded file (OpenAI's
+    `file-...` ids) is sent to the replica holding it, as an Anthropic document is: round robin
+    alone sent every other one to the replica without it, a 400 'file not found'."""
+    model = engines[0].model_name
+    urls = [s.url for s in replicas]
+
+    def chat(o, file_id: str):
+        return o.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "file", "file": {"file_id": file_id}}, {"type": "text", "text": "Summarise"}]}])
+
+    def respond(o, file_id: str):
+        return o.responses.create(model=model, max_output_tokens=16, input=[{"role": "user", "content": [
+            {"type": "input_file", "file_id": file_id}, {"type": "input_text", "text": "Summarise"}]}])
+
+    with RouterThread(urls, policy="round_robin") as router:
+        _, o = router.clients()
+        files = [o.files.create(file=(f"n{i}.txt", f"notes number {i}".encode()), purpose="user_data")
+                 for i in range(2)]  # one on each replica
+        for f in files * 2:
+            assert chat(o, f.id).usage.completion_tokens >= 1
+            assert respond(o, f.id).usage.output_tokens >= 1
+    with RouterThread(list(reversed(urls)), policy="round_robin") as fresh:  # knows no owners: asks each
+        _, o = fresh.clients()
+        for f in files * 2:
+            assert chat(o, f.id).usage.completion_tokens >= 1
+
+
 def test_lists_of_files_and_batches_merge_every_replicas(replicas, engines):
     """Files and batches live on their replicas; a list through the router has them all, newest
     first, paged by the client's own limit and cursor in each API's shape."""

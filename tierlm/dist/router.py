@@ -87,9 +87,11 @@ _OWN_RESPONSE_HEADERS = {"server", "date"}  # the router's server sets its own
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp_|msgbatch_|batch_|file-|file_)[A-Za-z0-9_\-]+)"')
 _ID_ROUTE = re.compile(r"^/v1/(?:responses|messages/batches|batches|files)/((?:resp_|msgbatch_|batch_|file-|file_)"
                        r"[A-Za-z0-9_\-]+)(/.*)?$")
-# An Anthropic request naming an uploaded file (a document block's source): sent where the file is
-_FILE_REF = re.compile(rb'"file_id"\s*:\s*"(file_[A-Za-z0-9]+)"')
-_NAMES_FILES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/batches")
+# A request naming an uploaded file (an Anthropic document's source, `file_...`; a Chat
+# Completions file part or a Responses input_file, `file-...`): sent where the file is
+_FILE_REF = re.compile(rb'"file_id"\s*:\s*"(file[_-][A-Za-z0-9]+)"')
+_NAMES_FILES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/batches", "/v1/chat/completions",
+                "/v1/responses")
 # POSTed: the answer's id is remembered
 _CREATES_OBJECT = ("/v1/responses", "/v1/messages/batches", "/v1/batches", "/v1/files")
 
