@@ -458,6 +458,68 @@ def test_a_batchs_results_are_kept_past_the_files_cap(scripted_models):
         srv.stop()
 
 
+def test_batches_created_at_once_with_a_batches_dir_are_held_to_the_tenants_cap(scripted_models, tmp_path,
+                                                                              monkeypatch):
+    """max_batch_requests 5 with --batches-dir: batches of 3 created at once, through both APIs,
+    admit one, and the others get 429s. The cap was checked before the batch was written to the
+    directory (in a thread) and counted only after, so batches created meanwhile all passed it
+    (four of 3 requests each were taken against a cap of 5)."""
+    import threading
+
+    import anthropic
+
+    from tierlm.serving.batches import BatchJournal, BatchStore
+
+    (tmp_path / "t.toml").write_text('[tenants.acme]\nkeys = ["a"]\nmax_batch_requests = 5\n')
+    engine = scripted_models[LOOP_MODEL].engine(LOOP_MODEL)
+    slow_steps(engine, monkeypatch, 0.02)
+    written = BatchJournal.created
+
+    def slow_write(self, batch):  # a slow disk: the window every create waited in
+        time.sleep(0.3)
+        written(self, batch)
+
+    monkeypatch.setattr(BatchJournal, "created", slow_write)
+    srv = ServerThread(build_app({LOOP_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                                 tenancy=Tenancy.from_file(tmp_path / "t.toml", KEYS),
+                                 batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))).start()
+    try:
+        o = client(srv, "a")
+        a = anthropic.Anthropic(base_url=srv.url, api_key=KEYS["a"], max_retries=0, timeout=60)
+        long = {"model": LOOP_MODEL, "max_tokens": 300, "messages": HI}
+        three = o.files.create(file=("3.jsonl", jsonl([chat(f"c{i}", **long) for i in range(3)])), purpose="batch")
+        outcomes: list[str] = []
+
+        def anthropic_batch() -> None:
+            try:
+                a.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": long} for i in range(3)])
+                outcomes.append("created")
+            except anthropic.RateLimitError:
+                outcomes.append("429")
+
+        def openai_batch() -> None:
+            try:
+                o.batches.create(input_file_id=three.id, endpoint="/v1/chat/completions", completion_window="24h")
+                outcomes.append("created")
+            except openai.RateLimitError:
+                outcomes.append("429")
+
+        threads = [threading.Thread(target=f) for f in (anthropic_batch, openai_batch) * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["429", "429", "429", "created"]
+        made = [*a.messages.batches.list().data, *o.batches.list().data]
+        assert len(made) == 1
+        for b in a.messages.batches.list().data:
+            a.messages.batches.cancel(b.id)
+        for ob in o.batches.list().data:
+            o.batches.cancel(ob.id)
+    finally:
+        srv.stop()
+
+
 def test_a_tenants_unfinished_batch_requests_are_capped_across_both_apis(scripted_models, tmp_path, monkeypatch):
     """max_batch_requests 5 (silver's): a tenant with 3 batch requests unfinished may add 2, not
     3, through either API (a 429 in each SDK's shape, creating nothing); another tenant's own cap

@@ -321,6 +321,20 @@ class BatchStore:
         #: OpenAI's files (files.py): batches' input, output and error files; beside the journal
         self.files = FileStore(journal.root / "files" if journal is not None else None, max_file_bytes)
         self._batches: OrderedDict[str, Batch] = OrderedDict()
+        self._creating = asyncio.Lock()  # (see `create`)
+
+    async def create(self, batch: Batch, context: RequestContext, n: int) -> None:
+        """Check the tenant's room for `n` more batch requests (`check_room`; n 0: none), write
+        `batch` to the journal and add it, as one step: the journal is written in a thread, and a
+        batch created meanwhile would otherwise be checked against a count without this one."""
+        async with self._creating:
+            if n:
+                self.check_room(context, n)
+            if self.journal is not None:
+                await asyncio.to_thread(self.journal.created, batch)
+                if batch.ended_at is not None:  # (failed at once: its state is written too)
+                    self.journal.state(batch)
+            self.add(batch)
 
     def add(self, batch: Batch) -> None:
         self._batches[batch.id] = batch
@@ -617,11 +631,8 @@ async def create_batch(request: Request) -> Response:
     raw = await read_body(request, state.max_body_bytes, state.request_read_timeout)
     data = await asyncio.to_thread(parse_json_object, raw) if len(raw) > 1 << 20 else parse_json_object(raw)
     items = parse_batch(data)
-    state.batches.check_room(context, len(items))
     batch = MessageBatch("msgbatch_" + uuid.uuid4().hex[:24], _owner(context), batch_context(context), items)
-    if state.batches.journal is not None:
-        await asyncio.to_thread(state.batches.journal.created, batch)
-    state.batches.add(batch)
+    await state.batches.create(batch, context, len(items))
     batch.task = asyncio.get_running_loop().create_task(run_batch(request.app, batch))
     logger.info("message batch %s: %d requests (tenant %s)", batch.id, len(items), context.tenant_id)
     return JSONResponse(batch.describe())

@@ -315,18 +315,12 @@ async def create_batch(request: Request) -> Response:
                              "with purpose 'batch'", param="input_file_id")
     content = await read(files, f)
     items, errors = await asyncio.to_thread(parse_input, content, endpoint)
-    if not errors:
-        state.batches.check_room(context, len(items))
     batch = OpenAIBatch("batch_" + uuid.uuid4().hex[:24], owner, batch_context(context), items if not errors else [],
                         endpoint=endpoint, input_file_id=file_id, metadata=metadata, output_ttl_s=output_ttl,
                         errors=errors)
     if errors:
         batch.ended_at = batch.created_at
-    if state.batches.journal is not None:
-        await asyncio.to_thread(state.batches.journal.created, batch)
-        if errors:
-            state.batches.journal.state(batch)
-    state.batches.add(batch)
+    await state.batches.create(batch, context, 0 if errors else len(items))
     if errors:
         logger.info("batch %s failed: its input file %s has %d fault(s), the first: %s", batch.id, file_id,
                     len(errors), errors[0]["message"])
