@@ -187,6 +187,38 @@ def test_every_greedy_option_gives_what_it_gives_without_guesses(plain, spec, kw
     assert spec.engine.pool.num_used == 0
 
 
+def test_stop_strings_inside_an_accepted_run_end_the_answer_where_they_would_without(plain, spec):
+    """A stop string completed by a token of an accepted run ends the answer at that token, as
+    one token a step would: the same text, tokens, reason and logprobs (and their places)."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    text = plain.generate({"prompt_token_ids": LOOP}, params)[0].outputs[0].text
+    drafts, checked = spec.engine.spec_accepted_tokens, 0
+    for at in range(4, len(text) - 3, 7):
+        for stop, include in ((text[at:at + 2], False), (text[at:at + 3], True)):
+            p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], logprobs=2,
+                               include_stop_str_in_output=include)
+            a = plain.generate({"prompt_token_ids": LOOP}, p)[0].outputs[0]
+            b = spec.generate({"prompt_token_ids": LOOP}, p)[0].outputs[0]
+            assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
+                                                                               a.stop_reason)
+            assert [(lp.token_id, lp.text_start) for lp in b.logprobs] == [(lp.token_id, lp.text_start)
+                                                                           for lp in a.logprobs]
+            checked += a.finish_reason == "stop"
+    assert checked >= 4 and spec.engine.spec_accepted_tokens > drafts
+    assert spec.engine.pool.num_used == 0
+
+
+def test_allowed_token_ids_hold_for_every_guessed_row(plain, spec):
+    allowed = list(range(5, 30))
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    prompts = _prompts(4)
+    drafts = spec.engine.spec_accepted_tokens
+    got = _run(spec, prompts, params)
+    assert got == _run(plain, prompts, params)
+    assert all(set(ids) <= set(allowed) for ids, _, _ in got)
+    assert spec.engine.spec_accepted_tokens > drafts
+
+
 def test_a_request_near_max_model_len_guesses_no_further(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_model_len=40, block_size=4,
               load_progress=False, speculative_config=SPEC)
