@@ -66,7 +66,8 @@ def _phrase_from(text: str, after: int) -> str:
     (white space collapses, so none), as a policy would name them."""
     for at in range(after, len(text) - 4):
         piece = text[at:at + 4]
-        if piece.isprintable() and not any(ch.isspace() for ch in piece) and text.find(piece) == at:
+        if (piece.isprintable() and not any(ch.isspace() or ch in "\\'\"" for ch in piece)
+                and text.find(piece) == at):
             return piece
     raise AssertionError(f"no phrase to use in {text!r}")
 
