@@ -362,3 +362,25 @@ def test_other_model_directories_under_kv_disk_dir_are_named_at_start(runs, tmp_
     said = [r.message for r in caplog.records if "also holds 1 other model directory" in r.message]
     assert len(said) == 1 and own not in said[0] and "tierlm never deletes them" in said[0]
     assert "operator-notes" not in said[0] and f"tierlm kv ls {kv}" in said[0]
+
+
+def test_weights_rounded_for_float32_compute_do_not_share_blocks_with_float32_weights(runs, tmp_path):
+    """dtype bfloat16 computed in float32 (weights rounded to bf16) and dtype float32 with a bf16
+    KV cache (weights kept in float32) compute different K/V: they had one model id, so the second
+    was served the first's blocks from a shared disk directory."""
+    a, _ = runs
+    prompt = _prompt(3, 70)
+    kw = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks", kv_cache_memory=4 << 20, block_size=8,
+              max_num_batched_tokens=64, load_progress=False)
+    with LLM(str(a), dtype="bfloat16", compute_dtype="float32", **kw) as first:
+        first.generate([{"prompt_token_ids": prompt}], GREEDY)
+        assert first.engine.offload_prefix_cache() > 0
+        rounded = first.engine.kv.model_id
+    with LLM(str(a), dtype="float32", kv_cache_dtype="bfloat16", **kw) as second:
+        assert second.engine.kv.model_id != rounded
+        assert second.engine.store.tiers[0].wait_indexed(timeout=30)
+        assert _run(second, prompt)[1] == 0
+    with LLM(str(a), dtype="bfloat16", compute_dtype="float32", **kw) as again:  # control: its own blocks
+        assert again.engine.kv.model_id == rounded
+        assert again.engine.store.tiers[0].wait_indexed(timeout=30)
+        assert _run(again, prompt)[1] == 64

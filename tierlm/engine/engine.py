@@ -108,16 +108,20 @@ class EngineStats:
 
 
 def model_identity(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype | str,
-                   fingerprint: str | None = None) -> str:
+                   fingerprint: str | None = None, weights_dtype: torch.dtype | None = None) -> str:
     """Mixed into every block hash: engines share cached K/V only for the same weights and dtypes
     (`kv_dtype`: the storage dtype, with an fp8 cache's scales tag where it has scales).
+    `weights_dtype`: what the weights were rounded to when it is not the compute dtype `dtype`
+    (dtype bfloat16 computed in float32): without it, that engine and one with float32 weights and
+    a bfloat16 KV cache had one id, so one was served K/V the other's weights computed.
 
     The weights part is `weights_fingerprint` (a SHA-256 of config.json and every weight file the
     loader reads, cached per file), passed in when it was computed already; never the directory's
     name, so equal weights under any path share blocks and different weights never do."""
     if fingerprint is None:
         fingerprint = weights_fingerprint(model_dir)
-    return f"{fingerprint[:32]}:{dtype}:{kv_dtype}"
+    rounded = f"/weights:{weights_dtype}" if weights_dtype is not None and weights_dtype != dtype else ""
+    return f"{fingerprint[:32]}:{dtype}{rounded}:{kv_dtype}"
 
 
 def disk_tier_dir(root: str | Path, model_id: str, label: str = "model") -> Path:
@@ -285,6 +289,7 @@ class LLMEngine:
                 log.info("%s: generation_config.json recommends %s; requests that leave them unset get them "
                          "(--generation-config vllm: tierlm's own defaults)", model_dir,
                          ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
+            weights_dtype = loaded.kv_dtype  # what load_model rounded the weights to (the model's dtype)
             loaded.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.kv_dtype)
             # Before anything writes K/V: the warm-up, recorded graphs and every block read them.
             self.kv_scales = resolve_kv_scales(config.kv_cache_scales, loaded, weight_files(model_dir),
@@ -343,7 +348,7 @@ class LLMEngine:
                 model_id = f"process-{uuid.uuid4().hex}:{self.dtype}:{kv_tag}"
             else:
                 digest = fingerprint.result()
-                model_id = model_identity(model_dir, self.dtype, kv_tag, digest)
+                model_id = model_identity(model_dir, self.dtype, kv_tag, digest, weights_dtype)
                 about = {"model_dir": os.path.abspath(model_dir), "fingerprint": digest}
                 if weight_stamps(model_dir) != stamps:  # hashed and loaded bytes may differ
                     raise ModelLoadError(
