@@ -140,7 +140,8 @@ class ChatPrompt:
         parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
                                             syntax=self.tool_calls.syntax, ended=result.ended_by_eos)
         prose = toolcalls.scrub(parsed.text, self.tool_calls.hidden)
-        return Answer(reasoning, self.without_forced_prefix(prose, parsed.tool_calls), parsed.tool_calls)
+        calls = result.stream.screen_calls(parsed.tool_calls, result) if result.stream is not None else parsed.tool_calls
+        return Answer(reasoning, self.without_forced_prefix(prose, parsed.tool_calls), calls)
 
     def stream_filter(self, id_prefix: str) -> toolcalls.ToolCallStreamFilter:
         return toolcalls.ToolCallStreamFilter(id_prefix=id_prefix, names=self.tool_names,
@@ -507,6 +508,8 @@ class Generation:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # The stream it came from, whose output policies also read the tool calls parsed from it
+    stream: "EngineStream | None" = field(default=None, repr=False, compare=False)
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
@@ -557,7 +560,8 @@ class StreamedAnswer:
         thought, text = self._reasoning.finish() if self._reasoning is not None else ("", "")
         if self._filter is not None:
             text = self._filter.feed(text)
-            rest, self.calls = self._filter.finish(ended=self.result.ended_by_eos)
+            rest, calls = self._filter.finish(ended=self.result.ended_by_eos)
+            self.calls = self._stream.screen_calls(calls, self.result)
             text += self._prompt.without_forced_prefix(rest, self.calls)
         if thought or text:
             yield thought, text, None
@@ -754,7 +758,7 @@ class EngineStream:
 
     async def run_to_end(self) -> Generation:
         """Every delta, gathered (errors arrive as APIError)."""
-        result = Generation()
+        result = Generation(stream=self)
         async for delta in self.deltas():
             result.add(delta)
         return result
@@ -765,6 +769,21 @@ class EngineStream:
             return await until_disconnect(request, self.run_to_end())
         finally:
             await self.close()
+
+    def screen_calls(self, calls: list[toolcalls.ParsedToolCall], result: Generation) -> list[toolcalls.ParsedToolCall]:
+        """The finished answer's tool calls through the output policies, decoded (see
+        OutputGuard.screen_calls); a block drops them and marks `result` stopped by its policy."""
+        guard = self._guard
+        if guard is None or not calls:
+            return calls
+        screened, blocked = guard.screen_calls(calls)
+        for policy in guard.redacted[self._redactions_told:]:
+            self._on_policy(policy, "redact")
+        self._redactions_told = len(guard.redacted)
+        if blocked is not None:
+            self._on_policy(blocked, "output")
+            result.finish_reason, result.stop_reason = FINISH_REASON, blocked.name
+        return screened
 
     async def abort(self) -> None:
         """Ask the engine to stop this request; its stream then ends with an `abort` delta."""

@@ -408,6 +408,47 @@ class OutputGuard:
         return replace(delta, text="".join(text), token_ids=[], logprobs=None)
 
 
+    def screen_calls(self, calls: list[Any]) -> tuple[list[Any], Policy | None]:
+        """Parsed tool calls as their client will read them: names, keys and string values after
+        JSON decoding. The text scan saw the JSON as written, where `Z\\u00fcrich`, `\\"` or a
+        `\\n` between words hide a phrase that the decoded arguments spell. A block match drops
+        every call (the answer is stopped); a redact match masks it in that string."""
+        try:
+            screened = [replace(c, name=self._screen(c.name), arguments=self._screen(c.arguments)) for c in calls]
+        except _Blocked as b:
+            return [], b.policy
+        except PatternTimeout as e:
+            return [], self.rules.timed_out(e, "a tool call")
+        return screened, None
+
+    def _screen(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {self._screen(k): self._screen(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._screen(v) for v in value]
+        if not isinstance(value, str):
+            return value
+        hits = self.rules.find_all(value)
+        if (blocked := self.rules.first_block(hits)) is not None:
+            raise _Blocked(blocked)
+        spans: list[tuple[int, int, str]] = []
+        for h in sorted(hits, key=lambda h: (h.start, -h.end)):
+            self.redacted.append(h.policy)
+            if spans and h.start < spans[-1][1]:  # overlapping matches become one span
+                s, e, r = spans[-1]
+                spans[-1] = (s, max(e, h.end), r)
+            else:
+                spans.append((h.start, h.end, h.policy.replacement))
+        for s, e, r in reversed(spans):
+            value = value[:s] + r + value[e:]
+        return value
+
+
+class _Blocked(Exception):
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+
 def _shifted(lp: TokenLogprob, shift: int) -> TokenLogprob:
     return replace(lp, text_start=max(0, lp.text_start + shift))
 
