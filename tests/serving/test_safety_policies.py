@@ -288,3 +288,29 @@ def test_patterns_out_of_time_count_as_a_match_and_say_which(tmp_path, caplog):
     guard = safety.output_guard()
     out = [d for piece in deltas(["a xxy b ", "xxxxy"]) for d in guard.feed(piece)[0]]
     assert "".join(d.text for d in out) == "a [redacted] b [redacted]"
+
+
+def test_tool_calls_are_screened_as_decoded_at_any_depth(tmp_path):
+    """Parsed calls are read as their client decodes them: keys and strings at any depth
+    (arguments nest as deep as the model wrote them: no recursion to overflow), a redaction
+    masks inside the string it is in, a block drops every call."""
+    from tierlm.serving.tools import ParsedToolCall
+
+    rules = _rules(tmp_path, "[policies.r]\nphrases=['secret plan']\naction='redact'\nreplacement='[x]'\n"
+                             "[policies.b]\nphrases=['zürich']\n")
+    deep: object = {"note": "the secret plan"}
+    for _ in range(5000):
+        deep = [deep]
+    call = ParsedToolCall("c1", "f", {"secret plan": 1, "deep": deep, "n": 3})
+    screened, blocked = OutputGuard(rules).screen_calls([call])
+    assert blocked is None
+    (got,) = screened
+    assert set(got.arguments) == {"[x]", "deep", "n"} and got.arguments["n"] == 3
+    inner = got.arguments["deep"]
+    for _ in range(5000):
+        (inner,) = inner
+    assert inner == {"note": "the [x]"}
+    assert call.arguments["deep"] is deep  # the parsed call itself is left as it was
+    guard = OutputGuard(rules)
+    screened, blocked = guard.screen_calls([call, ParsedToolCall("c2", "g", {"city": ["Zürich"]})])
+    assert screened == [] and blocked is not None and blocked.name == "b"

@@ -422,12 +422,25 @@ class OutputGuard:
         return screened, None
 
     def _screen(self, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {self._screen(k): self._screen(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._screen(v) for v in value]
-        if not isinstance(value, str):
-            return value
+        """`value` with every string (dict keys too) through `_screen_text`, copied. Iterative:
+        arguments are nested as deep as the model wrote them."""
+        root = [value]
+        todo: list[tuple[Any, Any]] = [(root, 0)]
+        while todo:
+            holder, key = todo.pop()
+            node = holder[key]
+            if isinstance(node, dict):
+                holder[key] = node = {self._screen_text(k) if isinstance(k, str) else k: v for k, v in node.items()}
+                todo.extend((node, k) for k in node)
+            elif isinstance(node, list):
+                holder[key] = node = list(node)
+                todo.extend((node, i) for i in range(len(node)))
+            elif isinstance(node, str):
+                holder[key] = self._screen_text(node)
+        return root[0]
+
+    def _screen_text(self, value: str) -> str:
+        """One decoded string: raises _Blocked on a block match, else the redactions applied."""
         hits = self.rules.find_all(value)
         if (blocked := self.rules.first_block(hits)) is not None:
             raise _Blocked(blocked)
