@@ -34,10 +34,9 @@ class KVQuotas:
     def committed(self, req: Request) -> int:
         return max(len(req.blocks), -(-req.num_tokens // self.block_size))
 
-    def held(self, tenant: str, running: list[Request]) -> tuple[int, int]:
-        """(blocks committed to `tenant`'s running requests, how many there are)."""
-        mine = [r for r in running if tenant_of(r) == tenant]
-        return sum(self.committed(r) for r in mine), len(mine)
+    def held(self, mine: list[Request]) -> int:
+        """Blocks committed to a tenant's running requests `mine`."""
+        return sum(self.committed(r) for r in mine)
 
     def tenant_quota(self, reqs: list[Request]) -> int | None:
         """The quota of a tenant whose requests are `reqs`: the least any of them carries (None:
@@ -54,7 +53,7 @@ class KVQuotas:
         quota = self.tenant_quota([req, *mine])
         if quota is None or not mine:
             return True
-        return sum(self.committed(r) for r in mine) + self.committed(req) <= quota
+        return self.held(mine) + self.committed(req) <= quota
 
     def groups(self, running: list[Request]) -> dict[str, list[Request]]:
         """Running requests by tenant, for the tenants some request of which carries a quota:
@@ -72,17 +71,10 @@ class KVQuotas:
         quota = None if mine is None else self.tenant_quota(mine)
         if quota is None or len(mine) < 2:
             return None  # no quota, or a lone request (which may outgrow it anyway)
-        left = max(0, quota - sum(self.committed(r) for r in mine))
+        left = max(0, quota - self.held(mine))
         return max(0, (self.committed(req) + left) * self.block_size - req.num_tokens)
 
     def over(self, running: list[Request]) -> list[str]:
         """Tenants with a quota whose running requests (two or more) hold more than it allows."""
-        by_tenant: dict[str, list[Request]] = {}
-        for r in running:
-            by_tenant.setdefault(tenant_of(r), []).append(r)
-        out = []
-        for t, mine in by_tenant.items():
-            quota = self.tenant_quota(mine)
-            if quota is not None and len(mine) > 1 and sum(self.committed(r) for r in mine) > quota:
-                out.append(t)
-        return out
+        return [t for t, mine in self.groups(running).items()
+                if len(mine) > 1 and self.held(mine) > self.tenant_quota(mine)]

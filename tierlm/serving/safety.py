@@ -379,13 +379,7 @@ class OutputGuard:
 
     def _add_span(self, start: int, end: int, replacement: str) -> None:
         """Merge [start, end) into the pending redactions (overlapping ones become one)."""
-        keep = []
-        for s, e, r in self._spans:
-            if s < end and start < e:
-                start, end, replacement = min(start, s), max(end, e), (r if s < start else replacement)
-            else:
-                keep.append((s, e, r))
-        self._spans = sorted([*keep, (start, end, replacement)])
+        self._spans = _merged(self._spans, start, end, replacement)
 
     def _redacted(self, held: _Held) -> StreamDelta:
         delta, ds, de = held.delta, held.start, held.end
@@ -445,16 +439,25 @@ class OutputGuard:
         if (blocked := self.rules.first_block(hits)) is not None:
             raise _Blocked(blocked)
         spans: list[tuple[int, int, str]] = []
-        for h in sorted(hits, key=lambda h: (h.start, -h.end)):
+        for h in hits:
             self.redacted.append(h.policy)
-            if spans and h.start < spans[-1][1]:  # overlapping matches become one span
-                s, e, r = spans[-1]
-                spans[-1] = (s, max(e, h.end), r)
-            else:
-                spans.append((h.start, h.end, h.policy.replacement))
+            spans = _merged(spans, h.start, h.end, h.policy.replacement)
         for s, e, r in reversed(spans):
             value = value[:s] + r + value[e:]
         return value
+
+
+def _merged(spans: list[tuple[int, int, str]], start: int, end: int,
+            replacement: str) -> list[tuple[int, int, str]]:
+    """Redaction `spans` (sorted, disjoint) with [start, end) added: overlapping ones become
+    one, with the replacement of the one that starts first."""
+    keep = []
+    for s, e, r in spans:
+        if s < end and start < e:
+            start, end, replacement = min(start, s), max(end, e), (r if s < start else replacement)
+        else:
+            keep.append((s, e, r))
+    return sorted([*keep, (start, end, replacement)])
 
 
 class _Blocked(Exception):
