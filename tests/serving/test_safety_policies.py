@@ -3,6 +3,7 @@ its refusals, which policies a request gets, and OutputGuard over engine deltas 
 what is shown, redactions across deltas, logprobs, a block), for phrases and for detectors."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -313,4 +314,11 @@ def test_tool_calls_are_screened_as_decoded_at_any_depth(tmp_path):
     assert call.arguments["deep"] is deep  # the parsed call itself is left as it was
     guard = OutputGuard(rules)
     screened, blocked = guard.screen_calls([call, ParsedToolCall("c2", "g", {"city": ["Zürich"]})])
+    assert screened == [] and blocked is not None and blocked.name == "b"
+    # A name is one the client offered: a redaction there would only break the call, a block holds.
+    guard = OutputGuard(rules)
+    named = ParsedToolCall("c3", "secret plan", {"x": "secret plan"})
+    screened, blocked = guard.screen_calls([named])
+    assert blocked is None and screened == [replace(named, arguments={"x": "[x]"})]
+    screened, blocked = guard.screen_calls([ParsedToolCall("c4", "Zürich", {})])
     assert screened == [] and blocked is not None and blocked.name == "b"

@@ -19,7 +19,7 @@ from tierlm.serving.tenancy import Tenancy
 MODEL = "scripted-escaped"
 # A call whose argument spells "Zürich" only once its JSON is decoded.
 ESCAPED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Z\\u00fcrich"}}\n</tool_call>'
-KEYS = {"blk": "sk-blk", "red": "sk-red"}
+KEYS = {"blk": "sk-blk", "red": "sk-red", "nam": "sk-nam"}
 TENANTS = """
 [tenants.blk]
 tier = "bronze"
@@ -28,6 +28,10 @@ keys = ["blk"]
 [tenants.red]
 tier = "gold"
 keys = ["red"]
+
+[tenants.nam]
+tier = "gold"
+keys = ["nam"]
 """
 POLICIES = """
 [policies.city]
@@ -41,6 +45,13 @@ check = "output"
 action = "redact"
 replacement = "[x]"
 tenants = ["red"]
+
+[policies.tool_name]
+phrases = ["get_weather"]
+check = "output"
+action = "redact"
+replacement = "[x]"
+tenants = ["nam"]
 """
 HI = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -108,3 +119,14 @@ def test_a_redacted_phrase_escaped_in_a_calls_json_is_masked_in_its_arguments(se
     assert message.stop_reason == "tool_use" and message.content[-1].input == {"city": "[x]"}
     with claude.messages.stream(model=MODEL, max_tokens=60, messages=HI, tools=[ATOOL]) as stream:
         assert stream.get_final_message().content[-1].input == {"city": "[x]"}
+
+
+def test_a_redact_phrase_written_in_a_tools_name_turns_the_call_into_text(server):
+    """The text as written is masked before the call is parsed; a call naming no tool offered is
+    text (what the README tells operators: keep redact phrases out of tool names)."""
+    claude, oai = clients(server, "nam")
+    chat = oai.chat.completions.create(model=MODEL, max_tokens=60, messages=HI, tools=[TOOL])
+    assert chat.choices[0].finish_reason == "stop" and not chat.choices[0].message.tool_calls
+    assert '"name": "[x]"' in chat.choices[0].message.content
+    message = claude.messages.create(model=MODEL, max_tokens=60, messages=HI, tools=[ATOOL])
+    assert message.stop_reason == "end_turn" and [b.type for b in message.content] == ["text"]

@@ -406,14 +406,23 @@ class OutputGuard:
         """Parsed tool calls as their client will read them: names, keys and string values after
         JSON decoding. The text scan saw the JSON as written, where `Z\\u00fcrich`, `\\"` or a
         `\\n` between words hide a phrase that the decoded arguments spell. A block match drops
-        every call (the answer is stopped); a redact match masks it in that string."""
+        every call (the answer is stopped); a redact match masks it in that string, but not in a
+        call's name: that is one of the tools the client offered (the parser keeps no other), so it
+        reveals nothing, and masked it would call no tool the client has."""
         try:
-            screened = [replace(c, name=self._screen(c.name), arguments=self._screen(c.arguments)) for c in calls]
+            screened = [replace(c, name=self._screen_name(c.name), arguments=self._screen(c.arguments))
+                        for c in calls]
         except _Blocked as b:
             return [], b.policy
         except PatternTimeout as e:
             return [], self.rules.timed_out(e, "a tool call")
         return screened, None
+
+    def _screen_name(self, name: str) -> str:
+        """A tool's name, kept as offered: raises _Blocked on a block match."""
+        if (blocked := self.rules.first_block(self.rules.find_all(name))) is not None:
+            raise _Blocked(blocked)
+        return name
 
     def _screen(self, value: Any) -> Any:
         """`value` with every string (dict keys too) through `_screen_text`, copied. Iterative:
