@@ -12,6 +12,8 @@ def test_bench_fairness_tiny(llama_dir, tmp_path):
                "--light-tenants", "2", "--light-requests", "1", "--prompt-len", "16", "--max-tokens", "4",
                "--max-num-seqs", "4", "--repeats", "1", "--hog", "6", "--hog-prompt-len", "64",
                "--hog-max-tokens", "64", "--kv-blocks", "32", "--light-arrival-step", "6",
+               "--gold-prefixes", "2", "--gold-prefix-len", "32", "--rounds", "8", "--flood-per-round", "4",
+               "--flood-prompt-len", "64", "--eviction-policies", "lru,duel",
                "--json", str(out), "--plot", str(tmp_path / "fair.png")])
     assert rc == 0
     res = json.loads(out.read_text())
@@ -35,3 +37,13 @@ def test_bench_fairness_tiny(llama_dir, tmp_path):
     assert none["hog_peak_blocks"] > 16 >= quota["hog_peak_blocks"]
     assert quota["light_ttft_mean_steps"] < none["light_ttft_mean_steps"]
     assert (tmp_path / "fair.png").stat().st_size > 1000
+    # The cache flood: 4 x 64 new tokens a round turn the 32-block pool over between two uses of a
+    # gold prefix, so under LRU gold's prefixes are mostly gone each time; in a partition (0.3: 9 blocks
+    # for two 2-block prefixes) every warm gold prompt finds its whole prefix (32 of 48 tokens).
+    part = res["cache_partition"]
+    assert [c["policy"] for c in part["by_policy"]] == ["lru", "duel"]
+    for c in part["by_policy"]:
+        none, kept = c["results"]
+        assert (none["kv_cache_share"], kept["kv_cache_share"]) == (None, 0.3)
+        assert kept["gold_hit_share"] == 32 / 48 and kept["gold_hit_share"] > none["gold_hit_share"]
+    assert part["by_policy"][0]["results"][0]["gold_hit_share"] < 0.5 * 32 / 48

@@ -123,3 +123,40 @@ def test_a_tenants_requests_with_different_shares_are_held_to_the_least_without_
     _run(eng, [strict, loose], each_step)
     assert strict.num_preemptions == 0 and loose.num_preemptions == 0
     assert strict.num_output_tokens == loose.num_output_tokens == 40
+
+
+@pytest.mark.parametrize("share", [0.25, None])
+def test_a_tenants_cache_partition_keeps_its_prefix_through_another_tenants_flood(llama_dir, share):
+    """The peer is the same traffic without a partition: a flood of new prompts from another
+    tenant, four times the pool, turns the cache over and takes the first tenant's prefix with it.
+    With a `kv_cache_share`, the prefix is still on the device afterwards, and a hit on it gives
+    the tokens a cold run gives."""
+    eng = _engine(llama_dir, "fair", eviction_policy="lru")
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefix = [_rng.randrange(5, 250) for _ in range(48)]  # 6 blocks of 8
+
+    def gold(tail: list[int]):
+        return eng.add_request({"prompt_token_ids": prefix + tail}, greedy, tenant_id="gold", cache_salt="g",
+                               kv_cache_share=share)
+
+    gold([1, 2, 3, 4])
+    _run(eng, [], lambda: None)
+    for _ in range(32):  # 32 x 8 blocks through a 64-block pool
+        eng.add_request({"prompt_token_ids": [_rng.randrange(5, 250) for _ in range(60)]}, greedy,
+                        tenant_id="flood", cache_salt="f")
+    _run(eng, [], lambda: None)
+    again = gold([9, 8, 7, 6])
+    _run(eng, [], lambda: None)
+    assert again.num_cached_tokens == (48 if share is not None else 0)
+    fresh = _engine(llama_dir, "fair")
+    cold = fresh.add_request({"prompt_token_ids": prefix + [9, 8, 7, 6]}, greedy)
+    _run(fresh, [], lambda: None)
+    assert cold.num_cached_tokens == 0 and again.output_token_ids == cold.output_token_ids
+
+
+def test_a_bad_kv_cache_share_is_refused_by_name_and_changes_nothing(llama_dir):
+    from tierlm.errors import InvalidRequestError
+    eng = _engine(llama_dir, "fair")
+    with pytest.raises(InvalidRequestError, match="kv_cache_share must be a fraction .* for no cache partition"):
+        eng.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1), kv_cache_share=1.5)
+    assert not eng.has_unfinished() and eng.pool.num_used == 0 and eng.pool.partitions == {}

@@ -7,14 +7,75 @@ import pytest
 from tierlm.kv.block_pool import BlockPool
 
 
-def _cache_chain(pool: BlockPool, names: list[bytes]) -> list:
-    """Allocate one block per name, register them as a chain, and release them (cached, evictable)."""
+def _cache_chain(pool: BlockPool, names: list[bytes], owner: str | None = None) -> list:
+    """Allocate one block per name, register them as a chain (in partition `owner`), and release
+    them (cached, evictable)."""
     blocks = pool.allocate(len(names))
     for i, (blk, h) in enumerate(zip(blocks, names)):
         pool.tick()
-        pool.register_full(blk, h, names[i - 1] if i else None)
+        pool.register_full(blk, h, names[i - 1] if i else None, owner)
     pool.free(blocks)
     return blocks
+
+
+def _cached(pool: BlockPool, prefix: bytes) -> list[bytes]:
+    return sorted(h for h in pool.cached if h.startswith(prefix))
+
+
+def test_a_cache_partition_is_safe_from_other_traffic_up_to_its_share_and_gives_first_past_it():
+    """Why partitions: under one policy, a tenant flooding the pool with new prompts evicts every
+    other tenant's cached prefixes. Within its share a partition's blocks outlive any amount of
+    other traffic; past it, its own blocks are the first to go (its own LRU order, tail first)."""
+    pool = BlockPool(10, policy="lru")
+    gold = pool.partition("gold", 0.4)  # 4 blocks
+    _cache_chain(pool, [b"g1", b"g2", b"g3"], gold)
+    for i in range(30):  # the flood: 30 chains of 3 new blocks through the 7 blocks left
+        _cache_chain(pool, [b"n%d.%d" % (i, j) for j in range(3)])
+    assert _cached(pool, b"g") == [b"g1", b"g2", b"g3"]
+    assert len(pool.cached) == 10 and pool.partitions[gold].evictable == 3
+    # Past its share: gold's 7 cached blocks (two chains), so the next 3 blocks anyone needs are gold's,
+    # its older chain first and from the tail; then, back at its share, the shared blocks give again.
+    _cache_chain(pool, [b"h1", b"h2", b"h3", b"h4"], gold)
+    assert pool.partitions[gold].evictable == 7 and len(_cached(pool, b"n")) == 3
+    taken = pool.allocate(2)
+    assert _cached(pool, b"g") == [b"g1"] and pool.partitions[gold].evictable == 5
+    taken += pool.allocate(2)
+    assert _cached(pool, b"g") == [] and _cached(pool, b"h") == [b"h1", b"h2", b"h3", b"h4"]
+    assert len(_cached(pool, b"n")) == 2 and pool.partitions[gold].evictable == 4
+    pool.free(taken)
+    assert pool.num_free == 10
+
+
+def test_a_running_request_takes_a_partitions_blocks_when_nothing_else_can_go():
+    """A partition keeps cached prefixes, never a running request from its slots: once the shared
+    blocks are gone, the partition fullest for its share gives."""
+    pool = BlockPool(8, policy="lru")
+    a, b = pool.partition("a", 0.5), pool.partition("b", 0.25)
+    _cache_chain(pool, [b"a1", b"a2", b"a3"], a)  # 3 of its 4
+    _cache_chain(pool, [b"b1", b"b2"], b)  # 2 of its 2: the fuller one
+    _cache_chain(pool, [b"s1"])
+    held = pool.allocate(4)  # 2 free, then the shared s1, then b's tail
+    assert _cached(pool, b"s") == [] and _cached(pool, b"b") == [b"b1"] and len(_cached(pool, b"a")) == 3
+    assert pool.num_free == 4 and pool.partitions[b].evictable == 1
+    more = pool.allocate(4)  # everything: b1, then a's chain (0.25 vs 0.5 full: a first), tail first
+    assert pool.cached == {} and pool.num_free == 0
+    assert [p.evictable for p in pool.partitions.values()] == [0, 0]
+    pool.free(held + more)
+    assert pool.num_free == 8
+
+
+def test_partitions_hear_their_own_requests_and_reset_with_the_pool():
+    """`finished` reaches the policy ranking each block; a reset forgets partitions' blocks too."""
+    pool = BlockPool(6, policy="gittins_hint")
+    gold = pool.partition("gold", 0.5)
+    mine = _cache_chain(pool, [b"g1", b"g2"], gold)
+    shared = _cache_chain(pool, [b"s1"])
+    pool.finished(mine + shared, [b"g1", b"g2", b"s1"], 40)
+    assert [pool.partitions[gold].policy._hist[h].hint for h in (b"g1", b"g2")] == [4, 4]  # 40 tokens: [16, 64)
+    assert b"g1" not in pool.policy._hist and pool.policy._hist[b"s1"].hint == 4
+    pool.reset_cache()
+    assert pool.cached == {} and pool.num_free == 6 and pool.partitions[gold].evictable == 0
+    assert len(pool.partitions[gold].policy) == 0 and len(pool.policy) == 0
 
 
 def test_free_blocks_go_first_then_cached_ones_leave_in_one_batch_tail_first():

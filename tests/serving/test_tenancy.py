@@ -57,6 +57,7 @@ tier = "gold"
 keys = ["vip"]
 weight = 3
 kv_share = 0.5
+kv_cache_share = 0.3
 """  # "lone" is in no tenant: a bronze tenant of its own
 ONE_SEQ = "loop-one-seq"  # the looping model on an engine that runs one request at a time
 HI = [{"role": "user", "content": "Hi"}]
@@ -111,6 +112,12 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     # KV quotas likewise: a tenant's own, else its tier's, else none
     assert (config.tenant_of("vip").kv_share, config.tenant_of("globex").kv_share, acme_a.kv_share,
             parse(TENANTS).tenant_of("lone").kv_share) == (0.5, 0.75, None, None)
+    # cache partitions likewise (a tenant's own, else its tier's), and several fit together
+    shares = parse('[tiers.gold]\nkv_cache_share = 0.25\n[tenants.a]\nkeys = ["rpm"]\ntier = "gold"\n'
+                   '[tenants.b]\nkeys = ["tpm"]\ntier = "gold"\nkv_cache_share = 0.5\n', {"rpm": 1, "tpm": 1})
+    assert (shares.tenant_of("rpm").kv_cache_share, shares.tenant_of("tpm").kv_cache_share) == (0.25, 0.5)
+    assert (parse(TENANTS).tenant_of("vip").kv_cache_share, parse(TENANTS).tenant_of("acme-a").kv_cache_share) == \
+        (0.3, None)
     # a key no tenant names: a tenant of its own, of the default tier, with a salt apart from every tenant's
     lone = parse(TENANTS).tenant_of("lone")
     assert (lone.id, lone.tier, lone.priority, lone.limits) == ("lone", "bronze", 2, Limits())
@@ -124,7 +131,13 @@ def test_tenants_file_tiers_limits_and_keys_in_no_tenant():
     ('[tenants.a]\nkeys = ["nobody"]', "t.toml: tenants.a.keys: key id 'nobody' is not in the keys file; add its line"),
     ('[tenants.a]\nkeys = []', "tenants.a.keys: list the ids of the keys this tenant owns"),
     ('[tenants.a]\ntier = "tin"\nkeys = ["rpm"]', "tenants.a.tier: no tier named 'tin'; use one of bronze, gold, silver"),
-    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_share, max_batch_requests, max_concurrent, models, requests_per_minute, tier, tokens_per_minute, weight"),
+    ('[tenants.a]\nkeys = ["rpm"]\nrpm = 5', "tenants.a.rpm: unknown field; use keys, kv_cache_share, kv_share, max_batch_requests, max_concurrent, models, requests_per_minute, tier, tokens_per_minute, weight"),
+    ('[tenants.a]\nkeys = ["rpm"]\nkv_cache_share = 0', "tenants.a.kv_cache_share: must be a fraction above 0 and "
+                                                      "at most 1 (got 0): the part of each model's KV cache"),
+    ('[tenants.a]\nkeys = ["rpm"]\nkv_cache_share = 0.6\n[tenants.b]\nkeys = ["tpm"]\nkv_cache_share = 0.5',
+     "t.toml: kv_cache_share: the tenants' cache partitions add up to 1.1 of the KV pool (a 0.6, b 0.5)"),
+    ('[tiers.bronze]\nkv_cache_share = 0.2', "kv_cache_share: the tenants' cache partitions add up to 1.6 of the KV "
+                                             "pool (8 key(s) in no tenant, 0.2 each (tier bronze))"),
     ('[tenants.a]\nkeys = ["rpm"]\nmodels = []', "tenants.a.models: list the names of the models (and LoRA adapters)"),
     ('[tiers.gold]\nmodels = "base"', "tiers.gold.models: list the names of the models"),
     ('[tenants.a]\nkeys = ["rpm"]\nmodels = ["base", 3]', "tenants.a.models: list the names"),
@@ -214,7 +227,7 @@ def metrics(server: ServerThread) -> str:
     return httpx.get(server.url + "/metrics").text
 
 
-def test_keys_of_one_tenant_share_cached_prefixes_and_tenants_never_do(server):
+def test_keys_of_one_tenant_share_cached_prefixes_and_tenants_never_do(server, engines):
     messages = [{"role": "user", "content": uuid.uuid4().hex + " the same long preamble, again and again" * 6}]
 
     def cached(key: str) -> int:
@@ -229,6 +242,13 @@ def test_keys_of_one_tenant_share_cached_prefixes_and_tenants_never_do(server):
     assert answer.usage.prompt_tokens_details.cached_tokens > 0
     answer = oai(server, "vip").chat.completions.create(model=TEXT_MODEL, max_tokens=4, messages=messages)
     assert answer.usage.prompt_tokens_details.cached_tokens == 0  # gold like acme, yet another tenant
+    # vip's kv_cache_share: what its requests cached is ranked in a partition of its own
+    pool = engines[TEXT_MODEL].engine.pool
+    part = pool.partitions["vip"]
+    assert part.cap == int(0.3 * pool.num_blocks) and part.evictable > 0
+    assert {blk.owner for blk in pool.cached.values()} >= {None, "vip"} and len(pool.partitions) == 1
+    assert value(metrics(server), "tierlm:kv_partition_capacity_blocks", model=TEXT_MODEL, tenant="vip") == part.cap
+    assert value(metrics(server), "tierlm:kv_partition_blocks", model=TEXT_MODEL, tenant="vip") == part.evictable
     text = metrics(server)  # the tenant label names the tenant
     assert value(text, "tierlm:requests_total", model=TEXT_MODEL, tenant="acme", status="200") >= 3
     assert value(text, "tierlm:requests_total", model=TEXT_MODEL, tenant="lone", status="200") >= 1

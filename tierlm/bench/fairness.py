@@ -12,6 +12,14 @@ Second part, KV quotas (engine/quotas.py): a "hog" tenant's long requests fill a
 light tenants arrive once it is full. The peer is the same run without a quota; with the hog's
 `kv_share` set, the light tenants find room at once. Reported: the light tenants' time to first
 token (from their arrival) and the hog's throughput, both ways.
+
+Third part, cache partitions (kv/block_pool.py): a "gold" tenant cycles through a few long
+prompt prefixes, one request per round, while a "flood" tenant sends several new prompts per
+round, enough to turn the device pool over between two uses of a gold prefix. The peer is the
+same run without a partition, under each eviction policy given (LRU, as vLLM evicts, and
+tierlm's default); with gold's `kv_cache_share` set, its prefixes stay on the device. Reported:
+gold's share of prompt tokens served from the cache, its time to first token, and the flood's
+(whose cache the partition shrinks), both ways.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import statistics
 import time
 
 from tierlm.cli import at_least, in_range
+from tierlm.kv.policies import DEFAULT_POLICY
 
 
 def _burst(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
@@ -124,6 +133,49 @@ def _run_kv(model: str, share: float | None, args: argparse.Namespace) -> dict:
     return row
 
 
+def _run_cache(model: str, share: float | None, policy: str, args: argparse.Namespace) -> dict:
+    from tierlm import LLM, SamplingParams
+    with LLM(model, dtype=args.dtype, load_progress=False, max_num_seqs=args.max_num_seqs,
+             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=f"{args.kv_blocks} blocks",
+             eviction_policy=policy) as llm:
+        eng = llm.engine
+        vocab, rng = eng.args.vocab_size, random.Random(args.seed)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(min(5, vocab - 1), vocab) for _ in range(n)]
+
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        prefixes = [tokens(args.gold_prefix_len) for _ in range(args.gold_prefixes)]
+        gold, flood = [], []
+        t0 = time.monotonic()
+        for i in range(args.rounds):  # a round's requests all arrive together; rounds one after another
+            gold.append(eng.add_request({"prompt_token_ids": prefixes[i % len(prefixes)] + tokens(16)}, params,
+                                        tenant_id="gold", cache_salt="gold", kv_cache_share=share))
+            flood += [eng.add_request({"prompt_token_ids": tokens(args.flood_prompt_len)}, params,
+                                      tenant_id="flood", cache_salt="flood") for _ in range(args.flood_per_round)]
+            while eng.has_unfinished():
+                eng.step()
+        wall = time.monotonic() - t0
+    warm = gold[len(prefixes):]  # each prefix's first use is cold whatever the cache does
+
+    def hit(reqs) -> float:
+        return sum(r.num_cached_tokens for r in reqs) / sum(r.num_prompt_tokens for r in reqs)
+
+    row = {"policy": policy, "kv_cache_share": share, "wall_s": wall, "pool_blocks": eng.pool.num_blocks,
+           "gold_hit_share": hit(warm), "flood_hit_share": hit(flood),
+           "gold_ttft_mean_s": statistics.fmean(r.first_token_time - r.arrival_time for r in warm),
+           "flood_ttft_mean_s": statistics.fmean(r.first_token_time - r.arrival_time for r in flood),
+           "evictions": eng.pool.evictions}
+    print(f"{policy}, kv_cache_share {share}: gold's prompts {row['gold_hit_share']:.0%} from the cache, its TTFT "
+          f"mean {row['gold_ttft_mean_s'] * 1e3:.0f} ms; flood's TTFT mean {row['flood_ttft_mean_s'] * 1e3:.0f} ms")
+    return row
+
+
+def _medians(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) if isinstance(rows[0][k], (int, float)) and
+            not isinstance(rows[0][k], bool) and k != "kv_cache_share" else rows[0][k] for k in rows[0]}
+
+
 def run(args: argparse.Namespace) -> dict:
     from tierlm.bench.outputs import check_outputs, write_json
     outs = check_outputs({"--json": args.json, "--plot": args.plot})
@@ -170,6 +222,21 @@ def run(args: argparse.Namespace) -> dict:
             },
         },
     }
+    cache: list[dict] = []
+    for policy in args.eviction_policies:
+        cache_runs: dict[str, list[dict]] = {"none": [], "partition": []}
+        for _ in range(args.repeats):
+            for name, share in (("none", None), ("partition", args.gold_cache_share)):
+                cache_runs[name].append(_run_cache(model, share, policy, args))
+        none, part = (_medians(rows) for rows in cache_runs.values())
+        cache.append({"policy": policy, "results": [none, part], "samples": cache_runs, "ratios": {
+            "gold_ttft_none_over_partition": none["gold_ttft_mean_s"] / part["gold_ttft_mean_s"],
+            "gold_hit_share_partition_minus_none": part["gold_hit_share"] - none["gold_hit_share"],
+            "flood_ttft_partition_over_none": part["flood_ttft_mean_s"] / none["flood_ttft_mean_s"]}})
+    result["cache_partition"] = {
+        "gold_prefixes": args.gold_prefixes, "gold_prefix_len": args.gold_prefix_len, "rounds": args.rounds,
+        "flood_per_round": args.flood_per_round, "flood_prompt_len": args.flood_prompt_len,
+        "kv_blocks": args.kv_blocks, "gold_cache_share": args.gold_cache_share, "by_policy": cache}
     r = result["ratios"]
     print(f"fair shares: the light tenants' first tokens come {r['light_ttft_fcfs_over_fair']:.1f}x sooner "
           f"({r['light_ttft_steps_fcfs_over_fair']:.1f}x in steps), the flood's {r['flood_ttft_fair_over_fcfs']:.2f}x "
@@ -179,6 +246,12 @@ def run(args: argparse.Namespace) -> dict:
     print(f"KV quota {args.hog_kv_share} on the hog: light tenants' first tokens {k['light_ttft_none_over_quota']:.1f}x "
           f"sooner ({k['light_ttft_steps_none_over_quota']:.1f}x in steps), the hog at "
           f"{k['hog_throughput_quota_over_none']:.2f}x its throughput without one")
+    for c in cache:
+        c_r = c["ratios"]
+        print(f"cache partition {args.gold_cache_share} for gold ({c['policy']}): its prompts "
+              f"{c['results'][0]['gold_hit_share']:.0%} -> {c['results'][1]['gold_hit_share']:.0%} from the cache, "
+              f"first tokens {c_r['gold_ttft_none_over_partition']:.1f}x sooner; the flood's "
+              f"{c_r['flood_ttft_partition_over_none']:.2f}x its TTFT without one")
     write_json(args.json, result)
     if args.plot is not None:
         plot_fairness(result, args.plot)
@@ -192,8 +265,13 @@ def plot_fairness(result: dict, path: str) -> str:
     for row in result["kv_quota"]["results"]:
         quota = "no quota" if row["kv_share"] is None else f"kv_share {row['kv_share']}"
         bars[f"KV hog, {quota}: light"] = row["light_ttft_mean_s"] * 1e3
+    for c in result.get("cache_partition", {}).get("by_policy", []):
+        for row in c["results"]:
+            part = "no partition" if row["kv_cache_share"] is None else f"kv_cache_share {row['kv_cache_share']}"
+            bars[f"cache flood ({c['policy']}), {part}: gold"] = row["gold_ttft_mean_s"] * 1e3
     return bar_plot(path, bars, title=f"Mean TTFT: {result['flood']} flood requests vs "
-                    f"{result['light_tenants']}x{result['light_requests']} light; a KV hog vs light", ylabel="ms (log scale)",
+                    f"{result['light_tenants']}x{result['light_requests']} light; a KV hog vs light; a cache flood "
+                    "vs gold's prefixes", ylabel="ms (log scale)",
                     logy=True)
 
 
@@ -218,6 +296,25 @@ def add_cli(sub) -> None:
     q.add_argument("--kv-blocks", type=at_least(4, int), default=256, help="device KV pool size, in blocks")
     q.add_argument("--light-arrival-step", type=at_least(0, int), default=40,
                    help="the step at which the light tenants' requests arrive (the pool full by then)")
+    c = p.add_argument_group("cache partition part (the KV pool of --kv-blocks)")
+    c.add_argument("--gold-prefixes", type=at_least(1, int), default=4, help="long prompt prefixes gold cycles through")
+    c.add_argument("--gold-prefix-len", type=at_least(1, int), default=256)
+    c.add_argument("--rounds", type=at_least(1, int), default=12, help="rounds: one gold request and the flood's each")
+    c.add_argument("--flood-per-round", type=at_least(1, int), default=4, help="new prompts the flood sends per round")
+    c.add_argument("--flood-prompt-len", type=at_least(1, int), default=512)
+    c.add_argument("--gold-cache-share", type=in_range(float, 0, 1, low_open=True), default=0.3,
+                   help="gold's kv_cache_share, a fraction of the pool")
+    c.add_argument("--eviction-policies", type=_policies, default=["lru", DEFAULT_POLICY],
+                   help="comma-separated device eviction policies, each run with and without the partition")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: run(a) and 0)
+
+
+def _policies(text: str) -> list[str]:
+    from tierlm.kv.policies import POLICIES
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"give eviction policies from {', '.join(sorted(POLICIES))} (got {text!r})")
+    return list(dict.fromkeys(names))

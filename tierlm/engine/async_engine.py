@@ -224,7 +224,7 @@ class AsyncEngine:
                        request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                        cache_salt: str | None = None, tenant_weight: float = 1.0,
                        kv_share: float | None = None, pooling: PoolingParams | None = None,
-                       lora: str | None = None) -> AsyncIterator[StreamDelta]:
+                       lora: str | None = None, kv_cache_share: float | None = None) -> AsyncIterator[StreamDelta]:
         """The request's deltas as the engine makes them; with `pooling`, one delta holding the
         prompt's embedding (see PoolingParams)."""
         await self.start()  # (a free lock is taken without waiting)
@@ -234,7 +234,7 @@ class AsyncEngine:
             await asyncio.to_thread(self.engine.grammars.grammar, params.structured_outputs)
         req = self.engine.make_request(prompt, params, request_id, priority=priority, tenant_id=tenant_id,
                                        cache_salt=cache_salt, tenant_weight=tenant_weight, kv_share=kv_share,
-                                       pooling=pooling, lora=lora)
+                                       pooling=pooling, lora=lora, kv_cache_share=kv_cache_share)
         rid = req.request_id
         while (old := self._streams.get(rid)) is not None:
             if not isinstance(old, _Closing):

@@ -39,7 +39,7 @@ from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongErr
 from tierlm.kv.admin import model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
-from tierlm.kv.policies import make_policy
+from tierlm.kv.policies import EvictionPolicy, make_policy
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, RedisTier, host_block_bytes,
                              parse_capacity)
@@ -91,6 +91,9 @@ class EngineStats:
     # With LoRA: per adapter (loaded, or still used by requests after its removal), its requests
     # {"running": n, "waiting": n}; None when the engine serves no adapters.
     lora_requests: dict | None = None
+    # Tenants' cache partitions (kv_cache_share): per tenant {"blocks": its cached blocks no
+    # request holds now, "capacity": the blocks its share keeps}; None when there are none.
+    kv_cache_partitions: dict | None = None
     # Speculative decoding (vLLM's spec_decode counters): a request's steps that checked guesses,
     # the guesses checked, and those accepted (each a token that cost no step of its own).
     spec_drafts: int = 0
@@ -318,8 +321,10 @@ class LLMEngine:
                             "longer ones", num_blocks * bs, num_blocks, self.max_model_len, num_blocks * bs)
                 self.max_model_len = num_blocks * bs
             self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
-            self.pool = BlockPool(num_blocks, config.enable_prefix_caching,
-                                  make_policy(config.eviction_policy, history=config.kv_policy_history))
+            def policy() -> EvictionPolicy:
+                return make_policy(config.eviction_policy, history=config.kv_policy_history)
+
+            self.pool = BlockPool(num_blocks, config.enable_prefix_caching, policy(), partition_policy=policy)
             self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,
                                       graphs=self._graphs_config(config, loaded.args, bs))
             self.loras: LoRARegistry | None = None
@@ -417,7 +422,7 @@ class LLMEngine:
                      request_id: str | None = None, *, priority: int = 0, tenant_id: str | None = None,
                      cache_salt: str | None = None, tenant_weight: float = 1.0,
                      kv_share: float | None = None, pooling: PoolingParams | None = None,
-                     lora: "str | LoRARequest | None" = None) -> Request:
+                     lora: "str | LoRARequest | None" = None, kv_cache_share: float | None = None) -> Request:
         """Validate and build a request without touching engine state (safe from any thread).
         With `pooling`, it asks for the prompt's embedding (`StreamDelta.embedding`), not tokens:
         of `params` only truncate_prompt_tokens then counts. `lora`: the LoRA adapter to run with,
@@ -449,10 +454,12 @@ class LLMEngine:
                 or not 0 < tenant_weight < float("inf")):
             raise InvalidRequestError(f"tenant_weight must be a positive number (got {tenant_weight!r}); 1 is an "
                                       "equal share with the other tenants of its priority", param="tenant_weight")
-        if kv_share is not None and (isinstance(kv_share, bool) or not isinstance(kv_share, numbers.Real)
-                                     or not 0 < kv_share <= 1):
-            raise InvalidRequestError(f"kv_share must be a fraction of the KV pool above 0 and at most 1, or None for "
-                                      f"no quota (got {kv_share!r})", param="kv_share")
+        for name, share, none in (("kv_share", kv_share, "no quota"),
+                                  ("kv_cache_share", kv_cache_share, "no cache partition")):
+            if share is not None and (isinstance(share, bool) or not isinstance(share, numbers.Real)
+                                      or not 0 < share <= 1):
+                raise InvalidRequestError(f"{name} must be a fraction of the KV pool above 0 and at most 1, or None "
+                                          f"for {none} (got {share!r})", param=name)
         for name, value in (("request_id", request_id), ("tenant_id", tenant_id), ("cache_salt", cache_salt)):
             if value is not None and not isinstance(value, str):
                 raise InvalidRequestError(f"{name} must be a string (got {type(value).__name__})", param=name)
@@ -540,6 +547,7 @@ class LLMEngine:
         return Request(rid, ids, params, max_tokens, self.eos_token_ids, prompt=text, priority=priority,
                        tenant_id=tenant_id, tenant_weight=float(tenant_weight),
                        kv_share=None if kv_share is None else float(kv_share), cache_salt=cache_salt,
+                       kv_cache_share=None if kv_cache_share is None else float(kv_cache_share),
                        arrival_seq=next(self._seq), generator=gen,
                        allowed_token_ids=allowed, bad_words=bad_words,
                        thinking=ThinkingTracker(budget) if budget is not None else None, grammar=grammar,
@@ -859,6 +867,8 @@ class LLMEngine:
             kv_write_backlog_bytes=self.store.backlog if self.store is not None else 0,
             kv_staged_bytes=self.store.staged_bytes if self.store is not None else 0,
             kv_held_bytes=self.kv.held_bytes, lora_requests=self._lora_requests(),
+            kv_cache_partitions={t: {"blocks": p.evictable, "capacity": p.cap}
+                                 for t, p in list(self.pool.partitions.items())} or None,
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             kv_cache_dtype=str(self.runner.kv_caches[0].dtype).replace("torch.", ""), block_size=self.config.block_size)

@@ -42,6 +42,9 @@ class Request:
     tenant_weight: float = 1.0
     # The most of the device KV pool its tenant's running requests may hold (quotas.py); None: no cap.
     kv_share: float | None = None
+    # The share of the device KV pool its tenant's cached prefixes keep as a partition of their
+    # own (kv/block_pool.py); None: ranked with every other tenant's.
+    kv_cache_share: float | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0

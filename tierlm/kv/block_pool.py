@@ -4,6 +4,14 @@ free -> in use (ref >= 1) -> cached (ref 0, full, hashed, evictable, still hit-a
      -> reused (ref back to >= 1) or evicted (handed to `on_evict`, e.g. demoted to host).
 Which cached block goes first is the eviction policy's call (kv/policies.py); the pool only
 guarantees that blocks in use are pinned and never chosen.
+
+Cache partitions (a tenant's `kv_cache_share`): why: one tenant sending a flood of new prompts
+turns the whole pool over, and every other tenant's cached prefixes go with it (a noisy
+neighbour; a policy that ranks blocks cannot tell whose they are). A tenant with a share keeps
+the blocks its requests cached in a partition of its own, ranked by a policy instance of its
+own: up to its share of the pool, other tenants' traffic evicts them only when nothing else can
+go (a running request always gets its slots); past its share, its own least valuable cached
+blocks are the first to go. Blocks of tenants without a share are ranked together, as before.
 """
 from __future__ import annotations
 
@@ -22,11 +30,22 @@ class KVBlock:
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None
     output_tokens: int | None = None  # of the last finished request that used it: travels down the tiers
+    owner: str | None = None  # the cache partition it is ranked in while cached (None: the shared one)
+
+
+@dataclass
+class Partition:
+    """A tenant's cache partition: its cached blocks and the policy that ranks them."""
+
+    policy: EvictionPolicy
+    cap: int  # blocks it keeps cached safe from other tenants' traffic; past it, its own go first
+    evictable: int = 0  # its cached blocks that no running request holds
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, policy: str | EvictionPolicy = DEFAULT_POLICY,
-                 on_evict: Callable[[list[KVBlock]], None] | None = None) -> None:
+                 on_evict: Callable[[list[KVBlock]], None] | None = None,
+                 partition_policy: Callable[[], EvictionPolicy] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise kv_cache_memory")
         self.num_blocks = num_blocks
@@ -34,6 +53,9 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self.enable_caching = enable_caching
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        # A new partition's policy: the shared one's kind (and settings, where given).
+        self._partition_policy = partition_policy or (lambda: make_policy(self.policy.name))
+        self.partitions: dict[str, Partition] = {}
         self.cached: dict[BlockHash, KVBlock] = {}
         self.on_evict = on_evict
         self._clock = 0
@@ -70,24 +92,63 @@ class BlockPool:
 
     def _take(self, n: int) -> list[KVBlock]:
         """`n` cached, unreferenced blocks out of the cache, in the policy's order (a chain's
-        tail before its head)."""
+        tail before its head); with partitions, from the one `_giver` names each time."""
         victims = []
         for _ in range(n):
-            key = self.policy.victim()
+            part = self._giver() if self.partitions else None
+            policy = self.policy if part is None else part.policy
+            key = policy.victim()
             if key is None:
                 raise RuntimeError("no evictable KV block although the pool counted one (policy bug)")
             victims.append(self.cached.pop(key))
-            self.policy.remove(key)
-        self._num_evictable -= len(victims)
+            policy.remove(key)
+            self._num_evictable -= 1
+            if part is not None:
+                part.evictable -= 1
         self.evictions += len(victims)
         return victims
+
+    def _giver(self) -> Partition | None:
+        """Where the next victim comes from (None: the shared blocks): a partition past its cap
+        (the furthest past), else the shared blocks, else the partition fullest for its cap."""
+        parts = [p for p in self.partitions.values() if p.evictable]
+        over = max(parts, key=lambda p: p.evictable - p.cap, default=None)
+        if over is not None and over.evictable > over.cap:
+            return over
+        if self._num_evictable > sum(p.evictable for p in parts):
+            return None
+        return max(parts, key=lambda p: p.evictable / p.cap)
+
+    def partition(self, tenant: str, share: float) -> str:
+        """The cache partition of `tenant`, made or resized for `share` of the pool; its key."""
+        cap = max(1, int(share * self.num_blocks))
+        part = self.partitions.get(tenant)
+        if part is None:
+            self.partitions[tenant] = Partition(self._partition_policy(), cap)
+        else:
+            part.cap = cap
+        return tenant
+
+    def policy_of(self, blk: KVBlock) -> EvictionPolicy:
+        """The policy ranking cached block `blk` (its partition's, or the shared one)."""
+        return self.policy if blk.owner is None else self.partitions[blk.owner].policy
+
+    def finished(self, blocks: list[KVBlock], hashes: list[BlockHash], output_tokens: int) -> None:
+        """A request whose prefix blocks `blocks` (hashes `hashes`) are cached ended with
+        `output_tokens`: each policy hears of the blocks it ranks."""
+        if not self.partitions:
+            self.policy.finished(hashes, output_tokens)
+            return
+        for owner in dict.fromkeys(blk.owner for blk in blocks):
+            policy = self.policy if owner is None else self.partitions[owner].policy
+            policy.finished([h for blk, h in zip(blocks, hashes) if blk.owner == owner], output_tokens)
 
     def _hand_over(self, victims: list[KVBlock]) -> None:
         """Demote taken blocks through `on_evict` (their K/V is read before their ids are reused)."""
         if victims and self.on_evict is not None:
             self.on_evict(victims)
         for blk in victims:
-            blk.block_hash = blk.parent_hash = blk.output_tokens = None
+            blk.block_hash = blk.parent_hash = blk.output_tokens = blk.owner = None
 
     def lookup(self, h: BlockHash) -> KVBlock | None:
         return self.cached.get(h) if self.enable_caching else None
@@ -98,21 +159,28 @@ class BlockPool:
 
     def acquire_cached(self, blk: KVBlock, parent: BlockHash | None) -> None:
         """A request reuses a cached block (prefix hit)."""
-        self.policy.access(blk.block_hash, parent, self._clock)
+        policy = self.policy_of(blk)
+        policy.access(blk.block_hash, parent, self._clock)
         if blk.ref_cnt == 0:  # one pin per block in use, however many requests share it
             self._num_evictable -= 1
-            self.policy.pin(blk.block_hash)
+            if blk.owner is not None:
+                self.partitions[blk.owner].evictable -= 1
+            policy.pin(blk.block_hash)
         blk.ref_cnt += 1
 
-    def register_full(self, blk: KVBlock, h: BlockHash, parent: BlockHash | None) -> None:
-        """A block just filled with computed K/V becomes hit-able under hash `h`."""
+    def register_full(self, blk: KVBlock, h: BlockHash, parent: BlockHash | None,
+                      owner: str | None = None) -> None:
+        """A block just filled with computed K/V becomes hit-able under hash `h`, ranked in
+        partition `owner` (a key from `partition`; None: with the shared blocks)."""
         if not self.enable_caching or blk.block_hash is not None or h in self.cached:
             return  # same content already cached by a concurrent request: keep that copy
         blk.block_hash = h
         blk.parent_hash = parent
+        blk.owner = owner
         self.cached[h] = blk
-        self.policy.access(h, parent, self._clock)
-        self.policy.pin(h)
+        policy = self.policy_of(blk)
+        policy.access(h, parent, self._clock)
+        policy.pin(h)
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; tail first so chains age from the end."""
@@ -121,8 +189,10 @@ class BlockPool:
             if blk.ref_cnt > 0:
                 continue
             if blk.block_hash is not None:
-                self.policy.unpin(blk.block_hash)
+                self.policy_of(blk).unpin(blk.block_hash)
                 self._num_evictable += 1
+                if blk.owner is not None:
+                    self.partitions[blk.owner].evictable += 1
             else:
                 self._free.append(blk.block_id)
 
@@ -147,7 +217,9 @@ class BlockPool:
         for h, blk in list(self.cached.items()):
             if blk.ref_cnt == 0:
                 del self.cached[h]
-                self.policy.remove(h)
-                blk.block_hash = blk.parent_hash = blk.output_tokens = None
+                self.policy_of(blk).remove(h)
+                blk.block_hash = blk.parent_hash = blk.output_tokens = blk.owner = None
                 self._free.append(blk.block_id)
         self._num_evictable = 0
+        for part in self.partitions.values():
+            part.evictable = 0

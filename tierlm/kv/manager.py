@@ -110,6 +110,14 @@ class KVCacheManager:
             req.block_hashes = chain_hashes(req.all_token_ids, self.block_size, extra, req.block_hashes)
         return req.block_hashes
 
+    def _owner(self, req) -> str | None:
+        """The cache partition `req`'s new cached blocks are ranked in: its tenant's, when it
+        carries a `kv_cache_share` (block_pool.py), else None (the shared blocks)."""
+        share = req.kv_cache_share
+        if share is None:
+            return None
+        return self.pool.partition(req.tenant_id or "", share)
+
     def _device_prefix(self, req) -> tuple[list[bytes], list[KVBlock], int]:
         """`req`'s block hashes, its leading blocks cached on the device, and how many leading
         blocks may come from a cache at all (never the whole prompt: the last token must be
@@ -360,12 +368,13 @@ class KVCacheManager:
         if hit.lower:
             self.io.write([blk.block_id for blk in req.blocks[base:base + len(hit.lower)]],
                           [data for _, _, data, _ in hit.lower])
+        owner = self._owner(req) if hit.lower else None
         for j, (h, source, data, hint) in enumerate(hit.lower):
             blk = req.blocks[base + j]
-            self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None)
+            self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None, owner)
             if hint is not None and blk.block_hash == h:  # what the lower tier knew comes back up
                 blk.output_tokens = hint
-                self.pool.policy.finished([h], hint)
+                self.pool.policy_of(blk).finished([h], hint)
             self.store.promoted(h, source)
             self.stats.promoted_blocks += 1
             self.stats.promoted_bytes += nbytes(data)
@@ -381,6 +390,7 @@ class KVCacheManager:
         if full <= req.num_registered_blocks:
             return
         hashes = self._hashes(req)
+        owner = self._owner(req)
         through = []  # (index, hash, parent) of blocks to write through to lower tiers
         for i in range(req.num_registered_blocks, full):
             parent = hashes[i - 1] if i else None
@@ -392,7 +402,7 @@ class KVCacheManager:
                 self.pool.free([req.blocks[i]])
                 req.blocks[i] = existing
                 continue
-            self.pool.register_full(req.blocks[i], hashes[i], parent)
+            self.pool.register_full(req.blocks[i], hashes[i], parent, owner)
             if self.store is not None and self.store.write_through:
                 through.append((i, hashes[i], parent))
         if through:
@@ -447,8 +457,8 @@ class KVCacheManager:
         if job is not None:  # finished or aborted before admission
             self.store.cancel(job)
         if req.finish_reason in ("stop", "length"):  # done, not aborted or preempted
-            self.pool.policy.finished(req.block_hashes[:req.num_registered_blocks],
-                                      req.num_output_tokens)
+            n = req.num_registered_blocks
+            self.pool.finished(req.blocks[:n], req.block_hashes[:n], req.num_output_tokens)
             for blk in req.blocks[:req.num_registered_blocks]:
                 blk.output_tokens = req.num_output_tokens
         self.pool.free(req.blocks)

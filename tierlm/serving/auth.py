@@ -44,6 +44,7 @@ class RequestContext:
     priority: int = 0
     tenant_weight: float = 1.0
     kv_share: float | None = None
+    kv_cache_share: float | None = None  # its tenant's cache partition (kv/block_pool.py)
     tier: str | None = None
     ttft_target_s: float | None = None  # the tier's time-to-first-token target (sla.py)
     breaker: "BreakerSettings | bool | None" = None  # the tier's own breaker, False: none, None: the server's

@@ -660,6 +660,7 @@ class EngineStream:
                 cache_salt=ctx.cache_salt,
                 tenant_weight=ctx.tenant_weight,
                 kv_share=ctx.kv_share,
+                kv_cache_share=ctx.kv_cache_share,
                 pooling=self.pooling,
             )
         )

@@ -101,7 +101,7 @@ class ServerState:
         # no other tenant's prompts may be (one could tell what another had recently sent).
         return RequestContext(request_id=request_id, api_key_id=api_key_id, tenant_id=tenant.id,
                               priority=tenant.priority, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight,
-                              kv_share=tenant.kv_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s,
+                              kv_share=tenant.kv_share, kv_cache_share=tenant.kv_cache_share, tier=tenant.tier, ttft_target_s=tenant.ttft_target_s,
                               breaker=tenant.breaker, max_batch_requests=tenant.max_batch_requests,
                               safety=self.safety.for_request(tenant.tier, tenant.id) if self.safety else None,
                               sla=self.sla, models=tenant.models), tenant

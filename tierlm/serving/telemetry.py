@@ -243,6 +243,10 @@ class EngineCollector(Collector):
                                        labels=["model", "cache_dtype", "block_size", "num_blocks"])
         lora = GaugeMetricFamily("tierlm:lora_requests", "Requests of each LoRA adapter now, running or waiting "
                                  "(every loaded adapter, 0 when idle).", labels=["model", "adapter", "state"])
+        parts = GaugeMetricFamily("tierlm:kv_partition_blocks", "Cached device KV blocks no request holds, in a "
+                                  "tenant's cache partition (kv_cache_share).", labels=["model", "tenant"])
+        part_room = GaugeMetricFamily("tierlm:kv_partition_capacity_blocks", "Device KV blocks a tenant's cache "
+                                      "partition keeps safe from other tenants' traffic.", labels=["model", "tenant"])
         for model, engine in self._engines():
             try:
                 stats = engine.stats()
@@ -272,6 +276,9 @@ class EngineCollector(Collector):
             for adapter, counts in (getattr(stats, "lora_requests", None) or {}).items():
                 for state, n in counts.items():
                     lora.add_metric([model, adapter, state], float(n))
+            for tenant, use in (getattr(stats, "kv_cache_partitions", None) or {}).items():
+                parts.add_metric([model, tenant or "default"], float(use["blocks"]))
+                part_room.add_metric([model, tenant or "default"], float(use["capacity"]))
         yield from families.values()
         yield usage
         yield cache_info
@@ -279,6 +286,8 @@ class EngineCollector(Collector):
         yield held
         yield room
         yield lora
+        yield parts
+        yield part_room
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # names are fixed, but describing would make registration call collect()

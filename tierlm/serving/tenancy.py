@@ -17,6 +17,7 @@ A tenants file (`tierlm serve --tenants FILE`, TOML) groups the keys file's key 
     max_concurrent = 8
     weight = 2                         # twice the share of a weight-1 tenant of its tier (default 1)
     kv_share = 0.5                     # its running requests hold at most half the KV cache
+    kv_cache_share = 0.2               # its cached prefixes keep a fifth of it as their own partition
     max_batch_requests = 100000        # its batches' requests not yet finished, at most (a tier may set it too)
     models = ["base", "acme-support"]  # the models (LoRA adapters too) it may use; others are a 404 to it
 
@@ -102,6 +103,7 @@ class Tier:
     breaker: BreakerSettings | bool | None = None
     max_batch_requests: int | None = None  # each tenant's, unless it sets its own
     models: frozenset[str] | None = None  # each tenant's, unless it sets its own (None: every model)
+    kv_cache_share: float | None = None  # each tenant's cache partition, unless it sets its own
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,9 @@ class Tenant:
     max_batch_requests: int | None = None
     #: The models it may use (names of base models and LoRA adapters); None: every one served
     models: frozenset[str] | None = None
+    #: The share of each engine's device KV pool its cached prefixes keep as a partition of their
+    #: own, safe from other tenants' traffic (kv/block_pool.py); None: ranked with everyone's
+    kv_cache_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -162,8 +167,8 @@ class TenantsConfig:
                 raise fail('tiers.""', "a tier needs a name (429s name it); write [tiers.NAME]")
             where = f"tiers.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"priority", "weight", "kv_share", "ttft_target_ms", "breaker", "max_batch_requests",
-                          "models", *LIMIT_FIELDS}, where, fail)
+            _only(table, {"priority", "weight", "kv_share", "kv_cache_share", "ttft_target_ms", "breaker",
+                          "max_batch_requests", "models", *LIMIT_FIELDS}, where, fail)
             priority = table.get("priority", DEFAULT_TIERS.get(name))
             if priority is None:
                 raise fail(f"{where}.priority", "a tier other than gold, silver and bronze needs a priority "
@@ -173,7 +178,8 @@ class TenantsConfig:
             tiers[name] = Tier(name, priority, _limits(table, where, fail), _weight(table, where, fail, 1.0),
                                _kv_share(table, where, fail, None), _ttft_target(table, where, fail),
                                _breaker(table, where, fail), _max_batch_requests(table, where, fail, None),
-                               _models(table, where, fail, None))
+                               _models(table, where, fail, None),
+                               _kv_share(table, where, fail, None, "kv_cache_share"))
         default_tier = _tier_name(data.get("default_tier", "bronze"), "default_tier", tiers, fail)
 
         tenants: dict[str, Tenant] = {}
@@ -187,8 +193,8 @@ class TenantsConfig:
                                               "give this tenant another name")
             where = f"tenants.{name}"
             table = _as_table(table, where, fail)
-            _only(table, {"tier", "keys", "weight", "kv_share", "max_batch_requests", "models", *LIMIT_FIELDS}, where,
-                  fail)
+            _only(table, {"tier", "keys", "weight", "kv_share", "kv_cache_share", "max_batch_requests", "models",
+                          *LIMIT_FIELDS}, where, fail)
             tier_name = _tier_name(table.get("tier", default_tier), f"{where}.tier", tiers, fail,
                                    " or define it under [tiers]")
             keys = table.get("keys")
@@ -212,13 +218,16 @@ class TenantsConfig:
                                    _weight(table, where, fail, tier.weight), _kv_share(table, where, fail, tier.kv_share),
                                    tier.ttft_target_s, tier.breaker,
                                    _max_batch_requests(table, where, fail, tier.max_batch_requests),
-                                   _models(table, where, fail, tier.models))
+                                   _models(table, where, fail, tier.models),
+                                   _kv_share(table, where, fail, tier.kv_cache_share, "kv_cache_share"))
         for key in sorted(known_keys - key_owner.keys()):
             if key in tenants:  # a lone key is the tenant named after it: one id, two tenants
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
                                              f"(and so would be a tenant of its own named {key!r}); add the key to "
                                              "its keys, or rename the tenant")
-        return cls(tiers, tenants, key_owner, default_tier)
+        config = cls(tiers, tenants, key_owner, default_tier)
+        _check_cache_shares(config, known_keys, fail)
+        return config
 
     def tenant_of(self, key_id: str) -> Tenant:
         owner = self.key_owner.get(key_id)
@@ -226,7 +235,23 @@ class TenantsConfig:
             return self.tenants[owner]
         tier = self.tiers[self.default_tier]  # a key no tenant names: a tenant of its own
         return Tenant(key_id, tier.name, tier.priority, _key_salt(key_id), tier.limits, tier.weight, tier.kv_share,
-                      tier.ttft_target_s, tier.breaker, tier.max_batch_requests, tier.models)
+                      tier.ttft_target_s, tier.breaker, tier.max_batch_requests, tier.models, tier.kv_cache_share)
+
+
+def _check_cache_shares(config: TenantsConfig, key_ids: set[str], fail: Callable[[str, str], ValueError]) -> None:
+    """Cache partitions are carved out of one pool: together they may take all of it, not more
+    (each partition's blocks are safe from the others' traffic only while they all fit). Keys no
+    tenant names are each a tenant of the default tier, with its share."""
+    shares = {name: t.kv_cache_share for name, t in config.tenants.items() if t.kv_cache_share is not None}
+    lone = len(key_ids - config.key_owner.keys())
+    default = config.tiers[config.default_tier].kv_cache_share
+    total = sum(shares.values()) + (lone * default if default is not None else 0.0)
+    if total > 1 + 1e-9:
+        parts = [f"{name} {v:g}" for name, v in sorted(shares.items())]
+        if lone and default is not None:
+            parts.append(f"{lone} key(s) in no tenant, {default:g} each (tier {config.default_tier})")
+        raise fail("kv_cache_share", f"the tenants' cache partitions add up to {total:g} of the KV pool ("
+                                     f"{', '.join(parts)}); they must fit in it together (at most 1): lower them")
 
 
 def _key_salt(key_id: str) -> str:
@@ -308,14 +333,18 @@ def _models(table: Mapping[str, Any], where: str, fail: Callable[[str, str], Val
     return frozenset(value)
 
 
+_SHARE_MEANS = {"kv_share": "the most of each model's KV cache the tenant's running requests may hold",
+                "kv_cache_share": "the part of each model's KV cache the tenant's cached prefixes keep as their own"}
+
+
 def _kv_share(table: Mapping[str, Any], where: str, fail: Callable[[str, str], ValueError],
-              default: float | None) -> float | None:
-    value = table.get("kv_share", default)
+              default: float | None, field: str = "kv_share") -> float | None:
+    value = table.get(field, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise fail(f"{where}.kv_share", f"must be a fraction above 0 and at most 1 (got {value!r}): the most of "
-                                        "each model's KV cache the tenant's running requests may hold")
+        raise fail(f"{where}.{field}", f"must be a fraction above 0 and at most 1 (got {value!r}): "
+                                       f"{_SHARE_MEANS[field]}")
     return float(value)
 
 
