@@ -183,6 +183,9 @@ def test_score_and_rerank_batches_give_the_routes_answers(server):
                             headers={"Authorization": f"Bearer {c.api_key}"}).json()
         key, score = ("results", "relevance_score") if url == "/v1/rerank" else ("data", "score")
         assert [r["index"] for r in got[key]] == [r["index"] for r in direct[key]]
+        tokens = direct["usage"]["total_tokens"]  # (rerank's usage holds total_tokens alone)
+        assert tokens > 0 and (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == \
+            (tokens, 0, tokens)
         assert [r[score] for r in got[key]] == pytest.approx([r[score] for r in direct[key]], abs=1e-6)
 
 

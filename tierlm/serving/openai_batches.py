@@ -154,8 +154,11 @@ class OpenAIBatch(Batch):
                 r = item.result
                 u = r["response"]["body"].get("usage") if r and _outcome(r) == "succeeded" else None
                 if isinstance(u, dict):
-                    inp += int(u.get("prompt_tokens", u.get("input_tokens", 0)) or 0)
-                    out += int(u.get("completion_tokens", u.get("output_tokens", 0)) or 0)
+                    # (vLLM's rerank answers with total_tokens alone: its tokens are all input)
+                    answered = int(u.get("completion_tokens", u.get("output_tokens", 0)) or 0)
+                    read = u.get("prompt_tokens", u.get("input_tokens", int(u.get("total_tokens", 0) or 0) - answered))
+                    inp += int(read or 0)
+                    out += answered
                     details = u.get("prompt_tokens_details") or u.get("input_tokens_details") or {}
                     cached += int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0
                     details = u.get("completion_tokens_details") or u.get("output_tokens_details") or {}
