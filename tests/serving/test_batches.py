@@ -265,6 +265,46 @@ def test_batches_outlive_a_restart_and_the_unfinished_requests_run_again(scripte
     assert sorted(r["custom_id"] for r in rows) == sorted(f"h{i}" for i in range(20))
 
 
+
+def test_a_batch_whose_key_left_the_keys_file_ends_under_the_tenant_that_sent_it(scripted_models, tmp_path,
+                                                                                monkeypatch):
+    """A restart without the batch's key errs what had not run (authentication_error), and the
+    batch's requests, the one done before the restart among them, count once each under the tenant
+    that sent it: the key is gone, not the tenant's work (it counted as `default`)."""
+    from tierlm.serving.batches import BatchJournal, BatchStore
+
+    def start(keys: dict[str, str], tenancy: Tenancy | None) -> tuple[ServerThread, Any, Any]:
+        engine = scripted_models[LOOP_MODEL].engine(LOOP_MODEL)
+        app = build_app({LOOP_MODEL: engine}, ApiKeyAuth.from_keys(keys), tenancy=tenancy,
+                        batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))
+        return ServerThread(app, graceful_timeout=0.2).start(), app, engine
+
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    one, _, engine = start(KEYS, Tenancy.from_file(tmp_path / "tenants.toml", KEYS))
+    try:
+        slow_steps(engine, monkeypatch, 0.02)
+        batch = client(one, "a").messages.batches.create(requests=[
+            {"custom_id": cid, "params": {"model": LOOP_MODEL, "max_tokens": n, "messages": HI}}
+            for cid, n in (("quick", 2), ("long", 400))])
+        lines = tmp_path / "batches" / batch.id / "results.jsonl"
+        assert wait_until(lambda: lines.exists() and '"quick"' in lines.read_text(), timeout=30)
+    finally:
+        one.stop()  # "long" is aborted by the shutdown: not finished, it would run again
+    two, app, _ = start({"b": KEYS["b"]}, None)
+    try:
+        restored = app.state.tierlm.batches._batches[batch.id]
+        assert wait_until(lambda: restored.ended_at is not None, timeout=30)
+        results = {i.custom_id: i.result for i in restored.items}
+        assert results["quick"]["type"] == "succeeded"
+        assert results["long"]["error"]["error"]["type"] == "authentication_error"
+        metrics = httpx.get(two.url + "/metrics").text
+        assert value(metrics, "tierlm:batch_requests_total", tenant="acme", result="succeeded") == 1
+        assert value(metrics, "tierlm:batch_requests_total", tenant="acme", result="errored") == 1
+        assert value(metrics, "tierlm:batch_requests_total", tenant="default") == 0
+    finally:
+        two.stop()
+
+
 def test_serve_refuses_a_batches_dir_another_server_holds(tmp_path):
     from tests.serving.test_cli import free_port, serve
     from tierlm.serving.batches import BatchJournal

@@ -246,7 +246,8 @@ class BatchJournal:
         d = self._dir(batch.id)
         d.mkdir()
         self._write(d / "batch.json", {**batch.record(), "id": batch.id, "kind": batch.kind,
-                                       "api_key_id": batch.context.api_key_id, "created_at": batch.created_at,
+                                       "api_key_id": batch.context.api_key_id, "tenant_id": batch.context.tenant_id,
+                                       "created_at": batch.created_at,
                                        "requests": [{"custom_id": i.custom_id, "params": i.params}
                                                     for i in batch.items]})
 
@@ -352,7 +353,10 @@ class BatchStore:
             return 0
         for record in self.journal.load():
             context = context_of(record.get("api_key_id"))
-            runs_as = (batch_context(context) if context is not None else RequestContext(request_id="", api_key_id=record.get("api_key_id")))
+            # A gone key's batch still counts under the tenant that sent it (tierlm:batch_requests)
+            tenant = record.get("tenant_id") if isinstance(record.get("tenant_id"), str) else None
+            runs_as = (batch_context(context) if context is not None else
+                       RequestContext(request_id="", api_key_id=record.get("api_key_id"), tenant_id=tenant))
             items = [BatchItem(cid, params, record["results"].get(cid)) for cid, params in record["requests"]]
             state = record["state"]
             kind = BATCH_KINDS.get(record.get("kind", "message_batch"))
