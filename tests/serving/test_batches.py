@@ -164,6 +164,35 @@ def test_cancelling_aborts_what_runs_and_skips_the_rest(server, engines, monkeyp
     assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
 
 
+
+def test_an_error_answered_as_the_batch_is_cancelled_is_the_requests_result(server, monkeypatch):
+    """A request the route answered with an error while its batch was being cancelled keeps that
+    answer (it was counted in tierlm:requests as a 404), not `canceled` as if it never ran."""
+    import asyncio
+    import threading
+
+    state = server.app.state.tierlm
+    admit, entered, go = state.admit, threading.Event(), threading.Event()
+
+    async def held(request: Any) -> Any:  # the request is under way when the cancel comes
+        entered.set()
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        return await admit(request)
+
+    monkeypatch.setattr(state, "admit", held)
+    c = client(server, "b")
+    batch = c.messages.batches.create(requests=[
+        {"custom_id": "gone", "params": {"model": "no-such-model", "max_tokens": 5, "messages": HI}}])
+    assert entered.wait(30)
+    c.messages.batches.cancel(batch.id)
+    go.set()
+    done = ended(c, batch.id)
+    assert (done.request_counts.errored, done.request_counts.canceled) == (1, 0)
+    [result] = [r.result for r in c.messages.batches.results(batch.id)]
+    assert result.type == "errored" and result.error.error.type == "not_found_error"
+
+
 def test_batch_work_waits_behind_interactive_requests_and_skips_rate_limits(server, engines, monkeypatch):
     """On an engine that runs one request at a time: a batch of 4 long answers has started; an
     interactive request sent then is answered before the batch's second request starts, not

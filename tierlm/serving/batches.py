@@ -47,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tierlm.serving.auth import RequestContext
-from tierlm.serving.errors import InvalidRequest, NotFound, RateLimited
+from tierlm.serving.errors import ClientDisconnected, InvalidRequest, NotFound, RateLimited
 from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES, FileStore, rfc3339
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.telemetry import DEFAULT_TENANT
@@ -441,8 +441,8 @@ class BatchStore:
 
 async def _call(app: Any, batch: Batch, body: bytes) -> tuple[int | None, bytes, str | None]:
     """POST `body` to the batch's route in `app`, in process, admitted as the batch's creator:
-    (status, body, request id); status None if the batch was cancelled first (the request is
-    then aborted like one whose client left)."""
+    (status, body, request id); status None if the batch's cancel aborted it (as a client leaving
+    would); an answer the route gave meanwhile, an error too, is the request's result."""
     path = batch.path.encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": batch.path, "raw_path": path,
@@ -472,7 +472,7 @@ async def _call(app: Any, batch: Batch, body: bytes) -> tuple[int | None, bytes,
             chunks.append(message.get("body", b""))
 
     await app(scope, receive, send)
-    if batch.cancelled.is_set() and status != 200:
+    if batch.cancelled.is_set() and status in (None, ClientDisconnected.status):  # (not an answer the route gave)
         return None, b"", request_id
     return status, b"".join(chunks), request_id
 
