@@ -394,6 +394,47 @@ def test_files_and_batches_outlive_a_restart(scripted_models, tmp_path, monkeypa
         two.stop()
 
 
+
+def test_a_server_stopping_as_a_batch_writes_its_files_ends_it_first(scripted_models, tmp_path, monkeypatch):
+    """Stopped while a batch wrote its output file, the server waits for that step and ends the
+    batch: cut off, the file was written but the batch not ended, and the next start wrote it
+    again (the key listed two output files of one batch)."""
+    from tierlm.serving.batches import BatchJournal, BatchStore
+    from tierlm.serving.files import FileStore
+
+    def start() -> ServerThread:
+        engine = scripted_models[LOOP_MODEL].engine(LOOP_MODEL)
+        app = build_app({LOOP_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                        batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))
+        return ServerThread(app, graceful_timeout=1).start()
+
+    persist = FileStore._persist
+
+    def slow_disk(self: FileStore, f: Any, data: bytes, made_here: bool) -> None:
+        if made_here:  # (a batch's results)
+            time.sleep(0.5)
+        persist(self, f, data, made_here)
+
+    monkeypatch.setattr(FileStore, "_persist", slow_disk)
+    one = start()
+    try:
+        c = client(one, "b")
+        upload = c.files.create(file=("s.jsonl", jsonl([chat(f"d{i}", model=LOOP_MODEL, max_tokens=3)
+                                                        for i in range(3)])), purpose="batch")
+        batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_until(lambda: c.batches.retrieve(batch.id).status == "finalizing", timeout=30)
+    finally:
+        one.stop()
+    two = start()
+    try:
+        c = client(two, "b")
+        done = c.batches.retrieve(batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        assert [f.id for f in c.files.list() if f.filename.startswith(batch.id)] == [done.output_file_id]
+    finally:
+        two.stop()
+
+
 def test_the_files_store_holds_at_most_its_bytes(tmp_path):
     import asyncio
 

@@ -553,11 +553,22 @@ async def run_batch(app: Any, batch: Batch) -> None:
         if metrics is not None:
             metrics.batches_in_progress.dec()
         return
+    stopped = False
     if store is not None:
-        try:
-            await batch.on_end(store)
-        except Exception:  # a fault of ours: the batch still ends (it must not stay unfinished for ever)
-            logger.exception("batch %s: finishing it failed; it ends without what that step makes", batch.id)
+        # A server stopping meanwhile waits for this step: cut off, its files were written but the
+        # batch not ended, and the next start made them again (two output files listed).
+        ending = asyncio.ensure_future(batch.on_end(store))
+        while not ending.done():
+            try:
+                await asyncio.shield(ending)
+            except asyncio.CancelledError:
+                stopped = True
+            except Exception:
+                break
+        failure = ending.exception()
+        if failure is not None:  # a fault of ours: the batch still ends (it must not stay unfinished for ever)
+            logger.error("batch %s: finishing it failed; it ends without what that step makes", batch.id,
+                         exc_info=failure)
     batch.ended_at = time.time()
     if journal is not None:
         journal.state(batch)
@@ -568,6 +579,8 @@ async def run_batch(app: Any, batch: Batch) -> None:
             if n:
                 metrics.batch_requests.labels(batch.context.tenant_id or DEFAULT_TENANT, result).inc(n)
     logger.info("batch %s ended: %s", batch.id, ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    if stopped:
+        raise asyncio.CancelledError
 
 
 # ---- routes ---------------------------------------------------------------------------------
