@@ -334,6 +334,35 @@ def test_a_batch_whose_key_left_the_keys_file_ends_under_the_tenant_that_sent_it
         two.stop()
 
 
+
+def test_an_ended_batchs_result_the_directory_lost_reads_as_canceled(scripted_models, tmp_path):
+    """An ended batch whose result line was never written (the disk refused it) counts that
+    request `canceled`, and its results say so too (they held `result: null`, which the SDK reads
+    as no result at all)."""
+    import json
+    from tierlm.serving.batches import BatchJournal, BatchStore
+
+    d = tmp_path / "batches" / "msgbatch_lost"
+    d.mkdir(parents=True)
+    now = time.time()
+    (d / "batch.json").write_text(json.dumps({"id": d.name, "kind": "message_batch", "api_key_id": "b",
+                                              "created_at": now, "requests": [{"custom_id": "kept", "params": {}},
+                                                                              {"custom_id": "lost", "params": {}}]}))
+    (d / "results.jsonl").write_text(json.dumps({"custom_id": "kept", "result": {"type": "expired"}}) + "\n")
+    (d / "state.json").write_text(json.dumps({"ended_at": now}))
+    app = build_app({LOOP_MODEL: scripted_models[LOOP_MODEL].engine(LOOP_MODEL)}, ApiKeyAuth.from_keys(KEYS),
+                    batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))
+    srv = ServerThread(app).start()
+    try:
+        c = client(srv, "b")
+        counts = c.messages.batches.retrieve(d.name).request_counts
+        assert (counts.expired, counts.canceled) == (1, 1)
+        assert [(r.custom_id, r.result.type) for r in c.messages.batches.results(d.name)] == [("kept", "expired"),
+                                                                                           ("lost", "canceled")]
+    finally:
+        srv.stop()
+
+
 def test_serve_refuses_a_batches_dir_another_server_holds(tmp_path):
     from tests.serving.test_cli import free_port, serve
     from tierlm.serving.batches import BatchJournal

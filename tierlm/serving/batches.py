@@ -707,8 +707,8 @@ async def batch_results(request: Request, batch_id: str) -> Response:
     _ended(batch, "its results come once it has ended (results_url is set then)")
 
     async def lines() -> AsyncIterator[bytes]:
-        for item in batch.items:
-            yield (json.dumps({"custom_id": item.custom_id, "result": item.result}, separators=(",", ":"))
-                   + "\n").encode()
+        for item in batch.items:  # (a result the batches directory lost is `canceled`, as request_counts say)
+            result = item.result if item.result is not None else batch.unrun("canceled")
+            yield (json.dumps({"custom_id": item.custom_id, "result": result}, separators=(",", ":")) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-jsonl")
