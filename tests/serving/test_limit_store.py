@@ -569,3 +569,41 @@ def test_router_refuses_a_limits_store_without_tenants(tmp_path, capsys):
         assert main(["router", "--replica", "http://127.0.0.1:1", "--limits-store", "redis://127.0.0.1:1/0",
                      *extra]) == 2
         assert "error: --limits-store needs --tenants" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_limits_store_on_the_kv_cache_s_redis_server(tmp_path, redis_server):
+    """The KV tier fills its Redis server and leans on its eviction (kv_remote_capacity sets
+    volatile-lru), which took the limits' keys too: a tenant held to 3 requests a minute got a
+    4th once KV writes had evicted its bucket. The same server in another database, or under
+    another loopback name, is the same server."""
+    from tierlm.serving.auth import keys_file_line
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(keys_file_line("a", KEYS["a"]) + "\n")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.t]\nkeys = ["a"]\nrequests_per_minute = 3\n')
+    proc = serve("--port", str(free_port()), "--api-keys", str(keys), "--tenants", str(tenants),
+                 "--limits-store", f"redis://localhost:{redis_server.port}/1", "--kv-remote", redis_server.url,
+                 "--kv-remote-capacity", "1MiB")
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and "is on the Redis server of --kv-remote" in out, out
+    assert "Traceback" not in out
+
+
+def test_a_limits_store_on_a_server_that_evicts_is_warned_about(redis_server, caplog):
+    """A KV cache's kv_remote_capacity, set by a server elsewhere, makes the Redis evict; a
+    limits store started there says its limits may be lost. One that never evicts: no warning."""
+    from tierlm.kv.tiers import RedisTier
+    from tierlm.serving.limit_store import limit_store_from_args
+
+    url = f"redis://127.0.0.1:{redis_server.port}/1"
+    with caplog.at_level(logging.WARNING, logger="tierlm.serving"):
+        limit_store_from_args(url, "server", True)
+        assert not [r for r in caplog.records if "evicts keys when full" in r.getMessage()]
+        RedisTier(redis_server.url, capacity_bytes=1 << 20).close()
+        limit_store_from_args(url, "server", True)
+    said = [r.getMessage() for r in caplog.records if "evicts keys when full" in r.getMessage()]
+    assert len(said) == 1 and "volatile-lru" in said[0] and "noeviction" in said[0]

@@ -280,7 +280,10 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         if not getattr(args, "tenants", None):
             raise ValueError("--limits-store needs --tenants: the limits it shares are the tenants file's")
+        from tierlm.serving.limit_store import check_apart_from_kv_cache
+
         check_redis_url(args.limits_store, option="--limits-store")
+        check_apart_from_kv_cache(args.limits_store, getattr(args, "kv_remote", None))
     auth, tenancy = tenants_of(args, store=False)
     raise_fd_limit()
     install_probe_log_filter()

@@ -277,6 +277,23 @@ def lower_scheme(url: str) -> str:
     return head.lower() + sep + rest if sep else url
 
 
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+
+
+def redis_server_of(url: str) -> tuple[str, object]:
+    """The Redis server a (checked) URL names, whatever its database: ("unix", socket path) or
+    (host, port), loopback names as one. Memory limits and eviction are the server's, not a
+    database's, so this is what two users of one Redis must be told apart by."""
+    try:
+        parts = urllib.parse.urlsplit(lower_scheme(url))
+        if parts.scheme == "unix":
+            return "unix", os.path.realpath(parts.path)
+        host = (parts.hostname or "localhost").lower()
+        return ("loopback" if host in _LOOPBACK else host), parts.port or 6379
+    except ValueError:  # unreadable: its own check names what is wrong with it
+        return "url", url
+
+
 def redact_url(url: str) -> str:
     """`url` with any password shown as *** (for logs and errors): the user-info part of the
     host (`:PASSWORD@`), a `?password=` value (redis-py reads that too), and, for a password with

@@ -307,7 +307,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tierlm.serving.sla import SlaGuard
     from tierlm.serving.telemetry import Telemetry, configure_request_log
     from tierlm.serving.batches import BatchJournal, BatchStore
-    from tierlm.serving.limit_store import limit_store_from_args
+    from tierlm.serving.limit_store import check_apart_from_kv_cache, limit_store_from_args
     from tierlm.serving.tenancy import Tenancy
 
     raise_fd_limit()  # each connection holds a file descriptor
@@ -340,6 +340,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if not isinstance(auth, ApiKeyAuth):
                 raise ValueError("--tenants needs --api-keys: tenants own the keys of the keys file")
             tenancy = Tenancy.from_file(args.tenants, auth.key_ids)
+        check_apart_from_kv_cache(getattr(args, "limits_store", None), getattr(args, "kv_remote", None))
         tenancy.store = limit_store_from_args(getattr(args, "limits_store", None), "server",
                                               tenancy.config is not None)
         safety = _safety_policies(getattr(args, "safety_policies", None), tenancy, auth)

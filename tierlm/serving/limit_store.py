@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tierlm.kv.tiers import lower_scheme, redact_url
+from tierlm.kv.tiers import lower_scheme, redact_url, redis_server_of
 
 logger = logging.getLogger("tierlm.serving")
 
@@ -389,4 +389,33 @@ def limit_store_from_args(url: str | None, role: str, has_tenants: bool) -> Limi
                        "until it does", store.shown, _describe(e))
     else:
         logger.info("tenants' limits shared through %s", store.shown)
+        _warn_if_it_evicts(store)
     return store
+
+
+def check_apart_from_kv_cache(url: str | None, kv_remote: str | None) -> None:
+    """Refuse a --limits-store on the Redis server that --kv-remote names (in any database:
+    memory and eviction are the server's). The KV tier fills its server by design and is
+    bounded by eviction, which takes the limits' keys too (they have TTLs): a tenant's bucket
+    evicted reads as full, so one held to 3 requests a minute was let in a 4th time."""
+    if url and kv_remote and redis_server_of(url) == redis_server_of(kv_remote):
+        raise ValueError(f"--limits-store {redact_url(url)} is on the Redis server of --kv-remote "
+                         f"{redact_url(kv_remote)}: the KV cache fills that server and its eviction would drop "
+                         "tenants' limits; give --limits-store a Redis server of its own")
+
+
+def _warn_if_it_evicts(store: LimitStore) -> None:
+    """A limits store on a server that evicts when full (a KV cache's Redis started elsewhere,
+    or an LRU policy) loses tenants' buckets and holds: say so at start."""
+    import redis
+
+    try:
+        conf = redis.Redis.from_url(lower_scheme(store.url), socket_timeout=store.timeout,
+                                    socket_connect_timeout=store.timeout).config_get("maxmemory*")
+    except (redis.exceptions.RedisError, OSError):  # CONFIG disabled (managed services): nothing to tell
+        return
+    policy = str(conf.get("maxmemory-policy", "noeviction"))
+    if int(conf.get("maxmemory", 0) or 0) and policy != "noeviction":
+        logger.warning("limits store %s: the server evicts keys when full (maxmemory-policy %s), and a tenant's "
+                       "evicted limits read as unused, so tenants may exceed them; give the limits store a Redis "
+                       "with maxmemory-policy noeviction, apart from any KV cache", store.shown, policy)
