@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import KV_SMALL, build_checkpoint
-from tests.lora_adapters import build_adapter, greedy, peft_model, standard_adapters
+from tests.lora_adapters import TARGETS, build_adapter, greedy, peft_model, standard_adapters
 from tierlm import LLM, LoRARequest, SamplingParams
 from tierlm.errors import InvalidRequestError, ModelLoadError
 
@@ -223,6 +223,36 @@ def test_an_adapter_s_prefix_leaves_the_device_and_comes_back_only_for_that_adap
     # 72: the 9 full blocks of this very prompt, which the last request wrote (for a1) before the close
     assert renamed.num_cached_tokens == 72 and renamed.outputs[0].token_ids == want
     assert other.engine.stats().kv_tiers["disk"]["hits"] == 9
+
+
+def test_a_name_given_other_weights_never_finds_the_old_weights_blocks(adapters, tmp_path, redis_server):
+    """Blocks are keyed by an adapter's content, not its name: "x" pointed at other weights, across
+    a restart (its blocks left on disk and in Redis) or by unload and load at run time (its blocks
+    on the host, disk and Redis), finds none of the old weights' blocks and answers as a cold
+    engine with the new weights does; the new weights' own blocks are hits at once."""
+    base, ads = adapters("llama")
+    ads = {**ads, "a3": build_adapter(base, "llama", tmp_path / "a3", TARGETS["a1"][0], seed=3)}
+    ids = _prompt(70, 40)
+    cold = {n: _llm(base, enable_prefix_caching=False).generate({"prompt_token_ids": ids}, GREEDY, lora_request=(
+        LoRARequest(n, 1, str(ads[n]))))[0].outputs[0].token_ids for n in ads}
+    tiers = dict(kv_host_capacity="64 blocks", kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="256 blocks",
+                 kv_remote=redis_server.url)
+
+    def run(llm: LLM) -> tuple[int, list[int]]:
+        out = llm.generate({"prompt_token_ids": ids}, GREEDY, lora_request="x")[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    with _llm(base, lora_modules={"x": str(ads["a1"])}, **tiers) as llm:
+        assert run(llm) == (0, cold["a1"]) and run(llm)[0] == 64
+    with _llm(base, lora_modules={"x": str(ads["a2"])}, **tiers) as llm:  # restarted: x is a2 now
+        assert llm.engine.store.tiers[1].wait_indexed(timeout=30)
+        assert run(llm) == (0, cold["a2"])
+        assert llm.engine.offload_prefix_cache() > 0 and run(llm) == (64, cold["a2"])  # from the lower tiers
+        llm.engine.offload_prefix_cache()
+        llm.engine.remove_lora("x")
+        llm.engine.add_lora("x", str(ads["a3"]))
+        assert run(llm) == (0, cold["a3"]) and run(llm) == (64, cold["a3"])
+        assert llm.engine.stats().kv_tiers["redis"]["corrupt"] == 0
 
 
 def test_a_request_waiting_for_an_adapter_slot_is_not_passed_for_ever(adapters):
