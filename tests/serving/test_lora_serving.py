@@ -4,6 +4,7 @@ admin keys only, answers checked against transformers + peft."""
 from __future__ import annotations
 
 import argparse
+import json
 import tomllib
 
 import anthropic
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.lora_adapters import greedy, peft_model, standard_adapters
-from tests.serving.harness import ServerThread
+from tests.serving.harness import ServerThread, slow_steps
 from tests.serving.test_telemetry import value
 from tierlm.engine.async_engine import AsyncEngine
 from tierlm.serving.app import build_app
@@ -124,6 +125,39 @@ def test_admin_keys_load_and_unload_adapters_at_run_time(setup):
         oai.completions.create(model="a2", prompt=ids, max_tokens=2)
     again = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=hdr)
     assert again.status_code == 404
+
+
+def test_an_adapter_replaced_under_its_name_while_it_streams(setup, monkeypatch):
+    """Unload "x" and load other weights as "x" while a stream of x runs: the stream ends with
+    the old weights' answer (its request holds them), and the next request for x gets the new
+    weights' answer with 0 cached tokens, though its prompt was just cached under the old ones."""
+    _, base, ads = setup
+    engine = AsyncEngine.from_model(str(base), dtype="float32", block_size=8, load_progress=False,
+                                    served_model_name="base", lora_modules={"x": str(ads["a1"])})
+    server = ServerThread(build_app({"base": engine}, NoAuth(), lora_updates=LoRAUpdates())).start()
+    slow_steps(engine, monkeypatch, 0.05)
+    ids = _ids(41, 3)
+    want = {n: greedy(peft_model(base, "llama", ads[n]), ids, 12) for n in ("a1", "a2")}
+    body = {"model": "x", "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+
+    def tokens(choices: list[dict]) -> list[int]:
+        return [int(t.split(":")[1]) for c in choices for t in (c.get("logprobs") or {}).get("tokens", [])]
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            for path, args in (("unload", {"lora_name": "x"}), ("load", {"lora_name": "x", "lora_path": str(ads["a2"])})):
+                assert httpx.post(f"{server.url}/v1/{path}_lora_adapter", json=args).status_code == 200
+            old = [q.lora for q in engine.engine.scheduler.running if q.lora is not None]
+            assert old and old[0] is not engine.engine.loras.require("x")  # still running, on the old weights
+            events = [json.loads(line[len("data: "):]) for line in [first, *lines] if line.startswith("data: {")]
+        assert tokens([c for e in events for c in e["choices"]]) == want["a1"]
+        after = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        assert tokens(after["choices"]) == want["a2"] != want["a1"]
+        assert (after["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    finally:
+        server.stop()
 
 
 def test_runtime_updates_are_off_unless_the_server_allows_them(llama_dir):
