@@ -1,6 +1,7 @@
 """The model part of every KV block key follows the weights' content, not the directory's name."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -362,6 +363,39 @@ def test_other_model_directories_under_kv_disk_dir_are_named_at_start(runs, tmp_
     said = [r.message for r in caplog.records if "also holds 1 other model directory" in r.message]
     assert len(said) == 1 and own not in said[0] and "tierlm never deletes them" in said[0]
     assert "operator-notes" not in said[0] and f"tierlm kv ls {kv}" in said[0]
+
+
+def test_engines_sharing_kv_disk_dir_with_the_default_capacity_are_warned_about(runs, tmp_path, caplog):
+    """Each disk tier's default capacity is half the free space at its start, so two engines on
+    one kv_disk_dir took half each (a 4 MiB disk filled to its last block), unwarned where they
+    were two servers, or two LLMs. A model directory held now (by this process or another) is
+    named in a warning when this engine takes the default; not with kv_disk_capacity given, nor
+    once the other engine is gone."""
+    from tierlm.kv.admin import LOCK_FILE
+
+    a, b = runs
+    kv = tmp_path / "kv"
+
+    def warned(**kw) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tierlm.engine.engine"):
+            with _llm(a, kv_disk_dir=str(kv), **kw):
+                pass
+        return [r.getMessage() for r in caplog.records if "took the default capacity" in r.getMessage()]
+
+    with _llm(b, kv_disk_dir=str(kv)) as other:
+        other_dir = other.engine.store.tiers[0].root.name
+        said = warned()
+        assert len(said) == 1 and other_dir in said[0] and "kv_disk_capacity" in said[0]
+        assert warned(kv_disk_capacity="64 blocks") == []
+    assert warned() == []  # an earlier run's directory
+    fd = os.open(kv / other_dir / LOCK_FILE, os.O_RDONLY)  # another server's engine holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        said = warned()
+        assert len(said) == 1 and other_dir in said[0]
+    finally:
+        os.close(fd)
 
 
 def test_weights_rounded_for_float32_compute_do_not_share_blocks_with_float32_weights(runs, tmp_path):

@@ -36,7 +36,7 @@ from tierlm.engine.scheduler import Scheduler
 from tierlm.engine.speculative import NgramProposer, SpeculativeConfig
 from tierlm.engine.tokenizer import load_tokenizer
 from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongError
-from tierlm.kv.admin import model_dir_names, write_about
+from tierlm.kv.admin import lock_holder, model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
 from tierlm.kv.policies import EvictionPolicy, make_policy
@@ -154,21 +154,31 @@ def check_host_capacity(nbytes: int) -> None:
                     nbytes / gib, avail / gib)
 
 
-def _report_other_disk_dirs(root: Path, own: Path) -> None:
+def _report_other_disk_dirs(root: Path, own: Path, default_capacity: bool) -> None:
     """Name the other model directories under `kv_disk_dir`: each is another model's, or blocks
     of weights this model no longer has (new weights get a new directory, since the block keys
     change). tierlm never deletes them, as another server may be using them, and each counts
-    only against its own capacity, so say they are there."""
+    only against its own capacity, so say they are there. With the default capacity (half the
+    free space at start), warn when other engines use the directory now: each took half, so
+    together they may fill the disk (two did, here and in separate servers alike)."""
     try:
+        names = [name for name in model_dir_names(root) if name != own.name]
         mine = {p.name for p in DiskTier.held_here() if p.parent == root}  # this process's other engines
-        others = [name for name in model_dir_names(root) if name != own.name and name not in mine]
+        live = [name for name in names if name in mine or lock_holder(root / name) is not None] \
+            if default_capacity else []
     except OSError:
         return
+    others = [name for name in names if name not in mine]
     if others:
         shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
         log.info("kv_disk_dir %s also holds %d other model director%s (other models, or earlier weights of "
                  "this one): %s. tierlm never deletes them; `tierlm kv ls %s` says which hold weights that are gone",
                  root, len(others), "y" if len(others) == 1 else "ies", shown, root)
+    if live:
+        log.warning("kv_disk_dir %s is used now by %d other engine%s (%s), and this one's disk tier took the default "
+                    "capacity, half of the free space, as each of them may have: together they may fill the disk "
+                    "(then each shrinks to what it holds). Give each model a kv_disk_capacity (--kv-disk-capacity; "
+                    "it is each model's own)", root, len(live), "" if len(live) == 1 else "s", ", ".join(live[:8]))
 
 
 def tier_capacities(config: EngineConfig, block_bytes: int, device: torch.device) -> tuple[int, int | None, int]:
@@ -236,7 +246,7 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
                 record = about | {"model_id": model_id, "block_bytes": block_bytes, "started": time.time()}
                 write_about(own, record)
                 disk_tier.on_reclaim = lambda: write_about(own, record)  # its directory was recreated
-            _report_other_disk_dirs(own.parent, own)
+            _report_other_disk_dirs(own.parent, own, default_capacity=disk is None)
     if config.kv_remote:
         try:
             tiers.append(RedisTier(config.kv_remote, ttl_s=config.kv_remote_ttl,

@@ -118,7 +118,7 @@ def model_dir_names(root: Path, leftovers: bool = False) -> list[str]:
     return sorted(e.name for e in os.scandir(root) if _is_model_dir(e, leftovers))
 
 
-def _lock_holder(directory: Path) -> str | None:
+def lock_holder(directory: Path) -> str | None:
     """Who holds the directory's engine lock, or None if nobody does."""
     fd = _try_lock(directory)
     if isinstance(fd, int):
@@ -268,7 +268,7 @@ def _describe(root: Path, name: str, check_weights: bool, seen: dict[str, str | 
     else:
         weights = _weights(about, seen) if check_weights else UNCHECKED
     return ModelDir(name=name, path=str(p), entries=n, bytes=size, last_write=newest,
-                    started=_time(about.get("started")), in_use_by=_lock_holder(p), model_dir=model_dir,
+                    started=_time(about.get("started")), in_use_by=lock_holder(p), model_dir=model_dir,
                     weights=weights)
 
 

@@ -353,10 +353,6 @@ def run_serve(args: argparse.Namespace) -> int:
         sock = listen_socket(args.host, args.port)  # a busy port fails now, not after loading
         port = sock.getsockname()[1]
         engines: dict[str, AsyncEngine] = {}
-        if getattr(args, "kv_disk_dir", None) and not getattr(args, "kv_disk_capacity", None) and len(specs) > 1:
-            logger.warning("%d models share --kv-disk-dir %s and each one's disk tier defaults to half the free "
-                           "space, so together they may claim more than the disk has (each then shrinks when the "
-                           "disk fills); give --kv-disk-capacity per model", len(specs), args.kv_disk_dir)
         for name, path in specs.items():
             engine = AsyncEngine.from_model(path, **engine_kwargs(args), **({"served_model_name": name} if name else {}))
             name = name or engine.model_name
