@@ -115,6 +115,40 @@ def test_an_engine_without_a_capacity_keeps_the_ttls_another_one_gave(redis_serv
     b.close()
 
 
+def test_two_models_on_one_redis_read_only_their_own_blocks_and_evict_each_other(redis_server, tmp_path):
+    """kv_remote_capacity is the whole server's size, shared by every model on it: one model's
+    writes evict another's entries (Redis's LRU), and that model then recomputes what is gone
+    and answers as before. Neither reads the other's blocks, for the same prompt either (keys
+    hold the weights' fingerprint), and nothing of one is taken for a damaged entry of the other."""
+    import redis
+
+    from tests.conftest import build_checkpoint
+    from tierlm import SamplingParams
+
+    a, b = (str(build_checkpoint("llama", tmp_path / name, seed=seed)) for name, seed in (("a", 0), ("b", 1)))
+    kw = dict(dtype="float32", block_size=8, load_progress=False, kv_remote=redis_server.url, kv_remote_capacity="1MiB")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    prompt, *flood = ({"prompt_token_ids": torch.randint(3, 500, (81,), generator=g).tolist()} for _ in range(81))
+    server = redis.Redis.from_url(redis_server.url)
+    with LLM(a, **kw) as llm:
+        want = llm.generate(prompt, params)[0].outputs[0].token_ids
+        llm.engine.store.flush()
+    a_keys = server.keys("tierlm:kv:*")
+    assert len(a_keys) == 10
+    with LLM(b, **kw) as other:
+        assert other.generate(prompt, params)[0].num_cached_tokens == 0  # a's blocks are not b's
+        other.generate(flood, SamplingParams(max_tokens=1))  # 800 blocks into room for about 300
+        other.engine.store.flush()
+        assert other.engine.stats().kv_tiers["redis"]["corrupt"] == 0
+    gone = sum(not server.exists(k) for k in a_keys)
+    assert gone > 0 and server.info("stats")["evicted_keys"] > 400
+    with LLM(a, **kw) as again:  # a fresh engine: only Redis could give it a's blocks
+        out = again.generate(prompt, params)[0]
+        assert out.outputs[0].token_ids == want and out.num_cached_tokens <= 8 * (10 - gone)
+        assert again.engine.stats().kv_tiers["redis"]["corrupt"] == 0
+
+
 def test_a_capacity_that_would_evict_other_data_is_refused_and_evicts_nothing(redis_server):
     import redis
 
