@@ -361,6 +361,23 @@ def test_host_tier_larger_than_the_machine_is_refused(llama_dir, tmp_path):
     assert not (tmp_path / "kv").exists()  # refused before the disk tier claimed its directory
 
 
+def test_host_tiers_of_several_models_in_one_process_must_fit_the_machine_together(llama_dir, monkeypatch, caplog):
+    """kv_host_capacity is each model's own and a host tier fills lazily, so two models of one
+    server each given 60% of the machine were both let in (the OOM killer came once both had
+    filled). This process's open host tiers count too: the second is refused, naming them; once
+    the first is closed, it fits."""
+    from tierlm.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "host_memory", lambda: (1 << 30, 1 << 30))
+    first = _llm(llama_dir, kv_host_capacity="600MiB")
+    with pytest.raises(ValueError, match=r"kv_host_capacity is 0.6 GiB and this process's other models' host tiers "
+                                         r"may take 0.6 GiB .* but this machine has 1.0 GiB"):
+        _llm(llama_dir, kv_host_capacity="600MiB")
+    first.close()
+    with caplog.at_level(logging.WARNING, logger="tierlm.engine.engine"):
+        _llm(llama_dir, kv_host_capacity="600MiB").close()
+    assert not [r for r in caplog.records if "kv_host_capacity" in r.getMessage()]
+
+
 def test_tier_round_trips_are_bitwise_equal(tmp_path, redis_server, redis_server_on_a_unix_socket):
     data = torch.randn(3, 2, 8, 2, 16).to(torch.bfloat16)
     h = b"\x01" * 32

@@ -137,21 +137,24 @@ def disk_tier_dir(root: str | Path, model_id: str, label: str = "model") -> Path
     return Path(root) / f"{name}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
 
 
-def check_host_capacity(nbytes: int) -> None:
+def check_host_capacity(nbytes: int, others: int = 0) -> None:
     """A host tier larger than the machine's memory would end in the OOM killer, hours in: refuse
-    it now. Larger than what is free now, it may still fit once caches are dropped: warn."""
+    it now. Larger than what is free now, it may still fit once caches are dropped: warn.
+    `others`: what this process's other host tiers (other models') may take, as they fill too."""
     mem = host_memory()
     if not nbytes or mem is None:
         return
     total, avail = mem
     gib = 1 << 30
-    if nbytes > total:
-        raise ValueError(f"kv_host_capacity is {nbytes / gib:.1f} GiB but this machine has {total / gib:.1f} GiB of "
-                         f"memory; give at most what it can spare (now {avail / gib:.1f} GiB are available)")
-    if nbytes > avail:
-        log.warning("kv_host_capacity is %.1f GiB but only %.1f GiB of memory are available now; if the tier "
+    also = (f" and this process's other models' host tiers may take {others / gib:.1f} GiB (kv_host_capacity is "
+            "each model's own)") if others else ""
+    if nbytes + others > total:
+        raise ValueError(f"kv_host_capacity is {nbytes / gib:.1f} GiB{also} but this machine has {total / gib:.1f} GiB "
+                         f"of memory; give at most what it can spare (now {avail / gib:.1f} GiB are available)")
+    if nbytes + others > avail:
+        log.warning("kv_host_capacity is %.1f GiB%s but only %.1f GiB of memory are available now; if the tier "
                     "fills, the system may swap or kill the server. Lower kv_host_capacity",
-                    nbytes / gib, avail / gib)
+                    nbytes / gib, also, avail / gib)
 
 
 def _report_other_disk_dirs(root: Path, own: Path, default_capacity: bool) -> None:
@@ -230,10 +233,11 @@ def build_tiers(config: EngineConfig, block_bytes: int, device: torch.device, mo
     for `tierlm kv ls` to tell whether those weights are still there."""
     # Every setting is read before the disk tier claims its directory, so a bad one leaves no lock.
     host, disk, remote = tier_capacities(config, block_bytes, device)
-    check_host_capacity(host * host_block_bytes(block_bytes, pinned=device.type == "cuda"))
+    host_bytes = host * host_block_bytes(block_bytes, pinned=device.type == "cuda")
+    check_host_capacity(host_bytes, HostTier.taken_here())
     tiers: list = []
     if host > 0:
-        tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda",
+        tiers.append(HostTier(host, config.tier_policy("host"), pin=device.type == "cuda", nbytes=host_bytes,
                               history=config.kv_policy_history))
     if config.kv_disk_dir and disk != 0:  # a capacity of 0 turns the tier off: its directory is left alone
         # Absolute, so a later chdir (a library user's) does not move the tier to another directory.

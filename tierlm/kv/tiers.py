@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -606,12 +607,26 @@ class HostTier(_CapacityTier):
     """Blocks in host RAM (pinned when the device is CUDA, so copies back can overlap)."""
 
     name = "host"
+    # This process's open host tiers (its models' engines): one machine's memory for all of them.
+    _open: "weakref.WeakSet[HostTier]" = weakref.WeakSet()
 
     def __init__(self, capacity_blocks: int, policy: str = DEFAULT_POLICY, pin: bool = False,
-                 history: int | None = None) -> None:
+                 history: int | None = None, nbytes: int = 0) -> None:
+        """`nbytes`: the most memory it may take (its capacity in bytes, pinned rounding included)."""
         super().__init__(capacity_blocks, policy, history)
         self.pin = pin
+        self.nbytes = nbytes
         self.data: dict[bytes, torch.Tensor] = {}
+        HostTier._open.add(self)
+
+    @classmethod
+    def taken_here(cls) -> int:
+        """Bytes this process's open host tiers may take: each fills lazily, so the memory
+        available now does not show what the others will take."""
+        return sum(t.nbytes for t in list(cls._open))
+
+    def close(self, timeout: float | None = None) -> None:
+        HostTier._open.discard(self)
 
     def _write(self, h, parent, data, hint):
         if self.pin and not data.is_pinned():
