@@ -95,24 +95,28 @@ def test_with_a_capacity_only_tierlms_keys_can_be_evicted(redis_server):
     tier.close()
 
 
-def test_an_engine_without_a_capacity_keeps_the_ttls_another_one_gave(redis_server):
-    """Two engines on one server, one with kv_remote_capacity (volatile-lru, every key a TTL):
-    the other writing the same content-keyed block must not strip its TTL, or the key could
-    never be evicted and, once such keys filled maxmemory, every write was refused."""
+@pytest.mark.parametrize("first", ["with a capacity", "without"])
+def test_an_engine_without_a_capacity_leaves_the_server_evictable_for_one_with_it(redis_server, first):
+    """Two models on one server, one with kv_remote_capacity (volatile-lru: only keys with a TTL
+    are evicted), started in either order. The other wrote keys without a TTL, which nothing
+    could evict: they filled the server and the first model's every write was refused (0 of 20
+    stored). Every tierlm key now has a TTL (kv_remote_ttl, else 7 days), so both keep storing."""
     import redis
 
     server = redis.Redis.from_url(redis_server.url)
-    a = RedisTier(redis_server.url, capacity_bytes=1_000_000)
-    b = RedisTier(redis_server.url)
-    shared, own = b"\x07" * 32, b"\x08" * 32
-    a.put(shared, None, BLOCK)
-    b.put(shared, None, BLOCK)
-    b.put(own, None, BLOCK)
-    assert server.ttl(b.key(shared)) > 0
-    assert server.ttl(b.key(own)) == -1  # its own keys: no TTL, as configured (and warned about at start)
-    assert torch.equal(a.get(shared), BLOCK)
-    a.close()
-    b.close()
+    make = {"with a capacity": lambda: RedisTier(redis_server.url, capacity_bytes=1_000_000),
+            "without": lambda: RedisTier(redis_server.url)}
+    tiers = {name: make[name]() for name in (first, *(n for n in make if n != first))}
+    capped, other = tiers["with a capacity"], tiers["without"]
+    for i in range(60):
+        other.put(bytes([1, i]) * 16, None, BLOCK)
+    for i in range(20):
+        capped.put(bytes([2, i]) * 16, None, BLOCK)
+    assert capped.stats.stores == 20 and capped.stats.errors == 0 and other.stats.errors == 0
+    assert all(server.get(capped.key(bytes([2, i]) * 16)) for i in range(17, 20))  # the newest are there
+    assert -1 not in [server.ttl(k) for k in server.keys("tierlm:kv:*")]
+    for tier in tiers.values():
+        tier.close()
 
 
 def test_two_models_on_one_redis_read_only_their_own_blocks_and_evict_each_other(redis_server, tmp_path):

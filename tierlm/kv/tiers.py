@@ -1426,7 +1426,7 @@ def _refusal_advice(e: Exception) -> str | None:
     return None
 
 
-CAPACITY_TTL_S = 7 * 86400  # a key's lifetime in Redis with kv_remote_capacity and no kv_remote_ttl
+DEFAULT_TTL_S = 7 * 86400  # a key's lifetime in Redis without kv_remote_ttl
 _KEY_FORMAT = "v3:"  # the entry format (_MAGIC) in every Redis key: tierlm:kv:v3:<block hash>
 
 
@@ -1440,11 +1440,11 @@ class RedisTier:
     Its size is the Redis server's: several engines write it, so no one process can run its
     eviction. The server's `maxmemory` with an `allkeys-*` policy bounds it; `capacity_bytes`
     sets maxmemory (the server's overhead now + 1 MiB + capacity, so about that many bytes of
-    blocks fit; for a Redis dedicated to the KV cache) with `volatile-lru` and a TTL on every
-    key, so only keys with a TTL are evicted, never another application's persistent ones, and
-    it is refused on a server seen to hold other keys. Without it a server that would grow
-    without bound or refuse writes when full is named in a warning. Entries may also expire
-    (`ttl_s`). A write the server refuses (full under `noeviction`) is dropped and counted; it
+    blocks fit; for a Redis dedicated to the KV cache) with `volatile-lru`, so only keys with a
+    TTL are evicted, never another application's persistent ones, and it is refused on a server
+    seen to hold other keys. Without it a server that would grow without bound or refuse writes
+    when full is named in a warning. Every entry expires after `ttl_s` (default 7 days), with a
+    capacity or not, so a volatile-lru server can evict every engine's entries. A write the server refuses (full under `noeviction`) is dropped and counted; it
     is not an outage, so reads go on.
     """
 
@@ -1463,9 +1463,11 @@ class RedisTier:
         self._keys = prefix + _KEY_FORMAT
         # With kv_remote_capacity the server evicts volatile-lru, among keys with a TTL: every
         # tierlm key gets one, so another application's keys (which mostly have none) are never
-        # evicted for tierlm's, even where the check for them at start missed some.
-        self.ttl = ttl_s or (CAPACITY_TTL_S if capacity_bytes else None)
-        self._keepttl = True  # SET ... KEEPTTL: Redis 6.0 and later
+        # evicted for tierlm's, even where the check for them at start missed some. Engines
+        # without a capacity give theirs one too: another engine's kv_remote_capacity may make the
+        # server volatile-lru at any time, and keys without a TTL could never be evicted (they
+        # filled it, and every write of the engine with the capacity was refused).
+        self.ttl = ttl_s or DEFAULT_TTL_S
         self.retry_after = retry_after_s
         self.max_retry_after = max(max_retry_after_s, retry_after_s)
         self.down_until = 0.0
@@ -1593,10 +1595,9 @@ class RedisTier:
         if int(conf.get("maxmemory", 0) or 0) == 0:
             log.warning("Redis KV tier %s has no maxmemory: it grows without bound. Set maxmemory and "
                         "maxmemory-policy allkeys-lru on the server, or give kv_remote_capacity", self.url)
-        elif not policy.startswith("allkeys") and not (self.ttl and policy.startswith("volatile")):
-            log.warning("Redis KV tier %s uses maxmemory-policy %s: tierlm's keys have no TTL (kv_remote_ttl), so "
-                        "writes are refused once it is full. Use allkeys-lru (or give kv_remote_capacity)",
-                        self.url, policy)
+        elif not policy.startswith(("allkeys", "volatile")):  # (every tierlm key has a TTL)
+            log.warning("Redis KV tier %s uses maxmemory-policy %s, which evicts nothing, so writes are refused "
+                        "once it is full. Use allkeys-lru (or give kv_remote_capacity)", self.url, policy)
 
     def _refuse_capacity(self, foreign: str) -> None:
         """kv_remote_capacity on a server holding other data: refused at start; after an outage
@@ -1738,10 +1739,7 @@ class RedisTier:
         raw = encode_block(data, parent, hint, key=h)
         t0 = time.monotonic()
         try:
-            if self.ttl:
-                self.client.set(self.key(h), raw, ex=self.ttl)
-            else:
-                self._set_keeping_ttl(self.key(h), raw)
+            self.client.set(self.key(h), raw, ex=self.ttl)
             self.stats.count(stores=1, bytes_in=data.numel() * data.element_size())  # K/V bytes, as the other tiers count
             if not self._took(t0):
                 self._answered(t0)
@@ -1768,23 +1766,6 @@ class RedisTier:
     def get(self, h: bytes) -> torch.Tensor | None:
         found = self.fetch(h)
         return None if found is None else found[0]
-
-    def _set_keeping_ttl(self, key: str, raw: bytes) -> None:
-        """SET without a TTL of this tier's own, keeping the one the key has: another engine on
-        this server with kv_remote_capacity gave it one, which volatile-lru needs to ever evict
-        it (a plain SET cleared it, and once such keys filled maxmemory every write was refused)."""
-        if self._keepttl:
-            try:
-                self.client.set(key, raw, keepttl=True)
-                return
-            except self._refused as e:
-                if "syntax" not in str(e).lower():
-                    raise
-                self._keepttl = False  # before Redis 6.0 (a syntax error): every write was refused
-                log.warning("Redis KV tier %s does not know SET KEEPTTL (Redis before 6.0): writing without it, so "
-                            "a block that another engine's kv_remote_capacity gave a TTL loses it when stored "
-                            "here again; give every engine on this server the same kv_remote_capacity", self.url)
-        self.client.set(key, raw)
 
     def fetch(self, h: bytes) -> tuple[torch.Tensor, int | None] | None:
         """A hit as (block, the output-length hint its writer knew), or None; never raises."""
