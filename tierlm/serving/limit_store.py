@@ -381,15 +381,17 @@ def limit_store_from_args(url: str | None, role: str, has_tenants: bool) -> Limi
     store = LimitStore(url, role=role)
     import redis
 
+    client = redis.Redis.from_url(lower_scheme(url), socket_timeout=store.timeout, socket_connect_timeout=store.timeout)
     try:
-        redis.Redis.from_url(lower_scheme(url), socket_timeout=store.timeout,
-                             socket_connect_timeout=store.timeout).ping()
+        client.ping()
     except (redis.exceptions.RedisError, OSError) as e:
         logger.warning("limits store %s does not answer now (%s): each process limits its tenants on its own "
                        "until it does", store.shown, _describe(e))
     else:
         logger.info("tenants' limits shared through %s", store.shown)
-        _warn_if_it_evicts(store)
+        _warn_if_it_evicts(client, store.shown)
+    finally:
+        client.close()
     return store
 
 
@@ -404,18 +406,17 @@ def check_apart_from_kv_cache(url: str | None, kv_remote: str | None) -> None:
                          "tenants' limits; give --limits-store a Redis server of its own")
 
 
-def _warn_if_it_evicts(store: LimitStore) -> None:
+def _warn_if_it_evicts(client: Any, shown: str) -> None:
     """A limits store on a server that evicts when full (a KV cache's Redis started elsewhere,
     or an LRU policy) loses tenants' buckets and holds: say so at start."""
     import redis
 
     try:
-        conf = redis.Redis.from_url(lower_scheme(store.url), socket_timeout=store.timeout,
-                                    socket_connect_timeout=store.timeout).config_get("maxmemory*")
+        conf = client.config_get("maxmemory*")
     except (redis.exceptions.RedisError, OSError):  # CONFIG disabled (managed services): nothing to tell
         return
     policy = str(conf.get("maxmemory-policy", "noeviction"))
     if int(conf.get("maxmemory", 0) or 0) and policy != "noeviction":
         logger.warning("limits store %s: the server evicts keys when full (maxmemory-policy %s), and a tenant's "
                        "evicted limits read as unused, so tenants may exceed them; give the limits store a Redis "
-                       "with maxmemory-policy noeviction, apart from any KV cache", store.shown, policy)
+                       "with maxmemory-policy noeviction, apart from any KV cache", shown, policy)
