@@ -146,15 +146,19 @@ def check_host_capacity(nbytes: int, others: int = 0) -> None:
         return
     total, avail = mem
     gib = 1 << 30
-    also = (f" and this process's other models' host tiers may take {others / gib:.1f} GiB (kv_host_capacity is "
-            "each model's own)") if others else ""
+
+    def also(limit: int) -> str:  # the other tiers named where they are what goes past `limit`
+        return (f" and this process's other models' host tiers may take {others / gib:.1f} GiB (kv_host_capacity "
+                "is each model's own)") if nbytes <= limit else ""
+
     if nbytes + others > total:
-        raise ValueError(f"kv_host_capacity is {nbytes / gib:.1f} GiB{also} but this machine has {total / gib:.1f} GiB "
-                         f"of memory; give at most what it can spare (now {avail / gib:.1f} GiB are available)")
+        raise ValueError(f"kv_host_capacity is {nbytes / gib:.1f} GiB{also(total)} but this machine has "
+                         f"{total / gib:.1f} GiB of memory; give at most what it can spare (now {avail / gib:.1f} GiB "
+                         "are available)")
     if nbytes + others > avail:
         log.warning("kv_host_capacity is %.1f GiB%s but only %.1f GiB of memory are available now; if the tier "
                     "fills, the system may swap or kill the server. Lower kv_host_capacity",
-                    nbytes / gib, also, avail / gib)
+                    nbytes / gib, also(avail), avail / gib)
 
 
 def _report_other_disk_dirs(root: Path, own: Path, default_capacity: bool) -> None:
