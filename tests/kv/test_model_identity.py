@@ -398,6 +398,24 @@ def test_engines_sharing_kv_disk_dir_with_the_default_capacity_are_warned_about(
         os.close(fd)
 
 
+def test_models_sharing_kv_disk_dir_each_keep_their_own_capacity_and_entries(runs, tmp_path):
+    """kv_disk_capacity is each model's own: two models on one kv_disk_dir, each past its 8
+    blocks, hold 8 entries each, and one's eviction never deletes the other's files."""
+    a, b = runs
+    kv = tmp_path / "kv"
+    with _llm(a, kv_disk_dir=str(kv), kv_disk_capacity="8 blocks") as first, \
+            _llm(b, kv_disk_dir=str(kv), kv_disk_capacity="8 blocks") as second:
+        dirs = []
+        for llm, seed in ((first, 80), (second, 81), (first, 82)):  # the first evicts after the second stored
+            _run(llm, _prompt(seed, 97))
+            assert llm.engine.offload_prefix_cache() > 0
+            llm.engine.store.flush()
+            dirs.append(llm.engine.store.tiers[0].root)
+        counts = {d.name: sum(1 for _ in d.rglob("*.kv")) for d in dirs}
+        assert len(counts) == 2 and set(counts.values()) == {8}, counts
+        assert first.engine.stats().kv_tiers["disk"]["evictions"] > 0
+
+
 def test_weights_rounded_for_float32_compute_do_not_share_blocks_with_float32_weights(runs, tmp_path):
     """dtype bfloat16 computed in float32 (weights rounded to bf16) and dtype float32 with a bf16
     KV cache (weights kept in float32) compute different K/V: they had one model id, so the second
