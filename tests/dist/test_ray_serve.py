@@ -140,3 +140,23 @@ def test_replicas_that_cannot_start_end_the_command_with_the_reason(tmp_path):
     assert re.search(r"error: replica \d did not start: the replica server .* exited with status 2", done.stderr)
     assert "--model expects NAME=DIR, got 'not-a-spec'" in done.stderr  # the replica's own line, forwarded
     assert "Traceback" not in done.stderr.split("error: replica")[-1]
+
+
+def test_replicas_sharing_a_kv_disk_dir_with_the_default_capacity_are_warned_about(tmp_path, caplog):
+    """Each replica's disk tier (DIR/replica-I) defaults to half the free space at its start, so
+    replicas on one machine claimed N halves of one disk, unwarned. (A busy port then ends the
+    command before Ray starts.)"""
+    import logging
+    import socket
+
+    from tierlm.cli import main
+
+    with socket.socket() as busy, caplog.at_level(logging.WARNING, logger="tierlm.router"):
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        for extra, warned in (([], True), (["--kv-disk-capacity", "1GiB"], False)):
+            caplog.clear()
+            assert main(["serve", "--replicas", "3", "--port", str(busy.getsockname()[1]), "--kv-disk-dir",
+                         str(tmp_path / "kv"), *extra]) == 2
+            said = [r.getMessage() for r in caplog.records if "--kv-disk-capacity" in r.getMessage()]
+            assert len(said) == warned and (not said or "3 replicas" in said[0])

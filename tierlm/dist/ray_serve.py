@@ -270,6 +270,11 @@ def run_replicated(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not (args.api_keys or args.no_auth or _is_loopback(args.host)):
         raise ValueError(f"refusing to serve {args.host} without API keys; pass --api-keys FILE (the replicas "
                          "check them) or --no-auth if this network is trusted")
+    if getattr(args, "kv_disk_dir", None) and not getattr(args, "kv_disk_capacity", None):
+        logger.warning("%d replicas each get a disk tier (%s/replica-I) whose default capacity is half of the free "
+                       "space at its start: replicas on one machine may together claim more than its disk has "
+                       "(each then shrinks to what it holds); give --kv-disk-capacity (each replica's own)",
+                       args.replicas, args.kv_disk_dir)
     from tierlm.dist.cli import tenants_of
 
     # A bad keys or tenants file fails before Ray starts. With --limits-store the replicas share
