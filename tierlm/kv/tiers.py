@@ -1444,8 +1444,9 @@ class RedisTier:
     TTL are evicted, never another application's persistent ones, and it is refused on a server
     seen to hold other keys. Without it a server that would grow without bound or refuse writes
     when full is named in a warning. Every entry expires after `ttl_s` (default 7 days), with a
-    capacity or not, so a volatile-lru server can evict every engine's entries. A write the server refuses (full under `noeviction`) is dropped and counted; it
-    is not an outage, so reads go on.
+    capacity or not, so a volatile-lru server can evict every engine's entries. A write the
+    server refuses (full under `noeviction`) is dropped and counted; it is not an outage, so
+    reads go on.
     """
 
     name = "redis"
