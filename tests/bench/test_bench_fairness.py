@@ -47,3 +47,21 @@ def test_bench_fairness_tiny(llama_dir, tmp_path):
         assert (none["kv_cache_share"], kept["kv_cache_share"]) == (None, 0.3)
         assert kept["gold_hit_share"] == 32 / 48 and kept["gold_hit_share"] > none["gold_hit_share"]
     assert part["by_policy"][0]["results"][0]["gold_hit_share"] < 0.5 * 32 / 48
+
+
+def test_bench_fairness_runs_only_the_parts_named(llama_dir, tmp_path, capsys):
+    out = tmp_path / "cache.json"
+    rc = main(["bench", "fairness", "--model", str(llama_dir), "--dtype", "float32", "--repeats", "1",
+               "--parts", "cache", "--kv-blocks", "32", "--gold-prefixes", "2", "--gold-prefix-len", "32",
+               "--rounds", "4", "--flood-per-round", "2", "--flood-prompt-len", "64", "--eviction-policies", "lru",
+               "--json", str(out), "--plot", str(tmp_path / "cache.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["parts"] == ["cache"] and "results" not in res and "kv_quota" not in res
+    assert [c["policy"] for c in res["cache_partition"]["by_policy"]] == ["lru"]
+    assert (tmp_path / "cache.png").stat().st_size > 1000
+    try:
+        main(["bench", "fairness", "--parts", "cache,speed", "--json", str(out)])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "give parts from fairness, kv, cache (got 'cache,speed')" in capsys.readouterr().err

@@ -176,7 +176,78 @@ def _medians(rows: list[dict]) -> dict:
             not isinstance(rows[0][k], bool) and k != "kv_cache_share" else rows[0][k] for k in rows[0]}
 
 
+PARTS = ("fairness", "kv", "cache")
+
+
+def _fairness_part(model: str, args: argparse.Namespace) -> dict:
+    runs: dict[str, list[dict]] = {"fcfs": [], "fair": []}
+    for _ in range(args.repeats):  # alternated, so a drift in the machine's speed hits both alike
+        for policy in runs:
+            runs[policy].append(_run_policy(model, policy, args))
+    fcfs, fair = ({k: (statistics.median(r[k] for r in rows) if k != "policy" else policy) for k in rows[0]}
+                  for policy, rows in runs.items())
+    r = {
+        "light_ttft_fcfs_over_fair": fcfs["light_ttft_mean_s"] / fair["light_ttft_mean_s"],
+        "flood_ttft_fair_over_fcfs": fair["flood_ttft_mean_s"] / fcfs["flood_ttft_mean_s"],
+        "light_ttft_steps_fcfs_over_fair": fcfs["light_ttft_mean_steps"] / fair["light_ttft_mean_steps"],
+        "flood_ttft_steps_fair_over_fcfs": fair["flood_ttft_mean_steps"] / fcfs["flood_ttft_mean_steps"],
+        "steps_fair_over_fcfs": fair["steps"] / fcfs["steps"],
+        "throughput_fair_over_fcfs": fair["output_tokens_per_s"] / fcfs["output_tokens_per_s"],
+        "service_gap_fcfs_over_fair": fcfs["max_service_gap"] / max(fair["max_service_gap"], 1.0),
+    }
+    print(f"fair shares: the light tenants' first tokens come {r['light_ttft_fcfs_over_fair']:.1f}x sooner "
+          f"({r['light_ttft_steps_fcfs_over_fair']:.1f}x in steps), the flood's {r['flood_ttft_fair_over_fcfs']:.2f}x "
+          f"later ({r['flood_ttft_steps_fair_over_fcfs']:.2f}x in steps), at {r['throughput_fair_over_fcfs']:.2f}x "
+          f"the throughput and {r['steps_fair_over_fcfs']:.2f}x the steps of first come first served")
+    return {"flood": args.flood, "light_tenants": args.light_tenants, "light_requests": args.light_requests,
+            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
+            "results": [fcfs, fair], "samples": runs, "ratios": r}
+
+
+def _kv_part(model: str, args: argparse.Namespace) -> dict:
+    kv_runs: dict[str, list[dict]] = {"none": [], "quota": []}
+    for _ in range(args.repeats):
+        for name, share in (("none", None), ("quota", args.hog_kv_share)):
+            kv_runs[name].append(_run_kv(model, share, args))
+    no_quota, quota = ({k: statistics.median(r[k] for r in rows) if k != "kv_share" else rows[0][k] for k in rows[0]}
+                       for rows in kv_runs.values())
+    k = {
+        "light_ttft_none_over_quota": no_quota["light_ttft_mean_s"] / quota["light_ttft_mean_s"],
+        "light_ttft_steps_none_over_quota": no_quota["light_ttft_mean_steps"] / quota["light_ttft_mean_steps"],
+        "hog_throughput_quota_over_none": quota["hog_output_tokens_per_s"] / no_quota["hog_output_tokens_per_s"],
+    }
+    print(f"KV quota {args.hog_kv_share} on the hog: light tenants' first tokens {k['light_ttft_none_over_quota']:.1f}x "
+          f"sooner ({k['light_ttft_steps_none_over_quota']:.1f}x in steps), the hog at "
+          f"{k['hog_throughput_quota_over_none']:.2f}x its throughput without one")
+    return {"hog": args.hog, "hog_prompt_len": args.hog_prompt_len, "hog_max_tokens": args.hog_max_tokens,
+            "kv_blocks": args.kv_blocks, "light_arrival_step": args.light_arrival_step,
+            "results": [no_quota, quota], "samples": kv_runs, "ratios": k}
+
+
+def _cache_part(model: str, args: argparse.Namespace) -> dict:
+    cache: list[dict] = []
+    for policy in args.eviction_policies:
+        cache_runs: dict[str, list[dict]] = {"none": [], "partition": []}
+        for _ in range(args.repeats):
+            for name, share in (("none", None), ("partition", args.gold_cache_share)):
+                cache_runs[name].append(_run_cache(model, share, policy, args))
+        none, part = (_medians(rows) for rows in cache_runs.values())
+        c_r = {"gold_ttft_none_over_partition": none["gold_ttft_mean_s"] / part["gold_ttft_mean_s"],
+               "gold_hit_share_partition_minus_none": part["gold_hit_share"] - none["gold_hit_share"],
+               "flood_ttft_partition_over_none": part["flood_ttft_mean_s"] / none["flood_ttft_mean_s"]}
+        cache.append({"policy": policy, "results": [none, part], "samples": cache_runs, "ratios": c_r})
+        print(f"cache partition {args.gold_cache_share} for gold ({policy}): its prompts "
+              f"{none['gold_hit_share']:.0%} -> {part['gold_hit_share']:.0%} from the cache, first tokens "
+              f"{c_r['gold_ttft_none_over_partition']:.1f}x sooner; the flood's "
+              f"{c_r['flood_ttft_partition_over_none']:.2f}x its TTFT without one")
+    return {"gold_prefixes": args.gold_prefixes, "gold_prefix_len": args.gold_prefix_len, "rounds": args.rounds,
+            "flood_per_round": args.flood_per_round, "flood_prompt_len": args.flood_prompt_len,
+            "kv_blocks": args.kv_blocks, "gold_cache_share": args.gold_cache_share, "by_policy": cache}
+
+
 def run(args: argparse.Namespace) -> dict:
+    """The parts `args.parts` names, each its peer in the same run; the fairness part's figures
+    at the top level of the JSON (as before the other parts existed), the others under their keys."""
     from tierlm.bench.outputs import check_outputs, write_json
     outs = check_outputs({"--json": args.json, "--plot": args.plot})
     args.json, args.plot = outs["--json"], outs["--plot"]
@@ -185,73 +256,13 @@ def run(args: argparse.Namespace) -> dict:
         model = str(ensure_demo_model())
     else:
         model = args.model
-    runs: dict[str, list[dict]] = {"fcfs": [], "fair": []}
-    for _ in range(args.repeats):  # alternated, so a drift in the machine's speed hits both alike
-        for policy in runs:
-            runs[policy].append(_run_policy(model, policy, args))
-    fcfs, fair = ({k: (statistics.median(r[k] for r in rows) if k != "policy" else policy) for k in rows[0]}
-                  for policy, rows in runs.items())
-    kv_runs: dict[str, list[dict]] = {"none": [], "quota": []}
-    for _ in range(args.repeats):
-        for name, share in (("none", None), ("quota", args.hog_kv_share)):
-            kv_runs[name].append(_run_kv(model, share, args))
-    no_quota, quota = ({k: statistics.median(r[k] for r in rows) if k != "kv_share" else rows[0][k] for k in rows[0]}
-                       for rows in kv_runs.values())
-    result = {
-        "model": model, "flood": args.flood, "light_tenants": args.light_tenants,
-        "light_requests": args.light_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-        "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "results": [fcfs, fair],
-        "samples": runs,
-        "ratios": {
-            "light_ttft_fcfs_over_fair": fcfs["light_ttft_mean_s"] / fair["light_ttft_mean_s"],
-            "flood_ttft_fair_over_fcfs": fair["flood_ttft_mean_s"] / fcfs["flood_ttft_mean_s"],
-            "light_ttft_steps_fcfs_over_fair": fcfs["light_ttft_mean_steps"] / fair["light_ttft_mean_steps"],
-            "flood_ttft_steps_fair_over_fcfs": fair["flood_ttft_mean_steps"] / fcfs["flood_ttft_mean_steps"],
-            "steps_fair_over_fcfs": fair["steps"] / fcfs["steps"],
-            "throughput_fair_over_fcfs": fair["output_tokens_per_s"] / fcfs["output_tokens_per_s"],
-            "service_gap_fcfs_over_fair": fcfs["max_service_gap"] / max(fair["max_service_gap"], 1.0),
-        },
-        "kv_quota": {
-            "hog": args.hog, "hog_prompt_len": args.hog_prompt_len, "hog_max_tokens": args.hog_max_tokens,
-            "kv_blocks": args.kv_blocks, "light_arrival_step": args.light_arrival_step,
-            "results": [no_quota, quota], "samples": kv_runs,
-            "ratios": {
-                "light_ttft_none_over_quota": no_quota["light_ttft_mean_s"] / quota["light_ttft_mean_s"],
-                "light_ttft_steps_none_over_quota": no_quota["light_ttft_mean_steps"] / quota["light_ttft_mean_steps"],
-                "hog_throughput_quota_over_none": quota["hog_output_tokens_per_s"] / no_quota["hog_output_tokens_per_s"],
-            },
-        },
-    }
-    cache: list[dict] = []
-    for policy in args.eviction_policies:
-        cache_runs: dict[str, list[dict]] = {"none": [], "partition": []}
-        for _ in range(args.repeats):
-            for name, share in (("none", None), ("partition", args.gold_cache_share)):
-                cache_runs[name].append(_run_cache(model, share, policy, args))
-        none, part = (_medians(rows) for rows in cache_runs.values())
-        cache.append({"policy": policy, "results": [none, part], "samples": cache_runs, "ratios": {
-            "gold_ttft_none_over_partition": none["gold_ttft_mean_s"] / part["gold_ttft_mean_s"],
-            "gold_hit_share_partition_minus_none": part["gold_hit_share"] - none["gold_hit_share"],
-            "flood_ttft_partition_over_none": part["flood_ttft_mean_s"] / none["flood_ttft_mean_s"]}})
-    result["cache_partition"] = {
-        "gold_prefixes": args.gold_prefixes, "gold_prefix_len": args.gold_prefix_len, "rounds": args.rounds,
-        "flood_per_round": args.flood_per_round, "flood_prompt_len": args.flood_prompt_len,
-        "kv_blocks": args.kv_blocks, "gold_cache_share": args.gold_cache_share, "by_policy": cache}
-    r = result["ratios"]
-    print(f"fair shares: the light tenants' first tokens come {r['light_ttft_fcfs_over_fair']:.1f}x sooner "
-          f"({r['light_ttft_steps_fcfs_over_fair']:.1f}x in steps), the flood's {r['flood_ttft_fair_over_fcfs']:.2f}x "
-          f"later ({r['flood_ttft_steps_fair_over_fcfs']:.2f}x in steps), at {r['throughput_fair_over_fcfs']:.2f}x "
-          f"the throughput and {r['steps_fair_over_fcfs']:.2f}x the steps of first come first served")
-    k = result["kv_quota"]["ratios"]
-    print(f"KV quota {args.hog_kv_share} on the hog: light tenants' first tokens {k['light_ttft_none_over_quota']:.1f}x "
-          f"sooner ({k['light_ttft_steps_none_over_quota']:.1f}x in steps), the hog at "
-          f"{k['hog_throughput_quota_over_none']:.2f}x its throughput without one")
-    for c in cache:
-        c_r = c["ratios"]
-        print(f"cache partition {args.gold_cache_share} for gold ({c['policy']}): its prompts "
-              f"{c['results'][0]['gold_hit_share']:.0%} -> {c['results'][1]['gold_hit_share']:.0%} from the cache, "
-              f"first tokens {c_r['gold_ttft_none_over_partition']:.1f}x sooner; the flood's "
-              f"{c_r['flood_ttft_partition_over_none']:.2f}x its TTFT without one")
+    result: dict = {"model": model, "repeats": args.repeats, "parts": list(args.parts)}
+    if "fairness" in args.parts:
+        result |= _fairness_part(model, args)
+    if "kv" in args.parts:
+        result["kv_quota"] = _kv_part(model, args)
+    if "cache" in args.parts:
+        result["cache_partition"] = _cache_part(model, args)
     write_json(args.json, result)
     if args.plot is not None:
         plot_fairness(result, args.plot)
@@ -261,18 +272,19 @@ def run(args: argparse.Namespace) -> dict:
 def plot_fairness(result: dict, path: str) -> str:
     from tierlm.bench.plots import bar_plot
     bars = {f"{row['policy']}: {who}": row[f"{who}_ttft_mean_s"] * 1e3
-            for row in result["results"] for who in ("light", "flood")}
-    for row in result["kv_quota"]["results"]:
+            for row in result.get("results", []) for who in ("light", "flood")}
+    titles = [f"{result['flood']} flood requests vs {result['light_tenants']}x{result['light_requests']} light"] \
+        if "results" in result else []
+    for row in result.get("kv_quota", {}).get("results", []):
         quota = "no quota" if row["kv_share"] is None else f"kv_share {row['kv_share']}"
         bars[f"KV hog, {quota}: light"] = row["light_ttft_mean_s"] * 1e3
+    titles += ["a KV hog vs light"] if "kv_quota" in result else []
     for c in result.get("cache_partition", {}).get("by_policy", []):
         for row in c["results"]:
             part = "no partition" if row["kv_cache_share"] is None else f"kv_cache_share {row['kv_cache_share']}"
             bars[f"cache flood ({c['policy']}), {part}: gold"] = row["gold_ttft_mean_s"] * 1e3
-    return bar_plot(path, bars, title=f"Mean TTFT: {result['flood']} flood requests vs "
-                    f"{result['light_tenants']}x{result['light_requests']} light; a KV hog vs light; a cache flood "
-                    "vs gold's prefixes", ylabel="ms (log scale)",
-                    logy=True)
+    titles += ["a cache flood vs gold's prefixes"] if "cache_partition" in result else []
+    return bar_plot(path, bars, title=f"Mean TTFT: {'; '.join(titles)}", ylabel="ms (log scale)", logy=True)
 
 
 def add_cli(sub) -> None:
@@ -306,9 +318,18 @@ def add_cli(sub) -> None:
                    help="gold's kv_cache_share, a fraction of the pool")
     c.add_argument("--eviction-policies", type=_policies, default=["lru", DEFAULT_POLICY],
                    help="comma-separated device eviction policies, each run with and without the partition")
+    p.add_argument("--parts", type=_parts, default=list(PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=lambda a: run(a) and 0)
+
+
+def _parts(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in PARTS for n in names):
+        raise argparse.ArgumentTypeError(f"give parts from {', '.join(PARTS)} (got {text!r})")
+    return [p for p in PARTS if p in names]
 
 
 def _policies(text: str) -> list[str]:
