@@ -160,3 +160,51 @@ def test_a_bad_kv_cache_share_is_refused_by_name_and_changes_nothing(llama_dir):
     with pytest.raises(InvalidRequestError, match="kv_cache_share must be a fraction .* for no cache partition"):
         eng.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1), kv_cache_share=1.5)
     assert not eng.has_unfinished() and eng.pool.num_used == 0 and eng.pool.partitions == {}
+
+
+def _check_partitions(pool) -> None:
+    """Every count the pool keeps for its partitions against the blocks themselves."""
+    idle = [blk for blk in pool.cached.values() if blk.ref_cnt == 0]
+    for key, part in pool.partitions.items():
+        assert part.evictable == sum(blk.owner == key for blk in idle)
+        assert len(part.policy) == sum(blk.owner == key for blk in pool.cached.values())
+    assert len(pool.policy) == sum(blk.owner is None for blk in pool.cached.values())
+    assert pool.num_free == len(pool._free) + len(idle)
+
+
+def test_partitions_under_churn_keep_their_counts_and_change_no_output(llama_dir):
+    """Tenants with and without partitions, shared prefixes, preemption (a pool too small for the
+    batch) and aborts: the counts stay true at every step, nothing leaks, and every finished
+    request's greedy tokens are those of the same prompt run alone."""
+    rng = random.Random(7)
+    eng = _engine(llama_dir, "fair", kv_cache_memory="20 blocks", max_num_seqs=6)
+    tenants = {"a": 0.25, "b": 0.2, "c": None}
+    prefixes = {t: [[rng.randrange(5, 250) for _ in range(rng.choice((8, 16, 24)))] for _ in range(3)]
+                for t in tenants}
+    reqs = []
+    for i in range(36):
+        t = rng.choice(list(tenants))
+        prompt = rng.choice(prefixes[t]) + [rng.randrange(5, 250) for _ in range(rng.randrange(1, 12))]
+        reqs.append(eng.add_request({"prompt_token_ids": prompt},
+                                    SamplingParams(max_tokens=rng.randrange(1, 48), temperature=0, ignore_eos=True),
+                                    tenant_id=t, cache_salt=t, kv_cache_share=tenants[t]))
+    aborted = set(rng.sample(range(36), 4))
+    for step in range(5000):
+        if not eng.has_unfinished():
+            break
+        if step == 3:
+            for i in aborted:
+                eng.abort(reqs[i].request_id)
+        eng.step()
+        _check_partitions(eng.pool)
+    assert not eng.has_unfinished() and eng.pool.num_used == 0
+    assert eng.scheduler.num_preemptions > 0 and set(eng.pool.partitions) == {"a", "b"}
+    assert sum(r.num_cached_tokens > 0 for r in reqs) > 5
+    solo = _engine(llama_dir, "fair", enable_prefix_caching=False)
+    for i, r in enumerate(reqs):
+        if i in aborted:
+            continue
+        alone = solo.add_request({"prompt_token_ids": r.prompt_token_ids}, r.params)
+        while solo.has_unfinished():
+            solo.step()
+        assert r.output_token_ids == alone.output_token_ids, i
