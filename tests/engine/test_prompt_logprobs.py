@@ -116,6 +116,33 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(llama_dir):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+
+def test_a_request_preempted_after_its_prompt_was_scored_takes_its_cached_blocks_back_as_any(llama_dir):
+    """Preempted while decoding, with every prompt position scored, a scored request comes back
+    through the prefix cache as far as an unscored one (its output's blocks too: it recomputed
+    all past the prompt), with the answer and prompt logprobs of an undisturbed run."""
+    ids = _prompt(17, seed=8)
+    want = LLM(str(llama_dir), dtype="float32", block_size=8, load_progress=False).generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=1))[0]
+    hits = {}
+    for scored in (None, 1):
+        llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory="12 blocks", block_size=8, load_progress=False)
+        eng = llm.engine
+        req = eng.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                                        prompt_logprobs=scored), priority=1)
+        deltas = [d for _ in range(30) for d in eng.step()]  # the prompt and 29 tokens
+        before = eng.stats().kv_device_hit_blocks
+        eng.add_request({"prompt_token_ids": _prompt(40, seed=9)}, SamplingParams(max_tokens=30, ignore_eos=True),
+                        priority=0)  # grows until it preempts `req`
+        while eng.has_unfinished():
+            deltas += eng.step()
+        assert req.num_preemptions == 1
+        hits[scored] = eng.stats().kv_device_hit_blocks - before
+        assert req.output_token_ids == want.outputs[0].token_ids
+    assert hits[1] == hits[None] > 17 // 8
+    got = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None)
+    assert [lp.logprob for lp in got[1:]] == pytest.approx([lp.logprob for lp in want.prompt_logprobs[1:]], abs=1e-5)
+
 def test_prompt_logprobs_are_validated_and_come_with_the_first_delta(llama_dir):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(prompt_logprobs=21)

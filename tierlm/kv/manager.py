@@ -122,11 +122,11 @@ class KVCacheManager:
         """`req`'s block hashes, its leading blocks cached on the device, and how many leading
         blocks may come from a cache at all (never the whole prompt: the last token must be
         computed to produce logits; nor a prompt position whose logprobs are asked for and not
-        yet scored)."""
+        yet scored: once all are, a preempted scored request takes its output's blocks back too)."""
         hashes = self._hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         scored = req.prompt_logprobs
-        if scored is not None:  # prompt positions still to score must be computed, not served
+        if scored is not None and len(scored) < req.num_prompt_tokens - 1:  # still to score: computed, not served
             limit = min(limit, len(scored) // self.block_size)
         device: list[KVBlock] = []
         while len(device) < limit:
