@@ -297,6 +297,25 @@ def test_n_samples_are_seeded_seed_plus_i_and_come_back_as_one_output(llm):
     assert len(unseeded.outputs) == 2 and not llm.engine.has_unfinished()
 
 
+
+def test_only_the_first_of_n_samples_scores_the_prompt_and_the_others_take_it_from_the_cache(llama_dir):
+    """n samples asking for prompt logprobs: the output's are sample 0's, so the others do not
+    score the prompt, and (prefilled after it in chunks) take its blocks from the prefix cache:
+    about one prompt computed, not n, and each sample what it is alone."""
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=2 << 20, max_num_batched_tokens=16, block_size=8,
+              load_progress=False)
+    prompt = list(range(20, 68))
+    sp = SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=3, prompt_logprobs=1)
+    out = llm.generate([prompt], sp)[0]
+    assert llm.engine.stats().prompt_tokens < 2 * len(prompt)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    alone = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=3, prompt_logprobs=1))[0]
+    assert [lp.logprob for lp in out.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in alone.prompt_logprobs[1:]], abs=1e-5)
+    for i, s in enumerate(out.outputs):
+        assert s.token_ids == llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0,
+                                                                    seed=3 + i))[0].outputs[0].token_ids
+
 def test_n_is_at_least_one_and_the_async_engines_refusal_says_to_seed_each_copy(llm):
     with pytest.raises(InvalidRequestError, match="at least 1"):
         SamplingParams(n=0)

@@ -71,7 +71,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities; pass one per prompt")
         # Validate every request before queueing any, so a bad one changes nothing. A prompt with
         # n > 1 is n requests, sample i seeded with seed + i as vLLM's (the same seed n times drew
-        # the same sample n times), answered as one RequestOutput.
+        # the same sample n times), answered as one RequestOutput. Only sample 0 scores the prompt
+        # (its prompt logprobs are the output's): scored, every sample computed the whole prompt
+        # and its vocabulary projection, the prefix cache serving none of it.
         reqs = []
         outputs: list[list[CompletionOutput | None]] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -81,7 +83,8 @@ class LLM:
             n = sp.n if isinstance(sp, SamplingParams) else 1
             outputs.append([None] * n)
             for j in range(n):
-                child = sp if n == 1 else dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, j))
+                child = sp if n == 1 else dataclasses.replace(
+                    sp, n=1, seed=choice_seed(sp.seed, j), prompt_logprobs=sp.prompt_logprobs if j == 0 else None)
                 reqs.append((i, j, rid, self.engine.make_request(p, child, rid if n == 1 else f"{rid}-{j}",
                                                                  priority=priority[i] if priority else 0,
                                                                  lora=loras[i])))
