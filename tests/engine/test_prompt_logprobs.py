@@ -73,7 +73,8 @@ def test_prompt_logprobs_zero_gives_each_tokens_own_logprob_and_fixed_shape_step
 def test_a_scored_prompt_computes_its_cached_prefix_and_still_fills_the_cache(llama_dir):
     """The prefix cache serves no position a request must score (its logits are not kept): a
     scored request after a cached one computes the whole prompt, with the cold run's values;
-    what it computes is cached for the next unscored request."""
+    what it computes is cached for the next unscored request. Scored prompts are not looked up,
+    so the cache's queries (vLLM's) count the unscored one only, not two misses besides."""
     llm = LLM(str(llama_dir), dtype="float32", block_size=8, load_progress=False)
     ids = _prompt(50, seed=4)
     cold = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
@@ -83,6 +84,8 @@ def test_a_scored_prompt_computes_its_cached_prefix_and_still_fills_the_cache(ll
            [(lp.logprob, lp.top) for lp in again.prompt_logprobs[1:]]
     plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2))[0]
     assert plain.num_cached_tokens == 48 and plain.prompt_logprobs is None
+    stats = llm.engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (50, 48)
 
 
 def test_prompt_logprobs_survive_preemption_mid_prefill(llama_dir):

@@ -97,6 +97,14 @@ def test_prefix_hit_same_tokens_fewer_computed(llama_dir, cold_reference):
     assert llm.engine.stats().kv_device_hit_blocks == 8
 
 
+
+def test_an_engine_without_prefix_caching_counts_no_lookups(llama_dir):
+    """Nothing is looked up, so nothing is a miss: its hit rate is no 0 % to alert on."""
+    llm = _llm(llama_dir, enable_prefix_caching=False)
+    _run(llm, _prompt(1, 20))
+    stats = llm.engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0) and stats.prompt_tokens == 20
+
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
 def test_prefix_demoted_and_promoted_back(tier, llama_dir, cold_reference, tmp_path, request):
     shared, ref = cold_reference

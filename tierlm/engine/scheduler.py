@@ -208,8 +208,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached
-            self.kv.stats.queries += req.num_prompt_tokens
-            self.kv.stats.hits += num_cached
+            self.kv.count_lookup(req, num_cached)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING

@@ -21,7 +21,7 @@ from tierlm.kv.store import Prefetch, TieredStore, nbytes
 
 @dataclass
 class CacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # prompt tokens looked up (requests that could take a cached prefix)
     hits: int = 0  # prompt tokens served from cache (any tier)
     device_hit_blocks: int = 0
     promoted_blocks: int = 0
@@ -324,6 +324,14 @@ class KVCacheManager:
                 # it to the device meanwhile): else it stayed staged for good.
                 hit.spare = self._not_taken(job, hit)
         return hit
+
+    def count_lookup(self, req, num_cached: int) -> None:
+        """Count `req`'s first admission in the prefix cache's queries and hits (vLLM's), unless
+        its lookup could take nothing: caching off, or a prompt to score (computed whole), which
+        counted as misses and made a scoring workload's hit rate 0 where nothing was looked up."""
+        if self.pool.enable_caching and req.prompt_logprobs is None:
+            self.stats.queries += req.num_prompt_tokens
+            self.stats.hits += num_cached
 
     def _note_stop(self, req, hashes: list[BlockHash], stop: int, limit: int) -> None:
         """A lookup of `req`'s prefix stopped at block `stop`: if the store knows that block, it
