@@ -195,6 +195,17 @@ class EngineConfig:
             if getattr(self, knob) not in (None, False) and not getattr(self, tier):
                 raise ValueError(f"{knob} is set but {tier} is not, so that tier is off; give {tier} "
                                  f"to turn it on, or drop {knob}")
+        if not self.enable_prefix_caching:
+            # Lower tiers hold only blocks the prefix cache evicts: without it they stay empty,
+            # while a disk tier still locks its directory from the engines that could use it.
+            disk_on = bool(self.kv_disk_dir) and (self.kv_disk_capacity is None
+                                                  or parse_capacity(self.kv_disk_capacity, 1) > 0)
+            on = [knob for knob, value in (("kv_host_capacity", parse_capacity(self.kv_host_capacity, 1) > 0),
+                                           ("kv_disk_dir", disk_on), ("kv_remote", bool(self.kv_remote))) if value]
+            if on:
+                raise ValueError(f"{', '.join(on)} given with enable_prefix_caching off (--no-prefix-caching): "
+                                 "lower KV tiers only hold the prefix cache's blocks, so they would stay empty; "
+                                 f"turn prefix caching on, or drop {', '.join(on)}")
         for knob in ("eviction_policy", "kv_tier_policy", "kv_host_policy", "kv_disk_policy"):
             name = getattr(self, knob)
             if name is None and knob in ("kv_host_policy", "kv_disk_policy"):

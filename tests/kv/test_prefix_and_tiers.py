@@ -190,6 +190,10 @@ def test_bad_policy_names_are_refused_before_loading(knob, name, says, tmp_path)
     (dict(kv_disk_write_through=True), "kv_disk_write_through is set but kv_disk_dir is not"),
     (dict(kv_remote_ttl=60), "kv_remote_ttl is set but kv_remote is not"),
     (dict(kv_remote_capacity="1GiB"), "kv_remote_capacity is set but kv_remote is not"),
+    (dict(enable_prefix_caching=False, kv_host_capacity="64 blocks"),
+     r"kv_host_capacity given with enable_prefix_caching off .*they would stay empty"),
+    (dict(enable_prefix_caching=False, kv_disk_dir="d", kv_remote="redis://h/0"),
+     "kv_disk_dir, kv_remote given with enable_prefix_caching off"),
 ])
 def test_bad_tier_settings_are_refused_before_loading(bad, says, tmp_path):
     with pytest.raises(ValueError, match=says):
