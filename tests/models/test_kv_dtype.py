@@ -126,22 +126,34 @@ def test_fp8_blocks_round_trip_between_the_device_and_host_bitwise(llama_dir):
     assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, runner.read_blocks(free)))
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_fp8_prefix_demoted_to_a_lower_tier_and_promoted_back_gives_the_cold_tokens(tier, llama_dir, tmp_path):
+@pytest.mark.parametrize("tier", ["host", "disk", "redis"])
+def test_fp8_prefix_demoted_to_a_lower_tier_and_promoted_back_gives_the_cold_tokens(tier, llama_dir, tmp_path,
+                                                                                   request):
+    """Each block comes back byte for byte, and the prefix hit answers as a cold run does, with
+    speculation checking its guesses over the promoted fp8 keys too."""
     shared = _prompts(7, 600)[6]
     tail = _prompts(2, 600, seed=9)[1]
     kw = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=64,
               kv_cache_dtype="fp8", load_progress=False)
     cold = LLM(str(llama_dir), enable_prefix_caching=False, **kw).generate(
         {"prompt_token_ids": shared + tail}, GREEDY)[0].outputs[0].token_ids
-    lower = (dict(kv_host_capacity="16 blocks") if tier == "host"
-             else dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="16 blocks"))
-    llm = LLM(str(llama_dir), **lower, **kw)
+    lower = {"host": dict(kv_host_capacity="16 blocks"),
+             "disk": dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="16 blocks"),
+             "redis": dict(kv_remote=request.getfixturevalue("redis_server").url) if tier == "redis" else {}}[tier]
+    llm = LLM(str(llama_dir), speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}, **lower, **kw)
     llm.generate({"prompt_token_ids": shared}, GREEDY)
-    assert llm.engine.offload_prefix_cache() > 0 and llm.engine.pool.cached == {}
+    pool, runner = llm.engine.pool, llm.engine.runner
+    before = {h: b.view(torch.uint8).clone() for h, b in zip(pool.cached, runner.read_blocks(
+        [b.block_id for b in pool.cached.values()]))}
+    assert llm.engine.offload_prefix_cache() > 0 and pool.cached == {}
+    llm.engine.store.flush()
     out = llm.generate({"prompt_token_ids": shared + tail}, GREEDY)[0]
     assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 64
-    assert llm.engine.stats().kv_tiers[tier]["hits"] == 8
+    stats = llm.engine.stats()
+    assert stats.kv_tiers[tier]["hits"] == 8 and stats.spec_draft_tokens > 0
+    back = [h for h in before if h in pool.cached]
+    assert len(back) == 8 and all(torch.equal(before[h], b.view(torch.uint8)) for h, b in zip(
+        back, runner.read_blocks([pool.cached[h].block_id for h in back])))
     llm.close()
 
 
