@@ -88,6 +88,25 @@ def test_a_scored_prompt_computes_its_cached_prefix_and_still_fills_the_cache(ll
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (50, 48)
 
 
+
+@pytest.mark.parametrize("tier", ["host", "disk", "redis"])
+def test_a_prefix_cached_in_a_lower_tier_leaves_a_scored_prompts_logprobs_as_transformers(tier, llama_dir, hf_models,
+                                                                                         tmp_path, request):
+    """A scored request whose prefix waits in host memory, on disk or in Redis reads none of it:
+    every position (the first, the block boundaries) is transformers' and the cold run's."""
+    lower = {"host": dict(kv_host_capacity="64 blocks"),
+             "disk": dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_capacity="64 blocks"),
+             "redis": dict(kv_remote=request.getfixturevalue("redis_server").url) if tier == "redis" else {}}[tier]
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8, load_progress=False, **lower)
+    ids = _prompt(50, seed=10)
+    llm.generate({"prompt_token_ids": ids[:42]}, SamplingParams(max_tokens=1))
+    assert llm.engine.offload_prefix_cache() > 0
+    llm.engine.store.flush()
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+    assert out.num_cached_tokens == 0 and llm.engine.stats().kv_tiers[tier]["hits"] == 0
+    _check_against(_reference(hf_models["llama"], ids), ids, out.prompt_logprobs, 2)
+    assert llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))[0].num_cached_tokens == 48
+
 def test_prompt_logprobs_survive_preemption_mid_prefill(llama_dir):
     """A scored request preempted part-way through its prompt (a small pool, a higher-priority
     request growing) comes back through the prefix cache only as far as it has scored, and ends
