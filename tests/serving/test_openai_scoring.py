@@ -153,6 +153,21 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(oai, demo_engine):
     assert "prompt_logprobs" not in plain.model_dump()  # not asked for: OpenAI's shape, unchanged
 
 
+
+def test_chat_choices_after_the_first_do_not_score_the_prompt(oai, demo_engine, monkeypatch):
+    """Chat shows one `prompt_logprobs`, the first choice's: the other n - 1 engine requests do
+    not score the prompt (each computed it whole, the prefix cache serving none of it)."""
+    admitted = record_requests(demo_engine, monkeypatch)
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    many = oai.chat.completions.create(model=demo_engine.model_name, messages=messages, max_tokens=2, n=3, seed=4,
+                                       extra_body={"prompt_logprobs": 1}).model_dump()
+    assert [r.params.prompt_logprobs for r in admitted] == [1, None, None]
+    one = oai.chat.completions.create(model=demo_engine.model_name, messages=messages, max_tokens=2, seed=4,
+                                      extra_body={"prompt_logprobs": 1}).model_dump()
+    assert len(many["choices"]) == 3 and many["prompt_logprobs"][0] is one["prompt_logprobs"][0] is None
+    for a, b in zip(many["prompt_logprobs"][1:], one["prompt_logprobs"][1:], strict=True):  # (batched beside others)
+        assert {t: e["logprob"] for t, e in a.items()} == pytest.approx({t: e["logprob"] for t, e in b.items()}, abs=1e-4)
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch_and_runs_nothing(oai, demo_engine, monkeypatch):
     """One prompt of the batch out of the vocabulary, or too long: a 400 in OpenAI's shape naming
     it, and not one of the batch's prompts reaches the engine."""

@@ -189,7 +189,7 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
                              thinking_budget=prompt.thinking_budget(body.thinking_token_budget),
                              structured_outputs=prompt.structured_outputs(structured))
     await _tokenize_bad_words(engine, body.bad_words)
-    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt))
+    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt), scored_once=True)
     await _open_all(streams, request)
     return ChatRun(engine, prompt, prompt_ids, top_n, streams, body.model, body.model)
 
@@ -358,14 +358,19 @@ async def _tokenize_bad_words(engine: "AsyncEngine", words: list[str] | None) ->
 
 
 def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
-                    context: RequestContext, prompt: int = 0, total: int | None = None) -> list[EngineStream]:
+                    context: RequestContext, prompt: int = 0, total: int | None = None,
+                    scored_once: bool = False) -> list[EngineStream]:
     """One engine request per choice of prompt `prompt` (of a batch), each with its own seed
     and, where the request has several choices (`total`, all prompts' together), its own id
-    `<request id>-<index>`, this prompt's choices numbered from prompt × n."""
+    `<request id>-<index>`, this prompt's choices numbered from prompt × n. `scored_once`: the
+    answer shows the first choice's prompt logprobs only (chat), so the others do not score the
+    prompt (a scored prompt is computed whole, the prefix cache serving none of it)."""
     n = body.n or 1
     if (total or n) == 1:
         return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
-    return [EngineStream(engine, body.model, prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+    return [EngineStream(engine, body.model, prompt_ids,
+                         dataclasses.replace(params, seed=choice_seed(params.seed, i),
+                                             prompt_logprobs=None if scored_once and i else params.prompt_logprobs),
                          dataclasses.replace(context, request_id=f"{context.request_id}-{prompt * n + i}"),
                          state.inflight, prompt_index=prompt)
             for i in range(n)]
