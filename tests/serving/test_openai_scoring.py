@@ -166,7 +166,8 @@ def test_chat_choices_after_the_first_do_not_score_the_prompt(oai, demo_engine, 
                                       extra_body={"prompt_logprobs": 1}).model_dump()
     assert len(many["choices"]) == 3 and many["prompt_logprobs"][0] is one["prompt_logprobs"][0] is None
     for a, b in zip(many["prompt_logprobs"][1:], one["prompt_logprobs"][1:], strict=True):  # (batched beside others)
-        assert {t: e["logprob"] for t, e in a.items()} == pytest.approx({t: e["logprob"] for t, e in b.items()}, abs=1e-4)
+        want = {t: e["logprob"] for t, e in b.items()}
+        assert {t: e["logprob"] for t, e in a.items()} == pytest.approx(want, abs=1e-4)
 
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch_and_runs_nothing(oai, demo_engine, monkeypatch):
     """One prompt of the batch out of the vocabulary, or too long: a 400 in OpenAI's shape naming

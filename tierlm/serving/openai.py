@@ -189,7 +189,8 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
                              thinking_budget=prompt.thinking_budget(body.thinking_token_budget),
                              structured_outputs=prompt.structured_outputs(structured))
     await _tokenize_bad_words(engine, body.bad_words)
-    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt), scored_once=True)
+    streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt),
+                              scored_once=True)
     await _open_all(streams, request)
     return ChatRun(engine, prompt, prompt_ids, top_n, streams, body.model, body.model)
 
