@@ -270,7 +270,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot_fairness(result: dict, path: str) -> str:
+    """Mean TTFT per configuration; for the cache part alone, gold's share of prompt tokens
+    from the cache instead (what a partition changes; its TTFT on a small model is noise)."""
     from tierlm.bench.plots import bar_plot
+    if result.get("parts") == ["cache"]:
+        shares = {f"{c['policy']}, {'no partition' if row['kv_cache_share'] is None else 'kv_cache_share ' + str(row['kv_cache_share'])}":
+                  100 * row["gold_hit_share"] for c in result["cache_partition"]["by_policy"] for row in c["results"]}
+        return bar_plot(path, shares, title="Gold's prompt tokens from the cache under a flood",
+                        ylabel="% of gold's prompt tokens")
     bars = {f"{row['policy']}: {who}": row[f"{who}_ttft_mean_s"] * 1e3
             for row in result.get("results", []) for who in ("light", "flood")}
     titles = [f"{result['flood']} flood requests vs {result['light_tenants']}x{result['light_requests']} light"] \
