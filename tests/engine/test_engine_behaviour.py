@@ -915,21 +915,25 @@ def solo_reference(llama_dir):
 def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_reference, tmp_path, data):
     """Differential: under random settings (block size, token budget, sequence cap, a pool small
     enough to preempt, prefix caching and its policy, a host tier, fixed-shape steps, tierlm's CPU
-    kernels) and random traffic with shared prefixes and aborts, every request that finishes
+    kernels, tenants' KV quotas and cache partitions) and random traffic with shared prefixes and
+    aborts, every request that finishes
     gives the tokens it gives alone. (An out-of-tree run of 4,275 such seeds found only the
     block-size-1 warm-up crash, fixed.)"""
     from tierlm.kv.policies import POLICIES
     rng = random.Random(data.draw(st.integers(0, 10_000)))
     bs = rng.choice([1, 3, 8, 16])
     per_block = kv_bytes_per_block(solo_reference.args, torch.float32, bs)
+    caching = rng.random() < 0.7
     llm = LLM(str(llama_dir), dtype="float32", block_size=bs, load_progress=False, max_model_len=200,
               max_num_batched_tokens=rng.choice([8, 16, 40]), max_num_seqs=rng.choice([1, 2, 4, 16]),
               kv_cache_memory=per_block * (-(-130 // bs) * rng.choice([1, 2, 4])),
-              enable_prefix_caching=rng.random() < 0.7, eviction_policy=rng.choice(POLICIES),
-              kv_host_capacity=rng.choice([0, "64 blocks"]), cuda_graphs=rng.random() < 0.5,
+              enable_prefix_caching=caching, eviction_policy=rng.choice(POLICIES),
+              # (lower tiers hold the prefix cache's blocks: without it they are refused)
+              kv_host_capacity=rng.choice([0, "64 blocks"]) if caching else 0, cuda_graphs=rng.random() < 0.5,
               cpu_kernels=rng.random() < 0.5, scheduling_policy=rng.choice(["fair", "fcfs"]))
     eng = llm.engine
     shares = {t: rng.choice([None, None, 0.3, 0.6]) for t in (None, "a", "b", "c")}  # KV quotas
+    cache_shares = {t: rng.choice([None, 0.2, 0.3]) for t in (None, "a", "b", "c")}  # cache partitions
     prefixes = [[rng.randrange(5, 250) for _ in range(rng.randint(1, 60))] for _ in range(3)]
     live: dict[str, tuple[list[int], int]] = {}
     got: dict[str, list[int]] = {}
@@ -943,7 +947,7 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs_or_how(llama_dir, solo_re
             r = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, temperature=0,
                                                                            ignore_eos=True),
                                 priority=rng.randint(0, 2), tenant_id=tenant, kv_share=shares[tenant],
-                                tenant_weight=rng.choice([0.5, 1, 3]))
+                                tenant_weight=rng.choice([0.5, 1, 3]), kv_cache_share=cache_shares[tenant])
             live[r.request_id], got[r.request_id] = (prompt, n), []
         if live and rng.random() < 0.05:
             rid = rng.choice(list(live))
