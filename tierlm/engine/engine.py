@@ -339,7 +339,8 @@ class LLMEngine:
                             "longer ones", num_blocks * bs, num_blocks, self.max_model_len, num_blocks * bs)
                 self.max_model_len = num_blocks * bs
             self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
-            def policy() -> EvictionPolicy:
+
+            def policy() -> EvictionPolicy:  # the pool's, and each tenant's cache partition's
                 return make_policy(config.eviction_policy, history=config.kv_policy_history)
 
             self.pool = BlockPool(num_blocks, config.enable_prefix_caching, policy(), partition_policy=policy)
