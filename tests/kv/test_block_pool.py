@@ -2,9 +2,12 @@
 order and handed down in one batch (one batch of device-to-host copies, not one per block)."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tierlm.kv.block_pool import BlockPool
+from tierlm.kv.policies import POLICIES, make_policy
 
 
 def _cache_chain(pool: BlockPool, names: list[bytes], owner: str | None = None) -> list:
@@ -76,6 +79,108 @@ def test_partitions_hear_their_own_requests_and_reset_with_the_pool():
     pool.reset_cache()
     assert pool.cached == {} and pool.num_free == 6 and pool.partitions[gold].evictable == 0
     assert len(pool.partitions[gold].policy) == 0 and len(pool.policy) == 0
+
+
+def _extend(pool: BlockPool, hit: list[bytes], names: list[bytes], owner: str | None = None) -> None:
+    """A request of partition `owner` hits the cached chain `hit` and caches `names` after it."""
+    pool.tick()
+    held = [pool.lookup(h) for h in hit]
+    for i, blk in enumerate(held):
+        pool.acquire_cached(blk, hit[i - 1] if i else None, owner)
+    new = pool.allocate(len(names))
+    for i, (blk, h) in enumerate(zip(new, names)):
+        pool.register_full(blk, h, (hit + names)[len(hit) + i - 1] if hit or i else None, owner)
+    pool.free(held + new)
+
+
+def test_a_partition_keeps_the_prefix_its_tenant_hit_though_another_tenant_cached_it():
+    """A prompt cached first by a tenant without a share (or by one sharing its salt) is the
+    partitioned tenant's prefix too: ranked with the shared blocks, the flood took it and left
+    the blocks the tenant appended, cached in its partition but unreachable (a lookup walks from
+    the head). Its hits take the blocks into its partition."""
+    pool = BlockPool(8, policy="lru")
+    gold = pool.partition("gold", 0.5)
+    _cache_chain(pool, [b"s1", b"s2"])
+    _extend(pool, [b"s1", b"s2"], [b"g3", b"g4"], gold)
+    assert pool.partitions[gold].evictable == 4 and len(pool.partitions[gold].policy) == 4
+    for i in range(10):
+        _cache_chain(pool, [b"n%d" % i])
+    assert _cached(pool, b"s") == [b"s1", b"s2"] and _cached(pool, b"g") == [b"g3", b"g4"]
+    assert pool._num_evictable == 8 and len(pool.policy) == 4
+
+
+def test_a_chain_through_two_partitions_still_goes_tail_first():
+    """A policy sees only the children it ranks: to the partition past its share, the head of a
+    chain another tenant's partition went on from was a leaf, and it went first, stranding the
+    rest (cached, unreachable, kept from other traffic). The chain's tail goes first instead."""
+    pool = BlockPool(6, policy="lru")
+    a, b = pool.partition("a", 1 / 6), pool.partition("b", 0.5)
+    _cache_chain(pool, [b"a1", b"a2"], a)  # past a's share of one block
+    _extend(pool, [b"a1", b"a2"], [b"b3"], b)
+    taken = pool.allocate(4)  # 3 free, then one from a: the chain's tail in b before a2
+    assert _cached(pool, b"") == [b"a1", b"a2"]
+    assert pool.partitions[a].evictable == 2 and pool.partitions[b].evictable == 0
+    taken += pool.allocate(2)
+    assert pool.cached == {} and pool.num_free == 0
+    pool.free(taken)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_partitioned_pool_counts_match_its_blocks_under_random_traffic(policy):
+    """Tenants with and without shares (which change) hitting and extending each other's chains,
+    with whole-cache evictions and resets: each count the pool keeps matches its blocks at every
+    step, no cached block outlives its parent, and all blocks come back at the end."""
+    rng = random.Random(0)
+    pool = BlockPool(16, policy=policy, partition_policy=lambda: make_policy(policy))
+    shares: dict[str, float | None] = {"a": 0.25, "b": 0.5, "c": None, "": None}
+    running = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.55:
+            tenant = rng.choice(list(shares))
+            if rng.random() < 0.05:
+                shares[tenant] = rng.choice([None, 1 / 16, 0.25, 0.5])
+            owner = pool.partition(tenant, shares[tenant]) if shares[tenant] is not None else None
+            path = [b"r%d" % rng.randrange(3)] + [b"%d" % rng.randrange(2) for _ in range(rng.randrange(5))]
+            names = [b"/".join(path[:i + 1]) for i in range(len(path))]
+            hit = next((i for i, h in enumerate(names) if pool.lookup(h) is None), len(names))
+            if len(names) - hit + sum(pool.lookup(h).ref_cnt == 0 for h in names[:hit]) > pool.num_free:
+                continue
+            blocks = [pool.lookup(h) for h in names[:hit]]
+            for i, blk in enumerate(blocks):
+                pool.acquire_cached(blk, names[i - 1] if i else None, owner)
+            blocks += pool.allocate(len(names) - hit)
+            for i in range(hit, len(names)):
+                pool.register_full(blocks[i], names[i], names[i - 1] if i else None, owner)
+            running.append((blocks, names))
+        elif op < 0.9 and running:
+            blocks, names = running.pop(rng.randrange(len(running)))
+            pool.finished(blocks, names, rng.randrange(1, 50))
+            pool.free(blocks)
+        elif op < 0.95:
+            pool.evict_all(heads_first=rng.random() < 0.5)
+        else:
+            pool.reset_cache()
+        _check_counts(pool)
+    for blocks, _ in running:
+        pool.free(blocks)
+    pool.evict_all()
+    _check_counts(pool)
+    assert pool.num_free == 16 and pool.cached == {}
+
+
+def _check_counts(pool: BlockPool) -> None:
+    cached = list(pool.cached.values())
+    assert pool._num_evictable == sum(blk.ref_cnt == 0 for blk in cached)
+    assert len(pool.policy) == sum(blk.owner is None for blk in cached)
+    for name, part in pool.partitions.items():
+        mine = [blk for blk in cached if blk.owner == name]
+        assert part.evictable == sum(blk.ref_cnt == 0 for blk in mine) and len(part.policy) == len(mine)
+    free = set(pool._free)
+    for blk in pool.blocks:
+        assert (blk.block_id in free) == (blk.ref_cnt == 0 and blk.block_hash is None)
+        assert blk.block_hash is None or pool.cached[blk.block_hash] is blk
+        assert blk.block_hash is None or blk.parent_hash is None or blk.parent_hash in pool.cached
 
 
 def test_free_blocks_go_first_then_cached_ones_leave_in_one_batch_tail_first():

@@ -58,6 +58,10 @@ class BlockPool:
         self.partitions: dict[str, Partition] = {}
         self.cached: dict[BlockHash, KVBlock] = {}
         self.on_evict = on_evict
+        # Parent hash -> hashes of its cached children, whichever policy ranks them: a policy sees
+        # only the children it ranks, so a parent whose children are in another partition looks
+        # like a leaf to it (`_take` evicts those children first).
+        self._kids: dict[BlockHash, set[BlockHash]] = {}
         self._clock = 0
         self._num_evictable = 0
         self.evictions = 0
@@ -100,13 +104,29 @@ class BlockPool:
             key = policy.victim()
             if key is None:
                 raise RuntimeError("no evictable KV block although the pool counted one (policy bug)")
-            victims.append(self.cached.pop(key))
-            policy.remove(key)
+            blk = self.cached[key]
+            while self._kids.get(blk.block_hash):
+                # Cached children in another partition (a tenant extended another's chain): a
+                # chain goes tail first, else they stay cached but unreachable (a lookup walks
+                # from the head), in a partition that keeps them from other traffic.
+                blk = self.cached[next(iter(self._kids[blk.block_hash]))]
+            self._uncache(blk)
+            victims.append(blk)
             self._num_evictable -= 1
-            if part is not None:
-                part.evictable -= 1
+            if blk.owner is not None:
+                self.partitions[blk.owner].evictable -= 1
         self.evictions += len(victims)
         return victims
+
+    def _uncache(self, blk: KVBlock) -> None:
+        """Take cached block `blk` out of the cache and its policy (its counts are the caller's)."""
+        del self.cached[blk.block_hash]
+        self.policy_of(blk).remove(blk.block_hash)
+        kids = self._kids.get(blk.parent_hash)
+        if kids is not None:
+            kids.discard(blk.block_hash)
+            if not kids:
+                del self._kids[blk.parent_hash]
 
     def _giver(self) -> Partition | None:
         """Where the next victim comes from (None: the shared blocks): a partition past its cap
@@ -157,14 +177,26 @@ class BlockPool:
         """Advance the policies' logical clock: once per request lookup (what they were tuned on)."""
         self._clock += 1
 
-    def acquire_cached(self, blk: KVBlock, parent: BlockHash | None) -> None:
-        """A request reuses a cached block (prefix hit)."""
+    def acquire_cached(self, blk: KVBlock, parent: BlockHash | None, owner: str | None = None) -> None:
+        """A request reuses a cached block (prefix hit). A request of partition `owner` takes a
+        block of the shared ones into its partition: else the prefix it lives on, cached first
+        by a tenant without a share, went with other tenants' traffic, and the blocks its chain
+        went on to in the partition with it (tail first)."""
+        moved = owner is not None and blk.owner is None
+        if moved:
+            if blk.ref_cnt:
+                self.policy.unpin(blk.block_hash)  # one pin per block in use: it moves along
+            self.policy.remove(blk.block_hash)
+            blk.owner = owner  # in use from here on: the partition never counts it evictable
         policy = self.policy_of(blk)
         policy.access(blk.block_hash, parent, self._clock)
-        if blk.ref_cnt == 0:  # one pin per block in use, however many requests share it
-            self._num_evictable -= 1
-            if blk.owner is not None:
-                self.partitions[blk.owner].evictable -= 1
+        if moved and blk.output_tokens is not None:  # what the shared policy had heard of it
+            policy.finished([blk.block_hash], blk.output_tokens)
+        if blk.ref_cnt == 0 or moved:  # one pin per block in use, however many requests share it
+            if blk.ref_cnt == 0:
+                self._num_evictable -= 1
+                if blk.owner is not None and not moved:
+                    self.partitions[blk.owner].evictable -= 1
             policy.pin(blk.block_hash)
         blk.ref_cnt += 1
 
@@ -178,6 +210,8 @@ class BlockPool:
         blk.parent_hash = parent
         blk.owner = owner
         self.cached[h] = blk
+        if parent is not None:
+            self._kids.setdefault(parent, set()).add(h)
         policy = self.policy_of(blk)
         policy.access(h, parent, self._clock)
         policy.pin(h)
@@ -216,8 +250,7 @@ class BlockPool:
         """Forget every cached-but-unreferenced block (e.g. after weights change)."""
         for h, blk in list(self.cached.items()):
             if blk.ref_cnt == 0:
-                del self.cached[h]
-                self.policy_of(blk).remove(h)
+                self._uncache(blk)
                 blk.block_hash = blk.parent_hash = blk.output_tokens = blk.owner = None
                 self._free.append(blk.block_id)
         self._num_evictable = 0

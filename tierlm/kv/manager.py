@@ -367,8 +367,9 @@ class KVCacheManager:
         self._rereads.pop(req.request_id, None)
         if hit.spare and self.store is not None:
             self.store.unstage(hit.spare)
+        owner = self._owner(req) if hit.num_blocks else None
         for i, blk in enumerate(hit.device):
-            self.pool.acquire_cached(blk, req.block_hashes[i - 1] if i else None)
+            self.pool.acquire_cached(blk, req.block_hashes[i - 1] if i else None, owner)
         req.blocks.extend(hit.device)
         if need > 0:
             req.blocks.extend(self.pool.allocate(need))
@@ -376,7 +377,6 @@ class KVCacheManager:
         if hit.lower:
             self.io.write([blk.block_id for blk in req.blocks[base:base + len(hit.lower)]],
                           [data for _, _, data, _ in hit.lower])
-        owner = self._owner(req) if hit.lower else None
         for j, (h, source, data, hint) in enumerate(hit.lower):
             blk = req.blocks[base + j]
             self.pool.register_full(blk, h, req.block_hashes[base + j - 1] if base + j else None, owner)
@@ -406,7 +406,7 @@ class KVCacheManager:
             if existing is not None and existing is not req.blocks[i]:
                 # A concurrent request computed the same block first: share its copy and free
                 # ours, so every in-use cached block's ancestors stay in use (leaf-only eviction).
-                self.pool.acquire_cached(existing, parent)
+                self.pool.acquire_cached(existing, parent, owner)
                 self.pool.free([req.blocks[i]])
                 req.blocks[i] = existing
                 continue
