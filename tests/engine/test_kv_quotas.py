@@ -154,6 +154,31 @@ def test_a_tenants_cache_partition_keeps_its_prefix_through_another_tenants_floo
     assert cold.num_cached_tokens == 0 and again.output_token_ids == cold.output_token_ids
 
 
+def test_a_partition_keeps_a_prefix_another_tenant_of_its_salt_cached_first(llama_dir):
+    """Two tenants of one salt (the engine API) share cached prefixes: the one without a share
+    sent the prompt first, so its blocks were ranked with the shared ones. The partitioned
+    tenant's hit on them takes them into its partition, and they outlive the flood; before, the
+    flood took them, and the blocks the tenant appended stayed in its partition, unreachable."""
+    eng = _engine(llama_dir, "fair", eviction_policy="lru")
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefix = [_rng.randrange(5, 250) for _ in range(48)]  # 6 blocks of 8
+
+    def send(tenant: str, tail: list[int], share: float | None):
+        req = eng.add_request({"prompt_token_ids": prefix + tail}, greedy, tenant_id=tenant, cache_salt="s",
+                              kv_cache_share=share)
+        _run(eng, [], lambda: None)
+        return req
+
+    send("silver", [1, 2, 3, 4], None)
+    assert send("gold", [5, 6, 7, 8] * 3, 0.25).num_cached_tokens == 48
+    for _ in range(32):  # 32 x 8 blocks through a 64-block pool
+        eng.add_request({"prompt_token_ids": [_rng.randrange(5, 250) for _ in range(60)]}, greedy,
+                        tenant_id="flood", cache_salt="f")
+    _run(eng, [], lambda: None)
+    _check_partitions(eng.pool)
+    assert send("gold", [9, 8, 7, 6], 0.25).num_cached_tokens == 48
+
+
 def test_a_bad_kv_cache_share_is_refused_by_name_and_changes_nothing(llama_dir):
     from tierlm.errors import InvalidRequestError
     eng = _engine(llama_dir, "fair")
