@@ -125,6 +125,22 @@ def test_a_chain_through_two_partitions_still_goes_tail_first():
     pool.free(taken)
 
 
+def test_a_block_in_use_never_goes_for_its_idle_parent():
+    """A request may hold a child without its cached parent (its own copy of the parent was
+    computed alongside and not registered): the parent goes, stranding the child as before,
+    never the child its request still reads."""
+    pool = BlockPool(3, policy="lru")
+    gold = pool.partition("gold", 1 / 3)
+    _cache_chain(pool, [b"s1"])
+    mine = pool.allocate(2)
+    pool.register_full(mine[0], b"s1", None, gold)  # cached already: not registered
+    pool.register_full(mine[1], b"g2", b"s1", gold)
+    taken = pool.allocate(1)
+    assert mine[1].block_hash == b"g2" and pool.lookup(b"g2") is mine[1] and pool.lookup(b"s1") is None
+    pool.free(mine + taken)
+    assert pool.num_free == 3
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_partitioned_pool_counts_match_its_blocks_under_random_traffic(policy):
     """Tenants with and without shares (which change) hitting and extending each other's chains,

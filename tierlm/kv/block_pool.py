@@ -105,11 +105,12 @@ class BlockPool:
             if key is None:
                 raise RuntimeError("no evictable KV block although the pool counted one (policy bug)")
             blk = self.cached[key]
-            while self._kids.get(blk.block_hash):
-                # Cached children in another partition (a tenant extended another's chain): a
-                # chain goes tail first, else they stay cached but unreachable (a lookup walks
-                # from the head), in a partition that keeps them from other traffic.
-                blk = self.cached[next(iter(self._kids[blk.block_hash]))]
+            # Cached children in another partition (a tenant extended another's chain): a chain
+            # goes tail first, else they stay cached but unreachable (a lookup walks from the
+            # head), in a partition that keeps them from other traffic. (Never one in use.)
+            while (kid := next((self.cached[h] for h in self._kids.get(blk.block_hash, ())
+                                if not self.cached[h].ref_cnt), None)) is not None:
+                blk = kid
             self._uncache(blk)
             victims.append(blk)
             self._num_evictable -= 1
