@@ -195,6 +195,8 @@ def _check_partitions(pool) -> None:
         assert len(part.policy) == sum(blk.owner == key for blk in pool.cached.values())
     assert len(pool.policy) == sum(blk.owner is None for blk in pool.cached.values())
     assert pool.num_free == len(pool._free) + len(idle)
+    for blk in pool.cached.values():  # a chain goes tail first: no cached block outlives its parent
+        assert blk.parent_hash is None or blk.parent_hash in pool.cached
 
 
 def test_partitions_under_churn_keep_their_counts_and_change_no_output(llama_dir):
@@ -233,3 +235,44 @@ def test_partitions_under_churn_keep_their_counts_and_change_no_output(llama_dir
         while solo.has_unfinished():
             solo.step()
         assert r.output_token_ids == alone.output_token_ids, i
+
+
+@pytest.mark.parametrize("policy", ["lru", "chain"])
+def test_partitions_of_tenants_sharing_prefixes_over_lower_tiers_keep_counts_and_chains(llama_dir, tmp_path, policy):
+    """Tenants with and without shares (one changes its share midway) sharing a salt, so each
+    hits and extends the others' chains, with host and disk tiers below (blocks demoted out of
+    partitions and promoted into them), speculative decoding, offloads of the whole cache and
+    preemption: the counts stay true and no cached block outlives its parent at every step (the
+    flood took a head cached by a tenant without a share and left the rest of its chain in a
+    partition), and every finished request's greedy tokens are those of its prompt alone."""
+    rng = random.Random(0)
+    eng = _engine(llama_dir, "fair", kv_cache_memory="20 blocks", max_num_seqs=4, max_model_len=160,
+                  max_num_batched_tokens=40, eviction_policy=policy, kv_host_capacity="8 blocks",
+                  kv_disk_dir=str(tmp_path), kv_disk_capacity="200 blocks",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    shares = {"a": 0.5, "b": 0.3, "c": None, "d": 0.2}
+    prefixes = [[rng.randrange(5, 250) for _ in range(rng.randint(8, 60))] for _ in range(4)]
+    reqs = []
+    for step in range(4000):
+        if step < 120 and rng.random() < 0.4:
+            t = rng.choice(list(shares))
+            if step == 60:
+                shares["a"] = 0.1
+            prompt = rng.choice(prefixes)[:rng.randint(1, 60)] + [rng.randrange(5, 250) for _ in range(rng.randint(0, 20))]
+            reqs.append(eng.add_request({"prompt_token_ids": prompt},
+                                        SamplingParams(max_tokens=rng.randint(1, 16), temperature=0, ignore_eos=True),
+                                        tenant_id=t, cache_salt="s", kv_cache_share=shares[t]))
+        if rng.random() < 0.03:
+            eng.offload_prefix_cache()
+        eng.step()
+        _check_partitions(eng.pool)
+        if step >= 120 and not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished() and eng.pool.num_used == 0
+    assert eng.kv.stats.promoted_blocks > 0 and sum(r.num_cached_tokens > 0 for r in reqs) > 5
+    solo = _engine(llama_dir, "fair", enable_prefix_caching=False, max_model_len=160)
+    for r in reqs:
+        alone = solo.add_request({"prompt_token_ids": r.prompt_token_ids}, r.params)
+        while solo.has_unfinished():
+            solo.step()
+        assert r.output_token_ids == alone.output_token_ids
