@@ -258,7 +258,8 @@ def test_partitions_of_tenants_sharing_prefixes_over_lower_tiers_keep_counts_and
             t = rng.choice(list(shares))
             if step == 60:
                 shares["a"] = 0.1
-            prompt = rng.choice(prefixes)[:rng.randint(1, 60)] + [rng.randrange(5, 250) for _ in range(rng.randint(0, 20))]
+            tail = [rng.randrange(5, 250) for _ in range(rng.randint(0, 20))]
+            prompt = rng.choice(prefixes)[:rng.randint(1, 60)] + tail
             reqs.append(eng.add_request({"prompt_token_ids": prompt},
                                         SamplingParams(max_tokens=rng.randint(1, 16), temperature=0, ignore_eos=True),
                                         tenant_id=t, cache_salt="s", kv_cache_share=shares[t]))

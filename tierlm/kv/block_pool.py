@@ -8,10 +8,11 @@ guarantees that blocks in use are pinned and never chosen.
 Cache partitions (a tenant's `kv_cache_share`): why: one tenant sending a flood of new prompts
 turns the whole pool over, and every other tenant's cached prefixes go with it (a noisy
 neighbour; a policy that ranks blocks cannot tell whose they are). A tenant with a share keeps
-the blocks its requests cached in a partition of its own, ranked by a policy instance of its
-own: up to its share of the pool, other tenants' traffic evicts them only when nothing else can
-go (a running request always gets its slots); past its share, its own least valuable cached
-blocks are the first to go. Blocks of tenants without a share are ranked together, as before.
+the blocks its requests cached, and the shared ones they hit, in a partition of its own, ranked
+by a policy instance of its own: up to its share of the pool, other tenants' traffic evicts them
+only when nothing else can go (a running request always gets its slots); past its share, its own
+least valuable cached blocks are the first to go. Blocks of tenants without a share are ranked
+together, as before. Whichever partition gives, a chain still goes tail first.
 """
 from __future__ import annotations
 
