@@ -172,8 +172,10 @@ def _run_cache(model: str, share: float | None, policy: str, args: argparse.Name
 
 
 def _medians(rows: list[dict]) -> dict:
+    """Per figure, its median over alternated runs; the rest (a policy's name, a share: the same
+    in every run, None included) as the first run has it."""
     return {k: statistics.median(r[k] for r in rows) if isinstance(rows[0][k], (int, float)) and
-            not isinstance(rows[0][k], bool) and k != "kv_cache_share" else rows[0][k] for k in rows[0]}
+            not isinstance(rows[0][k], bool) else rows[0][k] for k in rows[0]}
 
 
 PARTS = ("fairness", "kv", "cache")
@@ -184,8 +186,7 @@ def _fairness_part(model: str, args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):  # alternated, so a drift in the machine's speed hits both alike
         for policy in runs:
             runs[policy].append(_run_policy(model, policy, args))
-    fcfs, fair = ({k: (statistics.median(r[k] for r in rows) if k != "policy" else policy) for k in rows[0]}
-                  for policy, rows in runs.items())
+    fcfs, fair = (_medians(rows) for rows in runs.values())
     r = {
         "light_ttft_fcfs_over_fair": fcfs["light_ttft_mean_s"] / fair["light_ttft_mean_s"],
         "flood_ttft_fair_over_fcfs": fair["flood_ttft_mean_s"] / fcfs["flood_ttft_mean_s"],
@@ -209,8 +210,7 @@ def _kv_part(model: str, args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):
         for name, share in (("none", None), ("quota", args.hog_kv_share)):
             kv_runs[name].append(_run_kv(model, share, args))
-    no_quota, quota = ({k: statistics.median(r[k] for r in rows) if k != "kv_share" else rows[0][k] for k in rows[0]}
-                       for rows in kv_runs.values())
+    no_quota, quota = (_medians(rows) for rows in kv_runs.values())
     k = {
         "light_ttft_none_over_quota": no_quota["light_ttft_mean_s"] / quota["light_ttft_mean_s"],
         "light_ttft_steps_none_over_quota": no_quota["light_ttft_mean_steps"] / quota["light_ttft_mean_steps"],

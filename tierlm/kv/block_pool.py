@@ -194,11 +194,11 @@ class BlockPool:
         policy.access(blk.block_hash, parent, self._clock)
         if moved and blk.output_tokens is not None:  # what the shared policy had heard of it
             policy.finished([blk.block_hash], blk.output_tokens)
+        if blk.ref_cnt == 0:
+            self._num_evictable -= 1
+            if blk.owner is not None and not moved:  # (a moved block was never its partition's to count)
+                self.partitions[blk.owner].evictable -= 1
         if blk.ref_cnt == 0 or moved:  # one pin per block in use, however many requests share it
-            if blk.ref_cnt == 0:
-                self._num_evictable -= 1
-                if blk.owner is not None and not moved:
-                    self.partitions[blk.owner].evictable -= 1
             policy.pin(blk.block_hash)
         blk.ref_cnt += 1
 

@@ -277,8 +277,8 @@ class EngineCollector(Collector):
                 for state, n in counts.items():
                     lora.add_metric([model, adapter, state], float(n))
             for tenant, use in (getattr(stats, "kv_cache_partitions", None) or {}).items():
-                parts.add_metric([model, tenant or "default"], float(use["blocks"]))
-                part_room.add_metric([model, tenant or "default"], float(use["capacity"]))
+                parts.add_metric([model, tenant or DEFAULT_TENANT], float(use["blocks"]))
+                part_room.add_metric([model, tenant or DEFAULT_TENANT], float(use["capacity"]))
         yield from families.values()
         yield usage
         yield cache_info
