@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tierlm import LLM, SamplingParams
-from tierlm.engine.detokenizer import IncrementalDetokenizer
+from tierlm.engine.detokenizer import IncrementalDetokenizer, decoder_of
 from tierlm.engine.runner import kv_bytes_per_block
 from tierlm.errors import ChatTemplateError, InvalidRequestError, ModelLoadError, RequestTooLongError
 
@@ -448,6 +448,52 @@ def _byte_fallback_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _wordpiece_tokenizer():
+    """A BERT-style WordPiece tokenizer, whose transformers decode would clean up spaces unless told not to."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["[UNK]", "[SEP]", "hello", "world", "##s", ",", "!", "don", "'", "t", "do", "##n"]
+    tok = Tokenizer(models.WordPiece(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=True)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback", "wordpiece"])
+def test_the_direct_decode_equals_transformers_decode(kind, tmp_path):
+    """The detokenizer decodes through the `tokenizers` backend when the tokenizer's decoding is
+    transformers' stock one: the same text as `decode(..., clean_up_tokenization_spaces=False)`
+    for any ids, special ones skipped or not, and transformers' own decode is not called."""
+    from tierlm.models.demo import build_tokenizer
+    tok = {"byte_level": lambda: build_tokenizer(tmp_path), "byte_fallback": _byte_fallback_tokenizer,
+           "wordpiece": _wordpiece_tokenizer}[kind]()
+    decode = decoder_of(tok)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))]
+        for skip in (True, False):
+            assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    tok.decode = None  # an instance attribute: the direct path never reads it
+    assert isinstance(decoder_of(tok)([1, 2], True), str)
+
+
+def test_a_tokenizer_that_decodes_its_own_way_keeps_its_decode():
+    """A subclass with its own `_decode` (model-specific clean-up) is decoded through it."""
+    base = _byte_fallback_tokenizer()
+
+    class Shouting(type(base)):
+        def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
+
+    tok = Shouting(tokenizer_object=base.backend_tokenizer)
+    assert decoder_of(tok)([259], True) == "HELLO"
+    d = IncrementalDetokenizer(tok, [], stop=[])
+    d.add(259)
+    d.flush()
+    assert d.delta(True) == "HELLO"
 
 
 @pytest.mark.parametrize("tokenizer", ["byte_fallback", "byte_level"])
