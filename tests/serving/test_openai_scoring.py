@@ -169,6 +169,52 @@ def test_chat_choices_after_the_first_do_not_score_the_prompt(oai, demo_engine, 
         want = {t: e["logprob"] for t, e in b.items()}
         assert {t: e["logprob"] for t, e in a.items()} == pytest.approx(want, abs=1e-4)
 
+def test_completion_choices_share_the_prompt_their_first_choice_scores(oai, demo_engine, monkeypatch):
+    """n choices of each prompt with echo, logprobs and `prompt_logprobs`: the prompt's first
+    engine request alone scores it (each scored one computed it whole, no prefix cache), and
+    every choice echoes the same prompt logprobs as n = 1 does."""
+    admitted = record_requests(demo_engine, monkeypatch)
+    prompts = [demo_engine.encode(t) for t in TEXTS]
+    ask = dict(model=demo_engine.model_name, prompt=prompts, echo=True, logprobs=1, max_tokens=2, seed=4,
+               extra_body={"prompt_logprobs": 1})
+    many = oai.completions.create(n=3, **ask).model_dump()
+    assert [r.params.prompt_logprobs for r in admitted] == [1, None, None, 1, None, None]
+    one = oai.completions.create(**ask).model_dump()
+    for c, choice in enumerate(many["choices"]):
+        alone, size = one["choices"][c // 3], len(prompts[c // 3])
+        assert choice["logprobs"]["tokens"][:size] == alone["logprobs"]["tokens"][:size]
+        assert choice["logprobs"]["token_logprobs"][0] is None and choice["prompt_logprobs"][0] is None
+        assert choice["logprobs"]["token_logprobs"][1:size] == pytest.approx(
+            alone["logprobs"]["token_logprobs"][1:size], abs=1e-4)  # (batched beside others)
+        for a, b in zip(choice["prompt_logprobs"][1:], alone["prompt_logprobs"][1:], strict=True):
+            assert {t: e["logprob"] for t, e in a.items()} == pytest.approx({t: e["logprob"] for t, e in b.items()},
+                                                                            abs=1e-4)
+
+
+def test_streamed_choices_echo_the_prompt_their_first_choice_scores(demo_server, demo_engine, monkeypatch):
+    """Streamed with n = 3, echo and logprobs: one engine request scores the prompt, and each
+    choice's first chunk is the echo with the same logprobs as the unstreamed n = 1 answer."""
+    import httpx
+
+    admitted = record_requests(demo_engine, monkeypatch)
+    ids = demo_engine.encode(TEXTS[0])
+    body = {"model": demo_engine.model_name, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 3, "n": 3,
+            "stream": True}
+    with httpx.Client(base_url=demo_server.url, timeout=60) as client:
+        raw = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {API_KEY}"})
+        plain = client.post("/v1/completions", json={**body, "stream": False, "n": 1},
+                            headers={"authorization": f"Bearer {API_KEY}"}).json()
+    assert [r.params.prompt_logprobs for r in admitted[:3]] == [0, None, None]
+    first = {}
+    for _, data in parse_sse(raw.text):
+        for c in [] if data == "[DONE]" else data["choices"]:
+            first.setdefault(c["index"], c)
+    want = plain["choices"][0]["logprobs"]["token_logprobs"][:len(ids)]
+    for k in range(3):
+        assert first[k]["text"] == demo_engine.tokenizer.decode(ids)
+        assert first[k]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch_and_runs_nothing(oai, demo_engine, monkeypatch):
     """One prompt of the batch out of the vocabulary, or too long: a 400 in OpenAI's shape naming
     it, and not one of the batch's prompts reaches the engine."""

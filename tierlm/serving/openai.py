@@ -293,7 +293,7 @@ async def _start_completion(state: Any, context: RequestContext, request: Reques
         params = sampling_params(engine.sampling_defaults, **_common_sampling(engine, body, max_tokens, body.logprobs),
                                  prompt_logprobs=_prompt_top(body), structured_outputs=structured)
         streams += _engine_streams(state, engine, body, ids, params, context.salted(body.cache_salt),
-                                   prompt=i, total=len(prompt_ids) * (body.n or 1))
+                                   prompt=i, total=len(prompt_ids) * (body.n or 1), scored_once=True)
     await _tokenize_bad_words(engine, body.bad_words)
     await _open_all(streams, request)
     echoes = [_prompt_text(engine, p) if body.echo else "" for p in prompts]
@@ -318,7 +318,8 @@ def completion_response(run: CompletionRun, results: list[Generation], completio
     choices = []
     for c, result in enumerate(results):
         prompt = c // run.n
-        extra = ({"prompt_logprobs": vllm_prompt_logprobs(engine, result.prompt_logprobs or [], body.prompt_logprobs)}
+        scored = results[prompt * run.n].prompt_logprobs or []  # (the prompt's first choice alone scores it)
+        extra = ({"prompt_logprobs": vllm_prompt_logprobs(engine, scored, body.prompt_logprobs)}
                  if body.prompt_logprobs is not None else {})
         if body.return_token_ids:  # (vLLM's; the answer's tokens as usage counts them: none for max_tokens 0)
             extra |= {"prompt_token_ids": run.prompt_ids[prompt],
@@ -328,20 +329,22 @@ def completion_response(run: CompletionRun, results: list[Generation], completio
             text=run.echoes[prompt] + (result.text if run.generates else ""),
             finish_reason=_finish_reason(result, False) if run.generates else "length",
             stop_reason=_stop_reason(result) if run.generates else None,
-            logprobs=_completion_logprobs(run, prompt, result) if body.logprobs is not None else None,
+            logprobs=_completion_logprobs(run, prompt, result, scored) if body.logprobs is not None else None,
             **extra,
         ))
     return Completion(id=completion_id, created=int(time.time()), model=body.model, choices=choices,
                       usage=usage_of(results, run.n, count_output=run.generates), system_fingerprint=SYSTEM_FINGERPRINT)
 
 
-def _completion_logprobs(run: CompletionRun, prompt: int, result: Generation) -> dict[str, Any]:
-    """A choice's legacy logprobs: the echoed prompt's first (with echo), then the answer's."""
+def _completion_logprobs(run: CompletionRun, prompt: int, result: Generation,
+                         scored: list[TokenLogprob | None]) -> dict[str, Any]:
+    """A choice's legacy logprobs: the echoed prompt's first (with echo; `scored`, its prompt's
+    logprobs), then the answer's."""
     engine, top_n, echo, as_id = run.engine, run.body.logprobs, run.echoes[prompt], run.body.return_tokens_as_token_ids
     answer = legacy_logprobs(engine, returned_logprobs(result) if run.generates else [], top_n, len(echo), as_id)
     if not run.echoes_logprobs:
         return answer
-    echoed = echoed_legacy_logprobs(engine, run.prompt_ids[prompt], result.prompt_logprobs or [], top_n, echo, as_id)
+    echoed = echoed_legacy_logprobs(engine, run.prompt_ids[prompt], scored, top_n, echo, as_id)
     return {key: echoed[key] + answer[key] for key in answer}
 
 
@@ -364,8 +367,9 @@ def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: li
     """One engine request per choice of prompt `prompt` (of a batch), each with its own seed
     and, where the request has several choices (`total`, all prompts' together), its own id
     `<request id>-<index>`, this prompt's choices numbered from prompt × n. `scored_once`: the
-    answer shows the first choice's prompt logprobs only (chat), so the others do not score the
-    prompt (a scored prompt is computed whole, the prefix cache serving none of it)."""
+    first choice alone scores the prompt, and the answer shows its prompt logprobs once (chat) or
+    on every choice (completions): a scored prompt is computed whole, the prefix cache serving
+    none of it, and its logprobs are the same whichever choice computes them."""
     n = body.n or 1
     if (total or n) == 1:
         return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight)]
@@ -880,8 +884,11 @@ async def completion_chunks(run: CompletionRun, completion_id: str, include_usag
     frames = _StreamFrames(completion_id, "text_completion", run.body.model, include_usage, continuous_prompt_tokens,
                            per_prompt=run.n, count_output=run.generates)
     results = [Generation() for _ in run.streams]
+    loop = asyncio.get_running_loop()
+    scores = [loop.create_future() for _ in run.prompt_ids]  # each prompt's logprobs, its first choice's
     try:
-        async for chunk in _interleaved([_completion_choice(run, c, results[c], frames) for c in range(len(results))]):
+        async for chunk in _interleaved([_completion_choice(run, c, results[c], frames, scores[c // run.n])
+                                         for c in range(len(results))]):
             yield chunk
         if include_usage:
             yield frames.usage(results)
@@ -890,25 +897,31 @@ async def completion_chunks(run: CompletionRun, completion_id: str, include_usag
     yield sse_data("[DONE]")
 
 
-async def _completion_choice(run: CompletionRun, index: int, result: Generation, frames: _StreamFrames
-                             ) -> AsyncIterator[bytes]:
+async def _completion_choice(run: CompletionRun, index: int, result: Generation, frames: _StreamFrames,
+                             scored: asyncio.Future) -> AsyncIterator[bytes]:
     """One choice's chunks (accumulated into `result`), from the echoed prompt to its finish_reason.
-    The echo comes first; with logprobs it waits for the prompt's, which come with the first token."""
+    The echo comes first; with logprobs it waits for the prompt's (`scored`), which come with the
+    first token of the prompt's first choice, the one that scores it."""
     engine, top_n, prompt = run.engine, run.body.logprobs, index // run.n
     as_id = run.body.return_tokens_as_token_ids
     echo = run.echoes[prompt]
     returned = ReturnedTokens() if top_n is not None else None
     ids = StreamedIds(run.body.return_token_ids, run.prompt_ids[prompt])
     first = ids.prompt()  # (vLLM's: the prompt's ids on the choice's first chunk)
+    scorer = index % run.n == 0
     if echo and not run.echoes_logprobs:
         yield frames.choice(index, result, text=echo, ids=first)
         first = {}
+    elif run.echoes_logprobs and not scorer:
+        yield _scored_echo(run, index, result, frames, await scored, first)
+        first = {}
     async for delta in run.streams[index].deltas():
         result.add(delta)
-        if delta.prompt_logprobs is not None and run.echoes_logprobs:
-            yield frames.choice(index, result, text=echo, logprobs=echoed_legacy_logprobs(
-                engine, run.prompt_ids[prompt], delta.prompt_logprobs, top_n, echo, as_id), ids=first)
-            first = {}
+        if delta.prompt_logprobs is not None and scorer and not scored.done():
+            scored.set_result(delta.prompt_logprobs)
+            if run.echoes_logprobs:
+                yield _scored_echo(run, index, result, frames, delta.prompt_logprobs, first)
+                first = {}
         if not run.generates:
             continue
         ids.add(delta.token_ids)
@@ -918,6 +931,18 @@ async def _completion_choice(run: CompletionRun, index: int, result: Generation,
         if delta.text or (logprobs and logprobs["tokens"]):
             yield frames.choice(index, result, text=delta.text, logprobs=logprobs, ids=first | ids.take())
             first = {}
+    if scorer and not scored.done():  # (never scored: the others echo without logprobs, not wait forever)
+        scored.set_result([])
     finish = _finish_reason(result, False) if run.generates else "length"
     yield frames.choice(index, result, text="", finish=finish, stop_reason=_stop_reason(result) if run.generates else None,
                         ids=first | ids.take())
+
+
+def _scored_echo(run: CompletionRun, index: int, result: Generation, frames: _StreamFrames,
+                 scored: list[TokenLogprob | None], ids: dict[str, Any]) -> bytes:
+    """Choice `index`'s first chunk when echo comes with logprobs: its prompt's text and `scored`,
+    the prompt's logprobs (as its first choice computed them)."""
+    prompt = index // run.n
+    echo = run.echoes[prompt]
+    return frames.choice(index, result, text=echo, ids=ids, logprobs=echoed_legacy_logprobs(
+        run.engine, run.prompt_ids[prompt], scored, run.body.logprobs, echo, run.body.return_tokens_as_token_ids))
