@@ -193,6 +193,47 @@ def test_an_error_answered_as_the_batch_is_cancelled_is_the_requests_result(serv
     assert result.type == "errored" and result.error.error.type == "not_found_error"
 
 
+def test_at_expiry_the_requests_in_the_engine_are_aborted_and_expired(scripted_models, tmp_path, monkeypatch):
+    """24 hours after its creation (here 3 s) a batch's processing ends: its requests in the
+    engine, the one running and those waiting in its queue (no token computed yet), are aborted,
+    their KV blocks freed, and `expired` in its counts, results, metric and batches directory, as
+    a cancel's would be `canceled`. (They had been sent to the engine, so they ran to the end.)"""
+    import json
+
+    from tierlm.engine.async_engine import AsyncEngine
+    from tierlm.serving import batches
+    from tierlm.serving.batches import BatchJournal, BatchStore
+    from tests.serving.scripted_model import ENGINE_OPTIONS
+
+    engine = AsyncEngine.from_model(str(scripted_models[LOOP_MODEL].path), served_model_name=ONE_SEQ,
+                                    **{**ENGINE_OPTIONS, "max_num_seqs": 1})  # one runs, the others wait
+    app = build_app({ONE_SEQ: engine}, ApiKeyAuth.from_keys(KEYS),
+                    batch_store=BatchStore(journal=BatchJournal(tmp_path / "batches")))
+    srv = ServerThread(app).start()
+    try:
+        slow_steps(engine, monkeypatch, 0.02)  # each answer takes 8 s
+        monkeypatch.setattr(batches, "EXPIRES_AFTER_S", 3.0)
+        c = client(srv, "b")
+        batch = c.messages.batches.create(requests=[
+            {"custom_id": f"r{i}", "params": {"model": ONE_SEQ, "max_tokens": 400, "messages": HI}} for i in range(4)])
+        assert wait_until(lambda: (engine.stats().num_running, engine.stats().num_waiting) == (1, 3), timeout=2.5)
+        done = ended(c, batch.id, timeout=15)
+        assert (done.ended_at - done.created_at).total_seconds() < 8
+        counts = done.request_counts
+        assert (counts.expired, counts.succeeded, counts.canceled, counts.errored) == (4, 0, 0, 0)
+        assert [r.result.type for r in c.messages.batches.results(batch.id)] == ["expired"] * 4
+        assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
+        assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=10)
+        assert value(httpx.get(srv.url + "/metrics").text, "tierlm:batch_requests_total", result="expired") == 4
+        written = tmp_path / "batches" / batch.id
+        assert sorted((row["custom_id"], row["result"]["type"]) for row in
+                      map(json.loads, (written / "results.jsonl").read_text().splitlines())) == \
+            [(f"r{i}", "expired") for i in range(4)]
+        assert json.loads((written / "state.json").read_text())["ended_at"] is not None
+    finally:
+        srv.stop()
+
+
 def test_batch_work_waits_behind_interactive_requests_and_skips_rate_limits(server, engines, monkeypatch):
     """On an engine that runs one request at a time: a batch of 4 long answers has started; an
     interactive request sent then is answered before the batch's second request starts, not

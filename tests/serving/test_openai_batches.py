@@ -323,6 +323,31 @@ def test_cancelling_aborts_what_runs_and_lists_the_rest_as_cancelled(server, eng
     assert c.batches.cancel(batch.id).status == "cancelled"  # cancelling an ended batch changes nothing
 
 
+def test_at_expiry_unfinished_requests_are_aborted_and_the_finished_ones_kept(server, engines, monkeypatch):
+    """As OpenAI's: a batch past its completion window (here 2 s) is `expired`, its unfinished
+    requests aborted in the engine (their KV blocks freed) and in the error file as `batch_expired`,
+    the answers that came before in the output file. (Those already running ran to the end.)"""
+    from tierlm.serving import batches
+
+    c = client(server, "b")
+    engine = engines[LOOP_MODEL]
+    slow_steps(engine, monkeypatch, 0.02)
+    monkeypatch.setattr(batches, "EXPIRES_AFTER_S", 2.0)
+    f = c.files.create(file=("mixed.jsonl", jsonl([chat(f"r{i}", model=LOOP_MODEL, max_tokens=2 if i < 2 else 300)
+                                                   for i in range(6)])), purpose="batch")
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(c, batch.id, timeout=15)
+    assert done.status == "expired" and done.expired_at is not None and done.completed_at is None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 4)
+    assert sorted(lines(c, done.output_file_id)) == ["r0", "r1"]
+    err = lines(c, done.error_file_id)
+    assert sorted(err) == [f"r{i}" for i in range(2, 6)]
+    assert all(r["response"] is None and r["error"]["code"] == "batch_expired" for r in err.values())
+    assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
+    assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=10)
+    assert c.batches.cancel(batch.id).status == "expired"  # cancelling an ended batch changes nothing
+
+
 def test_batches_are_a_keys_own_and_listed_newest_first(server):
     a, b = client(server, "a"), client(server, "b")
     f = a.files.create(file=("r.jsonl", jsonl([chat("one", max_tokens=2)])), purpose="batch")

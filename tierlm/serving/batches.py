@@ -22,8 +22,10 @@ unless the server has a batches directory (`--batches-dir`, BatchJournal): then 
 finished request's result and each change of state is written there as it happens, and a
 restarted server finds its batches again and goes on with the requests that had not finished.
 Cancelling stops what has not started and aborts what is running (its engine request freed at
-once); what finished is kept. A batch expires 24 hours after it was created: requests not
-started by then are `expired`.
+once); what finished is kept. A batch expires 24 hours after it was created, and its processing
+ends then as a cancel's does: every request not finished by then, those waiting in the engine's
+queue and those running included, is aborted and `expired` (Anthropic's batch ends processing at
+`expires_at`; OpenAI's cancels the unfinished requests of a batch that expires).
 """
 from __future__ import annotations
 
@@ -87,7 +89,9 @@ class Batch:
     cancel_initiated_at: float | None = None
     ended_at: float | None = None
     task: asyncio.Task | None = None
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the batch stops early, cancelled or expired (`halt_reason`): its requests in the
+    # engine are aborted and the rest never start.
+    halted: asyncio.Event = field(default_factory=asyncio.Event)
     # Finished requests by outcome, kept as they finish: a retrieve of a large batch counts nothing.
     _done: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -106,6 +110,19 @@ class Batch:
     @property
     def expires_at(self) -> float:
         return self.created_at + EXPIRES_AFTER_S
+
+    @property
+    def halt_reason(self) -> str:
+        """What an unfinished request of a halted batch is: "canceled", or "expired"."""
+        return "canceled" if self.cancel_initiated_at is not None else "expired"
+
+    def expire(self) -> None:
+        """Past `expires_at`: what has not finished stops, as for a cancel, but `expired`
+        (nothing if the batch ended or was cancelled first)."""
+        if self.ended_at is None and not self.halted.is_set():
+            self.halted.set()
+            logger.info("batch %s: expired with %d of %d requests unfinished", self.id,
+                        sum(i.result is None for i in self.items), len(self.items))
 
     def settle(self, item: BatchItem, result: dict[str, Any]) -> None:
         """`item` finished with `result`."""
@@ -379,7 +396,7 @@ class BatchStore:
                                                                                  "keys file"))
                         self.journal.finished(batch, item)
             if batch.cancel_initiated_at is not None:
-                batch.cancelled.set()
+                batch.halted.set()
             batch.task = asyncio.get_running_loop().create_task(run_batch(app, batch))
             logger.info("batch %s: going on after a restart (%d of %d requests had finished)", batch.id,
                         sum(i.result is not None for i in items), len(items))
@@ -412,10 +429,11 @@ class BatchStore:
                               "one", retry_after=60)
 
     def cancel(self, batch: Batch) -> None:
-        """Stop what has not started and abort what runs (nothing if it ended or is cancelling)."""
-        if batch.ended_at is None and batch.cancel_initiated_at is None:
+        """Stop what has not started and abort what runs (nothing if it ended, is cancelling or
+        has expired)."""
+        if batch.ended_at is None and not batch.halted.is_set():
             batch.cancel_initiated_at = time.time()
-            batch.cancelled.set()
+            batch.halted.set()
             if self.journal is not None:
                 self.journal.state(batch)
             logger.info("batch %s: cancel asked", batch.id)
@@ -441,8 +459,8 @@ class BatchStore:
 
 async def _call(app: Any, batch: Batch, body: bytes) -> tuple[int | None, bytes, str | None]:
     """POST `body` to the batch's route in `app`, in process, admitted as the batch's creator:
-    (status, body, request id); status None if the batch's cancel aborted it (as a client leaving
-    would); an answer the route gave meanwhile, an error too, is the request's result."""
+    (status, body, request id); status None if the batch's cancel or expiry aborted it (as a client
+    leaving would); an answer the route gave meanwhile, an error too, is the request's result."""
     path = batch.path.encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": batch.path, "raw_path": path,
@@ -460,7 +478,7 @@ async def _call(app: Any, batch: Batch, body: bytes) -> tuple[int | None, bytes,
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await batch.cancelled.wait()
+        await batch.halted.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
@@ -472,7 +490,7 @@ async def _call(app: Any, batch: Batch, body: bytes) -> tuple[int | None, bytes,
             chunks.append(message.get("body", b""))
 
     await app(scope, receive, send)
-    if batch.cancelled.is_set() and status in (None, ClientDisconnected.status):  # (not an answer the route gave)
+    if batch.halted.is_set() and status in (None, ClientDisconnected.status):  # (not an answer the route gave)
         return None, b"", request_id
     return status, b"".join(chunks), request_id
 
@@ -494,7 +512,7 @@ async def _run_item(app: Any, batch: Batch, item: BatchItem) -> dict[str, Any] |
         return batch.errored("invalid_request_error", f"{batch.body_name}: {e}")
     status, answer, request_id = await _call(app, batch, body)
     if status is None:
-        return batch.unrun("canceled")
+        return batch.unrun(batch.halt_reason)
     if status != 200 and _stopping(app):  # refused or aborted by the shutdown, not by its params
         return None
     try:
@@ -522,10 +540,10 @@ async def run_batch(app: Any, batch: Batch) -> None:
                 continue
             if _stopping(app):
                 return  # what has not started waits for the next start
-            if batch.cancelled.is_set():
-                batch.settle(item, batch.unrun("canceled"))
-            elif time.time() >= batch.expires_at:
-                batch.settle(item, batch.unrun("expired"))
+            if time.time() >= batch.expires_at:
+                batch.expire()
+            if batch.halted.is_set():
+                batch.settle(item, batch.unrun(batch.halt_reason))
             else:
                 try:
                     result = await _run_item(app, batch, item)
@@ -541,12 +559,16 @@ async def run_batch(app: Any, batch: Batch) -> None:
             if journal is not None:
                 journal.finished(batch, item)
 
+    # At expiry the requests in the engine are aborted, waiting or running, not only those not yet sent
+    expiry = asyncio.get_running_loop().call_later(max(0.0, batch.expires_at - time.time()), batch.expire)
     try:
         await asyncio.gather(*(worker() for _ in range(min(BATCH_CONCURRENCY, len(batch.items)))))
     except asyncio.CancelledError:  # the server is stopping: with a journal, the next start goes on
         if metrics is not None:
             metrics.batches_in_progress.dec()
         raise
+    finally:
+        expiry.cancel()
     if any(item.result is None for item in batch.items):  # stopped by the shutdown, likewise
         logger.info("batch %s: stopped with the server, %d of %d requests finished", batch.id,
                     sum(i.result is not None for i in batch.items), len(batch.items))

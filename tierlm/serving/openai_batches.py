@@ -13,7 +13,7 @@ As in OpenAI's API, the input file is checked when the batch is created: a line 
 JSON object with a unique `custom_id`, `method` POST, the batch's `url` and a `body` object
 makes the batch `failed`, with every such line in `errors` (up to MAX_REPORTED_ERRORS). A
 request's body is checked when it runs. Each request's answer goes to the output file (2xx) or
-the error file (every other status, and requests cancelled or expired before they ran), one
+the error file (every other status, and requests cancelled or expired before they finished), one
 JSON line each in the input's order: {"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error"}.
 """
@@ -86,7 +86,7 @@ class OpenAIBatch(Batch):
 
     def unrun(self, why: str) -> dict[str, Any]:
         message = ("the batch was cancelled before this request ran" if why == "canceled" else
-                   "this request could not be run before the batch's completion window ended")
+                   "this request did not finish before the batch's completion window ended")
         return {"id": _request_id(), "response": None,
                 "error": {"code": "batch_cancelled" if why == "canceled" else "batch_expired", "message": message}}
 
