@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tierlm.errors import ModelLoadError
 from tierlm.models.config import ModelArgs, load_config_dict, parse_config
 from tierlm.models.kv_scales import KV_SCALE_NAME
 from tierlm.models.llama import CausalLM
+from tierlm.models.quantized import Fp8Weights, dequantize, is_fp8, is_scale, quantization_of, weight_of_scale
 from tierlm.models.registry import ARCHITECTURES, resolve_architecture
 
 log = logging.getLogger(__name__)
@@ -266,10 +269,14 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     cfg = load_config_dict(model_dir)
     arch = resolve_architecture(cfg)
     args = parse_config(cfg, arch)
+    fp8 = quantization_of(cfg, str(model_dir))
     kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
-    torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device,
-                                        sum(f.stat().st_size for f in files))
+    weight_bytes = sum(f.stat().st_size for f in files)
+    if fp8 is not None:  # one byte per weight on disk; the dtype's size once loaded
+        weight_bytes *= torch.empty((), dtype=kv_dtype).element_size()
+    torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device, weight_bytes)
+    scales = _fp8_scales(files) if fp8 is not None else {}
     max_positions = max_positions or args.max_position_embeddings
     with torch.device("meta"):
         model = ARCHITECTURES[arch](args, max_positions)
@@ -283,33 +290,35 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                desc=f"Loading {model_dir.name}", disable=not progress)
     with torch.no_grad():
         for f in files:
-            try:
-                with safe_open(str(f), framework="pt", device="cpu") as st:
-                    for name in st.keys():
-                        t = _target(name)
-                        if t is None:
-                            continue
-                        pname, where = t
-                        if pname not in params:
-                            raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
-                                                 "is config.json from the same checkpoint?")
-                        tensor = st.get_tensor(name)
-                        round_to = kv_dtype if kv_dtype != torch_dtype else None
-                        label = f"tensor '{name}' in {f}"
-                        try:
-                            if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
-                                _untie_if_different(model, params, pname, tensor, round_to, model_dir)
-                            _copy(params[pname], where, tensor, args, round_to, label)
-                        except ModelLoadError:
-                            raise
-                        except Exception as e:  # whatever went wrong, say which tensor of which file
-                            raise ModelLoadError(f"cannot load {label} ({type(e).__name__}: {e}); "
-                                                 "re-export the checkpoint") from e
-                        loaded.setdefault(pname, {})[where] = name
-            except SafetensorError as e:
-                raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
-            except OSError as e:
-                raise ModelLoadError(f"cannot read {f} ({e})") from None
+            with _weights_file(f) as st:
+                for name in st.keys():
+                    if is_scale(name):  # read beforehand (a weight's), or not used (FP8 activations')
+                        if fp8 is None:
+                            raise ModelLoadError(f"{f.name} holds quantization scales ('{name}') but config.json "
+                                                 "declares no quantization_config; re-export the checkpoint")
+                        continue
+                    t = _target(name)
+                    if t is None:
+                        continue
+                    pname, where = t
+                    if pname not in params:
+                        raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
+                                             "is config.json from the same checkpoint?")
+                    tensor = st.get_tensor(name)
+                    round_to = kv_dtype if kv_dtype != torch_dtype else None
+                    label = f"tensor '{name}' in {f}"
+                    if name in scales or is_fp8(tensor):
+                        tensor = _dequantized(tensor, scales.get(name), fp8, label)
+                    try:
+                        if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
+                            _untie_if_different(model, params, pname, tensor, round_to, model_dir)
+                        _copy(params[pname], where, tensor, args, round_to, label)
+                    except ModelLoadError:
+                        raise
+                    except Exception as e:  # whatever went wrong, say which tensor of which file
+                        raise ModelLoadError(f"cannot load {label} ({type(e).__name__}: {e}); "
+                                             "re-export the checkpoint") from e
+                    loaded.setdefault(pname, {})[where] = name
             bar.update(f.stat().st_size)
     bar.close()
     if args.tie_word_embeddings and "lm_head.weight" in loaded:  # tied, stored as lm_head only: transformers loads it
@@ -333,6 +342,46 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     gen = _generation_config(model_dir)
     eos = list(dict.fromkeys(args.eos_token_ids + _as_list(gen.get("eos_token_id"))))
     return LoadedModel(model, args, torch_dtype, device, eos, gen, kv_dtype=kv_dtype)
+
+
+@contextmanager
+def _weights_file(f: Path) -> Iterator:
+    """`f` open for reading tensors; its damage (or a read that fails) as a ModelLoadError."""
+    try:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            yield st
+    except SafetensorError as e:
+        raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-export it") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {f} ({e})") from None
+
+
+def _fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's weight scales by the weight's name (a shard may hold a weight's
+    scales and another the weight: all are read first; they are ~1/16,000 of the weights)."""
+    scales: dict[str, torch.Tensor] = {}
+    for f in files:
+        with _weights_file(f) as st:
+            for name in st.keys():
+                if (weight := weight_of_scale(name)) is not None:
+                    scales[weight] = st.get_tensor(name)
+    return scales
+
+
+def _dequantized(tensor: torch.Tensor, scales: torch.Tensor | None, fp8: Fp8Weights | None,
+                 label: str) -> torch.Tensor:
+    """A weight stored as float8, or with scales, multiplied back (float32). Read as it is, an
+    FP8 weight without its scales, or packed FP4 experts (bytes), would load as garbage."""
+    if fp8 is None:
+        raise ModelLoadError(f"{label} is {tensor.dtype} but config.json declares no quantization_config; "
+                             "re-export the checkpoint with its quantization_config (quant_method 'fp8')")
+    if scales is None:
+        raise ModelLoadError(f"{label} is {tensor.dtype} but its scales (weight_scale_inv) are not in the "
+                             "checkpoint; re-export it")
+    if not is_fp8(tensor):
+        raise ModelLoadError(f"{label} has scales (weight_scale_inv) but is {tensor.dtype}, not float8; tierlm "
+                             "reads FP8 weights only (not packed FP4 experts); use the model's unquantized checkpoint")
+    return dequantize(tensor, scales, fp8, label)
 
 
 def _as_list(v) -> list[int]:
