@@ -3,7 +3,7 @@
 # .whl/, for tools/device_check.sh to install there. Its image has torch, transformers, numpy,
 # httpx, prometheus-client, matplotlib, hypothesis and pytest, but not tierlm's server stack
 # (pydantic, fastapi, uvicorn), redis, OpenTelemetry, the anthropic/openai SDKs the tests
-# drive or peft (the LoRA tests' reference). Python 3.12, x86-64 (as seen in December 2026). About 10 MB.
+# drive, peft (the LoRA tests' reference) or compressed-tensors (the quantized checkpoints' reference). Python 3.12, x86-64 (as seen in December 2026). About 10 MB.
 #
 #   bash tools/device_wheels.sh && echo /.whl/ >> .git/info/exclude
 #   # then, with the device tool: run(command="bash tools/device_check.sh", carry=[".whl"])
@@ -20,5 +20,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
   opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
   opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0 protobuf==7.36.2 \
-  peft==0.21.2 accelerate==1.16.0 psutil==7.2.2 PyYAML==6.0.3
+  peft==0.21.2 accelerate==1.16.0 psutil==7.2.2 PyYAML==6.0.3 compressed-tensors==0.20.1 loguru==0.7.3
 ls .whl | wc -l

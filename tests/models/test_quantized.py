@@ -1,5 +1,5 @@
-"""FP8 checkpoints (quant_method fp8) load dequantized, as transformers loads them without FP8
-kernels; other quantization methods are refused by name."""
+"""Quantized checkpoints (quant_method fp8 and compressed-tensors) load dequantized, as
+transformers loads them without kernels for them; what would load as garbage is refused by name."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import _auto, build_checkpoint
 from tierlm import LLM, SamplingParams
 from tierlm.errors import ModelLoadError
-from tierlm.models.quantized import Fp8Weights, dequantize
+from tierlm.models.quantized import QuantizedWeights, dequantize, unpack_int32
 
 _LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj|w1|w2|w3)"
                      r"\.weight$")
@@ -88,26 +88,41 @@ def test_fp8_checkpoint_gives_transformers_weights_and_tokens(arch, layout, tmp_
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
 
 
+FP8 = QuantizedWeights("fp8", "weight_scale_inv", frozenset({torch.float8_e4m3fn}), (4, 4))
+
+
 def test_dequantize_matches_a_per_element_reference():
     """Each element times the scale of its block: a grid that overhangs the weight (ceil
     division, as DeepSeek's and Qwen's 128 x 128 blocks do on dimensions that are no multiple),
-    stacked experts, one scale for the whole tensor."""
+    stacked experts, one scale for the whole tensor, a grid of another layout than the block."""
     torch.manual_seed(0)
     w = (torch.randn(2, 10, 7) * 50).to(torch.float8_e4m3fn)
     s = torch.rand(2, 3, 2) + 0.5  # blocks of 4 x 4: 3 x 2 of them cover 10 x 7
-    got = dequantize(w, s, Fp8Weights((4, 4)), "w")
+    got = dequantize(w, {"scale": s}, FP8, "w")
     want = torch.empty(2, 10, 7)
     for e in range(2):
         for i in range(10):
             for j in range(7):
                 want[e, i, j] = w[e, i, j].float() * s[e, i // 4, j // 4]
     assert torch.equal(got, want)
-    assert torch.equal(dequantize(w[0], torch.tensor([0.25]), Fp8Weights((4, 4)), "w"), w[0].float() * 0.25)
-    grid = torch.rand(5, 7)  # no block size given: read from the grid (10 x 7 in blocks of 2 x 1)
-    assert torch.equal(dequantize(w[0], grid, Fp8Weights(None), "w"),
-                       w[0].float() * grid.repeat_interleave(2, dim=0))
-    with pytest.raises(ModelLoadError, match="2 x 2 scales do not cover a 10 x 7 weight"):
-        dequantize(w[0], torch.rand(2, 2), Fp8Weights((4, 4)), "w")
+    assert torch.equal(dequantize(w[0], {"scale": torch.tensor([0.25])}, FP8, "w"), w[0].float() * 0.25)
+    rows = torch.rand(10, 1)  # one per output channel, whatever the configured block
+    assert torch.equal(dequantize(w[0], {"scale": rows}, FP8, "w"), w[0].float() * rows)
+    with pytest.raises(ModelLoadError, match="a 2 x 3 grid does not cover a 10 x 7 weight"):
+        dequantize(w[0], {"scale": torch.rand(2, 3)}, FP8, "w")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_unpacking_reverses_compressed_tensors_packing(bits):
+    """Densely packed values (straddling words where the width does not divide 32), rows of a
+    count that fills no whole word, back to the signed values compressed-tensors packed."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    torch.manual_seed(bits)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    values = torch.randint(lo, hi + 1, (3, 37), dtype=torch.int8)
+    assert torch.equal(unpack_int32(pack_to_int32(values, bits), bits, 37), values.to(torch.int16))
+    packed_rows = pack_to_int32(values, bits, packed_dim=0)  # (zero points: packed along the rows)
+    assert torch.equal(unpack_int32(packed_rows.T.contiguous(), bits, 3).T, values.to(torch.int16))
 
 
 def _edit(path: Path, tensors=None, quant=None) -> None:
@@ -121,7 +136,7 @@ def _edit(path: Path, tensors=None, quant=None) -> None:
         (path / "config.json").write_text(json.dumps(cfg))
 
 
-NAME = "model.layers.0.self_attn.q_proj.weight"
+NAME = "model.layers.0.self_attn.q_proj.weight"  # (its parts: NAME + "_scale", ...)
 REFUSED = {
     "gptq": (lambda t: None, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
              re.escape("quantized checkpoint (quant_method 'gptq'), which tierlm cannot load")),
@@ -132,9 +147,9 @@ REFUSED = {
     "fp8_undeclared": (None, lambda c: c.pop("quantization_config"),
                        "is torch.float8_e4m3fn but config.json declares no quantization_config"),
     "packed_experts": (lambda t: t.update({NAME: t[NAME].view(torch.int8)}), None,
-                       "has scales .* but is torch.int8, not float8"),
+                       "has scales .* but is torch.int8, which quant_method 'fp8' as configured does not store"),
     "wrong_grid": (lambda t: t.update({NAME + "_scale_inv": torch.ones(3, 3)}), None,
-                   "3 x 3 scales do not cover a 64 x 64 weight"),
+                   "a 3 x 3 grid does not cover a 64 x 64 weight"),
     "bad_block": (None, lambda c: c["quantization_config"].update(weight_block_size=[128]),
                   "weight_block_size must be two positive integers"),
 }
@@ -152,3 +167,181 @@ def test_checkpoints_that_would_load_as_garbage_are_refused_by_name(case, tmp_pa
     _edit(path, tensors, quant)
     with pytest.raises(ModelLoadError, match=says):
         LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+
+
+def _compressed_group(kind: str, bits: int, strategy: str, symmetric: bool = True, group: int | None = None,
+                      block: list[int] | None = None, static_inputs: bool = False) -> dict:
+    weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False,
+               "group_size": group, "block_structure": block, "actorder": None}
+    inputs = {"num_bits": 8, "type": kind, "strategy": "tensor" if static_inputs else "token", "symmetric": True,
+              "dynamic": not static_inputs} if bits == 8 else None
+    return {"targets": ["Linear"], "weights": weights, "input_activations": inputs, "output_activations": None}
+
+
+def _scales_of(w: torch.Tensor, args: dict, top: float) -> torch.Tensor:
+    """One scale per tensor, output channel, group of columns or block (the largest magnitude at `top`)."""
+    r, c = w.shape
+    a = w.abs()
+    if args["strategy"] == "tensor":
+        m = a.amax().reshape(1)
+    elif args["strategy"] == "channel":
+        m = a.amax(dim=1, keepdim=True)
+    elif args["strategy"] == "group":
+        m = a.reshape(r, c // args["group_size"], args["group_size"]).amax(dim=-1)
+    else:
+        bm, bn = args["block_structure"]
+        padded = torch.nn.functional.pad(a, (0, -c % bn, 0, -r % bm))
+        m = padded.reshape(-(-r // bm), bm, -(-c // bn), bn).amax(dim=(1, 3))
+    return m.clamp(min=1e-6) / top
+
+
+def to_compressed_tensors(path: Path, fmt: str, group: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Rewrite `path` as compressed-tensors would save it (llm-compressor's output): linear
+    weights quantized per `group`'s weight args (packed into int32 with compressed-tensors' own
+    packer for `pack-quantized`), scales in `dtype` (the model's, which the rest is cast to);
+    routers and lm_head left unquantized, as recipes ignore them."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    args = group["weights"]
+    bits, kind = args["num_bits"], args["type"]
+    out = {}
+    for name, w in load_file(path / "model.safetensors").items():
+        if not _LINEAR.match(name):
+            out[name] = w.to(dtype)
+            continue
+        stem = name[:-len(".weight")]
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if kind == "float":
+            s = _scales_of(w, args, 448.0).to(dtype)
+            q = (w / _expand(s.float(), w.shape)).to(torch.float8_e4m3fn)
+            zp = None
+        elif args["symmetric"]:
+            s = _scales_of(w, args, float(hi)).to(dtype)
+            q = torch.round(w / _expand(s.float(), w.shape)).clamp(lo, hi).to(torch.int8)
+            zp = None
+        else:  # asymmetric: the group's [min, max] onto [lo, hi]
+            r, c = w.shape
+            g = args["group_size"]
+            mn, mx = w.reshape(r, c // g, g).amin(-1).clamp(max=0), w.reshape(r, c // g, g).amax(-1).clamp(min=0)
+            s = ((mx - mn) / (hi - lo)).clamp(min=1e-6).to(dtype)
+            zp = (lo - torch.round(mn / s.float())).clamp(lo, hi).to(torch.int8)
+            q = torch.round(w / _expand(s.float(), w.shape) + _expand(zp.float(), w.shape)).clamp(lo, hi).to(torch.int8)
+        if fmt == "pack-quantized":
+            out[stem + ".weight_packed"] = pack_to_int32(q, bits)
+            out[stem + ".weight_shape"] = torch.tensor(w.shape)
+        else:
+            out[name] = q
+        out[stem + ".weight_scale"] = s
+        if zp is not None:
+            out[stem + ".weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0) if fmt == "pack-quantized" else zp
+        if group["input_activations"] is not None and not group["input_activations"]["dynamic"]:
+            out[stem + ".input_scale"] = torch.tensor([0.02], dtype=dtype)
+    (path / "model.safetensors").unlink()
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
+                                  "quantization_status": "compressed", "kv_cache_scheme": None,
+                                  "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"],
+                                  "config_groups": {"group_0": group}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _expand(s: torch.Tensor, shape) -> torch.Tensor:
+    """Per-tensor / per-row / per-group / per-block values over a 2-D weight (blocks cut to it)."""
+    r, c = shape
+    if s.numel() == 1:
+        return s.reshape(())
+    gr, gc = s.shape
+    br, bc = -(-r // gr), -(-c // gc)
+    return s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
+
+
+COMPRESSED = {
+    "fp8_dynamic": ("llama", "float-quantized", _compressed_group("float", 8, "channel")),
+    "fp8_block": ("qwen3", "float-quantized", _compressed_group("float", 8, "block", block=[16, 48])),
+    "w8a8_int_static": ("phi3", "int-quantized", _compressed_group("int", 8, "channel", static_inputs=True)),
+    "w4a16": ("llama", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
+    "w4a16_asym": ("qwen2", "pack-quantized", _compressed_group("int", 4, "group", symmetric=False, group=32)),
+    "w8a16_tensor": ("granite", "pack-quantized", _compressed_group("int", 8, "tensor")),
+    "moe_w4a16": ("qwen2_moe", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
+    "moe_fp8": ("mixtral", "float-quantized", _compressed_group("float", 8, "channel")),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPRESSED))
+def test_compressed_tensors_checkpoint_gives_transformers_weights_and_tokens(case, tmp_path):
+    """compressed-tensors checkpoints as llm-compressor writes them (FP8 per channel and per
+    block, INT8 with static activation scales, 4-bit groups packed into int32 with and without
+    zero points, 8-bit packed per tensor; bf16 scales): the weights equal what transformers'
+    compressed-tensors decompressor gives, bit for bit, and so do greedy tokens."""
+    from transformers import CompressedTensorsConfig
+    arch, fmt, group = COMPRESSED[case]
+    path = to_compressed_tensors(build_checkpoint(arch, tmp_path / arch), fmt, group)
+    hf = _auto(arch).from_pretrained(str(path), dtype=torch.float32,
+                                     quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    with torch.no_grad():  # in the checkpoint's dtype, as its weights are (dense layers' already are: transformers
+        for param in hf.parameters():  # rounds their products to the scales' dtype; it leaves MoE experts' in
+            param.copy_(param.to(torch.bfloat16))  # the dtype asked for, here float32)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False, cpu_linear="plain")
+    ours = llm.engine.runner.model.layers[0]
+    attn, mlp = hf.model.layers[0].self_attn, hf.model.layers[0].mlp
+    if arch == "phi3":
+        assert torch.equal(ours.self_attn.qkv_proj.weight, attn.qkv_proj.weight)
+        assert torch.equal(ours.mlp.gate_up_proj.weight, mlp.gate_up_proj.weight)
+    else:
+        assert torch.equal(ours.self_attn.qkv_proj.weight,
+                           torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    if hasattr(mlp, "experts"):  # (transformers stacks each layer's experts as tierlm does)
+        assert torch.equal(ours.mlp.w13, mlp.experts.gate_up_proj)
+        assert torch.equal(ours.mlp.w2, mlp.experts.down_proj)
+    elif arch != "phi3":
+        assert torch.equal(ours.mlp.gate_up_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    if not hasattr(mlp, "experts"):
+        assert torch.equal(ours.mlp.down_proj.weight, mlp.down_proj.weight)
+    prompts = [list(range(5, 40)), [7, 3, 99, 12, 5, 60, 8]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
+
+
+def _group_edit(**weights):
+    return lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(weights)
+
+
+CT_REFUSED = {
+    "nvfp4": (None, lambda c: c["quantization_config"].update(format="nvfp4-pack-quantized"),
+              "compressed-tensors format 'nvfp4-pack-quantized', which tierlm cannot load"),
+    "frozen": (None, lambda c: c["quantization_config"].update(quantization_status="frozen"),
+               "weights in status 'frozen', not 'compressed'"),
+    "actorder_group": (None, _group_edit(actorder="group"), "activation-ordered groups"),
+    "g_idx": (lambda t: t.update({NAME + "_g_idx": torch.zeros(64, dtype=torch.int32)}), None,
+              f"tensor '{NAME}_packed' in .* has a g_idx"),
+    "float4": (None, _group_edit(type="float"), "4-bit float weights in format 'pack-quantized'"),
+    "token_strategy": (None, _group_edit(strategy="token"), "weight strategy 'token'"),
+    "no_shape": (lambda t: t.pop(NAME + "_shape"), None, "packed weights without their weight_shape"),
+    "short_words": (lambda t: t.update({NAME + "_packed": t[NAME + "_packed"][:, :3].contiguous()}), None,
+                    re.escape("[64, 3] words of 4-bit values cannot hold a [64, 64] weight")),
+}
+
+
+@pytest.mark.parametrize("case", list(CT_REFUSED))
+def test_compressed_tensors_checkpoints_tierlm_cannot_read_are_refused_by_name(case, tmp_path):
+    tensors, quant, says = CT_REFUSED[case]
+    path = to_compressed_tensors(build_checkpoint("llama", tmp_path / case), "pack-quantized",
+                                 _compressed_group("int", 4, "group", group=16))
+    _edit(path, tensors, quant)
+    with pytest.raises(ModelLoadError, match=says):
+        LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+
+
+def test_a_dense_compressed_tensors_checkpoint_loads_as_it_is(tmp_path):
+    """Format `dense`: the weights are stored unquantized (a scheme for the KV cache only, say)."""
+    path = build_checkpoint("llama", tmp_path / "dense")
+    plain = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    _edit(path, None, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors",
+                                                              "format": "dense", "config_groups": {}}))
+    dense = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 30))}
+    assert dense.generate(prompt, sp)[0].outputs[0].token_ids == plain.generate(prompt, sp)[0].outputs[0].token_ids

@@ -22,7 +22,8 @@ from tierlm.errors import ModelLoadError
 from tierlm.models.config import ModelArgs, load_config_dict, parse_config
 from tierlm.models.kv_scales import KV_SCALE_NAME
 from tierlm.models.llama import CausalLM
-from tierlm.models.quantized import Fp8Weights, dequantize, is_fp8, is_scale, quantization_of, weight_of_scale
+from tierlm.models.quantized import (PACKED_SUFFIX, QuantizedWeights, dequantize, is_activation_scale, is_quantized,
+                                     part_of, quantization_of)
 from tierlm.models.registry import ARCHITECTURES, resolve_architecture
 
 log = logging.getLogger(__name__)
@@ -269,14 +270,14 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     cfg = load_config_dict(model_dir)
     arch = resolve_architecture(cfg)
     args = parse_config(cfg, arch)
-    fp8 = quantization_of(cfg, str(model_dir))
+    quant = quantization_of(cfg, str(model_dir))
     kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
     weight_bytes = sum(f.stat().st_size for f in files)
-    if fp8 is not None:  # one byte per weight on disk; the dtype's size once loaded
+    if quant is not None:  # (at most) one byte per weight on disk; the dtype's size once loaded
         weight_bytes *= torch.empty((), dtype=kv_dtype).element_size()
     torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device, weight_bytes)
-    scales = _fp8_scales(files) if fp8 is not None else {}
+    parts = _quantized_parts(files) if quant is not None else {}
     max_positions = max_positions or args.max_position_embeddings
     with torch.device("meta"):
         model = ARCHITECTURES[arch](args, max_positions)
@@ -291,12 +292,14 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     with torch.no_grad():
         for f in files:
             with _weights_file(f) as st:
-                for name in st.keys():
-                    if is_scale(name):  # read beforehand (a weight's), or not used (FP8 activations')
-                        if fp8 is None:
-                            raise ModelLoadError(f"{f.name} holds quantization scales ('{name}') but config.json "
+                for stored in st.keys():
+                    if part_of(stored) is not None or is_activation_scale(stored):
+                        if quant is None:
+                            raise ModelLoadError(f"{f.name} holds quantization scales ('{stored}') but config.json "
                                                  "declares no quantization_config; re-export the checkpoint")
-                        continue
+                        continue  # read beforehand (a weight's), or not used (quantized activations')
+                    # packed ints of weight `X.weight` (compressed-tensors' pack-quantized)
+                    name = stored.removesuffix(PACKED_SUFFIX) if stored.endswith(".weight" + PACKED_SUFFIX) else stored
                     t = _target(name)
                     if t is None:
                         continue
@@ -304,11 +307,11 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                     if pname not in params:
                         raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
                                              "is config.json from the same checkpoint?")
-                    tensor = st.get_tensor(name)
+                    tensor = st.get_tensor(stored)
                     round_to = kv_dtype if kv_dtype != torch_dtype else None
-                    label = f"tensor '{name}' in {f}"
-                    if name in scales or is_fp8(tensor):
-                        tensor = _dequantized(tensor, scales.get(name), fp8, label)
+                    label = f"tensor '{stored}' in {f}"
+                    if name in parts or is_quantized(tensor):
+                        tensor = _dequantized(tensor, parts.get(name), quant, label)
                     try:
                         if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
                             _untie_if_different(model, params, pname, tensor, round_to, model_dir)
@@ -356,32 +359,27 @@ def _weights_file(f: Path) -> Iterator:
         raise ModelLoadError(f"cannot read {f} ({e})") from None
 
 
-def _fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
-    """An FP8 checkpoint's weight scales by the weight's name (a shard may hold a weight's
-    scales and another the weight: all are read first; they are ~1/16,000 of the weights)."""
-    scales: dict[str, torch.Tensor] = {}
+def _quantized_parts(files: list[Path]) -> dict[str, dict[str, torch.Tensor]]:
+    """A quantized checkpoint's scales, zero points and packed shapes by their weight's name (a
+    shard may hold a weight's parts and another the weight: all are read first; they are a few
+    thousandths of the weights at most)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     for f in files:
         with _weights_file(f) as st:
             for name in st.keys():
-                if (weight := weight_of_scale(name)) is not None:
-                    scales[weight] = st.get_tensor(name)
-    return scales
+                if (found := part_of(name)) is not None:
+                    parts.setdefault(found[0], {})[found[1]] = st.get_tensor(name)
+    return parts
 
 
-def _dequantized(tensor: torch.Tensor, scales: torch.Tensor | None, fp8: Fp8Weights | None,
+def _dequantized(tensor: torch.Tensor, parts: dict[str, torch.Tensor] | None, quant: QuantizedWeights | None,
                  label: str) -> torch.Tensor:
-    """A weight stored as float8, or with scales, multiplied back (float32). Read as it is, an
-    FP8 weight without its scales, or packed FP4 experts (bytes), would load as garbage."""
-    if fp8 is None:
+    """A weight stored quantized (float8, integers), or with scales, multiplied back (float32).
+    Read as it is, one without its scales, or packed FP4 experts (bytes), would load as garbage."""
+    if quant is None:
         raise ModelLoadError(f"{label} is {tensor.dtype} but config.json declares no quantization_config; "
-                             "re-export the checkpoint with its quantization_config (quant_method 'fp8')")
-    if scales is None:
-        raise ModelLoadError(f"{label} is {tensor.dtype} but its scales (weight_scale_inv) are not in the "
-                             "checkpoint; re-export it")
-    if not is_fp8(tensor):
-        raise ModelLoadError(f"{label} has scales (weight_scale_inv) but is {tensor.dtype}, not float8; tierlm "
-                             "reads FP8 weights only (not packed FP4 experts); use the model's unquantized checkpoint")
-    return dequantize(tensor, scales, fp8, label)
+                             "re-export the checkpoint with its quantization_config")
+    return dequantize(tensor, parts or {}, quant, label)
 
 
 def _as_list(v) -> list[int]:

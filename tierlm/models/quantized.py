@@ -1,14 +1,21 @@
 """Quantized checkpoints: which ones load, and their weights dequantized at load.
 
-FP8 checkpoints (`quant_method: fp8`, as Qwen3-*-FP8 and DeepSeek ship them) store each linear
-layer's weight in float8 with a float32 `weight_scale_inv` per block of `weight_block_size`
-(rows x columns; one scale for the whole tensor where the grid is 1 x 1). tierlm multiplies
-them back to the checkpoint's dtype as it loads, as transformers does where it has no FP8
-kernels (`dequantize`): the same weights, so the same tokens; memory and speed are the
-unquantized model's (no FP8 GEMMs). Activation scales (`input_scale`, `activation_scheme:
-static`) are for FP8 activations, which a dequantized model does not use: skipped, as
-transformers skips them. Other methods (GPTQ, AWQ, bitsandbytes, ...) pack integers that
-would load as garbage: refused by name rather than read as if they were weights.
+Two layouts are read, each linear layer's weight multiplied back to the checkpoint's dtype as it
+loads, as transformers does where it has no kernels for them (`dequantize`): the same weights,
+so the same tokens; memory and speed are the unquantized model's (no low-precision GEMMs).
+- `quant_method: fp8` (Qwen3's `-FP8` models, DeepSeek): float8 weights, a float32
+  `weight_scale_inv` per block of `weight_block_size` (one for the whole tensor where the grid
+  is 1 x 1).
+- `quant_method: compressed-tensors` (what llm-compressor writes; RedHat's `-FP8-dynamic`,
+  `-quantized.w8a8`, `-quantized.w4a16` models): formats `float-quantized` (float8 weights),
+  `int-quantized` / `naive-quantized` (int8 weights) and `pack-quantized` (ints of 1-8 bits
+  packed into int32 `weight_packed`, with `weight_shape`), each with a `weight_scale` per
+  tensor, output channel, group of input columns or block, and a `weight_zero_point` where
+  asymmetric (packed along the output dimension when the weights are). Products are rounded to
+  the scales' dtype, as compressed-tensors' decompressor rounds them.
+Activation scales (`input_scale`: static FP8 / INT8 activations) are for quantized activations,
+which a dequantized model does not use: skipped, as transformers skips them. Other methods
+(GPTQ, AWQ, bitsandbytes, NVFP4, ...) would load as garbage or not at all: refused by name.
 """
 from __future__ import annotations
 
@@ -18,76 +25,194 @@ import torch
 
 from tierlm.errors import ModelLoadError
 
-SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> its scales `X.weight_scale_inv`
-_SKIPPED_SUFFIXES = (".input_scale", ".activation_scale")
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# A weight `X.weight`'s parts, stored beside it as `X.weight<suffix>`.
+_PARTS = {"_scale_inv": "scale", "_scale": "scale", "_zero_point": "zero_point", "_shape": "shape",
+          "_g_idx": "g_idx"}
+PACKED_SUFFIX = "_packed"  # `X.weight_packed`: the packed ints of `X.weight`
+_ACTIVATION_SCALES = (".input_scale", ".input_zero_point", ".activation_scale")
+_FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+_STRATEGIES = ("tensor", "channel", "group", "block")
+_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
+_REEXPORT = "re-export the checkpoint"
 
 
 @dataclass(frozen=True)
-class Fp8Weights:
-    """An FP8 checkpoint's layout: the block each scale covers (None: read from the scales' grid)."""
+class QuantizedWeights:
+    """How a checkpoint stores its quantized weights."""
 
-    block: tuple[int, int] | None
+    method: str  # quant_method
+    scale_name: str  # the suffix of a weight's scales: weight_scale_inv (fp8), weight_scale
+    dtypes: frozenset[torch.dtype]  # what a weight with scales is stored as
+    block: tuple[int, int] | None = None  # rows x columns a scale covers (None: read from the scales' grid)
+    bits: int = 8  # bits per value of packed weights (int32 words)
+    round_to_scale: bool = False  # products rounded to the scales' dtype (compressed-tensors)
 
 
-def quantization_of(cfg: dict, where: str) -> Fp8Weights | None:
+def quantization_of(cfg: dict, where: str) -> QuantizedWeights | None:
     """The checkpoint's quantization (config.json's `quantization_config`, or its language
-    model's), None for plain weights; a ModelLoadError naming any method tierlm cannot load."""
+    model's), None for plain weights; a ModelLoadError naming any tierlm cannot load."""
     q = cfg.get("quantization_config")
     if q is None and isinstance(cfg.get("text_config"), dict):
         q = cfg["text_config"].get("quantization_config")
     if q is None:
         return None
     method = q.get("quant_method") if isinstance(q, dict) else None
-    if method != "fp8":
-        raise ModelLoadError(
-            f"{where} holds a quantized checkpoint (quant_method {method!r}), which tierlm cannot load: it loads "
-            "unquantized checkpoints and FP8 ones (quant_method 'fp8', dequantized as they load); use the model's "
-            "unquantized (bf16) checkpoint")
-    block = q.get("weight_block_size")
+    if method == "fp8":
+        return QuantizedWeights("fp8", "weight_scale_inv", _FLOAT8, _block(q.get("weight_block_size"), where))
+    if method == "compressed-tensors":
+        return _compressed_tensors(q, where)
+    raise ModelLoadError(
+        f"{where} holds a quantized checkpoint (quant_method {method!r}), which tierlm cannot load: it loads "
+        "unquantized checkpoints and those of quant_method 'fp8' or 'compressed-tensors' (FP8, INT8 and packed "
+        "INT weights, dequantized as they load); use the model's unquantized (bf16) checkpoint")
+
+
+def _refuse(where: str, what: str) -> ModelLoadError:
+    return ModelLoadError(f"{where}: {what}, which tierlm cannot load (it reads compressed-tensors' "
+                          f"{', '.join(_FORMATS)} weights with tensor, channel, group or block scales); "
+                          "use the model's unquantized (bf16) checkpoint")
+
+
+def _compressed_tensors(q: dict, where: str) -> QuantizedWeights | None:
+    fmt = q.get("format")
+    if fmt == "dense":
+        return None  # weights stored unquantized (only the KV cache's scheme, say)
+    if fmt not in _FORMATS:
+        raise _refuse(where, f"compressed-tensors format {fmt!r}")
+    if q.get("quantization_status", "compressed") != "compressed":
+        raise _refuse(where, f"compressed-tensors weights in status {q.get('quantization_status')!r}, not "
+                             "'compressed'")
+    groups = q.get("config_groups")
+    weights = [g.get("weights") for g in groups.values() if isinstance(g, dict) and g.get("weights")] \
+        if isinstance(groups, dict) else []
+    if not weights:
+        raise ModelLoadError(f"{where}: quantization_config has no config_groups with weights; {_REEXPORT}")
+    dtypes: set[torch.dtype] = set()
+    bits, blocks = set(), set()
+    for w in weights:
+        kind, nbits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
+        if strategy not in _STRATEGIES:
+            raise _refuse(where, f"weight strategy {strategy!r}")
+        if w.get("actorder") in ("group", "dynamic"):
+            raise _refuse(where, "activation-ordered groups (actorder 'group': a g_idx per column)")
+        if fmt == "pack-quantized" and kind == "int" and isinstance(nbits, int) and 1 <= nbits <= 8:
+            dtypes.add(torch.int32)
+            bits.add(nbits)
+        elif fmt != "pack-quantized" and (kind, nbits) == ("float", 8):
+            dtypes |= _FLOAT8
+        elif fmt != "pack-quantized" and (kind, nbits) == ("int", 8):
+            dtypes.add(torch.int8)
+        else:
+            raise _refuse(where, f"{nbits}-bit {kind} weights in format {fmt!r}")
+        if strategy == "block":
+            blocks.add(_block(w.get("block_structure"), where, "block_structure"))
+    if len(bits) > 1 or len(blocks) > 1:
+        raise _refuse(where, "groups of weights quantized with different bit widths or blocks")
+    return QuantizedWeights("compressed-tensors", "weight_scale", frozenset(dtypes), next(iter(blocks), None),
+                            next(iter(bits), 8), round_to_scale=True)
+
+
+def _block(block, where: str, field: str = "weight_block_size") -> tuple[int, int] | None:
     if block is None:
-        return Fp8Weights(None)
+        return None
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ModelLoadError(f"{where}: quantization_config.weight_block_size must be two positive integers "
-                             f"(rows, columns), not {block!r}; re-export the checkpoint")
-    return Fp8Weights((block[0], block[1]))
+        raise ModelLoadError(f"{where}: quantization_config's {field} must be two positive integers (rows, "
+                             f"columns), not {block!r}; {_REEXPORT}")
+    return block[0], block[1]
 
 
-def is_scale(name: str) -> bool:
-    """A tensor of scales (for a weight, or for activations), not a weight of its own."""
-    return name.endswith(SCALE_SUFFIX) or name.endswith(_SKIPPED_SUFFIXES)
+def part_of(name: str) -> tuple[str, str] | None:
+    """(`X.weight`, part) for a weight's part `X.weight_scale`, `X.weight_zero_point`, ...; None
+    for anything else."""
+    for suffix, part in _PARTS.items():
+        if name.endswith(".weight" + suffix):
+            return name[:-len(suffix)], part
+    return None
 
 
-def weight_of_scale(name: str) -> str | None:
-    """`X.weight` for its scales `X.weight_scale_inv`; None for activation scales (not used)."""
-    return name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+def is_activation_scale(name: str) -> bool:
+    """A static activation scale: for quantized activations, which a dequantized model has not."""
+    return name.endswith(_ACTIVATION_SCALES)
 
 
-def is_fp8(tensor: torch.Tensor) -> bool:
-    return tensor.dtype in _FP8_DTYPES
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """Stored as what no weight of a plain checkpoint is (float8, or integers)."""
+    return tensor.dtype in _FLOAT8 or not (tensor.dtype.is_floating_point or tensor.dtype.is_complex)
 
 
-def dequantize(weight: torch.Tensor, scales: torch.Tensor, fmt: Fp8Weights, label: str) -> torch.Tensor:
-    """float32 `weight` x its scales, each scale over its block of the last two dims (leading
-    dims: stacked experts); `label` names the tensor in errors."""
-    w = weight.to(torch.float32)
-    s = scales.to(torch.float32)
-    if s.numel() == 1:
-        return w * s.reshape(())
-    rows, cols = w.shape[-2:]
-    if s.dim() < 2 or s.shape[:-2] != w.shape[:-2]:
-        raise ModelLoadError(f"{label}: its scales' shape {list(s.shape)} does not fit the weight's "
-                             f"{list(w.shape)}; re-export the checkpoint")
-    grid_rows, grid_cols = s.shape[-2:]
-    if fmt.block is not None:
-        block_rows, block_cols = fmt.block
-    elif rows % grid_rows == 0 and cols % grid_cols == 0:
-        block_rows, block_cols = rows // grid_rows, cols // grid_cols
+def dequantize(weight: torch.Tensor, parts: dict[str, torch.Tensor], fmt: QuantizedWeights,
+               label: str) -> torch.Tensor:
+    """`weight` (float8, int8, or int32 words of packed ints) as float32: (value - zero point)
+    x scale, each scale and zero point over its block of the last two dims (leading dims:
+    stacked experts); `label` names the tensor in errors."""
+    if weight.dtype not in fmt.dtypes:
+        raise ModelLoadError(f"{label} has scales ({fmt.scale_name}) but is {weight.dtype}, which "
+                             f"quant_method {fmt.method!r} as configured does not store ("
+                             f"{', '.join(sorted(str(d) for d in fmt.dtypes))}); use the model's unquantized checkpoint")
+    if "g_idx" in parts:
+        raise ModelLoadError(f"{label} has a g_idx (activation-ordered groups), which tierlm cannot load; use the "
+                             "model's unquantized checkpoint")
+    scales = parts.get("scale")
+    if scales is None:
+        raise ModelLoadError(f"{label} is {weight.dtype} but its scales ({fmt.scale_name}) are not in the "
+                             f"checkpoint; {_REEXPORT}")
+    if weight.dtype == torch.int32:
+        shape = parts.get("shape")
+        if shape is None or shape.numel() != weight.dim():
+            raise ModelLoadError(f"{label}: packed weights without their weight_shape; {_REEXPORT}")
+        shape = [int(d) for d in shape.tolist()]
+        if -(-shape[-1] * fmt.bits // 32) != weight.shape[-1] or list(weight.shape[:-1]) != shape[:-1]:
+            raise ModelLoadError(f"{label}: {list(weight.shape)} words of {fmt.bits}-bit values cannot hold a "
+                                 f"{shape} weight; {_REEXPORT}")
+        values = unpack_int32(weight, fmt.bits, shape[-1])
     else:
-        block_rows = block_cols = 0
-    if (block_rows == 0 or -(-rows // block_rows) != grid_rows or -(-cols // block_cols) != grid_cols):
-        raise ModelLoadError(f"{label}: {grid_rows} x {grid_cols} scales do not cover a {rows} x {cols} weight in "
-                             f"blocks of {fmt.block or 'equal size'}; re-export the checkpoint")
-    # each scale over its block; a grid that overhangs the weight (ceil division) is cut to it
-    full = s.repeat_interleave(block_rows, dim=-2)[..., :rows, :].repeat_interleave(block_cols, dim=-1)[..., :cols]
-    return w * full
+        values = weight.to(torch.float32)
+    w = values.to(torch.float32)
+    zero = parts.get("zero_point")
+    if zero is not None:
+        if zero.dtype == torch.int32 and weight.dtype == torch.int32:  # packed along the rows
+            zero = unpack_int32(zero.transpose(-1, -2).contiguous(), fmt.bits, w.shape[-2]).transpose(-1, -2)
+        w = w - _spread(zero.to(torch.float32), w.shape, fmt, f"{label}'s zero points")
+    out = w * _spread(scales.to(torch.float32), w.shape, fmt, f"{label}'s scales")
+    if fmt.round_to_scale and scales.dtype.is_floating_point:
+        out = out.to(scales.dtype).to(torch.float32)
+    return out
+
+
+def _spread(s: torch.Tensor, shape: torch.Size, fmt: QuantizedWeights, label: str) -> torch.Tensor:
+    """Scales (or zero points) over a weight of `shape`: one per tensor, or a grid whose each
+    entry covers a block of the last two dims; a grid that overhangs the weight (ceil
+    division, as 128 x 128 blocks do on dimensions that are no multiple) is cut to it."""
+    if s.numel() == 1:
+        return s.reshape(())
+    rows, cols = shape[-2:]
+    if s.dim() < 2 or tuple(s.shape[:-2]) != tuple(shape[:-2]):
+        raise ModelLoadError(f"{label}: shape {list(s.shape)} does not fit the weight's {list(shape)}; {_REEXPORT}")
+    grid_rows, grid_cols = s.shape[-2:]
+    block = fmt.block
+    if block is None or (-(-rows // block[0]), -(-cols // block[1])) != (grid_rows, grid_cols):
+        # no block size, or scales of another layout (a group quantized per channel): the grid's own
+        exact = rows % grid_rows == 0 and cols % grid_cols == 0
+        block = (rows // grid_rows, cols // grid_cols) if exact else None
+    if block is None:
+        raise ModelLoadError(f"{label}: a {grid_rows} x {grid_cols} grid does not cover a {rows} x {cols} weight "
+                             f"in blocks of {fmt.block or 'equal size'}; {_REEXPORT}")
+    block_rows, block_cols = block
+    return s.repeat_interleave(block_rows, dim=-2)[..., :rows, :].repeat_interleave(block_cols, dim=-1)[..., :cols]
+
+
+def unpack_int32(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first `count` values of `bits` bits each packed densely into int32 `words` along the
+    last dim (value i at bit i x bits, little-endian; a value may straddle two words), stored
+    offset by 2^(bits-1): as signed int16."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64)  # each word's bytes, least significant first
+    raw = ((words.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
+    if bits == 8:
+        values = raw[..., :count].to(torch.int16)
+    elif bits == 4:
+        values = torch.stack((raw & 0xF, raw >> 4), dim=-1).flatten(-2)[..., :count].to(torch.int16)
+    else:
+        bit = (raw.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        bit = bit.flatten(-2)[..., :count * bits].unflatten(-1, (count, bits)).to(torch.int16)
+        values = (bit << torch.arange(bits, dtype=torch.int16)).sum(-1, dtype=torch.int16)
+    return values - (1 << (bits - 1))
