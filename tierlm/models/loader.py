@@ -274,8 +274,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
     weight_bytes = sum(f.stat().st_size for f in files)
-    if quant is not None:  # (at most) one byte per weight on disk; the dtype's size once loaded
-        weight_bytes *= torch.empty((), dtype=kv_dtype).element_size()
+    if quant is not None:  # `bits` per weight on disk (scales aside); the dtype's size once loaded
+        weight_bytes = weight_bytes * 8 * torch.empty((), dtype=kv_dtype).element_size() // quant.bits
     torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device, weight_bytes)
     parts = _quantized_parts(files) if quant is not None else {}
     max_positions = max_positions or args.max_position_embeddings
