@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.harness import ServerThread, record_requests, wait_until
-from tests.serving.scripted_model import LOOP_MODEL, REPLY, TEXT_MODEL
+from tests.serving.harness import ServerThread, parse_sse, record_requests, wait_until
+from tests.serving.scripted_model import LOOP_MODEL, REPLY, TEXT_MODEL, chat_prompt_ids
 from tests.serving.test_cli import free_port, serve
 from tests.serving.test_telemetry import value
 from tierlm.serving.app import build_app
@@ -308,6 +308,36 @@ def test_detectors_and_patterns_redact_answers_and_refuse_prompts(scripted_model
         metrics = httpx.get(srv.url + "/metrics").text
         assert value(metrics, "tierlm:safety_actions_total", policy="personal_data", action="input") == 2
         assert value(metrics, "tierlm:safety_actions_total", policy="shapes", action="redact") == 2
+    finally:
+        srv.stop()
+
+
+def test_an_answer_stopped_while_its_first_words_were_held_still_echoes_the_scored_prompt(scripted_models, tmp_path):
+    """The first delta brings the prompt's logprobs; held back by a phrase it might begin
+    ("alpha" of "alpha beta") and then stopped, it took them along: the echo came without its
+    logprobs (columns of unequal length), streamed without its text, and since a prompt's first
+    choice alone scores it, its other choices lost theirs too."""
+    (tmp_path / "policies.toml").write_text('[policies.opening]\nphrases = ["alpha beta"]\ncheck = "output"\n')
+    engine = scripted_models[TEXT_MODEL].engine(TEXT_MODEL)
+    srv = ServerThread(build_app({TEXT_MODEL: engine}, ApiKeyAuth.from_keys(KEYS),
+                                 safety=SafetyPolicies.from_file(tmp_path / "policies.toml"))).start()
+    try:
+        ids = chat_prompt_ids(engine.tokenizer)
+        echo = engine.tokenizer.decode(ids)
+        body = {"model": TEXT_MODEL, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 20, "n": 2}
+        with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {KEYS['acme']}"}, timeout=60) as c:
+            done = c.post("/v1/completions", json=body).json()
+            raw = c.post("/v1/completions", json={**body, "stream": True}).text
+        for choice in done["choices"]:
+            lp = choice["logprobs"]
+            assert choice["finish_reason"] == "content_filter" and choice["text"] == echo
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) and lp["token_logprobs"][0] is None
+        first = {}
+        for _, data in parse_sse(raw):
+            for c in [] if data == "[DONE]" else data["choices"]:
+                first.setdefault(c["index"], c)
+        for k in range(2):
+            assert first[k]["text"] == echo and len(first[k]["logprobs"]["token_logprobs"]) == len(ids)
     finally:
         srv.stop()
 

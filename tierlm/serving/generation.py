@@ -740,18 +740,23 @@ class EngineStream:
                 delta = await self._next()
                 yield delta
             return
+        scored = delta.prompt_logprobs  # (the first delta's, until a piece shown carries them)
         while True:  # the answer through the output policies: held back, redacted or stopped
             shown, blocked = guard.feed(delta)
             for policy in guard.redacted[self._redactions_told:]:
                 self._on_policy(policy, "redact")
             self._redactions_told = len(guard.redacted)
             for piece in shown:
+                if piece.prompt_logprobs is not None:
+                    scored = None
                 yield piece
             if blocked is not None:
                 self._on_policy(blocked, "output")
                 await self.abort()  # its KV blocks are freed now, not at the end of the answer
                 self.finished = True
-                yield blocked_delta(delta, blocked)
+                # Prompt logprobs held back with the first delta still come: the policy stopped the
+                # answer, not the prompt, whose echo (and its n choices', which share them) needs them
+                yield replace(blocked_delta(delta, blocked), prompt_logprobs=scored)
                 return
             if delta.finished:
                 return
