@@ -158,6 +158,26 @@ def test_a_prompt_that_breaks_an_input_policy_never_reaches_the_engine(server, e
     assert message.stop_reason == "refusal" and len(seen) == 1  # (bronze: its answer's "STOP gamma")
 
 
+def test_a_refused_prompt_echoed_with_logprobs_has_null_ones_on_every_choice(server):
+    """Echo with logprobs, n = 2, of a prompt an input policy refuses: nothing scored it, so each
+    choice echoes it with null logprobs, columns as long as its tokens (token_logprobs came empty
+    beside 6 tokens); streamed, every choice's first chunk is that echo (the first choice, which
+    would have scored it, sent none, the second one did)."""
+    body = {"model": TEXT_MODEL, "prompt": "a forbidden phrase", "echo": True, "logprobs": 0, "max_tokens": 5, "n": 2}
+    with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {KEYS['acme']}"}, timeout=60) as c:
+        done = c.post("/v1/completions", json=body).json()
+        raw = c.post("/v1/completions", json={**body, "stream": True}).text
+    first = {}
+    for _, data in parse_sse(raw):
+        for choice in [] if data == "[DONE]" else data["choices"]:
+            first.setdefault(choice["index"], choice)
+    for choice in [*done["choices"], *first.values()]:
+        lp = choice["logprobs"]
+        assert choice["text"] == body["prompt"] and len(lp["tokens"]) > 1
+        assert lp["token_logprobs"] == lp["top_logprobs"] == [None] * len(lp["tokens"]) == [None] * len(lp["text_offset"])
+    assert sorted(first) == [0, 1]
+
+
 def test_a_refused_prompts_log_line_reports_the_usage_its_client_got(server, caplog):
     """The refused prompt never ran, but its client is told its input tokens: the request's log
     line (and span, and prompt-length histogram) say the same, not 0; the token counters,

@@ -931,8 +931,11 @@ async def _completion_choice(run: CompletionRun, index: int, result: Generation,
         if delta.text or (logprobs and logprobs["tokens"]):
             yield frames.choice(index, result, text=delta.text, logprobs=logprobs, ids=first | ids.take())
             first = {}
-    if scorer and not scored.done():  # (never scored: the others echo without logprobs, not wait forever)
-        scored.set_result([])
+    if scorer and not scored.done():  # never scored (an input policy refused the prompt): the others
+        scored.set_result([])  # echo it without logprobs, not wait for ever, and so does this one
+        if run.echoes_logprobs:
+            yield _scored_echo(run, index, result, frames, [], first)
+            first = {}
     finish = _finish_reason(result, False) if run.generates else "length"
     yield frames.choice(index, result, text="", finish=finish, stop_reason=_stop_reason(result) if run.generates else None,
                         ids=first | ids.take())

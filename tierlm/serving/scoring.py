@@ -54,7 +54,10 @@ def prompt_offsets(engine: "AsyncEngine", ids: list[int], echo: str) -> list[int
 def echoed_legacy_logprobs(engine: "AsyncEngine", ids: list[int], lps: list[TokenLogprob | None], top_n: int,
                            echo: str, as_id: bool = False) -> dict[str, list[Any]]:
     """The prompt's columns of the Completions API's `logprobs` (with echo): its tokens, their
-    logprobs and top entries (null for the first, which nothing predicts), their offsets in `echo`."""
+    logprobs and top entries (null for the first, which nothing predicts), their offsets in `echo`.
+    A prompt never scored (`lps` empty: an input policy refused it) has null ones, every column as
+    long as the prompt."""
+    lps = [*lps, *[None] * (len(ids) - len(lps))]
     return {"tokens": [token_text(engine, t, as_id) for t in ids],
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
             "top_logprobs": [None if lp is None else legacy_top(engine, lp, top_n, as_id) for lp in lps],
