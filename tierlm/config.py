@@ -17,6 +17,7 @@ from tierlm.models.kv_scales import check_kv_cache_scales
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 DEFAULT_BLOCK_SIZE = 16
+MIN_POLICY_HISTORY = 1024  # kv_policy_history's floor: fewer records leave a policy too little to learn from
 
 
 @dataclass
@@ -178,8 +179,8 @@ class EngineConfig:
             check_disk_dir(self.kv_disk_dir)
         if not (isinstance(self.kv_read_timeout, (int, float)) and 0 < self.kv_read_timeout < float("inf")):
             raise ValueError(f"kv_read_timeout must be a positive number of seconds (got {self.kv_read_timeout!r})")
-        if not (isinstance(self.kv_policy_history, int) and self.kv_policy_history >= 1024):
-            raise ValueError(f"kv_policy_history must be a whole number of blocks, at least 1024 (got "
+        if not (isinstance(self.kv_policy_history, int) and self.kv_policy_history >= MIN_POLICY_HISTORY):
+            raise ValueError(f"kv_policy_history must be a whole number of blocks, at least {MIN_POLICY_HISTORY} (got "
                              f"{self.kv_policy_history!r}); fewer records leave the policy too little to learn from")
         if self.kv_remote_ttl is not None and self.kv_remote_ttl <= 0:
             raise ValueError(f"kv_remote_ttl must be a positive number of seconds (got {self.kv_remote_ttl})")

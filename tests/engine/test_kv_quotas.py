@@ -179,6 +179,21 @@ def test_a_partition_keeps_a_prefix_another_tenant_of_its_salt_cached_first(llam
     assert send("gold", [9, 8, 7, 6], 0.25).num_cached_tokens == 48
 
 
+def test_partitions_share_one_policy_history_in_proportion_to_their_shares(llama_dir):
+    """A learning policy (the default, duel) keeps up to `kv_policy_history` records, ~85 MiB
+    once full by default. Each tenant's partition kept that many too: a tenants file giving a
+    hundred tenants a share of 0.01 could hold ~8 GiB of history. A partition keeps its share of
+    them (at least the floor of 1,024), so all partitions together keep about one pool's."""
+    eng = _engine(llama_dir, "fair", eviction_policy="duel", kv_policy_history=8192)
+    for tenant, share in (("a", 0.5), ("b", 0.01)):
+        eng.add_request({"prompt_token_ids": [_rng.randrange(5, 250) for _ in range(20)]},
+                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), tenant_id=tenant,
+                        kv_cache_share=share)
+    _run(eng, [], lambda: None)
+    histories = {t: p.policy.history for t, p in eng.pool.partitions.items()}
+    assert histories == {"a": 4096, "b": 1024} and eng.pool.policy.history == 8192
+
+
 def test_a_bad_kv_cache_share_is_refused_by_name_and_changes_nothing(llama_dir):
     from tierlm.errors import InvalidRequestError
     eng = _engine(llama_dir, "fair")

@@ -147,7 +147,7 @@ def test_partitioned_pool_counts_match_its_blocks_under_random_traffic(policy):
     with whole-cache evictions and resets: each count the pool keeps matches its blocks at every
     step, no cached block outlives its parent, and all blocks come back at the end."""
     rng = random.Random(0)
-    pool = BlockPool(16, policy=policy, partition_policy=lambda: make_policy(policy))
+    pool = BlockPool(16, policy=policy, partition_policy=lambda share: make_policy(policy))
     shares: dict[str, float | None] = {"a": 0.25, "b": 0.5, "c": None, "": None}
     running = []
     for _ in range(300):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory, kv_pool_bytes
+from tierlm.config import MIN_POLICY_HISTORY, EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory, kv_pool_bytes
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.generation_defaults import sampling_defaults
 from tierlm.engine.graphs import StepGraphsConfig
@@ -340,8 +340,12 @@ class LLMEngine:
                 self.max_model_len = num_blocks * bs
             self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
 
-            def policy() -> EvictionPolicy:  # the pool's, and each tenant's cache partition's
-                return make_policy(config.eviction_policy, history=config.kv_policy_history)
+            def policy(share: float = 1.0) -> EvictionPolicy:
+                """The pool's, or a tenant's cache partition's for its share of the pool. A learning
+                policy's history is sized by the share: each partition keeping the whole pool's
+                (~85 MiB once full, by default) cost that much host memory per partitioned tenant."""
+                history = max(MIN_POLICY_HISTORY, int(share * config.kv_policy_history))
+                return make_policy(config.eviction_policy, history=history)
 
             self.pool = BlockPool(num_blocks, config.enable_prefix_caching, policy(), partition_policy=policy)
             self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,

@@ -46,7 +46,7 @@ class Partition:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, policy: str | EvictionPolicy = DEFAULT_POLICY,
                  on_evict: Callable[[list[KVBlock]], None] | None = None,
-                 partition_policy: Callable[[], EvictionPolicy] | None = None) -> None:
+                 partition_policy: Callable[[float], EvictionPolicy] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise kv_cache_memory")
         self.num_blocks = num_blocks
@@ -54,8 +54,9 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self.enable_caching = enable_caching
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        # A new partition's policy: the shared one's kind (and settings, where given).
-        self._partition_policy = partition_policy or (lambda: make_policy(self.policy.name))
+        # A new partition's policy for its share of the pool: the shared one's kind (and settings,
+        # where given; the engine's sizes a learning policy's history by the share).
+        self._partition_policy = partition_policy or (lambda share: make_policy(self.policy.name))
         self.partitions: dict[str, Partition] = {}
         self.cached: dict[BlockHash, KVBlock] = {}
         self.on_evict = on_evict
@@ -146,7 +147,7 @@ class BlockPool:
         cap = max(1, int(share * self.num_blocks))
         part = self.partitions.get(tenant)
         if part is None:
-            self.partitions[tenant] = Partition(self._partition_policy(), cap)
+            self.partitions[tenant] = Partition(self._partition_policy(share), cap)
         else:
             part.cap = cap
         return tenant
