@@ -27,6 +27,7 @@ same (one tick per scheduled request / prefix lookup) so the tuned constants car
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -684,6 +685,14 @@ class _History:
     seg: list | None = None
 
 
+@functools.lru_cache(maxsize=None)
+def _age_buckets(edges: tuple[int, ...]) -> tuple[int, ...]:
+    """The bucket among `edges` of each age below 2**16, built once for every policy of those
+    edges: a table of its own (0.5 MiB) per policy added up, as each tenant's cache partition
+    has a policy of its own (kv/block_pool.py)."""
+    return tuple(bisect.bisect_right(edges, a) - 1 for a in range(1 << 16))
+
+
 class GittinsPolicy(_SampledPolicy):
     """Evict the leaf with the lowest Gittins index of reuse, learned online per class (own design).
 
@@ -738,7 +747,7 @@ class GittinsPolicy(_SampledPolicy):
         while edges[-1] < 1 << 24:
             edges.append(max(edges[-1] + 1, int(edges[-1] * growth)))
         self._edges = edges
-        self._age_bucket = [self._bucket(a) for a in range(1 << 16)]  # fast path for bisect
+        self._age_bucket = _age_buckets(tuple(edges))  # fast path for bisect
         nb, n_cls = len(edges), max_count * 2 * self._n_sub
         self._reused = [[0.0] * nb for _ in range(n_cls)]  # weighted reuses per age bucket
         self._ended = [[0.0] * nb for _ in range(n_cls)]  # weighted reuses + censorings
