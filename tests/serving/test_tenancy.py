@@ -173,6 +173,16 @@ def test_tenants_file_mistakes_name_the_field_and_the_fix(text, error):
     assert error in str(e.value)
 
 
+def test_a_key_named_default_in_no_tenant_is_refused_as_a_tenant_named_default_is():
+    """A key in no tenant is a tenant named after it: key "default" was tenant "default", the
+    metrics label of requests without a tenant (401s), so its requests, rate limits and cache
+    partition were counted with those in /metrics; a tenant of that name is refused for this."""
+    with pytest.raises(ValueError, match="t.toml: tenants: key 'default' is in no tenant, so it would be a tenant "
+                                         "of its own named 'default', the metrics label"):
+        parse('[tenants.a]\nkeys = ["rpm"]\n', {"rpm": 1, "default": 1})
+    assert parse('[tenants.a]\nkeys = ["rpm", "default"]\n', {"rpm": 1, "default": 1}).tenant_of("default").id == "a"
+
+
 def test_tenants_file_syntax_error_names_the_line(tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text('[tenants.a]\nkeys = ["rpm"]\ntier = gold\n')

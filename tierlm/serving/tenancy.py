@@ -225,6 +225,10 @@ class TenantsConfig:
                 raise fail(f"tenants.{key}", f"this tenant has the name of key {key!r}, which is in no tenant "
                                              f"(and so would be a tenant of its own named {key!r}); add the key to "
                                              "its keys, or rename the tenant")
+            if key == "default":  # as for [tenants.default]: its requests and 401s would count as one
+                raise fail("tenants", "key 'default' is in no tenant, so it would be a tenant of its own named "
+                                   "'default', the metrics label of requests that have no tenant; add it to a "
+                                   "tenant's keys")
         config = cls(tiers, tenants, key_owner, default_tier)
         _check_cache_shares(config, known_keys, fail)
         return config
