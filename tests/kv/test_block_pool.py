@@ -199,29 +199,36 @@ def _check_counts(pool: BlockPool) -> None:
         assert blk.block_hash is None or blk.parent_hash is None or blk.parent_hash in pool.cached
 
 
-def test_evicting_costs_no_more_per_block_with_a_thousand_partitions_than_with_one():
+def test_evicting_a_pools_worth_visits_the_partitions_a_few_times_not_once_per_block():
     """A tier's lone keys may each have a partition. Finding each victim's giver walked every
-    partition: a pool's worth of evictions took ~20x as long with 1,000 partitions as with one
-    (70 us a block). Per victim the giver now comes from heaps kept through the take."""
-    import time
+    partition (four passes per victim: a pool's worth of evictions took ~20x as long with 1,000
+    partitions as with one, 70 us a block). Per victim the giver now comes from heaps kept
+    through the take: the partitions are walked a few times per take, not per block. Counted as
+    partitions visited, not timed (times on a shared machine drift)."""
 
-    def evict_all_blocks(parts: int) -> float:
-        pool = BlockPool(4096, policy="lru")
-        for t in range(parts):
-            pool.partition(f"t{t}", 1 / parts)
-        blocks = pool.allocate(4096)
-        for k, blk in enumerate(blocks):  # half in the partitions, half shared
-            pool.register_full(blk, b"h%d" % k, None, f"t{k % parts}" if k % 2 else None)
-        pool.free(blocks)
-        start = time.perf_counter()
-        taken = pool.allocate(4096)
-        elapsed = time.perf_counter() - start
-        assert pool.cached == {} and len(taken) == 4096
-        return elapsed
+    class Visits(dict):
+        count = 0
 
-    one = min(evict_all_blocks(1) for _ in range(3))
-    many = min(evict_all_blocks(1000) for _ in range(3))
-    assert many < 5 * one, (one, many)
+        def values(self):
+            Visits.count += len(self)
+            return super().values()
+
+        def items(self):
+            Visits.count += len(self)
+            return super().items()
+
+    pool = BlockPool(4096, policy="lru")
+    pool.partitions = Visits()
+    for t in range(1000):
+        pool.partition(f"t{t}", 1 / 1000)
+    blocks = pool.allocate(4096)
+    for k, blk in enumerate(blocks):  # half in the partitions, half shared
+        pool.register_full(blk, b"h%d" % k, None, f"t{k % 1000}" if k % 2 else None)
+    pool.free(blocks)
+    Visits.count = 0
+    taken = pool.allocate(4096)
+    assert pool.cached == {} and len(taken) == 4096
+    assert Visits.count <= 5 * 1000, Visits.count  # (per victim: 4096 x 4 x 1,000)
 
 
 def test_free_blocks_go_first_then_cached_ones_leave_in_one_batch_tail_first():
