@@ -3,7 +3,8 @@
 # .whl/, for tools/device_check.sh to install there. Its image has torch, transformers, numpy,
 # httpx, prometheus-client, matplotlib, hypothesis and pytest, but not tierlm's server stack
 # (pydantic, fastapi, uvicorn), redis, OpenTelemetry, the anthropic/openai SDKs the tests
-# drive, peft (the LoRA tests' reference) or compressed-tensors (the quantized checkpoints' reference). Python 3.12, x86-64 (as seen in December 2026). About 10 MB.
+# drive, peft (the LoRA tests' reference) or compressed-tensors (the quantized checkpoints'
+# reference). Python 3.12, x86-64 (as seen in December 2026). About 10 MB.
 #
 #   bash tools/device_wheels.sh && echo /.whl/ >> .git/info/exclude
 #   # then, with the device tool: run(command="bash tools/device_check.sh", carry=[".whl"])

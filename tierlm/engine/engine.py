@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import MIN_POLICY_HISTORY, EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory, kv_pool_bytes
+from tierlm.config import (MIN_POLICY_HISTORY, EngineConfig, check_kv_pool_memory, default_kv_cache_memory,
+                           host_memory, kv_pool_bytes)
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.generation_defaults import sampling_defaults
 from tierlm.engine.graphs import StepGraphsConfig
