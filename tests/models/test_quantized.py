@@ -320,6 +320,8 @@ CT_REFUSED = {
     "float4": (None, _group_edit(type="float"), "4-bit float weights in format 'pack-quantized'"),
     "token_strategy": (None, _group_edit(strategy="token"), "weight strategy 'token'"),
     "no_shape": (lambda t: t.pop(NAME + "_shape"), None, "packed weights without their weight_shape"),
+    "bad_zero_points": (lambda t: t.update({NAME + "_zero_point": torch.zeros(5, dtype=torch.int32)}), None,
+                        f"cannot load tensor '{NAME}_packed' in .* \\(IndexError: .*\\); re-export the checkpoint"),
     "short_words": (lambda t: t.update({NAME + "_packed": t[NAME + "_packed"][:, :3].contiguous()}), None,
                     re.escape("[64, 3] words of 4-bit values cannot hold a [64, 64] weight")),
 }

@@ -310,9 +310,9 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                     tensor = st.get_tensor(stored)
                     round_to = kv_dtype if kv_dtype != torch_dtype else None
                     label = f"tensor '{stored}' in {f}"
-                    if name in parts or is_quantized(tensor):
-                        tensor = _dequantized(tensor, parts.get(name), quant, label)
                     try:
+                        if name in parts or is_quantized(tensor):
+                            tensor = _dequantized(tensor, parts.get(name), quant, label)
                         if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
                             _untie_if_different(model, params, pname, tensor, round_to, model_dir)
                         _copy(params[pname], where, tensor, args, round_to, label)
