@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.engine.fairness import SCHEDULING_POLICIES
-from tierlm.kv.policies import DEFAULT_POLICY, OFFLINE_POLICIES, POLICIES
+from tierlm.kv.policies import DEFAULT_POLICY, MIN_POLICY_HISTORY, OFFLINE_POLICIES, POLICIES
 from tierlm.kv.tiers import block_count, lower_scheme, parse_capacity, redact_url, url_cut_short
 from tierlm.models.kv_dtype import check_kv_cache_dtype
 from tierlm.models.kv_scales import check_kv_cache_scales
@@ -17,7 +17,6 @@ from tierlm.models.kv_scales import check_kv_cache_scales
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 DEFAULT_BLOCK_SIZE = 16
-MIN_POLICY_HISTORY = 1024  # kv_policy_history's floor: fewer records leave a policy too little to learn from
 
 
 @dataclass

@@ -292,3 +292,46 @@ def test_partitions_of_tenants_sharing_prefixes_over_lower_tiers_keep_counts_and
         while solo.has_unfinished():
             solo.step()
         assert r.output_token_ids == alone.output_token_ids
+
+
+@pytest.mark.parametrize("share", [0.15, None])
+def test_a_tenants_partition_of_the_host_tier_keeps_its_prefix_through_a_flood(llama_dir, share):
+    """The tenant's share of the device (9 of 64 blocks) holds less than its 12-block prefix, so
+    the rest goes down to the host tier. Another tenant's flood turns the device and the host
+    tier over. Before, the host tier ranked every tenant's blocks together: the prefix's last 3
+    blocks went with the flood, and a hit found 72 of its 96 tokens. With a `kv_cache_share`,
+    the host tier keeps the tenant's blocks in a partition of its own (14 of 96 blocks), and a
+    hit reads the whole prefix back: the tokens a cold run gives. Without one, nothing is left."""
+    eng = _engine(llama_dir, "fair", eviction_policy="lru", kv_host_capacity="96 blocks", kv_tier_policy="lru")
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefix = [_rng.randrange(5, 250) for _ in range(96)]  # 12 blocks of 8
+
+    def gold(tail: list[int]):
+        req = eng.add_request({"prompt_token_ids": prefix + tail}, greedy, tenant_id="gold", cache_salt="g",
+                              kv_cache_share=share)
+        _run(eng, [], lambda: None)
+        return req
+
+    gold([1, 2, 3, 4])
+    for _ in range(48):  # 48 x 8 blocks: through the 64-block pool and the 96-block host tier, four times
+        eng.add_request({"prompt_token_ids": [_rng.randrange(5, 250) for _ in range(60)]}, greedy,
+                        tenant_id="flood", cache_salt="f")
+    _run(eng, [], lambda: None)
+    host = eng.kv.store.tiers[0]
+    assert host.stats.evictions > 96  # (the flood did turn the host tier over)
+    _check_tier_partitions(host)
+    again = gold([9, 8, 7, 6])
+    assert again.num_cached_tokens == (96 if share is not None else 0)
+    fresh = _engine(llama_dir, "fair")
+    cold = fresh.add_request({"prompt_token_ids": prefix + [9, 8, 7, 6]}, greedy)
+    _run(fresh, [], lambda: None)
+    assert again.output_token_ids == cold.output_token_ids
+
+
+def _check_tier_partitions(tier) -> None:
+    """A tier's partition counts and policies against the blocks it holds."""
+    for key, part in tier.partitions.items():
+        owned = [h for h, owner in tier.owners.items() if owner == key]
+        assert part.evictable == len(owned) == len(part.policy) and all(h in part.policy for h in owned)
+    assert len(tier.policy) == len(tier.parents) - len(tier.owners)
+    assert all(h in tier.parents for h in tier.owners)

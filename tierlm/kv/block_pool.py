@@ -41,11 +41,11 @@ class Partition:
 
     policy: EvictionPolicy
     cap: int  # blocks it keeps cached safe from other tenants' traffic; past it, its own go first
-    evictable: int = 0  # its cached blocks that no running request holds
+    evictable: int = 0  # its blocks that may go: cached ones no running request holds (in a tier: all)
     order: int = 0  # partitions made before it: of two as full, the first made gives
 
 
-class _Givers:
+class Givers:
     """Where each victim of one `_take` comes from (None: the shared blocks): a partition past its
     cap (the furthest past), else the shared blocks, else the partition fullest for its cap; ties
     go to the partition made first. Kept in heaps, an entry stale once its partition's count
@@ -87,12 +87,12 @@ class _Givers:
 
 
 def _past(key: str, part: Partition) -> tuple[int, int, str, int]:
-    """`_Givers`' entry for a partition past its cap: the furthest past first."""
+    """`Givers`' entry for a partition past its cap: the furthest past first."""
     return part.cap - part.evictable, part.order, key, part.evictable
 
 
 def _fill(key: str, part: Partition) -> tuple[float, int, str, int]:
-    """`_Givers`' entry for a partition by how full it is for its cap: the fullest first."""
+    """`Givers`' entry for a partition by how full it is for its cap: the fullest first."""
     return -part.evictable / part.cap, part.order, key, part.evictable
 
 
@@ -151,9 +151,9 @@ class BlockPool:
 
     def _take(self, n: int) -> list[KVBlock]:
         """`n` cached, unreferenced blocks out of the cache, in the policy's order (a chain's
-        tail before its head); with partitions, from the one `_Givers` names each time."""
+        tail before its head); with partitions, from the one `Givers` names each time."""
         victims = []
-        givers = _Givers(self.partitions, self._num_evictable) if self.partitions else None
+        givers = Givers(self.partitions, self._num_evictable) if self.partitions else None
         for _ in range(n):
             part = givers.next() if givers is not None else None
             policy = self.policy if part is None else part.policy

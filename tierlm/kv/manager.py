@@ -116,6 +116,8 @@ class KVCacheManager:
         share = req.kv_cache_share
         if share is None:
             return None
+        if self.store is not None:  # and the host tier's, which takes what leaves the device's
+            self.store.partition(req.tenant_id or "", share)
         return self.pool.partition(req.tenant_id or "", share)
 
     def _device_prefix(self, req) -> tuple[list[bytes], list[KVBlock], int]:
@@ -140,7 +142,7 @@ class KVCacheManager:
         for blk, data in zip(blocks, self.io.read([blk.block_id for blk in blocks])):
             self.stats.demoted_blocks += 1
             self.stats.demoted_bytes += nbytes(data)
-            self.store.demote(blk.block_hash, blk.parent_hash, data, hint=blk.output_tokens)
+            self.store.demote(blk.block_hash, blk.parent_hash, data, hint=blk.output_tokens, owner=blk.owner)
 
     def prefetch(self, req) -> None:
         """On arrival: start reading the part of `req`'s prefix that is below the device (disk,

@@ -1393,6 +1393,7 @@ SAMPLED_POLICIES: list[str] = [n for n in POLICIES
 #: where popularity, not age, predicts reuse. "gittins" is the single-expert variant; "arc" the
 #: cheap one (O(log n) victims, no history) and the best on the synthetic trace at 16k blocks.
 DEFAULT_POLICY = "duel"
+MIN_POLICY_HISTORY = 1024  # kv_policy_history's floor: fewer records leave a policy too little to learn from
 
 
 def make_policy(name: str, history: int | None = None, **kwargs: object) -> EvictionPolicy:

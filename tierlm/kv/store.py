@@ -186,17 +186,24 @@ class TieredStore:
 
     # -- writes ----------------------------------------------------------------------------
     def demote(self, h: bytes, parent: bytes | None, data: torch.Tensor, start: int = 0,
-               hint: int | None = None) -> None:
+               hint: int | None = None, owner: str | None = None) -> None:
         """Store a block evicted from the level above `start` (0 = the device), with the output
-        length of the last finished request that used it (`hint`), when known."""
+        length of the last finished request that used it (`hint`), when known, from the device
+        pool's cache partition `owner` (kept in the host tier's partition of that tenant)."""
         if start >= len(self.tiers):
             return
         tier = self.tiers[start]
         if start == 0 and isinstance(tier, HostTier):
-            for evicted in tier.put(h, parent, data, hint):
+            for evicted in tier.put(h, parent, data, hint, owner):
                 self._enqueue(("put", *evicted, 1))
         else:
             self._enqueue(("put", h, parent, data, hint, start))
+
+    def partition(self, tenant: str, share: float) -> None:
+        """`tenant`'s cache partition of the host tier (the first, when there is one), for `share`
+        of it, as the device pool has one (tiers.py `partition`); the lower tiers have none."""
+        if self.tiers and isinstance(self.tiers[0], HostTier):
+            self.tiers[0].partition(tenant, share)
 
     def write_through_block(self, h: bytes, parent: bytes | None, data: torch.Tensor) -> None:
         """Write a freshly computed block through to Redis (so peers can hit it) and, if asked

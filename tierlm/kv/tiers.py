@@ -37,7 +37,8 @@ import torch
 
 from tierlm.errors import KVTierError
 from tierlm.files import read_regular
-from tierlm.kv.policies import DEFAULT_POLICY, make_policy
+from tierlm.kv.block_pool import Givers, Partition
+from tierlm.kv.policies import DEFAULT_POLICY, MIN_POLICY_HISTORY, EvictionPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +356,9 @@ class _CapacityTier:
         # Entries below one found damaged: stored again, not kept, when their block comes down
         # again (see _suspect_below)
         self._suspect: set[bytes] = set()
+        self.partitions: dict[str, Partition] = {}  # tenants' cache partitions (`partition`)
+        self.owners: dict[bytes, str] = {}  # stored block -> its partition (absent: the shared blocks)
+        self._kids: dict[bytes | None, set[bytes]] = {}  # parent -> stored children, while partitions exist
 
     @property
     def where(self) -> str:
@@ -377,8 +381,10 @@ class _CapacityTier:
     def __len__(self) -> int:
         return len(self.parents)
 
-    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None) -> list[Demoted]:
-        """Store a block; returns what had to be evicted to make room (to demote further)."""
+    def put(self, h: bytes, parent: bytes | None, data: torch.Tensor, hint: int | None = None,
+            owner: str | None = None) -> list[Demoted]:
+        """Store a block (from tenant partition `owner`'s side, if any: see `partition`); returns
+        what had to be evicted to make room (to demote further)."""
         if self.capacity <= 0:
             return [(h, parent, data, hint)]
         evicted: list[Demoted] = []
@@ -392,11 +398,12 @@ class _CapacityTier:
             if h in self.parents:
                 if hint is not None and hint != self.hints.get(h):
                     self._rehint(h, parent, data, hint)
-                self.policy.access(h, parent, self.clock)
+                self._adopt(h, parent, owner)
+                self.policy_of(h).access(h, parent, self.clock)
                 self._hint(h, hint)
                 return []
             while len(self.parents) >= self.capacity:
-                victim = self.policy.victim()
+                victim = self._victim()
                 if victim is None:
                     break
                 taken = self.take(victim)
@@ -414,7 +421,8 @@ class _CapacityTier:
                                 "directory", self.where, e, self.stats.errors, WRITE_WARN_EVERY_S)
                 return evicted + [(h, parent, data, hint)]
             self.parents[h] = parent
-            self.policy.access(h, parent, self.clock)
+            self._own(h, parent, owner)
+            self.policy_of(h).access(h, parent, self.clock)
             self._hint(h, hint)
             self.stats.count(stores=1, bytes_in=data.numel() * data.element_size())
         return evicted
@@ -449,7 +457,7 @@ class _CapacityTier:
             self._shrunk = True
             self._wanted = self._wanted or self.capacity
             self.capacity = held
-        victim = self.policy.victim()
+        victim = self._victim()
         if victim is None:
             return False
         taken = self.take(victim)
@@ -492,9 +500,9 @@ class _CapacityTier:
             if h in self.parents:  # else evicted meanwhile: the bytes read are still this block's
                 if self.auto_tick:
                     self._ticks += 1
-                self.policy.access(h, self.parents[h], self.clock)
+                self.policy_of(h).access(h, self.parents[h], self.clock)
                 if hint is not None:
-                    self.policy.finished([h], hint)
+                    self.policy_of(h).finished([h], hint)
             self.stats.count(hits=1, bytes_out=data.numel() * data.element_size())
             return data
 
@@ -555,7 +563,7 @@ class _CapacityTier:
     def _hint(self, h: bytes, hint: int | None) -> None:
         if hint is not None:
             self.hints[h] = hint
-            self.policy.finished([h], hint)
+            self.policy_of(h).finished([h], hint)
 
     def hint_of(self, h: bytes) -> int | None:
         with self.lock:
@@ -579,10 +587,83 @@ class _CapacityTier:
     def _drop(self, h: bytes) -> bytes | None:
         self.hints.pop(h, None)
         self._suspect.discard(h)
-        if h in self.policy:  # not yet, for a disk entry that failed its first read
-            self.policy.remove(h)
+        policy = self.policy_of(h)
+        if h in policy:  # not yet, for a disk entry that failed its first read
+            policy.remove(h)
+        self._disown(h)
         self._erase(h)
         return self.parents.pop(h, None)
+
+    # -- cache partitions (the host tier's: a tenant's `kv_cache_share`, as in block_pool.py) --
+    def partition(self, tenant: str, share: float) -> None:
+        """Make or resize `tenant`'s partition for `share` of the tier: blocks the device demotes
+        from the tenant's own partition are kept here in one, ranked by a policy of its own, safe
+        from other tenants' traffic up to its share (block_pool.py's rule: a partition past its
+        share gives first, then the blocks of tenants without one, then the partition fullest for
+        its share). Else one tenant's flood, turned over on the device, turned the host tier over
+        too, and a partitioned tenant's prefixes the device could not hold went with it."""
+        with self.lock:
+            cap = max(1, int(share * self.capacity))
+            part = self.partitions.get(tenant)
+            if part is None:
+                name, history = self._policy_args
+                history = None if history is None else max(MIN_POLICY_HISTORY, int(share * history))
+                self.partitions[tenant] = Partition(make_policy(name, history=history), cap,
+                                                    order=len(self.partitions))
+            else:
+                part.cap = cap
+
+    def policy_of(self, h: bytes) -> EvictionPolicy:
+        """The policy ranking stored block `h`: its tenant's partition's, or the shared one."""
+        owner = self.owners.get(h)
+        return self.policy if owner is None else self.partitions[owner].policy
+
+    def _own(self, h: bytes, parent: bytes | None, owner: str | None) -> None:
+        """A block just stored: counted in `owner`'s partition when it has one; its parent learns
+        of it while partitions exist (a chain across partitions goes tail first: `_victim`)."""
+        if not self.partitions:
+            return
+        if parent is not None:
+            self._kids.setdefault(parent, set()).add(h)
+        part = self.partitions.get(owner) if owner is not None else None
+        if part is not None:
+            self.owners[h] = owner
+            part.evictable += 1
+
+    def _adopt(self, h: bytes, parent: bytes | None, owner: str | None) -> None:
+        """A stored block of the shared ones comes down again from a partitioned tenant's side:
+        it moves into the tenant's partition (else a prefix that a tenant without a share stored
+        first stays exposed to other tenants' traffic, as on the device)."""
+        if owner is None or owner not in self.partitions or h in self.owners:
+            return
+        if h in self.policy:
+            self.policy.remove(h)
+        self.owners[h] = owner
+        self.partitions[owner].evictable += 1
+
+    def _disown(self, h: bytes) -> None:
+        """`h` leaves the tier: out of its partition's count and its parent's children."""
+        owner = self.owners.pop(h, None)
+        if owner is not None:
+            self.partitions[owner].evictable -= 1
+        parent = self.parents.get(h)
+        kids = self._kids.get(parent)
+        if kids is not None:
+            kids.discard(h)
+            if not kids:
+                del self._kids[parent]
+
+    def _victim(self) -> bytes | None:
+        """The next block to evict: the policy's choice, or with partitions the one the giving
+        partition's policy (or the shared one) picks, walked down to a stored child first (each
+        policy sees only the children it ranks; a parent gone first strands them)."""
+        if not self.partitions:
+            return self.policy.victim()
+        part = Givers(self.partitions, len(self.parents)).next()
+        key = (self.policy if part is None else part.policy).victim()
+        while key is not None and (kid := next(iter(self._kids.get(key, ())), None)) is not None:
+            key = kid
+        return key
 
     def close(self, timeout: float | None = None) -> None:
         """Release what the tier holds outside this process (nothing, unless overridden), waiting
