@@ -170,11 +170,11 @@ def test_checkpoints_that_would_load_as_garbage_are_refused_by_name(case, tmp_pa
 
 
 def _compressed_group(kind: str, bits: int, strategy: str, symmetric: bool = True, group: int | None = None,
-                      block: list[int] | None = None, static_inputs: bool = False) -> dict:
+                      block: list[int] | None = None, static_inputs: bool = False, int8_inputs: bool = False) -> dict:
     weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False,
                "group_size": group, "block_structure": block, "actorder": None}
     inputs = {"num_bits": 8, "type": kind, "strategy": "tensor" if static_inputs else "token", "symmetric": True,
-              "dynamic": not static_inputs} if bits == 8 else None
+              "dynamic": not static_inputs} if bits == 8 or int8_inputs else None
     return {"targets": ["Linear"], "weights": weights, "input_activations": inputs, "output_activations": None}
 
 
@@ -264,6 +264,8 @@ COMPRESSED = {
     "w4a16": ("llama", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
     "w4a16_asym": ("qwen2", "pack-quantized", _compressed_group("int", 4, "group", symmetric=False, group=32)),
     "w8a16_tensor": ("granite", "pack-quantized", _compressed_group("int", 8, "tensor")),
+    # W4A8 (4-bit weights, int8 activations): compressed-tensors picks int-quantized, one int8 per 4-bit value
+    "w4a8_int": ("llama", "int-quantized", _compressed_group("int", 4, "group", group=16, int8_inputs=True)),
     "moe_w4a16": ("qwen2_moe", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
     "moe_fp8": ("mixtral", "float-quantized", _compressed_group("float", 8, "channel")),
 }
@@ -272,9 +274,10 @@ COMPRESSED = {
 @pytest.mark.parametrize("case", list(COMPRESSED))
 def test_compressed_tensors_checkpoint_gives_transformers_weights_and_tokens(case, tmp_path):
     """compressed-tensors checkpoints as llm-compressor writes them (FP8 per channel and per
-    block, INT8 with static activation scales, 4-bit groups packed into int32 with and without
-    zero points, 8-bit packed per tensor; bf16 scales): the weights equal what transformers'
-    compressed-tensors decompressor gives, bit for bit, and so do greedy tokens."""
+    block, INT8 with static activation scales, 4-bit ints one per int8 (W4A8), 4-bit groups
+    packed into int32 with and without zero points, 8-bit packed per tensor; bf16 scales): the
+    weights equal what transformers' compressed-tensors decompressor gives, bit for bit, and so
+    do greedy tokens."""
     from transformers import CompressedTensorsConfig
     arch, fmt, group = COMPRESSED[case]
     path = to_compressed_tensors(build_checkpoint(arch, tmp_path / arch), fmt, group)

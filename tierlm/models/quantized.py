@@ -8,11 +8,11 @@ so the same tokens; memory and speed are the unquantized model's (no low-precisi
   is 1 x 1).
 - `quant_method: compressed-tensors` (what llm-compressor writes; RedHat's `-FP8-dynamic`,
   `-quantized.w8a8`, `-quantized.w4a16` models): formats `float-quantized` (float8 weights),
-  `int-quantized` / `naive-quantized` (int8 weights) and `pack-quantized` (ints of 1-8 bits
-  packed into int32 `weight_packed`, with `weight_shape`), each with a `weight_scale` per
-  tensor, output channel, group of input columns or block, and a `weight_zero_point` where
-  asymmetric (packed along the output dimension when the weights are). Products are rounded to
-  the scales' dtype, as compressed-tensors' decompressor rounds them.
+  `int-quantized` / `naive-quantized` (ints of 1-8 bits, an int8 each: W8A8, and W4A8 too) and
+  `pack-quantized` (ints of 1-8 bits packed into int32 `weight_packed`, with `weight_shape`),
+  each with a `weight_scale` per tensor, output channel, group of input columns or block, and a
+  `weight_zero_point` where asymmetric (packed along the output dimension when the weights are).
+  Products are rounded to the scales' dtype, as compressed-tensors' decompressor rounds them.
 Activation scales (`input_scale`: static FP8 / INT8 activations) are for quantized activations,
 which a dequantized model does not use: skipped, as transformers skips them. Other methods
 (GPTQ, AWQ, bitsandbytes, NVFP4, ...) would load as garbage or not at all: refused by name.
@@ -100,8 +100,8 @@ def _compressed_tensors(q: dict, where: str) -> QuantizedWeights | None:
             bits.add(nbits)
         elif fmt != "pack-quantized" and (kind, nbits) == ("float", 8):
             dtypes |= _FLOAT8
-        elif fmt != "pack-quantized" and (kind, nbits) == ("int", 8):
-            dtypes.add(torch.int8)
+        elif fmt != "pack-quantized" and kind == "int" and isinstance(nbits, int) and 1 <= nbits <= 8:
+            dtypes.add(torch.int8)  # one int8 per value whatever its bits (W4A8: int-quantized 4-bit ints)
         else:
             raise _refuse(where, f"{nbits}-bit {kind} weights in format {fmt!r}")
         if strategy == "block":
