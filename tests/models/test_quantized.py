@@ -323,8 +323,9 @@ CT_REFUSED = {
     "float4": (None, _group_edit(type="float"), "4-bit float weights in format 'pack-quantized'"),
     "token_strategy": (None, _group_edit(strategy="token"), "weight strategy 'token'"),
     "no_shape": (lambda t: t.pop(NAME + "_shape"), None, "packed weights without their weight_shape"),
-    "bad_zero_points": (lambda t: t.update({NAME + "_zero_point": torch.zeros(5, dtype=torch.int32)}), None,
-                        f"cannot load tensor '{NAME}_packed' in .* \\(IndexError: .*\\); re-export the checkpoint"),
+    "sparse_24_bitmask": (None, lambda c: c["quantization_config"].update(
+        sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}),
+        "compressed-tensors sparsity format 'sparse-24-bitmask' .*, which tierlm cannot load"),
     "short_words": (lambda t: t.update({NAME + "_packed": t[NAME + "_packed"][:, :3].contiguous()}), None,
                     re.escape("[64, 3] words of 4-bit values cannot hold a [64, 64] weight")),
 }
@@ -340,12 +341,16 @@ def test_compressed_tensors_checkpoints_tierlm_cannot_read_are_refused_by_name(c
         LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
 
 
-def test_a_dense_compressed_tensors_checkpoint_loads_as_it_is(tmp_path):
-    """Format `dense`: the weights are stored unquantized (a scheme for the KV cache only, say)."""
+@pytest.mark.parametrize("config", [
+    {"format": "dense", "config_groups": {}},
+    {"sparsity_config": {"format": "dense", "sparsity_structure": "2:4"}},  # pruned, stored dense: no format
+], ids=["dense", "sparse_stored_dense"])
+def test_a_dense_compressed_tensors_checkpoint_loads_as_it_is(config, tmp_path):
+    """Format `dense`, or a sparsity config stored dense and no quantization: the weights are
+    stored unquantized (a scheme for the KV cache only, a pruned model, say)."""
     path = build_checkpoint("llama", tmp_path / "dense")
     plain = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
-    _edit(path, None, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors",
-                                                              "format": "dense", "config_groups": {}}))
+    _edit(path, None, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", **config}))
     dense = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(5, 30))}

@@ -74,9 +74,14 @@ def _refuse(where: str, what: str) -> ModelLoadError:
 
 
 def _compressed_tensors(q: dict, where: str) -> QuantizedWeights | None:
+    sparsity = q.get("sparsity_config")
+    if isinstance(sparsity, dict) and sparsity.get("format", "dense") != "dense":
+        # 2:4 / bitmask-compressed weights: `weight_compressed` + `weight_bitmask`, nothing to multiply back
+        raise _refuse(where, f"compressed-tensors sparsity format {sparsity['format']!r} (sparse weights stored "
+                             "compressed)")
     fmt = q.get("format")
-    if fmt == "dense":
-        return None  # weights stored unquantized (only the KV cache's scheme, say)
+    if fmt == "dense" or (fmt is None and not q.get("config_groups")):
+        return None  # weights stored unquantized (only the KV cache's scheme, or sparsity stored dense, say)
     if fmt not in _FORMATS:
         raise _refuse(where, f"compressed-tensors format {fmt!r}")
     if q.get("quantization_status", "compressed") != "compressed":
