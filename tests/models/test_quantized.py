@@ -355,3 +355,22 @@ def test_a_dense_compressed_tensors_checkpoint_loads_as_it_is(config, tmp_path):
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(5, 30))}
     assert dense.generate(prompt, sp)[0].outputs[0].token_ids == plain.generate(prompt, sp)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fmt,group", [("pack-quantized", _compressed_group("int", 4, "group", group=16)),
+                                       ("float-quantized", _compressed_group("float", 8, "channel"))],
+                         ids=["w4a16", "fp8"])
+def test_the_memory_estimate_is_the_dequantized_models_size(fmt, group, tmp_path, monkeypatch):
+    """What resolve_compute_dtype weighs (the float32 upcast: does it fit?) is the model's size
+    once loaded, as for an unquantized checkpoint: not the file scaled by 16 / bits, which counts
+    the bf16 embeddings and lm_head (a fifth of an 8B model, most of a tiny one) 4 times over in a
+    4-bit checkpoint, and the scales as weights."""
+    import tierlm.models.loader as loader
+    path = build_checkpoint("llama", tmp_path / "m")
+    want = sum(t.numel() for t in load_file(path / "model.safetensors").values()) * 2  # bf16, as loaded
+    to_compressed_tensors(path, fmt, group)
+    seen = []
+    real = loader.resolve_compute_dtype
+    monkeypatch.setattr(loader, "resolve_compute_dtype", lambda *a: seen.append(a[3]) or real(*a))
+    LLM(str(path), dtype="bfloat16", kv_cache_memory=4 << 20, load_progress=False)
+    assert seen == [want]

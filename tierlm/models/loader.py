@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -273,9 +274,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     quant = quantization_of(cfg, str(model_dir))
     kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
-    weight_bytes = sum(f.stat().st_size for f in files)
-    if quant is not None:  # `bits` per weight on disk (scales aside); the dtype's size once loaded
-        weight_bytes = weight_bytes * 8 * torch.empty((), dtype=kv_dtype).element_size() // quant.bits
+    weight_bytes = (_dequantized_bytes(files, quant, kv_dtype) if quant is not None
+                    else sum(f.stat().st_size for f in files))
     torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device, weight_bytes)
     parts = _quantized_parts(files) if quant is not None else {}
     max_positions = max_positions or args.max_position_embeddings
@@ -373,6 +373,23 @@ def _quantized_parts(files: list[Path]) -> dict[str, dict[str, torch.Tensor]]:
                 if (found := part_of(name)) is not None:
                     parts.setdefault(found[0], {})[found[1]] = st.get_tensor(name)
     return parts
+
+
+def _dequantized_bytes(files: list[Path], quant: QuantizedWeights, dtype: torch.dtype) -> int:
+    """A quantized checkpoint's weights once loaded in `dtype`, from the files' headers: each
+    value at `dtype`'s size, `32 / bits` of them per packed int32 word. Not the file size
+    scaled by bits: its unquantized tensors (embeddings, lm_head, norms) load at their size, and
+    scales, zero points and activation scales not at all."""
+    values = 0
+    for f in files:
+        with _weights_file(f) as st:
+            for name in st.keys():
+                if part_of(name) is not None or is_activation_scale(name):
+                    continue
+                view = st.get_slice(name)
+                numel = math.prod(view.get_shape())
+                values += numel * 32 // quant.bits if name.endswith(PACKED_SUFFIX) else numel
+    return values * torch.empty((), dtype=dtype).element_size()
 
 
 def _dequantized(tensor: torch.Tensor, parts: dict[str, torch.Tensor] | None, quant: QuantizedWeights | None,
