@@ -374,3 +374,18 @@ def test_the_memory_estimate_is_the_dequantized_models_size(fmt, group, tmp_path
     monkeypatch.setattr(loader, "resolve_compute_dtype", lambda *a: seen.append(a[3]) or real(*a))
     LLM(str(path), dtype="bfloat16", kv_cache_memory=4 << 20, load_progress=False)
     assert seen == [want]
+
+
+def test_fp8_scales_stored_as_e8m0_exponents_are_powers_of_two(tmp_path):
+    """MXFP8 checkpoints store each block's scale as a uint8 exponent e (scale 2^(e - 127)), as
+    transformers reads them; multiplying by the byte itself made weights hundreds of times too large."""
+    path = to_fp8(build_checkpoint("llama", tmp_path / "e8m0"))
+    _edit(path, lambda t: t.update({n: (torch.log2(s).round() + 127).to(torch.uint8)
+                                    for n, s in list(t.items()) if n.endswith("_scale_inv")}))
+    hf = _auto("llama").from_pretrained(str(path)).eval()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False, cpu_linear="plain")
+    ours = llm.engine.runner.model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(ours, hf.model.layers[0].self_attn.o_proj.weight)
+    prompt = list(range(5, 40))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 10)

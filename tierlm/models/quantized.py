@@ -5,7 +5,7 @@ loads, as transformers does where it has no kernels for them (`dequantize`): the
 so the same tokens; memory and speed are the unquantized model's (no low-precision GEMMs).
 - `quant_method: fp8` (Qwen3's `-FP8` models, DeepSeek): float8 weights, a float32
   `weight_scale_inv` per block of `weight_block_size` (one for the whole tensor where the grid
-  is 1 x 1).
+  is 1 x 1; uint8 ones are MXFP8's E8M0 exponents).
 - `quant_method: compressed-tensors` (what llm-compressor writes; RedHat's `-FP8-dynamic`,
   `-quantized.w8a8`, `-quantized.w4a16` models): formats `float-quantized` (float8 weights),
   `int-quantized` / `naive-quantized` (ints of 1-8 bits, an int8 each: W8A8, and W4A8 too) and
@@ -178,6 +178,8 @@ def dequantize(weight: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Quanti
         if zero.dtype == torch.int32 and weight.dtype == torch.int32:  # packed along the rows
             zero = unpack_int32(zero.transpose(-1, -2).contiguous(), fmt.bits, w.shape[-2]).transpose(-1, -2)
         w = w - _spread(zero.to(torch.float32), w.shape, fmt, f"{label}'s zero points")
+    if scales.dtype == torch.uint8:  # E8M0 exponents (MXFP8), as transformers reads them: not multipliers
+        scales = (scales.to(torch.float32) - 127).exp2()
     out = w * _spread(scales.to(torch.float32), w.shape, fmt, f"{label}'s scales")
     if fmt.round_to_scale and scales.dtype.is_floating_point:
         out = out.to(scales.dtype).to(torch.float32)
