@@ -195,56 +195,70 @@ def _scales_of(w: torch.Tensor, args: dict, top: float) -> torch.Tensor:
     return m.clamp(min=1e-6) / top
 
 
-def to_compressed_tensors(path: Path, fmt: str, group: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
+def to_compressed_tensors(path: Path, fmt: str, group: dict, dtype: torch.dtype = torch.bfloat16,
+                          experts: tuple[str, dict] | None = None) -> Path:
     """Rewrite `path` as compressed-tensors would save it (llm-compressor's output): linear
     weights quantized per `group`'s weight args (packed into int32 with compressed-tensors' own
     packer for `pack-quantized`), scales in `dtype` (the model's, which the rest is cast to);
-    routers and lm_head left unquantized, as recipes ignore them."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    args = group["weights"]
-    bits, kind = args["num_bits"], args["type"]
+    routers and lm_head left unquantized, as recipes ignore them. `experts`: the MoE experts'
+    own (format, group), a `mixed-precision` checkpoint (Kimi's FP8 attention, INT4 experts)."""
     out = {}
     for name, w in load_file(path / "model.safetensors").items():
         if not _LINEAR.match(name):
             out[name] = w.to(dtype)
-            continue
-        stem = name[:-len(".weight")]
-        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-        if kind == "float":
-            s = _scales_of(w, args, 448.0).to(dtype)
-            q = (w / _expand(s.float(), w.shape)).to(torch.float8_e4m3fn)
-            zp = None
-        elif args["symmetric"]:
-            s = _scales_of(w, args, float(hi)).to(dtype)
-            q = torch.round(w / _expand(s.float(), w.shape)).clamp(lo, hi).to(torch.int8)
-            zp = None
-        else:  # asymmetric: the group's [min, max] onto [lo, hi]
-            r, c = w.shape
-            g = args["group_size"]
-            mn, mx = w.reshape(r, c // g, g).amin(-1).clamp(max=0), w.reshape(r, c // g, g).amax(-1).clamp(min=0)
-            s = ((mx - mn) / (hi - lo)).clamp(min=1e-6).to(dtype)
-            zp = (lo - torch.round(mn / s.float())).clamp(lo, hi).to(torch.int8)
-            q = torch.round(w / _expand(s.float(), w.shape) + _expand(zp.float(), w.shape)).clamp(lo, hi).to(torch.int8)
-        if fmt == "pack-quantized":
-            out[stem + ".weight_packed"] = pack_to_int32(q, bits)
-            out[stem + ".weight_shape"] = torch.tensor(w.shape)
         else:
-            out[name] = q
-        out[stem + ".weight_scale"] = s
-        if zp is not None:
-            out[stem + ".weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0) if fmt == "pack-quantized" else zp
-        if group["input_activations"] is not None and not group["input_activations"]["dynamic"]:
-            out[stem + ".input_scale"] = torch.tensor([0.02], dtype=dtype)
+            out.update(_compressed(name[:-len(".weight")], w, *(experts if experts and ".experts." in name
+                                                                  else (fmt, group)), dtype))
     (path / "model.safetensors").unlink()
     save_file(out, path / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
+    groups = {"group_0": group}
+    if experts is not None:
+        groups = {"group_0": {**group, "format": fmt},
+                  "group_1": {**experts[1], "targets": ["re:.*experts.*"], "format": experts[0]}}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                  "format": fmt if experts is None else "mixed-precision",
                                   "quantization_status": "compressed", "kv_cache_scheme": None,
                                   "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"],
-                                  "config_groups": {"group_0": group}}
+                                  "config_groups": groups}
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+def _compressed(stem: str, w: torch.Tensor, fmt: str, group: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weight `stem`.weight's tensors as compressed-tensors saves them."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    args = group["weights"]
+    bits, kind = args["num_bits"], args["type"]
+    out = {}
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if kind == "float":
+        s = _scales_of(w, args, 448.0).to(dtype)
+        q = (w / _expand(s.float(), w.shape)).to(torch.float8_e4m3fn)
+        zp = None
+    elif args["symmetric"]:
+        s = _scales_of(w, args, float(hi)).to(dtype)
+        q = torch.round(w / _expand(s.float(), w.shape)).clamp(lo, hi).to(torch.int8)
+        zp = None
+    else:  # asymmetric: the group's [min, max] onto [lo, hi]
+        r, c = w.shape
+        g = args["group_size"]
+        mn, mx = w.reshape(r, c // g, g).amin(-1).clamp(max=0), w.reshape(r, c // g, g).amax(-1).clamp(min=0)
+        s = ((mx - mn) / (hi - lo)).clamp(min=1e-6).to(dtype)
+        zp = (lo - torch.round(mn / s.float())).clamp(lo, hi).to(torch.int8)
+        q = torch.round(w / _expand(s.float(), w.shape) + _expand(zp.float(), w.shape)).clamp(lo, hi).to(torch.int8)
+    if fmt == "pack-quantized":
+        out[stem + ".weight_packed"] = pack_to_int32(q, bits)
+        out[stem + ".weight_shape"] = torch.tensor(w.shape)
+    else:
+        out[stem + ".weight"] = q
+    out[stem + ".weight_scale"] = s
+    if zp is not None:
+        out[stem + ".weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0) if fmt == "pack-quantized" else zp
+    if group["input_activations"] is not None and not group["input_activations"]["dynamic"]:
+        out[stem + ".input_scale"] = torch.tensor([0.02], dtype=dtype)
+    return out
 
 
 def _expand(s: torch.Tensor, shape) -> torch.Tensor:
@@ -268,6 +282,8 @@ COMPRESSED = {
     "w4a8_int": ("llama", "int-quantized", _compressed_group("int", 4, "group", group=16, int8_inputs=True)),
     "moe_w4a16": ("qwen2_moe", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
     "moe_fp8": ("mixtral", "float-quantized", _compressed_group("float", 8, "channel")),
+    "moe_mixed_fp8_int4": ("qwen2_moe", "float-quantized", _compressed_group("float", 8, "channel"),
+                           ("pack-quantized", _compressed_group("int", 4, "group", group=16))),
 }
 
 
@@ -275,12 +291,12 @@ COMPRESSED = {
 def test_compressed_tensors_checkpoint_gives_transformers_weights_and_tokens(case, tmp_path):
     """compressed-tensors checkpoints as llm-compressor writes them (FP8 per channel and per
     block, INT8 with static activation scales, 4-bit ints one per int8 (W4A8), 4-bit groups
-    packed into int32 with and without zero points, 8-bit packed per tensor; bf16 scales): the
-    weights equal what transformers' compressed-tensors decompressor gives, bit for bit, and so
-    do greedy tokens."""
+    packed into int32 with and without zero points, 8-bit packed per tensor, FP8 attention beside
+    INT4 experts (mixed-precision); bf16 scales): the weights equal what transformers'
+    compressed-tensors decompressor gives, bit for bit, and so do greedy tokens."""
     from transformers import CompressedTensorsConfig
-    arch, fmt, group = COMPRESSED[case]
-    path = to_compressed_tensors(build_checkpoint(arch, tmp_path / arch), fmt, group)
+    arch, fmt, group, *experts = COMPRESSED[case]
+    path = to_compressed_tensors(build_checkpoint(arch, tmp_path / arch), fmt, group, experts=next(iter(experts), None))
     hf = _auto(arch).from_pretrained(str(path), dtype=torch.float32,
                                      quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     with torch.no_grad():  # in the checkpoint's dtype, as its weights are (dense layers' already are: transformers
@@ -315,6 +331,10 @@ def _group_edit(**weights):
 CT_REFUSED = {
     "nvfp4": (None, lambda c: c["quantization_config"].update(format="nvfp4-pack-quantized"),
               "compressed-tensors format 'nvfp4-pack-quantized', which tierlm cannot load"),
+    "mixed_nvfp4_group": (None, lambda c: (c["quantization_config"].update(format="mixed-precision"),
+                                           c["quantization_config"]["config_groups"]["group_0"].update(
+                                               format="nvfp4-pack-quantized")),
+                          "format 'nvfp4-pack-quantized' of a mixed-precision group, which tierlm cannot load"),
     "frozen": (None, lambda c: c["quantization_config"].update(quantization_status="frozen"),
                "weights in status 'frozen', not 'compressed'"),
     "actorder_group": (None, _group_edit(actorder="group"), "activation-ordered groups"),

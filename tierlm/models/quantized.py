@@ -13,6 +13,7 @@ so the same tokens; memory and speed are the unquantized model's (no low-precisi
   each with a `weight_scale` per tensor, output channel, group of input columns or block, and a
   `weight_zero_point` where asymmetric (packed along the output dimension when the weights are).
   Products are rounded to the scales' dtype, as compressed-tensors' decompressor rounds them.
+  `mixed-precision`: config groups of these formats, each weight read as what it is stored as.
 Activation scales (`input_scale`: static FP8 / INT8 activations) are for quantized activations,
 which a dequantized model does not use: skipped, as transformers skips them. Other methods
 (GPTQ, AWQ, bitsandbytes, NVFP4, ...) would load as garbage or not at all: refused by name.
@@ -33,6 +34,7 @@ _ACTIVATION_SCALES = (".input_scale", ".input_zero_point", ".activation_scale")
 _FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 _STRATEGIES = ("tensor", "channel", "group", "block")
 _FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
+_MIXED = "mixed-precision"  # groups of different formats
 _REEXPORT = "re-export the checkpoint"
 
 
@@ -82,19 +84,23 @@ def _compressed_tensors(q: dict, where: str) -> QuantizedWeights | None:
     fmt = q.get("format")
     if fmt == "dense" or (fmt is None and not q.get("config_groups")):
         return None  # weights stored unquantized (only the KV cache's scheme, or sparsity stored dense, say)
-    if fmt not in _FORMATS:
+    if fmt not in _FORMATS and fmt != _MIXED:
         raise _refuse(where, f"compressed-tensors format {fmt!r}")
     if q.get("quantization_status", "compressed") != "compressed":
         raise _refuse(where, f"compressed-tensors weights in status {q.get('quantization_status')!r}, not "
                              "'compressed'")
     groups = q.get("config_groups")
-    weights = [g.get("weights") for g in groups.values() if isinstance(g, dict) and g.get("weights")] \
-        if isinstance(groups, dict) else []
+    # (format, weight args) per group; `mixed-precision`: each group says its own (Kimi: FP8 attention, INT4
+    # experts), and a weight's dtype says which it is (float8, int8, packed int32)
+    weights = [(g.get("format") if fmt == _MIXED else fmt, g.get("weights")) for g in groups.values()
+               if isinstance(g, dict) and g.get("weights")] if isinstance(groups, dict) else []
     if not weights:
         raise ModelLoadError(f"{where}: quantization_config has no config_groups with weights; {_REEXPORT}")
     dtypes: set[torch.dtype] = set()
     bits, blocks = set(), set()
-    for w in weights:
+    for fmt, w in weights:
+        if fmt not in _FORMATS:
+            raise _refuse(where, f"compressed-tensors format {fmt!r} of a {_MIXED} group")
         kind, nbits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
         if strategy not in _STRATEGIES:
             raise _refuse(where, f"weight strategy {strategy!r}")
@@ -112,7 +118,7 @@ def _compressed_tensors(q: dict, where: str) -> QuantizedWeights | None:
         if strategy == "block":
             blocks.add(_block(w.get("block_structure"), where, "block_structure"))
     if len(bits) > 1 or len(blocks) > 1:
-        raise _refuse(where, "groups of weights quantized with different bit widths or blocks")
+        raise _refuse(where, "groups of weights packed with different bit widths or quantized in different blocks")
     return QuantizedWeights("compressed-tensors", "weight_scale", frozenset(dtypes), next(iter(blocks), None),
                             next(iter(bits), 8), round_to_scale=True)
 
