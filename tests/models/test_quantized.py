@@ -346,6 +346,11 @@ CT_REFUSED = {
     "sparse_24_bitmask": (None, lambda c: c["quantization_config"].update(
         sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}),
         "compressed-tensors sparsity format 'sparse-24-bitmask' .*, which tierlm cannot load"),
+    # zero points whose words cannot hold a row each: unpacked short, they spread as a smaller grid over other blocks
+    "zero_points_short": (lambda t: t.update({NAME + "_zero_point": torch.zeros(1, 4, dtype=torch.int32)}), None,
+                          re.escape("zero points [1, 4] are not 64 rows of 4-bit values packed into int32 words")),
+    "zero_points_flat": (lambda t: t.update({NAME + "_zero_point": torch.zeros(1, dtype=torch.int32)}), None,
+                         re.escape("zero points [1] are not 64 rows")),
     "short_words": (lambda t: t.update({NAME + "_packed": t[NAME + "_packed"][:, :3].contiguous()}), None,
                     re.escape("[64, 3] words of 4-bit values cannot hold a [64, 64] weight")),
 }

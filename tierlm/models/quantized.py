@@ -182,6 +182,10 @@ def dequantize(weight: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Quanti
     zero = parts.get("zero_point")
     if zero is not None:
         if zero.dtype == torch.int32 and weight.dtype == torch.int32:  # packed along the rows
+            if zero.dim() < 2 or zero.shape[-2] != -(-w.shape[-2] * fmt.bits // 32):
+                # (fewer words would unpack into a smaller grid of zero points, spread over other blocks)
+                raise ModelLoadError(f"{label}: zero points {list(zero.shape)} are not {w.shape[-2]} rows of "
+                                     f"{fmt.bits}-bit values packed into int32 words; {_REEXPORT}")
             zero = unpack_int32(zero.transpose(-1, -2).contiguous(), fmt.bits, w.shape[-2]).transpose(-1, -2)
         w = w - _spread(zero.to(torch.float32), w.shape, fmt, f"{label}'s zero points")
     if scales.dtype == torch.uint8:  # E8M0 exponents (MXFP8), as transformers reads them: not multipliers
