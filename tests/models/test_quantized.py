@@ -414,3 +414,21 @@ def test_fp8_scales_stored_as_e8m0_exponents_are_powers_of_two(tmp_path):
     prompt = list(range(5, 40))
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 10)
+
+
+def test_fp8_kv_cache_scales_load_beside_quantized_weights(tmp_path):
+    """llm-compressor's FP8 weights with a kv_cache_scheme: the weights dequantize as without it
+    and each layer's k_scale / v_scale reach the fp8 KV cache (models/kv_scales.py)."""
+    path = to_compressed_tensors(build_checkpoint("llama", tmp_path / "kv"), "float-quantized",
+                                 _compressed_group("float", 8, "channel"))
+    given = [(0.05, 0.03), (0.1, 0.02)]
+    _edit(path, lambda t: t.update({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(s)
+                                    for i, pair in enumerate(given) for n, s in zip("kv", pair)}),
+          lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                                     "dynamic": False, "symmetric": True}))
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, load_progress=False, cpu_linear="plain")
+    fp8 = LLM(str(path), kv_cache_dtype="fp8", kv_cache_scales="checkpoint", **kw)
+    assert fp8.engine.kv_scales == [(float(torch.tensor(k)), float(torch.tensor(v))) for k, v in given]
+    plain = LLM(str(path), **kw)
+    assert torch.equal(fp8.engine.runner.model.layers[0].self_attn.qkv_proj.weight,
+                       plain.engine.runner.model.layers[0].self_attn.qkv_proj.weight)
