@@ -424,8 +424,8 @@ def test_fp8_kv_cache_scales_load_beside_quantized_weights(tmp_path):
     given = [(0.05, 0.03), (0.1, 0.02)]
     _edit(path, lambda t: t.update({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(s)
                                     for i, pair in enumerate(given) for n, s in zip("kv", pair)}),
-          lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                                     "dynamic": False, "symmetric": True}))
+          lambda c: c["quantization_config"].update(kv_cache_scheme={
+              "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}))
     kw = dict(dtype="float32", kv_cache_memory=4 << 20, load_progress=False, cpu_linear="plain")
     fp8 = LLM(str(path), kv_cache_dtype="fp8", kv_cache_scales="checkpoint", **kw)
     assert fp8.engine.kv_scales == [(float(torch.tensor(k)), float(torch.tensor(v))) for k, v in given]
