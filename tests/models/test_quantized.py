@@ -282,6 +282,7 @@ COMPRESSED = {
     "w4a8_int": ("llama", "int-quantized", _compressed_group("int", 4, "group", group=16, int8_inputs=True)),
     "moe_w4a16": ("qwen2_moe", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
     "moe_fp8": ("mixtral", "float-quantized", _compressed_group("float", 8, "channel")),
+    "qwen3_moe_w4a16": ("qwen3_moe", "pack-quantized", _compressed_group("int", 4, "group", group=16)),
     "moe_mixed_fp8_int4": ("qwen2_moe", "float-quantized", _compressed_group("float", 8, "channel"),
                            ("pack-quantized", _compressed_group("int", 4, "group", group=16))),
 }
@@ -299,8 +300,9 @@ def test_compressed_tensors_checkpoint_gives_transformers_weights_and_tokens(cas
     path = to_compressed_tensors(build_checkpoint(arch, tmp_path / arch), fmt, group, experts=next(iter(experts), None))
     hf = _auto(arch).from_pretrained(str(path), dtype=torch.float32,
                                      quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    hf = hf.float()  # (transformers leaves packed experts in the scales' dtype, bf16: computed in it, not in float32)
     with torch.no_grad():  # in the checkpoint's dtype, as its weights are (dense layers' already are: transformers
-        for param in hf.parameters():  # rounds their products to the scales' dtype; it leaves MoE experts' in
+        for param in hf.parameters():  # rounds their products to the scales' dtype; it leaves FP8 experts' in
             param.copy_(param.to(torch.bfloat16))  # the dtype asked for, here float32)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False, cpu_linear="plain")
     ours = llm.engine.runner.model.layers[0]
