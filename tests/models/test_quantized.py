@@ -434,3 +434,19 @@ def test_fp8_kv_cache_scales_load_beside_quantized_weights(tmp_path):
     plain = LLM(str(path), **kw)
     assert torch.equal(fp8.engine.runner.model.layers[0].self_attn.qkv_proj.weight,
                        plain.engine.runner.model.layers[0].self_attn.qkv_proj.weight)
+
+
+def test_serve_refuses_an_unreadable_quantized_checkpoint_in_one_line(tmp_path):
+    """`tierlm serve` on a checkpoint tierlm cannot read: exit status 2 and one error line naming
+    the reason, as for any ModelLoadError, not a traceback or a server that answers garbage."""
+    import subprocess
+    import sys
+    from tests.serving.test_cli import free_port
+    path = to_compressed_tensors(build_checkpoint("llama", tmp_path / "nvfp4"), "pack-quantized",
+                                 _compressed_group("int", 4, "group", group=16))
+    _edit(path, None, CT_REFUSED["nvfp4"][1])
+    proc = subprocess.run([sys.executable, "-m", "tierlm.cli", "serve", str(path), "--device", "cpu", "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert "compressed-tensors format 'nvfp4-pack-quantized', which tierlm cannot load" in proc.stderr
