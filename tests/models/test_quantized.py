@@ -220,6 +220,7 @@ def to_compressed_tensors(path: Path, fmt: str, group: dict, dtype: torch.dtype 
     cfg["quantization_config"] = {"quant_method": "compressed-tensors",
                                   "format": fmt if experts is None else "mixed-precision",
                                   "quantization_status": "compressed", "kv_cache_scheme": None,
+                                  "sparsity_config": {}, "transform_config": {},  # (as compressed-tensors writes)
                                   "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"],
                                   "config_groups": groups}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -353,6 +354,10 @@ CT_REFUSED = {
                           re.escape("zero points [1, 4] are not 64 rows of 4-bit values packed into int32 words")),
     "zero_points_flat": (lambda t: t.update({NAME + "_zero_point": torch.zeros(1, dtype=torch.int32)}), None,
                          re.escape("zero points [1] are not 64 rows")),
+    "online_transform": (None, lambda c: c["quantization_config"].update(transform_config={"config_groups": {"u": {
+        "type": "random-hadamard", "apply": [{"targets": ["Linear"], "location": "weight_input", "inverse": True},
+                                             {"targets": ["Linear"], "location": "input"}]}}}),
+        "transforms applied at run time .*location 'input'"),
     "short_words": (lambda t: t.update({NAME + "_packed": t[NAME + "_packed"][:, :3].contiguous()}), None,
                     re.escape("[64, 3] words of 4-bit values cannot hold a [64, 64] weight")),
 }
@@ -371,10 +376,13 @@ def test_compressed_tensors_checkpoints_tierlm_cannot_read_are_refused_by_name(c
 @pytest.mark.parametrize("config", [
     {"format": "dense", "config_groups": {}},
     {"sparsity_config": {"format": "dense", "sparsity_structure": "2:4"}},  # pruned, stored dense: no format
-], ids=["dense", "sparse_stored_dense"])
+    {"format": "dense", "transform_config": {"config_groups": {"r1": {"type": "hadamard", "apply": [  # folded in
+        {"targets": ["Linear"], "location": "weight_input"}, {"targets": ["Linear"], "location": "weight_output"}]}}}},
+], ids=["dense", "sparse_stored_dense", "offline_transforms"])
 def test_a_dense_compressed_tensors_checkpoint_loads_as_it_is(config, tmp_path):
     """Format `dense`, or a sparsity config stored dense and no quantization: the weights are
-    stored unquantized (a scheme for the KV cache only, a pruned model, say)."""
+    stored unquantized (a scheme for the KV cache only, a pruned model, say); rotations folded
+    into the weights (SpinQuant's R1, R2) need nothing at run time."""
     path = build_checkpoint("llama", tmp_path / "dense")
     plain = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
     _edit(path, None, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", **config}))

@@ -35,6 +35,7 @@ _FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 _STRATEGIES = ("tensor", "channel", "group", "block")
 _FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 _MIXED = "mixed-precision"  # groups of different formats
+_OFFLINE = ("weight_input", "weight_output")  # transforms folded into the weights (the others rotate activations)
 _REEXPORT = "re-export the checkpoint"
 
 
@@ -81,6 +82,12 @@ def _compressed_tensors(q: dict, where: str) -> QuantizedWeights | None:
         # 2:4 / bitmask-compressed weights: `weight_compressed` + `weight_bitmask`, nothing to multiply back
         raise _refuse(where, f"compressed-tensors sparsity format {sparsity['format']!r} (sparse weights stored "
                              "compressed)")
+    transforms = q.get("transform_config") or {}
+    online = [a.get("location") for g in (transforms.get("config_groups") or {}).values()
+              for a in g.get("apply", []) if a.get("location") not in _OFFLINE]
+    if online:  # weights rotated to match activations rotated at run time, which tierlm does not do
+        raise _refuse(where, f"compressed-tensors transforms applied at run time (transform_config location "
+                             f"{online[0]!r}: rotations of activations, SpinQuant / QuIP)")
     fmt = q.get("format")
     if fmt == "dense" or (fmt is None and not q.get("config_groups")):
         return None  # weights stored unquantized (only the KV cache's scheme, or sparsity stored dense, say)
