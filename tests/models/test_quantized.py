@@ -508,3 +508,14 @@ def _ranges(w: torch.Tensor, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     b = torch.nn.functional.pad(w, (0, -c % bn, 0, -r % bm))
     b = b.reshape(b.shape[0] // bm, bm, b.shape[1] // bn, bn)
     return b.amin((1, 3)), b.amax((1, 3))
+
+
+def test_the_load_log_names_what_the_weights_are_stored_as(tmp_path, caplog):
+    """FP8 attention beside 4-bit packed experts: both named (the log said '4-bit' for all)."""
+    import logging
+    path = to_compressed_tensors(build_checkpoint("qwen2_moe", tmp_path / "m"), "float-quantized",
+                                 _compressed_group("float", 8, "channel"),
+                                 experts=("pack-quantized", _compressed_group("int", 4, "group", group=16)))
+    with caplog.at_level(logging.INFO, logger="tierlm.models.loader"):
+        LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    assert "compressed-tensors weights (float8, 4-bit ints packed in int32) dequantized to" in caplog.text

@@ -334,8 +334,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                              "the weights are incomplete or belong to another model")
     model.eval()
     if quant is not None:
-        log.info("%s: %s weights (%d-bit) dequantized to %s as they loaded: memory and speed are the unquantized "
-                 "model's (no low-precision kernels)", model_dir.name, quant.method, quant.bits, torch_dtype)
+        log.info("%s: %s weights (%s) dequantized to %s as they loaded: memory and speed are the unquantized "
+                 "model's (no low-precision kernels)", model_dir.name, quant.method, quant.stored_as(), torch_dtype)
     if device.type == "cpu" and torch_dtype == torch.float32 and cpu_linear != "plain":
         from tierlm.models.cpu_linear import add_bf16_decode_path, pack_linears, packing_pays_off
         if kv_dtype == torch.bfloat16 and cpu_linear == "auto" and cpu_kernels:

@@ -50,6 +50,14 @@ class QuantizedWeights:
     bits: int = 8  # bits per value of packed weights (int32 words)
     round_to_scale: bool = False  # products rounded to the scales' dtype (compressed-tensors)
 
+    def stored_as(self) -> str:
+        """What its weights are stored as, for the load log ('float8, 4-bit ints packed in int32' for
+        mixed-precision FP8 attention and INT4 experts: one bit width would misname one of them)."""
+        kinds = ["float8"] if self.dtypes & _FLOAT8 else []
+        kinds += ["int8"] if torch.int8 in self.dtypes else []
+        kinds += [f"{self.bits}-bit ints packed in int32"] if torch.int32 in self.dtypes else []
+        return ", ".join(kinds)
+
 
 def quantization_of(cfg: dict, where: str) -> QuantizedWeights | None:
     """The checkpoint's quantization (config.json's `quantization_config`, or its language
