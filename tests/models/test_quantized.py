@@ -519,3 +519,30 @@ def test_the_load_log_names_what_the_weights_are_stored_as(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tierlm.models.loader"):
         LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
     assert "compressed-tensors weights (float8, 4-bit ints packed in int32) dequantized to" in caplog.text
+
+
+@pytest.mark.parametrize("arch,name", [("llama", "lm_head"), ("qwen3", "model.embed_tokens")],
+                         ids=["lm_head", "tied_embeddings"])
+def test_a_quantized_lm_head_or_embedding_gives_transformers_weights_and_tokens(arch, name, tmp_path):
+    """Recipes that quantize lm_head or the embeddings (targets Embedding; tied to lm_head in
+    Qwen3): dequantized as the linear layers are, both ends equal transformers'."""
+    from transformers import CompressedTensorsConfig
+    group = _compressed_group("int", 8, "channel")
+    path = to_compressed_tensors(build_checkpoint(arch, tmp_path / arch), "int-quantized", group)
+    _edit(path, lambda t: t.update(_compressed(name, t.pop(name + ".weight").float(), "int-quantized", group,
+                                              torch.bfloat16)),
+          lambda c: c["quantization_config"].update(ignore=[], config_groups={"group_0": {
+              **group, "targets": ["Linear", "Embedding"]}}))
+    assert load_file(path / "model.safetensors")[name + ".weight"].dtype == torch.int8
+    hf = _auto(arch).from_pretrained(str(path), dtype=torch.float32,
+                                     quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False, cpu_linear="plain")
+    ours = llm.engine.runner.model
+    assert torch.equal(ours.lm_head.weight, hf.lm_head.weight)
+    assert torch.equal(ours.embed_tokens.weight, hf.model.embed_tokens.weight)
+    prompt = list(range(5, 40))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 10)
