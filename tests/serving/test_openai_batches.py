@@ -460,6 +460,20 @@ def test_a_server_stopping_as_a_batch_writes_its_files_ends_it_first(scripted_mo
         two.stop()
 
 
+def test_deleted_files_leave_no_expiry_behind():
+    """A deleted file's expiry stayed in the heap until its time (30 days for a batch input),
+    so a server uploading and deleting batch files held one entry per file it ever had."""
+    import asyncio
+
+    from tierlm.serving.files import FileStore
+
+    store = FileStore(None)
+    for n in range(1000):
+        store.delete(asyncio.run(store.add("k", f"in-{n}.jsonl", "batch", b"{}", 30 * 86400)))
+    assert store.owned("k", "openai") == [] and store.used == 0
+    assert len(store._expiry) <= 16
+
+
 def test_the_files_store_holds_at_most_its_bytes(tmp_path):
     import asyncio
 

@@ -221,12 +221,21 @@ class FileStore:
             return
         self.used -= f.bytes
         self._data.pop(f.id, None)
+        self._drop_stale_expiries()
         if self.root is not None:
             for path in (self.root / f"{f.id}.json", self.root / f.id):  # (the record first: no record, no file)
                 try:
                     path.unlink()
                 except OSError:
                     pass
+
+    def _drop_stale_expiries(self) -> None:
+        """A deleted file's heap entry stays until its time (30 days for a batch input): a server
+        uploading and deleting files held one per file it ever had. Rebuilt once the deleted
+        outnumber the live, so the heap stays within twice the files kept."""
+        if len(self._expiry) > 2 * len(self._files) + 16:
+            self._expiry = [(at, i) for at, i in self._expiry if i in self._files]
+            heapq.heapify(self._expiry)
 
     def _expire(self) -> None:
         """Delete the files whose time is up: only those (every lookup calls this)."""
