@@ -206,3 +206,22 @@ def test_a_tenant_sees_and_uses_only_the_models_its_tenants_entry_lists(setup):
     assert r.status_code == 404
     assert other.completions.create(model="base", prompt=[5, 6, 7], max_tokens=2).choices[0].text is not None
     assert {m.id for m in _client(server, TENANT).models.list().data} >= {"base", "a1"}
+
+
+def test_adapters_loaded_and_unloaded_leave_no_per_name_state(setup):
+    """The registry worked out each model's tool-call and reasoning formats once per name, an
+    adapter's too: every adapter name loaded, used and unloaded at run time left its entries
+    behind. An adapter reads with its base's tokenizer, so they are kept per base model."""
+    server, _, ads = setup
+    hdr = {"Authorization": f"Bearer {ADMIN}"}
+    models = server.app.state.tierlm.models
+    for n in range(4):
+        name = f"churn{n}"
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(ads["a2"])},
+                          headers=hdr).status_code == 200
+        said = httpx.post(server.url + "/tokenize", headers=hdr,
+                          json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+        assert said.status_code == 200 and said.json()["count"] > 0
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name},
+                          headers=hdr).status_code == 200
+    assert set(models._tool_calls) <= {"base"} and set(models._reasoning) <= {"base"}

@@ -97,8 +97,16 @@ class ModelRegistry:
             raise InvalidRequest(f"model '{name}' is already served here; choose another adapter name",
                                  param="lora_name")
 
+    def _tokenizer_owner(self, name: str) -> str:
+        """The base model whose tokenizer `name` uses (an adapter's is its base's): the formats
+        below are kept per base model, not per adapter name, which runtime loading makes
+        unbounded (each name loaded and unloaded once left its entries behind)."""
+        engine = self.get(name)
+        return engine.base if isinstance(engine, AdapterEngine) else name
+
     def tool_calls(self, name: str) -> toolcalls.ToolCallFormat:
         """How model `name` writes tool calls (`--tool-call-parser`), worked out once."""
+        name = self._tokenizer_owner(name)
         found = self._tool_calls.get(name)
         if found is None:
             found = self._tool_calls[name] = toolcalls.tool_call_format(self.tool_call_parser,
@@ -108,6 +116,7 @@ class ModelRegistry:
     def reasoning(self, name: str) -> ReasoningFormat | None:
         """Model `name`'s think markers (`--reasoning-parser`; None: its answers are all text),
         worked out once."""
+        name = self._tokenizer_owner(name)
         if name not in self._reasoning:
             self._reasoning[name] = reasoning_format(self.reasoning_parser, self.get(name).tokenizer)
         return self._reasoning[name]
