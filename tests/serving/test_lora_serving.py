@@ -210,8 +210,8 @@ def test_a_tenant_sees_and_uses_only_the_models_its_tenants_entry_lists(setup):
 
 def test_adapters_loaded_and_unloaded_leave_no_per_name_state(setup):
     """The registry worked out each model's tool-call and reasoning formats once per name, an
-    adapter's too: every adapter name loaded, used and unloaded at run time left its entries
-    behind. An adapter reads with its base's tokenizer, so they are kept per base model."""
+    adapter's too, and /metrics kept each name's series: every adapter name loaded, used and
+    unloaded at run time left its entries and ~230 lines of /metrics behind."""
     server, _, ads = setup
     hdr = {"Authorization": f"Bearer {ADMIN}"}
     models = server.app.state.tierlm.models
@@ -222,6 +222,10 @@ def test_adapters_loaded_and_unloaded_leave_no_per_name_state(setup):
         said = httpx.post(server.url + "/tokenize", headers=hdr,
                           json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
         assert said.status_code == 200 and said.json()["count"] > 0
+        ran = httpx.post(server.url + "/v1/completions", headers=hdr, timeout=60,
+                         json={"model": name, "prompt": "hi", "max_tokens": 2})
+        assert ran.status_code == 200 and f'model="{name}"' in httpx.get(server.url + "/metrics").text
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name},
                           headers=hdr).status_code == 200
     assert set(models._tool_calls) <= {"base"} and set(models._reasoning) <= {"base"}
+    assert 'model="churn' not in httpx.get(server.url + "/metrics").text  # (each name's series went with it)

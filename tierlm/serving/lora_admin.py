@@ -99,6 +99,7 @@ async def unload_lora_adapter(request: Request) -> Response:
                 state.models.get(base).remove_lora(adapter)
             except InvalidRequestError:
                 break  # unloaded meanwhile
+            request.app.state.telemetry.metrics.forget_model(adapter)
             logger.info("LoRA adapter %s unloaded from %s (key %s)", adapter, base, context.api_key_id)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
     raise NotFound(f"LoRA adapter '{body.lora_name}' is not loaded here", param="lora_name")

@@ -152,6 +152,18 @@ class Metrics:
                               "refused), 'output' (an answer stopped), 'redact' (a phrase of an answer masked).",
                               ["policy", "action"])
 
+    def forget_model(self, model: str) -> None:
+        """Drop every series of `model`, a LoRA adapter unloaded at run time: else each adapter
+        name ever served kept its series (~230 lines of /metrics per tenant that used it) for good.
+        A request of it still running when it is unloaded adds its series back as it ends."""
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", ())
+            if "model" in names:
+                at = names.index("model")
+                for values in list(metric._metrics):
+                    if values[at] == model:
+                        metric.remove(*values)
+
     def count_refusal(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
 
