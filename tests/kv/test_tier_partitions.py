@@ -79,11 +79,9 @@ def test_random_puts_and_takes_keep_the_counts_and_take_chains_tail_first(policy
     stored: list[bytes] = []
     for step in range(1500):
         op = rng.random()
-        if op < 0.8:
+        if op < 0.8:  # a new block (as a chain's hash: never an ancestor of its parent), maybe a stored one's child
             parent = rng.choice(stored) if stored and rng.random() < 0.7 else None
-            h = b"k%d" % rng.randrange(400)
-            if h == parent or h in tier:
-                continue
+            h = b"k%d" % step
             before = dict(tier.parents)
             for gone, *_ in tier.put(h, parent, DATA, owner=rng.choice(["a", "b", None])):
                 kids = [c for c, p in before.items() if p == gone and c in tier]

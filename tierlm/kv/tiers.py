@@ -661,7 +661,10 @@ class _CapacityTier:
             return self.policy.victim()
         part = Givers(self.partitions, len(self.parents)).next()
         key = (self.policy if part is None else part.policy).victim()
-        while key is not None and (kid := next(iter(self._kids.get(key, ())), None)) is not None:
+        for _ in range(len(self.parents)):  # (a chain is no longer than what the tier holds)
+            kid = next(iter(self._kids.get(key, ())), None)
+            if kid is None:
+                break
             key = kid
         return key
 
