@@ -320,6 +320,7 @@ def test_a_tenants_partition_of_the_host_tier_keeps_its_prefix_through_a_flood(l
     host = eng.kv.store.tiers[0]
     assert host.stats.evictions > 96  # (the flood did turn the host tier over)
     _check_tier_partitions(host)
+    assert eng.stats().kv_host_partitions == ({"gold": {"blocks": 3, "capacity": 14}} if share is not None else None)
     again = gold([9, 8, 7, 6])
     assert again.num_cached_tokens == (96 if share is not None else 0)
     fresh = _engine(llama_dir, "fair")

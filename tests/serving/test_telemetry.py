@@ -556,3 +556,22 @@ def test_score_and_rerank_spans_carry_the_id_their_client_got(traced_server, pat
     (root,) = [s for s in exporter.get_finished_spans() if s.parent is None]
     assert root.attributes["gen_ai.response.id"] == r.json()["id"]
     assert root.attributes["tierlm.request_id"] == r.headers["request-id"]
+
+
+def test_a_tenants_host_tier_partition_shows_in_metrics(llama_dir):
+    """A partitioned tenant's prefix offloaded from the device lands in its host-tier partition:
+    `tierlm:kv_host_partition_blocks` counts it, beside the partition's capacity."""
+    from tierlm import LLM
+    with LLM(str(llama_dir), dtype="float32", kv_cache_memory=4 << 20, block_size=8, load_progress=False,
+             kv_host_capacity="40 blocks") as llm:
+        tel = Telemetry({"m": llm.engine}, log_requests=False)
+        req = llm.engine.add_request({"prompt_token_ids": list(range(5, 85))}, SamplingParams(max_tokens=2),
+                                     tenant_id="gold", kv_cache_share=0.25)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert req.is_finished
+        demoted = llm.engine.offload_prefix_cache()
+        s = samples(tel.render().decode())
+        assert demoted == 10
+        assert value(s, "tierlm:kv_host_partition_blocks", model="m", tenant="gold") == 10
+        assert value(s, "tierlm:kv_host_partition_capacity_blocks", model="m", tenant="gold") == 10

@@ -95,6 +95,7 @@ class EngineStats:
     # Tenants' cache partitions (kv_cache_share): per tenant {"blocks": its cached blocks no
     # request holds now, "capacity": the blocks its share keeps}; None when there are none.
     kv_cache_partitions: dict | None = None
+    kv_host_partitions: dict | None = None  # the same for the host tier: its blocks, and capacity
     # Speculative decoding (vLLM's spec_decode counters): a request's steps that checked guesses,
     # the guesses checked, and those accepted (each a token that cost no step of its own).
     spec_drafts: int = 0
@@ -893,6 +894,7 @@ class LLMEngine:
             kv_held_bytes=self.kv.held_bytes, lora_requests=self._lora_requests(),
             kv_cache_partitions={t: {"blocks": p.evictable, "capacity": p.cap}
                                  for t, p in list(self.pool.partitions.items())} or None,
+            kv_host_partitions=self.store.partitions() if self.store is not None else None,
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             kv_cache_dtype=str(self.runner.kv_caches[0].dtype).replace("torch.", ""), block_size=self.config.block_size)

@@ -686,6 +686,14 @@ class TieredStore:
     def stats(self) -> dict[str, dict]:
         return {t.name: asdict(t.stats) for t in self.tiers}
 
+    def partitions(self) -> dict[str, dict[str, int]] | None:
+        """The host tier's tenant partitions, as `EngineStats.kv_host_partitions` reports them."""
+        host = self.tiers[0] if self.tiers and isinstance(self.tiers[0], HostTier) else None
+        if host is None:
+            return None
+        with host.lock:
+            return {t: {"blocks": p.evictable, "capacity": p.cap} for t, p in host.partitions.items()} or None
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Blocks held and capacity of the tiers tierlm sizes itself (host, disk; Redis sizes itself)."""
         return {t.name: {"blocks": len(t), "capacity": t.capacity} for t in self.tiers if isinstance(t, _CapacityTier)}

@@ -259,6 +259,10 @@ class EngineCollector(Collector):
                                   "tenant's cache partition (kv_cache_share).", labels=["model", "tenant"])
         part_room = GaugeMetricFamily("tierlm:kv_partition_capacity_blocks", "Device KV blocks a tenant's cache "
                                       "partition keeps safe from other tenants' traffic.", labels=["model", "tenant"])
+        host_parts = GaugeMetricFamily("tierlm:kv_host_partition_blocks", "Host-tier KV blocks in a tenant's "
+                                       "partition of the host tier (kv_cache_share).", labels=["model", "tenant"])
+        host_room = GaugeMetricFamily("tierlm:kv_host_partition_capacity_blocks", "Host-tier KV blocks a tenant's "
+                                      "partition keeps safe from other tenants' traffic.", labels=["model", "tenant"])
         for model, engine in self._engines():
             try:
                 stats = engine.stats()
@@ -288,9 +292,11 @@ class EngineCollector(Collector):
             for adapter, counts in (getattr(stats, "lora_requests", None) or {}).items():
                 for state, n in counts.items():
                     lora.add_metric([model, adapter, state], float(n))
-            for tenant, use in (getattr(stats, "kv_cache_partitions", None) or {}).items():
-                parts.add_metric([model, tenant or DEFAULT_TENANT], float(use["blocks"]))
-                part_room.add_metric([model, tenant or DEFAULT_TENANT], float(use["capacity"]))
+            for source, blocks, capacity in (("kv_cache_partitions", parts, part_room),
+                                             ("kv_host_partitions", host_parts, host_room)):
+                for tenant, use in (getattr(stats, source, None) or {}).items():
+                    blocks.add_metric([model, tenant or DEFAULT_TENANT], float(use["blocks"]))
+                    capacity.add_metric([model, tenant or DEFAULT_TENANT], float(use["capacity"]))
         yield from families.values()
         yield usage
         yield cache_info
@@ -300,6 +306,8 @@ class EngineCollector(Collector):
         yield lora
         yield parts
         yield part_room
+        yield host_parts
+        yield host_room
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # names are fixed, but describing would make registration call collect()
