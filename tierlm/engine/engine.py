@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import (MIN_POLICY_HISTORY, EngineConfig, check_kv_pool_memory, default_kv_cache_memory,
-                           host_memory, kv_pool_bytes)
+from tierlm.config import EngineConfig, check_kv_pool_memory, default_kv_cache_memory, host_memory, kv_pool_bytes
 from tierlm.engine.detokenizer import IncrementalDetokenizer
 from tierlm.engine.generation_defaults import sampling_defaults
 from tierlm.engine.graphs import StepGraphsConfig
@@ -40,7 +39,7 @@ from tierlm.errors import InvalidRequestError, ModelLoadError, RequestTooLongErr
 from tierlm.kv.admin import lock_holder, model_dir_names, write_about
 from tierlm.kv.block_pool import BlockPool
 from tierlm.kv.manager import BlockIO, KVCacheManager
-from tierlm.kv.policies import EvictionPolicy, make_policy
+from tierlm.kv.policies import EvictionPolicy, make_policy, partition_history
 from tierlm.kv.store import TieredStore
 from tierlm.kv.tiers import (ENTRY_HEADER_BYTES, DiskTier, HostTier, Layout, RedisTier, host_block_bytes,
                              parse_capacity)
@@ -346,8 +345,7 @@ class LLMEngine:
                 """The pool's, or a tenant's cache partition's for its share of the pool. A learning
                 policy's history is sized by the share: each partition keeping the whole pool's
                 (~85 MiB once full, by default) cost that much host memory per partitioned tenant."""
-                history = max(MIN_POLICY_HISTORY, int(share * config.kv_policy_history))
-                return make_policy(config.eviction_policy, history=history)
+                return make_policy(config.eviction_policy, history=partition_history(config.kv_policy_history, share))
 
             self.pool = BlockPool(num_blocks, config.enable_prefix_caching, policy(), partition_policy=policy)
             self.runner = ModelRunner(loaded, num_blocks, bs, cpu_kernels=config.cpu_kernels,

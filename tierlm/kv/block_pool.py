@@ -45,6 +45,18 @@ class Partition:
     order: int = 0  # partitions made before it: of two as full, the first made gives
 
 
+def set_partition(parts: dict[str, Partition], tenant: str, share: float, capacity: int,
+                  policy: Callable[[float], EvictionPolicy]) -> None:
+    """Make `tenant`'s partition in `parts` for `share` of `capacity` blocks (ranked by
+    `policy(share)`), or resize the one it has (the device pool's and the host tier's)."""
+    cap = max(1, int(share * capacity))
+    part = parts.get(tenant)
+    if part is None:
+        parts[tenant] = Partition(policy(share), cap, order=len(parts))
+    else:
+        part.cap = cap
+
+
 class Givers:
     """Where each victim of one `_take` comes from (None: the shared blocks): a partition past its
     cap (the furthest past), else the shared blocks, else the partition fullest for its cap; ties
@@ -189,12 +201,7 @@ class BlockPool:
 
     def partition(self, tenant: str, share: float) -> str:
         """The cache partition of `tenant`, made or resized for `share` of the pool; its key."""
-        cap = max(1, int(share * self.num_blocks))
-        part = self.partitions.get(tenant)
-        if part is None:
-            self.partitions[tenant] = Partition(self._partition_policy(share), cap, order=len(self.partitions))
-        else:
-            part.cap = cap
+        set_partition(self.partitions, tenant, share, self.num_blocks, self._partition_policy)
         return tenant
 
     def policy_of(self, blk: KVBlock) -> EvictionPolicy:

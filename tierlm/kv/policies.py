@@ -1396,6 +1396,13 @@ DEFAULT_POLICY = "duel"
 MIN_POLICY_HISTORY = 1024  # kv_policy_history's floor: fewer records leave a policy too little to learn from
 
 
+def partition_history(history: int | None, share: float) -> int | None:
+    """The records a tenant's cache partition's policy keeps: its share of `history` (each
+    partition keeping a whole pool's cost ~85 MiB per partitioned tenant), at least the floor.
+    None (the policy's default) stays None."""
+    return None if history is None else max(MIN_POLICY_HISTORY, int(share * history))
+
+
 def make_policy(name: str, history: int | None = None, **kwargs: object) -> EvictionPolicy:
     """Build a policy by name (`POLICIES`, or "belady" in the simulator). `history`: how many
     blocks' records a policy that learns from its history (the Gittins family) keeps; the

@@ -37,8 +37,8 @@ import torch
 
 from tierlm.errors import KVTierError
 from tierlm.files import read_regular
-from tierlm.kv.block_pool import Givers, Partition
-from tierlm.kv.policies import DEFAULT_POLICY, MIN_POLICY_HISTORY, EvictionPolicy, make_policy
+from tierlm.kv.block_pool import Givers, Partition, set_partition
+from tierlm.kv.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, partition_history
 
 log = logging.getLogger(__name__)
 
@@ -602,16 +602,10 @@ class _CapacityTier:
         share gives first, then the blocks of tenants without one, then the partition fullest for
         its share). Else one tenant's flood, turned over on the device, turned the host tier over
         too, and a partitioned tenant's prefixes the device could not hold went with it."""
+        name, history = self._policy_args
         with self.lock:
-            cap = max(1, int(share * self.capacity))
-            part = self.partitions.get(tenant)
-            if part is None:
-                name, history = self._policy_args
-                history = None if history is None else max(MIN_POLICY_HISTORY, int(share * history))
-                self.partitions[tenant] = Partition(make_policy(name, history=history), cap,
-                                                    order=len(self.partitions))
-            else:
-                part.cap = cap
+            set_partition(self.partitions, tenant, share, self.capacity,
+                          lambda s: make_policy(name, history=partition_history(history, s)))
 
     def policy_of(self, h: bytes) -> EvictionPolicy:
         """The policy ranking stored block `h`: its tenant's partition's, or the shared one."""

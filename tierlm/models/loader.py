@@ -274,10 +274,12 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     quant = quantization_of(cfg, str(model_dir))
     kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
-    weight_bytes = (_dequantized_bytes(files, quant, kv_dtype) if quant is not None
-                    else sum(f.stat().st_size for f in files))
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    if quant is not None:
+        parts, weight_bytes = _quantized_index(files, quant, kv_dtype)
+    else:
+        weight_bytes = sum(f.stat().st_size for f in files)
     torch_dtype = resolve_compute_dtype(compute_dtype or kv_dtype, kv_dtype, device, weight_bytes)
-    parts = _quantized_parts(files) if quant is not None else {}
     max_positions = max_positions or args.max_position_embeddings
     with torch.device("meta"):
         model = ARCHITECTURES[arch](args, max_positions)
@@ -362,34 +364,26 @@ def _weights_file(f: Path) -> Iterator:
         raise ModelLoadError(f"cannot read {f} ({e})") from None
 
 
-def _quantized_parts(files: list[Path]) -> dict[str, dict[str, torch.Tensor]]:
-    """A quantized checkpoint's scales, zero points and packed shapes by their weight's name (a
-    shard may hold a weight's parts and another the weight: all are read first). They are small
-    beside the weights: one per block, channel or group (a bf16 scale per 4-bit group of 128: ~3%)."""
+def _quantized_index(files: list[Path], quant: QuantizedWeights,
+                     dtype: torch.dtype) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+    """One pass over a quantized checkpoint's files before its weights load: each weight's parts
+    (scales, zero points, packed shapes) by the weight's name, read first since a shard may hold
+    a weight's parts and another the weight (they are small beside the weights: one per block,
+    channel or group; a bf16 scale per 4-bit group of 128 is ~3%), and the weights' size once
+    loaded in `dtype`, from the headers: each value at `dtype`'s size, `32 / bits` of them per
+    packed int32 word. Not the file size scaled by bits: its unquantized tensors (embeddings,
+    lm_head, norms) load at their size, and parts and activation scales not at all."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
+    values = 0
     for f in files:
         with _weights_file(f) as st:
             for name in st.keys():
                 if (found := part_of(name)) is not None:
                     parts.setdefault(found[0], {})[found[1]] = st.get_tensor(name)
-    return parts
-
-
-def _dequantized_bytes(files: list[Path], quant: QuantizedWeights, dtype: torch.dtype) -> int:
-    """A quantized checkpoint's weights once loaded in `dtype`, from the files' headers: each
-    value at `dtype`'s size, `32 / bits` of them per packed int32 word. Not the file size
-    scaled by bits: its unquantized tensors (embeddings, lm_head, norms) load at their size, and
-    scales, zero points and activation scales not at all."""
-    values = 0
-    for f in files:
-        with _weights_file(f) as st:
-            for name in st.keys():
-                if part_of(name) is not None or is_activation_scale(name):
-                    continue
-                view = st.get_slice(name)
-                numel = math.prod(view.get_shape())
-                values += numel * 32 // quant.bits if name.endswith(PACKED_SUFFIX) else numel
-    return values * torch.empty((), dtype=dtype).element_size()
+                elif not is_activation_scale(name):
+                    numel = math.prod(st.get_slice(name).get_shape())
+                    values += numel * 32 // quant.bits if name.endswith(PACKED_SUFFIX) else numel
+    return parts, values * torch.empty((), dtype=dtype).element_size()
 
 
 def _dequantized(tensor: torch.Tensor, parts: dict[str, torch.Tensor] | None, quant: QuantizedWeights | None,
