@@ -18,11 +18,11 @@ def ref_tol(cpu: float, cuda: float) -> float:
     return cuda if torch.cuda.is_available() else cpu
 
 ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3", "phi3", "granite",
-         "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe"]
+         "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 
 
 def _config(arch: str, vocab: int, **extra):
-    from transformers import (Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config, MinistralConfig,
+    from transformers import (Gemma3Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, Ministral3Config, MinistralConfig,
                               Mistral3Config,
                               MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
@@ -87,6 +87,12 @@ def _config(arch: str, vocab: int, **extra):
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    if arch == "gpt_oss":  # attention sinks, biased experts with a clamped SwiGLU (limit 1: a quarter of
+        # the gate/up values clamp), a router with a bias, alternating sliding layers, untruncated YaRN
+        return GptOssConfig(**{**common, "intermediate_size": 48}, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=12, swiglu_limit=1.0, rope_parameters={
+                                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
     raise ValueError(arch)
 
 
@@ -103,27 +109,31 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:
     tok = build_tokenizer(out)
     torch.manual_seed(seed)
     model = _auto(arch).from_config(_config(arch, len(tok) + 10, **extra), dtype=torch.float32)
-    with torch.no_grad():  # norms start at all-ones: make each differ, so a swapped or skipped one shows
+    with torch.no_grad():  # norms start at all-ones (biases at zeros): make each differ, so a swapped or skipped one shows
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or (arch == "gpt_oss" and name.endswith(("bias", "sinks"))):
                 param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(str(out))
     return out
 
 
-def rounded_kv_attention(dtype: torch.dtype, scales: list[tuple[float, float]] | None = None) -> str:
+def rounded_kv_attention(dtype: torch.dtype, scales: list[tuple[float, float]] | None = None,
+                         eager: bool = False) -> str:
     """Register with transformers, and name, an SDPA attention whose keys and values are first
     rounded to `dtype` (after RoPE, where tierlm stores them; saturated to its range), with
     SDPA's own masks (sliding windows included): the reference for a KV cache stored in
     `dtype`. `scales`: per layer (k_scale, v_scale), the values rounded as x / scale and read
     back times scale (an fp8 cache's scales, models/kv_scales.py). transformers keeps its cache
     unrounded and rounds again at each step, which gives the same values (rounding is
-    idempotent, and so is dividing and multiplying by a power of two)."""
+    idempotent, and so is dividing and multiplying by a power of two). `eager`: the model's own
+    eager attention instead of SDPA, for a model whose attention SDPA would change (GPT-OSS's
+    sinks, which transformers' SDPA path leaves out)."""
     import hashlib
+    import inspect
 
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
     top = torch.finfo(dtype).max
 
@@ -132,13 +142,14 @@ def rounded_kv_attention(dtype: torch.dtype, scales: list[tuple[float, float]] |
 
     def attention(module, query, key, value, attention_mask, **kw):
         ks, vs = scales[module.layer_idx] if scales is not None else (1.0, 1.0)
-        return sdpa_attention_forward(module, query, rounded(key, ks), rounded(value, vs), attention_mask, **kw)
+        base = inspect.getmodule(type(module)).eager_attention_forward if eager else sdpa_attention_forward
+        return base(module, query, rounded(key, ks), rounded(value, vs), attention_mask, **kw)
 
-    name = f"kv_rounded_{str(dtype).replace('torch.', '')}"
+    name = f"kv_rounded_{str(dtype).replace('torch.', '')}" + ("_eager" if eager else "")
     if scales is not None:
         name += "_" + hashlib.sha256(repr(scales).encode()).hexdigest()[:12]
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
     return name
 
 

@@ -22,7 +22,8 @@ def _fp8_refs(hf, llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]
     """transformers' greedy tokens reading K/V rounded as `llm` stores them: its fp8 format and
     its per-layer scales."""
     before = hf.config._attn_implementation
-    hf.set_attn_implementation(rounded_kv_attention(llm.engine.runner.kv_caches[0].dtype, llm.engine.kv_scales))
+    hf.set_attn_implementation(rounded_kv_attention(llm.engine.runner.kv_caches[0].dtype, llm.engine.kv_scales,
+                                                    eager=before == "eager"))
     try:
         return [_hf_greedy(hf, p, n) for p in prompts]
     finally:

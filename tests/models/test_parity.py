@@ -127,7 +127,7 @@ def _assert_fixed_shape_steps_ran(llm, arch: str) -> None:
         assert graphs.min_tokens == -(-args.num_experts // args.num_experts_per_tok) > 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "gpt_oss"])
 def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     """The CPU fast path: bf16 weights and KV cache, float32 arithmetic (on this CPU through
     tierlm's bf16-weight kernels for linear layers and experts): HF on the same bf16-exact
@@ -140,7 +140,8 @@ def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     hf = hf_models[arch]
     ref_model = type(hf)(hf.config)
     ref_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in hf.state_dict().items()})
-    ref_model.set_attn_implementation(rounded_kv_attention(torch.bfloat16))
+    ref_model.set_attn_implementation(rounded_kv_attention(torch.bfloat16,
+                                                           eager=hf.config._attn_implementation == "eager"))
     cap = _Capture(llm.engine.sampler)
     llm.engine.sampler = cap
     prompt = _prompts(3, hf.config.get_text_config().vocab_size)[2]

@@ -171,24 +171,28 @@ def paged_attention(
     window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Returns [T, Hq, D].
 
     `k_scale` / `v_scale` (fp8 caches; models/kv_scales.py): the cache holds k / k_scale and
     v / v_scale. Attention reads the stored values as they are: k_scale folds into the softmax
-    scale and v_scale multiplies the output, so no path widens and multiplies the cache."""
+    scale and v_scale multiplies the output, so no path widens and multiplies the cache.
+
+    `sinks` ([Hq], GPT-OSS): a logit per query head that joins each softmax beside the keys' and
+    contributes no value (see `_sink_mask`)."""
     k_stored, v_stored = write_kv(cache, k, v, meta.slot_mapping, k_scale, v_scale)
     if cache.dtype != q.dtype or k_scale != 1.0 or v_scale != 1.0:
         # A chunk attends to its own keys as later steps will read them back (rounded to the
         # cache's dtype), as vLLM's kernels do, reading everything from the cache: cold and
         # cached prefixes, and every chunking of a prompt, then see the same values.
         k, v = from_storage(k_stored, q.dtype, meta.cpu_kernels), from_storage(v_stored, q.dtype, meta.cpu_kernels)
-    o = _attend(q, k, v, cache, meta, scale * k_scale, window)
+    o = _attend(q, k, v, cache, meta, scale * k_scale, window, sinks)
     return o if v_scale == 1.0 else o.mul_(v_scale)  # o is this call's own tensor
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float, window: int | None) -> torch.Tensor:
+            scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention over K/V as stored (the new tokens' already written)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -198,8 +202,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
     # (several times faster than advanced indexing on CPU; one op, not two, per layer).
     kv_rows = cache.view(2, cache.shape[1], -1)
     if meta.padded is not None:
-        return _padded_attention(q, kv_rows, meta.padded, meta.block_size, scale, window)
-    use_kernel = (meta.cpu_kernels and q.device.type == "cpu"
+        return _padded_attention(q, kv_rows, meta.padded, meta.block_size, scale, window, sinks)
+    use_kernel = (meta.cpu_kernels and q.device.type == "cpu" and sinks is None
                   and (bool(meta.decode_groups) or any(p.kernel_rows() for p in meta.prefills))
                   and cpu_kernels.decode_attention_supported(q, cache))
     for g in meta.decode_groups:
@@ -215,7 +219,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
         kvd = from_storage(kv_rows.index_select(1, bt), q.dtype, meta.cpu_kernels).view(2, nd, L, Hkv, D).transpose(2, 3)
         kd, vd = kvd[0], kvd[1]
         qd = q[g.start:g.end].view(nd, Hkv, group, D)  # a KV head's query heads, as a query "length"
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(L, window), scale=scale)
+        mask = g.mask(L, window)
+        if sinks is not None:
+            kd, vd, mask = _sink_key(kd), _sink_key(vd), _sink_mask(mask, sinks.view(1, Hkv, group, 1), q.dtype)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         pieces.append((g.start, g.end, o.reshape(nd, Hq, D)))
     for p in meta.prefills:
         qs = q[p.q_start:p.q_end]
@@ -236,7 +243,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
         else:
             kvs = from_storage(kv_rows.index_select(1, p.block_table), q.dtype, meta.cpu_kernels).view(2, -1, Hkv, D)[:, : p.ctx_len]
             ks, vs = kvs[0], kvs[1]
-        pieces.append((p.q_start, p.q_end, _causal_attention(qs, ks, vs, scale, window, p)))
+        pieces.append((p.q_start, p.q_end, _causal_attention(qs, ks, vs, scale, window, p, sinks)))
     if len(pieces) == 1 and pieces[0][1] - pieces[0][0] == T:
         return pieces[0][2]  # one group or one prefill is the whole step: no copy into a buffer
     out = q.new_empty(q.shape)
@@ -246,7 +253,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
 
 
 def _padded_attention(q: torch.Tensor, kv_rows: torch.Tensor, p: PaddedBatch, block_size: int, scale: float,
-                      window: int | None) -> torch.Tensor:
+                      window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every row's queries over its gathered blocks in one SDPA call, a KV head's query heads
     folded into the query length (as for decodes above), so the shapes depend on the bucket only."""
     T, Hq, D = q.shape
@@ -258,12 +265,34 @@ def _padded_attention(q: torch.Tensor, kv_rows: torch.Tensor, p: PaddedBatch, bl
     kv = from_storage(kv_rows.index_select(1, p.block_tables.view(-1)), q.dtype, kernels=False).view(
         2, B, L, Hkv, D).transpose(2, 3)
     qg = q.view(B, W, Hkv, group, D).transpose(1, 2).reshape(B, Hkv, W * group, D)
-    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=p.mask(L, window, group), scale=scale)
+    kp, vp, mask = kv[0], kv[1], p.mask(L, window, group)
+    if sinks is not None:  # query row w * group + j of KV head h is query head h * group + j
+        sink_rows = sinks.view(1, Hkv, 1, group).expand(1, Hkv, W, group).reshape(1, Hkv, W * group, 1)
+        kp, vp, mask = _sink_key(kp), _sink_key(vp), _sink_mask(mask, sink_rows, q.dtype)
+    o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=scale)
     return o.view(B, Hkv, W, group, D).transpose(1, 2).reshape(T, Hq, D)
 
 
+def _sink_key(x: torch.Tensor) -> torch.Tensor:
+    """x ([..., keys, D]) with one more key of zeros: the sink's slot (its value is zero, and its
+    logit comes from the mask alone, since a zero key scores 0 against every query)."""
+    return torch.cat((x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])), dim=-2)
+
+
+def _sink_mask(allowed: torch.Tensor, sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask for keys + the sink slot (`_sink_key`): 0 where `allowed` ([..., keys]
+    bool), -inf elsewhere, and each query row's sink logit (`sink`, [..., 1], broadcasting
+    against `allowed`'s leading dims) in the last column. softmax then gives the sink its share,
+    exp(sink) / (exp(sink) + sum exp(scores)), as GPT-OSS's reference computes it; the rows'
+    outputs are the keys' values weighted by what is left."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    lead = torch.broadcast_shapes(bias.shape[:-1], sink.shape[:-1])
+    return torch.cat((bias.expand(*lead, bias.shape[-1]), sink.to(dtype).expand(*lead, 1)), dim=-1)
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      window: int | None, seq: PrefillSeq | None = None) -> torch.Tensor:
+                      window: int | None, seq: PrefillSeq | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last q.shape[0] positions over all k.shape[0] keys (`seq`, when
     given, holds the mask across layers).
 
@@ -274,10 +303,12 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """
     n, L = q.shape[0], k.shape[0]
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if n == L and window is None:
+    if n == L and window is None and sinks is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         seq = seq or PrefillSeq(0, n, L, torch.empty(0))
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.allowed(window, q.device), scale=scale,
-                                           enable_gqa=True)
+        mask = seq.allowed(window, q.device)
+        if sinks is not None:
+            kh, vh, mask = _sink_key(kh), _sink_key(vh), _sink_mask(mask, sinks.view(1, -1, 1, 1), q.dtype)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

@@ -62,6 +62,17 @@ class ModelArgs:
     # 1 + beta * log(1 + floor(position / original)); 0 everywhere else.
     query_scale_beta: float = 0.0
     query_scale_original: int = 0
+    # GPT-OSS: a learned logit per query head that joins every softmax over keys and takes its
+    # share of the attention without a value (an attention sink); its router picks the top-k
+    # logits and softmaxes those; its experts have biases and a clamped SwiGLU,
+    # (up + 1) * gate * sigmoid(alpha * gate), gate and up interleaved in the checkpoint; its
+    # norms multiply by the weight in float32 before rounding.
+    attention_sinks: bool = False
+    router_topk_then_softmax: bool = False
+    moe_bias: bool = False  # biases on the router and on every expert projection
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float | None = None
+    norm_weight_in_fp32: bool = False
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -144,7 +155,7 @@ _DEFAULTED = frozenset({
     "rope_local_base_freq", "query_pre_attn_scalar", "embedding_multiplier", "residual_multiplier",
     "attention_multiplier", "logits_scaling", "no_rope_layer_interval", "norm_topk_prob",
     "decoder_sparse_step", "shared_expert_intermediate_size", "moe_intermediate_size",
-    "num_experts_per_tok"})  # not the expert count: one that is missing is refused by name
+    "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"})  # not the expert count: one that is missing is refused by name
 
 
 @functools.cache
@@ -218,6 +229,10 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
         elif model_type == "ministral":  # per layer, from layer_types (all sliding when there is a window)
             types = cfg.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+        elif model_type == "gpt_oss":  # alternating sliding and full layers, by layer_types
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
         elif model_type == "smollm3":
             use = cfg.get("use_sliding_window", False) and window
             # Without layer_types, transformers windows the layers that do not use RoPE.
@@ -274,6 +289,17 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             args.moe_intermediate_size = args.intermediate_size
             args.norm_topk_prob = True
             args.moe_layers = [True] * layers
+        elif model_type == "gpt_oss":
+            args.num_experts = int(cfg["num_local_experts"])
+            args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
+            args.moe_intermediate_size = args.intermediate_size
+            args.moe_layers = [True] * layers
+            args.o_bias = args.qkv_bias = bool(cfg.get("attention_bias", True))
+            args.attention_sinks = args.router_topk_then_softmax = args.moe_bias = True
+            args.norm_weight_in_fp32 = True
+            args.swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
+            limit = cfg.get("swiglu_limit", 7.0)
+            args.swiglu_limit = None if limit is None else float(limit)
         elif model_type in ("qwen2_moe", "qwen3_moe"):
             # Hub checkpoints say num_experts; transformers 5 saves its alias num_local_experts.
             count = cfg.get("num_experts", cfg.get("num_local_experts"))

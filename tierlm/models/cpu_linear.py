@@ -133,11 +133,12 @@ class Bf16Experts:
         self.out_features = (w13.shape[1], w2.shape[1])
         self.max_rows = max_rows
 
-    def linear(self, x: torch.Tensor, which: int, expert: int) -> torch.Tensor | None:
-        """x @ W^T for expert `expert`'s w13 (which=0) or w2 (1); None for batches too large."""
+    def linear(self, x: torch.Tensor, which: int, expert: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x @ W^T (+ bias) for expert `expert`'s w13 (which=0) or w2 (1); None for batches too large."""
         if x.shape[0] > self.max_rows:
             return None
-        return cpu_kernels.gemm_bf16w(x, self.packed[which][expert], self.out_features[which], None)
+        return cpu_kernels.gemm_bf16w(x, self.packed[which][expert], self.out_features[which], bias)
 
 
 def _bf16_exact(w: torch.Tensor) -> bool:

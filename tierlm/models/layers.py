@@ -10,33 +10,38 @@ import torch.nn.functional as F
 from tierlm.models.config import ModelArgs
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False,
+             weight_in_fp32: bool = False) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim, in float32 through torch's rms_norm (one op
     rather than five: a kernel launch each on a GPU, where launches bound a step's time), then
     scaled as the reference does: Llama-style, cast back and multiply by `weight`; Gemma-style
-    (`plus_one`), multiply by 1 + weight in float32, then cast. `weight` broadcasts over x."""
+    (`plus_one`), multiply by 1 + weight in float32, then cast; GPT-OSS-style
+    (`weight_in_fp32`), multiply by the weight in float32, then cast. `weight` broadcasts over x."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     if plus_one:
         return (normed * (1.0 + weight.float())).to(x.dtype)
+    if weight_in_fp32:
+        return (normed * weight.float()).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 then cast back, as Llama-family reference code does; Gemma's
-    variant (`plus_one`) stores the weight as an offset from 1."""
+    variant (`plus_one`) stores the weight as an offset from 1; GPT-OSS's scales in float32."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, weight_in_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
         self.plus_one = plus_one
+        self.weight_in_fp32 = weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.plus_one)
+        return rms_norm(x, self.weight, self.eps, self.plus_one, self.weight_in_fp32)
 
 
 def make_norm(args: ModelArgs, dim: int) -> nn.Module:
-    return RMSNorm(dim, args.rms_norm_eps, plus_one=args.gemma_norms)
+    return RMSNorm(dim, args.rms_norm_eps, plus_one=args.gemma_norms, weight_in_fp32=args.norm_weight_in_fp32)
 
 
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4, Granite,
-SmolLM3, Gemma 3 (text), and the MoE variants Mixtral, Qwen2-MoE and Qwen3-MoE).
+SmolLM3, Gemma 3 (text), and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
@@ -34,6 +34,7 @@ class Attention(nn.Module):
         self.use_rope = args.rope_layers[layer] if args.rope_layers else True
         # fp8 caches store k / k_scale and v / v_scale (models/kv_scales.py sets them after loading).
         self.k_scale = self.v_scale = 1.0
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if args.attention_sinks else None  # GPT-OSS
 
     def forward(self, x: torch.Tensor,
                 ropes: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor | None],
@@ -54,7 +55,7 @@ class Attention(nn.Module):
         if ropes[2] is not None:
             q = q * ropes[2]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, cache, meta, self.scale, self.window, self.k_scale, self.v_scale)
+        o = paged_attention(q, k, v, cache, meta, self.scale, self.window, self.k_scale, self.v_scale, self.sinks)
         return self.o_proj(o.reshape(T, self.q_size))
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:

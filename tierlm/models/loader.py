@@ -139,11 +139,19 @@ _EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\
 _FUSED_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
+# GPT-OSS's experts and router (transformers' layout: gate_up_proj [E, H, 2I] with gate and up
+# interleaved column by column, down_proj [E, I, H], biases beside them).
+_GPT_OSS_MOE = re.compile(r"^(layers\.\d+)\.mlp\.(?:experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)"
+                          r"|router\.(weight|bias))$")
+# Checkpoint tensors that fill their parameter alone, rearranged on the way (see `_copy`).
+_SINGLE = frozenset({"whole", "transposed", "interleaved"})
+
+
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _LANGUAGE_MODEL = ("language_model.model.", "model.language_model.", "language_model.")
 
 
-def _target(name: str) -> tuple[str, object] | None:
+def _target(name: str, model_type: str = "") -> tuple[str, object] | None:
     """Map an HF tensor name to (tierlm parameter, where in it). None = ignore."""
     if name.startswith(_VISION):
         return None  # a multimodal checkpoint's vision side: tierlm serves its language model
@@ -155,6 +163,14 @@ def _target(name: str) -> tuple[str, object] | None:
         name = name[len("model."):]
     if "rotary_emb" in name or KV_SCALE_NAME.match(name):
         return None  # computed; fp8 KV scales are read by models/kv_scales.py
+    if model_type == "gpt_oss" and (m := _GPT_OSS_MOE.match(name)):
+        layer, expert, router = m.groups()
+        if router is not None:
+            return f"{layer}.mlp.gate.{router}", ("whole",)
+        return {"gate_up_proj": (f"{layer}.mlp.w13", ("interleaved", True)),
+                "gate_up_proj_bias": (f"{layer}.mlp.b13", ("interleaved", False)),
+                "down_proj": (f"{layer}.mlp.w2", ("transposed",)),
+                "down_proj_bias": (f"{layer}.mlp.b2", ("whole",))}[expert]
     if m := _EXPERT.match(name):
         layer, e, w = m.group(1), int(m.group(2)), m.group(3)
         if w in ("w2", "down_proj"):
@@ -177,7 +193,15 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
           round_to: torch.dtype | None = None, label: str = "tensor") -> None:
     """Copy checkpoint `tensor` (`label`: its name and file, for errors) into its part of `param`."""
     kind = where[0]
-    if kind == "whole":
+    if kind == "transposed":  # [E, I, H] -> tierlm's [E, H, I]
+        dst, tensor = param, tensor.transpose(-1, -2)
+    elif kind == "interleaved":  # gate, up, gate, up, ... -> all gates, then all ups
+        if where[1]:  # gate_up_proj [E, H, 2I] -> tierlm's [E, 2I, H]
+            tensor = tensor.transpose(-1, -2)
+        dst = param
+        if tensor.dim() >= 2 and tensor.shape[1] % 2 == 0:  # otherwise the shape check below names it
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+    elif kind == "whole":
         dst = param
     elif kind == "qkv":
         q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -214,7 +238,7 @@ def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor) -> list[
     tierlm fuses q/k/v, gate/up and every expert into one parameter each: that one of a
     parameter's parts was loaded says nothing of the others, and a part never loaded is
     uninitialised memory (the model would run, on garbage)."""
-    if ("whole",) in parts:
+    if any(where[0] in _SINGLE for where in parts):
         return []
     if not parts:
         return [pname]
@@ -302,7 +326,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
                         continue  # read beforehand (a weight's), or not used (quantized activations')
                     # packed ints of weight `X.weight` (compressed-tensors' pack-quantized)
                     name = stored.removesuffix(PACKED_SUFFIX) if stored.endswith(".weight" + PACKED_SUFFIX) else stored
-                    t = _target(name)
+                    t = _target(name, args.model_type)
                     if t is None:
                         continue
                     pname, where = t

@@ -33,9 +33,15 @@ class SparseMoE(nn.Module):
         E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
         self.num_experts, self.top_k, self.inter = E, args.num_experts_per_tok, I
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = nn.Linear(H, E, bias=False)
+        self.gate = nn.Linear(H, E, bias=args.moe_bias)
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2 = nn.Parameter(torch.empty(E, H, I))
+        # GPT-OSS: biases on every expert projection, a clamped SwiGLU, and a router that
+        # softmaxes its top-k logits (everyone else: top-k of the softmax over all experts).
+        self.b13 = nn.Parameter(torch.empty(E, 2 * I)) if args.moe_bias else None
+        self.b2 = nn.Parameter(torch.empty(E, H)) if args.moe_bias else None
+        self.topk_then_softmax = args.router_topk_then_softmax
+        self.swiglu_alpha, self.swiglu_limit = args.swiglu_alpha, args.swiglu_limit
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if args.shared_expert_intermediate_size:
@@ -50,6 +56,9 @@ class SparseMoE(nn.Module):
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and experts, [T, k] each."""
+        if self.topk_then_softmax:  # GPT-OSS: in the activations' dtype, as its reference does
+            logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), experts
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -57,6 +66,16 @@ class SparseMoE(nn.Module):
         if not self.weights_in_fp32:
             weights = weights.to(x.dtype)
         return weights, experts
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        """The gated activation of [..., 2I] gate+up outputs: SwiGLU, or GPT-OSS's clamped
+        variant (up + 1) * gate * sigmoid(alpha * gate), in its reference's order of operations."""
+        gate, up = h.split(self.inter, dim=-1)
+        if not self.swiglu_alpha:
+            return F.silu(gate) * up
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._all_experts(x) if self.static_shapes else self._grouped(x)
@@ -69,8 +88,11 @@ class SparseMoE(nn.Module):
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_(1, experts, weights)  # [T, E]: the routing weight, 0 where not chosen
         h = torch.matmul(x, self.w13.transpose(1, 2))  # [E, T, 2I]
-        gate, up = h.split(self.inter, dim=-1)
-        y = torch.matmul(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, T, H]
+        if self.b13 is not None:
+            h = h + self.b13[:, None, :]
+        y = torch.matmul(self._act(h), self.w2.transpose(1, 2))  # [E, T, H]
+        if self.b2 is not None:
+            y = y + self.b2[:, None, :]
         return (y * dense.t().unsqueeze(-1)).to(x.dtype).sum(dim=0)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,14 +110,15 @@ class SparseMoE(nn.Module):
                 continue
             idx = token_of[start:start + c]
             xe = x[idx]
-            h = bf.linear(xe, 0, e) if bf is not None else None
+            b13 = self.b13[e] if self.b13 is not None else None
+            b2 = self.b2[e] if self.b2 is not None else None
+            h = bf.linear(xe, 0, e, b13) if bf is not None else None
             if h is None:
-                h = F.linear(xe, self.w13[e])
-            gate, up = h.split(self.inter, dim=-1)
-            act = F.silu(gate) * up
-            y = bf.linear(act, 1, e) if bf is not None else None
+                h = F.linear(xe, self.w13[e], b13)
+            act = self._act(h)
+            y = bf.linear(act, 1, e, b2) if bf is not None else None
             if y is None:
-                y = F.linear(act, self.w2[e])
+                y = F.linear(act, self.w2[e], b2)
             y = y * w_sorted[start:start + c, None]
             out.index_add_(0, idx, y.to(x.dtype))
             start += c

@@ -13,6 +13,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
+    "GptOssForCausalLM": CausalLM,  # gpt-oss-20b and -120b (attention sinks, biased clamped-SwiGLU experts)
     "Phi3ForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
     "GraniteForCausalLM": CausalLM,
     "SmolLM3ForCausalLM": CausalLM,  # every 4th layer without RoPE
