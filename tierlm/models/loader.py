@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +23,9 @@ from tierlm.errors import ModelLoadError
 from tierlm.models.config import ModelArgs, load_config_dict, parse_config
 from tierlm.models.kv_scales import KV_SCALE_NAME
 from tierlm.models.llama import CausalLM
-from tierlm.models.quantized import (PACKED_SUFFIX, QuantizedWeights, dequantize, is_activation_scale, is_quantized,
-                                     part_of, quantization_of)
+from tierlm.models.quantized import (MXFP4_BLOCKS, MXFP4_SCALES, PACKED_SUFFIX, QuantizedWeights, check_mxfp4_name,
+                                     dequantize, dequantize_mxfp4, is_activation_scale, is_quantized, part_of,
+                                     quantization_of, weight_name)
 from tierlm.models.registry import ARCHITECTURES, resolve_architecture
 
 log = logging.getLogger(__name__)
@@ -315,40 +316,19 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     loaded: dict[str, dict[tuple, str]] = {}  # parameter -> the parts of it the checkpoint filled -> by which tensor
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc=f"Loading {model_dir.name}", disable=not progress)
+    round_to = kv_dtype if kv_dtype != torch_dtype else None
     with torch.no_grad():
-        for f in files:
-            with _weights_file(f) as st:
-                for stored in st.keys():
-                    if part_of(stored) is not None or is_activation_scale(stored):
-                        if quant is None:
-                            raise ModelLoadError(f"{f.name} holds quantization scales ('{stored}') but config.json "
-                                                 "declares no quantization_config; re-export the checkpoint")
-                        continue  # read beforehand (a weight's), or not used (quantized activations')
-                    # packed ints of weight `X.weight` (compressed-tensors' pack-quantized)
-                    name = stored.removesuffix(PACKED_SUFFIX) if stored.endswith(".weight" + PACKED_SUFFIX) else stored
-                    t = _target(name, args.model_type)
-                    if t is None:
-                        continue
-                    pname, where = t
-                    if pname not in params:
-                        raise ModelLoadError(f"{f.name}: unexpected tensor '{name}' for {arch}; "
-                                             "is config.json from the same checkpoint?")
-                    tensor = st.get_tensor(stored)
-                    round_to = kv_dtype if kv_dtype != torch_dtype else None
-                    label = f"tensor '{stored}' in {f}"
-                    try:
-                        if name in parts or is_quantized(tensor):
-                            tensor = _dequantized(tensor, parts.get(name), quant, label)
-                        if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
-                            _untie_if_different(model, params, pname, tensor, round_to, model_dir)
-                        _copy(params[pname], where, tensor, args, round_to, label)
-                    except ModelLoadError:
-                        raise
-                    except Exception as e:  # whatever went wrong, say which tensor of which file
-                        raise ModelLoadError(f"cannot load {label} ({type(e).__name__}: {e}); "
-                                             "re-export the checkpoint") from e
-                    loaded.setdefault(pname, {})[where] = name
-            bar.update(f.stat().st_size)
+        for name, tensor, label in checkpoint_tensors(files, quant, parts, kv_dtype,
+                                                      wanted=lambda n: _target(n, args.model_type) is not None,
+                                                      done=lambda f: bar.update(f.stat().st_size)):
+            pname, where = _target(name, args.model_type)
+            if pname not in params:
+                raise ModelLoadError(f"unexpected {label} for {arch}; is config.json from the same checkpoint?")
+            with _failing_as(label):
+                if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
+                    _untie_if_different(model, params, pname, tensor, round_to, model_dir)
+                _copy(params[pname], where, tensor, args, round_to, label)
+            loaded.setdefault(pname, {})[where] = name
     bar.close()
     if args.tie_word_embeddings and "lm_head.weight" in loaded:  # tied, stored as lm_head only: transformers loads it
         loaded.setdefault("embed_tokens.weight", loaded["lm_head.weight"])
@@ -374,6 +354,55 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     gen = _generation_config(model_dir)
     eos = list(dict.fromkeys(args.eos_token_ids + _as_list(gen.get("eos_token_id"))))
     return LoadedModel(model, args, torch_dtype, device, eos, gen, kv_dtype=kv_dtype)
+
+
+def checkpoint_tensors(files: list[Path], quant: QuantizedWeights | None, parts: dict[str, dict[str, torch.Tensor]],
+                       dtype: torch.dtype, wanted: Callable[[str], bool] | None = None,
+                       done: Callable[[Path], None] | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """The checkpoint's weights as (name, tensor, label), named as transformers names the
+    parameters they load into, those stored quantized dequantized to `dtype`; `label` names the
+    stored tensor and its file, for errors.
+
+    `X.weight_packed` (packed ints) is `X.weight`; MXFP4 `X_blocks` + `X_scales` is `X`, in
+    transformers' dequantized layout (gpt-oss: `experts.gate_up_proj` [E, H, 2I], `experts.down_proj`
+    [E, I, H]). Parts (scales, zero points: `parts`, from _quantized_index) and activation scales
+    are not weights and not yielded. `wanted(name)`: read this one (a multimodal checkpoint's
+    vision tower is not read at all); `done(file)`: after each file (a progress bar)."""
+    seen: set[str] = set()
+    for f in files:
+        with _weights_file(f) as st:
+            for stored in st.keys():
+                if part_of(stored) is not None or is_activation_scale(stored):
+                    if quant is None:
+                        raise ModelLoadError(f"{f.name} holds quantization scales ('{stored}') but config.json "
+                                             "declares no quantization_config; re-export the checkpoint")
+                    continue  # read beforehand (a weight's), or not used (quantized activations')
+                name = weight_name(stored)
+                seen.add(name)
+                if wanted is not None and not wanted(name):
+                    continue
+                tensor = st.get_tensor(stored)
+                label = f"tensor '{stored}' in {f}"
+                if name in parts or is_quantized(tensor):
+                    with _failing_as(label):
+                        tensor = _dequantized(tensor, parts.get(name), quant, label, dtype)
+                yield name, tensor, label
+        if done is not None:
+            done(f)
+    if quant is not None and quant.method == "mxfp4" and (orphans := sorted(set(parts) - seen)):
+        raise ModelLoadError(f"checkpoint holds MXFP4 scales '{orphans[0]}{MXFP4_SCALES}' but not their blocks "
+                             f"'{orphans[0]}{MXFP4_BLOCKS}'; re-export the checkpoint")
+
+
+@contextmanager
+def _failing_as(label: str) -> Iterator[None]:
+    """Whatever goes wrong loading a tensor, a ModelLoadError saying which tensor of which file."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load {label} ({type(e).__name__}: {e}); re-export the checkpoint") from e
 
 
 @contextmanager
@@ -402,22 +431,30 @@ def _quantized_index(files: list[Path], quant: QuantizedWeights,
     for f in files:
         with _weights_file(f) as st:
             for name in st.keys():
+                if quant.method == "mxfp4" and st.get_slice(name).get_dtype() == "U8":  # MXFP4 is bytes
+                    check_mxfp4_name(name, str(f))
                 if (found := part_of(name)) is not None:
                     parts.setdefault(found[0], {})[found[1]] = st.get_tensor(name)
                 elif not is_activation_scale(name):
                     numel = math.prod(st.get_slice(name).get_shape())
-                    values += numel * 32 // quant.bits if name.endswith(PACKED_SUFFIX) else numel
+                    if name.endswith(PACKED_SUFFIX):
+                        numel = numel * 32 // quant.bits
+                    elif weight_name(name) != name and name.endswith(MXFP4_BLOCKS):
+                        numel *= 2  # two FP4 values a byte
+                    values += numel
     return parts, values * torch.empty((), dtype=dtype).element_size()
 
 
 def _dequantized(tensor: torch.Tensor, parts: dict[str, torch.Tensor] | None, quant: QuantizedWeights | None,
-                 label: str) -> torch.Tensor:
-    """A weight stored quantized (float8, integers), or with scales, multiplied back (float32).
-    Read as it is, one without its scales, or packed FP4 experts (bytes), would load as garbage."""
+                 label: str, dtype: torch.dtype) -> torch.Tensor:
+    """A weight stored quantized (float8, integers, FP4 bytes), or with scales, multiplied back
+    (in `dtype`). Read as it is, or without its scales, it would load as garbage."""
     if quant is None:
         raise ModelLoadError(f"{label} is {tensor.dtype} but config.json declares no quantization_config; "
                              "re-export the checkpoint with its quantization_config")
-    return dequantize(tensor, parts or {}, quant, label)
+    if quant.method == "mxfp4":  # in `dtype` itself, as transformers computes them (not float32, then rounded)
+        return dequantize_mxfp4(tensor, (parts or {}).get("scale"), dtype, label)
+    return dequantize(tensor, parts or {}, quant, label).to(dtype)
 
 
 def _as_list(v) -> list[int]:

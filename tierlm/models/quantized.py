@@ -14,12 +14,19 @@ so the same tokens; memory and speed are the unquantized model's (no low-precisi
   `weight_zero_point` where asymmetric (packed along the output dimension when the weights are).
   Products are rounded to the scales' dtype, as compressed-tensors' decompressor rounds them.
   `mixed-precision`: config groups of these formats, each weight read as what it is stored as.
+- `quant_method: mxfp4` (OpenAI's gpt-oss): MoE experts' `experts.gate_up_proj` and
+  `experts.down_proj` stored as `X_blocks` (uint8 [E, rows, cols/32, 16]: 32 FP4 e2m1 values per
+  block, two per byte, low nibble first) and `X_scales` (uint8 [E, rows, cols/32]: one E8M0
+  exponent per block, 2^(scale - 127)); everything else unquantized. Read as one tensor `X`
+  [E, cols, rows] in the model's dtype, bit for bit what transformers' `Mxfp4Config(dequantize=True)`
+  loads (the layout of gpt-oss's unquantized `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H]).
 Activation scales (`input_scale`: static FP8 / INT8 activations) are for quantized activations,
 which a dequantized model does not use: skipped, as transformers skips them. Other methods
 (GPTQ, AWQ, bitsandbytes, NVFP4, ...) would load as garbage or not at all: refused by name.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +44,13 @@ _FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantiz
 _MIXED = "mixed-precision"  # groups of different formats
 _OFFLINE = ("weight_input", "weight_output")  # transforms folded into the weights (the others rotate activations)
 _REEXPORT = "re-export the checkpoint"
+# MXFP4 (gpt-oss): an expert projection `X` stored as `X_blocks` (packed FP4) and `X_scales` (E8M0 exponents)
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+_MXFP4_WEIGHT = re.compile(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)$")  # all transformers dequantizes
+_MXFP4_PAIR = re.compile(r"^(.*)(_blocks|_scales)$")
+# FP4 e2m1 by its 4 bits (sign, 2 exponent bits, 1 mantissa bit), as transformers' FP4_VALUES
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values per scale
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class QuantizedWeights:
         kinds = ["float8"] if self.dtypes & _FLOAT8 else []
         kinds += ["int8"] if torch.int8 in self.dtypes else []
         kinds += [f"{self.bits}-bit ints packed in int32"] if torch.int32 in self.dtypes else []
+        kinds += ["FP4 e2m1 in blocks of 32 with E8M0 scales"] if self.method == "mxfp4" else []
         return ", ".join(kinds)
 
 
@@ -72,10 +87,13 @@ def quantization_of(cfg: dict, where: str) -> QuantizedWeights | None:
         return QuantizedWeights("fp8", "weight_scale_inv", _FLOAT8, _block(q.get("weight_block_size"), where))
     if method == "compressed-tensors":
         return _compressed_tensors(q, where)
+    if method == "mxfp4":  # which tensors are quantized, the names say (modules_to_not_convert: those that are not)
+        return QuantizedWeights("mxfp4", "scales", frozenset({torch.uint8}), (1, MXFP4_BLOCK), bits=4)
     raise ModelLoadError(
         f"{where} holds a quantized checkpoint (quant_method {method!r}), which tierlm cannot load: it loads "
-        "unquantized checkpoints and those of quant_method 'fp8' or 'compressed-tensors' (FP8, INT8 and packed "
-        "INT weights, dequantized as they load); use the model's unquantized (bf16) checkpoint")
+        "unquantized checkpoints and those of quant_method 'fp8', 'compressed-tensors' (FP8, INT8 and packed "
+        "INT weights) or 'mxfp4' (gpt-oss's FP4 experts), dequantized as they load; use the model's unquantized "
+        "(bf16) checkpoint")
 
 
 def _refuse(where: str, what: str) -> ModelLoadError:
@@ -148,12 +166,35 @@ def _block(block, where: str, field: str = "weight_block_size") -> tuple[int, in
 
 
 def part_of(name: str) -> tuple[str, str] | None:
-    """(`X.weight`, part) for a weight's part `X.weight_scale`, `X.weight_zero_point`, ...; None
-    for anything else."""
+    """(`X.weight`, part) for a weight's part `X.weight_scale`, `X.weight_zero_point`, ...; (`X`,
+    'scale') for MXFP4 expert scales `X_scales`; None for anything else."""
     for suffix, part in _PARTS.items():
         if name.endswith(".weight" + suffix):
             return name[:-len(suffix)], part
+    if name.endswith(MXFP4_SCALES) and _MXFP4_WEIGHT.search(name[:-len(MXFP4_SCALES)]):
+        return name[:-len(MXFP4_SCALES)], "scale"
     return None
+
+
+def weight_name(stored: str) -> str:
+    """The name transformers gives the parameter a stored tensor loads into: `X.weight` for packed
+    ints `X.weight_packed`, `X` for MXFP4 expert blocks `X_blocks`, else the name as stored."""
+    if stored.endswith(".weight" + PACKED_SUFFIX):
+        return stored[:-len(PACKED_SUFFIX)]
+    if stored.endswith(MXFP4_BLOCKS) and _MXFP4_WEIGHT.search(stored[:-len(MXFP4_BLOCKS)]):
+        return stored[:-len(MXFP4_BLOCKS)]
+    return stored
+
+
+def check_mxfp4_name(name: str, where: str) -> None:
+    """A ModelLoadError for MXFP4 blocks or scales of anything but an expert projection: transformers
+    dequantizes only `experts.gate_up_proj` and `experts.down_proj`, and would not load them either."""
+    m = _MXFP4_PAIR.match(name)
+    if m and not _MXFP4_WEIGHT.search(m.group(1)):
+        raise ModelLoadError(f"tensor '{name}' in {where}: MXFP4 {m.group(2)[1:]} of '{m.group(1)}', which tierlm "
+                             "cannot load (as transformers, it reads MXFP4 only for MoE experts' "
+                             "experts.gate_up_proj and experts.down_proj); use the model's unquantized (bf16) "
+                             "checkpoint")
 
 
 def is_activation_scale(name: str) -> bool:
@@ -208,6 +249,39 @@ def dequantize(weight: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Quanti
     out = w * _spread(scales.to(torch.float32), w.shape, fmt, f"{label}'s scales")
     if fmt.round_to_scale and scales.dtype.is_floating_point:
         out = out.to(scales.dtype).to(torch.float32)
+    return out
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
+                     label: str) -> torch.Tensor:
+    """MXFP4 expert weights in `dtype`, bit for bit as transformers' `convert_moe_packed_tensors`
+    makes them: blocks [E, rows, G, 16] and scales [E, rows, G] give [E, G x 32, rows] (each
+    block's 32 values, low nibble first, times 2^(scale - 127); then rows and columns swapped).
+    The same arithmetic (FP4 values in `dtype`, ldexp), one expert at a time: a whole stack's
+    temporaries would be several times the weights. `label` names the blocks in errors."""
+    what = f"{label}: MXFP4 blocks"
+    if blocks.dtype != torch.uint8:
+        raise ModelLoadError(f"{label} is {blocks.dtype}, which quant_method 'mxfp4' does not store (its quantized "
+                             f"tensors are experts' uint8 {MXFP4_BLOCKS} and {MXFP4_SCALES}); {_REEXPORT}")
+    if scales is None:
+        raise ModelLoadError(f"{label} holds MXFP4 blocks but their scales (the same name ending in "
+                             f"{MXFP4_SCALES} instead of {MXFP4_BLOCKS}) are not in the checkpoint; {_REEXPORT}")
+    if scales.dtype != torch.uint8:
+        raise ModelLoadError(f"{what}' scales must be uint8 E8M0 exponents, not {scales.dtype}; {_REEXPORT}")
+    if blocks.dim() != 4 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ModelLoadError(f"{what} {list(blocks.shape)} with scales {list(scales.shape)} do not fit: MXFP4 experts "
+                             f"are blocks [experts, rows, groups, {MXFP4_BLOCK // 2}] (32 4-bit values per block) and "
+                             f"one scale per block [experts, rows, groups]; {_REEXPORT}")
+    experts, rows, groups, _ = blocks.shape
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    out = torch.empty(experts, groups * MXFP4_BLOCK, rows, dtype=dtype)
+    for e in range(experts):
+        packed = blocks[e].to(torch.int32)
+        values = torch.empty(rows, groups, MXFP4_BLOCK, dtype=dtype)
+        values[..., 0::2] = lut[packed & 0x0F]
+        values[..., 1::2] = lut[packed >> 4]
+        torch.ldexp(values, scales[e].to(torch.int32).sub(127).unsqueeze(-1), out=values)
+        out[e] = values.reshape(rows, groups * MXFP4_BLOCK).T
     return out
 
 
