@@ -89,7 +89,7 @@ def _config(arch: str, vocab: int, **extra):
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
     if arch == "gpt_oss":  # attention sinks, biased experts with a clamped SwiGLU (limit 1: a quarter of
         # the gate/up values clamp), a router with a bias, alternating sliding layers, untruncated YaRN
-        return GptOssConfig(**{**common, "intermediate_size": 48}, head_dim=16, num_local_experts=4,
+        return GptOssConfig(**{**common, "intermediate_size": extra.get("intermediate_size", 48)}, head_dim=16, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=12, swiglu_limit=1.0, rope_parameters={
                                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})

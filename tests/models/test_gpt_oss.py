@@ -144,3 +144,33 @@ def test_interleaved_expert_tensor_of_the_wrong_width_is_named(tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"shape mismatch: tensor 'model\.layers\.1\.mlp\.experts\.gate_up_proj'"):
         LLM(str(path), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+
+
+@pytest.mark.parametrize("shards", [False, True], ids=["one_file", "sharded"])
+def test_mxfp4_checkpoint_as_openai_ships_it_matches_transformers(shards, tmp_path):
+    """gpt-oss's experts stored as MXFP4 blocks and scales (quantized from the float32 weights),
+    everything else as it was: the experts' weights bit for bit those transformers dequantizes
+    (Mxfp4Config(dequantize=True)), not the float32 ones they were rounded from, and the same
+    greedy tokens."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tests.models.mxfp4_checkpoints import mxfp4_checkpoint
+    dense = build_checkpoint("gpt_oss", tmp_path / "dense", intermediate_size=64)  # MXFP4 blocks of 32
+    path = mxfp4_checkpoint(dense, tmp_path / "mxfp4", shards=shards)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=4 << 20, load_progress=False)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(hf.config.vocab_size - 10) for _ in range(n)] for n in (9, 40)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    ours = llm.engine.runner.model.layers[0].mlp.w2.detach()
+    ref = hf.model.layers[0].mlp.experts.down_proj.detach().transpose(1, 2)
+    assert torch.equal(ours, ref)  # the dequantized weights themselves, bit for bit
+    dense_w2 = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).model.layers[0].mlp.experts.down_proj
+    assert not torch.equal(ref, dense_w2.detach().transpose(1, 2))  # rounded to FP4: not the float32 weights
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            expect = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
+        assert o.outputs[0].token_ids == expect[0, len(p):].tolist()
