@@ -62,7 +62,9 @@ def test_only_bf16_exact_float32_weights_are_wrapped():
     assert isinstance(model[0], Bf16DecodeLinear) and isinstance(model[1], torch.nn.Linear)
 
 
-def _reference_decode(q, cache, tables, lens, scale, window):
+def _reference_decode(q, cache, tables, lens, scale, window, sinks=None):
+    """float64 attention of each query row over its first lens[i] keys; `sinks` ([hq]): a logit
+    per head in the softmax, dropped after it, as gpt-oss's reference computes it."""
     cache = cache.float()  # fp8 has no indexing kernels
     hkv, d = cache.shape[3], cache.shape[4]
     g = q.shape[1] // hkv
@@ -74,7 +76,11 @@ def _reference_decode(q, cache, tables, lens, scale, window):
         s = torch.einsum("hd,lhd->hl", q[i].double(), k.double()) * scale
         if window is not None:
             s[:, : max(0, L - window)] = float("-inf")
-        out[i] = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v.double()).float()
+        if sinks is not None:
+            p = torch.softmax(torch.cat((s, sinks.double()[:, None]), -1), -1)[:, :-1]
+        else:
+            p = torch.softmax(s, -1)
+        out[i] = torch.einsum("hl,lhd->hd", p, v.double()).float()
     return out
 
 
@@ -92,6 +98,29 @@ def test_decode_attention_matches_reference(dtype, hq, hkv, d, bs, window):
     out = cpu_kernels.decode_attention(q, cache, tables, lens, d ** -0.5, window)
     ref = _reference_decode(q, cache, tables, lens, d ** -0.5, window)
     assert (out - ref).abs().max().item() < 2e-5
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(14, 2, 64, 16, None), (8, 8, 128, 16, 37), (6, 2, 16, 5, None),
+                                              (4, 4, 32, 16, 1)])
+def test_decode_attention_with_sinks_matches_reference(dtype, hq, hkv, d, bs, window):
+    """gpt-oss's sinks in the kernel: each head's logit joins its softmax's max and sum and adds
+    no value; sinks far above every score (the output shrinks towards 0), far below (plain
+    attention) and among them, over 1 key up to 640."""
+    g = torch.Generator().manual_seed(hq * 100 + d + bs + 1)
+    num_blocks, max_blocks = 64, 40
+    cache = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 2, bs, bs + 1, 57, 130, max_blocks * bs])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), hq, d, generator=g)
+    sinks = torch.randn(hq, generator=g) * 2
+    sinks[0], sinks[-1] = 30.0, -30.0
+    out = cpu_kernels.decode_attention(q, cache, tables, lens, d ** -0.5, window, sinks=sinks)
+    ref = _reference_decode(q, cache, tables, lens, d ** -0.5, window, sinks)
+    assert (out - ref).abs().max().item() < 2e-5
+    plain = _reference_decode(q, cache, tables, lens, d ** -0.5, window)
+    assert (ref - plain).abs().max().item() > 0.1  # the sinks change the answer
 
 
 @needs_avx512

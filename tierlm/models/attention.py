@@ -203,14 +203,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
     kv_rows = cache.view(2, cache.shape[1], -1)
     if meta.padded is not None:
         return _padded_attention(q, kv_rows, meta.padded, meta.block_size, scale, window, sinks)
-    use_kernel = (meta.cpu_kernels and q.device.type == "cpu" and sinks is None
+    use_kernel = (meta.cpu_kernels and q.device.type == "cpu"
                   and (bool(meta.decode_groups) or any(p.kernel_rows() for p in meta.prefills))
                   and cpu_kernels.decode_attention_supported(q, cache))
     for g in meta.decode_groups:
         if use_kernel:
             # tierlm's CPU kernel reads the paged (bf16) K/V in place: no gather, convert or mask.
             o = cpu_kernels.decode_attention(q[g.start:g.end], cache, g.block_tables, g.ctx_lens, scale, window,
-                                             longest=g.longest())
+                                             longest=g.longest(), sinks=sinks)
             if o is not None:
                 pieces.append((g.start, g.end, o))
                 continue
@@ -233,7 +233,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
             # keys, read in place (2-4x the gather and masked SDPA below at up to 5 rows, still
             # ahead at 16; measured per layer at 300 and 2,000 keys on the bench model's shapes).
             tables, lens = p.kernel_rows()
-            o = cpu_kernels.decode_attention(qs, cache, tables, lens, scale, window, longest=p.ctx_len)
+            o = cpu_kernels.decode_attention(qs, cache, tables, lens, scale, window, longest=p.ctx_len, sinks=sinks)
             if o is not None:
                 pieces.append((p.q_start, p.q_end, o))
                 continue

@@ -112,7 +112,7 @@ def _load() -> ctypes.CDLL | None:
     lib.tierlm_gemm_bf16w.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, cint]
     lib.tierlm_gemm_bf16w.restype = ctypes.c_int
     lib.tierlm_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, ptr,
-                                            i64, ctypes.c_float, ptr, cint]
+                                            i64, ctypes.c_float, ptr, ptr, cint]
     lib.tierlm_decode_attention.restype = ctypes.c_int
     lib.tierlm_fp8_widen.argtypes = [ptr, ptr, i64, cint, cint, cint]
     lib.tierlm_fp8_widen.restype = ctypes.c_int
@@ -177,11 +177,13 @@ def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                     scale: float, window: int | None, longest: int | None = None) -> torch.Tensor | None:
+                     scale: float, window: int | None, longest: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [B, Hq, D] float32 or bf16 (the output's dtype), one token per sequence; cache [2,
     blocks, block_size, Hkv, D] of a dtype decode_attention_supported accepts (fp8 is read as
     stored: no scale).
     `longest`: max(lens) when the caller knows it (read once per step, not per layer).
+    `sinks`: [Hq] logits that join each head's softmax without a value (gpt-oss).
     None where the kernel declined (see decode_attention_supported; or out of scratch memory)."""
     lib = library()
     b, hq, d = q.shape
@@ -199,9 +201,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
                          f"{tables.shape[1]} blocks x {cache.shape[2]} slots")
     out = torch.empty_like(q)
     kc, vc = cache[0], cache[1]
+    if sinks is not None:  # the kernel reads hq contiguous floats
+        sinks = sinks.detach().to(torch.float32).contiguous()
     rc = lib.tierlm_decode_attention(q.data_ptr(), b, hq, cache.shape[3], d, kc.data_ptr(), vc.data_ptr(),
                                      _KV_KINDS[cache.dtype], cache.shape[2], tables.data_ptr(),
-                                     tables.shape[1], lens.data_ptr(), window or 0, scale, out.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), window or 0, scale,
+                                     sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
                                      torch.get_num_threads())
     return out.to(out_dtype) if rc == 0 else None
 

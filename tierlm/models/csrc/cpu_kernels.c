@@ -240,7 +240,7 @@ static inline void key_rows(struct cursor *cur, int64_t n, const int64_t *table,
  * an online softmax with one dot product (and one horizontal sum) per key and head. */
 static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, const void *kc, const void *vc,
                           int kind, int64_t block_size, const int64_t *table, int64_t hkv, int64_t h,
-                          int64_t start, int64_t len, float scale, float *sc) {
+                          int64_t start, int64_t len, float scale, const float *sinks, float *sc) {
     int64_t nv = d / 16, ng = (g + HG - 1) / HG, nk = len - start, ldsc = (nk + 15) / 16 * 16;
     float kt[256 * ACHUNK] __attribute__((aligned(64)));    /* [d][16 keys] */
     float q[2 * HG * 256] __attribute__((aligned(64)));     /* heads padded to a group with zeros */
@@ -281,7 +281,15 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
         }
     }
     __m512 m[2 * HG];
-    for (int64_t j = 0; j < g; j++) m[j] = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[j]));
+    float sink_max[2 * HG];
+    for (int64_t j = 0; j < g; j++) {
+        float mj = _mm512_reduce_max_ps(vmax[j]);
+        /* a sink (gpt-oss) joins the softmax as one more logit without a value: it takes part in
+         * the max and in the sum below, and adds nothing to the weighted values */
+        if (sinks != NULL && sinks[j] > mj) mj = sinks[j]; /* a NaN max stays NaN */
+        sink_max[j] = mj;
+        m[j] = _mm512_set1_ps(mj);
+    }
     cur = (struct cursor){start / block_size, start % block_size};
     for (int64_t t0 = 0; t0 < nk; t0 += ACHUNK) {
         int64_t n = nk - t0 < ACHUNK ? nk - t0 : ACHUNK;
@@ -308,6 +316,7 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
     }
     for (int64_t j = 0; j < g; j++) {
         float total = _mm512_reduce_add_ps(vsum[j]);
+        if (sinks != NULL) total += expf(sinks[j] - sink_max[j]);
         __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
         for (int64_t c = 0; c < nv; c++)
             _mm512_storeu_ps(os + j * d + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + j * d + c * 16), inv));
@@ -353,14 +362,15 @@ int tierlm_fp8_widen(const uint8_t *src, void *dst, int64_t n, int kind, int to_
 /* q: [nd, hq, d] float32; k/v cache: [num_blocks, block_size, hkv, d] of `kind` (KV_F32, KV_BF16,
  * KV_E4M3 or KV_E5M2);
  * tables: [nd, max_blocks] int64; lens: [nd] keys per sequence incl. the new one;
- * window > 0 keeps only the last `window` keys. out: [nd, hq, d] float32.
+ * window > 0 keeps only the last `window` keys. sinks: NULL, or [hq] float32 logits that join each
+ * query head's softmax without a value (gpt-oss). out: [nd, hq, d] float32.
  * Returns 0, or -1 (out is then not valid) where this build has no AVX-512, the shape is off the
  * vector path (head_dim % 16 != 0 or > 256, more than 16 query heads per KV head) or scratch
  * memory ran out: the caller then uses its PyTorch path. */
 int tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv, int64_t d, const void *kc,
                             const void *vc, int kind, int64_t block_size, const int64_t *tables,
-                            int64_t max_blocks, const int64_t *lens, int64_t window, float scale, float *out,
-                            int nthreads) {
+                            int64_t max_blocks, const int64_t *lens, int64_t window, float scale,
+                            const float *sinks, float *out, int nthreads) {
 #ifdef __AVX512F__
     int64_t g = hq / hkv;
     if (hkv <= 0 || hq % hkv != 0 || d % 16 != 0 || d > 256 || g > 16) return -1;
@@ -377,13 +387,13 @@ int tierlm_decode_attention(const float *q, int64_t nd, int64_t hq, int64_t hkv,
             continue;
         }
         attend_avx512(q + (s * hq + h * g) * d, out + (s * hq + h * g) * d, g, d, kc, vc, kind, block_size,
-                      tables + s * max_blocks, hkv, h, start, len, scale, sc);
+                      tables + s * max_blocks, hkv, h, start, len, scale, sinks ? sinks + h * g : NULL, sc);
         free(sc);
     }
     return failed ? -1 : 0;
 #else
     (void)q; (void)nd; (void)hq; (void)hkv; (void)d; (void)kc; (void)vc; (void)kind; (void)block_size;
-    (void)tables; (void)max_blocks; (void)lens; (void)window; (void)scale; (void)out; (void)nthreads;
+    (void)tables; (void)max_blocks; (void)lens; (void)window; (void)scale; (void)sinks; (void)out; (void)nthreads;
     return -1;
 #endif
 }
