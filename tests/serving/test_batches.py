@@ -162,6 +162,8 @@ def test_cancelling_aborts_what_runs_and_skips_the_rest(server, engines, monkeyp
     assert done.request_counts.canceled == 40 and done.request_counts.succeeded == 0
     assert all(r.result.type == "canceled" for r in c.messages.batches.results(batch.id))
     assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
+    with pytest.raises(anthropic.BadRequestError, match="is ended: a batch can be cancelled only while"):
+        c.messages.batches.cancel(batch.id)  # as Anthropic's: an ended batch cannot be cancelled
 
 
 

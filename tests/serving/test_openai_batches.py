@@ -320,7 +320,9 @@ def test_cancelling_aborts_what_runs_and_lists_the_rest_as_cancelled(server, eng
     assert len(err) == 30 and all(r["response"] is None and r["error"]["code"] == "batch_cancelled"
                                   for r in err.values())
     assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
-    assert c.batches.cancel(batch.id).status == "cancelled"  # cancelling an ended batch changes nothing
+    with pytest.raises(openai.ConflictError, match="is cancelled: a batch can be cancelled only while"):
+        c.batches.cancel(batch.id)  # an ended batch cannot be cancelled (OpenAI's 409), and is left as it was
+    assert c.batches.retrieve(batch.id).status == "cancelled"
 
 
 def test_at_expiry_unfinished_requests_are_aborted_and_the_finished_ones_kept(server, engines, monkeypatch):
@@ -345,7 +347,46 @@ def test_at_expiry_unfinished_requests_are_aborted_and_the_finished_ones_kept(se
     assert all(r["response"] is None and r["error"]["code"] == "batch_expired" for r in err.values())
     assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0, timeout=10)
     assert wait_until(lambda: engine.stats().kv_blocks_used == 0, timeout=10)
-    assert c.batches.cancel(batch.id).status == "expired"  # cancelling an ended batch changes nothing
+    with pytest.raises(openai.ConflictError, match="is expired"):
+        c.batches.cancel(batch.id)  # an ended batch cannot be cancelled
+    assert c.batches.retrieve(batch.id).status == "expired"
+
+
+def test_a_batch_cannot_be_cancelled_while_finalizing(server):
+    """As OpenAI's: once every request has its answer and the files are being written
+    (`finalizing`), a cancel is a 409 invalid_request_error naming the status, and the batch ends
+    `completed` with every answer in its output file once (a cancel taken then had ended it
+    `cancelled` with complete output)."""
+    import asyncio
+    import threading
+
+    files = server.app.state.tierlm.batches.files
+    add, writing, go = files.add, threading.Event(), threading.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:  # the output file is being written when the cancel comes
+        writing.set()
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        return await add(*args, **kwargs)
+
+    c = client(server, "b")
+    f = c.files.create(file=("two.jsonl", jsonl([chat(f"r{i}", max_tokens=2) for i in range(2)])), purpose="batch")
+    files.add = held  # type: ignore[method-assign]
+    try:
+        batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert writing.wait(30)
+        r = httpx.post(f"{server.url}/v1/batches/{batch.id}/cancel", headers={"authorization": f"Bearer {KEYS['b']}"})
+        go.set()
+    finally:
+        go.set()
+        files.add = add  # type: ignore[method-assign]
+    assert r.status_code == 409 and r.json()["error"]["type"] == "invalid_request_error", r.json()
+    assert f"batch '{batch.id}' is finalizing" in r.json()["error"]["message"]
+    done = finished(c, batch.id)
+    assert done.status == "completed" and done.cancelling_at is None and done.cancelled_at is None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 0) and done.error_file_id is None
+    assert sorted(lines(c, done.output_file_id)) == ["r0", "r1"]
+    assert len([x for x in c.files.list() if x.filename.startswith(batch.id)]) == 1  # one output file
 
 
 def test_batches_are_a_keys_own_and_listed_newest_first(server):

@@ -49,7 +49,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tierlm.serving.auth import RequestContext
-from tierlm.serving.errors import ClientDisconnected, InvalidRequest, NotFound, RateLimited
+from tierlm.serving.errors import ClientDisconnected, Conflict, InvalidRequest, NotFound, RateLimited
 from tierlm.serving.files import DEFAULT_MAX_FILE_BYTES, FileStore, rfc3339
 from tierlm.serving.paging import limit_param, page
 from tierlm.serving.telemetry import DEFAULT_TENANT
@@ -87,6 +87,9 @@ class Batch:
     items: list[BatchItem]
     created_at: float = field(default_factory=time.time)
     cancel_initiated_at: float | None = None
+    # Every request has its result and the batch's end is being made (OpenAI's output files): for
+    # OpenAI's batch (`finalizing`) too late to cancel, or it would end `cancelled` with every answer.
+    finalizing_at: float | None = None
     ended_at: float | None = None
     task: asyncio.Task | None = None
     # Set when the batch stops early, cancelled or expired (`halt_reason`): its requests in the
@@ -97,6 +100,7 @@ class Batch:
 
     kind = "batch"  # in batch.json: which class restores it
     noun = "batch"  # in errors
+    CANCELLABLE: ClassVar[tuple[str, ...]] = ()  # the statuses a cancel is taken in (a repeated one too)
     OUTCOMES: ClassVar[tuple[str, ...]] = ("succeeded", "errored", "canceled", "expired")
     path = "/v1/messages"  # the route each request runs through
     headers: ClassVar[tuple[tuple[bytes, bytes], ...]] = ()  # sent with each request beside its body
@@ -106,6 +110,11 @@ class Batch:
         for item in self.items:  # (restored with the results that had been written)
             if item.result is not None:
                 self._count(item.result)
+
+    @property
+    def status(self) -> str:
+        """The batch's status in its API's words."""
+        raise NotImplementedError
 
     @property
     def expires_at(self) -> float:
@@ -174,6 +183,7 @@ class MessageBatch(Batch):
 
     kind = "message_batch"
     noun = "message batch"
+    CANCELLABLE = ("in_progress", "canceling")  # (Anthropic's has no finalizing: it ends as its last request does)
     path = "/v1/messages"
     headers = ((b"anthropic-version", b"2023-06-01"),)
 
@@ -429,8 +439,12 @@ class BatchStore:
                               "one", retry_after=60)
 
     def cancel(self, batch: Batch) -> None:
-        """Stop what has not started and abort what runs (nothing if it ended, is cancelling or
-        has expired)."""
+        """Stop what has not started and abort what runs (nothing more if it is cancelling or has
+        expired). A batch past its CANCELLABLE statuses (finalizing or ended) is a Conflict, as in
+        both APIs: a cancel then would only relabel finished work."""
+        if batch.status not in batch.CANCELLABLE:
+            raise Conflict(f"{batch.noun} '{batch.id}' is {batch.status}: a batch can be cancelled only while "
+                           f"its requests run ({', '.join(batch.CANCELLABLE)})")
         if batch.ended_at is None and not batch.halted.is_set():
             batch.cancel_initiated_at = time.time()
             batch.halted.set()
@@ -576,6 +590,7 @@ async def run_batch(app: Any, batch: Batch) -> None:
             metrics.batches_in_progress.dec()
         return
     stopped = False
+    batch.finalizing_at = time.time()  # (before on_end runs: a cancel from now on is refused)
     if store is not None:
         # A server stopping meanwhile waits for this step: cut off, its files were written but the
         # batch not ended, and the next start made them again (two output files listed).

@@ -127,6 +127,13 @@ class MethodNotAllowed(InvalidRequest):
     status = 405
 
 
+class Conflict(InvalidRequest):
+    """The request is well formed but the thing it acts on is past the point where it applies (a
+    batch that finished cannot be cancelled): OpenAI answers 409, Anthropic a 400."""
+
+    openai_status = 409
+
+
 class AuthenticationFailed(APIError):
     status = 401
     anthropic_type = "authentication_error"

@@ -60,13 +60,13 @@ class OpenAIBatch(Batch):
     metadata: dict[str, str] | None = None
     output_ttl_s: int | None = None  # output_expires_after: its files' lifetime (None: kept until deleted)
     errors: list[dict[str, Any]] = field(default_factory=list)  # the input file's faults: the batch failed
-    finalizing_at: float | None = None
     output_file_id: str | None = None
     error_file_id: str | None = None
     _usage: dict[str, Any] | None = None
 
     kind = "openai_batch"
     body_name = "body"
+    CANCELLABLE = ("validating", "in_progress", "cancelling")  # OpenAI's: not once finalizing
 
     @property  # type: ignore[override]
     def path(self) -> str:
@@ -116,7 +116,6 @@ class OpenAIBatch(Batch):
 
     async def on_end(self, store: BatchStore) -> None:
         """The output and error files, each made only when it has a line."""
-        self.finalizing_at = time.time()
         out: list[bytes] = []
         err: list[bytes] = []
         for item in self.items:
