@@ -109,6 +109,25 @@ def test_a_partition_keeps_the_prefix_its_tenant_hit_though_another_tenant_cache
     assert pool._num_evictable == 8 and len(pool.policy) == 4
 
 
+@pytest.mark.parametrize("policy", ["lfu", "tlp"])
+def test_a_block_moved_into_a_partition_keeps_its_history(policy):
+    """A shared block a partitioned tenant hits moves into its partition with what the shared
+    policy knew of it (access count, last access): it entered as a newcomer, and under LFU a block
+    hit six times was the partition's first victim, before blocks used once."""
+    pool = BlockPool(8, policy=policy)
+    gold = pool.partition("gold", 0.25)  # 2 blocks
+    _cache_chain(pool, [b"s"])
+    for _ in range(5):
+        _extend(pool, [b"s"], [])  # hits of tenants without a share: counted by the shared policy
+    _extend(pool, [b"s"], [], gold)  # into gold's partition
+    assert pool.lookup(b"s").owner == gold and pool.partitions[gold].policy.export(b"s").accesses == 7
+    _cache_chain(pool, [b"g1"], gold)
+    _cache_chain(pool, [b"g2"], gold)  # gold past its share: it gives first
+    taken = pool.allocate(6)  # 5 free blocks, then one of gold's: its least used, g1
+    assert _cached(pool, b"") == [b"g2", b"s"]
+    pool.free(taken)
+
+
 def test_a_chain_through_two_partitions_still_goes_tail_first():
     """A policy sees only the children it ranks: to the partition past its share, the head of a
     chain another tenant's partition went on from was a leaf, and it went first, stranding the

@@ -66,6 +66,23 @@ def test_a_shared_block_stored_again_from_a_partitions_side_moves_into_it():
     _check_tier_partitions(tier)
 
 
+def test_a_shared_block_moved_into_a_partition_keeps_its_history():
+    """As on the device (test_block_pool): a shared block stored again from a partitioned
+    tenant's side joins its partition with its access count, not as a newcomer that LFU takes
+    before the partition's blocks used once."""
+    tier = HostTier(8, "lfu")
+    tier.partition("gold", 0.25)  # 2 of 8 blocks
+    for _ in range(6):
+        tier.put(b"s", None, DATA)  # stored, then demoted again 5 times by tenants without a share
+    tier.put(b"s", None, DATA, owner="gold")
+    assert tier.owners[b"s"] == "gold" and tier.partitions["gold"].policy.export(b"s").accesses == 7
+    _chain(tier, "g", 1, "gold")
+    _chain(tier, "h", 1, "gold")  # gold is past its share: it gives first
+    evicted = _chain(tier, "f", 6, None)
+    assert [h for h, *_ in evicted] == [b"g0"] and b"s" in tier and b"h0" in tier
+    _check_tier_partitions(tier)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "tlp", "s3fifo", "arc", "duel", "chain"])
 def test_random_puts_and_takes_keep_the_counts_and_take_chains_tail_first(policy):
     """Random chains stored from three sides (two partitions, the shared blocks), shares that

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierlm.kv.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
+from tierlm.kv.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, move_block
 from tierlm.kv.prefix_cache import BlockHash
 
 
@@ -241,8 +241,8 @@ class BlockPool:
         if moved:
             if blk.ref_cnt:
                 self.policy.unpin(blk.block_hash)  # one pin per block in use: it moves along
-            self.policy.remove(blk.block_hash)
             blk.owner = owner  # in use from here on: the partition never counts it evictable
+            move_block(blk.block_hash, parent, self.policy, self.policy_of(blk))  # with its history
         policy = self.policy_of(blk)
         policy.access(blk.block_hash, parent, self._clock)
         if moved and blk.output_tokens is not None:  # what the shared policy had heard of it

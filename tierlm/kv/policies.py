@@ -40,6 +40,7 @@ from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "BlockRecord",
     "EvictionPolicy",
     "LRUPolicy",
     "LFUPolicy",
@@ -58,6 +59,7 @@ __all__ = [
     "SAMPLED_POLICIES",
     "DEFAULT_POLICY",
     "make_policy",
+    "move_block",
 ]
 
 
@@ -93,9 +95,32 @@ class EvictionPolicy(Protocol):
         `hints`). Keys the policy does not track are skipped.
         """
 
+    def export(self, key: Hashable) -> BlockRecord | None:
+        """`key`'s history here, for the policy it moves to (`adopt`); None if this policy keeps
+        none that carries over, or does not track `key`."""
+
+    def adopt(self, key: Hashable, parent: Hashable | None, record: BlockRecord) -> None:
+        """Track `key`, new here, with the history `record` another policy of this kind exported.
+
+        A cached block moving into a tenant's cache partition (kv/block_pool.py, kv/tiers.py)
+        keeps its rank there (it entered as a newcomer: under LFU a block hit a hundred times was
+        the partition's first victim). The access that moves it follows, as a hit. A policy that
+        keeps no such history (s3fifo, arc, the Gittins family) does nothing: that access tracks
+        the block as new.
+        """
+
     def __len__(self) -> int: ...
 
     def __contains__(self, key: object) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """What one policy knew of a cached block, carried to the policy it moves to (`export`,
+    `adopt`)."""
+
+    last: int  # the caller's clock at its last access
+    accesses: int = 1  # accesses while tracked (where the policy counts them)
 
 
 class _CandidateHeap:
@@ -181,9 +206,7 @@ class _LeafPolicy:
         if key in self._parent:
             self._on_hit(key, now)
         else:
-            self._parent[key] = parent
-            if parent is not None:
-                self._children[parent] = self._children.get(parent, 0) + 1
+            self._track(key, parent)
             self._on_insert(key, now)
         self._refresh(key)
 
@@ -220,6 +243,12 @@ class _LeafPolicy:
     def finished(self, keys: Sequence[Hashable], output_tokens: int) -> None:
         pass  # only hint-aware policies use it
 
+    def export(self, key: Hashable) -> BlockRecord | None:
+        return None  # (policies with a history that carries over say so)
+
+    def adopt(self, key: Hashable, parent: Hashable | None, record: BlockRecord) -> None:
+        pass
+
     def __len__(self) -> int:
         return len(self._parent)
 
@@ -227,6 +256,12 @@ class _LeafPolicy:
         return key in self._parent
 
     # -- helpers -----------------------------------------------------------------------------
+    def _track(self, key: Hashable, parent: Hashable | None) -> None:
+        """Start tracking `key` under `parent` (its history is the caller's to set)."""
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+
     def _is_candidate(self, key: Hashable) -> bool:
         return key in self._parent and key not in self._pins and key not in self._children
 
@@ -282,6 +317,16 @@ class LRUPolicy(_ScoredPolicy):
     def _priority(self, key: Hashable) -> object:
         return self._last[key]
 
+    def export(self, key: Hashable) -> BlockRecord | None:
+        last = self._last.get(key)
+        return None if last is None else BlockRecord(last)
+
+    def adopt(self, key: Hashable, parent: Hashable | None, record: BlockRecord) -> None:
+        if key not in self._parent:
+            self._track(key, parent)
+            self._last[key] = record.last
+            self._refresh(key)
+
 
 class _CountingPolicy(_ScoredPolicy):
     """A scored policy that keeps each tracked block's access count and last access time, and
@@ -303,6 +348,16 @@ class _CountingPolicy(_ScoredPolicy):
     def _on_remove(self, key: Hashable) -> None:
         del self._count[key], self._last[key]
         self._heap.discard(key)
+
+    def export(self, key: Hashable) -> BlockRecord | None:
+        count = self._count.get(key)
+        return None if count is None else BlockRecord(self._last[key], count)
+
+    def adopt(self, key: Hashable, parent: Hashable | None, record: BlockRecord) -> None:
+        if key not in self._parent:
+            self._track(key, parent)
+            self._count[key], self._last[key] = record.accesses, record.last
+            self._refresh(key)
 
 
 class LFUPolicy(_CountingPolicy):
@@ -1401,6 +1456,16 @@ def partition_history(history: int | None, share: float) -> int | None:
     partition keeping a whole pool's cost ~85 MiB per partitioned tenant), at least the floor.
     None (the policy's default) stays None."""
     return None if history is None else max(MIN_POLICY_HISTORY, int(share * history))
+
+
+def move_block(key: Hashable, parent: Hashable | None, src: EvictionPolicy, dst: EvictionPolicy) -> None:
+    """Cached block `key` moves from the policy ranking it, `src`, to `dst` (a tenant's cache
+    partition's): out of `src`, into `dst` with its history where `dst` can take it (`adopt`).
+    Unpinned in `src` first; the access that moves it is the caller's."""
+    record = src.export(key)
+    src.remove(key)
+    if record is not None:
+        dst.adopt(key, parent, record)
 
 
 def make_policy(name: str, history: int | None = None, **kwargs: object) -> EvictionPolicy:

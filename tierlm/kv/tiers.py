@@ -38,7 +38,7 @@ import torch
 from tierlm.errors import KVTierError
 from tierlm.files import read_regular
 from tierlm.kv.block_pool import Givers, Partition, set_partition
-from tierlm.kv.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, partition_history
+from tierlm.kv.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, move_block, partition_history
 
 log = logging.getLogger(__name__)
 
@@ -630,8 +630,8 @@ class _CapacityTier:
         first stays exposed to other tenants' traffic, as on the device)."""
         if owner is None or owner not in self.partitions or h in self.owners:
             return
-        if h in self.policy:
-            self.policy.remove(h)
+        if h in self.policy:  # (with its history, where the partition's policy takes it)
+            move_block(h, parent, self.policy, self.partitions[owner].policy)
         self.owners[h] = owner
         self.partitions[owner].evictable += 1
 
@@ -743,6 +743,9 @@ class _RecordingPolicy:
     def finished(self, keys, output_tokens) -> None:
         self.log.append(("finished", tuple(keys), output_tokens))
         self.inner.finished(keys, output_tokens)
+
+    def export(self, key):
+        return self.inner.export(key)  # (changes nothing: a block leaving is logged by its `remove`)
 
     def victim(self):
         return self.inner.victim()
