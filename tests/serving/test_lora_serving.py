@@ -229,3 +229,35 @@ def test_adapters_loaded_and_unloaded_leave_no_per_name_state(setup):
                           headers=hdr).status_code == 200
     assert set(models._tool_calls) <= {"base"} and set(models._reasoning) <= {"base"}
     assert 'model="churn' not in httpx.get(server.url + "/metrics").text  # (each name's series went with it)
+
+
+def test_an_unloaded_adapter_leaves_no_sla_breaker(llama_dir, tmp_path):
+    """The SLA guard keeps a breaker per (model, tier with a TTFT target): each adapter name that
+    had such traffic kept one after it was unloaded, and the same name loaded again found the old
+    adapter's outcomes (an open breaker refused the new one)."""
+    ads = standard_adapters(llama_dir, "llama", tmp_path)
+    engine = AsyncEngine.from_model(str(llama_dir), dtype="float32", block_size=8, load_progress=False,
+                                    served_model_name="base", enable_lora=True)
+    tenants = '[tiers.gold]\nttft_target_ms = 3600000\n[tenants.acme]\ntier = "gold"\nkeys = ["admin"]\n'
+    app = build_app({"base": engine}, ApiKeyAuth.from_keys({"admin": ADMIN}),
+                    tenancy=Tenancy(TenantsConfig.parse(tomllib.loads(tenants), ["admin"])),
+                    lora_updates=LoRAUpdates(frozenset({"admin"})))
+    server = ServerThread(app).start()
+    hdr, guard = {"Authorization": f"Bearer {ADMIN}"}, app.state.tierlm.sla
+    try:
+        seen = []
+        for _ in range(2):
+            assert httpx.post(server.url + "/v1/load_lora_adapter", headers=hdr,
+                              json={"lora_name": "sla1", "lora_path": str(ads["a2"])}).status_code == 200
+            for _ in range(2):
+                assert httpx.post(server.url + "/v1/completions", headers=hdr, timeout=60,
+                                  json={"model": "sla1", "prompt": "hi", "max_tokens": 2}).status_code == 200
+            [(key, breaker)] = [(k, b) for k, b in guard._breakers.items() if k[0] == "sla1"]
+            assert key == ("sla1", "gold") and len(breaker._outcomes) == 2  # this adapter's two requests only
+            seen.append(breaker)
+            assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sla1"},
+                              headers=hdr).status_code == 200
+            assert not [k for k in guard._breakers if k[0] == "sla1"]  # gone with the adapter
+        assert seen[0] is not seen[1]
+    finally:
+        server.stop()

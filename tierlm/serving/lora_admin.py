@@ -100,6 +100,7 @@ async def unload_lora_adapter(request: Request) -> Response:
             except InvalidRequestError:
                 break  # unloaded meanwhile
             request.app.state.telemetry.metrics.forget_model(adapter)
+            state.sla.forget_model(adapter)
             logger.info("LoRA adapter %s unloaded from %s (key %s)", adapter, base, context.api_key_id)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
     raise NotFound(f"LoRA adapter '{body.lora_name}' is not loaded here", param="lora_name")

@@ -130,6 +130,7 @@ class SlaGuard:
     clock: Callable[[], float] = time.monotonic
     on_trip: Callable[[str, str], None] | None = None
     _breakers: dict[tuple[str, str], Breaker] = field(default_factory=dict)
+    _forgotten_trips: int = 0  # (those of breakers `forget_model` dropped: `trips` never falls)
 
     def __post_init__(self) -> None:
         for big, small in self.fallbacks.items():
@@ -192,10 +193,18 @@ class SlaGuard:
             if self.on_trip is not None:
                 self.on_trip(model, tier)
 
+    def forget_model(self, model: str) -> None:
+        """Drop `model`'s breakers, a LoRA adapter unloaded at run time (as Metrics.forget_model
+        its series): else each adapter name that had traffic of a tier with a target kept one for
+        good, and a new adapter loaded under that name began with the old one's outcomes (open,
+        it was refused). A request of it still running reports to the breaker it was admitted by."""
+        for key in [k for k in self._breakers if k[0] == model]:
+            self._forgotten_trips += self._breakers.pop(key).trips
+
     @property
     def trips(self) -> int:
         """Times any of its breakers opened."""
-        return sum(b.trips for b in self._breakers.values())
+        return self._forgotten_trips + sum(b.trips for b in self._breakers.values())
 
     def fallback_for(self, model: str) -> str | None:
         return self.fallbacks.get(model)
