@@ -128,6 +128,22 @@ def test_a_block_moved_into_a_partition_keeps_its_history(policy):
     pool.free(taken)
 
 
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("lru", "s3fifo", "arc")])
+def test_every_policy_that_counts_accesses_carries_the_count_into_a_partition(policy):
+    """The record a moved block takes along, for each policy that counts accesses (the Gittins
+    family classes blocks by it): its 6 accesses in the shared policy and the one that moved it."""
+    pool = BlockPool(8, policy=policy)
+    gold = pool.partition("gold", 0.25)
+    _cache_chain(pool, [b"s1", b"s2"])
+    for _ in range(5):
+        _extend(pool, [b"s1", b"s2"], [])
+    _extend(pool, [b"s1", b"s2"], [], gold)
+    moved = [pool.partitions[gold].policy.export(h) for h in (b"s1", b"s2")]
+    assert [(r.accesses, r.last) for r in moved] == [(7, pool._clock)] * 2 and pool.policy.export(b"s1") is None
+    if policy not in ("lfu", "tlp"):
+        assert [(r.depth, r.is_parent, r.interval) for r in moved] == [(0, True, 1), (1, False, 1)]
+
+
 def test_a_chain_through_two_partitions_still_goes_tail_first():
     """A policy sees only the children it ranks: to the partition past its share, the head of a
     chain another tenant's partition went on from was a leaf, and it went first, stranding the

@@ -104,9 +104,9 @@ class EvictionPolicy(Protocol):
 
         A cached block moving into a tenant's cache partition (kv/block_pool.py, kv/tiers.py)
         keeps its rank there (it entered as a newcomer: under LFU a block hit a hundred times was
-        the partition's first victim). The access that moves it follows, as a hit. A policy that
-        keeps no such history (s3fifo, arc, the Gittins family) does nothing: that access tracks
-        the block as new.
+        the partition's first victim). The access that moves it follows, as a hit (a reuse, for
+        the Gittins family). A policy that keeps no such history (s3fifo, arc) does nothing: that
+        access tracks the block as new.
         """
 
     def __len__(self) -> int: ...
@@ -121,6 +121,11 @@ class BlockRecord:
 
     last: int  # the caller's clock at its last access
     accesses: int = 1  # accesses while tracked (where the policy counts them)
+    # The Gittins family's classes: ticks between its last two accesses (-1: one so far), its
+    # place in its prefix chain (0: first), and whether it ever had a child
+    interval: int = -1
+    depth: int = 0
+    is_parent: bool = False
 
 
 class _CandidateHeap:
@@ -886,6 +891,21 @@ class GittinsPolicy(_SampledPolicy):
             h.hint = hint
             h.cls = self._class(h)
             self._live_add(h, +1)
+
+    def export(self, key: Hashable) -> BlockRecord | None:
+        h = self._hist.get(key) if key in self._parent else None
+        return None if h is None else BlockRecord(h.last, h.count, h.interval, h.depth, h.is_parent)
+
+    def adopt(self, key: Hashable, parent: Hashable | None, record: BlockRecord) -> None:
+        """The block's record from `record` (its own, if it was here before, goes on), so the
+        access that moves it is a reuse of a block with its history: tracking is that access's."""
+        if key in self._hist:
+            return
+        h = self._hist[key] = self._new_history(self._hist.get(parent) if parent is not None else None, record.last)
+        h.count, h.interval, h.depth, h.is_parent = record.accesses, record.interval, record.depth, record.is_parent
+        h.cls = self._class(h)
+        self._live_add(h, +1)
+        self._forget_oldest()
 
     def _new_history(self, ph: _History | None, now: int) -> _History:
         """The record of a block first seen at `now` whose parent's record is `ph` (or None)."""
