@@ -41,7 +41,7 @@ def _llm(base, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("arch,graphs", [("llama", False), ("llama", True), ("qwen3", False), ("gemma3", False),
-                                         ("phi3", False), ("qwen2_moe", False)])
+                                         ("phi3", False), ("qwen2_moe", False), ("gpt_oss", False)])
 def test_adapters_match_peft_token_for_token_in_a_mixed_batch(arch, graphs, adapters):
     """Four prompts in one batch, 16 tokens a step: two on adapter a1 (rows apart in the batch),
     one on a2 (rsLoRA, other modules), one on the base. Each answer is what transformers + peft
