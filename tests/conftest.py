@@ -18,11 +18,11 @@ def ref_tol(cpu: float, cuda: float) -> float:
     return cuda if torch.cuda.is_available() else cpu
 
 ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3", "phi3", "granite",
-         "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+         "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo2", "olmo3"]
 
 
 def _config(arch: str, vocab: int, **extra):
-    from transformers import (Gemma3Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, Ministral3Config, MinistralConfig,
+    from transformers import (Gemma3Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, Olmo2Config, Olmo3Config, LlamaConfig, Ministral3Config, MinistralConfig,
                               Mistral3Config,
                               MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
@@ -93,6 +93,15 @@ def _config(arch: str, vocab: int, **extra):
                             num_experts_per_tok=2, sliding_window=12, swiglu_limit=1.0, rope_parameters={
                                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+    if arch == "olmo2":  # norms after attention and MLP only, q/k norms over whole projections
+        return Olmo2Config(**common)
+    if arch == "olmo3":  # and sliding layers on their own RoPE base beside a YaRN-scaled full layer
+        n = extra.get("num_hidden_layers", 3)
+        return Olmo3Config(**{**common, "num_hidden_layers": n}, sliding_window=12,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"] if n == 3 else None,
+                           rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                               "original_max_position_embeddings": 256},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     raise ValueError(arch)
 
 

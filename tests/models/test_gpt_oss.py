@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import build_checkpoint
+from tests.models.test_parity import _hf_greedy
 from tierlm import LLM, SamplingParams
 from tierlm.models.config import parse_config
 from tierlm.models.layers import RMSNorm
@@ -126,11 +127,7 @@ def test_hub_config_layout_loads_and_matches_transformers(tmp_path):
     prompts = [[rng.randrange(hf.config.vocab_size - 10) for _ in range(n)] for n in (5, 30, 47)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
-        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8) for p in prompts]
 
 
 def test_interleaved_expert_tensor_of_the_wrong_width_is_named(tmp_path):
@@ -169,8 +166,4 @@ def test_mxfp4_checkpoint_as_openai_ships_it_matches_transformers(shards, tmp_pa
     assert torch.equal(ours, ref)  # the dequantized weights themselves, bit for bit
     dense_w2 = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).model.layers[0].mlp.experts.down_proj
     assert not torch.equal(ref, dense_w2.detach().transpose(1, 2))  # rounded to FP4: not the float32 weights
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            expect = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                                 attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
-        assert o.outputs[0].token_ids == expect[0, len(p):].tolist()
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]

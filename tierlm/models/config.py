@@ -73,6 +73,10 @@ class ModelArgs:
     swiglu_alpha: float = 0.0
     swiglu_limit: float | None = None
     norm_weight_in_fp32: bool = False
+    # OLMo 2 and 3: norms only after attention and after the MLP (none before either), and
+    # q/k norms over each projection's whole width (all heads at once), not per head.
+    post_norms_only: bool = False
+    qk_norm_whole: bool = False
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -105,24 +109,26 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling
 
 
-def _gemma_global_rope(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's full-attention RoPE as a plain config: transformers 5 keeps one set of RoPE
-    parameters per layer type; hub configs have rope_theta and rope_scaling at the top."""
+def _global_rope(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
+    """The full-attention layers' RoPE as a plain config, for models with one set of RoPE
+    parameters per layer type in transformers 5 (Gemma 3, OLMo 3); hub configs have rope_theta
+    and rope_scaling at the top, which are the full layers' (`theta`: the type's default base)."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        return {"rope_parameters": {"rope_theta": 1_000_000.0, **params["full_attention"]}}
-    return {"rope_theta": cfg.get("rope_theta", 1_000_000.0), "rope_scaling": cfg.get("rope_scaling")}
+        return {"rope_parameters": {"rope_theta": theta, **params["full_attention"]}}
+    return {"rope_theta": cfg.get("rope_theta", theta), "rope_scaling": cfg.get("rope_scaling")}
 
 
-def _gemma_local_theta(cfg: dict[str, Any]) -> float:
-    """The sliding layers' RoPE base (always unscaled in Gemma 3)."""
+def _local_theta(cfg: dict[str, Any], default: float) -> float:
+    """The sliding layers' RoPE base (unscaled in Gemma 3 and OLMo 3: scaling there is refused);
+    `default` where config.json has no per-type parameters."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
         local = params["sliding_attention"]
         if local.get("rope_type", "default") != "default":
             raise ModelLoadError(f"scaled RoPE on sliding layers ({local['rope_type']}) is not supported")
-        return float(local.get("rope_theta", 10_000.0))
-    return float(cfg.get("rope_local_base_freq", 10_000.0))
+        return float(local.get("rope_theta", default))
+    return default
 
 
 # Multimodal checkpoints whose language model tierlm serves (text only), and that model's type.
@@ -221,7 +227,12 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
                 "sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) else "full_attention"
                 for i in range(layers)]
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
-            theta, scaling = _rope(_gemma_global_rope(cfg))
+            theta, scaling = _rope(_global_rope(cfg, 1_000_000.0))
+        elif model_type == "olmo3":  # three sliding layers, then a full one, unless layer_types says
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+            theta, scaling = _rope(_global_rope(cfg, theta))
         elif model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
             windows = _qwen_windows(cfg, model_type, layers)
         elif model_type in ("mistral", "ministral3", "mixtral", "phi3"):  # one window on every layer, or none
@@ -276,8 +287,15 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             args.gemma_norms = args.sandwich_norms = args.embedding_multiplier_in_dtype = True
             args.embedding_multiplier = hidden ** 0.5
             args.attention_multiplier = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
-            args.local_rope_theta = _gemma_local_theta(cfg)
+            args.local_rope_theta = _local_theta(cfg, float(cfg.get("rope_local_base_freq", 10_000.0)))
             args.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        if model_type in ("olmo2", "olmo3"):
+            args.post_norms_only = args.qk_norm_whole = args.norm_weight_in_fp32 = True
+            if model_type == "olmo3" and any(windows):
+                # Without per-type parameters transformers gives the top-level rope_theta to the
+                # full layers and its class default to the sliding ones (equal in OLMo 3's releases).
+                default = float(hf_defaults("olmo3").get("rope_theta", 500_000.0))
+                args.local_rope_theta = _local_theta(cfg, default)
         if model_type == "granite":
             args.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
             args.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))

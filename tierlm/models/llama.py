@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4, Granite,
-SmolLM3, Gemma 3 (text), and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS).
+SmolLM3, Gemma 3 (text), OLMo 2 and 3, and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.
@@ -27,8 +27,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.attention_multiplier or self.head_dim ** -0.5
         self.window = args.sliding_windows[layer] if args.sliding_windows else None
-        self.q_norm = make_norm(args, self.head_dim) if args.qk_norm else None
-        self.k_norm = make_norm(args, self.head_dim) if args.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:  # per head
+            self.q_norm, self.k_norm = make_norm(args, self.head_dim), make_norm(args, self.head_dim)
+        elif args.qk_norm_whole:  # OLMo: over all query heads at once, and all key heads
+            self.q_norm, self.k_norm = make_norm(args, self.q_size), make_norm(args, self.kv_size)
+        self.whole_qk_norm = args.qk_norm_whole
         # Gemma 3's sliding layers rotate with their own base; every other model has one RoPE.
         self.local_rope = self.window is not None and args.local_rope_theta is not None
         self.use_rope = args.rope_layers[layer] if args.rope_layers else True
@@ -46,8 +50,12 @@ class Attention(nn.Module):
         rope = ropes[1] if self.local_rope else ropes[0]
         qkv = self.qkv_proj(x)
         # Queries and keys are adjacent columns of the fused projection: rotate them together.
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.whole_qk_norm:
+            q_k = (self.q_norm(qkv[:, : self.q_size]), self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size]))
+            qk = torch.cat(q_k, dim=-1).view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.whole_qk_norm:
             qk = self._norm_heads(qk)
         if self.use_rope:
             qk = RotaryEmbedding.rotate(rope, qk)
@@ -72,15 +80,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer)
         self.mlp: nn.Module = (SparseMoE(args) if args.moe_layers[layer]
                                else GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act))
-        self.input_layernorm = make_norm(args, args.hidden_size)
+        self.post_only = args.post_norms_only
+        if not self.post_only:
+            self.input_layernorm = make_norm(args, args.hidden_size)
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
         self.sandwich = args.sandwich_norms
         if self.sandwich:  # Gemma: post_attention_layernorm norms the attention output; these wrap the MLP
             self.pre_feedforward_layernorm = make_norm(args, args.hidden_size)
+        if self.sandwich or self.post_only:
             self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
         self.residual_multiplier = args.residual_multiplier
 
     def forward(self, x, ropes, cache, meta):
+        if self.post_only:  # OLMo 2 and 3: each branch's output normed, its input not
+            x = x + self.post_attention_layernorm(self.self_attn(x, ropes, cache, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, cache, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

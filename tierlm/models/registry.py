@@ -14,6 +14,8 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
     "GptOssForCausalLM": CausalLM,  # gpt-oss-20b and -120b (attention sinks, biased clamped-SwiGLU experts)
+    "Olmo2ForCausalLM": CausalLM,  # post-norms only, q/k norms over whole projections
+    "Olmo3ForCausalLM": CausalLM,  # and three sliding layers to a full one
     "Phi3ForCausalLM": CausalLM,  # Phi-3 and Phi-4: checkpoints already hold fused qkv and gate+up
     "GraniteForCausalLM": CausalLM,
     "SmolLM3ForCausalLM": CausalLM,  # every 4th layer without RoPE
