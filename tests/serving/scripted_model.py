@@ -84,11 +84,12 @@ class ScriptedModel:
 
 def build_templated_models(root: Path, tokenizer: Any,
                            specs: list[tuple[str, str, str, tuple[str, ...]]], loop: frozenset[str] = frozenset(),
-                           added: tuple[str, ...] = ()) -> dict[str, ScriptedModel]:
+                           added: tuple[str, ...] = (), eos_tokens: tuple[str, ...] = ()) -> dict[str, ScriptedModel]:
     """One scripted model per (name, chat template, reply to its chat prompt, special tokens it
     writes) under `root`, each over a copy of `tokenizer` with that template and those tokens
     (and `added`) added as special ones (a tool-call or think marker, which a real model writes
-    as one special token). The models named in `loop` repeat their reply until max_tokens."""
+    as one special token). The models named in `loop` repeat their reply until max_tokens.
+    `eos_tokens`: added tokens that end an answer too (see build_scripted_model)."""
     from transformers import AutoTokenizer
 
     tokenizer.save_pretrained(str(root / "tokenizer"))
@@ -99,7 +100,7 @@ def build_templated_models(root: Path, tokenizer: Any,
             tok.add_tokens(list(dict.fromkeys((*added, *specials))), special_tokens=True)
         tok.chat_template = template
         script = Script(chat_prompt_ids(tok), reply, loop=name in loop)
-        built[name] = build_scripted_model(root / name, [script], tok, specials=specials)
+        built[name] = build_scripted_model(root / name, [script], tok, specials=specials, eos_tokens=eos_tokens)
     return built
 
 
@@ -110,10 +111,11 @@ def chat_prompt_ids(tokenizer: Any, **template_kwargs: Any) -> list[int]:
 
 
 def build_scripted_model(out: Path, scripts: list[Script], tokenizer: Any,
-                         specials: tuple[str, ...] = ()) -> ScriptedModel:
+                         specials: tuple[str, ...] = (), eos_tokens: tuple[str, ...] = ()) -> ScriptedModel:
     """Write the checkpoint (config, weights, tokenizer) to `out`. Replies are spelled in
     ordinary tokens, and in the special tokens `specials` names (a tool-call marker, which a
-    real model writes as one special token)."""
+    real model writes as one special token). `eos_tokens` are EOS ids too in the generation
+    config (gpt-oss's lists `<|return|>` and `<|call|>`): a reply that writes one ends there."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -177,7 +179,9 @@ def build_scripted_model(out: Path, scripts: list[Script], tokenizer: Any,
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))
     model.save_pretrained(str(out))
-    GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))
+    eos_ids = [eos, *tokenizer.convert_tokens_to_ids(list(eos_tokens))]
+    GenerationConfig(eos_token_id=eos_ids if eos_tokens else eos,
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))
     return ScriptedModel(out, list(scripts), reply_ids)
 
 

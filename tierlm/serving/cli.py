@@ -117,20 +117,24 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a streaming client whose one write has waited this long (it stopped reading, or reads "
                         "under ~48 KiB in that time while far behind) has its request aborted and its connection "
                         "closed. 0: no limit (default: %(default)g)")
-    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral"], default="auto",
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral", "harmony", "openai"],
+                   default="auto",
                    help="how the models write tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), "
                         "llama3_json (an answer of {\"name\": ..., \"parameters\": ...} objects, ';'-separated, "
                         "after an optional <|python_tag|>: Llama 3.1-3.3), mistral ([TOOL_CALLS] and a JSON list, "
-                        "or name[ARGS]{...}); auto: each model's chat template says which (<tool_call>, "
+                        "or name[ARGS]{...}), harmony (or vLLM's openai: gpt-oss's messages to=functions.NAME); "
+                        "auto: each model's chat template says which (<|channel|> and <|message|>, <tool_call>, "
                         "[TOOL_CALLS], <|python_tag|> or ipython), hermes if it shows none. The choice is logged "
                         "at start (default: %(default)s)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default="auto",
                    help="read the think block a reasoning model writes before its answer (<think>...</think>: "
                         "Qwen3, DeepSeek-R1, SmolLM3) as reasoning: Anthropic thinking blocks, OpenAI "
                         "reasoning_content (vLLM's field). think (or vLLM's qwen3): always; deepseek_r1: always, and every "
-                        "answer starts inside the block, as vLLM's parser of that name reads R1; none: answers "
-                        "are all text; auto: think for each model whose chat template writes "
-                        "<think> or </think>. The choice is logged at start (default: %(default)s)")
+                        "answer starts inside the block, as vLLM's parser of that name reads R1; harmony (or "
+                        "vLLM's openai_gptoss): gpt-oss's analysis channel; none: answers are all text; auto: "
+                        "harmony for each model whose chat template or vocabulary has <|channel|> and "
+                        "<|message|>, think for each whose template writes <think> or </think>. The choice is "
+                        "logged at start (default: %(default)s)")
     p.add_argument("--responses-store-mb", type=at_least(0, float), default=DEFAULT_MAX_BYTES / 2**20,
                    help="MiB of JSON the Responses API may keep of stored responses (store true: "
                         "previous_response_id, GET /v1/responses/ID; Python holds a few times that); past it the "

@@ -39,7 +39,8 @@ from tierlm.serving.errors import (
     Overloaded,
     from_engine_error,
 )
-from tierlm.serving.reasoning import ReasoningFormat, ReasoningSplitter
+from tierlm.serving.harmony import HarmonySplitter
+from tierlm.serving.reasoning import AnswerSplitter, ReasoningFormat, reasoning_splitter
 from tierlm.serving.safety import FINISH_REASON, OutputGuard, Policy, blocked_delta, refused_delta
 from tierlm.serving.sla import SlaGuard
 from tierlm.serving.vocab import vocabulary
@@ -123,10 +124,28 @@ class ChatPrompt:
         return replace(spec, after_reasoning=ThinkBlock(fmt.end_token_ids[0], start,
                                                         starts_inside=self.opens_in_reasoning))
 
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
-        if self.reasoning is None:
+    @property
+    def harmony_calls(self) -> bool:
+        """Tool calls are harmony messages: the splitter reads them out of the answer (harmony.py)."""
+        return self.parse_tools and self.tool_calls.syntax.splits_messages
+
+    @property
+    def parsed_prefix(self) -> str:
+        """The forced call's start as the tool parser reads it: harmony's goes to the splitter."""
+        return "" if self.harmony_calls else self.forced_prefix
+
+    def reasoning_splitter(self) -> AnswerSplitter | None:
+        if self.reasoning is not None:
+            splitter = reasoning_splitter(self.reasoning, self.opens_in_reasoning, self.continues_reasoning,
+                                          calls=self.harmony_calls)
+        elif self.harmony_calls:  # harmony calls, reasoning not parsed (--reasoning-parser none, a forced call)
+            splitter = HarmonySplitter(wrapped=bool(self.tool_calls.keep_token_ids), calls=True,
+                                       reasoning_as_text=True)
+        else:
             return None
-        return ReasoningSplitter(self.reasoning, self.opens_in_reasoning, self.continues_reasoning)
+        if isinstance(splitter, HarmonySplitter) and self.forced_prefix:
+            splitter.prime(self.forced_prefix)
+        return splitter
 
     def split(self, result: "Generation", id_prefix: str) -> Answer:
         """A finished answer as (reasoning, prose, tool calls). Calls are read from the text
@@ -137,7 +156,7 @@ class ChatPrompt:
             reasoning, text = splitter.split(text)
         if not self.parse_tools:
             return Answer(reasoning, text, [])
-        parsed = toolcalls.parse_tool_calls(self.forced_prefix + text, id_prefix=id_prefix, names=self.tool_names,
+        parsed = toolcalls.parse_tool_calls(self.parsed_prefix + text, id_prefix=id_prefix, names=self.tool_names,
                                             syntax=self.tool_calls.syntax, ended=result.ended_by_eos)
         prose = toolcalls.scrub(parsed.text, self.tool_calls.hidden)
         calls = result.stream.screen_calls(parsed.tool_calls, result) if result.stream is not None else parsed.tool_calls
@@ -545,7 +564,7 @@ class StreamedAnswer:
         self._filter: toolcalls.ToolCallStreamFilter | None = None
         if prompt.parse_tools:
             self._filter = prompt.stream_filter(id_prefix)
-            self._filter.feed(prompt.forced_prefix)
+            self._filter.feed(prompt.parsed_prefix)
         self.result = Generation()
         self.calls: list[toolcalls.ParsedToolCall] = []
 

@@ -126,7 +126,9 @@ class ModelRegistry:
             syntax = self.tool_calls(name).syntax.name
             how = "detected from the chat template" if self.tool_call_parser == "auto" else "--tool-call-parser"
             logger.info("model %s: tool calls parsed as %s (%s)", name, syntax, how)
-            thinks = "<think> blocks" if self.reasoning(name) is not None else "none (answers are text)"
+            fmt = self.reasoning(name)
+            thinks = ("none (answers are text)" if fmt is None
+                      else "harmony's analysis channel" if fmt.harmony else "<think> blocks")
             how = "detected from the chat template" if self.reasoning_parser == "auto" else "--reasoning-parser"
             logger.info("model %s: reasoning parsed as %s (%s)", name, thinks, how)
             logger.info("starting engine for model %s", name)

@@ -16,6 +16,9 @@ The block ends at `</think>`, or with the answer (cut off while thinking: everyt
 reasoning). Blank space around the reasoning and between it and the answer is dropped (Qwen3
 writes `<think>\n...\n</think>\n\n`). A think tag anywhere else is text: the parser never moves
 text the model wrote as its answer.
+
+gpt-oss writes OpenAI's harmony format instead (channels, not a think block: harmony.py); the
+`harmony` parser (vLLM's `openai_gptoss`) reads its analysis channel as the reasoning.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from tierlm.engine.detokenizer import KEPT_CLOSE, KEPT_OPEN, skipped_ids
 THINK_START = "<think>"
 THINK_END = "</think>"
 # What --reasoning-parser takes; vLLM's names for the same syntax are accepted too.
-PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")
+PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1", "harmony", "openai_gptoss")
 
 
 def check_parser(parser: str) -> None:
@@ -65,11 +68,17 @@ class ReasoningFormat:
     # would never start. No budget is kept then, and a structured answer does not think first.
     start_token_ids: tuple[int, ...] = ()
     end_token_ids: tuple[int, ...] = ()
+    # OpenAI's harmony (gpt-oss): reasoning is a channel, not a block (harmony.py). `start` and
+    # `end` are then `<|channel|>` and `<|end|>` (in `answer_*` wrapped where their tokens are
+    # kept: how the splitter tells kept markers from plain ones); no answer opens inside a block.
+    harmony: bool = False
 
     def opens_in_reasoning(self, prompt_text: str, prefill: str | None = None) -> bool:
         """Whether the answer to `prompt_text` starts inside a think block: the prompt's last
         `<think>` is still open and nothing but blank space follows it (the generation prompt
         opened it), or it lies in the assistant `prefill` the answer continues."""
+        if self.harmony:
+            return False
         at = prompt_text.rfind(self.start)
         if self.always_opens:  # unless the prompt itself wrote a whole block last (thinking switched off)
             return not self.closed_in_prompt(prompt_text)
@@ -82,6 +91,8 @@ class ReasoningFormat:
     def closed_in_prompt(self, prompt_text: str) -> bool:
         """Whether the prompt ends with a whole think block (and blank space): thinking switched
         off (Qwen3's `enable_thinking: false`, R1's closed block), so the answer opens none."""
+        if self.harmony:
+            return False
         closed = prompt_text.rfind(self.end)
         return closed >= 0 and closed > prompt_text.rfind(self.start) and not prompt_text[closed + len(self.end):].strip()
 
@@ -91,7 +102,7 @@ class ReasoningFormat:
         return self._open_in(prefill) and bool(prefill[prefill.rfind(self.start) + len(self.start):].strip())
 
     def _open_in(self, prefill: str | None) -> bool:
-        return prefill is not None and prefill.rfind(self.start) > prefill.rfind(self.end)
+        return not self.harmony and prefill is not None and prefill.rfind(self.start) > prefill.rfind(self.end)
 
     @property
     def budget_kept(self) -> bool:
@@ -107,11 +118,17 @@ class ReasoningFormat:
 
 def reasoning_format(parser: str, tokenizer: Any) -> ReasoningFormat | None:
     """`parser` (one of PARSERS) for a model with this tokenizer; None: its answers are text.
-    "auto" is "think" for a chat template that writes `<think>` or `</think>` (it shows the
-    model think blocks, in its generation prompt or in past turns), "none" otherwise."""
+    "auto" is "harmony" for a tokenizer whose chat template or vocabulary has harmony's
+    `<|channel|>` and `<|message|>` (gpt-oss), "think" for a chat template that writes `<think>`
+    or `</think>` (it shows the model think blocks, in its generation prompt or in past turns),
+    "none" otherwise."""
     check_parser(parser)
     if parser == "none":
         return None
+    from tierlm.serving import harmony  # (harmony's splitter builds on AnswerSplitter below)
+
+    if parser in ("harmony", "openai_gptoss") or (parser == "auto" and harmony.is_harmony(tokenizer)):
+        return harmony_format(tokenizer)
     if parser == "deepseek_r1":
         return replace(_think_format(tokenizer), always_opens=True)
     if parser == "auto" and not any(marker in _template_text(tokenizer) for marker in (THINK_START, THINK_END)):
@@ -131,6 +148,30 @@ def _think_format(tokenizer: Any) -> ReasoningFormat:
                            end_token_ids=_one_token(tokenizer, THINK_END))
 
 
+def harmony_format(tokenizer: Any) -> ReasoningFormat:
+    """Harmony's format for this tokenizer: its markers' ids kept where a decode would skip them."""
+    from tierlm.serving import harmony
+
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    skipped = skipped_ids(tokenizer)
+    kept = tuple(added[m] for m in harmony.MARKERS if added.get(m) in skipped)
+    # (`start` and `end` as a message's: what the Responses API counts reasoning tokens by)
+    wrap = harmony.wrapped if added.get(harmony.CHANNEL) in skipped else str
+    return ReasoningFormat(start=harmony.CHANNEL, end=harmony.END, keep_token_ids=kept,
+                           answer_start=wrap(harmony.CHANNEL), answer_end=wrap(harmony.END), harmony=True)
+
+
+def reasoning_splitter(fmt: ReasoningFormat, in_reasoning: bool = False, continuing: bool = False,
+                       calls: bool = False) -> AnswerSplitter:
+    """The splitter that reads answers in `fmt`. `calls`: a harmony answer's tool calls go into
+    the text for the tool parser (see harmony.py); a think block's calls are in the text anyway."""
+    from tierlm.serving.harmony import HarmonySplitter
+
+    if fmt.harmony:
+        return HarmonySplitter(wrapped=fmt.answer_start.startswith(KEPT_OPEN), calls=calls)
+    return ReasoningSplitter(fmt, in_reasoning, continuing)
+
+
 def _one_token(tokenizer: Any, marker: str) -> tuple[int, ...]:
     """(`marker`'s token id,) where the tokenizer has it as one token of its own, else ()."""
     ids = tokenizer.encode(marker, add_special_tokens=False)
@@ -144,8 +185,31 @@ def _template_text(tokenizer: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
-class ReasoningSplitter:
-    """An answer's text, fed as it streams, as (reasoning, text) pieces ready to show.
+class AnswerSplitter:
+    """An answer's text, fed as it streams, as (reasoning, text) pieces ready to show (`_drain`
+    says how a syntax reads it): what is held back is released by `finish`."""
+
+    _held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._drain(final=True)
+
+    def split(self, text: str) -> tuple[str, str]:
+        """A whole answer (fed, then finished) as (reasoning, text)."""
+        r1, c1 = self.feed(text)
+        r2, c2 = self.finish()
+        return r1 + r2, c1 + c2
+
+    def _drain(self, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+class ReasoningSplitter(AnswerSplitter):
+    """An answer's think block and its text, as (reasoning, text) pieces ready to show.
 
     Text that may still turn out to be a marker, or blank space that is dropped if the block
     ends after it, is held back until it is known; `finish` releases what is left. Fed the
@@ -163,19 +227,6 @@ class ReasoningSplitter:
         self._state = ("thinking" if continuing else "thinking_lead") if in_reasoning else "lead"
         self._held = ""  # undecided text: at most a possible marker, plus the newest feed
         self._space: list[str] = []  # blank text held back: dropped, or shown once text follows
-
-    def feed(self, text: str) -> tuple[str, str]:
-        self._held += text
-        return self._drain(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._drain(final=True)
-
-    def split(self, text: str) -> tuple[str, str]:
-        """A whole answer (fed, then finished) as (reasoning, text)."""
-        r1, c1 = self.feed(text)
-        r2, c2 = self.finish()
-        return r1 + r2, c1 + c2
 
     def _drain(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []

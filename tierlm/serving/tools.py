@@ -10,7 +10,10 @@ parser per model family (`--tool-call-parser`). tierlm knows three, as vLLM's pa
   `{"name": ..., "parameters": {...}}` objects separated by `;`. Only an answer that begins so
   (after whitespace) is a call: Llama writes JSON in prose too;
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (older
-  tokenizers), or `[TOOL_CALLS]name[ARGS]{...}`, repeated (newer ones), after prose or not.
+  tokenizers), or `[TOOL_CALLS]name[ARGS]{...}`, repeated (newer ones), after prose or not;
+- `harmony` (gpt-oss; vLLM's `openai`): a message addressed `to=functions.NAME`, its body the
+  arguments' JSON. Its messages are read by harmony.HarmonySplitter, which writes each call into
+  the text in one form of its own (harmony.call_text) that `HarmonySyntax` parses.
 
 In the last two an object is a call only with `arguments` or `parameters` (as vLLM's parsers,
 which index one or the other): `{"name": "get_weather"}` alone is JSON the model wrote.
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierlm.engine.detokenizer import KEPT_CLOSE, KEPT_OPEN
+from tierlm.serving import harmony
 from tierlm.serving.validation import loads_strict
 
 TOOL_CALL_START = "<tool_call>"
@@ -87,6 +91,9 @@ class ToolCallSyntax:
     # Texts of the syntax a real tokenizer may hold as one token of its own: a required call's
     # grammar writes such a marker as that token, as the model learnt it (see tool_grammar.py).
     token_texts: tuple[str, ...] = ()
+    # Calls are messages of their own that harmony.HarmonySplitter reads out of the answer first
+    # (the answer's start, a forced call's, is given to it, not to this parser).
+    splits_messages = False
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(where a call begins in `text`, the whole answer so far, or None; how many characters
@@ -219,8 +226,54 @@ class MistralSyntax(ToolCallSyntax):
         return MISTRAL_CALLS + ' [{"name": ' + json.dumps(tool_name) + ', "arguments": ', "}]"  # as v0.3's template
 
 
+class HarmonySyntax(ToolCallSyntax):
+    """gpt-oss's calls, as harmony.HarmonySplitter writes them into the text it shows: each one
+    `harmony.call_text(name, body)`, in wrapped markers no ordinary token spells. A call the
+    parser refuses (cut off, its body not a JSON object, a tool not offered) is text: its body,
+    never its header or markers. The model ends a call with `<|call|>`, an EOS token, so calls
+    count only in an answer the model ended (as llama3_json's)."""
+
+    name = "harmony"
+    start = harmony.CALL_OPEN
+    markers = harmony.MARKERS
+    any_prefix = harmony.CHANNEL + "commentary to=" + harmony.FUNCTIONS
+    token_texts = (harmony.CHANNEL, harmony.CONSTRAIN, harmony.MESSAGE)
+    splits_messages = True
+    _call = re.compile(re.escape(harmony.CALL_OPEN) + f"([^{KEPT_OPEN}]*)" + re.escape(harmony.CALL_ARGS)
+                       + f"([^{KEPT_OPEN}]*)" + re.escape(harmony.CALL_CLOSE))
+
+    def locate(self, text: str) -> tuple[int | None, int]:
+        at = text.find(self.start)
+        if at >= 0:
+            return at, 0
+        return None, next((n for n in range(min(len(text), len(self.start) - 1), 0, -1)
+                           if self.start.startswith(text[-n:])), 0)
+
+    def parse(self, text: str, id_prefix: str, names: frozenset[str] | None, ended: bool = True) -> ParsedOutput:
+        start, _ = self.locate(text)
+        if start is None:
+            return ParsedOutput(text=text, tool_calls=[])
+        calls = self._calls(text[start:], id_prefix) if ended else None
+        if not calls or any(names is not None and c.name not in names for c in calls):
+            return ParsedOutput(text=self._call.sub(lambda m: m.group(2), text), tool_calls=[])
+        return ParsedOutput(text=text[:start].rstrip(), tool_calls=calls)
+
+    def _calls(self, text: str, id_prefix: str) -> list[ParsedToolCall] | None:
+        items, pos = [], 0
+        while pos < len(text):
+            m = self._call.match(text, pos)
+            if m is None:
+                return None
+            items.append({"name": m.group(1), "arguments": _json_or_none(m.group(2))})
+            pos = len(text) - len(text[m.end():].lstrip())
+        return _all_calls(items, id_prefix, self.needs_arguments)
+
+    def call_parts(self, tool_name: str) -> tuple[str, str]:
+        return self.any_prefix + tool_name + " " + harmony.CONSTRAIN + "json" + harmony.MESSAGE, ""
+
+
 HERMES = HermesSyntax()
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "harmony", "openai")
 
 
 def tool_call_syntax(parser: str, chat_template: str | None) -> ToolCallSyntax:
@@ -233,6 +286,8 @@ def tool_call_syntax(parser: str, chat_template: str | None) -> ToolCallSyntax:
         return Llama3JsonSyntax()
     if parser == "mistral":
         return MistralSyntax(args_form=bool(chat_template) and MISTRAL_ARGS in chat_template)
+    if parser in ("harmony", "openai"):
+        return HarmonySyntax()
     raise ValueError(f"unknown tool-call parser '{parser}'; use auto or one of {', '.join(PARSERS)}")
 
 
@@ -245,6 +300,8 @@ def detect_parser(chat_template: str | None) -> str:
     template = chat_template or ""
     if isinstance(template, dict):  # several named templates
         template = "\n".join(map(str, template.values()))
+    if all(marker in template for marker in harmony.SIGNATURE):
+        return "harmony"
     if TOOL_CALL_START in template:
         return "hermes"
     if MISTRAL_CALLS in template:
@@ -270,6 +327,8 @@ def tool_call_format(parser: str, tokenizer: Any) -> ToolCallFormat:
     """`parser` (see tool_call_syntax) for a model with this tokenizer."""
     from tierlm.engine.detokenizer import skipped_ids
 
+    if parser == "auto" and harmony.is_harmony(tokenizer):  # (its vocabulary may say so, its template not)
+        parser = "harmony"
     syntax = tool_call_syntax(parser, getattr(tokenizer, "chat_template", None))
     added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
     skipped = skipped_ids(tokenizer) if syntax.markers or syntax.token_texts else frozenset()
@@ -499,9 +558,9 @@ class ToolCallStreamFilter:
             rest, self._pending = self._pending, ""
             return rest, []
         parsed = parse_tool_calls(self._buffer, self._id_prefix, self._names, self._syntax, ended)
-        buffered, self._buffer = self._space + self._buffer, None
-        if not parsed.tool_calls:
-            return buffered, []
+        self._buffer = None
+        if not parsed.tool_calls:  # (the text as the syntax shows a failed call: harmony's, its body)
+            return self._space + parsed.text, []
         # prose in the buffer: the calls begin at a kept marker after the same text in ordinary
         # tokens, where buffering began (see MistralSyntax.locate)
         return (self._space + parsed.text if parsed.text else ""), parsed.tool_calls

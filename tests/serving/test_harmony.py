@@ -1,0 +1,413 @@
+"""OpenAI's harmony format (gpt-oss): channels read as reasoning, text and tool calls.
+
+The splitter and the parser on answers cut every way a stream may cut them, then scripted
+checkpoints (see scripted_model.py) over a tokenizer with harmony's special tokens and a small
+harmony chat template, whose generation config ends answers at `<|return|>` and `<|call|>` as
+gpt-oss's does, served end to end through the official SDKs with the parsers detected from
+the template.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from tests.serving.harness import API_KEY, ServerThread, sdk_clients
+from tests.serving.scripted_model import Script, build_scripted_model, build_templated_models, chat_prompt_ids
+from tests.serving.test_reasoning import ANSWER, OPENAI_WEATHER, THINK_TEMPLATE, THOUGHT, USER, WEATHER, blocks
+from tests.serving.test_tool_parsers import LLAMA_TEMPLATE
+from tierlm.models.demo import CHAT_TEMPLATE
+from tierlm.serving.app import build_app
+from tierlm.serving.auth import ApiKeyAuth
+from tierlm.serving.harmony import CALL, CHANNEL, MARKERS, RETURN, HarmonySplitter
+from tierlm.serving.harmony import wrapped as w
+from tierlm.serving.reasoning import reasoning_format
+from tierlm.serving.tools import (
+    HarmonySyntax,
+    ToolCallStreamFilter,
+    detect_parser,
+    forced_call_prefix,
+    parse_tool_calls,
+    tool_call_format,
+)
+
+# Renders system, developer (the tools), user, assistant (reasoning, answer, calls) and tool turns
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n{%- for t in tools %}\n"
+    "{{ t.function.name }}: {{ t.function.description }}{%- endfor %}<|end|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>{%- endif %}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
+    "{{ c.function.arguments if c.function.arguments is string else c.function.arguments|tojson }}<|call|>"
+    "{%- endfor %}{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+
+REPLY = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>"
+CALL_THOUGHT = "Need the weather first."
+CALL_REPLY = (f"<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_weather <|constrain|>json<|message|>{"location": "Paris"}<|call|>')
+# The recipient in the header before the channel, after a preamble (commentary without one)
+PREAMBLE = "Let me check."
+PREAMBLE_REPLY = (f"<|channel|>commentary<|message|>{PREAMBLE}<|end|><|start|>assistant to=functions.get_weather"
+                  '<|channel|>commentary json<|message|>{"location": "Oslo"}<|call|>')
+BAD_JSON = '{"location": Paris}'
+BAD_REPLY = (f"<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|><|start|>assistant<|channel|>commentary "
+             f"to=functions.get_weather <|constrain|>json<|message|>{BAD_JSON}<|call|>")
+# The recipient in the first message's header, right after the prompt's `<|start|>assistant`
+HEADER_REPLY = ' to=functions.get_weather<|channel|>commentary json<|message|>{"location": "Oslo"}<|call|>'
+THINKER, CALLER, HEADER_CALLER, BAD_CALLER = "harmony", "harmony-call", "harmony-header-call", "harmony-bad-call"
+# Answers REPLY, and finishes a call tool_choice started: after `to=functions.` (any tool) with
+# the name and the arguments, after a named call's `<|message|>` with the arguments
+FORCED = "harmony-forced"
+FORCED_ARGS = '{"location": "Rome"}'
+FORCED_ANY_REPLY = f"get_weather <|constrain|>json<|message|>{FORCED_ARGS}<|call|>"
+
+
+def kept(text: str) -> str:
+    """`text` as the detokenizer gives it where harmony's markers are kept special tokens."""
+    for marker in MARKERS:
+        text = text.replace(marker, w(marker))
+    return text
+
+
+def answer(reply: str) -> str:
+    """A reply as decoded: its final EOS token (`<|return|>`, `<|call|>`) is not in the text."""
+    return kept(reply.removesuffix(RETURN).removesuffix(CALL))
+
+
+# ---- the splitter and the parser ------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    (answer(REPLY), (THOUGHT, ANSWER)),
+    (kept(REPLY), (THOUGHT, ANSWER)),  # (<|return|> in the text: include_stop_str_in_output)
+    (kept("<|channel|>final<|message|>just this"), ("", "just this")),
+    (kept("<|channel|>analysis<|message|>half a thou"), ("half a thou", "")),  # cut off while thinking
+    (kept("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|chan"), ("a", "")),  # cut in a header
+    (kept("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+          "<|start|>assistant<|channel|>final<|message|>c"), ("a\n\nb", "c")),  # two analysis messages
+    (kept(f"<|channel|>commentary<|message|>{PREAMBLE}<|end|><|start|>assistant<|channel|>final<|message|>c"),
+     ("", f"{PREAMBLE}\n\nc")),  # a preamble is text
+    ("plain text, no markers", ("", "plain text, no markers")),  # out of format: text as written
+    ("  ", ("", "  ")),
+    ("", ("", "")),
+    # marker text in ordinary tokens is the model's own
+    (kept("<|channel|>final<|message|>") + "write <|end|> or <|channel|>", ("", "write <|end|> or <|channel|>")),
+    (kept("<|channel|>analysis<|message|>") + "x <|message|>y", ("x <|message|>y", "")),
+    # another kept token (not harmony's) never shows; a lone sentinel neither
+    (kept("<|channel|>final<|message|>a") + "\ufdd0<other>\ufdd1b\ufdd0c", ("", "abc")),
+])
+def test_split(text, expected):
+    assert HarmonySplitter().split(text) == expected
+
+
+def test_plain_markers_when_special_tokens_are_not_skipped():
+    assert HarmonySplitter(wrapped=False).split(REPLY) == (THOUGHT, ANSWER)
+    assert HarmonySplitter(wrapped=False, calls=True).split(CALL_REPLY)[0] == CALL_THOUGHT
+
+
+def parsed(text: str, ended: bool = True, names=frozenset({"get_weather"})):
+    reasoning, rest = HarmonySplitter(calls=True).split(text)
+    out = parse_tool_calls(rest, "call_", names, HarmonySyntax(), ended)
+    return reasoning, out.text, [(c.name, c.arguments) for c in out.tool_calls]
+
+
+@pytest.mark.parametrize("text, ended, names, expected", [
+    (answer(CALL_REPLY), True, None, (CALL_THOUGHT, "", [("get_weather", {"location": "Paris"})])),
+    (answer(PREAMBLE_REPLY), True, None, ("", PREAMBLE, [("get_weather", {"location": "Oslo"})])),
+    (answer(HEADER_REPLY), True, None, ("", "", [("get_weather", {"location": "Oslo"})])),
+    (kept(CALL_REPLY), True, None, (CALL_THOUGHT, "", [("get_weather", {"location": "Paris"})])),
+    # bad JSON, a body that is no object, a tool not offered, a call cut off: its body as text
+    (answer(BAD_REPLY), True, None, (CALL_THOUGHT, BAD_JSON, [])),
+    (kept("<|channel|>commentary to=functions.get_weather<|message|>[1]"), True, None, ("", "[1]", [])),
+    (answer(CALL_REPLY), True, frozenset({"other"}), (CALL_THOUGHT, '{"location": "Paris"}', [])),
+    (answer(CALL_REPLY)[:-3], False, None, (CALL_THOUGHT, '{"location": "Pari', [])),
+    (answer(PREAMBLE_REPLY), False, None, ("", PREAMBLE + '\n\n{"location": "Oslo"}', [])),
+    # cut off in the call's header: nothing of it shows
+    (kept("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary to=functions.get"),
+     False, None, ("a", "", [])),
+])
+def test_calls(text, ended, names, expected):
+    assert parsed(text, ended, names or frozenset({"get_weather"})) == expected
+
+
+def test_calls_without_tools_offered_are_their_bodies_as_text():
+    assert HarmonySplitter(calls=False).split(answer(CALL_REPLY)) == (CALL_THOUGHT, '{"location": "Paris"}')
+
+
+def test_reasoning_not_parsed_is_text_and_calls_still_are_read():
+    """--reasoning-parser none with harmony's tool calls: the analysis is text, the call a call."""
+    reasoning, rest = HarmonySplitter(calls=True, reasoning_as_text=True).split(answer(CALL_REPLY))
+    out = parse_tool_calls(rest, "call_", frozenset({"get_weather"}), HarmonySyntax())
+    assert (reasoning, out.text, [c.name for c in out.tool_calls]) == ("", CALL_THOUGHT, ["get_weather"])
+
+
+CASES = [answer(REPLY), kept(REPLY), answer(CALL_REPLY), answer(PREAMBLE_REPLY), answer(HEADER_REPLY),
+         answer(BAD_REPLY),
+         kept("<|channel|>final<|message|>") + "a <|end|> b\ufdd0<x>\ufdd1c",
+         kept("<|channel|>analysis<|message|>half a thou"), "plain text <|end|>", answer(REPLY)[:-4]]
+
+
+def streamed(text: str, cuts: tuple[int, ...], ended: bool = True):
+    """`text` fed in pieces cut at `cuts`, through the splitter and the tool-call stream filter,
+    as generation.StreamedAnswer does: (reasoning, text, calls) as the client sees them."""
+    splitter = HarmonySplitter(calls=True)
+    calls_filter = ToolCallStreamFilter("call_", frozenset({"get_weather"}), HarmonySyntax(), MARKERS)
+    reasoning, shown = [], []
+    bounds = (0, *cuts, len(text))
+    for a, b in itertools.pairwise(bounds):
+        thought, piece = splitter.feed(text[a:b])
+        reasoning.append(thought)
+        shown.append(calls_filter.feed(piece))
+    thought, piece = splitter.finish()
+    reasoning.append(thought)
+    shown.append(calls_filter.feed(piece))
+    rest, calls = calls_filter.finish(ended)
+    return "".join(reasoning), "".join(shown) + rest, [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("text", CASES)
+def test_streamed_split_equals_the_whole_split_however_the_text_is_cut(text):
+    """Cut at every boundary (one cut, and every character a piece of its own) and at random
+    ones, a streamed answer shows what the whole one does, and never a marker or a sentinel."""
+    whole = streamed(text, ())
+    assert whole == parsed(text, names=frozenset({"get_weather"}))
+    cuttings = [(i,) for i in range(1, len(text))] + [tuple(range(1, len(text)))]
+    rng = random.Random(0)
+    cuttings += [tuple(sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, 5)))) for _ in range(200)]
+    for cuts in cuttings:
+        assert streamed(text, cuts) == whole, cuts
+    for part in whole[:2]:
+        assert "\ufdd0" not in part and "\ufdd1" not in part
+
+
+# ---- detection ---------------------------------------------------------------------------------
+
+def copy_of(tokenizer, where):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(str(where))
+    return AutoTokenizer.from_pretrained(str(where))
+
+
+def test_the_parsers_are_detected_from_the_template_or_the_vocabulary(demo_tokenizer, tmp_path):
+    assert detect_parser(HARMONY_TEMPLATE) == "harmony"
+    tok = copy_of(demo_tokenizer, tmp_path)
+    for template, syntax, thinks in [(HARMONY_TEMPLATE, "harmony", "harmony"), (CHAT_TEMPLATE, "hermes", None),
+                                     (THINK_TEMPLATE, "hermes", "think"), (LLAMA_TEMPLATE, "llama3_json", None)]:
+        tok.chat_template = template
+        fmt = reasoning_format("auto", tok)
+        assert tool_call_format("auto", tok).syntax.name == syntax
+        assert (None if fmt is None else "harmony" if fmt.harmony else "think") == thinks
+    # A template with only one of the two markers is not harmony
+    tok.chat_template = CHAT_TEMPLATE + "<|channel|>"
+    assert reasoning_format("auto", tok) is None and tool_call_format("auto", tok).syntax.name == "hermes"
+    # vLLM's names for the parsers
+    tok.chat_template = CHAT_TEMPLATE
+    assert reasoning_format("openai_gptoss", tok).harmony and reasoning_format("harmony", tok).harmony
+    assert tool_call_format("openai", tok).syntax.name == tool_call_format("harmony", tok).syntax.name == "harmony"
+
+
+def test_the_vocabulary_alone_says_harmony(tmp_path, demo_tokenizer):
+    tok = copy_of(demo_tokenizer, tmp_path)
+    tok.add_tokens(list(MARKERS), special_tokens=True)
+    tok.chat_template = CHAT_TEMPLATE
+    fmt = reasoning_format("auto", tok)
+    assert fmt is not None and fmt.harmony and fmt.answer_start == w(CHANNEL)
+    assert sorted(fmt.keep_token_ids) == sorted(tok.convert_tokens_to_ids(list(MARKERS)))
+    found = tool_call_format("auto", tok)
+    assert found.syntax.name == "harmony" and set(found.hidden) == set(MARKERS)
+    assert fmt.decoded(False).answer_start == CHANNEL  # not skipping special tokens: plain markers
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(demo_tokenizer, tmp_path_factory):
+    models = build_templated_models(tmp_path_factory.mktemp("harmony"), demo_tokenizer, [
+        (THINKER, HARMONY_TEMPLATE, REPLY, MARKERS), (CALLER, HARMONY_TEMPLATE, CALL_REPLY, MARKERS),
+        (HEADER_CALLER, HARMONY_TEMPLATE, HEADER_REPLY, MARKERS), (BAD_CALLER, HARMONY_TEMPLATE, BAD_REPLY, MARKERS),
+    ], eos_tokens=(RETURN, CALL))
+    models[FORCED] = forced_model(tmp_path_factory.mktemp("harmony-forced"), models[THINKER].path)
+    engines = {name: model.engine(name) for name, model in models.items()}
+    server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
+    yield server
+    server.stop()
+
+
+def forced_model(root, tokenizer_dir):
+    """A scripted model that answers REPLY, and finishes the calls tool_choice starts (the prompt
+    ends with the call's start, which the server writes after the generation prompt)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tools = [OPENAI_WEATHER]
+    generation_prompt = tok.apply_chat_template(USER, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    def forced(name):
+        return tok.encode(generation_prompt + forced_call_prefix(name, HarmonySyntax()), add_special_tokens=False)
+    scripts = [Script(chat_prompt_ids(tok), REPLY), Script(forced(None), FORCED_ANY_REPLY),
+               Script(forced("get_weather"), FORCED_ARGS + CALL)]
+    return build_scripted_model(root / FORCED, scripts, tok, specials=MARKERS, eos_tokens=(RETURN, CALL))
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    return sdk_clients(server.url)
+
+
+def openai_stream(openai_client, **kwargs):
+    reasoning, content, calls, finish = [], [], {}, None
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning_content") == extra.get("reasoning")
+        reasoning.append(extra.get("reasoning_content") or "")
+        content.append(delta.content or "")
+        for call in delta.tool_calls or []:
+            name, args = calls.get(call.index, ("", ""))
+            calls[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(reasoning), "".join(content), [(n, json.loads(a)) for n, a in calls.values()], finish
+
+
+def test_openai_reasoning_and_answer(clients):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=104)
+    message = done.choices[0].message
+    assert (message.content, message.model_extra) == (ANSWER, {"reasoning_content": THOUGHT, "reasoning": THOUGHT})
+    assert done.choices[0].finish_reason == "stop"
+    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=104) == (THOUGHT, ANSWER, [], "stop")
+
+
+def test_openai_cut_off_in_the_analysis_is_all_reasoning(clients):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=10)
+    message = done.choices[0].message
+    thought = message.model_extra["reasoning_content"]
+    assert done.choices[0].finish_reason == "length" and not message.content
+    assert thought and THOUGHT.startswith(thought)
+    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=10) == (thought, "", [], "length")
+
+
+@pytest.mark.parametrize("model, thought, content, arguments", [
+    (CALLER, CALL_THOUGHT, None, {"location": "Paris"}), (HEADER_CALLER, None, None, {"location": "Oslo"}),
+])
+def test_openai_tool_calls(clients, model, thought, content, arguments):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=model, messages=USER, tools=[OPENAI_WEATHER])
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
+    assert (choice.message.model_extra or {}).get("reasoning_content") == thought
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", arguments)]
+    assert choice.message.tool_calls[0].id.startswith("call")
+    streamed = openai_stream(openai_client, model=model, messages=USER, tools=[OPENAI_WEATHER])
+    assert streamed == (thought or "", content or "", [("get_weather", arguments)], "tool_calls")
+
+
+def test_openai_bad_call_json_is_text(clients):
+    _, openai_client = clients
+    done = openai_client.chat.completions.create(model=BAD_CALLER, messages=USER, tools=[OPENAI_WEATHER])
+    choice = done.choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("stop", BAD_JSON, None)
+    assert choice.message.model_extra["reasoning_content"] == CALL_THOUGHT
+    streamed = openai_stream(openai_client, model=BAD_CALLER, messages=USER, tools=[OPENAI_WEATHER])
+    assert streamed == (CALL_THOUGHT, BAD_JSON, [], "stop")
+
+
+def test_anthropic_thinking_and_text(clients):
+    claude, _ = clients
+    done = claude.messages.create(model=THINKER, max_tokens=104, messages=USER)
+    assert blocks(done) == [("thinking", THOUGHT), ("text", ANSWER)] and done.stop_reason == "end_turn"
+    with claude.messages.stream(model=THINKER, max_tokens=104, messages=USER) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id", "usage"}) == done.model_dump(exclude={"id", "usage"})
+
+
+@pytest.mark.parametrize("model, expected", [
+    (CALLER, [("thinking", CALL_THOUGHT), ("tool_use", {"location": "Paris"})]),
+    (HEADER_CALLER, [("tool_use", {"location": "Oslo"})]),
+])
+def test_anthropic_tool_use(clients, model, expected):
+    claude, _ = clients
+    done = claude.messages.create(model=model, max_tokens=128, messages=USER, tools=[WEATHER])
+    assert blocks(done) == expected and done.stop_reason == "tool_use"
+    assert done.content[-1].name == "get_weather" and done.content[-1].id.startswith("toolu_")
+    with claude.messages.stream(model=model, max_tokens=128, messages=USER, tools=[WEATHER]) as stream:
+        streamed = stream.get_final_message()
+    assert blocks(streamed) == expected and streamed.stop_reason == "tool_use"
+    # The turn sent back, with the tool's result, renders through the template
+    messages = [*USER, {"role": "assistant", "content": [b.model_dump() for b in done.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": done.content[-1].id,
+                                              "content": "sunny"}]}]
+    assert claude.messages.count_tokens(model=model, messages=messages, tools=[WEATHER]).input_tokens > 0
+
+
+def test_anthropic_bad_call_json_and_no_tools_are_text(clients):
+    claude, _ = clients
+    done = claude.messages.create(model=BAD_CALLER, max_tokens=128, messages=USER, tools=[WEATHER])
+    assert blocks(done) == [("thinking", CALL_THOUGHT), ("text", BAD_JSON)] and done.stop_reason == "end_turn"
+    with claude.messages.stream(model=BAD_CALLER, max_tokens=128, messages=USER, tools=[WEATHER]) as stream:
+        assert blocks(stream.get_final_message()) == blocks(done)
+    plain = claude.messages.create(model=CALLER, max_tokens=128, messages=USER)  # no tools offered
+    assert blocks(plain) == [("thinking", CALL_THOUGHT), ("text", '{"location": "Paris"}')]
+
+
+def test_anthropic_cut_off_in_the_analysis_is_all_thinking(clients):
+    claude, _ = clients
+    done = claude.messages.create(model=THINKER, max_tokens=10, messages=USER)
+    assert [b.type for b in done.content] == ["thinking"] and done.stop_reason == "max_tokens"
+    assert THOUGHT.startswith(done.content[0].thinking) and done.content[0].thinking
+    with claude.messages.stream(model=THINKER, max_tokens=10, messages=USER) as stream:
+        assert stream.get_final_message().model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+
+
+@pytest.mark.parametrize("choice, finish", [
+    ("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+])
+def test_openai_a_required_call_is_written_and_read_as_harmony(clients, choice, finish):
+    """tool_choice starts the call as harmony's header after the generation prompt; the model
+    finishes it, and it is read as the call (finish_reason as for a named call anywhere)."""
+    _, openai_client = clients
+    kwargs = dict(model=FORCED, messages=USER, tools=[OPENAI_WEATHER], tool_choice=choice, max_tokens=64)
+    choice_ = openai_client.chat.completions.create(**kwargs).choices[0]
+    assert (choice_.finish_reason, choice_.message.content) == (finish, None)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice_.message.tool_calls] == [
+        ("get_weather", {"location": "Rome"})]
+    assert openai_stream(openai_client, **kwargs) == ("", "", [("get_weather", {"location": "Rome"})], finish)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_anthropic_a_required_call_is_written_and_read_as_harmony(clients, choice):
+    claude, _ = clients
+    kwargs = dict(model=FORCED, max_tokens=64, messages=USER, tools=[WEATHER], tool_choice=choice)
+    done = claude.messages.create(**kwargs)
+    assert blocks(done) == [("tool_use", {"location": "Rome"})] and done.stop_reason == "tool_use"
+    with claude.messages.stream(**kwargs) as stream:
+        assert blocks(stream.get_final_message()) == blocks(done)
+
+
+def test_responses_api_reasoning_item_then_message_and_a_function_call(clients):
+    _, openai_client = clients
+    created = openai_client.responses.create(model=THINKER, input="Hi")
+    assert [i.type for i in created.output] == ["reasoning", "message"]
+    assert created.output[0].content[0].text == THOUGHT and created.output_text == ANSWER
+    assert 0 < created.usage.output_tokens_details.reasoning_tokens < created.usage.output_tokens
+    with openai_client.responses.stream(model=THINKER, input="Hi") as stream:
+        final = stream.get_final_response()
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    called = openai_client.responses.create(model=CALLER, input="Hi", tools=[tool])
+    assert [(i.type, getattr(i, "name", None)) for i in called.output] == [("reasoning", None),
+                                                                         ("function_call", "get_weather")]
+    assert json.loads(called.output[1].arguments) == {"location": "Paris"}
