@@ -21,7 +21,7 @@ from tests.serving.test_tool_parsers import LLAMA_TEMPLATE
 from tierlm.models.demo import CHAT_TEMPLATE
 from tierlm.serving.app import build_app
 from tierlm.serving.auth import ApiKeyAuth
-from tierlm.serving.harmony import CALL, CHANNEL, MARKERS, RETURN, HarmonySplitter
+from tierlm.serving.harmony import CALL, CHANNEL, END, MARKERS, MESSAGE, RETURN, START, HarmonySplitter
 from tierlm.serving.harmony import wrapped as w
 from tierlm.serving.reasoning import reasoning_format
 from tierlm.serving.tools import (
@@ -66,6 +66,10 @@ BAD_REPLY = (f"<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|><|start|>assis
 # The recipient in the first message's header, right after the prompt's `<|start|>assistant`
 HEADER_REPLY = ' to=functions.get_weather<|channel|>commentary json<|message|>{"location": "Oslo"}<|call|>'
 THINKER, CALLER, HEADER_CALLER, BAD_CALLER = "harmony", "harmony-call", "harmony-header-call", "harmony-bad-call"
+# Writes harmony's markers in ordinary tokens in its answer (the tokenizer has them as special
+# tokens, which this reply spells only the message markers in): the model's own text
+LITERAL, LITERAL_TEXT = "harmony-literal", "Type <|call|> here."
+LITERAL_REPLY = f"<|channel|>analysis<|message|>Quote it.<|end|><|start|>assistant<|channel|>final<|message|>{LITERAL_TEXT}"
 # Answers REPLY, and finishes a call tool_choice started: after `to=functions.` (any tool) with
 # the name and the arguments, after a named call's `<|message|>` with the arguments
 FORCED = "harmony-forced"
@@ -236,7 +240,8 @@ def server(demo_tokenizer, tmp_path_factory):
     models = build_templated_models(tmp_path_factory.mktemp("harmony"), demo_tokenizer, [
         (THINKER, HARMONY_TEMPLATE, REPLY, MARKERS), (CALLER, HARMONY_TEMPLATE, CALL_REPLY, MARKERS),
         (HEADER_CALLER, HARMONY_TEMPLATE, HEADER_REPLY, MARKERS), (BAD_CALLER, HARMONY_TEMPLATE, BAD_REPLY, MARKERS),
-    ], eos_tokens=(RETURN, CALL))
+        (LITERAL, HARMONY_TEMPLATE, LITERAL_REPLY, (CHANNEL, MESSAGE, START, END)),
+    ], added=MARKERS, eos_tokens=(RETURN, CALL))
     models[FORCED] = forced_model(tmp_path_factory.mktemp("harmony-forced"), models[THINKER].path)
     engines = {name: model.engine(name) for name, model in models.items()}
     server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
@@ -313,6 +318,16 @@ def test_openai_tool_calls(clients, model, thought, content, arguments):
     assert choice.message.tool_calls[0].id.startswith("call")
     streamed = openai_stream(openai_client, model=model, messages=USER, tools=[OPENAI_WEATHER])
     assert streamed == (thought or "", content or "", [("get_weather", arguments)], "tool_calls")
+
+
+def test_marker_text_in_ordinary_tokens_is_the_models_own(clients):
+    claude, openai_client = clients
+    kwargs = dict(model=LITERAL, messages=USER, tools=[OPENAI_WEATHER])
+    message = openai_client.chat.completions.create(**kwargs).choices[0].message
+    assert (message.content, message.tool_calls, message.model_extra["reasoning"]) == (LITERAL_TEXT, None, "Quote it.")
+    assert openai_stream(openai_client, **kwargs) == ("Quote it.", LITERAL_TEXT, [], "stop")
+    done = claude.messages.create(model=LITERAL, max_tokens=128, messages=USER, tools=[WEATHER])
+    assert blocks(done) == [("thinking", "Quote it."), ("text", LITERAL_TEXT)] and done.stop_reason == "end_turn"
 
 
 def test_openai_bad_call_json_is_text(clients):
