@@ -287,11 +287,18 @@ def openai_stream(openai_client, **kwargs):
 
 def test_openai_reasoning_and_answer(clients):
     _, openai_client = clients
-    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=104)
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64)
     message = done.choices[0].message
     assert (message.content, message.model_extra) == (ANSWER, {"reasoning_content": THOUGHT, "reasoning": THOUGHT})
     assert done.choices[0].finish_reason == "stop"
-    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=104) == (THOUGHT, ANSWER, [], "stop")
+    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=64) == (THOUGHT, ANSWER, [], "stop")
+    # Not skipping special tokens, the markers come as plain text, and are read as markers still
+    plain = {"skip_special_tokens": False}
+    message = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64,
+                                                    extra_body=plain).choices[0].message
+    assert (message.content, message.model_extra["reasoning"]) == (ANSWER, THOUGHT)
+    streamed = openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=64, extra_body=plain)
+    assert streamed == (THOUGHT, ANSWER, [], "stop")
 
 
 def test_openai_cut_off_in_the_analysis_is_all_reasoning(clients):
@@ -318,6 +325,10 @@ def test_openai_tool_calls(clients, model, thought, content, arguments):
     assert choice.message.tool_calls[0].id.startswith("call")
     streamed = openai_stream(openai_client, model=model, messages=USER, tools=[OPENAI_WEATHER])
     assert streamed == (thought or "", content or "", [("get_weather", arguments)], "tool_calls")
+    plain = openai_client.chat.completions.create(model=model, messages=USER, tools=[OPENAI_WEATHER],
+                                                  extra_body={"skip_special_tokens": False}).choices[0]
+    assert (plain.finish_reason, plain.message.content) == ("tool_calls", content)
+    assert [json.loads(c.function.arguments) for c in plain.message.tool_calls] == [arguments]
 
 
 def test_marker_text_in_ordinary_tokens_is_the_models_own(clients):
@@ -342,9 +353,9 @@ def test_openai_bad_call_json_is_text(clients):
 
 def test_anthropic_thinking_and_text(clients):
     claude, _ = clients
-    done = claude.messages.create(model=THINKER, max_tokens=104, messages=USER)
+    done = claude.messages.create(model=THINKER, max_tokens=64, messages=USER)
     assert blocks(done) == [("thinking", THOUGHT), ("text", ANSWER)] and done.stop_reason == "end_turn"
-    with claude.messages.stream(model=THINKER, max_tokens=104, messages=USER) as stream:
+    with claude.messages.stream(model=THINKER, max_tokens=64, messages=USER) as stream:
         streamed = stream.get_final_message()
     assert streamed.model_dump(exclude={"id", "usage"}) == done.model_dump(exclude={"id", "usage"})
 
