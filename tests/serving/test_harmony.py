@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from tests.serving.harness import API_KEY, ServerThread, sdk_clients
+from tests.serving.harness import API_KEY, ServerThread, record_requests, sdk_clients
 from tests.serving.scripted_model import Script, build_scripted_model, build_templated_models, chat_prompt_ids
 from tests.serving.test_reasoning import ANSWER, OPENAI_WEATHER, THINK_TEMPLATE, THOUGHT, USER, WEATHER, blocks
 from tests.serving.test_tool_parsers import LLAMA_TEMPLATE
@@ -33,14 +33,15 @@ from tierlm.serving.tools import (
     tool_call_format,
 )
 
-# Renders system, developer (the tools), user, assistant (reasoning, answer, calls) and tool turns
+# Renders system, developer (the tools), user, assistant (reasoning, answer, calls) and tool turns;
+# reads an assistant turn's reasoning as `thinking`, as gpt-oss's own template does
 HARMONY_TEMPLATE = (
     "{%- if tools %}<|start|>developer<|message|># Tools\n{%- for t in tools %}\n"
     "{{ t.function.name }}: {{ t.function.description }}{%- endfor %}<|end|>{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}"
-    "{%- if m.reasoning_content is defined and m.reasoning_content %}"
-    "<|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>{%- endif %}"
+    "{%- if m.thinking is defined and m.thinking %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{%- endif %}"
     "{%- if m.tool_calls %}{%- for c in m.tool_calls %}"
     "<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
     "{{ c.function.arguments if c.function.arguments is string else c.function.arguments|tojson }}<|call|>"
@@ -245,7 +246,7 @@ def server(demo_tokenizer, tmp_path_factory):
     models[FORCED] = forced_model(tmp_path_factory.mktemp("harmony-forced"), models[THINKER].path)
     engines = {name: model.engine(name) for name, model in models.items()}
     server = ServerThread(build_app(engines, ApiKeyAuth.from_keys({"alice": API_KEY}))).start()
-    yield server
+    yield server, engines
     server.stop()
 
 
@@ -267,7 +268,7 @@ def forced_model(root, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def clients(server):
-    return sdk_clients(server.url)
+    return sdk_clients(server[0].url)
 
 
 def openai_stream(openai_client, **kwargs):
@@ -437,3 +438,26 @@ def test_responses_api_reasoning_item_then_message_and_a_function_call(clients):
     assert [(i.type, getattr(i, "name", None)) for i in called.output] == [("reasoning", None),
                                                                          ("function_call", "get_weather")]
     assert json.loads(called.output[1].arguments) == {"location": "Paris"}
+
+
+def test_a_tool_loop_gives_the_template_the_calls_reasoning_as_thinking(server, clients, monkeypatch):
+    """gpt-oss's template reads an assistant turn's analysis as `thinking` only: the reasoning
+    both APIs hand templates (vLLM's reasoning_content) reaches it under that name too
+    (transformers' apply_chat_template passes it so), so the model sees why it called."""
+    _, engines = server
+    claude, openai_client = clients
+    asked = record_requests(engines[CALLER], monkeypatch)
+    done = openai_client.chat.completions.create(model=CALLER, messages=USER, tools=[OPENAI_WEATHER])
+    turn = done.choices[0].message.model_dump(exclude_none=True)
+    loop = [*USER, turn, {"role": "tool", "tool_call_id": turn["tool_calls"][0]["id"], "content": "sunny"}]
+    openai_client.chat.completions.create(model=CALLER, messages=loop, tools=[OPENAI_WEATHER], max_tokens=1)
+    analysis = f"<|start|>assistant<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|>"
+    call = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+    prompt = engines[CALLER].tokenizer.decode(asked[-1].prompt_token_ids)
+    assert analysis + call in prompt, prompt
+    first = claude.messages.create(model=CALLER, max_tokens=128, messages=USER, tools=[WEATHER])
+    messages = [*USER, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[-1].id,
+                                              "content": "sunny"}]}]
+    claude.messages.create(model=CALLER, max_tokens=1, messages=messages, tools=[WEATHER])
+    assert analysis + call in engines[CALLER].tokenizer.decode(asked[-1].prompt_token_ids)
