@@ -43,7 +43,7 @@ HARMONY_TEMPLATE = (
     "{%- if m.thinking is defined and m.thinking %}"
     "<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{%- endif %}"
     "{%- if m.tool_calls %}{%- for c in m.tool_calls %}"
-    "<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
+    "<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>"
     "{{ c.function.arguments if c.function.arguments is string else c.function.arguments|tojson }}<|call|>"
     "{%- endfor %}{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
     "{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>"
@@ -71,11 +71,12 @@ THINKER, CALLER, HEADER_CALLER, BAD_CALLER = "harmony", "harmony-call", "harmony
 # tokens, which this reply spells only the message markers in): the model's own text
 LITERAL, LITERAL_TEXT = "harmony-literal", "Type <|call|> here."
 LITERAL_REPLY = f"<|channel|>analysis<|message|>Quote it.<|end|><|start|>assistant<|channel|>final<|message|>{LITERAL_TEXT}"
-# Answers REPLY, and finishes a call tool_choice started: after `to=functions.` (any tool) with
-# the name and the arguments, after a named call's `<|message|>` with the arguments
+# Answers REPLY, and finishes a call tool_choice started after `<|start|>assistant` (as the
+# template writes calls): after ` to=functions.` (any tool) with the name, its channel and the
+# arguments, after a named call's `<|message|>` with the arguments
 FORCED = "harmony-forced"
 FORCED_ARGS = '{"location": "Rome"}'
-FORCED_ANY_REPLY = f"get_weather <|constrain|>json<|message|>{FORCED_ARGS}<|call|>"
+FORCED_ANY_REPLY = f"get_weather<|channel|>commentary json<|message|>{FORCED_ARGS}<|call|>"
 
 
 def kept(text: str) -> str:
@@ -402,12 +403,18 @@ def test_anthropic_cut_off_in_the_analysis_is_all_thinking(clients):
 @pytest.mark.parametrize("choice, finish", [
     ("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
 ])
-def test_openai_a_required_call_is_written_and_read_as_harmony(clients, choice, finish):
-    """tool_choice starts the call as harmony's header after the generation prompt; the model
-    finishes it, and it is read as the call (finish_reason as for a named call anywhere)."""
+def test_openai_a_required_call_is_written_and_read_as_harmony(server, clients, monkeypatch, choice, finish):
+    """tool_choice starts the call as the template writes calls, after the generation prompt's
+    `<|start|>assistant`; the model finishes it, and it is read as the call (finish_reason as
+    for a named call anywhere)."""
+    _, engines = server
     _, openai_client = clients
+    asked = record_requests(engines[FORCED], monkeypatch)
     kwargs = dict(model=FORCED, messages=USER, tools=[OPENAI_WEATHER], tool_choice=choice, max_tokens=64)
     choice_ = openai_client.chat.completions.create(**kwargs).choices[0]
+    started = " to=functions." + ("" if choice == "required" else "get_weather<|channel|>commentary json<|message|>")
+    prompt = engines[FORCED].tokenizer.decode(asked[-1].prompt_token_ids)
+    assert prompt.endswith("<|end|><|start|>assistant" + started), prompt
     assert (choice_.finish_reason, choice_.message.content) == (finish, None)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice_.message.tool_calls] == [
         ("get_weather", {"location": "Rome"})]
@@ -452,7 +459,7 @@ def test_a_tool_loop_gives_the_template_the_calls_reasoning_as_thinking(server, 
     loop = [*USER, turn, {"role": "tool", "tool_call_id": turn["tool_calls"][0]["id"], "content": "sunny"}]
     openai_client.chat.completions.create(model=CALLER, messages=loop, tools=[OPENAI_WEATHER], max_tokens=1)
     analysis = f"<|start|>assistant<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|>"
-    call = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+    call = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
     prompt = engines[CALLER].tokenizer.decode(asked[-1].prompt_token_ids)
     assert analysis + call in prompt, prompt
     first = claude.messages.create(model=CALLER, max_tokens=128, messages=USER, tools=[WEATHER])

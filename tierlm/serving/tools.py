@@ -236,7 +236,8 @@ class HarmonySyntax(ToolCallSyntax):
     name = "harmony"
     start = harmony.CALL_OPEN
     markers = harmony.MARKERS
-    any_prefix = harmony.CHANNEL + "commentary to=" + harmony.FUNCTIONS
+    # A forced call is written as gpt-oss's template writes past calls, after `<|start|>assistant`
+    any_prefix = " to=" + harmony.FUNCTIONS
     token_texts = (harmony.CHANNEL, harmony.CONSTRAIN, harmony.MESSAGE)
     splits_messages = True
     _call = re.compile(re.escape(harmony.CALL_OPEN) + f"([^{KEPT_OPEN}]*)" + re.escape(harmony.CALL_ARGS)
@@ -269,7 +270,7 @@ class HarmonySyntax(ToolCallSyntax):
         return _all_calls(items, id_prefix, self.needs_arguments)
 
     def call_parts(self, tool_name: str) -> tuple[str, str]:
-        return self.any_prefix + tool_name + " " + harmony.CONSTRAIN + "json" + harmony.MESSAGE, ""
+        return self.any_prefix + tool_name + harmony.CHANNEL + "commentary json" + harmony.MESSAGE, ""
 
 
 HERMES = HermesSyntax()
