@@ -1,7 +1,7 @@
 """Finding tool calls in generated text.
 
 Models learn one tool-call syntax from their chat template, and vLLM makes its users pick the
-parser per model family (`--tool-call-parser`). tierlm knows three, as vLLM's parsers read them
+parser per model family (`--tool-call-parser`). tierlm knows four, as vLLM's parsers read them
 (`ToolCallSyntax`; `tierlm serve --tool-call-parser`, by default detected from the template):
 
 - `hermes` (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, after
@@ -15,8 +15,8 @@ parser per model family (`--tool-call-parser`). tierlm knows three, as vLLM's pa
   arguments' JSON. Its messages are read by harmony.HarmonySplitter, which writes each call into
   the text in one form of its own (harmony.call_text) that `HarmonySyntax` parses.
 
-In the last two an object is a call only with `arguments` or `parameters` (as vLLM's parsers,
-which index one or the other): `{"name": "get_weather"}` alone is JSON the model wrote.
+In llama3_json and mistral an object is a call only with `arguments` or `parameters` (as vLLM's
+parsers, which index one or the other): `{"name": "get_weather"}` alone is JSON the model wrote.
 
 `<|python_tag|>`, `[TOOL_CALLS]` and `[ARGS]` are special tokens in the real tokenizers, so a
 decode that skips special tokens drops them: requests with tools keep their text
