@@ -17,7 +17,7 @@ def ref_tol(cpu: float, cuda: float) -> float:
     states by up to 9e-3, against 2e-4 / 1e-4 on the CPU."""
     return cuda if torch.cuda.is_available() else cpu
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3", "phi3", "granite",
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3", "phi3", "phi4_mini", "granite",
          "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo2", "olmo3"]
 
 
@@ -69,6 +69,8 @@ def _config(arch: str, vocab: int, **extra):
         return Qwen3Config(**common, head_dim=32, attention_bias=True, tie_word_embeddings=True)
     if arch == "phi3":  # fused qkv and gate_up tensors in the checkpoint itself; a sliding window
         return Phi3Config(**common, sliding_window=20)
+    if arch == "phi4_mini":  # Phi-4-mini's RoPE over the first 3/4 of each head (12 of 16 dims), the rest passed through
+        return Phi3Config(**common, partial_rotary_factor=0.75)
     if arch == "granite":  # Granite 3's scalars: embeddings, residual branches, attention scale, logits
         return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                              attention_multiplier=0.0078125, logits_scaling=8.0, tie_word_embeddings=True)

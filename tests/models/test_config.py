@@ -70,14 +70,53 @@ def test_phi4_and_the_phi_variants_tierlm_cannot_serve_yet():
     args = parse_config(PHI4_HUB, resolve_architecture(PHI4_HUB))
     assert (args.head_dim, args.num_kv_heads, args.rope_theta) == (128, 10, 250000.0)
     assert args.sliding_windows == [None] * 40 and not args.qkv_bias and not args.qk_norm
+    assert args.rotary_dim == 128
     windowed = parse_config({**PHI4_HUB, "sliding_window": 2047}, "Phi3ForCausalLM")  # Phi-3-mini
     assert windowed.sliding_windows == [2047] * 40
-    mini = {**PHI4_HUB, "partial_rotary_factor": 0.75}  # Phi-4-mini rotates 3/4 of each head
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
-        parse_config(mini, "Phi3ForCausalLM")
     long = {**PHI4_HUB, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
     with pytest.raises(ModelLoadError, match="rope scaling type 'longrope' is not supported"):
         parse_config(long, "Phi3ForCausalLM")
+
+
+def test_partial_rotary_factor_where_transformers_reads_it():
+    """Phi-4-mini ships partial_rotary_factor at the top of config.json; transformers 5 saves it
+    in rope_parameters (which wins over the top level). Model types whose transformers code
+    rotates whole heads, and a rotated part of odd width, are refused by name."""
+    mini = parse_config({**PHI4_HUB, "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+                         "partial_rotary_factor": 0.75}, "Phi3ForCausalLM")
+    assert (mini.head_dim, mini.rotary_dim, mini.partial_rotary_factor) == (128, 96, 0.75)
+    saved = {**PHI4_HUB, "partial_rotary_factor": 0.25,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.5}}
+    assert parse_config(saved, "Phi3ForCausalLM").rotary_dim == 64
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.5 is not supported for model type 'qwen3_moe'"):
+        parse_config({**QWEN3_MOE_HUB, "partial_rotary_factor": 0.5}, "Qwen3MoeForCausalLM")
+    with pytest.raises(ModelLoadError, match="rotates 45 dims"):
+        parse_config({**PHI4_HUB, "partial_rotary_factor": 45 / 128}, "Phi3ForCausalLM")
+
+
+def test_partial_rotary_tables_equal_transformers():
+    """cos/sin over the rotated dims only (bit for bit), and the rotation of those dims,
+    against Phi-3's rotary embedding and apply_rotary_pos_emb in transformers."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from tierlm.models.layers import RotaryEmbedding
+    hf_cfg = Phi3Config(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.75,
+                        max_position_embeddings=64)
+    args = parse_config(hf_cfg.to_dict() | {"architectures": ["Phi3ForCausalLM"]}, "Phi3ForCausalLM")
+    assert args.rotary_dim == 24
+    positions = torch.arange(40)
+    cos, sin = Phi3RotaryEmbedding(hf_cfg)(torch.zeros(1), positions[None])
+    q, k = torch.randn(1, 8, 40, 32), torch.randn(1, 2, 40, 32)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rope = RotaryEmbedding(args, 64)
+    qk = torch.cat((q[0], k[0])).transpose(0, 1)  # [T, Hq + Hkv, D], as the fused projection lays them out
+    cos_ours, sin_ours = rope.tables(positions, torch.float32)
+    assert torch.equal(cos_ours[:, 0], cos[0]) and torch.equal(sin_ours[:, 0, 12:], sin[0, :, 12:])
+    got = RotaryEmbedding.rotate((cos_ours, sin_ours), qk).transpose(0, 1)
+    want = torch.cat((want_q[0], want_k[0]))
+    assert torch.equal(got[..., 24:], want[..., 24:])  # passed through untouched
+    assert (got - want).abs().max().item() < 1e-6  # (one fused multiply-add: an ulp's rounding)
 
 
 @pytest.mark.parametrize("scaling", [

@@ -29,6 +29,9 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # RoPE over the first int(head_dim * factor) dims of each query and key head, the rest passed
+    # through (Phi-4-mini: 0.75); 1 rotates whole heads.
+    partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -84,6 +87,11 @@ class ModelArgs:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 def _eos_list(value: Any) -> list[int]:
@@ -338,10 +346,7 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
                              "is it a complete Hugging Face config?") from None
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias is not supported ({architecture} with biases on its MLP projections)")
-    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if float(rotary or 1.0) != 1.0:
-        raise ModelLoadError(f"partial_rotary_factor {rotary} is not supported (RoPE over part of each head, as in "
-                             "Phi-4-mini); tierlm rotates whole heads")
+    _partial_rotary(args, cfg)
     if args.hidden_act not in ("silu", "swish", "gelu_pytorch_tanh"):
         raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (silu, gelu_pytorch_tanh)")
     if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3", "yarn"):
@@ -358,6 +363,27 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     if args.model_type == "ministral3":
         _ministral3_query_scale(args, cfg)
     return args
+
+
+# The model types whose transformers code rotates part of each head (the others rotate whole heads).
+PARTIAL_ROTARY_TYPES = ("phi3",)
+
+
+def _partial_rotary(args: ModelArgs, cfg: dict[str, Any]) -> None:
+    """partial_rotary_factor where transformers 5 reads it: inside rope_parameters, else at the
+    top level of config.json (as Phi-4-mini ships it). Other model types than those that
+    read it, and a rotated part that cannot be split into two halves, are refused by name."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    if factor == 1.0:
+        return
+    if args.model_type not in PARTIAL_ROTARY_TYPES:
+        raise ModelLoadError(f"partial_rotary_factor {factor} is not supported for model type '{args.model_type}' "
+                             f"(tierlm rotates part of each head for {', '.join(PARTIAL_ROTARY_TYPES)} only)")
+    args.partial_rotary_factor = factor
+    if not 0 < factor < 1 or args.rotary_dim % 2:
+        raise ModelLoadError(f"partial_rotary_factor {factor} of head_dim {args.head_dim} rotates {args.rotary_dim} "
+                             "dims; RoPE needs a positive even number of them, at most head_dim")
 
 
 def _ministral3_query_scale(args: ModelArgs, cfg: dict[str, Any]) -> None:

@@ -46,8 +46,9 @@ def make_norm(args: ModelArgs, dim: int) -> nn.Module:
 
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
     """Inverse frequencies, with linear, Llama-3.1 or YaRN scaling applied when configured, and
-    the factor the cos/sin tables are multiplied by (YaRN's attention factor; else 1)."""
-    dim = args.head_dim
+    the factor the cos/sin tables are multiplied by (YaRN's attention factor; else 1). Over the
+    rotated dims only (fewer than head_dim with a partial rotary factor)."""
+    dim = args.rotary_dim
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     sc = args.rope_scaling
     if not sc:
@@ -74,7 +75,7 @@ def _yarn(args: ModelArgs, extrapolated: torch.Tensor) -> tuple[torch.Tensor, fl
     their frequency, slow ones are interpolated by `factor`, a linear ramp blends those between;
     cos/sin are scaled by 0.1 ln(factor) + 1 (or the checkpoint's mscale ratio or explicit
     attention_factor). The same arithmetic as transformers' YaRN, so tables match bit for bit."""
-    sc, dim = args.rope_scaling, args.head_dim
+    sc, dim = args.rope_scaling, args.rotary_dim
     original = float(sc["original_max_position_embeddings"])
     factor = sc.get("factor") or args.max_position_embeddings / original
     factor = float(factor)
@@ -126,15 +127,21 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate(tables: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor) -> torch.Tensor:
         """qk: [T, Hq + Hkv, D], the query and key heads side by side as the fused projection
-        lays them out -> rotated (HF's rotate_half convention), both in one pass."""
+        lays them out -> rotated (HF's rotate_half convention), both in one pass. Tables
+        narrower than D (a partial rotary factor) rotate each head's first dims, as transformers'
+        Phi-3 does (rotate_half within that part), and pass the rest through."""
         cos, sin = tables
-        return _rotate(qk, cos, sin)
+        R = cos.shape[-1]
+        if R == qk.shape[-1]:
+            return _rotate(qk, cos, sin)
+        return torch.cat((_rotate(qk[..., :R], cos, sin), qk[..., R:]), dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with the sign already in `sin`: swap the halves, no negation."""
-    T, H, D = x.shape
-    swapped = x.view(T, H, 2, D // 2).flip(2).view(T, H, D)
+    """x * cos + rotate_half(x) * sin, with the sign already in `sin`: swap the halves, no
+    negation. `x` may be a strided slice of the heads (the rotated part)."""
+    D = x.shape[-1]
+    swapped = x.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)
     return torch.addcmul(x * cos, swapped, sin)
 
 
