@@ -17,8 +17,9 @@ def ref_tol(cpu: float, cuda: float) -> float:
     states by up to 9e-3, against 2e-4 / 1e-4 on the CPU."""
     return cuda if torch.cuda.is_available() else cpu
 
-ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3", "phi3", "phi4_mini", "granite",
-         "smollm3", "gemma3", "gemma3_mm", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo2", "olmo3"]
+ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3",
+         "phi3", "phi4_mini", "phi4_mini_longrope", "granite", "smollm3", "gemma3", "gemma3_mm", "mixtral",
+         "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo2", "olmo3"]
 
 
 def _config(arch: str, vocab: int, **extra):
@@ -71,6 +72,13 @@ def _config(arch: str, vocab: int, **extra):
         return Phi3Config(**common, sliding_window=20)
     if arch == "phi4_mini":  # Phi-4-mini's RoPE over the first 3/4 of each head (12 of 16 dims), the rest passed through
         return Phi3Config(**common, partial_rotary_factor=0.75)
+    if arch == "phi4_mini_longrope":  # Phi-4-mini's whole RoPE: longrope over 3/4 of each head. With an original
+        # length of 1 every sequence is past it from its second token on (position 0 is unrotated), so transformers
+        # rotates every test sequence with the long factors, as tierlm does when it serves longer sequences than
+        # the original length (layers.py: _longrope); tests/models/test_longrope.py covers both sides of a real one.
+        return Phi3Config(**common, partial_rotary_factor=0.75, original_max_position_embeddings=1, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 1.19,
+            "short_factor": [1.0, 1.1, 1.3, 1.9, 2.6, 3.5], "long_factor": [1.0, 1.4, 2.9, 7.7, 15.0, 31.0]})
     if arch == "granite":  # Granite 3's scalars: embeddings, residual branches, attention scale, logits
         return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                              attention_multiplier=0.0078125, logits_scaling=8.0, tie_word_embeddings=True)

@@ -66,16 +66,36 @@ PHI4_HUB = {
 }
 
 
-def test_phi4_and_the_phi_variants_tierlm_cannot_serve_yet():
+def test_phi4_and_the_phi_variants():
     args = parse_config(PHI4_HUB, resolve_architecture(PHI4_HUB))
     assert (args.head_dim, args.num_kv_heads, args.rope_theta) == (128, 10, 250000.0)
     assert args.sliding_windows == [None] * 40 and not args.qkv_bias and not args.qk_norm
     assert args.rotary_dim == 128
     windowed = parse_config({**PHI4_HUB, "sliding_window": 2047}, "Phi3ForCausalLM")  # Phi-3-mini
     assert windowed.sliding_windows == [2047] * 40
-    long = {**PHI4_HUB, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
-    with pytest.raises(ModelLoadError, match="rope scaling type 'longrope' is not supported"):
-        parse_config(long, "Phi3ForCausalLM")
+
+
+def test_longrope_configs_as_the_phi_models_ship_them():
+    """Phi-3-mini-128k: rope_scaling type longrope, the original length at the top of config.json;
+    Phi-3's config class reads the older 'su' and 'yarn' as longrope and defaults the original
+    length to 4096. Factor lists of the wrong length, and an original length of 1 without an
+    explicit attention factor, are refused by name."""
+    factors = {"short_factor": [1.0] * 64, "long_factor": [2.0] * 64}
+    mini = {**PHI4_HUB, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "longrope", **factors}}
+    args = parse_config(mini, "Phi3ForCausalLM")
+    assert args.rope_scaling["rope_type"] == "longrope"
+    assert args.rope_scaling["original_max_position_embeddings"] == 4096
+    for old in ("su", "yarn"):
+        older = {**PHI4_HUB, "max_position_embeddings": 131072, "rope_scaling": {"type": old, **factors}}
+        args = parse_config(older, "Phi3ForCausalLM")
+        assert args.rope_scaling["rope_type"] == "longrope"
+        assert args.rope_scaling["original_max_position_embeddings"] == 4096
+    partial = {**mini, "partial_rotary_factor": 0.75}  # Phi-4-mini: a factor per rotated frequency, 48 of them
+    with pytest.raises(ModelLoadError, match="rope_scaling.short_factor: a list of 48 numbers"):
+        parse_config(partial, "Phi3ForCausalLM")
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings 1"):
+        parse_config({**mini, "original_max_position_embeddings": 1}, "Phi3ForCausalLM")
 
 
 def test_partial_rotary_factor_where_transformers_reads_it():

@@ -169,7 +169,7 @@ _DEFAULTED = frozenset({
     "rope_local_base_freq", "query_pre_attn_scalar", "embedding_multiplier", "residual_multiplier",
     "attention_multiplier", "logits_scaling", "no_rope_layer_interval", "norm_topk_prob",
     "decoder_sparse_step", "shared_expert_intermediate_size", "moe_intermediate_size",
-    "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"})  # not the expert count: one that is missing is refused by name
+    "num_experts_per_tok", "swiglu_alpha", "swiglu_limit", "original_max_position_embeddings"})  # not the expert count: one that is missing is refused by name
 
 
 @functools.cache
@@ -349,17 +349,21 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     _partial_rotary(args, cfg)
     if args.hidden_act not in ("silu", "swish", "gelu_pytorch_tanh"):
         raise ModelLoadError(f"hidden_act '{args.hidden_act}' is not supported (silu, gelu_pytorch_tanh)")
-    if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3", "yarn"):
+    if args.rope_scaling and model_type == "phi3" and args.rope_scaling["rope_type"] in ("su", "yarn"):
+        args.rope_scaling["rope_type"] = "longrope"  # as Phi-3's config class reads these older names
+    if args.rope_scaling and args.rope_scaling["rope_type"] not in ("linear", "llama3", "yarn", "longrope"):
         raise ModelLoadError(
             f"rope scaling type '{args.rope_scaling['rope_type']}' is not supported; "
-            "supported: default, linear, llama3, yarn")
-    if args.rope_scaling and args.rope_scaling["rope_type"] in ("llama3", "yarn"):
-        # As transformers reads it: a top-level original_max_position_embeddings wins, else the
-        # scaling's own, else max_position_embeddings.
+            "supported: default, linear, llama3, yarn, longrope")
+    if args.rope_scaling and args.rope_scaling["rope_type"] in ("llama3", "yarn", "longrope"):
+        # As transformers reads it: a top-level original_max_position_embeddings wins (Phi-3's
+        # config class defaults it to 4096), else the scaling's own, else max_position_embeddings.
         top = cfg.get("original_max_position_embeddings")
         if top is not None:
             args.rope_scaling["original_max_position_embeddings"] = top
         args.rope_scaling.setdefault("original_max_position_embeddings", args.max_position_embeddings)
+    if args.rope_scaling and args.rope_scaling["rope_type"] == "longrope":
+        _check_longrope(args)
     if args.model_type == "ministral3":
         _ministral3_query_scale(args, cfg)
     return args
@@ -384,6 +388,23 @@ def _partial_rotary(args: ModelArgs, cfg: dict[str, Any]) -> None:
     if not 0 < factor < 1 or args.rotary_dim % 2:
         raise ModelLoadError(f"partial_rotary_factor {factor} of head_dim {args.head_dim} rotates {args.rotary_dim} "
                              "dims; RoPE needs a positive even number of them, at most head_dim")
+
+
+def _check_longrope(args: ModelArgs) -> None:
+    """LongRoPE needs a factor per rotated frequency in each list (transformers only warns, then
+    fails or broadcasts one number over all of them) and an original length to switch at."""
+    sc, want = args.rope_scaling, args.rotary_dim // 2
+    for key in ("short_factor", "long_factor"):
+        factors = sc.get(key)
+        if not isinstance(factors, list) or len(factors) != want or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) for f in factors):
+            raise ModelLoadError(f"longrope needs rope_scaling.{key}: a list of {want} numbers (one per rotated "
+                                 f"frequency of head_dim {args.head_dim}), got {str(factors)[:80]}")
+    original = int(sc["original_max_position_embeddings"])
+    if original < 1 or (original == 1 and sc.get("attention_factor") is None):
+        raise ModelLoadError(f"longrope's original_max_position_embeddings {original} (the length its long factors "
+                             "start at) must be 2 or more, or come with an explicit attention_factor (the default "
+                             "one divides by its logarithm)")
 
 
 def _ministral3_query_scale(args: ModelArgs, cfg: dict[str, Any]) -> None:

@@ -44,13 +44,18 @@ def make_norm(args: ModelArgs, dim: int) -> nn.Module:
     return RMSNorm(dim, args.rms_norm_eps, plus_one=args.gemma_norms, weight_in_fp32=args.norm_weight_in_fp32)
 
 
-def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies, with linear, Llama-3.1 or YaRN scaling applied when configured, and
-    the factor the cos/sin tables are multiplied by (YaRN's attention factor; else 1). Over the
-    rotated dims only (fewer than head_dim with a partial rotary factor)."""
+def rope_inv_freq(args: ModelArgs, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies, with linear, Llama-3.1, YaRN or LongRoPE scaling applied when
+    configured, and the factor the cos/sin tables are multiplied by (YaRN's and LongRoPE's
+    attention factor; else 1). Over the rotated dims only (fewer than head_dim with a partial
+    rotary factor). `max_positions`: the longest sequence served (max_position_embeddings when
+    None), which picks LongRoPE's factors."""
     dim = args.rotary_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     sc = args.rope_scaling
+    if sc and sc["rope_type"] == "longrope":
+        return _longrope(args, exponents, max_positions or args.max_position_embeddings)
+    inv = 1.0 / (args.rope_theta ** exponents)
     if not sc:
         return inv, 1.0
     if sc["rope_type"] == "linear":
@@ -105,12 +110,38 @@ def _yarn(args: ModelArgs, extrapolated: torch.Tensor) -> tuple[torch.Tensor, fl
     return inv, float(attention)
 
 
+def _longrope(args: ModelArgs, exponents: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): each frequency divided by its own factor, from
+    `long_factor` for a model served past original_max_position_embeddings, else from
+    `short_factor`; cos/sin scaled by sqrt(1 + ln(factor) / ln(original)) (factor: the
+    checkpoint's, else max_position_embeddings / original), or the explicit attention_factor.
+    The same arithmetic as transformers' _compute_longrope_parameters, bit for bit.
+
+    transformers switches per forward call: the long factors once the sequence is longer than
+    the original length, and Phi-3's generate() then recomputes the whole cache with them. A
+    paged engine cannot redo a sequence's keys when it crosses (nor share prefix blocks across
+    the switch), so tierlm does as vLLM does: one set for the engine's life, the long one when
+    it serves sequences longer than the original length. Outputs match transformers for every
+    sequence when max_model_len is at most the original length, and for sequences whose prompt
+    is already past it otherwise; a shorter sequence then differs from transformers, which
+    rotates it with the short factors."""
+    sc = args.rope_scaling
+    original = int(sc["original_max_position_embeddings"])
+    factor = float(sc.get("factor") or args.max_position_embeddings / original)
+    attention = sc.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(sc["long_factor" if max_positions > original else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * args.rope_theta ** exponents), float(attention)
+
+
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (no per-step trig)."""
+    """Precomputed cos/sin tables indexed by absolute position (no per-step trig), for sequences
+    of up to `max_positions` tokens."""
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
-        inv, scale = rope_inv_freq(args)
+        inv, scale = rope_inv_freq(args, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
