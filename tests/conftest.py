@@ -19,11 +19,11 @@ def ref_tol(cpu: float, cuda: float) -> float:
 
 ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm", "ministral3_mm", "qwen2", "qwen3",
          "phi3", "phi4_mini", "phi4_mini_longrope", "granite", "smollm3", "gemma3", "gemma3_mm", "mixtral",
-         "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo2", "olmo3"]
+         "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "olmo2", "olmo3"]
 
 
 def _config(arch: str, vocab: int, **extra):
-    from transformers import (Gemma3Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, Olmo2Config, Olmo3Config, LlamaConfig, Ministral3Config, MinistralConfig,
+    from transformers import (Gemma3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig, Olmo2Config, Olmo3Config, Ministral3Config, MinistralConfig,
                               Mistral3Config,
                               MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
@@ -112,6 +112,11 @@ def _config(arch: str, vocab: int, **extra):
                            rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                                                "original_max_position_embeddings": 256},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if arch == "glm4_moe":  # GLM-4.5: a dense first layer, then 8 experts in 4 groups (the best 2 groups chosen by
+        # sigmoid scores plus a randomised correction bias), two shared experts, qkv biases, q/k norms, half-rotary heads
+        return Glm4MoeConfig(**common, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                             n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                             routed_scaling_factor=0.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True)
     raise ValueError(arch)
 
 
@@ -132,6 +137,9 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or (arch == "gpt_oss" and name.endswith(("bias", "sinks"))):
                 param.add_(0.2 * torch.randn_like(param))
+        for name, buf in model.named_buffers():  # GLM-4.5's router correction (zeros): large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                buf.add_(0.3 * torch.randn_like(buf))
     model.save_pretrained(str(out))
     return out
 

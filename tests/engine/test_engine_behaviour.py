@@ -141,6 +141,8 @@ def _edit_weights(src: Path, dst: Path, edit) -> Path:
     ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
     ("mixtral", "model.layers.0.block_sparse_moe.experts.2.w3.weight"),
     ("qwen2_moe", "model.layers.1.mlp.experts.5.down_proj.weight"),
+    ("glm4_moe", "model.layers.1.mlp.shared_experts.up_proj.weight"),
+    ("glm4_moe", "model.layers.1.mlp.experts.7.gate_proj.weight"),
 ])
 def test_a_checkpoint_missing_one_part_of_a_fused_tensor_is_refused(arch, missing, tmp_path, checkpoints):
     """q/k/v, gate/up and all experts are one tensor each in tierlm (transformers saves experts

@@ -127,7 +127,7 @@ def _assert_fixed_shape_steps_ran(llm, arch: str) -> None:
         assert graphs.min_tokens == -(-args.num_experts // args.num_experts_per_tok) > 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "gpt_oss", "glm4_moe"])
 def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     """The CPU fast path: bf16 weights and KV cache, float32 arithmetic (on this CPU through
     tierlm's bf16-weight kernels for linear layers and experts): HF on the same bf16-exact
@@ -139,7 +139,10 @@ def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     assert next(llm.engine.runner.model.parameters()).dtype == torch.float32
     hf = hf_models[arch]
     ref_model = type(hf)(hf.config)
-    ref_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in hf.state_dict().items()})
+    # GLM-4.5's routers stay float32, unrounded, in a bf16 model (transformers' _keep_in_fp32_modules_strict).
+    fp32 = getattr(ref_model, "_keep_in_fp32_modules_strict", None) or []
+    ref_model.load_state_dict({k: v if any(m in k for m in fp32) else v.to(torch.bfloat16).float()
+                               for k, v in hf.state_dict().items()})
     ref_model.set_attn_implementation(rounded_kv_attention(torch.bfloat16,
                                                            eager=hf.config._attn_implementation == "eager"))
     cap = _Capture(llm.engine.sampler)

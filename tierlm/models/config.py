@@ -61,6 +61,13 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[bool] = field(default_factory=list)
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on its shared expert (GLM-4.5 has none)
+    # GLM-4.5: a sigmoid router in float32 whose scores plus a learned correction bias choose the
+    # experts (the best `topk_group` of `n_group` groups first, each scored by its top two), the
+    # uncorrected scores of those weighting them, times routed_scaling_factor. 0 groups: softmax.
+    router_groups: int = 0
+    router_topk_groups: int = 0
+    routed_scaling_factor: float = 1.0
     # Ministral 3 (rope_parameters.llama_4_scaling_beta): after RoPE, queries are scaled by
     # 1 + beta * log(1 + floor(position / original)); 0 everywhere else.
     query_scale_beta: float = 0.0
@@ -169,7 +176,8 @@ _DEFAULTED = frozenset({
     "rope_local_base_freq", "query_pre_attn_scalar", "embedding_multiplier", "residual_multiplier",
     "attention_multiplier", "logits_scaling", "no_rope_layer_interval", "norm_topk_prob",
     "decoder_sparse_step", "shared_expert_intermediate_size", "moe_intermediate_size",
-    "num_experts_per_tok", "swiglu_alpha", "swiglu_limit", "original_max_position_embeddings"})  # not the expert count: one that is missing is refused by name
+    "num_experts_per_tok", "swiglu_alpha", "swiglu_limit", "original_max_position_embeddings", "use_qk_norm",
+    "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"})  # not the expert count: one that is missing is refused by name
 
 
 @functools.cache
@@ -278,8 +286,9 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             # Qwen2's q/k/v always have biases; Qwen2-MoE's unless qkv_bias says not (transformers 5).
             qkv_bias=(bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
                       or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe", "glm4_moe"),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                     or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False)))),
             hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
             sliding_windows=windows,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -326,14 +335,10 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
             args.swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
             limit = cfg.get("swiglu_limit", 7.0)
             args.swiglu_limit = None if limit is None else float(limit)
+        elif model_type == "glm4_moe":
+            _glm4_moe(args, cfg)
         elif model_type in ("qwen2_moe", "qwen3_moe"):
-            # Hub checkpoints say num_experts; transformers 5 saves its alias num_local_experts.
-            count = cfg.get("num_experts", cfg.get("num_local_experts"))
-            if count is None:
-                raise KeyError("num_experts")
-            args.num_experts = int(count)
-            args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
-            args.moe_intermediate_size = int(cfg["moe_intermediate_size"])
+            _routed_experts(args, cfg, "num_experts")
             args.shared_expert_intermediate_size = int(cfg.get("shared_expert_intermediate_size", 0))
             args.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
             step = int(cfg.get("decoder_sparse_step", 1))
@@ -369,16 +374,19 @@ def parse_config(cfg: dict[str, Any], architecture: str) -> ModelArgs:
     return args
 
 
-# The model types whose transformers code rotates part of each head (the others rotate whole heads).
-PARTIAL_ROTARY_TYPES = ("phi3",)
+# The model types whose transformers code rotates part of each head (the others rotate whole
+# heads), and the factor each takes when config.json has none (GLM-4.5's config class sets 0.5).
+PARTIAL_ROTARY_TYPES = {"phi3": 1.0, "glm4_moe": 0.5}
 
 
 def _partial_rotary(args: ModelArgs, cfg: dict[str, Any]) -> None:
     """partial_rotary_factor where transformers 5 reads it: inside rope_parameters, else at the
-    top level of config.json (as Phi-4-mini ships it). Other model types than those that
-    read it, and a rotated part that cannot be split into two halves, are refused by name."""
+    top level of config.json (as Phi-4-mini and GLM-4.5 ship it), else the type's default. Other
+    model types than those that read it, and a rotated part that cannot be split into two
+    halves, are refused by name."""
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = float(PARTIAL_ROTARY_TYPES.get(args.model_type, 1.0) if factor is None else factor)
     if factor == 1.0:
         return
     if args.model_type not in PARTIAL_ROTARY_TYPES:
@@ -388,6 +396,40 @@ def _partial_rotary(args: ModelArgs, cfg: dict[str, Any]) -> None:
     if not 0 < factor < 1 or args.rotary_dim % 2:
         raise ModelLoadError(f"partial_rotary_factor {factor} of head_dim {args.head_dim} rotates {args.rotary_dim} "
                              "dims; RoPE needs a positive even number of them, at most head_dim")
+
+
+def _routed_experts(args: ModelArgs, cfg: dict[str, Any], count_key: str) -> None:
+    """The routed experts' count, top-k and width. Hub checkpoints name the count `count_key`
+    (Qwen's num_experts, GLM's n_routed_experts); transformers 5 saves its alias
+    num_local_experts. A missing count is refused by name (KeyError, named by parse_config)."""
+    count = cfg.get(count_key, cfg.get("num_local_experts"))
+    if count is None:
+        raise KeyError(count_key)
+    args.num_experts = int(count)
+    args.num_experts_per_tok = int(cfg["num_experts_per_tok"])
+    args.moe_intermediate_size = int(cfg["moe_intermediate_size"])
+
+
+def _glm4_moe(args: ModelArgs, cfg: dict[str, Any]) -> None:
+    """GLM-4.5's MoE as transformers' Glm4MoeConfig reads it: the first `first_k_dense_replace`
+    layers dense, then routed experts (n_routed_experts; transformers 5 saves the same number
+    as num_local_experts) beside n_shared_experts ungated shared experts, fused into one MLP of
+    n_shared_experts x moe_intermediate_size."""
+    _routed_experts(args, cfg, "n_routed_experts")
+    args.shared_expert_intermediate_size = args.moe_intermediate_size * int(cfg.get("n_shared_experts", 1))
+    args.shared_expert_gated = False
+    args.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+    args.router_groups, args.router_topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    args.routed_scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    args.moe_layers = [i >= dense for i in range(args.num_layers)]
+    groups, per = args.router_groups, args.num_experts // max(args.router_groups, 1)
+    if groups < 1 or args.num_experts % groups or per < 2 or not 1 <= args.router_topk_groups <= groups:
+        raise ModelLoadError(f"n_group {groups} and topk_group {args.router_topk_groups} do not split "
+                             f"{args.num_experts} experts into equal groups of two or more and choose some of them")
+    if args.router_topk_groups * per < args.num_experts_per_tok:
+        raise ModelLoadError(f"topk_group {args.router_topk_groups} groups of {per} experts hold fewer than "
+                             f"num_experts_per_tok {args.num_experts_per_tok}")
 
 
 def _check_longrope(args: ModelArgs) -> None:

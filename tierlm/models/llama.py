@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4, Granite,
-SmolLM3, Gemma 3 (text), OLMo 2 and 3, and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS).
+SmolLM3, Gemma 3 (text), OLMo 2 and 3, and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS and GLM-4.5).
 
 Plain torch in the gpt-fast style: a stack of decoder layers over a flat token batch.
 Weights are fused where it saves matmuls (qkv, gate+up); `loader.py` maps HF names onto them.

@@ -23,6 +23,7 @@ from tierlm.errors import ModelLoadError
 from tierlm.models.config import ModelArgs, load_config_dict, parse_config
 from tierlm.models.kv_scales import KV_SCALE_NAME
 from tierlm.models.llama import CausalLM
+from tierlm.models.moe import keep_routers_in_fp32
 from tierlm.models.quantized import (MXFP4_BLOCKS, MXFP4_SCALES, PACKED_SUFFIX, QuantizedWeights, check_mxfp4_name,
                                      dequantize, dequantize_mxfp4, is_activation_scale, is_quantized, part_of,
                                      quantization_of, weight_name)
@@ -152,7 +153,10 @@ _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "mo
 _LANGUAGE_MODEL = ("language_model.model.", "model.language_model.", "language_model.")
 
 
-def _target(name: str, model_type: str = "") -> tuple[str, object] | None:
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _target(name: str, model_type: str = "", num_layers: int | None = None) -> tuple[str, object] | None:
     """Map an HF tensor name to (tierlm parameter, where in it). None = ignore."""
     if name.startswith(_VISION):
         return None  # a multimodal checkpoint's vision side: tierlm serves its language model
@@ -164,6 +168,11 @@ def _target(name: str, model_type: str = "") -> tuple[str, object] | None:
         name = name[len("model."):]
     if "rotary_emb" in name or KV_SCALE_NAME.match(name):
         return None  # computed; fp8 KV scales are read by models/kv_scales.py
+    if model_type == "glm4_moe":
+        if num_layers is not None and (m := _LAYER.match(name)) and int(m.group(1)) >= num_layers:
+            return None  # GLM-4.5's multi-token-prediction layer after the last one (transformers skips it too)
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.").replace(
+            ".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
     if model_type == "gpt_oss" and (m := _GPT_OSS_MOE.match(name)):
         layer, expert, router = m.groups()
         if router is not None:
@@ -214,7 +223,7 @@ def _copy(param: torch.Tensor, where: tuple, tensor: torch.Tensor, args: ModelAr
     else:  # expert
         _, e, shard = where
         if e >= param.shape[0]:
-            key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+            key = {"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(args.model_type, "num_experts")
             raise ModelLoadError(f"{label} is expert {e}, but config.json's {key} is {param.shape[0]} "
                                  f"(experts 0-{param.shape[0] - 1}); config.json does not match the weights")
         dst = param[e]
@@ -312,6 +321,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.build_rope(max_positions, device)  # buffers, not weights: computed, not loaded
+    fp32 = keep_routers_in_fp32(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, dict[tuple, str]] = {}  # parameter -> the parts of it the checkpoint filled -> by which tensor
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
@@ -319,15 +329,16 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     round_to = kv_dtype if kv_dtype != torch_dtype else None
     with torch.no_grad():
         for name, tensor, label in checkpoint_tensors(files, quant, parts, kv_dtype,
-                                                      wanted=lambda n: _target(n, args.model_type) is not None,
+                                                      wanted=lambda n: _target(n, args.model_type,
+                                                                               args.num_layers) is not None,
                                                       done=lambda f: bar.update(f.stat().st_size)):
-            pname, where = _target(name, args.model_type)
+            pname, where = _target(name, args.model_type, args.num_layers)
             if pname not in params:
                 raise ModelLoadError(f"unexpected {label} for {arch}; is config.json from the same checkpoint?")
             with _failing_as(label):
                 if args.tie_word_embeddings and pname in _TIED and _TIED[pname] in loaded:
                     _untie_if_different(model, params, pname, tensor, round_to, model_dir)
-                _copy(params[pname], where, tensor, args, round_to, label)
+                _copy(params[pname], where, tensor, args, None if pname in fp32 else round_to, label)
             loaded.setdefault(pname, {})[where] = name
     bar.close()
     if args.tie_word_embeddings and "lm_head.weight" in loaded:  # tied, stored as lm_head only: transformers loads it

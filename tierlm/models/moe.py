@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 class SparseMoE(nn.Module):
-    """Top-k router + grouped experts, optionally with a sigmoid-gated shared expert (Qwen2-MoE)."""
+    """Top-k router + grouped experts, optionally with a shared expert beside them (sigmoid-gated
+    in Qwen2-MoE; ungated in GLM-4.5)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -46,10 +47,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if args.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(H, args.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
-        # Mixtral keeps routing weights in float32 when scaling expert outputs; Qwen2-MoE casts
-        # them to the activation dtype first. Matching each keeps outputs bit-close to reference.
-        self.weights_in_fp32 = args.model_type == "mixtral"
+            if args.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        # GLM-4.5's grouped sigmoid router (config.py: router_groups); its weight and bias stay
+        # float32 whatever the model's dtype (keep_routers_in_fp32), as transformers keeps them.
+        self.groups, self.topk_groups = args.router_groups, args.router_topk_groups
+        self.routed_scaling_factor = args.routed_scaling_factor
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if self.groups else None
+        # Mixtral and GLM-4.5 keep routing weights in float32 when scaling expert outputs;
+        # Qwen2-MoE casts them to the activation dtype first. Matching each keeps outputs
+        # bit-close to reference.
+        self.weights_in_fp32 = args.model_type in ("mixtral", "glm4_moe")
         # Set by cpu_linear.add_bf16_decode_path: bf16 expert weights for small token groups.
         self.bf16_experts: Bf16Experts | None = None
         self.static_shapes = False  # set while a fixed-shape step runs: every expert on every token
@@ -59,6 +67,8 @@ class SparseMoE(nn.Module):
         if self.topk_then_softmax:  # GPT-OSS: in the activations' dtype, as its reference does
             logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), experts
+        if self.groups:
+            return self._route_grouped_sigmoid(x)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -66,6 +76,24 @@ class SparseMoE(nn.Module):
         if not self.weights_in_fp32:
             weights = weights.to(x.dtype)
         return weights, experts
+
+    def _route_grouped_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GLM-4.5's router, in float32 as transformers' Glm4MoeTopkRouter: sigmoid scores; the
+        scores plus the correction bias choose, first the best `topk_groups` groups (each by the
+        sum of its two best), then the top-k experts within them; the chosen experts' own scores
+        are their weights, normalised to sum to 1 if norm_topk_prob, times routed_scaling_factor."""
+        scores = torch.sigmoid(self.gate(x.float()))
+        choice = scores + self.e_score_correction_bias
+        T, E = choice.shape
+        best_two = choice.view(T, self.groups, E // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
+        chosen = torch.topk(best_two, self.topk_groups, dim=-1, sorted=False)[1]
+        in_group = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, chosen, True)
+        choice = choice.masked_fill(~in_group.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         """The gated activation of [..., 2I] gate+up outputs: SwiGLU, or GPT-OSS's clamped
@@ -80,7 +108,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._all_experts(x) if self.static_shapes else self._grouped(x)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out
 
     def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,3 +152,16 @@ class SparseMoE(nn.Module):
             out.index_add_(0, idx, y.to(x.dtype))
             start += c
         return out
+
+
+def keep_routers_in_fp32(model: nn.Module) -> set[str]:
+    """GLM-4.5's router weights and correction biases back to float32 after the model took a
+    narrower dtype (transformers keeps them so: _keep_in_fp32_modules_strict); the names of
+    those parameters, which the loader copies unrounded."""
+    names: set[str] = set()
+    for prefix, m in model.named_modules():
+        if isinstance(m, SparseMoE) and m.groups:
+            m.gate.float()
+            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+            names |= {f"{prefix}.gate.weight", f"{prefix}.e_score_correction_bias"}
+    return names

@@ -13,6 +13,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
+    "Glm4MoeForCausalLM": CausalLM,  # GLM-4.5 and GLM-4.5-Air (grouped sigmoid router, half-rotary heads)
     "GptOssForCausalLM": CausalLM,  # gpt-oss-20b and -120b (attention sinks, biased clamped-SwiGLU experts)
     "Olmo2ForCausalLM": CausalLM,  # post-norms only, q/k norms over whole projections
     "Olmo3ForCausalLM": CausalLM,  # and three sliding layers to a full one
