@@ -1,4 +1,4 @@
-"""LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) against transformers: its tables bit for bit, and
+"""LongRoPE (Phi-3-128k, Phi-3.5-mini, Phi-4-mini) against transformers: its tables bit for bit, and
 greedy tokens on both sides of original_max_position_embeddings.
 
 transformers rotates a sequence with the short factors while it fits in the original length and

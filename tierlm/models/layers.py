@@ -111,7 +111,7 @@ def _yarn(args: ModelArgs, extrapolated: torch.Tensor) -> tuple[torch.Tensor, fl
 
 
 def _longrope(args: ModelArgs, exponents: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): each frequency divided by its own factor, from
+    """LongRoPE (Phi-3-128k, Phi-3.5-mini, Phi-4-mini): each frequency divided by its own factor, from
     `long_factor` for a model served past original_max_position_embeddings, else from
     `short_factor`; cos/sin scaled by sqrt(1 + ln(factor) / ln(original)) (factor: the
     checkpoint's, else max_position_embeddings / original), or the explicit attention_factor.
