@@ -82,3 +82,17 @@ def test_greedy_tokens_on_both_sides_of_the_original_length(tmp_path):
     # The two engines' tables differ (the short factors would not have given the long side's tokens).
     assert not torch.equal(LLM(str(path), max_model_len=32, **kw).engine.runner.model.rope.cos[:32],
                            llm.engine.runner.model.rope.cos[:32])
+
+    # Across it (the documented difference): a short prompt that grows past 32 tokens is rotated
+    # with the long factors from its first token, which is transformers with every sequence past
+    # the original length (an original length of 1, the same attention factor).
+    crossing = [p for p in _prompts(9, hf.config.vocab_size, seed=5) if len(p) <= 17]
+    long_hf = _auto("phi4_mini_longrope").from_pretrained(
+        str(path), dtype=torch.float32, original_max_position_embeddings=1,
+        rope_parameters={**hf.config.rope_parameters, "original_max_position_embeddings": 1,
+                         "attention_factor": hf.model.rotary_emb.attention_scaling}).eval()
+    crossing_greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in crossing], crossing_greedy)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [_hf_greedy(long_hf, p, 24) for p in crossing]
+    assert got != [_hf_greedy(hf, p, 24) for p in crossing]  # transformers' own: short factors first, then recomputed
