@@ -23,9 +23,9 @@ ARCHS = ["llama", "llama31", "llama_yarn", "mistral", "ministral", "mistral3_mm"
 
 
 def _config(arch: str, vocab: int, **extra):
-    from transformers import (Gemma3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig, Olmo2Config, Olmo3Config, Ministral3Config, MinistralConfig,
-                              Mistral3Config,
-                              MistralConfig, MixtralConfig, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
+    from transformers import (Gemma3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+                              Ministral3Config, MinistralConfig, Mistral3Config, MistralConfig, MixtralConfig,
+                              Olmo2Config, Olmo3Config, Phi3Config, PixtralVisionConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SiglipVisionConfig, SmolLM3Config)
     common = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -142,6 +142,12 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0, **extra) -> Path:
                 buf.add_(0.3 * torch.randn_like(buf))
     model.save_pretrained(str(out))
     return out
+
+
+def has_sinks(hf) -> bool:
+    """Whether transformers model `hf` has attention sinks (gpt-oss), which its SDPA path leaves
+    out: a reference for it must use its eager attention (`rounded_kv_attention(eager=True)`)."""
+    return any(name.endswith(".sinks") for name, _ in hf.named_parameters())
 
 
 def rounded_kv_attention(dtype: torch.dtype, scales: list[tuple[float, float]] | None = None,

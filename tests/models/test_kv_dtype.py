@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import ARCHS, rounded_kv_attention
+from tests.conftest import ARCHS, has_sinks, rounded_kv_attention
 from tests.models.test_parity import _hf_greedy, _prompts
 from tierlm import LLM, SamplingParams
 from tierlm.config import EngineConfig
@@ -23,7 +23,7 @@ def _fp8_refs(hf, llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]
     its per-layer scales."""
     before = hf.config._attn_implementation
     hf.set_attn_implementation(rounded_kv_attention(llm.engine.runner.kv_caches[0].dtype, llm.engine.kv_scales,
-                                                    eager=before == "eager"))
+                                                    eager=has_sinks(hf)))
     try:
         return [_hf_greedy(hf, p, n) for p in prompts]
     finally:

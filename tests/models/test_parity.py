@@ -1,12 +1,13 @@
 """tierlm against Hugging Face transformers on the same weights, every architecture."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import torch
 
-from tests.conftest import ARCHS, rounded_kv_attention
+from tests.conftest import ARCHS, has_sinks, rounded_kv_attention
 from tierlm import LLM, SamplingParams
 from tierlm.engine.runner import kv_bytes_per_block
 
@@ -138,13 +139,12 @@ def test_bf16_weights_and_kv_with_float32_compute(arch, checkpoints, hf_models):
     assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
     assert next(llm.engine.runner.model.parameters()).dtype == torch.float32
     hf = hf_models[arch]
-    ref_model = type(hf)(hf.config)
+    ref_model = type(hf)(copy.deepcopy(hf.config))  # its own config: the session's model keeps its attention
     # GLM-4.5's routers stay float32, unrounded, in a bf16 model (transformers' _keep_in_fp32_modules_strict).
     fp32 = getattr(ref_model, "_keep_in_fp32_modules_strict", None) or []
     ref_model.load_state_dict({k: v if any(m in k for m in fp32) else v.to(torch.bfloat16).float()
                                for k, v in hf.state_dict().items()})
-    ref_model.set_attn_implementation(rounded_kv_attention(torch.bfloat16,
-                                                           eager=hf.config._attn_implementation == "eager"))
+    ref_model.set_attn_implementation(rounded_kv_attention(torch.bfloat16, eager=has_sinks(hf)))
     cap = _Capture(llm.engine.sampler)
     llm.engine.sampler = cap
     prompt = _prompts(3, hf.config.get_text_config().vocab_size)[2]
