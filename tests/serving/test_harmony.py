@@ -53,6 +53,10 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
 
+# gpt-oss's template writes the reasoning effort into its system message ("Reasoning: high")
+EFFORT_TEMPLATE = ("{%- if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}"
+                   "<|end|>{%- endif %}" + HARMONY_TEMPLATE)
+
 REPLY = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>"
 CALL_THOUGHT = "Need the weather first."
 CALL_REPLY = (f"<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|><|start|>assistant<|channel|>commentary "
@@ -67,6 +71,7 @@ BAD_REPLY = (f"<|channel|>analysis<|message|>{CALL_THOUGHT}<|end|><|start|>assis
 # The recipient in the first message's header, right after the prompt's `<|start|>assistant`
 HEADER_REPLY = ' to=functions.get_weather<|channel|>commentary json<|message|>{"location": "Oslo"}<|call|>'
 THINKER, CALLER, HEADER_CALLER, BAD_CALLER = "harmony", "harmony-call", "harmony-header-call", "harmony-bad-call"
+EFFORT = "harmony-effort"
 # Writes harmony's markers in ordinary tokens in its answer (the tokenizer has them as special
 # tokens, which this reply spells only the message markers in): the model's own text
 LITERAL, LITERAL_TEXT = "harmony-literal", "Type <|call|> here."
@@ -243,6 +248,7 @@ def server(demo_tokenizer, tmp_path_factory):
         (THINKER, HARMONY_TEMPLATE, REPLY, MARKERS), (CALLER, HARMONY_TEMPLATE, CALL_REPLY, MARKERS),
         (HEADER_CALLER, HARMONY_TEMPLATE, HEADER_REPLY, MARKERS), (BAD_CALLER, HARMONY_TEMPLATE, BAD_REPLY, MARKERS),
         (LITERAL, HARMONY_TEMPLATE, LITERAL_REPLY, (CHANNEL, MESSAGE, START, END)),
+        (EFFORT, EFFORT_TEMPLATE, REPLY, MARKERS),
     ], added=MARKERS, eos_tokens=(RETURN, CALL))
     models[FORCED] = forced_model(tmp_path_factory.mktemp("harmony-forced"), models[THINKER].path)
     engines = {name: model.engine(name) for name, model in models.items()}
@@ -468,3 +474,46 @@ def test_a_tool_loop_gives_the_template_the_calls_reasoning_as_thinking(server, 
                                               "content": "sunny"}]}]
     claude.messages.create(model=CALLER, max_tokens=1, messages=messages, tools=[WEATHER])
     assert analysis + call in engines[CALLER].tokenizer.decode(asked[-1].prompt_token_ids)
+
+
+def test_reasoning_effort_reaches_the_template_from_every_api(server, clients, monkeypatch):
+    """OpenAI chat's `reasoning_effort`, the Responses API's `reasoning.effort` and Anthropic's
+    `output_config.effort` reach the chat template as `reasoning_effort`, as gpt-oss's template
+    reads it (vLLM passes chat's so); they were accepted and dropped, so gpt-oss always reasoned
+    at its template's default. chat_template_kwargs still win; a template without the variable
+    renders as without; a value gpt-oss does not know is a 400."""
+    _, engines = server
+    claude, openai_client = clients
+    asked = record_requests(engines[EFFORT], monkeypatch)
+
+    def rendered() -> str:
+        return engines[EFFORT].tokenizer.decode(asked[-1].prompt_token_ids)
+    kwargs = dict(model=EFFORT, messages=USER, max_tokens=64)
+    done = openai_client.chat.completions.create(reasoning_effort="high", **kwargs)
+    assert rendered().startswith("<|start|>system<|message|>Reasoning: high<|end|>"), rendered()
+    assert (done.choices[0].message.content, done.choices[0].message.model_extra["reasoning"]) == (ANSWER, THOUGHT)
+    assert openai_stream(openai_client, reasoning_effort="low", **kwargs) == (THOUGHT, ANSWER, [], "stop")
+    assert "Reasoning: low" in rendered()
+    openai_client.chat.completions.create(**kwargs)
+    assert "Reasoning:" not in rendered()
+    openai_client.chat.completions.create(reasoning_effort="high", extra_body={
+        "chat_template_kwargs": {"reasoning_effort": "medium"}}, **kwargs)
+    assert "Reasoning: medium" in rendered()
+    openai_client.responses.create(model=EFFORT, input="Hi", reasoning={"effort": "low"})
+    assert "Reasoning: low<|end|>" in rendered()
+    # Anthropic's effort scale goes past OpenAI's: its top two are OpenAI's top
+    for effort, written in [("medium", "medium"), ("max", "high")]:
+        message = claude.messages.create(model=EFFORT, max_tokens=64, messages=USER, output_config={"effort": effort})
+        assert f"Reasoning: {written}<|end|>" in rendered() and blocks(message)[0] == ("thinking", THOUGHT)
+    counted = claude.messages.count_tokens(model=EFFORT, messages=USER, output_config={"effort": "high"})
+    assert counted.input_tokens > claude.messages.count_tokens(model=EFFORT, messages=USER).input_tokens
+    # A template that does not read it renders as without
+    plain = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64, reasoning_effort="high")
+    assert plain.choices[0].message.content == ANSWER
+    import openai
+
+    for call in (lambda: openai_client.chat.completions.create(reasoning_effort="minimal", **kwargs),
+                 lambda: openai_client.responses.create(model=EFFORT, input="Hi", reasoning={"effort": "minimal"})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert "reasoning" in str(refused.value) and "'high'" in str(refused.value), refused.value

@@ -343,6 +343,7 @@ def _chat_request(body: ResponsesRequest, items: list[dict[str, Any]], first: in
         "tool_choice": choice,
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": body.response_format(),
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

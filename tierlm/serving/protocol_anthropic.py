@@ -24,6 +24,7 @@ from pydantic import (
 from tierlm.sampling_params import StructuredOutputsParams, stop_strings_problem
 from tierlm.serving.errors import InvalidRequest
 from tierlm.serving.protocol_openai import (
+    EFFORT_VARIABLE,
     checked_parameters,
     refused_unless_null,
     template_kwargs_refused,
@@ -319,8 +320,15 @@ class OutputFormat(_Body):
 
 
 class OutputConfig(_Body):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted; a hint tierlm ignores
+    # The chat template's `reasoning_effort` (see `template_effort`)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
+
+    @property
+    def template_effort(self) -> str | None:
+        """`effort` as OpenAI's reasoning_effort says it (what gpt-oss's template reads): low,
+        medium and high as they are; xhigh and max, more than OpenAI's scale has, as its top."""
+        return None if self.effort is None else {"xhigh": "high", "max": "high"}.get(self.effort, self.effort)
 
 
 THINKING_MIN_BUDGET = 1024  # Anthropic's floor for budget_tokens
@@ -404,10 +412,13 @@ class ConversationBody(_Body):
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's variables this body sets: `enable_thinking` where `thinking` is
-        given (templates that do not use it render as without), then `chat_template_kwargs`
-        (less apply_chat_template's own arguments, which the request decides or which do not
-        change the text, but `documents`, as on the OpenAI route)."""
+        given and `reasoning_effort` where `output_config.effort` is (templates that do not use
+        them render as without), then `chat_template_kwargs` (less apply_chat_template's own
+        arguments, which the request decides or which do not change the text, but `documents`,
+        as on the OpenAI route)."""
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
+        if self.output_config is not None and self.output_config.effort is not None:
+            kwargs[EFFORT_VARIABLE] = self.output_config.template_effort
         return {**kwargs, **template_variables(self.chat_template_kwargs or {})} or None
 
     def structured(self) -> StructuredOutputsParams | None:

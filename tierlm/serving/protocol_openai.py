@@ -94,6 +94,12 @@ TEMPLATE_ARGUMENTS = _template_arguments()
 _REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools"})
 
 
+# How much a reasoning model thinks, as OpenAI's `reasoning_effort` (chat) and `reasoning.effort`
+# (Responses) say it and gpt-oss's chat template reads it (vLLM's values: gpt-oss knows these three)
+ReasoningEffort = Literal["low", "medium", "high"]
+EFFORT_VARIABLE = "reasoning_effort"  # the template variable both reach, as vLLM passes them
+
+
 def template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs less apply_chat_template's own arguments (the request's to set, or
     about tokenized output, which does not change the text), but `documents` (both APIs)."""
@@ -524,6 +530,9 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True
     # vLLM's: at most this many tokens of reasoning, then the end of the think block is forced
     thinking_token_budget: int | None = Field(default=None, ge=0)
+    # OpenAI's, with vLLM's values: the chat template's `reasoning_effort` (gpt-oss's template
+    # writes "Reasoning: high" into its system message); a template without it renders as without
+    reasoning_effort: ReasoningEffort | None = None
     # OpenAI's, refused unless neutral (see _REFUSED_OPENAI_FIELDS); modalities: ["text"] only
     functions: Any = None
     function_call: Any = None
@@ -560,6 +569,8 @@ class ChatCompletionRequest(_SamplingFields):
         cont = bool(kwargs.pop("continue_final_message", self.continue_final_message))
         if self.documents is not None:
             kwargs.setdefault("documents", self.documents)
+        if self.reasoning_effort is not None:
+            kwargs.setdefault(EFFORT_VARIABLE, self.reasoning_effort)
         return add, cont, template_variables(kwargs)
 
     @field_validator("continue_final_message")

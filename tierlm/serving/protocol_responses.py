@@ -16,7 +16,14 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tierlm.serving.protocol_openai import _FUNCTION_NAME, _Body, checked_parameters, refused_unless_null, vllm_top_k
+from tierlm.serving.protocol_openai import (
+    _FUNCTION_NAME,
+    ReasoningEffort,
+    _Body,
+    checked_parameters,
+    refused_unless_null,
+    vllm_top_k,
+)
 
 # Item and part types of OpenAI's that tierlm cannot take, with what to send instead.
 _BUILT_IN = ("it is a built-in tool of OpenAI's, which tierlm does not run; offer your own functions "
@@ -184,11 +191,11 @@ class TextConfig(_Body):
 
 
 class ReasoningConfig(_Body):
-    """Accepted and echoed: how much a reasoning model thinks is its own (its template and the
-    prompt decide); `summary` asks for summaries, which tierlm does not write (the reasoning
-    itself is returned)."""
+    """`effort` reaches the chat template as `reasoning_effort`, as chat's field does (gpt-oss's
+    template writes it into its system message; others render as without); `summary` asks for
+    summaries, which tierlm does not write (the reasoning itself is returned)."""
 
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
