@@ -69,12 +69,29 @@ class ServerThread:
         self._socket.close()
 
 
-def sdk_clients(url: str) -> tuple[Any, Any]:
+def sdk_clients(url: str, api_key: str = API_KEY) -> tuple[Any, Any]:
     """The official anthropic and openai clients for a test server (no retries: a failure shows)."""
     import anthropic
     import openai
-    return (anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=60),
-            openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60))
+    return (anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=60),
+            openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60))
+
+
+def guarded_server(root: Any, engines: dict[str, Any], keys: dict[str, str], tenants: str,
+                   policies: str) -> ServerThread:
+    """A started server over `engines` whose tenants (`keys`: key id -> key) and safety policies
+    are these files' texts (written under `root`)."""
+    from tierlm.serving.app import build_app
+    from tierlm.serving.auth import ApiKeyAuth
+    from tierlm.serving.safety import SafetyPolicies
+    from tierlm.serving.tenancy import Tenancy
+
+    (root / "tenants.toml").write_text(tenants)
+    (root / "policies.toml").write_text(policies)
+    tenancy = Tenancy.from_file(root / "tenants.toml", keys)
+    safety = SafetyPolicies.from_file(root / "policies.toml", tiers=set(tenancy.config.tiers),
+                                      tenants=set(tenancy.config.tenants))
+    return ServerThread(build_app(engines, ApiKeyAuth.from_keys(keys), tenancy=tenancy, safety=safety)).start()
 
 
 def parse_sse(raw: str) -> list[tuple[str | None, Any]]:

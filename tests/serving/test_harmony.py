@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from tests.serving.harness import API_KEY, ServerThread, record_requests, sdk_clients
+from tests.serving.harness import API_KEY, ServerThread, guarded_server, record_requests, sdk_clients
 from tests.serving.scripted_model import Script, build_scripted_model, build_templated_models, chat_prompt_ids
 from tests.serving.test_reasoning import ANSWER, OPENAI_WEATHER, THINK_TEMPLATE, THOUGHT, USER, WEATHER, blocks
 from tests.serving.test_tool_parsers import LLAMA_TEMPLATE
@@ -517,3 +517,115 @@ def test_reasoning_effort_reaches_the_template_from_every_api(server, clients, m
         with pytest.raises(openai.BadRequestError) as refused:
             call()
         assert "reasoning" in str(refused.value) and "'high'" in str(refused.value), refused.value
+
+
+# ---- the safety layer reads what the client does ------------------------------------------------
+
+def masked(text: str, cuts: tuple[int, ...]) -> str:
+    """`text` fed in pieces cut at `cuts` to a splitter, as the safety layer scans it: the
+    characters its markup spans cover as "#", the undecided tail never scanned before the end."""
+    splitter = HarmonySplitter(calls=True)
+    scanned, hidden = [], []
+    for a, b in itertools.pairwise((0, *cuts, len(text))):
+        splitter.feed(text[a:b])
+        decided, spans = splitter.markup()
+        hidden += spans
+        assert decided <= b and decided >= sum(map(len, scanned))
+        scanned.append(text[sum(map(len, scanned)):decided])
+    splitter.finish()
+    decided, spans = splitter.markup()
+    hidden += spans
+    assert decided == len(text)
+    out = list(text)
+    for s, e in hidden:
+        out[s:e] = "#" * (e - s)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("text", CASES)
+def test_markup_is_the_same_however_the_text_is_cut(text):
+    """The spans the safety layer does not read (markers, headers) are decided as the text
+    streams and come out the same for every cut; nothing of a marker or a header is left."""
+    whole = masked(text, ())
+    rng = random.Random(1)
+    cuttings = [(i,) for i in range(1, len(text))] + [tuple(range(1, len(text)))]
+    cuttings += [tuple(sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, 5)))) for _ in range(50)]
+    for cuts in cuttings:
+        assert masked(text, cuts) == whole, cuts
+    for word in ("<|", "analysis", "assistant", "to=functions", "constrain", "\ufdd0"):
+        assert word not in whole or word in HarmonySplitter(calls=True).split(text)[1], (word, whole)
+
+
+def test_markup_of_an_answer():
+    text = answer(CALL_REPLY)
+    scanned = masked(text, ())
+    assert scanned.replace("#", " ").split() == [CALL_THOUGHT.split()[0], *CALL_THOUGHT.split()[1:], '{"location":',
+                                                 '"Paris"}']
+    # out of format: all of it is read; a header cut off is not
+    assert masked("plain to=x text", ()) == "plain to=x text"
+    assert masked(kept("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|chan"), ()).strip("#") == "a"
+
+
+GUARDED_KEYS = {"hdr": "sk-hdr", "vis": "sk-vis"}
+GUARDED_TENANTS = "".join(f'[tenants.{key}]\ntier = "{tier}"\nkeys = ["{key}"]\n'
+                          for key, tier in (("hdr", "bronze"), ("vis", "gold")))
+# Words only harmony's headers spell here, for tenant hdr: "anal" (not whole-word: it is in
+# "analysis"), the role, a tool's namespace; for tenant vis, words of the reasoning and the answer
+GUARDED_POLICIES = "".join(
+    f'[policies.{name}]\nphrases = {json.dumps(phrases)}\ncheck = "output"\naction = "{action}"\n'
+    f'replacement = "[x]"\ntenants = ["{tenant}"]\n'
+    for name, phrases, action, tenant in (("rude", ["anal", "assistant"], "block", "hdr"),
+                                          ("namespace", ["functions"], "redact", "hdr"),
+                                          ("thought", ["greets"], "redact", "vis"),
+                                          ("answer", ["there"], "block", "vis")))
+
+
+@pytest.fixture(scope="module")
+def guarded(demo_tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("harmony-guarded")
+    models = build_templated_models(root, demo_tokenizer, [
+        (THINKER, HARMONY_TEMPLATE, REPLY, MARKERS), (CALLER, HARMONY_TEMPLATE, CALL_REPLY, MARKERS),
+    ], added=MARKERS, eos_tokens=(RETURN, CALL))
+    server = guarded_server(root, {name: model.engine(name) for name, model in models.items()}, GUARDED_KEYS,
+                            GUARDED_TENANTS, GUARDED_POLICIES)
+    yield server
+    server.stop()
+
+
+def guarded_clients(server, key):
+    return sdk_clients(server.url, GUARDED_KEYS[key])
+
+
+def test_output_policies_do_not_read_harmonys_headers(guarded):
+    """A phrase only a header spells ("anal" in `analysis`, the role, the `functions.` of a
+    recipient) neither stops nor redacts an answer the client never sees it in: "anal" stopped
+    every gpt-oss answer at its first header, "functions" turned every call into text."""
+    claude, openai_client = guarded_clients(guarded, "hdr")
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64)
+    assert (done.choices[0].finish_reason, done.choices[0].message.content) == ("stop", ANSWER)
+    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=64) == (THOUGHT, ANSWER, [], "stop")
+    called = openai_client.chat.completions.create(model=CALLER, messages=USER, tools=[OPENAI_WEATHER], n=2)
+    for choice in called.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"location": "Paris"}]
+    assert openai_stream(openai_client, model=CALLER, messages=USER, tools=[OPENAI_WEATHER]) == (
+        CALL_THOUGHT, "", [("get_weather", {"location": "Paris"})], "tool_calls")
+    message = claude.messages.create(model=CALLER, max_tokens=128, messages=USER, tools=[WEATHER])
+    assert blocks(message) == [("thinking", CALL_THOUGHT), ("tool_use", {"location": "Paris"})]
+    with claude.messages.stream(model=THINKER, max_tokens=64, messages=USER) as stream:
+        assert blocks(stream.get_final_message()) == [("thinking", THOUGHT), ("text", ANSWER)]
+    response = openai_client.responses.create(model=THINKER, input="Hi")
+    assert response.status == "completed" and response.output_text == ANSWER
+
+
+def test_output_policies_still_read_the_reasoning_and_the_answer(guarded):
+    claude, openai_client = guarded_clients(guarded, "vis")
+    redacted = THOUGHT.replace("greets", "[x]")
+    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64)
+    choice = done.choices[0]
+    assert choice.finish_reason == "content_filter" and "there" not in (choice.message.content or "")
+    assert choice.message.model_extra["reasoning"] == redacted
+    reasoning, content, _, finish = openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=64)
+    assert (reasoning, finish) == (redacted, "content_filter") and "there" not in content
+    message = claude.messages.create(model=THINKER, max_tokens=64, messages=USER)
+    assert message.stop_reason == "refusal" and blocks(message)[0] == ("thinking", redacted)

@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pytest
 
-from tests.serving.harness import ServerThread
+from tests.serving.harness import guarded_server, sdk_clients
 from tests.serving.scripted_model import Script, build_scripted_model, chat_prompt_ids
-from tierlm.serving.app import build_app
-from tierlm.serving.auth import ApiKeyAuth
-from tierlm.serving.safety import SafetyPolicies
-from tierlm.serving.tenancy import Tenancy
 
 MODEL = "scripted-escaped"
 # A call whose argument spells "Zürich" only once its JSON is decoded.
@@ -63,20 +57,13 @@ RTOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "obje
 def server(demo_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("safety-tools")
     model = build_scripted_model(root / MODEL, [Script(chat_prompt_ids(demo_tokenizer), ESCAPED)], demo_tokenizer)
-    (root / "tenants.toml").write_text(TENANTS)
-    (root / "policies.toml").write_text(POLICIES)
-    tenancy = Tenancy.from_file(root / "tenants.toml", KEYS)
-    safety = SafetyPolicies.from_file(root / "policies.toml", tiers=set(tenancy.config.tiers),
-                                      tenants=set(tenancy.config.tenants))
-    srv = ServerThread(build_app({MODEL: model.engine(MODEL)}, ApiKeyAuth.from_keys(KEYS), tenancy=tenancy,
-                                 safety=safety)).start()
+    srv = guarded_server(root, {MODEL: model.engine(MODEL)}, KEYS, TENANTS, POLICIES)
     yield srv
     srv.stop()
 
 
 def clients(server, key):
-    return (anthropic.Anthropic(base_url=server.url, api_key=KEYS[key], max_retries=0, timeout=60),
-            openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=60))
+    return sdk_clients(server.url, KEYS[key])
 
 
 def test_a_blocked_phrase_escaped_in_a_calls_json_stops_the_answer_in_every_api(server):

@@ -141,7 +141,8 @@ async def _start_message(request: Request, state: Any, context: RequestContext, 
         thinking_budget=prompt.thinking_budget(body.thinking_budget_tokens),
         structured_outputs=prompt.structured_outputs(structured),
     )
-    stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight)
+    stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight,
+                          markup=prompt.markup)
     if warming:
         request_telemetry(request).warming(len(prompt.token_ids))
     first = await stream.open(request)

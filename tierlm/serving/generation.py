@@ -18,7 +18,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -41,7 +41,7 @@ from tierlm.serving.errors import (
 )
 from tierlm.serving.harmony import HarmonySplitter
 from tierlm.serving.reasoning import AnswerSplitter, ReasoningFormat, reasoning_splitter
-from tierlm.serving.safety import FINISH_REASON, OutputGuard, Policy, blocked_delta, refused_delta
+from tierlm.serving.safety import FINISH_REASON, Markup, OutputGuard, Policy, blocked_delta, refused_delta
 from tierlm.serving.sla import SlaGuard
 from tierlm.serving.vocab import vocabulary
 
@@ -146,6 +146,12 @@ class ChatPrompt:
         if isinstance(splitter, HarmonySplitter) and self.forced_prefix:
             splitter.prime(self.forced_prefix)
         return splitter
+
+    def markup(self) -> HarmonySplitter | None:
+        """A reader of this answer's markup for the safety layer (see OutputGuard): harmony's,
+        where its splitter reads the answer; a think block's markers are left to the policies."""
+        splitter = self.reasoning_splitter()
+        return splitter if isinstance(splitter, HarmonySplitter) else None
 
     def split(self, result: "Generation", id_prefix: str) -> Answer:
         """A finished answer as (reasoning, prose, tool calls). Calls are read from the text
@@ -627,7 +633,10 @@ class EngineStream:
         inflight: InflightRequests,
         pooling: PoolingParams | None = None,
         prompt_index: int = 0,
+        markup: Callable[[], Markup | None] | None = None,
     ) -> None:
+        """`markup` makes the reader of the answer's format (ChatPrompt.markup) whose markers and
+        headers the output policies do not read: the client never sees them."""
         self.engine = engine
         self.model = model
         self.prompt_token_ids = prompt_token_ids
@@ -641,7 +650,8 @@ class EngineStream:
         self._first: StreamDelta | None = None
         self._closed = False
         self.finished = False
-        self._guard: OutputGuard | None = context.safety.output_guard() if context.safety is not None else None
+        self._guard: OutputGuard | None = (context.safety.output_guard(markup() if markup is not None else None)
+                                           if context.safety is not None else None)
         self._redactions_told = 0
 
     @property

@@ -104,6 +104,12 @@ class HarmonySplitter(AnswerSplitter):
         self._body_shown = False  # the current body showed something (its separator went out)
         self._said = {"reasoning": False, "text": False}  # shown so far: the next message is set apart
         self._primed: dict[str, list[str]] = {"reasoning": [], "text": []}  # what prime() wrote, not shown yet
+        # Where the answer's characters went, for the safety layer to read only what a client can
+        # (`markup`): offsets in the answer as fed (prime's text at negative ones)
+        self._fed = 0  # characters fed, less prime's
+        self._header_from: int | None = None  # where the text in `_header` began
+        self._decided = 0  # characters known to be shown or not
+        self._hidden: list[tuple[int, int]] = []  # markers and headers: never shown
 
     def prime(self, text: str) -> None:
         """Read `text` (plain markers: tierlm wrote it as tokens after the prompt, a forced call's
@@ -113,25 +119,41 @@ class HarmonySplitter(AnswerSplitter):
         reasoning, shown = self.feed(text)
         self._primed["reasoning"].append(reasoning)
         self._primed["text"].append(shown)
+        self._fed -= len(text)
+        self._header_from = None if self._header_from is None else self._header_from - len(text)
+        self._decided, self._hidden = 0, []
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._fed += len(text)
+        return super().feed(text)
+
+    def markup(self) -> tuple[int, list[tuple[int, int]]]:
+        """(how many characters of the answer fed so far are decided, the spans of them never
+        shown since the last call: markers, headers): what the safety layer may read of it."""
+        hidden, self._hidden = self._hidden, []
+        return self._decided, [(max(0, s), e) for s, e in hidden if e > 0]
 
     def _drain(self, final: bool) -> tuple[str, str]:
         out, self._primed = self._primed, {"reasoning": [], "text": []}
         held, pos = self._held, 0
+        base = self._fed - len(held)  # where `held` starts in the answer
         while True:
             found = self._next_marker(held, pos)
             if found is None:
                 cut = len(held) if final else self._hold_at(held, pos)
-                self._plain(held[pos:cut], out)
+                self._plain(held[pos:cut], out, base + pos)
                 self._held = held[cut:]
                 break
             at, end, marker = found
-            self._plain(held[pos:at], out)
+            self._plain(held[pos:at], out, base + pos)
             if marker is not None:  # (another kept token: not harmony's, never shown)
-                self._marker(marker, out)
+                self._marker(marker, out, base + at)
+            self._hidden.append((base + at, base + end))
             pos = end
         if final:
             self._held = ""
             self._end_of_answer(out)
+        self._decided = min(self._fed - len(self._held), self._fed if self._header_from is None else self._header_from)
         return "".join(out["reasoning"]), "".join(out["text"])
 
     def _next_marker(self, text: str, pos: int) -> tuple[int, int, str | None] | None:
@@ -151,8 +173,8 @@ class HarmonySplitter(AnswerSplitter):
                 return len(text) - n
         return len(text)
 
-    def _plain(self, piece: str, out: dict[str, list[str]]) -> None:
-        """Text between markers, as the state reads it."""
+    def _plain(self, piece: str, out: dict[str, list[str]], at: int) -> None:
+        """Text between markers (at `at` in the answer), as the state reads it."""
         if not piece:
             return
         if self._wrapped and (KEPT_OPEN in piece or KEPT_CLOSE in piece):  # a lone sentinel: no token's
@@ -165,6 +187,7 @@ class HarmonySplitter(AnswerSplitter):
             out["text"].append(piece)
         else:
             self._header += piece
+            self._header_from = at if self._header_from is None else self._header_from
             if (self._state == "lead" and not _LEAD.fullmatch(self._header)) or len(self._header) > _MAX_HEADER:
                 self._out_of_format(out)
 
@@ -172,12 +195,15 @@ class HarmonySplitter(AnswerSplitter):
         """Text where a header should be: not harmony, shown as text from here on."""
         self._state = "plain"
         header, self._header = self._header.replace("\x00", ""), ""
+        self._header_from = None  # (shown)
         if header:
             self._show("text", header, out)
 
-    def _marker(self, marker: str, out: dict[str, list[str]]) -> None:
+    def _marker(self, marker: str, out: dict[str, list[str]], at: int) -> None:
         if self._state == "plain":
             return
+        if marker not in (CHANNEL, CONSTRAIN):  # the header so far is dropped or read: never shown
+            self._drop_header(at)
         if self._state == "body":
             if marker in (MESSAGE, CONSTRAIN):  # not a body's end: dropped
                 return
@@ -241,4 +267,10 @@ class HarmonySplitter(AnswerSplitter):
             self._end_body(out)
         elif self._state == "lead":
             self._out_of_format(out)
+        self._drop_header(self._fed)
         self._state, self._header = "header", ""
+
+    def _drop_header(self, end: int) -> None:
+        if self._header_from is not None:
+            self._hidden.append((self._header_from, end))
+            self._header_from = None

@@ -47,7 +47,7 @@ import logging
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal, Protocol, Sequence
 
 from tierlm.engine.outputs import StreamDelta, TokenLogprob
 from tierlm.serving.pattern_scan import BUILTIN, Detector, PatternSet, PatternTimeout, compile_pattern
@@ -176,8 +176,8 @@ class RequestSafety:
             return self.input.timed_out(e, "a prompt")
         return hits[0].policy if hits else None
 
-    def output_guard(self) -> "OutputGuard | None":
-        return OutputGuard(self.output) if self.output is not None else None
+    def output_guard(self, markup: "Markup | None" = None) -> "OutputGuard | None":
+        return OutputGuard(self.output, markup) if self.output is not None else None
 
 
 @dataclass
@@ -321,6 +321,23 @@ def _strings(where: str, key: str, value: Any) -> list[str]:
     return list(value)
 
 
+class Markup(Protocol):
+    """A reader of an answer's format that knows which of its characters a client never sees
+    (harmony.HarmonySplitter: markers and message headers), fed the answer as it streams."""
+
+    def feed(self, text: str) -> Any: ...
+
+    def finish(self) -> Any: ...
+
+    def markup(self) -> tuple[int, list[tuple[int, int]]]:
+        """(characters decided so far, spans of them never shown, new since the last call)."""
+        ...
+
+
+# What the scanners read in place of markup: no phrase holds it, and it ends a whole word
+MASK = "\ufdd0"
+
+
 @dataclass
 class _Held:
     delta: StreamDelta
@@ -335,10 +352,20 @@ class OutputGuard:
     """One answer's text against output rules, delta by delta.
 
     `feed` returns the deltas that may be shown now (in order, redactions applied) and the
-    policy that blocked the answer, if one did: then nothing more is shown."""
+    policy that blocked the answer, if one did: then nothing more is shown.
 
-    def __init__(self, rules: Rules) -> None:
+    With `markup`, the text only the answer's format reads (harmony's markers and headers:
+    `<|start|>assistant<|channel|>analysis<|message|>`) is scanned as MASK characters: a policy
+    reads what the client does. Scanned as written, "anal" (not whole-word) stopped every gpt-oss
+    answer at its first header, and a redaction could rewrite a header (reasoning shown as text,
+    a call's recipient masked). Text whose part in the format is not known yet is held back;
+    redactions never touch markup."""
+
+    def __init__(self, rules: Rules, markup: Markup | None = None) -> None:
         self.rules = rules
+        self._markup = markup
+        self._unscanned = ""  # text fed, not scanned yet (its markup not known yet)
+        self._hidden: list[tuple[int, int]] = []  # markup spans, scanned as MASK
         self._phrases = rules.phrases.scanner() if rules.phrases is not None else None
         self._patterns = rules.patterns.scanner() if rules.patterns is not None else None
         self._fed = 0
@@ -350,13 +377,13 @@ class OutputGuard:
     def feed(self, delta: StreamDelta) -> tuple[list[StreamDelta], Policy | None]:
         start, self._fed = self._fed, self._fed + len(delta.text)
         phrases = patterns = ()
-        until = self._fed
+        text, until = self._scannable(delta)
         if self._phrases is not None:
-            phrases = self._phrases.feed(delta.text) + (self._phrases.finish() if delta.finished else [])
+            phrases = self._phrases.feed(text) + (self._phrases.finish() if delta.finished else [])
             until = min(until, self._phrases.held_from)
         if self._patterns is not None:
             try:
-                patterns = self._patterns.feed(delta.text) + (self._patterns.finish() if delta.finished else [])
+                patterns = self._patterns.feed(text) + (self._patterns.finish() if delta.finished else [])
             except PatternTimeout as e:
                 self._held.clear()
                 return [], self.rules.timed_out(e, "an answer")
@@ -369,13 +396,45 @@ class OutputGuard:
             return [], blocked
         for h in hits:
             self.redacted.append(h.policy)
-            self._add_span(h.start, h.end, h.policy.replacement)
+            for i, (s, e) in enumerate(self._shown_parts(h.start, h.end)):
+                self._add_span(s, e, h.policy.replacement if i == 0 else "")
         if delta.finished:
             until = self._fed
         shown: list[StreamDelta] = []
         while self._held and self._held[0].end <= until:
             shown.append(self._redacted(self._held.pop(0)))
         return shown, None
+
+    def _scannable(self, delta: StreamDelta) -> tuple[str, int]:
+        """(the text to scan now, where the text decided so far ends): the delta's text, or with
+        `markup`, the text whose part is now known, its markup as MASK characters."""
+        if self._markup is None:
+            return delta.text, self._fed
+        self._markup.feed(delta.text)
+        if delta.finished:
+            self._markup.finish()
+        decided, hidden = self._markup.markup()
+        self._hidden += hidden
+        begin = self._fed - len(self._unscanned) - len(delta.text)
+        pending = self._unscanned + delta.text
+        scan, self._unscanned = list(pending[:decided - begin]), pending[decided - begin:]
+        for s, e in hidden:
+            lo, hi = max(s, begin) - begin, min(e, decided) - begin
+            if hi > lo:
+                scan[lo:hi] = MASK * (hi - lo)
+        return "".join(scan), decided
+
+    def _shown_parts(self, start: int, end: int) -> list[tuple[int, int]]:
+        """[start, end) less the markup in it (a redaction never rewrites the format)."""
+        parts, at = [], start
+        for s, e in sorted(self._hidden):
+            if s < end and e > at:
+                if s > at:
+                    parts.append((at, s))
+                at = max(at, e)
+        if at < end:
+            parts.append((at, end))
+        return parts
 
     def _add_span(self, start: int, end: int, replacement: str) -> None:
         """Merge [start, end) into the pending redactions (overlapping ones become one)."""
