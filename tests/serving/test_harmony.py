@@ -12,6 +12,7 @@ import itertools
 import json
 import random
 
+import openai
 import pytest
 
 from tests.serving.harness import API_KEY, ServerThread, guarded_server, record_requests, sdk_clients
@@ -510,8 +511,9 @@ def test_reasoning_effort_reaches_the_template_from_every_api(server, clients, m
     # A template that does not read it renders as without
     plain = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64, reasoning_effort="high")
     assert plain.choices[0].message.content == ANSWER
-    import openai
-
+    # A budget of tokens is not how gpt-oss is told to think less: the 400 says what is
+    with pytest.raises(openai.BadRequestError, match="harmony.*set reasoning_effort"):
+        openai_client.chat.completions.create(extra_body={"thinking_token_budget": 5}, **kwargs)
     for call in (lambda: openai_client.chat.completions.create(reasoning_effort="minimal", **kwargs),
                  lambda: openai_client.responses.create(model=EFFORT, input="Hi", reasoning={"effort": "minimal"})):
         with pytest.raises(openai.BadRequestError) as refused:

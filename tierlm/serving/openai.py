@@ -167,11 +167,11 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
                              "tool_choice 'auto', or drop the structured output", param="tool_choice")
     reasoning = state.models.reasoning(body.model)
     if body.thinking_token_budget is not None and (reasoning is None or not reasoning.budget_kept):
-        raise InvalidRequest(
-            f"thinking_token_budget: model '{body.model}' has no think markers tierlm can follow (its chat template "
-            "writes no <think>, --reasoning-parser none, or its tokenizer has no <think> and </think> tokens of "
-            "their own); remove the field",
-            param="thinking_token_budget")
+        why = ("writes harmony (gpt-oss): its reasoning is a channel, not a think block a budget can end; "
+               "remove the field, or set reasoning_effort" if reasoning is not None and reasoning.harmony else
+               "has no think markers tierlm can follow (its chat template writes no <think>, --reasoning-parser "
+               "none, or its tokenizer has no <think> and </think> tokens of their own); remove the field")
+        raise InvalidRequest(f"thinking_token_budget: model '{body.model}' {why}", param="thinking_token_budget")
     prompt = await build_chat_prompt(engine, body, state.models.tool_calls(body.model), reasoning,
                                      structured=structured is not None, schema_field=schema_field)
     prompt.named_call = bool(body.tools) and isinstance(body.tool_choice, NamedToolChoice)
