@@ -631,3 +631,18 @@ def test_output_policies_still_read_the_reasoning_and_the_answer(guarded):
     assert (reasoning, finish) == (redacted, "content_filter") and "there" not in content
     message = claude.messages.create(model=THINKER, max_tokens=64, messages=USER)
     assert message.stop_reason == "refusal" and blocks(message)[0] == ("thinking", redacted)
+
+
+def test_responses_api_logprobs_are_the_messages_text_tokens(clients):
+    """The message's output_text logprobs are its text's tokens: they held the final message's
+    header tokens too (`<|start|>`, `assistant`, `<|channel|>`, `final`, `<|message|>`), which
+    no text of the message spells; streamed, the deltas' logprobs are the same tokens."""
+    _, openai_client = clients
+    kwargs = dict(model=THINKER, input="Hi", top_logprobs=1, include=["message.output_text.logprobs"])
+    done = openai_client.responses.create(**kwargs)
+    tokens = [t.token for t in done.output[-1].content[0].logprobs]
+    assert "".join(tokens) == ANSWER == done.output_text, tokens
+    with openai_client.responses.stream(**kwargs) as stream:
+        deltas = [t.token for event in stream if event.type == "response.output_text.delta" for t in event.logprobs]
+        final = stream.get_final_response()
+    assert deltas == tokens == [t.token for t in final.output[-1].content[0].logprobs]

@@ -110,6 +110,7 @@ class HarmonySplitter(AnswerSplitter):
         self._header_from: int | None = None  # where the text in `_header` began
         self._decided = 0  # characters known to be shown or not
         self._hidden: list[tuple[int, int]] = []  # markers and headers: never shown
+        self._text: list[tuple[int, int]] = []  # spans shown as text (not reasoning, not a call's body)
 
     def prime(self, text: str) -> None:
         """Read `text` (plain markers: tierlm wrote it as tokens after the prompt, a forced call's
@@ -121,7 +122,7 @@ class HarmonySplitter(AnswerSplitter):
         self._primed["text"].append(shown)
         self._fed -= len(text)
         self._header_from = None if self._header_from is None else self._header_from - len(text)
-        self._decided, self._hidden = 0, []
+        self._decided, self._hidden, self._text = 0, [], []
 
     def feed(self, text: str) -> tuple[str, str]:
         self._fed += len(text)
@@ -132,6 +133,12 @@ class HarmonySplitter(AnswerSplitter):
         shown since the last call: markers, headers): what the safety layer may read of it."""
         hidden, self._hidden = self._hidden, []
         return self._decided, [(max(0, s), e) for s, e in hidden if e > 0]
+
+    def text_spans(self) -> list[tuple[int, int]]:
+        """The spans of the answer fed so far shown as text (not reasoning, nor a call's body
+        read as a call), new since the last call: where its message's tokens lie."""
+        spans, self._text = self._text, []
+        return spans
 
     def _drain(self, final: bool) -> tuple[str, str]:
         out, self._primed = self._primed, {"reasoning": [], "text": []}
@@ -182,20 +189,23 @@ class HarmonySplitter(AnswerSplitter):
             if not piece:
                 return
         if self._state == "body":
-            self._show_body(piece, out)
+            self._show_body(piece, out, at)
         elif self._state == "plain":
             out["text"].append(piece)
+            self._text.append((at, at + len(piece)))
         else:
             self._header += piece
             self._header_from = at if self._header_from is None else self._header_from
             if (self._state == "lead" and not _LEAD.fullmatch(self._header)) or len(self._header) > _MAX_HEADER:
-                self._out_of_format(out)
+                self._out_of_format(out, at + len(piece))
 
-    def _out_of_format(self, out: dict[str, list[str]]) -> None:
-        """Text where a header should be: not harmony, shown as text from here on."""
+    def _out_of_format(self, out: dict[str, list[str]], end: int) -> None:
+        """Text where a header should be (up to `end`): not harmony, shown as text from here on."""
         self._state = "plain"
         header, self._header = self._header.replace("\x00", ""), ""
-        self._header_from = None  # (shown)
+        if self._header_from is not None:  # (shown)
+            self._text.append((self._header_from, end))
+            self._header_from = None
         if header:
             self._show("text", header, out)
 
@@ -238,11 +248,13 @@ class HarmonySplitter(AnswerSplitter):
         else:  # final, commentary without a recipient (a preamble), or a header without a channel
             self._kind = "text"
 
-    def _show_body(self, piece: str, out: dict[str, list[str]]) -> None:
+    def _show_body(self, piece: str, out: dict[str, list[str]], at: int) -> None:
         if self._kind == "call" and self._calls:
             out["text"].append(piece)
             return
         where = "text" if self._kind == "call" else self._kind
+        if where == "text":
+            self._text.append((at, at + len(piece)))
         self._show(where, piece, out, separate=not self._body_shown)
         self._body_shown = True
 
@@ -266,7 +278,7 @@ class HarmonySplitter(AnswerSplitter):
         if self._state == "body":
             self._end_body(out)
         elif self._state == "lead":
-            self._out_of_format(out)
+            self._out_of_format(out, self._fed)
         self._drop_header(self._fed)
         self._state, self._header = "header", ""
 

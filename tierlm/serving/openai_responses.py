@@ -356,6 +356,45 @@ def _chat_request(body: ResponsesRequest, items: list[dict[str, Any]], first: in
 # ---- generation → response -----------------------------------------------------------------
 
 
+class _HarmonyTextTokens:
+    """Which returned tokens of a harmony answer lie in its message's text: its final and
+    preamble bodies', not its headers', its analysis' or its calls' (a think block's answer is
+    the text past the block: `_Shape._answer_start`). Fed the answer's text as it grows."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader  # a HarmonySplitter over the raw answer (ChatPrompt.markup)
+        self._fed = 0
+        self._spans: list[tuple[int, int]] = []
+
+    @classmethod
+    def of(cls, prompt: ChatPrompt) -> "_HarmonyTextTokens | None":
+        reader = prompt.markup()
+        return cls(reader) if reader is not None else None
+
+    def take(self, tokens: list["TokenLogprob"], text: str,
+             final: bool) -> tuple[list["TokenLogprob"], list["TokenLogprob"]]:
+        """(the `tokens` in the text, those whose place is not known yet) with the answer's raw
+        `text` so far (`final`: all of it)."""
+        self._reader.feed(text[self._fed:])
+        self._fed = len(text)
+        if final:
+            self._reader.finish()
+        for start, end in self._reader.text_spans():  # (a message's pieces, one span)
+            if self._spans and self._spans[-1][1] == start:
+                start = self._spans.pop()[0]
+            self._spans.append((start, end))
+        decided = self._reader.markup()[0]
+        shown, spans = [], self._spans
+        for t in tokens:  # (both in the text's order)
+            if t.text_start >= decided:
+                break
+            while spans and spans[0][1] <= t.text_start:
+                spans.pop(0)
+            if spans and spans[0][0] <= t.text_start:
+                shown.append(t)
+        return shown, [t for t in tokens if t.text_start >= decided]
+
+
 class _Shape:
     """One response's fixed fields, and how its answer becomes output items and events."""
 
@@ -454,7 +493,10 @@ class _Shape:
 
     def _answer_logprobs(self, result: Generation, answer: Answer) -> list["TokenLogprob"]:
         """The returned tokens of the message's text: not the think block's, nor (with calls)
-        the calls' markup after the prose, which a stream never shows either."""
+        the calls' markup after the prose, which a stream never shows either; in harmony, those
+        of its text messages' bodies (see _HarmonyTextTokens)."""
+        if (harmony := _HarmonyTextTokens.of(self.prompt)) is not None:
+            return harmony.take(ReturnedTokens().add(result.logprobs, result.text), result.text, final=True)[0]
         start = self._answer_start(result.text)
         end = len(result.text)
         if answer.calls:  # the prose, where it lies in the raw text; the calls follow it
@@ -498,6 +540,7 @@ class _Shape:
         message: dict[str, Any] | None = None  # the open message: {"id", "text", "logprobs"}
         pending: list["TokenLogprob"] = []  # tokens whose text is out, not yet shown with text
         cut = 0
+        harmony = _HarmonyTextTokens.of(self.prompt) if returned is not None else None
         try:
             async for thought, text, delta in answer.pieces():
                 if returned is not None and delta is not None:
@@ -525,8 +568,11 @@ class _Shape:
                     for frame in self._open_message(frames, output, message):
                         yield frame
                     cut = self._answer_start(answer.result.text)  # (the think block's tokens lie before it)
-                entries = self.logprob_entries([t for t in pending if t.text_start >= cut])
-                pending = []
+                if harmony is not None:
+                    shown, pending = harmony.take(pending, answer.result.text, final=delta is None)
+                else:
+                    shown, pending = [t for t in pending if t.text_start >= cut], []
+                entries = self.logprob_entries(shown)
                 message["text"] += text
                 message["logprobs"] += entries
                 yield frames.event("response.output_text.delta", item_id=message["id"], output_index=len(output),
