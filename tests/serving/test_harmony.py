@@ -438,12 +438,21 @@ def test_anthropic_a_required_call_is_written_and_read_as_harmony(clients, choic
         assert blocks(stream.get_final_message()) == blocks(done)
 
 
-def test_responses_api_reasoning_item_then_message_and_a_function_call(clients):
+def test_responses_api_reasoning_item_then_message_and_a_function_call(server, clients):
+    _, engines = server
     _, openai_client = clients
     created = openai_client.responses.create(model=THINKER, input="Hi")
     assert [i.type for i in created.output] == ["reasoning", "message"]
     assert created.output[0].content[0].text == THOUGHT and created.output_text == ANSWER
-    assert 0 < created.usage.output_tokens_details.reasoning_tokens < created.usage.output_tokens
+    # The analysis message's tokens, header to <|end|>, as the model wrote them (a re-tokenized
+    # estimate missed its header's `analysis<|message|>`)
+    chat = openai_client.chat.completions.create(model=THINKER, messages=USER, extra_body={"return_token_ids": True})
+    written = chat.choices[0].model_extra["token_ids"]
+    end = engines[THINKER].tokenizer.convert_tokens_to_ids(END)
+    assert created.usage.output_tokens_details.reasoning_tokens == written.index(end) + 1
+    assert created.usage.output_tokens == len(written)
+    cut = openai_client.responses.create(model=THINKER, input="Hi", max_output_tokens=10)  # (in the analysis)
+    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == 10
     with openai_client.responses.stream(model=THINKER, input="Hi") as stream:
         final = stream.get_final_response()
     assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
@@ -646,3 +655,22 @@ def test_responses_api_logprobs_are_the_messages_text_tokens(clients):
         deltas = [t.token for event in stream if event.type == "response.output_text.delta" for t in event.logprobs]
         final = stream.get_final_response()
     assert deltas == tokens == [t.token for t in final.output[-1].content[0].logprobs]
+
+
+def test_analysis_tokens_are_counted_by_their_markers(tmp_path, demo_tokenizer):
+    from tierlm.serving.harmony import analysis_tokens
+
+    tok = copy_of(demo_tokenizer, tmp_path)
+    assert analysis_tokens([1, 2, 3], tok) is None  # (no harmony markers: no count)
+    tok.add_tokens(list(MARKERS), special_tokens=True)
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+    first, second = "<|channel|>analysis<|message|>a b<|end|>", "<|start|>assistant<|channel|>analysis<|message|>c<|end|>"
+    final = "<|start|>assistant<|channel|>final<|message|>d e f"
+    assert analysis_tokens(ids(first + second + final), tok) == len(ids(first + second))
+    call = '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"analysis": 1}'
+    assert analysis_tokens(ids(first + call), tok) == len(ids(first))
+    assert analysis_tokens(ids(first + "<|start|>assistant<|channel|>analysis<|message|>cut of"), tok) == len(
+        ids(first + "<|start|>assistant<|channel|>analysis<|message|>cut of"))
+    assert analysis_tokens(ids(final), tok) == 0

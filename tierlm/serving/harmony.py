@@ -68,6 +68,34 @@ def is_harmony(tokenizer: Any) -> bool:
     return all(m in added for m in SIGNATURE)
 
 
+def analysis_tokens(token_ids: list[int], tokenizer: Any) -> int | None:
+    """How many of an answer's tokens are its analysis messages', header to `<|end|>` (all of a
+    message cut off): the Responses API's reasoning_tokens. None where harmony's markers are not
+    tokens of their own in `tokenizer` (the count would be a guess)."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    if any(m not in added for m in MARKERS):
+        return None
+    ends = {added[END], added[RETURN], added[CALL]}
+    count, begun, header, body = 0, 0, [], False  # (the prompt's <|start|>assistant opens the first)
+    analysis = False
+    for i, token in enumerate(token_ids):
+        if token == added[START] or (body and token == added[CHANNEL]):
+            if body and analysis:  # (a body ended by a new header: counted to here)
+                count += i - begun
+            begun, header, body = i, [token], False
+        elif token in ends:
+            if analysis and body:
+                count += i + 1 - begun
+            begun, header, body, analysis = i + 1, [], False, False
+        elif token == added[MESSAGE] and not body:
+            text = tokenizer.decode(header, skip_special_tokens=False)
+            channel = text.partition(CHANNEL)[2].split()
+            analysis, body = bool(channel) and channel[0] == "analysis" and _RECIPIENT.search(text) is None, True
+        elif not body:
+            header.append(token)
+    return count + (len(token_ids) - begun if body and analysis else 0)
+
+
 _WRAPPED_TOKEN = re.compile(f"{KEPT_OPEN}([^{KEPT_OPEN}{KEPT_CLOSE}]*){KEPT_CLOSE}")
 _PLAIN_MARKER = re.compile("|".join(re.escape(m) for m in MARKERS))
 # What an answer may start with before its first marker: blank space, and a recipient where the

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, NotFound, stream_error
 from tierlm.serving.generation import Answer, ChatPrompt, Generation, StreamedAnswer
+from tierlm.serving.harmony import analysis_tokens
 from tierlm.serving.openai import ReturnedTokens, _close_all, _collect_all, chat_logprobs, start_chat
 from tierlm.serving.protocol_openai import ChatCompletionRequest
 from tierlm.serving.safety import FINISH_REASON
@@ -453,10 +454,13 @@ class _Shape:
 
     def _reasoning_tokens(self, result: Generation, reasoning: str) -> int:
         """Output tokens of the think block: up to its end marker where that is one token, else
-        the count of the reasoning re-tokenized with its markers (close, not exact)."""
+        the count of the reasoning re-tokenized with its markers (close, not exact); harmony's
+        analysis messages, counted by their marker tokens."""
         fmt = self.prompt.reasoning
         if not reasoning or fmt is None:
             return 0
+        if fmt.harmony and (counted := analysis_tokens(result.token_ids, self.engine.tokenizer)) is not None:
+            return counted
         if len(fmt.end_token_ids) == 1 and fmt.end_token_ids[0] in result.token_ids:
             return result.token_ids.index(fmt.end_token_ids[0]) + 1
         if fmt.end not in result.text:  # cut off while thinking: every token is reasoning
