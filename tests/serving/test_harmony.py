@@ -674,3 +674,24 @@ def test_analysis_tokens_are_counted_by_their_markers(tmp_path, demo_tokenizer):
     assert analysis_tokens(ids(first + "<|start|>assistant<|channel|>analysis<|message|>cut of"), tok) == len(
         ids(first + "<|start|>assistant<|channel|>analysis<|message|>cut of"))
     assert analysis_tokens(ids(final), tok) == 0
+
+
+@pytest.mark.parametrize("text", CASES)
+def test_a_guarded_answer_is_shown_whole_and_redacted_outside_its_markup(text, tmp_path):
+    """Through an output guard reading harmony's markup, however the answer is cut: with no
+    match it comes out as it went in; a redaction of a word the headers spell too ("assistant",
+    "get_weather") masks it where the client reads it, and leaves every header as written."""
+    from tests.serving.test_safety_policies import _rules, deltas
+    from tierlm.serving.safety import OutputGuard
+
+    rules = _rules(tmp_path, "[policies.r]\nphrases = ['assistant', 'get_weather', 'Paris', 'user']\n"
+                             "action = 'redact'\nreplacement = '~'\n")
+    whole = HarmonySplitter(calls=True).split(text)
+    expected = HarmonySplitter(calls=True).split(text.replace("Paris", "~").replace("user", "~"))
+    rng = random.Random(2)
+    for cuts in [(), *(tuple(sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, 6)))) for _ in range(30))]:
+        pieces = [text[a:b] for a, b in itertools.pairwise((0, *cuts, len(text)))]
+        guard = OutputGuard(rules, HarmonySplitter(calls=True))
+        shown = "".join(d.text for delta in deltas(pieces) for d in guard.feed(delta)[0])
+        assert HarmonySplitter(calls=True).split(shown) == expected, (cuts, shown)
+    assert expected[0] == whole[0].replace("user", "~") and expected[1] == whole[1].replace("Paris", "~")
