@@ -695,3 +695,19 @@ def test_a_guarded_answer_is_shown_whole_and_redacted_outside_its_markup(text, t
         shown = "".join(d.text for delta in deltas(pieces) for d in guard.feed(delta)[0])
         assert HarmonySplitter(calls=True).split(shown) == expected, (cuts, shown)
     assert expected[0] == whole[0].replace("user", "~") and expected[1] == whole[1].replace("Paris", "~")
+
+
+@pytest.mark.parametrize("stop, reasoning, content", [
+    ("there", THOUGHT, "Hello "), ("greets", "The user ", ""),  # in the answer, in the analysis
+    ("final", THOUGHT, ""), ("<|end|>", THOUGHT, ""),  # a header's word, a marker as its text (README)
+])
+def test_stop_strings_match_the_answer_as_written(clients, stop, reasoning, content):
+    """As the README says (and vLLM matches them): the engine matches stop strings against the
+    whole answer as written, analysis and headers included."""
+    claude, openai_client = clients
+    choice = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64, stop=[stop]).choices[0]
+    assert (choice.message.model_extra["reasoning"], choice.message.content) == (reasoning, content)
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop)
+    message = claude.messages.create(model=THINKER, max_tokens=64, messages=USER, stop_sequences=[stop])
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert [b for b in blocks(message) if b[1]] == [b for b in [("thinking", reasoning), ("text", content)] if b[1]]
