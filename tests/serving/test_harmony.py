@@ -612,9 +612,11 @@ def test_output_policies_do_not_read_harmonys_headers(guarded):
     recipient) neither stops nor redacts an answer the client never sees it in: "anal" stopped
     every gpt-oss answer at its first header, "functions" turned every call into text."""
     claude, openai_client = guarded_clients(guarded, "hdr")
-    done = openai_client.chat.completions.create(model=THINKER, messages=USER, max_tokens=64)
-    assert (done.choices[0].finish_reason, done.choices[0].message.content) == ("stop", ANSWER)
-    assert openai_stream(openai_client, model=THINKER, messages=USER, max_tokens=64) == (THOUGHT, ANSWER, [], "stop")
+    for plain in (True, False):  # (markers kept as special tokens, or decoded as their plain text)
+        kwargs = dict(model=THINKER, messages=USER, max_tokens=64, extra_body={"skip_special_tokens": plain})
+        done = openai_client.chat.completions.create(**kwargs)
+        assert (done.choices[0].finish_reason, done.choices[0].message.content) == ("stop", ANSWER)
+        assert openai_stream(openai_client, **kwargs) == (THOUGHT, ANSWER, [], "stop")
     called = openai_client.chat.completions.create(model=CALLER, messages=USER, tools=[OPENAI_WEATHER], n=2)
     for choice in called.choices:
         assert choice.finish_reason == "tool_calls"
