@@ -535,7 +535,7 @@ def test_reasoning_effort_reaches_the_template_from_every_api(server, clients, m
 def masked(text: str, cuts: tuple[int, ...]) -> str:
     """`text` fed in pieces cut at `cuts` to a splitter, as the safety layer scans it: the
     characters its markup spans cover as "#", the undecided tail never scanned before the end."""
-    splitter = HarmonySplitter(calls=True)
+    splitter = HarmonySplitter(calls=True).record()
     scanned, hidden = [], []
     for a, b in itertools.pairwise((0, *cuts, len(text))):
         splitter.feed(text[a:b])
@@ -693,7 +693,7 @@ def test_a_guarded_answer_is_shown_whole_and_redacted_outside_its_markup(text, t
     rng = random.Random(2)
     for cuts in [(), *(tuple(sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, 6)))) for _ in range(30))]:
         pieces = [text[a:b] for a, b in itertools.pairwise((0, *cuts, len(text)))]
-        guard = OutputGuard(rules, HarmonySplitter(calls=True))
+        guard = OutputGuard(rules, HarmonySplitter(calls=True).record())
         shown = "".join(d.text for delta in deltas(pieces) for d in guard.feed(delta)[0])
         assert HarmonySplitter(calls=True).split(shown) == expected, (cuts, shown)
     assert expected[0] == whole[0].replace("user", "~") and expected[1] == whole[1].replace("Paris", "~")

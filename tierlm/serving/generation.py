@@ -151,7 +151,7 @@ class ChatPrompt:
         """A reader of this answer's markup for the safety layer (see OutputGuard): harmony's,
         where its splitter reads the answer; a think block's markers are left to the policies."""
         splitter = self.reasoning_splitter()
-        return splitter if isinstance(splitter, HarmonySplitter) else None
+        return splitter.record() if isinstance(splitter, HarmonySplitter) else None
 
     def split(self, result: "Generation", id_prefix: str) -> Answer:
         """A finished answer as (reasoning, prose, tool calls). Calls are read from the text

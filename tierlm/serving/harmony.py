@@ -137,8 +137,9 @@ class HarmonySplitter(AnswerSplitter):
         self._fed = 0  # characters fed, less prime's
         self._header_from: int | None = None  # where the text in `_header` began
         self._decided = 0  # characters known to be shown or not
-        self._hidden: list[tuple[int, int]] = []  # markers and headers: never shown
-        self._text: list[tuple[int, int]] = []  # spans shown as text (not reasoning, not a call's body)
+        # Once `record` is called: spans of markers and headers (never shown) and of text shown
+        # as text (not reasoning, not a call's body), taken by `markup` and `text_spans`
+        self._spans: dict[str, list[tuple[int, int]]] | None = None
 
     def prime(self, text: str) -> None:
         """Read `text` (plain markers: tierlm wrote it as tokens after the prompt, a forced call's
@@ -150,23 +151,44 @@ class HarmonySplitter(AnswerSplitter):
         self._primed["text"].append(shown)
         self._fed -= len(text)
         self._header_from = None if self._header_from is None else self._header_from - len(text)
-        self._decided, self._hidden, self._text = 0, [], []
+        self._decided = 0
+        if self._spans is not None:
+            self._spans = {"hidden": [], "text": []}
 
     def feed(self, text: str) -> tuple[str, str]:
         self._fed += len(text)
         return super().feed(text)
 
+    def record(self) -> "HarmonySplitter":
+        """Keep the spans `markup` and `text_spans` give (from here on; a splitter that only
+        splits keeps none)."""
+        self._spans = {"hidden": [], "text": []}
+        return self
+
     def markup(self) -> tuple[int, list[tuple[int, int]]]:
         """(how many characters of the answer fed so far are decided, the spans of them never
         shown since the last call: markers, headers): what the safety layer may read of it."""
-        hidden, self._hidden = self._hidden, []
-        return self._decided, [(max(0, s), e) for s, e in hidden if e > 0]
+        return self._decided, [(max(0, s), e) for s, e in self._take("hidden") if e > 0]
 
     def text_spans(self) -> list[tuple[int, int]]:
         """The spans of the answer fed so far shown as text (not reasoning, nor a call's body
         read as a call), new since the last call: where its message's tokens lie."""
-        spans, self._text = self._text, []
+        return self._take("text")
+
+    def _take(self, kind: str) -> list[tuple[int, int]]:
+        assert self._spans is not None, "call record() first"
+        spans, self._spans[kind] = self._spans[kind], []
         return spans
+
+    def _note(self, kind: str, start: int, end: int) -> None:
+        """A span of `kind` (recorded only once `record` is called; one span with the last where
+        it goes on from it)."""
+        if self._spans is None or end <= start:
+            return
+        spans = self._spans[kind]
+        if spans and spans[-1][1] == start:
+            start = spans.pop()[0]
+        spans.append((start, end))
 
     def _drain(self, final: bool) -> tuple[str, str]:
         out, self._primed = self._primed, {"reasoning": [], "text": []}
@@ -183,7 +205,7 @@ class HarmonySplitter(AnswerSplitter):
             self._plain(held[pos:at], out, base + pos)
             if marker is not None:  # (another kept token: not harmony's, never shown)
                 self._marker(marker, out, base + at)
-            self._hidden.append((base + at, base + end))
+            self._note("hidden", base + at, base + end)
             pos = end
         if final:
             self._held = ""
@@ -220,7 +242,7 @@ class HarmonySplitter(AnswerSplitter):
             self._show_body(piece, out, at)
         elif self._state == "plain":
             out["text"].append(piece)
-            self._text.append((at, at + len(piece)))
+            self._note("text", at, at + len(piece))
         else:
             self._header += piece
             self._header_from = at if self._header_from is None else self._header_from
@@ -232,7 +254,7 @@ class HarmonySplitter(AnswerSplitter):
         self._state = "plain"
         header, self._header = self._header.replace("\x00", ""), ""
         if self._header_from is not None:  # (shown)
-            self._text.append((self._header_from, end))
+            self._note("text", self._header_from, end)
             self._header_from = None
         if header:
             self._show("text", header, out)
@@ -282,7 +304,7 @@ class HarmonySplitter(AnswerSplitter):
             return
         where = "text" if self._kind == "call" else self._kind
         if where == "text":
-            self._text.append((at, at + len(piece)))
+            self._note("text", at, at + len(piece))
         self._show(where, piece, out, separate=not self._body_shown)
         self._body_shown = True
 
@@ -312,5 +334,5 @@ class HarmonySplitter(AnswerSplitter):
 
     def _drop_header(self, end: int) -> None:
         if self._header_from is not None:
-            self._hidden.append((self._header_from, end))
+            self._note("hidden", self._header_from, end)
             self._header_from = None
