@@ -567,6 +567,21 @@ def test_markup_is_the_same_however_the_text_is_cut(text):
         assert word not in whole or word in HarmonySplitter(calls=True).split(text)[1], (word, whole)
 
 
+def test_markup_of_a_forced_call():
+    """A forced call's header begins in tierlm's prime (` to=functions.`): the answer's first
+    characters continue it, undecided (not read) until its `<|message|>`."""
+    splitter = HarmonySplitter(calls=True)
+    splitter.prime(" to=functions.")
+    splitter.record()
+    text = kept('get_weather<|channel|>commentary json<|message|>{"city": "Rome"}')
+    for i in range(len(text)):
+        splitter.feed(text[i])
+        decided, _ = splitter.markup()
+        assert decided == 0 or decided >= text.index("{"), (i, decided)
+    splitter.finish()
+    assert splitter.markup()[0] == len(text)
+
+
 def test_markup_of_an_answer():
     text = answer(CALL_REPLY)
     scanned = masked(text, ())
@@ -586,7 +601,7 @@ GUARDED_POLICIES = "".join(
     f'[policies.{name}]\nphrases = {json.dumps(phrases)}\ncheck = "output"\naction = "{action}"\n'
     f'replacement = "[x]"\ntenants = ["{tenant}"]\n'
     for name, phrases, action, tenant in (("rude", ["anal", "assistant"], "block", "hdr"),
-                                          ("namespace", ["functions"], "redact", "hdr"),
+                                          ("names", ["functions", "get_weather"], "redact", "hdr"),
                                           ("thought", ["greets"], "redact", "vis"),
                                           ("answer", ["there"], "block", "vis")))
 
@@ -597,6 +612,7 @@ def guarded(demo_tokenizer, tmp_path_factory):
     models = build_templated_models(root, demo_tokenizer, [
         (THINKER, HARMONY_TEMPLATE, REPLY, MARKERS), (CALLER, HARMONY_TEMPLATE, CALL_REPLY, MARKERS),
     ], added=MARKERS, eos_tokens=(RETURN, CALL))
+    models[FORCED] = forced_model(tmp_path_factory.mktemp("harmony-guarded-forced"), models[THINKER].path)
     server = guarded_server(root, {name: model.engine(name) for name, model in models.items()}, GUARDED_KEYS,
                             GUARDED_TENANTS, GUARDED_POLICIES)
     yield server
@@ -609,8 +625,9 @@ def guarded_clients(server, key):
 
 def test_output_policies_do_not_read_harmonys_headers(guarded):
     """A phrase only a header spells ("anal" in `analysis`, the role, the `functions.` of a
-    recipient) neither stops nor redacts an answer the client never sees it in: "anal" stopped
-    every gpt-oss answer at its first header, "functions" turned every call into text."""
+    recipient, the tool's name) neither stops nor redacts an answer the client never sees it in:
+    "anal" stopped every gpt-oss answer at its first header, "functions" turned every call into
+    text (a forced call's too, whose header tierlm starts)."""
     claude, openai_client = guarded_clients(guarded, "hdr")
     for plain in (True, False):  # (markers kept as special tokens, or decoded as their plain text)
         kwargs = dict(model=THINKER, messages=USER, max_tokens=64, extra_body={"skip_special_tokens": plain})
@@ -625,6 +642,8 @@ def test_output_policies_do_not_read_harmonys_headers(guarded):
         CALL_THOUGHT, "", [("get_weather", {"location": "Paris"})], "tool_calls")
     message = claude.messages.create(model=CALLER, max_tokens=128, messages=USER, tools=[WEATHER])
     assert blocks(message) == [("thinking", CALL_THOUGHT), ("tool_use", {"location": "Paris"})]
+    forced = dict(model=FORCED, messages=USER, tools=[OPENAI_WEATHER], tool_choice="required", max_tokens=64)
+    assert openai_stream(openai_client, **forced) == ("", "", [("get_weather", {"location": "Rome"})], "tool_calls")
     with claude.messages.stream(model=THINKER, max_tokens=64, messages=USER) as stream:
         assert blocks(stream.get_final_message()) == [("thinking", THOUGHT), ("text", ANSWER)]
     response = openai_client.responses.create(model=THINKER, input="Hi")

@@ -168,7 +168,7 @@ class HarmonySplitter(AnswerSplitter):
     def markup(self) -> tuple[int, list[tuple[int, int]]]:
         """(how many characters of the answer fed so far are decided, the spans of them never
         shown since the last call: markers, headers): what the safety layer may read of it."""
-        return self._decided, [(max(0, s), e) for s, e in self._take("hidden") if e > 0]
+        return max(0, self._decided), [(max(0, s), e) for s, e in self._take("hidden") if e > 0]
 
     def text_spans(self) -> list[tuple[int, int]]:
         """The spans of the answer fed so far shown as text (not reasoning, nor a call's body
