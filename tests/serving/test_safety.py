@@ -407,3 +407,34 @@ def test_patterns_that_run_out_of_time_stop_the_answer_or_refuse_the_prompt(scri
         assert value(metrics, "tierlm:safety_actions_total", policy="xs", action="input") == 1
     finally:
         srv.stop()
+
+
+def test_input_policies_read_the_clients_words_not_the_chat_templates(scripted_models, tmp_path):
+    """A phrase the chat template writes itself ("assistant", the role it opens for the answer;
+    gpt-oss's template names OpenAI and ChatGPT in every system message) refused every chat
+    prompt: the guard read the rendered prompt. It reads what the client sent now: messages,
+    tool definitions and results; a raw completion prompt is read whole, as it is all the client's."""
+    (tmp_path / "policies.toml").write_text(
+        '[policies.role_word]\nphrases = ["assistant"]\nwhole_word = true\ncheck = "input"\n')
+    safety = SafetyPolicies.from_file(tmp_path / "policies.toml", tiers=set(), tenants=set())
+    engine = scripted_models[TEXT_MODEL].engine(TEXT_MODEL)  # (an engine serves one server's event loop)
+    srv = ServerThread(build_app({TEXT_MODEL: engine}, ApiKeyAuth.from_keys(KEYS), safety=safety)).start()
+    try:
+        claude, oai = clients(srv, "acme")
+        assert claude.messages.create(model=TEXT_MODEL, max_tokens=20, messages=HI).stop_reason != "refusal"
+        chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=20, messages=HI)
+        assert chat.choices[0].finish_reason != "content_filter"
+        words = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                 {"role": "assistant", "content": "Hello"},
+                 {"role": "user", "content": "call my Assistant"}]
+        assert claude.messages.create(model=TEXT_MODEL, max_tokens=20, messages=words).stop_reason == "refusal"
+        chat = oai.chat.completions.create(model=TEXT_MODEL, max_tokens=20, messages=words)
+        assert chat.choices[0].finish_reason == "content_filter"
+        system = claude.messages.create(model=TEXT_MODEL, max_tokens=20, messages=HI, system="You are an assistant")
+        assert system.stop_reason == "refusal"
+        tool = {"name": "assistant", "description": "d", "input_schema": {"type": "object", "properties": {}}}
+        assert claude.messages.create(model=TEXT_MODEL, max_tokens=20, messages=HI, tools=[tool]).stop_reason == "refusal"
+        completion = oai.completions.create(model=TEXT_MODEL, max_tokens=5, prompt="the assistant")
+        assert completion.choices[0].finish_reason == "content_filter"
+    finally:
+        srv.stop()

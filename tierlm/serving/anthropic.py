@@ -142,7 +142,7 @@ async def _start_message(request: Request, state: Any, context: RequestContext, 
         structured_outputs=prompt.structured_outputs(structured),
     )
     stream = EngineStream(engine, body.model, token_ids, params, context.salted(body.cache_salt), state.inflight,
-                          markup=prompt.markup)
+                          markup=prompt.markup, screen_text=prompt.screen_text)
     if warming:
         request_telemetry(request).warming(len(prompt.token_ids))
     first = await stream.open(request)

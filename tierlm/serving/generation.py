@@ -92,6 +92,14 @@ class ChatPrompt:
     continues_reasoning: bool = False  # ... in the middle of reasoning a prefill began writing
     thinking_off: bool = False  # the prompt ends with a whole think block: the answer opens none
     show_reasoning: bool = True  # False: the reasoning is parsed out of the answer, and dropped
+    # What the client sent (messages, tools, template arguments): see screen_text
+    client_parts: tuple[Any, ...] = ()
+
+    def screen_text(self) -> str | None:
+        """The client's own words, which input policies read: not the chat template's (role
+        names, a default system prompt, gpt-oss's channel list). Joined when asked for: only a
+        request under input policies pays for it."""
+        return client_text(*self.client_parts) if self.client_parts else None
 
     @property
     def keep_special_token_ids(self) -> list[int] | None:
@@ -184,6 +192,35 @@ class ChatPrompt:
         return text
 
 
+# Fields of a template-form message that are structure, not words the client wrote
+_STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "call_id", "cache_control", "index"})
+
+
+def client_text(*parts: Any) -> str:
+    """Every string a client sent in a conversation (`parts`: its template-form messages, tools
+    and template arguments), one per paragraph, for input policies: the words of messages (text
+    parts, reasoning sent back, past calls' names and arguments, tool results) and of tool
+    definitions, without the chat template's own. Structure fields (roles, ids) are left out."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            if value:
+                found.append(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if key not in _STRUCTURE_KEYS:
+                    walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif value is not None and not isinstance(value, bool):
+            found.append(str(value))
+
+    walk(parts)
+    return "\n\n".join(found)
+
+
 async def chat_prompt(
     engine: "AsyncEngine",
     model: str,
@@ -263,6 +300,7 @@ async def chat_prompt(
     opens = reasoning is not None and reasoning.opens_in_reasoning(text, prefill)
     closed = reasoning is not None and not opens and reasoning.closed_in_prompt(text)
     return ChatPrompt(token_ids=list(token_ids), forced_prefix=forced, call_grammar=grammar, parse_tools=parse_tools,
+                      client_parts=(messages, tools, template_kwargs),
                       tool_names=frozenset(t["function"]["name"] for t in tools or ()), tool_calls=tool_calls,
                       reasoning=reasoning, opens_in_reasoning=opens, thinking_off=closed,
                       continues_reasoning=opens and reasoning is not None and reasoning.continues_reasoning(prefill))
@@ -634,15 +672,19 @@ class EngineStream:
         pooling: PoolingParams | None = None,
         prompt_index: int = 0,
         markup: Callable[[], Markup | None] | None = None,
+        screen_text: Callable[[], str | None] | None = None,
     ) -> None:
         """`markup` makes the reader of the answer's format (ChatPrompt.markup) whose markers and
-        headers the output policies do not read: the client never sees them."""
+        headers the output policies do not read: the client never sees them. `screen_text` makes
+        what input policies read (ChatPrompt.screen_text: the client's words in a rendered chat);
+        None: the prompt's tokens decoded (a raw prompt is all the client's)."""
         self.engine = engine
         self.model = model
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.pooling = pooling  # set: the request asks for the prompt's embedding (one delta)
         self.prompt_index = prompt_index  # which of its HTTP request's prompts (a batch) it runs
+        self.screen_text = screen_text
         self.context = context
         self._inflight = inflight
         self._iterator: AsyncIterator[StreamDelta] | None = None
@@ -711,10 +753,12 @@ class EngineStream:
         return self._first
 
     def _prompt_breaks(self, ctx: RequestContext) -> Policy | None:
-        """The input policy the prompt breaks (decoded without special tokens: the template's
-        markers are not the client's words), or None. On a worker thread: seconds per MB."""
+        """The input policy the prompt breaks, or None: a chat's client words (`screen_text`),
+        else the prompt decoded without special tokens. On a worker thread: seconds per MB."""
         assert ctx.safety is not None
-        text = self.engine.tokenizer.decode(self.prompt_token_ids, skip_special_tokens=True)
+        text = self.screen_text() if self.screen_text is not None else None
+        if text is None:
+            text = self.engine.tokenizer.decode(self.prompt_token_ids, skip_special_tokens=True)
         return ctx.safety.check_prompt(text)
 
     def _on_policy(self, policy: Policy, stage: str) -> None:

@@ -190,7 +190,7 @@ async def _start_chat(state: Any, context: RequestContext, request: Request, bod
                              structured_outputs=prompt.structured_outputs(structured))
     await _tokenize_bad_words(engine, body.bad_words)
     streams = _engine_streams(state, engine, body, prompt_ids, params, context.salted(body.cache_salt),
-                              scored_once=True, markup=prompt.markup)
+                              scored_once=True, markup=prompt.markup, screen_text=prompt.screen_text)
     await _open_all(streams, request)
     return ChatRun(engine, prompt, prompt_ids, top_n, streams, body.model, body.model)
 
@@ -363,22 +363,24 @@ async def _tokenize_bad_words(engine: "AsyncEngine", words: list[str] | None) ->
 
 def _engine_streams(state: Any, engine: "AsyncEngine", body: Any, prompt_ids: list[int], params: SamplingParams,
                     context: RequestContext, prompt: int = 0, total: int | None = None,
-                    scored_once: bool = False, markup: Callable[[], Markup | None] | None = None) -> list[EngineStream]:
+                    scored_once: bool = False, markup: Callable[[], Markup | None] | None = None,
+                    screen_text: Callable[[], str | None] | None = None) -> list[EngineStream]:
     """One engine request per choice of prompt `prompt` (of a batch), each with its own seed
     and, where the request has several choices (`total`, all prompts' together), its own id
     `<request id>-<index>`, this prompt's choices numbered from prompt × n. `scored_once`: the
     first choice alone scores the prompt, and the answer shows its prompt logprobs once (chat) or
     on every choice (completions): a scored prompt is computed whole, the prefix cache serving
-    none of it, and its logprobs are the same whichever choice computes them. `markup`: see
-    EngineStream."""
+    none of it, and its logprobs are the same whichever choice computes them. `markup` and
+    `screen_text`: see EngineStream."""
     n = body.n or 1
     if (total or n) == 1:
-        return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight, markup=markup)]
+        return [EngineStream(engine, body.model, prompt_ids, params, context, state.inflight, markup=markup,
+                             screen_text=screen_text)]
     return [EngineStream(engine, body.model, prompt_ids,
                          dataclasses.replace(params, seed=choice_seed(params.seed, i),
                                              prompt_logprobs=None if scored_once and i else params.prompt_logprobs),
                          dataclasses.replace(context, request_id=f"{context.request_id}-{prompt * n + i}"),
-                         state.inflight, prompt_index=prompt, markup=markup)
+                         state.inflight, prompt_index=prompt, markup=markup, screen_text=screen_text)
             for i in range(n)]
 
 
