@@ -96,3 +96,25 @@ def test_greedy_tokens_on_both_sides_of_the_original_length(tmp_path):
     got = [o.outputs[0].token_ids for o in outs]
     assert got == [_hf_greedy(long_hf, p, 24) for p in crossing]
     assert got != [_hf_greedy(hf, p, 24) for p in crossing]  # transformers' own: short factors first, then recomputed
+
+
+def test_engines_rotating_with_different_factor_sets_share_no_cached_blocks(tmp_path):
+    """The factor set is the engine's (its max_model_len), not the checkpoint's, so it is part of
+    the KV blocks' identity: an engine rotating with the long factors was served the keys that
+    one with max_model_len within the original length had written to a shared disk tier (a
+    restart with another --max-model-len), short-rotated, and computed other logits than cold."""
+    path, _ = _checkpoint(tmp_path, 32)
+    prompt = _prompts(9, 300, seed=3)[4][:30]
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, block_size=8, load_progress=False,
+              kv_disk_dir=str(tmp_path / "disk"), kv_disk_write_through=True)
+
+    def run(llm: LLM) -> int:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        return llm.engine.stats().prefix_cache_hits
+
+    with LLM(str(path), max_model_len=32, **kw) as short:  # the short factors' blocks, written to disk
+        run(short)
+    with LLM(str(path), **kw) as long:  # the long factors: none of those blocks
+        assert run(long) == 0
+    with LLM(str(path), **kw) as again:  # an engine like it reads its blocks (the tier works across engines)
+        assert run(again) == 24

@@ -316,7 +316,8 @@ class LLMEngine:
             # Before anything writes K/V: the warm-up, recorded graphs and every block read them.
             self.kv_scales = resolve_kv_scales(config.kv_cache_scales, loaded, weight_files(model_dir),
                                                self.tokenizer)
-            kv_tag = f"{loaded.kv_dtype}{scales_tag(self.kv_scales)}"
+            # The RoPE tag: LongRoPE's keys depend on max_model_len (layers.rope_tag).
+            kv_tag = f"{loaded.kv_dtype}{scales_tag(self.kv_scales)}{loaded.model.rope.tag}"
             self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, 32768)
             if self.max_model_len > loaded.args.max_position_embeddings and not self.args.rope_scaling:
                 log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (%s=1): its answers "

@@ -131,8 +131,27 @@ def _longrope(args: ModelArgs, exponents: torch.Tensor, max_positions: int) -> t
     attention = sc.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    ext = torch.tensor(sc["long_factor" if max_positions > original else "short_factor"], dtype=torch.float32)
+    ext = torch.tensor(sc[longrope_factors(args, max_positions)], dtype=torch.float32)
     return 1.0 / (ext * args.rope_theta ** exponents), float(attention)
+
+
+def longrope_factors(args: ModelArgs, max_positions: int) -> str:
+    """Which LongRoPE factor list an engine serving sequences of up to `max_positions` tokens
+    rotates with (see _longrope): 'long_factor' past original_max_position_embeddings."""
+    original = int(args.rope_scaling["original_max_position_embeddings"])
+    return "long_factor" if max_positions > original else "short_factor"
+
+
+def rope_tag(args: ModelArgs, max_positions: int) -> str:
+    """What of the RoPE tables depends on the engine rather than on the checkpoint, for the KV
+    blocks' identity: LongRoPE's factor set (chosen by max_model_len), '' for every other RoPE.
+    Keys rotated with the short factors are other keys than the long factors give for the same
+    tokens, so engines of one checkpoint with a max_model_len on either side of the original
+    length must not share cached blocks (a disk tier across restarts, a shared remote tier)."""
+    sc = args.rope_scaling
+    if not sc or sc["rope_type"] != "longrope":
+        return ""
+    return ":longrope-" + longrope_factors(args, max_positions).removesuffix("_factor")
 
 
 class RotaryEmbedding(nn.Module):
@@ -142,6 +161,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         inv, scale = rope_inv_freq(args, max_positions)
+        self.tag = rope_tag(args, max_positions)  # for the KV blocks' identity (engine.model_identity)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
