@@ -198,22 +198,27 @@ def test_fp8_widen_is_exact_for_every_code_and_length(dtype, n, to):
 
 
 @needs_avx512
-@pytest.mark.parametrize("bad", ["nan_key", "inf_key", "nan_query"])
+@pytest.mark.parametrize("bad", ["nan_key", "inf_key", "nan_query", "nan_sink", "inf_sink"])
 def test_decode_attention_propagates_nan_as_pytorch_does(bad):
     """The exp's clamp took a NaN score (or inf - inf) for -87, a weight of ~1e-38: a NaN key or
     query gave a finite answer (a plain average of V for a NaN query) where PyTorch's softmax,
-    and HF, give NaN, hiding an overflow instead of showing it."""
+    and HF, give NaN, hiding an overflow instead of showing it. Likewise a NaN or +inf sink
+    (gpt-oss) gave its head an all-zero output (the NaN sum's reciprocal taken as 0), where
+    the SDPA paths and HF give NaN."""
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 4, 8, 1, 16, generator=g)
     q = torch.randn(2, 2, 16, generator=g)
     tables, lens = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]), torch.tensor([20, 20])
+    sinks = torch.tensor([0.5, -1.0]) if bad.endswith("sink") else None
     if bad == "nan_query":
         q[0] = float("nan")  # row 1 stays finite
+    elif bad.endswith("sink"):  # head 0 of both rows; head 1 stays finite
+        sinks[0] = float("nan") if bad == "nan_sink" else float("inf")
     else:  # read by both rows; an inf key scores +inf for a query whose 6th value is positive
         cache[0, 0, 3, 0, 5] = float("nan") if bad == "nan_key" else float("inf")
         q[:, :, 5] = 1.0
-    out = cpu_kernels.decode_attention(q, cache, tables, lens, 0.25, None)
-    ref = _reference_decode(q, cache, tables, lens, 0.25, None)
+    out = cpu_kernels.decode_attention(q, cache, tables, lens, 0.25, None, sinks=sinks)
+    ref = _reference_decode(q, cache, tables, lens, 0.25, None, sinks)
     assert ref.isnan().any() and torch.equal(out.isnan(), ref.isnan()), (out, ref)
     finite = ~ref.isnan()
     if finite.any():

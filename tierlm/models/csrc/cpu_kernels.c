@@ -317,7 +317,9 @@ static void attend_avx512(const float *qs, float *os, int64_t g, int64_t d, cons
     for (int64_t j = 0; j < g; j++) {
         float total = _mm512_reduce_add_ps(vsum[j]);
         if (sinks != NULL) total += expf(sinks[j] - sink_max[j]);
-        __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+        /* a NaN total (a NaN sink, or +inf: inf - inf) makes the head NaN, as PyTorch's softmax
+         * does, where 0 would hide it behind an all-zero output */
+        __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : total == total ? 0.0f : NAN);
         for (int64_t c = 0; c < nv; c++)
             _mm512_storeu_ps(os + j * d + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + j * d + c * 16), inv));
     }
