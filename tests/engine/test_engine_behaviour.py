@@ -153,6 +153,24 @@ def test_a_checkpoint_missing_one_part_of_a_fused_tensor_is_refused(arch, missin
         LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
 
 
+@pytest.mark.parametrize("arch,missing,named", [
+    ("gpt_oss", "model.layers.0.self_attn.sinks", "layers.0.self_attn.sinks"),
+    ("gpt_oss", "model.layers.1.mlp.router.bias", "layers.1.mlp.router.bias"),
+    ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj_bias", "layers.0.mlp.experts.gate_up_proj_bias"),
+    ("gpt_oss", "model.layers.1.mlp.experts.down_proj_bias", "layers.1.mlp.experts.down_proj_bias"),
+    ("gpt_oss", "model.layers.0.mlp.experts.down_proj", "layers.0.mlp.experts.down_proj"),
+    ("glm4_moe", "model.layers.1.mlp.gate.e_score_correction_bias", "layers.1.mlp.gate.e_score_correction_bias"),
+])
+def test_a_missing_tensor_the_model_renames_is_named_as_the_checkpoint_names_it(arch, missing, named, tmp_path,
+                                                                                checkpoints):
+    """gpt-oss's expert and router tensors and GLM-4.5's correction bias load into parameters
+    of other names (b13, b2, gate.bias, mlp.e_score_correction_bias): one missing was named by
+    tierlm's parameter, which no checkpoint holds, rather than by the tensor to look for."""
+    d = _edit_weights(checkpoints[arch], tmp_path / "lacking", lambda t: {k: v for k, v in t.items() if k != missing})
+    with pytest.raises(ModelLoadError, match=re.escape(f"lacks tensor {named};")):
+        LLM(str(d), dtype="float32", kv_cache_memory=1 << 20, load_progress=False)
+
+
 @pytest.mark.parametrize("arch,extra,says", [
     ("mixtral", "block_sparse_moe.experts.4.w1.weight", "config.json's num_local_experts is 4 (experts 0-3)"),
     ("qwen2_moe", "mlp.experts.6.down_proj.weight", "config.json's num_experts is 6 (experts 0-5)"),

@@ -147,6 +147,14 @@ _GPT_OSS_MOE = re.compile(r"^(layers\.\d+)\.mlp\.(?:experts\.(gate_up_proj|gate_
                           r"|router\.(weight|bias))$")
 # Checkpoint tensors that fill their parameter alone, rearranged on the way (see `_copy`).
 _SINGLE = frozenset({"whole", "transposed", "interleaved"})
+# tierlm's parameters that the checkpoint names otherwise (`_target` maps them), by model type:
+# a missing one is named as the checkpoint would hold it (b13 is in no gpt-oss checkpoint).
+_STORED_AS = {
+    "gpt_oss": {".mlp.w13": ".mlp.experts.gate_up_proj", ".mlp.b13": ".mlp.experts.gate_up_proj_bias",
+                ".mlp.w2": ".mlp.experts.down_proj", ".mlp.b2": ".mlp.experts.down_proj_bias",
+                ".mlp.gate.weight": ".mlp.router.weight", ".mlp.gate.bias": ".mlp.router.bias"},
+    "glm4_moe": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
+}
 
 
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -241,9 +249,10 @@ _PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "halves": ("gate_proj", "up_pro
 _EXPERT_NAMES = {"w1": ("w1", "w3", "w2"), "gate_proj": ("gate_proj", "up_proj", "down_proj")}
 
 
-def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor) -> list[str]:
+def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor, model_type: str = "") -> list[str]:
     """The checkpoint tensors that parameter `pname` still lacks, named as the checkpoint names
-    the parts it has (`parts`: where in the parameter -> which tensor filled it).
+    the parts it has (`parts`: where in the parameter -> which tensor filled it), or as
+    `model_type`'s checkpoints name the parameter where none of it was loaded (_STORED_AS).
 
     tierlm fuses q/k/v, gate/up and every expert into one parameter each: that one of a
     parameter's parts was loaded says nothing of the others, and a part never loaded is
@@ -251,7 +260,9 @@ def _unfilled(pname: str, parts: dict[tuple, str], param: torch.Tensor) -> list[
     if any(where[0] in _SINGLE for where in parts):
         return []
     if not parts:
-        return [pname]
+        renames = _STORED_AS.get(model_type, {})
+        return [next((pname.removesuffix(ours) + theirs for ours, theirs in renames.items() if pname.endswith(ours)),
+                     pname)]
     where, seen = next(iter(parts.items()))
     kind = where[0]
     if kind in _PARTS:
@@ -344,7 +355,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     if args.tie_word_embeddings and "lm_head.weight" in loaded:  # tied, stored as lm_head only: transformers loads it
         loaded.setdefault("embed_tokens.weight", loaded["lm_head.weight"])
     missing = [m for n, p in params.items() if not (n == "lm_head.weight" and args.tie_word_embeddings)
-               for m in _unfilled(n, loaded.get(n, {}), p)]
+               for m in _unfilled(n, loaded.get(n, {}), p, args.model_type)]
     if missing:
         which = f"tensor {missing[0]}" if len(missing) == 1 else f"{len(missing)} tensors, e.g. {', '.join(missing[:3])}"
         raise ModelLoadError(f"checkpoint in {model_dir} lacks {which}; "
