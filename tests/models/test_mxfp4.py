@@ -87,6 +87,27 @@ def test_the_memory_estimate_counts_two_values_a_byte(gpt_oss, tmp_path):
     assert _quantized_index(weight_files(path), quant, torch.bfloat16)[1] == want
 
 
+@pytest.mark.parametrize("shards", [False, True], ids=["one_file", "sharded"])
+def test_a_config_naming_no_dtype_takes_the_weights_dtype_as_transformers_does(gpt_oss, shards, tmp_path):
+    """OpenAI's gpt-oss config.json names no dtype: dtype 'auto' is then the stored weights'
+    (bf16 beside the MXFP4 experts), as transformers' is, not float32 (twice the memory, which
+    an H100 has not for gpt-oss-20b dequantized)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tierlm.models.loader import load_model
+    path = mxfp4_checkpoint(gpt_oss, tmp_path / "mxfp4", shards=shards)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    if not shards:  # transformers reads the first file only: blocks alone there, it refuses dtype uint8
+        hf = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=Mxfp4Config(dequantize=True))
+        assert hf.dtype == torch.bfloat16
+    loaded = load_model(path, torch.device("cpu"), "auto", progress=False, compute_dtype="bfloat16")
+    assert loaded.kv_dtype == torch.bfloat16  # the dtype the weights load in (and the KV cache's default)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+
+
 def _blocks_as(t: dict, name: str) -> None:  # a bf16 q_proj stored as MXFP4, where transformers reads none
     w = t.pop(name).unsqueeze(0)
     t[name.removesuffix(".weight") + "_blocks"], t[name.removesuffix(".weight") + "_scales"] = quantize_mxfp4(w)

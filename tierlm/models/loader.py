@@ -95,11 +95,15 @@ def resolve_compute_dtype(compute: str | torch.dtype, dtype: torch.dtype, device
     return _DTYPES[compute]
 
 
-def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.device,
+                  files: list[Path] | None = None) -> torch.dtype:
+    """The model's dtype; 'auto': config.json's, else (`files`: the checkpoint's weight files)
+    the first floating-point weight's, as transformers' dtype='auto' reads it."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        chosen = _DTYPES.get(str(args.torch_dtype), torch.float32)
+        stored = args.torch_dtype or (stored_dtype(files) if files else None)
+        chosen = _DTYPES.get(str(stored), torch.float32)
         if chosen == torch.float16 and device.type == "cpu":
             log.info("checkpoint is float16; using bfloat16 on CPU (faster, same range as float32; "
                      "its weights lose 3 bits of mantissa: give dtype float16 to keep them exact)")
@@ -108,6 +112,23 @@ def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.devic
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype '{dtype}' is not supported; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+# safetensors' names of the floating-point dtypes a model takes (float8 weights are quantized ones).
+_STORED_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def stored_dtype(files: list[Path]) -> str | None:
+    """The dtype of the checkpoint's first floating-point tensor (float8 and FP4 bytes skipped),
+    which transformers' dtype='auto' takes when config.json names none: OpenAI's gpt-oss configs
+    name none, and their bf16 weights beside the MXFP4 experts make it bf16 there, not float32
+    (twice the memory once the experts are dequantized)."""
+    for f in files:  # transformers reads the first file only; one of MXFP4 blocks alone has no float
+        with _weights_file(f) as st:
+            for name in st.keys():
+                if (kind := st.get_slice(name).get_dtype()) in _STORED_FLOATS:
+                    return _STORED_FLOATS[kind]
+    return None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -317,8 +338,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     arch = resolve_architecture(cfg)
     args = parse_config(cfg, arch)
     quant = quantization_of(cfg, str(model_dir))
-    kv_dtype = resolve_dtype(dtype, args, device)
     files = weight_files(model_dir)
+    kv_dtype = resolve_dtype(dtype, args, device, files)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     if quant is not None:
         parts, weight_bytes = _quantized_index(files, quant, kv_dtype)
