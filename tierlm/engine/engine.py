@@ -212,7 +212,7 @@ ALLOW_LONG_MAX_MODEL_LEN = "TIERLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def check_sizes_before_loading(config: EngineConfig, cfg: dict, device: torch.device,
-                               files: list[Path] | None = None) -> None:
+                               model_dir: Path | None = None) -> None:
     """Sizes that config.json (`cfg`) alone checks, refused before the weights load, not minutes
     after: a tier capacity or a kv_cache_memory under one KV block, a max_model_len past the
     positions the model was trained on (without rope scaling)."""
@@ -224,7 +224,7 @@ def check_sizes_before_loading(config: EngineConfig, cfg: dict, device: torch.de
                          "(config.json): it was never trained on positions past that, and its answers there are "
                          f"unreliable; lower max_model_len to {trained} or less, or set {ALLOW_LONG_MAX_MODEL_LEN}=1 "
                          "to serve them anyway")
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, args, device, files))
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, args, device, model_dir))
     per_block = kv_bytes_per_block(args, kv_dtype, config.block_size)
     tier_capacities(config, per_block, device)
     if config.kv_cache_memory is not None:
@@ -294,7 +294,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # Cached K/V that outlives this process (disk) or leaves it (Redis) is keyed by a hash of
         # the weights, computed alongside the load; blocks that stay in memory need no such key.
-        check_sizes_before_loading(config, raw_config, self.device, weight_files(model_dir))
+        check_sizes_before_loading(config, raw_config, self.device, model_dir)
         persistent = bool(config.kv_disk_dir or config.kv_remote)
         stamps = weight_stamps(model_dir) if persistent else None
         fingerprint = BackgroundFingerprint(model_dir) if persistent else None

@@ -96,13 +96,13 @@ def resolve_compute_dtype(compute: str | torch.dtype, dtype: torch.dtype, device
 
 
 def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs, device: torch.device,
-                  files: list[Path] | None = None) -> torch.dtype:
-    """The model's dtype; 'auto': config.json's, else (`files`: the checkpoint's weight files)
-    the first floating-point weight's, as transformers' dtype='auto' reads it."""
+                  model_dir: Path | None = None) -> torch.dtype:
+    """The model's dtype; 'auto': config.json's, else (given the checkpoint's `model_dir`) its
+    first floating-point weight's, as transformers' dtype='auto' reads it."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        stored = args.torch_dtype or (stored_dtype(files) if files else None)
+        stored = args.torch_dtype or (stored_dtype(weight_files(model_dir)) if model_dir is not None else None)
         chosen = _DTYPES.get(str(stored), torch.float32)
         if chosen == torch.float16 and device.type == "cpu":
             log.info("checkpoint is float16; using bfloat16 on CPU (faster, same range as float32; "
@@ -338,8 +338,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: str | torch.d
     arch = resolve_architecture(cfg)
     args = parse_config(cfg, arch)
     quant = quantization_of(cfg, str(model_dir))
+    kv_dtype = resolve_dtype(dtype, args, device, model_dir)
     files = weight_files(model_dir)
-    kv_dtype = resolve_dtype(dtype, args, device, files)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     if quant is not None:
         parts, weight_bytes = _quantized_index(files, quant, kv_dtype)
