@@ -295,3 +295,38 @@ def test_rank_and_alpha_patterns_are_read_as_peft_reads_them(checkpoints, tmp_pa
     bad = _edit_config(ad, tmp_path / "bad-alpha", alpha_pattern={"v_proj": "high"})
     with pytest.raises(ModelLoadError, match="lora_alpha and alpha_pattern take positive numbers"):
         _llm(base).engine.add_lora("x", str(bad))
+
+
+def test_glm_shared_expert_lora_lands_where_its_base_weights_did(checkpoints, tmp_path):
+    """GLM-4.5's shared experts are `mlp.shared_experts.*` in its checkpoints and adapters, which the
+    loader maps by model type: adapters were mapped without it, so a LoRA on them was refused as
+    a module that cannot carry one. (peft on transformers 5 adds LoRA on the fused routed experts
+    whenever an adapter names gate/up/down_proj, so this adapter is written as peft lays one out,
+    and checked against the base weights with B @ A merged in.)"""
+    from safetensors.torch import load_file, save_file
+    base = checkpoints["glm4_moe"]
+    ad = build_adapter(base, "glm4_moe", tmp_path / "attn", ["q_proj"], r=4, alpha=8)
+    tensors = load_file(str(ad / "adapter_model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    merged = {k: v.clone() for k, v in load_file(str(base / "model.safetensors")).items()}
+    for key in list(tensors):  # q_proj's, merged as peft applies it (alpha / r = 2)
+        if key.endswith("lora_A.weight"):
+            w = key.removeprefix("base_model.model.").removesuffix("lora_A.weight") + "weight"
+            merged[w] += 2.0 * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+    for m in ("gate_proj", "up_proj", "down_proj"):
+        w = f"model.layers.1.mlp.shared_experts.{m}.weight"
+        a = 0.3 * torch.randn(4, merged[w].shape[1], generator=g)
+        b = 0.3 * torch.randn(merged[w].shape[0], 4, generator=g)
+        tensors[f"base_model.model.{w.removesuffix('.weight')}.lora_A.weight"] = a
+        tensors[f"base_model.model.{w.removesuffix('.weight')}.lora_B.weight"] = b
+        merged[w] += 2.0 * b @ a
+    save_file(tensors, str(ad / "adapter_model.safetensors"), metadata={"format": "pt"})
+    merged_dir = tmp_path / "merged"
+    shutil.copytree(base, merged_dir)
+    save_file(merged, str(merged_dir / "model.safetensors"), metadata={"format": "pt"})
+    ids = _prompt(21, 5)
+    got = _llm(base).generate({"prompt_token_ids": ids}, GREEDY, lora_request=LoRARequest("s", 1, str(ad)))
+    want = _llm(merged_dir).generate({"prompt_token_ids": ids}, GREEDY)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    plain = _llm(base).generate({"prompt_token_ids": ids}, GREEDY)
+    assert want[0].outputs[0].token_ids != plain[0].outputs[0].token_ids  # the adapter changes the answer

@@ -251,7 +251,7 @@ def load_lora_adapter(name: str, path: str | Path, args: ModelArgs, layers: dict
         if set(ab) != {"A", "B"}:
             raise ModelLoadError(f"LoRA adapter {path}: module '{hf_module}' has lora_{''.join(ab)} without its pair")
         short = hf_module[len(_PREFIX):] if hf_module.startswith(_PREFIX) else hf_module
-        t = _target(short + ".weight")
+        t = _target(short + ".weight", args.model_type, args.num_layers)  # by model type, as the loader maps
         key = t[0][: -len(".weight")] if t is not None and t[0].endswith(".weight") else None
         if t is None or key not in layers or t[1][0] == "expert":
             raise ModelLoadError(f"LoRA adapter {path}: module '{short}' cannot carry a LoRA in tierlm (adapted "
