@@ -9,7 +9,9 @@ from tierlm.models.attention import (AttentionMetadata, DecodeGroup, PrefillSeq,
                                      write_kv)
 
 
-def _reference(q, k, v, scale, window):
+def _reference(q, k, v, scale, window, sinks=None):
+    """Softmax attention in q's dtype; `sinks` ([Hq]): a logit per head in each row's softmax,
+    dropped after it (gpt-oss)."""
     n, L = q.shape[0], k.shape[0]
     G = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
@@ -19,6 +21,9 @@ def _reference(q, k, v, scale, window):
     if window is not None:
         allowed &= kpos > qpos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        with_sinks = torch.cat((scores, sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)), -1)
+        return torch.einsum("hnl,lhd->nhd", torch.softmax(with_sinks, -1)[..., :-1], vv)
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, -1), vv)
 
 
@@ -30,6 +35,30 @@ def test_prefill_attention_matches_the_reference(n, L, window):
     k = torch.randn(L, 2, 8, generator=g)
     v = torch.randn(L, 2, 8, generator=g)
     assert torch.allclose(_causal_attention(q, k, v, 0.3, window), _reference(q, k, v, 0.3, window), atol=1e-5)
+
+
+@pytest.mark.parametrize("n,L,window,hq,hkv", [(7, 7, None, 6, 2), (5, 23, None, 8, 1), (16, 40, 9, 4, 4),
+                                               (64, 300, 100, 64, 8)])
+def test_prefill_attention_with_sinks_keeps_one_mask_for_every_head(n, L, window, hq, hkv, monkeypatch):
+    """gpt-oss's sinks in a prefill chunk: the reference's answer, through a [n, keys] bool mask
+    shared by the heads, so SDPA keeps its fused kernel. A float mask per query head, [1, heads,
+    n, keys + 1], took 1.1 GB at 64 heads, 512 tokens over 8,192 keys (17 GB at 128k)."""
+    import tierlm.models.attention as attention
+    g = torch.Generator().manual_seed(n + L + hq)
+    q, k, v = (torch.randn(m, h, 16, generator=g, dtype=torch.float64) for m, h in ((n, hq), (L, hkv), (L, hkv)))
+    sinks = 3 * torch.randn(hq, generator=g, dtype=torch.float64)
+    sinks[0] = 40.0  # far above every score: that head's output shrinks towards 0
+    masks = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(*a, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return sdpa(*a, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    got = _causal_attention(q, k, v, 0.25, window, sinks=sinks)
+    assert torch.allclose(got, _reference(q, k, v, 0.25, window, sinks), atol=1e-10)
+    assert not torch.allclose(got, _reference(q, k, v, 0.25, window), atol=1e-3)  # the sinks change it
+    assert masks[0].dtype == torch.bool and tuple(masks[0].shape) == (n, L + 1)
 
 
 def test_one_chunk_shares_its_masks_across_layers_of_different_windows():
