@@ -186,6 +186,20 @@ def rounded_kv_attention(dtype: torch.dtype, scales: list[tuple[float, float]] |
     return name
 
 
+@pytest.fixture
+def sdpa_masks(monkeypatch) -> list:
+    """The attn_mask of every SDPA call tierlm's attention makes, recorded (the calls run)."""
+    import tierlm.models.attention as attention
+    masks: list = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(*a, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return sdpa(*a, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    return masks
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")

@@ -39,26 +39,18 @@ def test_prefill_attention_matches_the_reference(n, L, window):
 
 @pytest.mark.parametrize("n,L,window,hq,hkv", [(7, 7, None, 6, 2), (5, 23, None, 8, 1), (16, 40, 9, 4, 4),
                                                (64, 300, 100, 64, 8)])
-def test_prefill_attention_with_sinks_keeps_one_mask_for_every_head(n, L, window, hq, hkv, monkeypatch):
+def test_prefill_attention_with_sinks_keeps_one_mask_for_every_head(n, L, window, hq, hkv, sdpa_masks):
     """gpt-oss's sinks in a prefill chunk: the reference's answer, through a [n, keys] bool mask
     shared by the heads, so SDPA keeps its fused kernel. A float mask per query head, [1, heads,
     n, keys + 1], took 1.1 GB at 64 heads, 512 tokens over 8,192 keys (17 GB at 128k)."""
-    import tierlm.models.attention as attention
     g = torch.Generator().manual_seed(n + L + hq)
     q, k, v = (torch.randn(m, h, 16, generator=g, dtype=torch.float64) for m, h in ((n, hq), (L, hkv), (L, hkv)))
     sinks = 3 * torch.randn(hq, generator=g, dtype=torch.float64)
     sinks[0] = 40.0  # far above every score: that head's output shrinks towards 0
-    masks = []
-    sdpa = attention.F.scaled_dot_product_attention
-
-    def spy(*a, attn_mask=None, **kw):
-        masks.append(attn_mask)
-        return sdpa(*a, attn_mask=attn_mask, **kw)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     got = _causal_attention(q, k, v, 0.25, window, sinks=sinks)
     assert torch.allclose(got, _reference(q, k, v, 0.25, window, sinks), atol=1e-10)
     assert not torch.allclose(got, _reference(q, k, v, 0.25, window), atol=1e-3)  # the sinks change it
-    assert masks[0].dtype == torch.bool and tuple(masks[0].shape) == (n, L + 1)
+    assert sdpa_masks[0].dtype == torch.bool and tuple(sdpa_masks[0].shape) == (n, L + 1)
 
 
 def test_one_chunk_shares_its_masks_across_layers_of_different_windows():

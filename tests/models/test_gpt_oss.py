@@ -167,3 +167,22 @@ def test_mxfp4_checkpoint_as_openai_ships_it_matches_transformers(shards, tmp_pa
     dense_w2 = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).model.layers[0].mlp.experts.down_proj
     assert not torch.equal(ref, dense_w2.detach().transpose(1, 2))  # rounded to FP4: not the float32 weights
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["decode_groups", "fixed_shape"])
+def test_every_attention_path_keeps_a_bool_mask_with_sinks(graphs, checkpoints, hf_models, sdpa_masks):
+    """Decodes (gathered, without tierlm's kernel) and fixed-shape steps (what a CUDA graph
+    records) take the sinks as the prefill does, as one more key the dot product scores: a bool
+    mask shared by every head (a float one per head was ~1 GB for 256 decodes of gpt-oss's 64
+    heads over 32k keys), with transformers' logits."""
+    hf = hf_models["gpt_oss"]
+    llm = LLM(str(checkpoints["gpt_oss"]), dtype="float32", kv_cache_memory=4 << 20, load_progress=False,
+              cpu_kernels=False, cuda_graphs=graphs)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(hf.config.vocab_size - 10) for _ in range(n)] for n in (5, 23, 40)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 6) for p in prompts]
+    assert sdpa_masks and all(m is None or m.dtype == torch.bool for m in sdpa_masks)
+    if graphs:
+        assert llm.engine.runner.graphs.steps > 0

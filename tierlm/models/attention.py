@@ -180,7 +180,7 @@ def paged_attention(
     scale and v_scale multiplies the output, so no path widens and multiplies the cache.
 
     `sinks` ([Hq], GPT-OSS): a logit per query head that joins each softmax beside the keys' and
-    contributes no value (see `_sink_mask`)."""
+    contributes no value (see `_sink_dims`)."""
     k_stored, v_stored = write_kv(cache, k, v, meta.slot_mapping, k_scale, v_scale)
     if cache.dtype != q.dtype or k_scale != 1.0 or v_scale != 1.0:
         # A chunk attends to its own keys as later steps will read them back (rounded to the
@@ -220,9 +220,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tens
         kd, vd = kvd[0], kvd[1]
         qd = q[g.start:g.end].view(nd, Hkv, group, D)  # a KV head's query heads, as a query "length"
         mask = g.mask(L, window)
-        if sinks is not None:
-            kd, vd, mask = _sink_key(kd), _sink_key(vd), _sink_mask(mask, sinks.view(1, Hkv, group, 1), q.dtype)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+        if sinks is not None:  # query row j of KV head h is query head h * group + j
+            qd, kd, vd, mask = _sink_dims(qd, kd, vd, mask, sinks, scale, _eye(group, q))
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)[..., :D]
         pieces.append((g.start, g.end, o.reshape(nd, Hq, D)))
     for p in meta.prefills:
         qs = q[p.q_start:p.q_end]
@@ -267,27 +267,14 @@ def _padded_attention(q: torch.Tensor, kv_rows: torch.Tensor, p: PaddedBatch, bl
     qg = q.view(B, W, Hkv, group, D).transpose(1, 2).reshape(B, Hkv, W * group, D)
     kp, vp, mask = kv[0], kv[1], p.mask(L, window, group)
     if sinks is not None:  # query row w * group + j of KV head h is query head h * group + j
-        sink_rows = sinks.view(1, Hkv, 1, group).expand(1, Hkv, W, group).reshape(1, Hkv, W * group, 1)
-        kp, vp, mask = _sink_key(kp), _sink_key(vp), _sink_mask(mask, sink_rows, q.dtype)
-    o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=scale)
-    return o.view(B, Hkv, W, group, D).transpose(1, 2).reshape(T, Hq, D)
+        qg, kp, vp, mask = _sink_dims(qg, kp, vp, mask, sinks, scale, _eye(group, q).repeat(W, 1))
+    o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=scale)[..., :D]
+    return o.reshape(B, Hkv, W, group, D).transpose(1, 2).reshape(T, Hq, D)
 
 
 def _sink_key(x: torch.Tensor) -> torch.Tensor:
-    """x ([..., keys, D]) with one more key of zeros: the sink's slot (its value is zero, and its
-    logit comes from the mask alone, since a zero key scores 0 against every query)."""
+    """x ([..., keys, D]) with one more key of zeros: the sink's value (see `_sink_dims`)."""
     return torch.cat((x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])), dim=-2)
-
-
-def _sink_mask(allowed: torch.Tensor, sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An additive mask for keys + the sink slot (`_sink_key`): 0 where `allowed` ([..., keys]
-    bool), -inf elsewhere, and each query row's sink logit (`sink`, [..., 1], broadcasting
-    against `allowed`'s leading dims) in the last column. softmax then gives the sink its share,
-    exp(sink) / (exp(sink) + sum exp(scores)), as GPT-OSS's reference computes it; the rows'
-    outputs are the keys' values weighted by what is left."""
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
-    lead = torch.broadcast_shapes(bias.shape[:-1], sink.shape[:-1])
-    return torch.cat((bias.expand(*lead, bias.shape[-1]), sink.to(dtype).expand(*lead, 1)), dim=-1)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -308,30 +295,36 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     else:
         seq = seq or PrefillSeq(0, n, L, torch.empty(0))
         mask = seq.allowed(window, q.device)
-        if sinks is not None:
-            qh, kh, vh, mask = _sink_dims(qh, kh, vh, mask, sinks, scale)
+        if sinks is not None:  # query head h is row h % group of its KV head's
+            group = qh.shape[1] // kh.shape[1]
+            qh, kh, vh, mask = _sink_dims(qh, kh, vh, mask, sinks, scale, _eye(group, q).repeat(kh.shape[1], 1)[:, None])
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         o = o[..., : q.shape[-1]]  # the sink's dims (_sink_dims) carry no value
     return o[0].transpose(0, 1)
 
 
+def _eye(group: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.eye(group, dtype=like.dtype, device=like.device)
+
+
 def _sink_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A prefill chunk's sinks as one more key whose logit the dot product itself gives, so the
-    mask stays `allowed` ([n, keys] bool, one for every head) and SDPA keeps its fused kernel.
-    With _sink_mask a chunk had a float mask per query head, [heads, n, keys + 1]: 1.1 GB for
-    gpt-oss's 64 heads, 512 tokens over 8,192 keys (17 GB at 128k): 12x this way's peak, and
-    1.4-2x its time on the 2-core CPU, for the same outputs (float32, bit for bit). q [1, Hq, n, D] gains `group` dims, query head
-    j of its KV head's group a one-hot at j; every key zeros there but the sink key (zeros in
-    D), which holds its KV head's group's sinks / scale, so q . k_sink * scale is the sink
-    (exactly where scale is a power of two: head_dim 64, 16). v gains the sink key's zero
-    value and zero dims to match: the output's extra dims are zero, dropped by the caller."""
-    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
-    group = Hq // Hkv
-    onehot = torch.eye(group, dtype=q.dtype, device=q.device).repeat(Hkv, 1)  # [Hq, group]
-    q = torch.cat((q, onehot[None, :, None, :].expand(1, Hq, q.shape[2], group)), dim=-1)
-    sink_key = q.new_zeros(1, Hkv, 1, D + group)
-    sink_key[0, :, 0, D:] = sinks.view(Hkv, group).to(q.dtype) / scale
-    k = torch.cat((F.pad(k, (0, group)), sink_key), dim=2)
+               scale: float, onehot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss's sinks as one more key whose logit the dot product itself gives, so the mask
+    stays `allowed` (bool, one for every head) and SDPA keeps its fused kernels. A float mask
+    per query head instead ([heads, rows, keys + 1]) was 1.1 GB for a prefill chunk of gpt-oss's
+    64 heads, 512 tokens over 8,192 keys (17 GB at 128k; ~1 GB for 256 decodes over 32k keys):
+    12x this way's peak, and 1.4-2x its time on the 2-core CPU, for the same outputs (float32,
+    bit for bit).
+
+    q [B, heads, rows, D] gains `group` dims holding `onehot` ([..., group], broadcast over q's
+    leading dims): each query's place j in its KV head's group of query heads. k [B, Hkv, keys,
+    D] gains zeros there, and one more key: zeros in D, its KV head's group's sinks / scale in
+    the new dims, so q . k_sink * scale is the query head's sink (exactly where scale is a power
+    of two: head_dim 64, 16). v gains the sink key's zero value and zero dims to match: the
+    output's extra dims are zero, and the callers drop them."""
+    D, Hkv, group = q.shape[-1], k.shape[1], onehot.shape[-1]
+    q = torch.cat((q, onehot.expand(*q.shape[:-1], group)), dim=-1)
+    sink_key = torch.cat((q.new_zeros(Hkv, D), sinks.view(Hkv, group).to(q.dtype) / scale), dim=-1)
+    k = torch.cat((F.pad(k, (0, group)), sink_key.view(1, Hkv, 1, D + group).expand(k.shape[0], -1, -1, -1)), dim=2)
     v = F.pad(_sink_key(v), (0, group))
     return q, k, v, F.pad(allowed, (0, 1), value=True)
