@@ -77,6 +77,20 @@ def sdk_clients(url: str, api_key: str = API_KEY) -> tuple[Any, Any]:
             openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60))
 
 
+def tenants_file(tiers: dict[str, str]) -> str:
+    """A tenants file's text: one tenant per key id (`tiers`: key id -> tier), named as its key."""
+    return "".join(f'[tenants.{key}]\ntier = "{tier}"\nkeys = ["{key}"]\n' for key, tier in tiers.items())
+
+
+def output_policies_file(policies: list[tuple[str, list[str], str, str]], whole_word: bool = False) -> str:
+    """A policies file's text: one output policy per (name, phrases, action, tenant), each
+    redaction replacing with "[x]"."""
+    return "".join(
+        f'[policies.{name}]\nphrases = {json.dumps(phrases)}\ncheck = "output"\naction = "{action}"\n'
+        f'replacement = "[x]"\ntenants = ["{tenant}"]\nwhole_word = {json.dumps(whole_word)}\n'
+        for name, phrases, action, tenant in policies)
+
+
 def guarded_server(root: Any, engines: dict[str, Any], keys: dict[str, str], tenants: str,
                    policies: str) -> ServerThread:
     """A started server over `engines` whose tenants (`keys`: key id -> key) and safety policies

@@ -15,7 +15,8 @@ import random
 import openai
 import pytest
 
-from tests.serving.harness import API_KEY, ServerThread, guarded_server, record_requests, sdk_clients
+from tests.serving.harness import (API_KEY, ServerThread, guarded_server, output_policies_file, record_requests,
+                                  sdk_clients, tenants_file)
 from tests.serving.scripted_model import Script, build_scripted_model, build_templated_models, chat_prompt_ids
 from tests.serving.test_reasoning import ANSWER, OPENAI_WEATHER, THINK_TEMPLATE, THOUGHT, USER, WEATHER, blocks
 from tests.serving.test_tool_parsers import LLAMA_TEMPLATE
@@ -593,17 +594,13 @@ def test_markup_of_an_answer():
 
 
 GUARDED_KEYS = {"hdr": "sk-hdr", "vis": "sk-vis"}
-GUARDED_TENANTS = "".join(f'[tenants.{key}]\ntier = "{tier}"\nkeys = ["{key}"]\n'
-                          for key, tier in (("hdr", "bronze"), ("vis", "gold")))
+GUARDED_TENANTS = tenants_file({"hdr": "bronze", "vis": "gold"})
 # Words only harmony's headers spell here, for tenant hdr: "anal" (not whole-word: it is in
 # "analysis"), the role, a tool's namespace; for tenant vis, words of the reasoning and the answer
-GUARDED_POLICIES = "".join(
-    f'[policies.{name}]\nphrases = {json.dumps(phrases)}\ncheck = "output"\naction = "{action}"\n'
-    f'replacement = "[x]"\ntenants = ["{tenant}"]\n'
-    for name, phrases, action, tenant in (("rude", ["anal", "assistant"], "block", "hdr"),
-                                          ("names", ["functions", "get_weather"], "redact", "hdr"),
-                                          ("thought", ["greets"], "redact", "vis"),
-                                          ("answer", ["there"], "block", "vis")))
+GUARDED_POLICIES = output_policies_file([("rude", ["anal", "assistant"], "block", "hdr"),
+                                         ("names", ["functions", "get_weather"], "redact", "hdr"),
+                                         ("thought", ["greets"], "redact", "vis"),
+                                         ("answer", ["there"], "block", "vis")])
 
 
 @pytest.fixture(scope="module")

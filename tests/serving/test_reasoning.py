@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.harness import API_KEY, ServerThread, parse_sse, record_requests, sdk_clients
+from tests.serving.harness import (API_KEY, ServerThread, guarded_server, output_policies_file, parse_sse,
+                                  record_requests, sdk_clients, tenants_file)
 from tests.serving.scripted_model import CALL, build_templated_models
 from tierlm.models.demo import CHAT_TEMPLATE
 from tierlm.serving.app import build_app
@@ -641,3 +642,145 @@ def test_a_structured_answer_with_thinking_switched_off_may_not_open_a_block(cli
     assert [b.start_token_id is None for b in blocks_asked] == [True, True, False]
     assert asked[0].params.thinking_budget is None  # (no block to cap)
     assert "<think>\n\n</think>" in engines[SPECIAL_THINKER].tokenizer.decode(asked[0].prompt_token_ids)
+
+
+# ---- the safety layer reads what the client does ------------------------------------------------
+
+def think_masked(text: str, cuts: tuple[int, ...], fmt: ReasoningFormat, in_reasoning: bool = False,
+                 continuing: bool = False) -> str:
+    """`text` fed in pieces cut at `cuts` to a recording splitter, as the safety layer scans it:
+    the characters its markup spans cover as "#" (the undecided tail never scanned before the end)."""
+    splitter = ReasoningSplitter(fmt, in_reasoning, continuing).record()
+    hidden, decided_before = [], 0
+    for a, b in itertools.pairwise((0, *cuts, len(text))):
+        splitter.feed(text[a:b])
+        decided, spans = splitter.markup()
+        assert decided_before <= decided <= b and all(e <= decided for _, e in spans), (spans, decided)
+        hidden, decided_before = hidden + spans, decided
+    splitter.finish()
+    decided, spans = splitter.markup()
+    assert decided == len(text)
+    out = list(text)
+    for s, e in hidden + spans:
+        out[s:e] = "#" * (e - s)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("fmt", [FMT, WRAPPED], ids=["plain", "kept-tokens"])
+def test_markup_is_what_the_client_never_sees_however_the_text_is_cut(fmt):
+    """The spans the safety layer does not read (think markers, the blank space dropped around
+    them, kept tokens in the reasoning) come out the same for every cut, and what is left is
+    exactly what the client is shown: the reasoning, then the text."""
+    rng = random.Random(11)
+    alphabet = ["<think>", "</think>", "<", "/", "t", "h", "i", "n", "k", ">", " ", "\n", "x", "é",
+                fmt.answer_start, fmt.answer_end, "\ufdd0[TOOL_CALLS]\ufdd1"]
+    texts = [THINKING_REPLY, OPEN_REPLY, TOOL_REPLY, "  <think> a  </think>  b  ", "a\n\n b  </think>  c  "]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) for _ in range(300)]
+    for text, (in_reasoning, continuing) in itertools.product(texts, [(False, False), (True, False), (True, True)]):
+        reasoning, shown = split_reasoning(text, fmt, in_reasoning, continuing)
+        whole = think_masked(text, (), fmt, in_reasoning, continuing)
+        assert whole.replace("#", "") == reasoning + shown, (text, whole)
+        for _ in range(4):
+            cuts = tuple(sorted(rng.sample(range(1, len(text)), max(0, min(len(text) - 1, rng.randint(1, 6))))))
+            assert think_masked(text, cuts, fmt, in_reasoning, continuing) == whole, (text, cuts)
+    assert think_masked(THINKING_REPLY, (), FMT) == "#" * 7 + THOUGHT + "#" * 11 + ANSWER
+
+
+@pytest.mark.parametrize("fmt", [FMT, WRAPPED], ids=["plain", "kept-tokens"])
+def test_a_guarded_think_answer_is_redacted_where_the_client_reads_it(fmt, tmp_path):
+    """Through an output guard reading the think markup, however the answer is cut: "think"
+    (whole word) is redacted in the reasoning and in the text, a marker written as text included
+    ("Hello <think>" shows it), never in a marker the splitter takes out (which showed the
+    reasoning as text, `<~>The user...`)."""
+    from tests.serving.test_safety_policies import _rules, deltas
+    from tierlm.serving.safety import OutputGuard
+
+    rules = _rules(tmp_path, "[policies.r]\nphrases = ['think']\nwhole_word = true\naction = 'redact'\n"
+                             "replacement = '~'\n")
+    s, e = fmt.answer_start, fmt.answer_end
+    cases = [(f"\n{s}\nI think, so.\n{e}\n\nthink again <think>", False, ("I ~, so.", "~ again <~>")),
+             (f"{s}{THOUGHT}\n{e}\n\n{ANSWER}", False, (THOUGHT, ANSWER)),
+             (f"{OPEN_THOUGHT}\n{e}\n\n{OPEN_ANSWER}", True, (OPEN_THOUGHT, OPEN_ANSWER)),
+             (f"{s}\n{s}think\n\n", True, ("~", ""))]
+    rng = random.Random(3)
+    for text, in_reasoning, expected in cases:
+        for cuts in [(), *(tuple(sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, 6)))) for _ in range(30))]:
+            pieces = [text[a:b] for a, b in itertools.pairwise((0, *cuts, len(text)))]
+            guard = OutputGuard(rules, ReasoningSplitter(fmt, in_reasoning).record())
+            shown = "".join(d.text for delta in deltas(pieces) for d in guard.feed(delta)[0])
+            assert split_reasoning(shown, fmt, in_reasoning) == expected, (text, cuts, shown)
+
+
+MUSER = "muser"
+MUSE, MUSED = "Users think alike.", "I think so."
+GUARDED_KEYS = {"blk": "sk-blk", "red": "sk-red"}
+GUARDED_TENANTS = tenants_file({"blk": "bronze", "red": "gold"})
+# A word the think markers spell (whole word: "<" and ">" end it), stopped for one tenant, masked for the other
+GUARDED_POLICIES = output_policies_file([("stop", ["think"], "block", "blk"), ("mask", ["think"], "redact", "red")],
+                                        whole_word=True)
+
+
+@pytest.fixture(scope="module")
+def guarded(demo_tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reasoning-guarded")
+    markers = ("<think>", "</think>")
+    models = build_templated_models(root, demo_tokenizer, [
+        (THINKER, THINK_TEMPLATE, THINKING_REPLY, ()), (SPECIAL_THINKER, THINK_TEMPLATE, THINKING_REPLY, markers),
+        (OPENER, OPEN_TEMPLATE, OPEN_REPLY, markers),
+        (MUSER, THINK_TEMPLATE, f"<think>{MUSE}\n</think>\n\n{MUSED}", markers),
+    ])
+    server = guarded_server(root, {name: model.engine(name) for name, model in models.items()}, GUARDED_KEYS,
+                            GUARDED_TENANTS, GUARDED_POLICIES)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("key", ["blk", "red"])
+def test_output_policies_do_not_read_think_markers(guarded, key):
+    """A whole-word "think" neither stops nor redacts a think model's answer at its markers,
+    which the client never sees (kept special tokens, plain text, a block the prompt opened):
+    it stopped every answer at its first marker (content_filter, nothing shown), or masked the
+    marker, so that the reasoning came back as text (`<[x]>The user greets me.`)."""
+    claude, openai_client = sdk_clients(guarded.url, GUARDED_KEYS[key])
+    for model, thought, answer, plain in [(THINKER, THOUGHT, ANSWER, True), (SPECIAL_THINKER, THOUGHT, ANSWER, True),
+                                          (SPECIAL_THINKER, THOUGHT, ANSWER, False),
+                                          (OPENER, OPEN_THOUGHT, OPEN_ANSWER, True)]:
+        kwargs = dict(model=model, messages=USER, max_tokens=64, extra_body={"skip_special_tokens": plain})
+        choice = openai_client.chat.completions.create(**kwargs).choices[0]
+        assert (choice.finish_reason, choice.message.model_extra["reasoning"], choice.message.content) == (
+            "stop", thought, answer), (model, plain)
+        assert openai_stream(openai_client, **kwargs)[:4] == (thought, answer, [], "stop"), (model, plain)
+        if not plain:
+            continue
+        message = claude.messages.create(model=model, max_tokens=64, messages=USER)
+        assert (message.stop_reason, blocks(message)) == ("end_turn", [("thinking", thought), ("text", answer)])
+        with claude.messages.stream(model=model, max_tokens=64, messages=USER) as stream:
+            streamed = stream.get_final_message()
+        assert (streamed.stop_reason, blocks(streamed)) == ("end_turn", [("thinking", thought), ("text", answer)])
+    response = openai_client.responses.create(model=SPECIAL_THINKER, input="Hi")
+    assert response.status == "completed" and response.output_text == ANSWER
+
+
+def test_output_policies_still_read_think_in_the_reasoning_and_the_answer(guarded):
+    claude, openai_client = sdk_clients(guarded.url, GUARDED_KEYS["red"])
+    redacted = (MUSE.replace("think", "[x]"), MUSED.replace("think", "[x]"))
+    kwargs = dict(model=MUSER, messages=USER, max_tokens=64)
+    choice = openai_client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.message.model_extra["reasoning"], choice.message.content) == redacted
+    assert openai_stream(openai_client, **kwargs)[:4] == (*redacted, [], "stop")
+    message = claude.messages.create(model=MUSER, max_tokens=64, messages=USER)
+    assert blocks(message) == [("thinking", redacted[0]), ("text", redacted[1])]
+    with claude.messages.stream(model=MUSER, max_tokens=64, messages=USER) as stream:
+        assert blocks(stream.get_final_message()) == [("thinking", redacted[0]), ("text", redacted[1])]
+    claude, openai_client = sdk_clients(guarded.url, GUARDED_KEYS["blk"])
+    choice = openai_client.chat.completions.create(**kwargs).choices[0]
+    shown = (choice.message.model_extra or {}).get("reasoning") or ""
+    assert choice.finish_reason == "content_filter" and "think" not in shown + (choice.message.content or "")
+    assert MUSE.startswith(shown)
+    reasoning, content, _, finish, _ = openai_stream(openai_client, **kwargs)
+    assert finish == "content_filter" and MUSE.startswith(reasoning) and content == ""
+    message = claude.messages.create(model=MUSER, max_tokens=64, messages=USER)
+    assert message.stop_reason == "refusal" and all("think" not in str(b[1]) for b in blocks(message))
+    with claude.messages.stream(model=MUSER, max_tokens=64, messages=USER) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "refusal" and all("think" not in str(b[1]) for b in blocks(streamed))

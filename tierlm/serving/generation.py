@@ -155,11 +155,12 @@ class ChatPrompt:
             splitter.prime(self.forced_prefix)
         return splitter
 
-    def markup(self) -> HarmonySplitter | None:
-        """A reader of this answer's markup for the safety layer (see OutputGuard): harmony's,
-        where its splitter reads the answer; a think block's markers are left to the policies."""
+    def markup(self) -> AnswerSplitter | None:
+        """A reader of this answer's markup for the safety layer (see OutputGuard): the splitter
+        that reads the answer, recording what the client never sees (harmony's markers and
+        headers, a think block's markers and the blank space dropped around them)."""
         splitter = self.reasoning_splitter()
-        return splitter.record() if isinstance(splitter, HarmonySplitter) else None
+        return splitter.record() if splitter is not None else None
 
     def split(self, result: "Generation", id_prefix: str) -> Answer:
         """A finished answer as (reasoning, prose, tool calls). Calls are read from the text

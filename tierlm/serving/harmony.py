@@ -155,40 +155,16 @@ class HarmonySplitter(AnswerSplitter):
         if self._spans is not None:
             self._spans = {"hidden": [], "text": []}
 
-    def feed(self, text: str) -> tuple[str, str]:
-        self._fed += len(text)
-        return super().feed(text)
-
     def record(self) -> "HarmonySplitter":
         """Keep the spans `markup` and `text_spans` give (from here on; a splitter that only
         splits keeps none)."""
-        self._spans = {"hidden": [], "text": []}
+        super().record()
         return self
-
-    def markup(self) -> tuple[int, list[tuple[int, int]]]:
-        """(how many characters of the answer fed so far are decided, the spans of them never
-        shown since the last call: markers, headers): what the safety layer may read of it."""
-        return max(0, self._decided), [(max(0, s), e) for s, e in self._take("hidden") if e > 0]
 
     def text_spans(self) -> list[tuple[int, int]]:
         """The spans of the answer fed so far shown as text (not reasoning, nor a call's body
         read as a call), new since the last call: where its message's tokens lie."""
         return self._take("text")
-
-    def _take(self, kind: str) -> list[tuple[int, int]]:
-        assert self._spans is not None, "call record() first"
-        spans, self._spans[kind] = self._spans[kind], []
-        return spans
-
-    def _note(self, kind: str, start: int, end: int) -> None:
-        """A span of `kind` (recorded only once `record` is called; one span with the last where
-        it goes on from it)."""
-        if self._spans is None or end <= start:
-            return
-        spans = self._spans[kind]
-        if spans and spans[-1][1] == start:
-            start = spans.pop()[0]
-        spans.append((start, end))
 
     def _drain(self, final: bool) -> tuple[str, str]:
         out, self._primed = self._primed, {"reasoning": [], "text": []}

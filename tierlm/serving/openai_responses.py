@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from tierlm.serving.auth import RequestContext
 from tierlm.serving.errors import InvalidRequest, NotFound, stream_error
 from tierlm.serving.generation import Answer, ChatPrompt, Generation, StreamedAnswer
-from tierlm.serving.harmony import analysis_tokens
+from tierlm.serving.harmony import HarmonySplitter, analysis_tokens
 from tierlm.serving.openai import ReturnedTokens, _close_all, _collect_all, chat_logprobs, start_chat
 from tierlm.serving.protocol_openai import ChatCompletionRequest
 from tierlm.serving.safety import FINISH_REASON
@@ -370,7 +370,7 @@ class _HarmonyTextTokens:
     @classmethod
     def of(cls, prompt: ChatPrompt) -> "_HarmonyTextTokens | None":
         reader = prompt.markup()
-        return cls(reader) if reader is not None else None
+        return cls(reader) if isinstance(reader, HarmonySplitter) else None
 
     def take(self, tokens: list["TokenLogprob"], text: str,
              final: bool) -> tuple[list["TokenLogprob"], list["TokenLogprob"]]:

@@ -187,13 +187,48 @@ def _template_text(tokenizer: Any) -> str:
 
 class AnswerSplitter:
     """An answer's text, fed as it streams, as (reasoning, text) pieces ready to show (`_drain`
-    says how a syntax reads it): what is held back is released by `finish`."""
+    says how a syntax reads it): what is held back is released by `finish`.
+
+    Once `record` is called, it also says which characters of the answer a client never sees
+    (`markup`: markers, headers, blank space dropped around them), for the safety layer to read
+    only what a client can (safety.OutputGuard)."""
 
     _held = ""
+    _fed = 0  # characters fed
+    _decided = 0  # characters known to be shown or not
+    # Once `record` is called: spans of the answer never shown ("hidden"), and, where a syntax
+    # notes them, of text shown as text ("text"); taken by `markup` (and `text_spans`)
+    _spans: dict[str, list[tuple[int, int]]] | None = None
 
     def feed(self, text: str) -> tuple[str, str]:
+        self._fed += len(text)
         self._held += text
         return self._drain(final=False)
+
+    def record(self) -> "AnswerSplitter":
+        """Keep the spans `markup` gives (from here on; a splitter that only splits keeps none)."""
+        self._spans = {"hidden": [], "text": []}
+        return self
+
+    def markup(self) -> tuple[int, list[tuple[int, int]]]:
+        """(how many characters of the answer fed so far are decided, the spans of them never
+        shown since the last call): what the safety layer may read of it."""
+        return max(0, self._decided), [(max(0, s), e) for s, e in self._take("hidden") if e > 0]
+
+    def _take(self, kind: str) -> list[tuple[int, int]]:
+        assert self._spans is not None, "call record() first"
+        spans, self._spans[kind] = self._spans[kind], []
+        return spans
+
+    def _note(self, kind: str, start: int, end: int) -> None:
+        """A span of `kind` (recorded only once `record` is called; one span with the last where
+        it goes on from it)."""
+        if self._spans is None or end <= start:
+            return
+        spans = self._spans[kind]
+        if spans and spans[-1][1] == start:
+            start = spans.pop()[0]
+        spans.append((start, end))
 
     def finish(self) -> tuple[str, str]:
         return self._drain(final=True)
@@ -216,17 +251,22 @@ class ReasoningSplitter(AnswerSplitter):
     whole answer at once and finished, it gives the same split as fed piece by piece (the
     non-streamed answer is split this way too). Each feed costs time in its own length (held
     blank space is kept aside, never searched again: a model writing newline after newline
-    while it thinks must not slow the event loop down quadratically)."""
+    while it thinks must not slow the event loop down quadratically).
+
+    Recording (`record`), its markup is what it takes out: the markers, the blank space dropped
+    around the block, kept tokens in the reasoning; blank space held back is undecided."""
 
     def __init__(self, fmt: ReasoningFormat, in_reasoning: bool = False, continuing: bool = False) -> None:
         self._start, self._end = fmt.answer_start, fmt.answer_end
         # Kept think-marker tokens anywhere else are taken out of the text (held while a piece
         # may be one); in the reasoning, every kept token is (a tool-call marker too).
         self._wrapped = tuple(m for m in (self._start, self._end) if m.startswith(KEPT_OPEN))
+        self._wrapped_markers = re.compile("|".join(map(re.escape, self._wrapped))) if self._wrapped else None
         # `continuing`: the prompt's reasoning goes on (a prefill inside a think block)
         self._state = ("thinking" if continuing else "thinking_lead") if in_reasoning else "lead"
         self._held = ""  # undecided text: at most a possible marker, plus the newest feed
         self._space: list[str] = []  # blank text held back: dropped, or shown once text follows
+        self._spaced = 0  # its length (it lies just before `_held`)
 
     def _drain(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []
@@ -234,24 +274,30 @@ class ReasoningSplitter(AnswerSplitter):
         start, end = self._start, self._end
         while True:
             held = self._held
+            at_held = self._fed - len(held)  # where `held` starts in the answer
             if self._state == "lead":  # the answer's start: does it open a think block?
                 body = held.lstrip()
                 if len(body) < len(held):
                     self._space.append(held[:len(held) - len(body)])
+                    self._spaced += len(held) - len(body)
                     self._held = held = body
-                if held.startswith(start):
-                    self._held, self._space = held[len(start):], []
+                if held.startswith(start):  # (the blank space before it and the marker: never shown)
+                    self._hide(self._fed - len(held) - self._spaced, self._fed - len(held) + len(start))
+                    self._held, self._space, self._spaced = held[len(start):], [], 0
                     self._state = "thinking_lead"
                     continue
                 if not final and start.startswith(held):  # nothing yet, or a start marker so far
                     break
-                self._held, self._space = "".join(self._space) + held, []
+                self._held, self._space, self._spaced = "".join(self._space) + held, [], 0
                 self._state = "text"
                 continue
             if self._state == "thinking_lead":  # blank space, and a start marker written again, dropped
-                self._held = held = held.lstrip()
-                if held.startswith(start):
-                    self._held = held[len(start):]
+                body = held.lstrip()
+                again = body.startswith(start)
+                body = body[len(start):] if again else body
+                self._hide(at_held, self._fed - len(body))
+                self._held = held = body
+                if again:
                     continue
                 if not held or (not final and start.startswith(held)):
                     break
@@ -260,16 +306,18 @@ class ReasoningSplitter(AnswerSplitter):
             if self._state == "thinking":
                 at = held.find(end)
                 if at >= 0 or final:
-                    self._think(held[:at] if at >= 0 else held, reasoning, ends=True)
+                    self._think(held[:at] if at >= 0 else held, reasoning, at_held, ends=True)
                     self._held = held[at + len(end):] if at >= 0 else ""
+                    self._hide(at_held + at if at >= 0 else self._fed, self._fed - len(self._held))
                     self._state = "after"
                     continue
                 cut = min(_partial_marker_at(held, (end,)), _unclosed_kept_at(held))
-                self._think(held[:cut], reasoning, ends=False)
+                self._think(held[:cut], reasoning, at_held, ends=False)
                 self._held = held[cut:]
                 break
             if self._state == "after":  # blank space between the block and the answer: dropped
                 self._held = held = held.lstrip()
+                self._hide(at_held, self._fed - len(held))
                 if not held:
                     break
                 self._state = "text"
@@ -277,26 +325,38 @@ class ReasoningSplitter(AnswerSplitter):
             # "text": everything shows as it comes
             cut = len(held) if final else _partial_marker_at(held, self._wrapped)
             content.append(held[:cut])
+            self._hide_all(held[:cut], at_held, self._wrapped_markers)
             self._held = held[cut:]
             break
+        self._decided = self._fed - len(self._held) - self._spaced
         return _without_kept_tokens("".join(reasoning)), self._without_wrapped_markers("".join(content))
 
-    def _think(self, piece: str, reasoning: list[str], ends: bool) -> None:
-        """Show `piece` of reasoning, but its trailing blank space: that waits for more text
-        (`ends`: the block ended, and it is dropped)."""
+    def _think(self, piece: str, reasoning: list[str], at: int, ends: bool) -> None:
+        """Show `piece` of reasoning (at `at` in the answer), but its trailing blank space: that
+        waits for more text (`ends`: the block ended, and it is dropped)."""
         said = piece.rstrip()
         if said:
             reasoning.append("".join(self._space) + said)
-            self._space = []
+            self._hide_all(said, at, _KEPT_TOKEN)
+            self._space, self._spaced = [], 0
         if ends:
-            self._space = []
+            self._hide(at + len(said) - self._spaced, at + len(piece))
+            self._space, self._spaced = [], 0
         elif len(said) < len(piece):
             self._space.append(piece[len(said):])
+            self._spaced += len(piece) - len(said)
+
+    def _hide(self, start: int, end: int) -> None:
+        self._note("hidden", start, end)
+
+    def _hide_all(self, piece: str, at: int, pattern: "re.Pattern[str] | None") -> None:
+        """Note what `pattern` finds in `piece` (at `at` in the answer): taken out, never shown."""
+        if self._spans is not None and pattern is not None:
+            for m in pattern.finditer(piece):
+                self._hide(at + m.start(), at + m.end())
 
     def _without_wrapped_markers(self, text: str) -> str:
-        for marker in self._wrapped:
-            text = text.replace(marker, "")
-        return text
+        return self._wrapped_markers.sub("", text) if self._wrapped_markers is not None else text
 
 
 def _partial_marker_at(text: str, markers: tuple[str, ...]) -> int:

@@ -323,7 +323,8 @@ def _strings(where: str, key: str, value: Any) -> list[str]:
 
 class Markup(Protocol):
     """A reader of an answer's format that knows which of its characters a client never sees
-    (harmony.HarmonySplitter: markers and message headers), fed the answer as it streams."""
+    (reasoning.AnswerSplitter: harmony's markers and message headers, a think block's markers and
+    the blank space dropped around them), fed the answer as it streams."""
 
     def feed(self, text: str) -> Any: ...
 
@@ -355,11 +356,12 @@ class OutputGuard:
     policy that blocked the answer, if one did: then nothing more is shown.
 
     With `markup`, the text only the answer's format reads (harmony's markers and headers:
-    `<|start|>assistant<|channel|>analysis<|message|>`) is scanned as MASK characters: a policy
-    reads what the client does. Scanned as written, "anal" (not whole-word) stopped every gpt-oss
-    answer at its first header, and a redaction could rewrite a header (reasoning shown as text,
-    a call's recipient masked). Text whose part in the format is not known yet is held back;
-    redactions never touch markup."""
+    `<|start|>assistant<|channel|>analysis<|message|>`; a think block's `<think>`, `</think>`) is
+    scanned as MASK characters: a policy reads what the client does. Scanned as written, "anal"
+    (not whole-word) stopped every gpt-oss answer at its first header, "think" every Qwen3 or
+    DeepSeek-R1 answer at its first marker, and a redaction could rewrite a header (reasoning
+    shown as text, a call's recipient masked). Text whose part in the format is not known yet is
+    held back; redactions never touch markup."""
 
     def __init__(self, rules: Rules, markup: Markup | None = None) -> None:
         self.rules = rules
