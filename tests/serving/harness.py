@@ -108,6 +108,16 @@ def guarded_server(root: Any, engines: dict[str, Any], keys: dict[str, str], ten
     return ServerThread(build_app(engines, ApiKeyAuth.from_keys(keys), tenancy=tenancy, safety=safety)).start()
 
 
+def assert_cut_off_is_all_thinking(claude: Any, model: str, messages: list, thought: str, max_tokens: int) -> None:
+    """An Anthropic answer cut off by max_tokens while the model reasons is one thinking block,
+    the start of `thought`, streamed as it is whole."""
+    done = claude.messages.create(model=model, max_tokens=max_tokens, messages=messages)
+    assert [b.type for b in done.content] == ["thinking"] and done.stop_reason == "max_tokens"
+    assert thought.startswith(done.content[0].thinking) and done.content[0].thinking
+    with claude.messages.stream(model=model, max_tokens=max_tokens, messages=messages) as stream:
+        assert stream.get_final_message().model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+
+
 def parse_sse(raw: str) -> list[tuple[str | None, Any]]:
     """(event name, decoded data) per frame; `[DONE]` stays a string."""
     frames = []

@@ -15,7 +15,7 @@ import random
 import openai
 import pytest
 
-from tests.serving.harness import (API_KEY, ServerThread, guarded_server, output_policies_file, record_requests,
+from tests.serving.harness import (API_KEY, ServerThread, assert_cut_off_is_all_thinking, guarded_server, output_policies_file, record_requests,
                                   sdk_clients, tenants_file)
 from tests.serving.scripted_model import Script, build_scripted_model, build_templated_models, chat_prompt_ids
 from tests.serving.test_reasoning import ANSWER, OPENAI_WEATHER, THINK_TEMPLATE, THOUGHT, USER, WEATHER, blocks
@@ -400,12 +400,7 @@ def test_anthropic_bad_call_json_and_no_tools_are_text(clients):
 
 
 def test_anthropic_cut_off_in_the_analysis_is_all_thinking(clients):
-    claude, _ = clients
-    done = claude.messages.create(model=THINKER, max_tokens=10, messages=USER)
-    assert [b.type for b in done.content] == ["thinking"] and done.stop_reason == "max_tokens"
-    assert THOUGHT.startswith(done.content[0].thinking) and done.content[0].thinking
-    with claude.messages.stream(model=THINKER, max_tokens=10, messages=USER) as stream:
-        assert stream.get_final_message().model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+    assert_cut_off_is_all_thinking(clients[0], THINKER, USER, THOUGHT, 10)
 
 
 @pytest.mark.parametrize("choice, finish", [

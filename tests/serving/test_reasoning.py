@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.harness import (API_KEY, ServerThread, guarded_server, output_policies_file, parse_sse,
+from tests.serving.harness import (API_KEY, ServerThread, assert_cut_off_is_all_thinking, guarded_server, output_policies_file, parse_sse,
                                   record_requests, sdk_clients, tenants_file)
 from tests.serving.scripted_model import CALL, build_templated_models
 from tierlm.models.demo import CHAT_TEMPLATE
@@ -392,12 +392,7 @@ def test_anthropic_display_omitted_keeps_the_block_without_its_text(clients, ser
 
 
 def test_anthropic_thinking_cut_off_by_max_tokens(clients):
-    claude, _ = clients
-    done = claude.messages.create(model=THINKER, max_tokens=9, messages=USER)
-    assert [b.type for b in done.content] == ["thinking"] and done.stop_reason == "max_tokens"
-    assert THOUGHT.startswith(done.content[0].thinking) and done.content[0].thinking
-    with claude.messages.stream(model=THINKER, max_tokens=9, messages=USER) as stream:
-        assert stream.get_final_message().model_dump(exclude={"id"}) == done.model_dump(exclude={"id"})
+    assert_cut_off_is_all_thinking(clients[0], THINKER, USER, THOUGHT, 9)
 
 
 def test_anthropic_tool_use_after_thinking(clients):

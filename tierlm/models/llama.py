@@ -55,8 +55,8 @@ class Attention(nn.Module):
             qk = torch.cat(q_k, dim=-1).view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.whole_qk_norm:
-            qk = self._norm_heads(qk)
+            if self.q_norm is not None:
+                qk = self._norm_heads(qk)
         if self.use_rope:
             qk = RotaryEmbedding.rotate(rope, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
